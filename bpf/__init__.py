@@ -1,0 +1,1 @@
+"""LAN edge aggregation: XDP programs with bpf_timer, their loader, the edge agent and LAN sender."""

@@ -1,0 +1,77 @@
+"""The ``netstorm`` command line: one sub-command per module in ``netstorm/commands``.
+
+Each command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and ``run(args) -> int``;
+modules are imported only when their command runs, so ``netstorm plan`` never pays for torch or bcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from netstorm.errors import NetStormError
+
+# command name -> module under netstorm.commands
+COMMANDS: dict[str, str] = {
+    "plan": "plan",
+    "scheduler": "scheduler",
+    "node": "node",
+    "local": "local",
+    "emulate": "emulate",
+    "demo": "demo",
+    "report": "report",
+    "export-klonet": "export_klonet",
+    "bench": "bench",
+}
+
+
+def _load(module: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"netstorm.commands.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"netstorm.commands.{module}":
+            return None
+        raise
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    parser = argparse.ArgumentParser(
+        prog="netstorm",
+        description="Geo-distributed parameter synchronization over multi-root FAPT trees.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    modules: dict[str, ModuleType] = {}
+    for name, module_name in COMMANDS.items():
+        module = _load(module_name)
+        if module is None:
+            continue
+        modules[name] = module
+        command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(command_parser)
+    return parser, modules
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, modules = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(modules[args.command].run(args))
+    except NetStormError as exc:
+        print(f"netstorm {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

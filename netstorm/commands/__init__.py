@@ -1,0 +1,1 @@
+"""One module per ``netstorm`` sub-command; see ``netstorm.cli``."""

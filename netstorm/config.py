@@ -1,0 +1,205 @@
+"""Runtime options: the paper's Table I and II knobs plus the runtime's own timeouts.
+
+One frozen ``Config`` is resolved from defaults < config file (TOML) < environment (``NETSTORM_<NAME>``)
+< command-line flags, so every option is settable in all three places with the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from netstorm.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """All tunables. Sizes are in elements unless the name says bytes."""
+
+    # Paper, Table II.
+    num_root_servers: int = 0
+    """Roots of the multi-root FAPT; 0 means one per node (the paper's default)."""
+    chunk_size: int = 1_000_000
+    """Largest chunk in elements; smaller tensors travel whole."""
+    primary_busy_bound: int = 2
+    """Chunks in flight on the primary path before the sender considers auxiliary paths."""
+    auxiliary_queue_length: int = 1
+    """Chunks an auxiliary path may have in flight."""
+    probe_chunk_size: int = 2_000_000
+    """Smallest chunk, in bytes, whose one-way delay counts as a throughput sample."""
+    probe_chunk_num: int = 4
+    """Samples per throughput report."""
+    update_time: float = 5.0
+    """Seconds between the scheduler's re-plans."""
+    # Paper, Table I.
+    enable_awareness: bool = True
+    """Re-plan from measured rates; false keeps the first policy for the whole run."""
+    enable_aux_path: bool = True
+    """Offload chunks onto auxiliary paths when the primary path is busy."""
+    update_rate: float = 0.0
+    """Relative rate change that triggers a new policy; 0 refreshes on every update."""
+    # Runtime.
+    iteration_timeout: float = 300.0
+    """Seconds an iteration may take before every waiter fails with an error naming the iteration."""
+    connect_timeout: float = 20.0
+    """Seconds to establish a TCP connection or a registration."""
+    heartbeat_interval: float = 1.0
+    """Seconds between node heartbeats to the scheduler."""
+    heartbeat_timeout: float = 5.0
+    """Seconds of silence after which the scheduler declares a node dead."""
+    clock_sync_interval: float = 10.0
+    """Seconds between SNTP re-estimations of a node's clock offset."""
+    max_frame_bytes: int = 64 * 1024 * 1024
+    """Largest frame a peer may send; larger ones are rejected and the connection closed."""
+
+    def replace(self, **changes: Any) -> Config:
+        """A copy with ``changes`` applied and validated."""
+        return resolve(base=self, overrides=changes)
+
+    def validate(self) -> None:
+        """Reject values no run could use, naming the option."""
+        positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
+                         "probe_chunk_size", "probe_chunk_num", "max_frame_bytes")
+        for name in positive_ints:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.num_root_servers < 0:
+            raise ConfigError(f"num_root_servers must be >= 0 (0 = all nodes), got {self.num_root_servers}")
+        for name in ("update_time", "iteration_timeout", "connect_timeout", "heartbeat_interval",
+                     "heartbeat_timeout", "clock_sync_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
+        if self.update_rate < 0:
+            raise ConfigError(f"update_rate must be >= 0, got {self.update_rate}")
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+ENV_PREFIX = "NETSTORM_"
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    """Convert ``value`` to the field's type, with an error naming option and source."""
+    default = FIELDS[name].default
+    kind = type(default)
+    try:
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind is int:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            if isinstance(value, float):
+                if not value.is_integer():
+                    raise ValueError(value)
+                return int(value)
+            if isinstance(value, str):
+                number = float(value)
+                if not number.is_integer():
+                    raise ValueError(value)
+                return int(number)
+            return int(value)
+        if kind is float:
+            if isinstance(value, bool):
+                raise ValueError(value)
+            return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source}: {name} expects {kind.__name__}, got {value!r}") from None
+    return value
+
+
+def _normalise(key: str) -> str:
+    return key.strip().lower().replace("-", "_")
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Options from a TOML file: top-level keys or a ``[netstorm]`` table, names in any case."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    table = data.get("netstorm", data)
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [netstorm] must be a table")
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        name = _normalise(key)
+        if name not in FIELDS:
+            raise ConfigError(f"{path}: unknown option {key!r}; known: {', '.join(sorted(FIELDS))}")
+        out[name] = _coerce(name, value, str(path))
+    return out
+
+
+def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Options from ``NETSTORM_<NAME>`` variables; unknown ``NETSTORM_`` names that look like options fail."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX):
+            continue
+        name = _normalise(key[len(ENV_PREFIX):])
+        if name in FIELDS:
+            out[name] = _coerce(name, value, f"environment {key}")
+    return out
+
+
+def resolve(
+    *,
+    base: Config | None = None,
+    file: str | Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Defaults < file < environment < overrides (e.g. CLI flags), validated."""
+    values: dict[str, Any] = dataclasses.asdict(base or Config())
+    if file is not None:
+        values.update(load_file(file))
+    if environ is not None:
+        values.update(load_env(environ))
+    for key, value in (overrides or {}).items():
+        name = _normalise(key)
+        if name not in FIELDS:
+            raise ConfigError(f"unknown option {key!r}")
+        if value is not None:
+            values[name] = _coerce(name, value, "command line")
+    config = Config(**values)
+    config.validate()
+    return config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``."""
+    group = parser.add_argument_group("NetStorm options (also NETSTORM_<NAME> or a [netstorm] TOML table)")
+    group.add_argument("--config", metavar="FILE", help="TOML file with options")
+    for name, field in FIELDS.items():
+        flag = "--" + name.replace("_", "-")
+        doc = (field.metadata.get("doc") if field.metadata else None) or ""
+        kind = type(field.default)
+        if kind is bool:
+            group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,
+                               help=f"{doc} (default {str(field.default).lower()})")
+        else:
+            group.add_argument(flag, dest=f"opt_{name}", metavar=kind.__name__.upper(), default=None,
+                               help=f"{doc} (default {field.default})")
+
+
+def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:
+    """The Config a command line asks for, with the config file and environment beneath it."""
+    overrides = {name: getattr(args, f"opt_{name}", None) for name in FIELDS}
+    return resolve(
+        file=getattr(args, "config", None),
+        environ=os.environ if environ is None else environ,
+        overrides=overrides,
+    )

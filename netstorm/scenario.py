@@ -1,0 +1,327 @@
+"""WAN scenarios: DCs, overlay links with a rate per direction, latency, loss and rate dynamics.
+
+Scenarios are TOML files in ``klonet-scenarios/`` (format in ``klonet-scenarios/README.md``). Loading
+validates everything and names the file, the entry and the problem, so a typo never becomes a
+silently different experiment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import tomllib
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from netstorm.errors import ScenarioError
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "klonet-scenarios"
+
+Rates = dict[tuple[int, int], float]
+"""Directed link rates in Mbit/s, keyed by (from, to)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataCenter:
+    id: int
+    name: str
+    lan_workers: int = 0
+    """LAN workers behind this DC's gateway (aggregated in XDP before the WAN step)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """An undirected overlay link; each direction has its own rate."""
+
+    a: int
+    b: int
+    rate_ab_mbit: float
+    rate_ba_mbit: float
+    latency_ms: float = 0.0
+    loss: float = 0.0
+    """Packet loss probability per direction, as a fraction (0.0002 = 0.02 %)."""
+
+    def rate(self, src: int, dst: int) -> float:
+        if (src, dst) == (self.a, self.b):
+            return self.rate_ab_mbit
+        if (src, dst) == (self.b, self.a):
+            return self.rate_ba_mbit
+        raise KeyError((src, dst))
+
+
+@dataclasses.dataclass(frozen=True)
+class Dynamics:
+    """Every ``period_s`` seconds each direction of each link gets a new uniform integer rate."""
+
+    period_s: float
+    rate_min_mbit: int
+    rate_max_mbit: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    nodes: tuple[DataCenter, ...]
+    links: tuple[Link, ...]
+    dynamics: Dynamics | None = None
+    source: str = "<memory>"
+
+    @property
+    def node_ids(self) -> list[int]:
+        return [n.id for n in self.nodes]
+
+    def node(self, node_id: int) -> DataCenter:
+        for n in self.nodes:
+            if n.id == node_id:
+                return n
+        raise KeyError(node_id)
+
+    def rates(self) -> Rates:
+        """The initial directed rates (Mbit/s)."""
+        out: Rates = {}
+        for link in self.links:
+            out[(link.a, link.b)] = link.rate_ab_mbit
+            out[(link.b, link.a)] = link.rate_ba_mbit
+        return out
+
+    def neighbors(self, node_id: int) -> list[int]:
+        out = [lk.b for lk in self.links if lk.a == node_id] + [lk.a for lk in self.links if lk.b == node_id]
+        return sorted(out)
+
+    def link(self, u: int, v: int) -> Link:
+        for lk in self.links:
+            if {lk.a, lk.b} == {u, v}:
+                return lk
+        raise KeyError((u, v))
+
+    def rates_at_epoch(self, epoch: int) -> Rates:
+        """Rates in force during dynamics epoch ``epoch`` (0 = the file's rates).
+
+        Epoch j >= 1 draws from ``random.Random(seed * 1_000_003 + j)``, links in file order, a->b then
+        b->a, so any epoch can be computed on its own and every run of the same seed agrees.
+        """
+        if epoch == 0 or self.dynamics is None:
+            return self.rates()
+        dyn = self.dynamics
+        rng = random.Random(dyn.seed * 1_000_003 + epoch)
+        out: Rates = {}
+        for link in self.links:
+            out[(link.a, link.b)] = float(rng.randint(dyn.rate_min_mbit, dyn.rate_max_mbit))
+            out[(link.b, link.a)] = float(rng.randint(dyn.rate_min_mbit, dyn.rate_max_mbit))
+        return out
+
+    def rate_schedule(self, duration_s: float) -> Iterator[tuple[float, Rates]]:
+        """(start time, rates) for every epoch that begins before ``duration_s``."""
+        yield 0.0, self.rates()
+        if self.dynamics is None:
+            return
+        epoch = 1
+        while epoch * self.dynamics.period_s < duration_s:
+            yield epoch * self.dynamics.period_s, self.rates_at_epoch(epoch)
+            epoch += 1
+
+
+def seeded_rates(edges: list[tuple[int, int]], seed: int, low: int, high: int) -> Rates:
+    """The reference draw: ``random.Random(seed)``, edges in order, ``randint`` for a->b then b->a."""
+    rng = random.Random(seed)
+    out: Rates = {}
+    for a, b in edges:
+        out[(a, b)] = float(rng.randint(low, high))
+        out[(b, a)] = float(rng.randint(low, high))
+    return out
+
+
+class _Ctx:
+    """Error context: the file and the entry being read."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str) -> ScenarioError:
+        return ScenarioError(f"{self.source}: {where}: {problem}")
+
+
+def _number(ctx: _Ctx, where: str, value: Any, *, positive: bool = False, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ctx.fail(where, f"expected a number, got {value!r}")
+    if positive and value <= 0:
+        raise ctx.fail(where, f"must be positive, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ctx.fail(where, f"must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _int(ctx: _Ctx, where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ctx.fail(where, f"expected an integer, got {value!r}")
+    return value
+
+
+def _check_keys(ctx: _Ctx, where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ctx.fail(where, f"unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
+    """Build and validate a Scenario from parsed TOML."""
+    ctx = _Ctx(source)
+    _check_keys(ctx, "top level", data, {"name", "description", "defaults", "node", "link", "dynamics", "rates"})
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise ctx.fail("name", "a non-empty string is required")
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise ctx.fail("description", "must be a string")
+    defaults = data.get("defaults", {})
+    if not isinstance(defaults, dict):
+        raise ctx.fail("defaults", "must be a table")
+    _check_keys(ctx, "defaults", defaults, {"latency_ms", "loss_pct", "lan_workers"})
+
+    raw_nodes = data.get("node")
+    if not isinstance(raw_nodes, list) or not raw_nodes:
+        raise ctx.fail("node", "at least one [[node]] entry is required")
+    nodes: list[DataCenter] = []
+    seen_ids: set[int] = set()
+    for i, raw in enumerate(raw_nodes):
+        where = f"node[{i}]"
+        if not isinstance(raw, dict):
+            raise ctx.fail(where, "must be a table")
+        _check_keys(ctx, where, raw, {"id", "name", "lan_workers"})
+        if "id" not in raw:
+            raise ctx.fail(where, "missing 'id'")
+        node_id = _int(ctx, f"{where}.id", raw["id"])
+        if node_id < 0:
+            raise ctx.fail(f"{where}.id", f"must be >= 0, got {node_id}")
+        if node_id in seen_ids:
+            raise ctx.fail(f"{where}.id", f"duplicate node id {node_id}")
+        seen_ids.add(node_id)
+        node_name = raw.get("name", f"dc{node_id}")
+        if not isinstance(node_name, str):
+            raise ctx.fail(f"{where}.name", "must be a string")
+        workers = _int(ctx, f"{where}.lan_workers", raw.get("lan_workers", defaults.get("lan_workers", 0)))
+        if workers < 0:
+            raise ctx.fail(f"{where}.lan_workers", f"must be >= 0, got {workers}")
+        nodes.append(DataCenter(node_id, node_name, workers))
+
+    rate_gen = data.get("rates")
+    generated: Rates | None = None
+    raw_links = data.get("link")
+    if not isinstance(raw_links, list) or not raw_links:
+        raise ctx.fail("link", "at least one [[link]] entry is required")
+    if rate_gen is not None:
+        if not isinstance(rate_gen, dict):
+            raise ctx.fail("rates", "must be a table")
+        _check_keys(ctx, "rates", rate_gen, {"seed", "range_mbit"})
+        seed = _int(ctx, "rates.seed", rate_gen.get("seed"))
+        low, high = _range(ctx, "rates.range_mbit", rate_gen.get("range_mbit"))
+        edges = [(_int(ctx, f"link[{i}].a", lk.get("a")), _int(ctx, f"link[{i}].b", lk.get("b")))
+                 for i, lk in enumerate(raw_links) if isinstance(lk, dict)]
+        generated = seeded_rates(edges, seed, low, high)
+
+    links: list[Link] = []
+    seen_pairs: set[frozenset[int]] = set()
+    for i, raw in enumerate(raw_links):
+        where = f"link[{i}]"
+        if not isinstance(raw, dict):
+            raise ctx.fail(where, "must be a table")
+        _check_keys(ctx, where, raw, {"a", "b", "rate_mbit", "latency_ms", "loss_pct"})
+        for end in ("a", "b"):
+            if end not in raw:
+                raise ctx.fail(where, f"missing '{end}'")
+        a = _int(ctx, f"{where}.a", raw["a"])
+        b = _int(ctx, f"{where}.b", raw["b"])
+        for end, node_id in (("a", a), ("b", b)):
+            if node_id not in seen_ids:
+                raise ctx.fail(f"{where}.{end}", f"unknown node {node_id}")
+        if a == b:
+            raise ctx.fail(where, f"a link from node {a} to itself")
+        pair = frozenset((a, b))
+        if pair in seen_pairs:
+            raise ctx.fail(where, f"duplicate link {a}-{b}")
+        seen_pairs.add(pair)
+        if "rate_mbit" in raw:
+            rate = raw["rate_mbit"]
+            if isinstance(rate, list):
+                if len(rate) != 2:
+                    raise ctx.fail(f"{where}.rate_mbit", "give one rate or [a->b, b->a]")
+                r_ab = _number(ctx, f"{where}.rate_mbit", rate[0], positive=True)
+                r_ba = _number(ctx, f"{where}.rate_mbit", rate[1], positive=True)
+            else:
+                r_ab = r_ba = _number(ctx, f"{where}.rate_mbit", rate, positive=True)
+        elif generated is not None:
+            r_ab, r_ba = generated[(a, b)], generated[(b, a)]
+        else:
+            raise ctx.fail(where, "missing 'rate_mbit' (and no [rates] table to draw it from)")
+        latency = _number(ctx, f"{where}.latency_ms", raw.get("latency_ms", defaults.get("latency_ms", 0.0)),
+                          minimum=0.0)
+        loss_pct = _number(ctx, f"{where}.loss_pct", raw.get("loss_pct", defaults.get("loss_pct", 0.0)),
+                           minimum=0.0)
+        if loss_pct >= 100.0:
+            raise ctx.fail(f"{where}.loss_pct", f"must be below 100, got {loss_pct}")
+        links.append(Link(a, b, r_ab, r_ba, latency, loss_pct / 100.0))
+
+    dynamics = None
+    raw_dyn = data.get("dynamics")
+    if raw_dyn is not None:
+        if not isinstance(raw_dyn, dict):
+            raise ctx.fail("dynamics", "must be a table")
+        _check_keys(ctx, "dynamics", raw_dyn, {"period_s", "range_mbit", "seed"})
+        period = _number(ctx, "dynamics.period_s", raw_dyn.get("period_s"), positive=True)
+        low, high = _range(ctx, "dynamics.range_mbit", raw_dyn.get("range_mbit"))
+        dynamics = Dynamics(period, low, high, _int(ctx, "dynamics.seed", raw_dyn.get("seed", 0)))
+
+    _check_connected(ctx, [n.id for n in nodes], links)
+    return Scenario(name, description, tuple(nodes), tuple(links), dynamics, source)
+
+
+def _range(ctx: _Ctx, where: str, value: Any) -> tuple[int, int]:
+    if not (isinstance(value, list) and len(value) == 2):
+        raise ctx.fail(where, f"expected [low, high] in Mbit/s, got {value!r}")
+    low, high = (_int(ctx, where, v) for v in value)
+    if low <= 0 or high < low:
+        raise ctx.fail(where, f"need 0 < low <= high, got [{low}, {high}]")
+    return low, high
+
+
+def _check_connected(ctx: _Ctx, node_ids: list[int], links: list[Link]) -> None:
+    adjacency: dict[int, set[int]] = {n: set() for n in node_ids}
+    for lk in links:
+        adjacency[lk.a].add(lk.b)
+        adjacency[lk.b].add(lk.a)
+    start = node_ids[0]
+    seen = {start}
+    stack = [start]
+    while stack:
+        for nxt in adjacency[stack.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    missing = sorted(set(node_ids) - seen)
+    if missing:
+        raise ctx.fail("link", f"overlay is disconnected: nodes {missing} cannot reach node {start}")
+
+
+def load(name_or_path: str | Path) -> Scenario:
+    """Load a scenario by file path, or by name from ``klonet-scenarios/`` (``internet2-9``)."""
+    path = Path(name_or_path)
+    if not path.exists():
+        candidate = SCENARIO_DIR / f"{name_or_path}.toml"
+        if candidate.exists():
+            path = candidate
+        else:
+            known = ", ".join(available())
+            raise ScenarioError(f"{name_or_path}: no such scenario file or name (known names: {known})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{path}: {exc}") from None
+    return parse(data, str(path))
+
+
+def available() -> list[str]:
+    """Names of the scenarios shipped in ``klonet-scenarios/``."""
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))

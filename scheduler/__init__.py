@@ -1,0 +1,1 @@
+"""The central scheduler service: membership, link collection, re-planning, policy consistency."""

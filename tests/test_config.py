@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from netstorm import config
+from netstorm.errors import ConfigError
+
+
+def test_paper_defaults() -> None:
+    c = config.Config()
+    assert (c.chunk_size, c.primary_busy_bound, c.auxiliary_queue_length) == (1_000_000, 2, 1)
+    assert (c.probe_chunk_num, c.update_time, c.update_rate) == (4, 5.0, 0.0)
+    assert c.enable_awareness and c.enable_aux_path
+
+
+def test_precedence_file_env_cli(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("[netstorm]\nCHUNK_SIZE = 500\nupdate_time = 2.5\nenable_aux_path = false\n")
+    c = config.resolve(file=f, environ={"NETSTORM_UPDATE_TIME": "7", "NETSTORM_PRIMARY_BUSY_BOUND": "3"},
+                       overrides={"primary_busy_bound": "4"})
+    assert c.chunk_size == 500
+    assert c.update_time == 7.0
+    assert c.primary_busy_bound == 4
+    assert c.enable_aux_path is False
+
+
+def test_cli_flags_cover_every_option(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    config.add_arguments(parser)
+    args = parser.parse_args(["--chunk-size", "10", "--enable-awareness", "off"])
+    c = config.from_args(args, environ={})
+    assert c.chunk_size == 10 and c.enable_awareness is False
+    for name in config.FIELDS:
+        assert hasattr(args, f"opt_{name}")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [({"chunk_size": 0}, "chunk_size"), ({"update_time": -1}, "update_time"),
+     ({"chunk_size": "1.5"}, "chunk_size"), ({"enable_aux_path": "maybe"}, "enable_aux_path"),
+     ({"bogus": 1}, "bogus")],
+)
+def test_bad_values_name_the_option(overrides, needle) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        config.resolve(overrides=overrides)
+
+
+def test_unknown_key_in_file(tmp_path) -> None:
+    f = tmp_path / "c.toml"
+    f.write_text("chunk_sise = 3\n")
+    with pytest.raises(ConfigError, match="chunk_sise"):
+        config.resolve(file=f)
