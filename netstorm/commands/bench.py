@@ -1,0 +1,32 @@
+"""``netstorm bench NAME``: benchmarks that print ratios against a baseline measured in the same run.
+
+Each benchmark is a module ``netstorm.bench.<name>`` with ``HELP``, ``add_arguments`` and ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+NAME = "bench"
+HELP = "run a benchmark (policy, loopback, edge): ratios against a baseline measured in the same run"
+
+BENCHMARKS = {"policy": "policy", "loopback": "loopback", "edge": "edge"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        try:
+            module = importlib.import_module(f"netstorm.bench.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"netstorm.bench.{module_name}":
+                continue
+            raise
+        bench_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        module.add_arguments(bench_parser)
+        bench_parser.set_defaults(bench_module=module)
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(args.bench_module.run(args))
