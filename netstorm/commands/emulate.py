@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="build the network, print READY <run-id> and its addresses, wait for Ctrl-C")
     parser.add_argument("--bw-scale", type=float, default=1.0, help="multiply every link rate (default 1)")
     parser.add_argument("--no-loss", action="store_true", help="do not apply the scenario's packet loss")
+    from netstorm.emulation.runner import add_run_arguments
+
+    add_run_arguments(parser)
 
 
 class Terminated(Exception):
@@ -62,8 +65,9 @@ def run(args: argparse.Namespace) -> int:
         with terminate_on_sigterm():
             if args.hold:
                 return _hold(args)
-            print("netstorm emulate: running systems is not available yet; use --hold", file=sys.stderr)
-            return 2
+            from netstorm.emulation.runner import run_from_args
+
+            return run_from_args(args)
     except Terminated as exc:
         print(f"netstorm emulate: stopped by {exc}; everything was torn down", file=sys.stderr)
         return 143
