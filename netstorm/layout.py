@@ -104,9 +104,9 @@ class Layout:
             offsets.append(position)
             size = spec.size
             if size > chunk_size:
-                if open_start is not None:
+                if open_start is not None and position > open_start:
                     bounds.append((open_start, position - open_start))
-                    open_start = None
+                open_start = None
                 pieces = -(-size // chunk_size)
                 base, extra = divmod(size, pieces)
                 start = position
@@ -121,12 +121,14 @@ class Layout:
                 if open_start is None:
                     open_start = position
             position += size
-        if open_start is not None:
+        if open_start is not None and position > open_start:
             bounds.append((open_start, position - open_start))
+        if not bounds:
+            raise LayoutError("the registered tensors hold no elements")
         chunk_starts = np.array([offset for offset, _ in bounds], dtype=np.int64)
         key_chunks: list[tuple[int, int]] = []
         for spec, offset in zip(tensors, offsets, strict=True):
-            first = max(int(np.searchsorted(chunk_starts, offset, side="right")) - 1, 0)
+            first = max(int(np.searchsorted(chunk_starts, min(offset, position - 1), side="right")) - 1, 0)
             if spec.size == 0:
                 key_chunks.append((first, first + 1))
             else:

@@ -22,13 +22,17 @@ def covered(layout: Layout) -> np.ndarray:
 
 def test_every_element_in_exactly_one_chunk_and_no_chunk_above_limit():
     rng = np.random.default_rng(3)
-    for _ in range(50):
+    for _ in range(300):
         sizes = {f"t{i}": int(rng.integers(0, 40)) for i in range(int(rng.integers(1, 12)))}
         chunk_size = int(rng.integers(1, 17))
+        if sum(sizes.values()) == 0:
+            with pytest.raises(LayoutError, match="no elements"):
+                Layout.build(specs(sizes), chunk_size)
+            continue
         layout = Layout.build(specs(sizes), chunk_size)
         assert layout.total == sum(sizes.values())
         assert (covered(layout) == 1).all()
-        assert all(c.count <= chunk_size for c in layout.chunks)
+        assert all(0 < c.count <= chunk_size for c in layout.chunks)
         offsets = [c.offset for c in layout.chunks]
         assert offsets == sorted(offsets)
         # A tensor that fits in one chunk is never cut; larger ones are cut into near-equal pieces.
