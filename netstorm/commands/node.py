@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -51,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],
                 advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None) -> int:
-    """Run one node until SIGTERM/SIGINT, or until the scheduler is lost."""
+    """Run one node until SIGTERM/SIGINT, or until the connection to the scheduler is lost."""
     from netstorm.clock import Clock, ClockSyncError
     from node.control_client import SchedulerClient
     from node.service import GeneralNode
@@ -69,6 +68,11 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
     log.info("node %d: data plane on %s:%d", node_id, *bound)
     control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout)
     endpoint = TrainerEndpoint(node)
+
+    def scheduler_lost(error: Exception) -> None:
+        log.error("node %d: lost the scheduler: %s; stopping", node_id, error)
+        node.stop()
+    control.on_lost(scheduler_lost)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.stop)
@@ -84,7 +88,6 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
             clock_task = tg.create_task(clock.keep_synced(scheduler[0], scheduler[1],
                                                           interval=control.config.clock_sync_interval,
                                                           timeout=config.connect_timeout))
-            tg.create_task(_watch_scheduler(control, node))
             await node.wait_stopped()
             clock_task.cancel()
     finally:
@@ -92,19 +95,3 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
         await control.close()
         await asyncio.to_thread(socket_path.unlink, missing_ok=True)
     return 0
-
-
-async def _watch_scheduler(control: object, node: object) -> None:
-    """Stop the node when its scheduler connection is gone: the job cannot continue without it."""
-    from node.control_client import SchedulerClient
-    from node.service import GeneralNode
-
-    assert isinstance(control, SchedulerClient) and isinstance(node, GeneralNode)
-    while not node.stopped:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(control.config.heartbeat_interval):
-                await node.wait_stopped()
-        lost = control.lost
-        if lost is not None and not node.stopped:
-            log.error("node %d: lost the scheduler: %s; stopping", node.node_id, lost)
-            node.stop()
