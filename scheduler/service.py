@@ -90,6 +90,7 @@ class SchedulerService:
         self._plan_lock = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._layout: tuple[str, int] | None = None
+        self._ignored_links: set[tuple[int, int]] = set()
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
         self.cycles = 0
@@ -279,7 +280,10 @@ class SchedulerService:
         try:
             self.collector.add(report, self.clock())
         except ValueError as exc:
-            log.warning("link report from %s ignored: %s", conn.name(), exc)
+            # e.g. a STAR/BKT tree edge between non-adjacent DCs measures a route, not an overlay link
+            if (message.src, message.dst) not in self._ignored_links:
+                self._ignored_links.add((message.src, message.dst))
+                log.warning("link reports %d->%d ignored (said once): %s", message.src, message.dst, exc)
             return
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
                   message.samples)

@@ -238,6 +238,7 @@ def test_link_reports_reach_the_collector_and_awareness_replans() -> None:
                 cycles = service.cycles
                 await until(lambda: service.cycles >= cycles + 2, "two quiet update cycles")
                 assert service.consistency.current_version == 0, "nothing measured: no new policy"
+                clients[1].report_link(LinkReport(src=4, dst=2, mbit_s=9.0, t=0.0, samples=4))  # not a link
                 clients[1].report_link(LinkReport(src=1, dst=2, mbit_s=2.0, t=0.0, samples=4))
                 await until(lambda: service.collector.state(1, 2).measured, "report collected")
                 assert service.collector.state(1, 2).mbit_s == 2.0
