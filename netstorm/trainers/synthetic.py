@@ -227,7 +227,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     grads = pattern.allocate()
     all_exact = True
     try:
-        kv = netstorm.connect(args.socket, timeout=args.timeout)  # type: ignore[attr-defined]
+        kv = netstorm.connect(args.socket, timeout=args.timeout)
         try:
             kv.init(grads)
             workers = kv.num_workers
