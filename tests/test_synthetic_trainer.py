@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from netstorm.trainers.synthetic import GradientPattern, dc_from_socket, model_layers, parse_size, size_layers
+from netstorm.trainers.synthetic import GradientPattern, model_layers, parse_size, size_layers
 
 # Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
 LAYERS = [("conv.weight", (3, 5, 7)), ("fc.weight", (70_000,)), ("fc.bias", (1,)), ("head", (257, 300))]
@@ -94,7 +94,7 @@ def test_wrong_dtype_shape_or_missing_layer_is_reported(pattern: GradientPattern
     assert "lacks" in pattern.check(0, 2, result).error
 
 
-def test_sizes_and_socket_names() -> None:
+def test_sizes() -> None:
     assert parse_size("25M") == 25_000_000
     assert parse_size("1.5k") == 1500
     assert parse_size("123") == 123
@@ -105,5 +105,3 @@ def test_sizes_and_socket_names() -> None:
     assert sum(shape[0] for _, shape in layers) == 9_000_001
     assert max(shape[0] for _, shape in layers) <= 4_000_000
     assert model_layers("10") == [("layer0", (10,))]
-    assert dc_from_socket("/tmp/run/node-12.sock") == 12
-    assert dc_from_socket("/tmp/run/other.sock") is None

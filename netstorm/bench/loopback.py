@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
             raise LaunchError(f"found node processes {sorted(nodes)} below netstorm local, "
                               f"expected {cluster.node_ids}")
         argvs = [[sys.executable, "-m", "netstorm.trainers.synthetic", "--socket", cluster.socket(node),
-                  "--model", str(params), "--iterations", str(args.iterations), "--dc", str(node),
+                  "--model", str(params), "--iterations", str(args.iterations),
                   "--timeout", str(args.timeout)] for node in cluster.node_ids]
         records: list[list[dict[str, Any]]] = [[] for _ in argvs]
         with Trainers(argvs, run_dir) as trainers:

@@ -28,6 +28,9 @@ from typing import IO, Any
 
 import numpy as np
 
+import netstorm
+from netstorm.errors import NetStormError
+
 Layers = list[tuple[str, tuple[int, ...]]]
 
 # Pattern periods: distinct primes, so a chunk landing at another offset is caught unless the offsets
@@ -182,12 +185,6 @@ class GradientPattern:
         return Verdict(True, seen)
 
 
-def dc_from_socket(path: str) -> int | None:
-    """The DC id in a ``netstorm local`` socket name, ``.../node-<id>.sock``."""
-    match = re.search(r"node-(\d+)\.sock$", path)
-    return int(match.group(1)) if match else None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", required=True,
                         help="the node's trainer endpoint: a unix socket path or tcp://host:port")
@@ -197,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-s", type=float, default=0.0,
                         help="seconds of stand-in compute per iteration before the push (default 0)")
     parser.add_argument("--dc", type=int, default=None,
-                        help="this DC's id (default: from a node-<id>.sock socket name)")
+                        help="this DC's id in the gradients (default: the node's id)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
 
@@ -209,12 +206,8 @@ def _emit(stream: IO[str], record: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
     """Connect, register the layers, run the iterations; 0 when every result was exact."""
-    import netstorm
-    from netstorm.errors import NetStormError
-
-    dc = args.dc if args.dc is not None else dc_from_socket(args.socket)
-    if dc is None or dc < 0:
-        print(f"synthetic trainer: cannot tell this DC's id from {args.socket!r}; pass --dc", file=sys.stderr)
+    if args.dc is not None and args.dc < 0:
+        print(f"synthetic trainer: --dc must be >= 0, got {args.dc}", file=sys.stderr)
         return 2
     if args.iterations < 0 or args.compute_s < 0:
         print("synthetic trainer: --iterations and --compute-s must be >= 0", file=sys.stderr)
@@ -226,11 +219,13 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         return 2
     grads = pattern.allocate()
     all_exact = True
+    dc = args.dc
     try:
         kv = netstorm.connect(args.socket, timeout=args.timeout)
         try:
             kv.init(grads)
             workers = kv.num_workers
+            dc = kv.node_id if dc is None else dc
             members_sum: float | None = None
             for k in range(args.iterations):
                 start = time.perf_counter()
