@@ -15,6 +15,10 @@ class ScenarioError(NetStormError):
     """A scenario file is malformed; the message names the file, the key or line, and the problem."""
 
 
+class PolicyError(NetStormError):
+    """A policy or its input (rates, roots, wire data) is malformed or cannot be planned."""
+
+
 class LayoutError(NetStormError):
     """A tensor list cannot form a chunk layout, or two nodes derived different layouts."""
 
