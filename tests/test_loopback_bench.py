@@ -65,3 +65,4 @@ def test_descendants_and_node_processes_are_found_through_proc() -> None:
 def test_memcpy_bandwidth_is_a_plausible_rate() -> None:
     rate = memcpy_bandwidth(8_000_000)
     assert 1e8 < rate < 1e12  # between 100 MB/s and 1 TB/s: a copy, not a no-op nor a stall
+

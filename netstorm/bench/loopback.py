@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from netstorm import config
+
 HELP = "sync throughput and CPU per node of a loopback cluster, vs memory-copy bandwidth and the CPU target"
 
 TARGET_CPU_S_PER_100MB = 1.0
@@ -39,6 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one step")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    config.add_arguments(parser)
+
+
+def config_flags(args: argparse.Namespace) -> list[str]:
+    """The config flags given on this command line, to pass on to ``netstorm local``."""
+    flags = ["--config", args.config] if getattr(args, "config", None) else []
+    for name in config.FIELDS:
+        value = getattr(args, f"opt_{name}", None)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
 
 
 def memcpy_bandwidth(nbytes: int, *, repeats: int = 3) -> float:
@@ -111,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
           f"{args.iterations} iterations, {os.cpu_count()} CPUs")
     copy_bw = memcpy_bandwidth(model_bytes)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="netstorm-loopback-"))
-    with local_cluster(args.nodes, run_dir, ready_timeout=args.timeout) as cluster:
+    with local_cluster(args.nodes, run_dir, flags=config_flags(args), ready_timeout=args.timeout) as cluster:
         nodes = node_processes(cluster.process.pid)
         if sorted(nodes) != cluster.node_ids:
             raise LaunchError(f"found node processes {sorted(nodes)} below netstorm local, "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -29,7 +28,8 @@ from typing import IO, Any
 import numpy as np
 
 import netstorm
-from netstorm.errors import NetStormError
+from netstorm import models
+from netstorm.errors import NetStormError, PolicyError
 
 Layers = list[tuple[str, tuple[int, ...]]]
 
@@ -38,36 +38,14 @@ Layers = list[tuple[str, tuple[int, ...]]]
 _PERIOD_A = 65521
 _PERIOD_B = 65519
 _BLOCK = 1 << 20  # elements per numpy pass: bounds temporaries, stays in cache-friendly sizes
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_SIZE_LAYER_MAX = 4_000_000  # a plain-size model is cut into layers of at most this many parameters
-
-
-def parse_size(spec: str) -> int:
-    """Parameters from ``"25000000"``, ``"25M"`` or ``"1.5k"``; a clear error otherwise."""
-    match = _SIZE_RE.match(spec)
-    if match is None:
-        raise ValueError(f"model {spec!r}: expected alexnet, resnet50 or a parameter count such as 25M")
-    count = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
-    if count < 1 or not count.is_integer():
-        raise ValueError(f"model {spec!r}: parameter count must be a positive integer, got {count}")
-    return int(count)
-
-
-def size_layers(parameters: int) -> Layers:
-    """A plain-size model: layers of at most ``_SIZE_LAYER_MAX`` parameters, the last one smaller."""
-    layers: Layers = []
-    start = 0
-    while start < parameters:
-        size = min(_SIZE_LAYER_MAX, parameters - start)
-        layers.append((f"layer{len(layers)}", (size,)))
-        start += size
-    return layers
 
 
 def model_layers(spec: str) -> Layers:
-    """Layer names and shapes of ``spec``: a named model of ``netstorm.models`` or a parameter count."""
-    return size_layers(parse_size(spec))
+    """Layer names and shapes: ``alexnet``, ``resnet50`` or a parameter count (``netstorm.models``)."""
+    try:
+        return list(models.layout(spec).tensors)
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def coefficients(iteration: int) -> tuple[int, int]:
