@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from netstorm.trainers.synthetic import GradientPattern, dc_from_socket, model_layers, parse_size, size_layers
+from netstorm.trainers.synthetic import GradientPattern, model_layers
 
 # Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
 LAYERS = [("conv.weight", (3, 5, 7)), ("fc.weight", (70_000,)), ("fc.bias", (1,)), ("head", (257, 300))]
@@ -94,16 +94,11 @@ def test_wrong_dtype_shape_or_missing_layer_is_reported(pattern: GradientPattern
     assert "lacks" in pattern.check(0, 2, result).error
 
 
-def test_sizes_and_socket_names() -> None:
-    assert parse_size("25M") == 25_000_000
-    assert parse_size("1.5k") == 1500
-    assert parse_size("123") == 123
-    for bad in ("", "0", "1.5", "ten", "-3"):
-        with pytest.raises(ValueError):
-            parse_size(bad)
-    layers = size_layers(9_000_001)
-    assert sum(shape[0] for _, shape in layers) == 9_000_001
-    assert max(shape[0] for _, shape in layers) <= 4_000_000
-    assert model_layers("10") == [("layer0", (10,))]
-    assert dc_from_socket("/tmp/run/node-12.sock") == 12
-    assert dc_from_socket("/tmp/run/other.sock") is None
+def test_model_layers_come_from_the_model_catalogue() -> None:
+    alexnet = model_layers("alexnet")
+    assert alexnet[0] == ("features.0.weight", (64, 3, 11, 11))
+    assert sum(int(np.prod(shape)) for _, shape in alexnet) == 61_100_840
+    assert model_layers("25M") == [("params", (25_000_000,))]
+    with pytest.raises(ValueError, match="unknown model"):
+        model_layers("vgg")
+

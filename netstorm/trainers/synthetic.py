@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +27,10 @@ from typing import IO, Any
 
 import numpy as np
 
+import netstorm
+from netstorm import models
+from netstorm.errors import NetStormError, PolicyError
+
 Layers = list[tuple[str, tuple[int, ...]]]
 
 # Pattern periods: distinct primes, so a chunk landing at another offset is caught unless the offsets
@@ -35,36 +38,14 @@ Layers = list[tuple[str, tuple[int, ...]]]
 _PERIOD_A = 65521
 _PERIOD_B = 65519
 _BLOCK = 1 << 20  # elements per numpy pass: bounds temporaries, stays in cache-friendly sizes
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)\s*$")
-_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
-_SIZE_LAYER_MAX = 4_000_000  # a plain-size model is cut into layers of at most this many parameters
-
-
-def parse_size(spec: str) -> int:
-    """Parameters from ``"25000000"``, ``"25M"`` or ``"1.5k"``; a clear error otherwise."""
-    match = _SIZE_RE.match(spec)
-    if match is None:
-        raise ValueError(f"model {spec!r}: expected alexnet, resnet50 or a parameter count such as 25M")
-    count = float(match.group(1)) * _SUFFIX[match.group(2).lower()]
-    if count < 1 or not count.is_integer():
-        raise ValueError(f"model {spec!r}: parameter count must be a positive integer, got {count}")
-    return int(count)
-
-
-def size_layers(parameters: int) -> Layers:
-    """A plain-size model: layers of at most ``_SIZE_LAYER_MAX`` parameters, the last one smaller."""
-    layers: Layers = []
-    start = 0
-    while start < parameters:
-        size = min(_SIZE_LAYER_MAX, parameters - start)
-        layers.append((f"layer{len(layers)}", (size,)))
-        start += size
-    return layers
 
 
 def model_layers(spec: str) -> Layers:
-    """Layer names and shapes of ``spec``: a named model of ``netstorm.models`` or a parameter count."""
-    return size_layers(parse_size(spec))
+    """Layer names and shapes: ``alexnet``, ``resnet50`` or a parameter count (``netstorm.models``)."""
+    try:
+        return list(models.layout(spec).tensors)
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def coefficients(iteration: int) -> tuple[int, int]:
@@ -182,12 +163,6 @@ class GradientPattern:
         return Verdict(True, seen)
 
 
-def dc_from_socket(path: str) -> int | None:
-    """The DC id in a ``netstorm local`` socket name, ``.../node-<id>.sock``."""
-    match = re.search(r"node-(\d+)\.sock$", path)
-    return int(match.group(1)) if match else None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--socket", required=True,
                         help="the node's trainer endpoint: a unix socket path or tcp://host:port")
@@ -197,7 +172,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-s", type=float, default=0.0,
                         help="seconds of stand-in compute per iteration before the push (default 0)")
     parser.add_argument("--dc", type=int, default=None,
-                        help="this DC's id (default: from a node-<id>.sock socket name)")
+                        help="this DC's id in the gradients (default: the node's id)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
 
@@ -209,12 +184,8 @@ def _emit(stream: IO[str], record: dict[str, Any]) -> None:
 
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
     """Connect, register the layers, run the iterations; 0 when every result was exact."""
-    import netstorm
-    from netstorm.errors import NetStormError
-
-    dc = args.dc if args.dc is not None else dc_from_socket(args.socket)
-    if dc is None or dc < 0:
-        print(f"synthetic trainer: cannot tell this DC's id from {args.socket!r}; pass --dc", file=sys.stderr)
+    if args.dc is not None and args.dc < 0:
+        print(f"synthetic trainer: --dc must be >= 0, got {args.dc}", file=sys.stderr)
         return 2
     if args.iterations < 0 or args.compute_s < 0:
         print("synthetic trainer: --iterations and --compute-s must be >= 0", file=sys.stderr)
@@ -226,11 +197,13 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         return 2
     grads = pattern.allocate()
     all_exact = True
+    dc = args.dc
     try:
-        kv = netstorm.connect(args.socket, timeout=args.timeout)  # type: ignore[attr-defined]
+        kv = netstorm.connect(args.socket, timeout=args.timeout)
         try:
             kv.init(grads)
             workers = kv.num_workers
+            dc = kv.node_id if dc is None else dc
             members_sum: float | None = None
             for k in range(args.iterations):
                 start = time.perf_counter()
