@@ -45,6 +45,26 @@ def test_gloo_on_emu4_writes_a_result_that_no_scheme_could_beat(tmp_path: Path) 
     assert len(list((tmp_path / "again").iterdir())) == 2
 
 
+def test_netstorm_system_on_emu4_is_exact_and_records_its_policies(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(DATA / "emu-4.toml"),
+                           "--system", "netstorm", "--iterations", "2", "--model", "1M", "--out", str(out),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ns = json.loads(out.read_text())["systems"]["netstorm"]
+    assert ns["exact"] and ns["iterations_completed"] == 2
+    for seconds, limit in zip(ns["sync_s"], ns["limit_s"], strict=True):
+        assert seconds >= 0.95 * limit
+    versions = ns["policy_versions"]
+    assert len(versions["by_iteration"]) == 2 and all(isinstance(v, int) for v in versions["by_iteration"])
+    assert versions["policies"][0]["version"] == 0
+    # Multi-root FAPT plans one tree per node at the initial rates, each spanning all four DCs.
+    assert sorted(ns["trees"]) == ["1", "2", "3", "4"]
+    assert all(sorted(t) == ["1", "2", "3", "4"] for t in ns["trees"].values())
+    assert (tmp_path / "run" / "netstorm" / "scheduler.log").exists()
+    assert "policy v0" in proc.stderr
+
+
 def test_report_rejects_what_is_not_a_result(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')

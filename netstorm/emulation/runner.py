@@ -9,9 +9,11 @@ write one JSON line per iteration, which the runner follows for its progress dis
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import re
 import resource
 import subprocess
 import sys
@@ -51,6 +53,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a system may take in all (default: from the min-cut limit)")
     parser.add_argument("--out", metavar="FILE", help="write the result JSON here")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    parser.add_argument("--run-dir", metavar="DIR",
+                        help="keep every process's log and trainer output here (default: a temporary directory)")
     config.add_arguments(parser)
 
 
@@ -67,6 +71,7 @@ class Options:
     timeout_s: float | None = None
     loss: bool = True
     config_flags: list[str] = dataclasses.field(default_factory=list)
+    run_dir: str | None = None
     stream: IO[str] = sys.stderr
 
 
@@ -91,7 +96,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
-                   _config_flags(args))
+                   _config_flags(args), args.run_dir)
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -180,7 +185,7 @@ class SystemRun:
         nodes = ",".join(str(dc) for dc in net.plan.node_ids)
         out = self._logfile("scheduler")
         self.services["scheduler"] = net.spawn("mgmt", self._python(
-            "-m", "netstorm.cli", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
+            "-m", "netstorm.cli", "-v", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
             "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags),
             stdout=out, stderr=subprocess.STDOUT)
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
@@ -220,6 +225,15 @@ class SystemRun:
             if proc.poll() is not None:
                 tail = (self.dir / f"{name}.log").read_text(errors="replace")[-600:]
                 raise EmulationError(f"{self.system.name}: {name} exited with {proc.returncode}: {tail.strip()}")
+
+    def policy_versions(self) -> dict[str, Any]:
+        """Which policy version each iteration was bound to, and each version's summary (scheduler log)."""
+        path = self.dir / "scheduler.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        bound = {int(m.group(1)): int(m.group(2)) for m in _BOUND_RE.finditer(text)}
+        policies = [{"version": int(m.group(1)), "reason": m.group(2), "roots": m.group(3)}
+                    for m in _POLICY_RE.finditer(text)]
+        return {"by_iteration": [bound.get(k) for k in range(max(bound, default=-1) + 1)], "policies": policies}
 
     def on_rates(self, entry: dict[str, Any]) -> None:
         self.epoch = int(entry["epoch"])
@@ -277,8 +291,12 @@ class SystemRun:
             self.completed_at.append(elapsed)
             secs = max(r["seconds"] for tl in self.logs.values() for r in tl.records if r.get("iteration") == k)
             rates = " ".join(f"{a}>{b}:{r * self.net.bw_scale:.0f}" for (a, b), r in sorted(self.net.rates.items()))
+            version = ""
+            if self.system.kind == "netstorm":
+                by_iteration = self.policy_versions()["by_iteration"]
+                version = f"policy v{by_iteration[k] if k < len(by_iteration) else '?'} "
             progress.line(f"[{self.system.name}] iteration {k + 1}/{self.opts.iterations}: {secs:.2f} s "
-                          f"(limit {self.limit_for(self.net.rates):.2f} s) epoch {self.epoch} "
+                          f"(limit {self.limit_for(self.net.rates):.2f} s) {version}epoch {self.epoch} "
                           f"cpu {cpu_pct:.0f}% rates(Mbit/s) {rates}")
 
     def _collect(self, wall_s: float) -> dict[str, Any]:
@@ -304,10 +322,16 @@ class SystemRun:
                                "iterations_completed": done, "wall_s": round(wall_s, 2),
                                "completed_at_s": [round(t, 2) for t in self.completed_at]}
         if self.system.kind == "netstorm":
-            out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux)
+            out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
+                       policy_versions=self.policy_versions())
+            out["policy_versions"]["by_iteration"] = out["policy_versions"]["by_iteration"][:done]
         if errors:
             out["trainer_errors"] = errors[:20]
         return out
+
+
+_BOUND_RE = re.compile(r"iteration (\d+) bound to policy version (\d+)")
+_POLICY_RE = re.compile(r"policy version (\d+) \((.*?)\): roots (\[.*?\])")
 
 
 class Progress:
@@ -346,8 +370,13 @@ def run(opts: Options) -> dict[str, Any]:
     bounds = results.Bounds(model_bytes, opts.bw_scale)
     progress = Progress(opts.stream)
     result = results.new_result(scenario, opts, parameters, bounds)
-    with tempfile.TemporaryDirectory(prefix="netstorm-emu-") as tmp, \
-            EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss) as net:
+    with contextlib.ExitStack() as stack:
+        if opts.run_dir:
+            tmp = opts.run_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
+        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
         for line in net.features.lines():
