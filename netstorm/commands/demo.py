@@ -64,4 +64,6 @@ def _results(args: argparse.Namespace, out_dir: Path) -> int:
         emulate.add_arguments(parser)
         print(f"netstorm demo: netstorm emulate {' '.join(argv)}", file=sys.stderr)
         status = max(status, emulate.run(parser.parse_args(argv)))
+        if status >= 128:  # stopped by a signal: the user wants out, not the next scenario
+            return status
     return status
