@@ -81,9 +81,13 @@ def _out_edge_table(graph: RateGraph) -> np.ndarray:
     return table
 
 
-def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None
-                    ) -> dict[tuple[int, int], tuple[Path, ...]]:
-    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending."""
+def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None, *,
+                    without_direct: bool = False) -> dict[tuple[int, int], tuple[Path, ...]]:
+    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending.
+
+    ``without_direct`` searches each pair's graph without its direct link src -> dst: what a tree edge
+    can offload onto when the link itself is its primary path.
+    """
     wanted: Sequence[tuple[int, int]] = (
         sorted(set(pairs)) if pairs is not None
         else [(a, b) for a in graph.nodes for b in graph.nodes if a != b])
@@ -101,6 +105,13 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
     targets, t_row = np.unique(t, return_inverse=True)
     to_target = np.atleast_2d(_distances_to(graph, targets))
     run = _Searches(graph, s, t, to_target[t_row])
+    if without_direct:
+        codes = graph.src * graph.n + graph.dst  # ascending: edges are sorted by (src, dst)
+        at = np.minimum(np.searchsorted(codes, s * graph.n + t), len(codes) - 1)
+        direct = np.flatnonzero(codes[at] == s * graph.n + t)
+        run.w[direct, at[direct]] = np.inf
+        run.out_left[direct] -= 1
+        run.in_left[direct] -= 1
     names = _PathNames(graph)
 
     table = _out_edge_table(graph)
