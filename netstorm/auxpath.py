@@ -69,18 +69,6 @@ class _Searches:
             setattr(self, name, getattr(self, name)[mask])
 
 
-def _out_edge_table(graph: RateGraph) -> np.ndarray:
-    """(n, max out-degree) edge ids per tail, padded with the sentinel edge id len(edges)."""
-    e = len(graph.src)
-    degree = np.bincount(graph.src, minlength=graph.n)
-    width = max(int(degree.max()), 1)
-    table = np.full((graph.n, width), e, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(degree)[:-1]))
-    slot = np.arange(e) - starts[graph.src]
-    table[graph.src, slot] = np.arange(e)
-    return table
-
-
 def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None, *,
                     without_direct: bool = False) -> dict[tuple[int, int], tuple[Path, ...]]:
     """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending.
@@ -114,8 +102,9 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         run.in_left[direct] -= 1
     names = _PathNames(graph)
 
-    table = _out_edge_table(graph)
-    head = np.append(graph.dst, 0)
+    out_degree = np.bincount(graph.src, minlength=graph.n)
+    first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
+    head = graph.dst
     n, width = graph.n, len(graph.src) + 1
     alive = np.ones(len(run.pair), dtype=bool)
     while True:
@@ -157,9 +146,13 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             run.restart(done[~complete])
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
-        out = table[u]  # (rows, width) out-edges of each popped node
-        at_v = node_base[:, None] + head[out]
-        cand = g[at_u][:, None] + run.w.ravel()[(np.arange(rows) * width)[:, None] + out]
+        # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
+        degree = out_degree[u]
+        owner = np.repeat(np.arange(rows), degree)
+        ends = np.cumsum(degree)
+        out = np.arange(int(ends[-1])) + np.repeat(first_edge[u] - ends + degree, degree)
+        at_v = owner * n + head[out]
+        cand = g[at_u][owner] + run.w.ravel()[owner * width + out]
         better = cand < g[at_v]
         hit = at_v[better]
         cand = cand[better]
