@@ -107,6 +107,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
     head = graph.dst
     n, width = graph.n, len(graph.src) + 1
     alive = np.ones(len(run.pair), dtype=bool)
+    rows = -1
     while True:
         left = int(alive.sum())
         if left <= TAIL_ROWS:
@@ -117,9 +118,12 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         if left * 2 < len(alive):  # compact once half the rows are finished
             run.keep(alive)
             alive = np.ones(len(run.pair), dtype=bool)
-        rows = len(alive)
-        node_base = np.arange(rows) * n
-        g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
+        if rows != len(alive):  # flat views and row offsets, renewed after each compaction
+            rows = len(alive)
+            row_ids = np.arange(rows)
+            node_base, edge_base = row_ids * n, row_ids * width
+            g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
+            weights, heuristic = run.w.ravel(), run.h.ravel()
         u = np.argmin(run.key, axis=1)
         at_u = node_base + u
         best = key[at_u]
@@ -137,7 +141,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 found[int(run.pair[r])].append(names.path(edges))
                 offset = r * width
                 marked.extend(offset + e for e in edges)
-            run.w.ravel()[marked] = np.inf
+            weights[marked] = np.inf
             run.out_left[done] -= 1
             run.in_left[done] -= 1
             complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
@@ -148,16 +152,16 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         key[at_u] = np.inf
         # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
         degree = out_degree[u]
-        owner = np.repeat(np.arange(rows), degree)
+        owner = np.repeat(row_ids, degree)
         ends = np.cumsum(degree)
         out = np.arange(int(ends[-1])) + np.repeat(first_edge[u] - ends + degree, degree)
-        at_v = owner * n + head[out]
-        cand = g[at_u][owner] + run.w.ravel()[owner * width + out]
+        at_v = node_base[owner] + head[out]
+        cand = g[at_u][owner] + weights[edge_base[owner] + out]
         better = cand < g[at_v]
         hit = at_v[better]
         cand = cand[better]
         g[hit] = cand
-        key[hit] = cand + run.h.ravel()[hit]
+        key[hit] = cand + heuristic[hit]
         pred[hit] = out[better]
     return {pair: tuple(paths) for pair, paths in zip(wanted, found, strict=True)}
 
