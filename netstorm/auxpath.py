@@ -8,7 +8,9 @@ chunk offloaded onto an auxiliary path never queues behind the primary's traffic
 A policy needs this for hundreds of pairs every few seconds, so all pairs are searched together: one
 A* search per pair, advanced in lockstep with numpy (every step pops one node in every pair's search).
 The heuristic is the distance to dst in the full graph, which removed edges can only lengthen, so it
-never overestimates and each search still finds a shortest path of its residual graph.
+never overestimates and each search still finds a shortest path of its residual graph. A pair is done
+when src has no unused out-link, dst no unused in-link, or its search runs dry. The last few pairs,
+whose searches run longest, finish one by one with scipy's Dijkstra instead of holding the lockstep.
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ TAIL_ROWS = 32
 class _Searches:
     """Lockstep A* state, one row per pair still looking for paths.
 
-    Arrays are (rows, n) for nodes and (rows, edges + 1) for each row's residual edge weights (removed
-    edges weigh inf; the last column is the padding edge of the out-edge table, always inf). The loop
-    indexes them flat: row r's node v sits at r * n + v.
+    Arrays are (rows, n) for nodes and (rows, edges) for each row's residual edge weights (removed
+    edges weigh inf). The loop indexes them flat: row r's node v sits at r * n + v, its edge e at
+    r * edges + e.
     """
 
     def __init__(self, graph: RateGraph, s: np.ndarray, t: np.ndarray, heuristic: np.ndarray) -> None:
@@ -46,7 +48,7 @@ class _Searches:
         self.g = np.full((rows, n), np.inf)
         self.key = np.full((rows, n), np.inf)  # g + h for open nodes, inf otherwise
         self.pred = np.full((rows, n), -1, dtype=np.int64)  # edge that reached the node
-        self.w = np.tile(np.append(graph.weight, np.inf), (rows, 1))
+        self.w = np.tile(graph.weight, (rows, 1))
         self.out_left = np.bincount(graph.src, minlength=n)[s].astype(np.int64)
         self.in_left = np.bincount(graph.dst, minlength=n)[t].astype(np.int64)
         self.restart(np.arange(rows))
@@ -105,7 +107,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
     out_degree = np.bincount(graph.src, minlength=graph.n)
     first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
     head = graph.dst
-    n, width = graph.n, len(graph.src) + 1
+    n, width = graph.n, len(graph.src)
     alive = np.ones(len(run.pair), dtype=bool)
     rows = -1
     while True:
@@ -202,11 +204,10 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
 
     Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
     """
-    e = len(graph.src)
     s, t = int(run.s[r]), int(run.t[r])
     matrix = names.matrix.copy()
     weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
-    weight[:] = run.w[r, :e]
+    weight[:] = run.w[r]
     out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
     while out_left and in_left:
         dist, pred = dijkstra(matrix, directed=True, indices=s, return_predecessors=True)
