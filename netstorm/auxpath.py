@@ -30,6 +30,8 @@ Path = tuple[int, ...]
 
 TAIL_ROWS = 32
 """Searches left when the lockstep stops and the rest finish one at a time."""
+BATCH_PAIRS = 4096
+"""Pairs searched in one lockstep; more run in batches, keeping the state arrays to tens of MB."""
 
 
 class _Searches:
@@ -89,6 +91,11 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 raise PolicyError(f"node {node} of pair {a}->{b} is not in the overlay")
     if not wanted:
         return {}
+    if len(wanted) > BATCH_PAIRS:
+        merged: dict[tuple[int, int], tuple[Path, ...]] = {}
+        for start in range(0, len(wanted), BATCH_PAIRS):
+            merged.update(auxiliary_paths(graph, wanted[start:start + BATCH_PAIRS], without_direct=without_direct))
+        return merged
     found: list[list[Path]] = [[] for _ in wanted]
     s = np.array([graph.index[a] for a, _ in wanted], dtype=np.int64)
     t = np.array([graph.index[b] for _, b in wanted], dtype=np.int64)
