@@ -176,12 +176,35 @@ def _node_key(key: Any, what: str) -> int:
 
 def _tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
     """Directed pairs a policy sends on: every tree edge up (push) and down (result)."""
-    pairs: set[tuple[int, int]] = set()
-    for tree in trees.values():
-        for child, parent in tree.edges():
-            pairs.add((child, parent))
-            pairs.add((parent, child))
-    return pairs
+    up = {(child, parent) for tree in trees.values() for child, parent in tree.parent.items() if parent is not None}
+    return up | {(parent, child) for child, parent in up}
+
+
+def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
+    """For every directed pair the trees send on: the tree edge itself first, then Algorithm 3's paths
+    in the graph without that link, each no faster than the one before.
+
+    The tree edge leads because the runtime sends a chunk over it unless it is busy: a push child ->
+    parent is the first hop of the child's fastest path to the root anyway, and a result returns down
+    the same edge. An edge between DCs that share no link (STAR, BKT) is the IP route between them.
+    """
+    searched = auxiliary_paths(graph, _tree_pairs(trees), without_direct=True)
+    return {pair: (pair, *paths) for pair, paths in searched.items()}
+
+
+def _baseline_tree(graph: RateGraph, topology: str, hub: int | None, bkt_k: int) -> Tree:
+    """STAR or BKT at ``hub`` (default the best-connected node); MST at ``hub`` or its fastest root."""
+    if hub is not None and hub not in graph.index:
+        raise PolicyError(f"hub {hub} is not a node of the overlay (nodes: {list(graph.nodes)})")
+    if topology == "mst":
+        edges = maximum_spanning_edges(graph)
+        if hub is not None:
+            return orient(graph.nodes, edges, hub)
+        routes = routes_for(graph)
+        options = [orient(graph.nodes, edges, r) for r in graph.nodes]
+        return min(options, key=lambda t: (routed_delay(t, graph, routes), t.root))
+    root = best_connected(graph) if hub is None else hub
+    return star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
 
 
 def plan(
@@ -199,8 +222,9 @@ def plan(
 
     ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
     earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
-    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root. With ``aux``,
-    Algorithm 3 runs for every directed pair the trees send on.
+    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
+    Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
+    a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
     """
     if topology not in TOPOLOGIES:
         raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
@@ -214,21 +238,11 @@ def plan(
         result = build_multi_root_fapt(graph, num_roots, roots)
         chosen, trees, quality = result.roots, result.trees, result.quality
     else:
-        if topology == "mst":
-            edges = maximum_spanning_edges(graph)
-            routes = routes_for(graph)
-            options = {r: orient(graph.nodes, edges, r) for r in graph.nodes}
-            delays = {r: routed_delay(t, graph, routes) for r, t in options.items()}
-            root = hub if hub is not None else min(delays, key=lambda r: (delays[r], r))
-            tree = options.get(root) or star_tree(graph, root)  # star_tree rejects an unknown hub
-        else:
-            root = best_connected(graph) if hub is None else hub
-            tree = star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
-        chosen, trees = (root,), {root: tree}
-        quality = {root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
+        tree = _baseline_tree(graph, topology, hub, bkt_k)
+        chosen, trees = (tree.root,), {tree.root: tree}
+        quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
     total_q = sum(quality[r] for r in chosen)
     share = {r: quality[r] / total_q for r in chosen}
-    aux_paths = auxiliary_paths(graph, sorted(_tree_pairs(trees))) if aux else {}
-    policy = Policy(version, topology, chosen, trees, share, quality, aux_paths)
-    policy.validate()
-    return policy
+    aux_paths = _tree_edge_paths(graph, trees) if aux else {}
+    # Built from validated rates by construction; from_wire is where untrusted policies are checked.
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths)

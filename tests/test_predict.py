@@ -26,6 +26,8 @@ def test_star_at_the_middle_by_hand():
     # One chunk up the slowest leaf (8 / 5 = 1.6 s) and down the slowest (8 / 20 = 0.4 s).
     assert p.fill_s == pytest.approx(2.0)
     assert p.total_s == pytest.approx(18.0)
+    # Push then pull: pushes 3->2 80 / 5 = 16 s, then results 2->1 80 / 20 = 4 s, plus the fill.
+    assert p.phased_s == pytest.approx(22.0)
 
 
 def test_star_at_the_end_rides_the_ip_route():
@@ -45,6 +47,8 @@ def test_internet2_star_bottleneck_by_hand():
     p = predict(plan(rates, topology="star", aux=False), rates, 61.1e6)
     assert p.bottleneck == (5, 7)
     assert p.bulk_s == pytest.approx(2 * 61.1e6 * 8 / 5e6)
+    # Pushes from 4, 6 and 9 all cross 4->3 (44 * 0.25 = 11 Mbit/s) on the route to 2.
+    assert p.phased_s - p.fill_s == pytest.approx(3 * 61.1e6 * 8 / 11e6 + 2 * 61.1e6 * 8 / 5e6)
 
 
 @pytest.mark.parametrize("seed", range(5))
