@@ -311,8 +311,8 @@ class SchedulerService:
         async def one(conn: _Connection) -> None:
             try:
                 await conn.send(message)
-            except ConnectionError as exc:
-                log.warning("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
+            except ConnectionError as exc:  # it is going away; its own handler reports that
+                log.info("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
                 conn.close()
 
         async with asyncio.TaskGroup() as tasks:
@@ -346,6 +346,9 @@ class SchedulerService:
             if not self.complete.is_set():
                 continue
             if not membership_change and not self.config.enable_awareness:
+                continue
+            if len(self.membership.alive) < 2:
+                log.info("fewer than two live nodes (%s): no job left to plan for", list(self.membership.alive))
                 continue
             rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
                 else self.planner.planned_rates or self.initial_rates
