@@ -328,3 +328,24 @@ def test_losing_the_scheduler_fails_waiters_at_once_and_is_signalled() -> None:
         await close_all(clients)
 
     run(main())
+
+
+@pytest.mark.parametrize("topology", ["fapt", "fapt1", "star", "bkt", "mst"])
+def test_roots_stay_fixed_across_replans_for_every_topology(topology: str) -> None:
+    async def main() -> None:
+        config = FAST.replace(num_root_servers=2)
+        async with scheduler(config, topology=topology) as service:
+            clients = await connect_all(service)
+            try:
+                first = await clients[0].policy_for(0, timeout=T)
+                assert first.topology == topology
+                # Rates that make the first roots look poor: every link touching them becomes slow.
+                slow = {(a, b): 1.0 if a in first.roots or b in first.roots else 500.0 for a, b in RATES}
+                version = await admin.override_policy(addr(service), slow, timeout=T)
+                later = await clients[0].policy_for(5, timeout=T)
+                assert later.version == version == 1
+                assert later.roots == first.roots
+            finally:
+                await close_all(clients)
+
+    run(main())
