@@ -130,6 +130,13 @@ def test_every_node_gets_the_same_version_per_iteration_across_a_policy_change()
                 assert {p.version for p in two} == {1}
                 assert two[0] == two[3] and two[0].trees != zero[0].trees
                 assert service.consistency.bindings[2] == 1
+                status = await admin.status(addr(service), timeout=T)
+                assert status.version == 1
+                assert status.bindings[:3] == ((0, 0), (1, 0), (2, 1))
+                assert await admin.fetch_policy(addr(service), timeout=T) == two[0]
+                assert await admin.fetch_policy(addr(service), 0, timeout=T) == zero[0]
+                with pytest.raises(ControlError, match="policy version 99 is not held"):
+                    await admin.fetch_policy(addr(service), 99, timeout=T)
             finally:
                 await close_all(clients)
 
