@@ -120,7 +120,10 @@ class SchedulerService:
     async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
         for attempt in range(20):
-            server = await asyncio.start_server(self._serve_connection, host, port)
+            try:
+                server = await asyncio.start_server(self._serve_connection, host, port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on TCP {control.format_address((host, port))}: {exc}") from None
             sockname = server.sockets[0].getsockname()
             address = (str(sockname[0]), int(sockname[1]))
             try:
@@ -129,7 +132,7 @@ class SchedulerService:
                 server.close()
                 await server.wait_closed()
                 if port != 0 or attempt == 19:
-                    raise OSError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from exc
+                    raise ConfigError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from None
                 continue
             self.address = address
             return server, sntp, address

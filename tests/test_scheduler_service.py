@@ -356,3 +356,14 @@ def test_roots_stay_fixed_across_replans_for_every_topology(topology: str) -> No
                 await close_all(clients)
 
     run(main())
+
+
+def test_a_busy_listen_port_is_a_clear_error() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as first:
+            port = addr(first)[1]
+            second = SchedulerService(RATES, (1, 2), FAST)
+            with pytest.raises(ConfigError, match=rf"cannot listen on TCP 127\.0\.0\.1:{port}: .*in use"):
+                await second.serve("127.0.0.1", port)
+
+    run(main())
