@@ -138,7 +138,8 @@ class GeneralNode:
                     if peer == self.node_id:
                         continue
                     link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
-                                    connect_timeout=self.config.connect_timeout)
+                                    connect_timeout=self.config.connect_timeout,
+                                    stall_timeout=self.config.iteration_timeout)
                     self.links[peer] = link
                     tg.create_task(self._run_link(link))
                 self._ready.set()
@@ -187,6 +188,7 @@ class GeneralNode:
         self.layout = layout
         self._key_next = np.full(len(layout.tensors), self.first_iteration, dtype=np.int64)
         self._key_pull = self._key_next.copy()
+        self.core.horizon = self.first_iteration + 1
         self._apply(self.core.set_layout(layout))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
@@ -205,16 +207,28 @@ class GeneralNode:
                              f"iteration {low}: {', '.join(behind)}")
         return low
 
-    async def contribute(self, key: int, values: np.ndarray | None) -> int:
-        """This DC's values for tensor ``key`` in its next iteration (None contributes zeros)."""
+    def pull_iteration(self, key: int) -> int:
+        """The iteration the next ``collect`` of tensor ``key`` returns."""
+        return int(self._key_pull[key])
+
+    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None) -> int:
+        """This DC's values for tensor ``key`` in its next iteration (None contributes zeros).
+
+        This is the hook for any source of the DC's contribution (the trainer endpoint, or the LAN edge
+        aggregator): ``iteration``, when given, must be the tensor's next one.
+        """
         if self.layout is None:
             raise LayoutError("no tensors registered")
+        if iteration is not None and iteration != int(self._key_next[key]):
+            raise ChunkError(f"tensor {self.layout.tensors[key].name!r}: contribution for iteration {iteration}, "
+                             f"but its next iteration is {int(self._key_next[key])}")
         iteration = int(self._key_next[key])
         tracker = self._tracker(iteration)
         tracker.check()
         await self.ensure_policy(iteration)
         tracker.check()
         self._key_next[key] += 1
+        self.core.horizon = max(self.core.horizon, iteration + 1)
         self._apply(self.core.push_local(iteration, key, values))
         return iteration
 

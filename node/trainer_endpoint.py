@@ -121,12 +121,17 @@ class TrainerEndpoint:
                     return
                 try:
                     header_len, payload_len = tw.decode_prefix(prefix, max_payload=1 << 40)
-                    request = tw.decode(await reader.readexactly(header_len))
-                    expected = self._payload_len(session, request)
-                    if payload_len != expected:
-                        raise TrainerProtocolError(f"{request.TYPE}: payload of {payload_len} bytes, "
-                                                   f"expected {expected}")
-                    payload = await reader.readexactly(payload_len) if payload_len else b""
+                    async with asyncio.timeout(self.node.config.iteration_timeout):
+                        request = tw.decode(await reader.readexactly(header_len))
+                        expected = self._payload_len(session, request)
+                        if payload_len != expected:
+                            raise TrainerProtocolError(f"{request.TYPE}: payload of {payload_len} bytes, "
+                                                       f"expected {expected}")
+                        payload = await reader.readexactly(payload_len) if payload_len else b""
+                except TimeoutError:
+                    log.warning("node %d: closing %s: a request stalled mid-message for %g s", self.node.node_id,
+                                session.name, self.node.config.iteration_timeout)
+                    return
                 except (TrainerProtocolError, LayoutError) as exc:
                     log.warning("node %d: closing %s: %s", self.node.node_id, session.name, exc)
                     await self._reply(writer, tw.ErrorReply("protocol", str(exc)))
@@ -208,7 +213,7 @@ class TrainerEndpoint:
             return tw.PullReply(iteration, request.names), out
         if isinstance(request, tw.PullRequest):
             keys = session.keys(layout, request.names)
-            iteration = int(node._key_pull[keys[0]]) if keys else -1
+            iteration = node.pull_iteration(keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
             return tw.PullReply(iteration, request.names), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
