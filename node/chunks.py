@@ -92,6 +92,8 @@ class ChunkCore:
         self._closed: dict[int, str] = {}
         self._roots_cache: dict[int, list[int]] = {}
         self.horizon = 1
+        self.peak_live = 0
+        """Most iterations held at once: 2 means a peer's next iteration reached us while ours ran."""
         """Highest iteration a peer may send chunks for: no peer can be more than one iteration ahead of
         this node's own contributions, so anything beyond is a broken peer, not early data to keep."""
         if layout is not None:
@@ -266,6 +268,7 @@ class ChunkCore:
                 return None
             state = _Iteration(iteration, self._need_layout())
             self._iterations[iteration] = state
+            self.peak_live = max(self.peak_live, len(self._iterations))
         return state
 
     def _roots(self, policy: Policy) -> list[int]:
