@@ -143,9 +143,12 @@ def test_timeouts_and_missing_nodes(tmp_path: Path):
         netstorm.connect(str(tmp_path / "nobody.sock"), timeout=2)
 
     def lonely(address: str) -> None:
-        with netstorm.connect(address, timeout=1.0) as kv, \
-                pytest.raises(TrainerTimeout, match="init: no answer from the node"):
-            kv.init(model(1))  # the other DCs never call init
+        with netstorm.connect(address, timeout=1.0) as kv:
+            with pytest.raises(TrainerTimeout, match="init: no answer from the node"):
+                kv.init(model(1))  # the other DCs never call init
+            # The late reply would be taken for the next request's: the connection refuses further use.
+            with pytest.raises(NodeGone, match="unusable after: init: no answer"):
+                kv.init(model(1))
 
     async def body(addresses: dict[int, str]) -> None:
         await asyncio.to_thread(lonely, addresses[1])
