@@ -89,6 +89,7 @@ class ChunkCore:
         self.layout: Layout | None = None
         self._iterations: dict[int, _Iteration] = {}
         self._early: dict[int, list[tuple[ChunkHeader, np.ndarray]]] = {}
+        self._early_seen: set[tuple[int, int, int, int]] = set()
         self._closed: dict[int, str] = {}
         self._roots_cache: dict[int, list[int]] = {}
         self.horizon = 1
@@ -111,6 +112,7 @@ class ChunkCore:
         self.layout = layout
         actions: list[Action] = []
         early, self._early = self._early, {}
+        self._early_seen.clear()
         for iteration, items in sorted(early.items()):
             for header, payload in items:
                 try:
@@ -187,6 +189,11 @@ class ChunkCore:
             raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, "
                              f"which already finished: a duplicate")
         if self.layout is None:
+            key = (header.iteration, int(header.phase), header.chunk, header.origin)
+            if key in self._early_seen:
+                raise ChunkError(f"duplicate {header.phase.name} contribution of chunk {header.chunk} from node "
+                                 f"{header.origin} in iteration {header.iteration}")
+            self._early_seen.add(key)
             self._early.setdefault(header.iteration, []).append((header, payload))
             return []
         self._check_shape(header, payload)
