@@ -189,11 +189,11 @@ class ChunkCore:
             raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, "
                              f"which already finished: a duplicate")
         if self.layout is None:
-            key = (header.iteration, int(header.phase), header.chunk, header.origin)
-            if key in self._early_seen:
+            early_key = (header.iteration, int(header.phase), header.chunk, header.origin)
+            if early_key in self._early_seen:
                 raise ChunkError(f"duplicate {header.phase.name} contribution of chunk {header.chunk} from node "
                                  f"{header.origin} in iteration {header.iteration}")
-            self._early_seen.add(key)
+            self._early_seen.add(early_key)
             self._early.setdefault(header.iteration, []).append((header, payload))
             return []
         self._check_shape(header, payload)
