@@ -63,6 +63,14 @@ def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | 
     return "unix", text
 
 
+SHM_PREFIX = "netstorm-"
+"""Shared-memory files are named netstorm-<pid>-<random> in ``shm_directory()``; nodes map no others."""
+
+
+def shm_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 class Registry:
     """The trainer side's view of the registered tensors: checks, shared memory, result decoding."""
 
@@ -106,8 +114,7 @@ class Registry:
 
     def _create_shm(self, size: int) -> str:
         self.close()
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = str(Path(directory) / f"netstorm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = str(Path(shm_directory()) / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
