@@ -252,3 +252,47 @@ def test_auxiliary_paths_carry_chunks_exactly_once_and_hops_are_measured():
             reports = [r for n in nodes.values() for r in getattr(n.control, "reports", [])]
             assert reports and all(r.mbit_s > 0 and r.dst in mesh and r.src in mesh for r in reports)
     uvloop.run(main())
+
+
+def test_the_receiver_reassembles_frames_split_at_any_byte():
+    """Feed the BufferedProtocol a stream of frames cut at random places, as TCP may deliver it."""
+    from node.peers import InboundProtocol
+
+    rng = np.random.default_rng(11)
+
+    def frames(counts: list[int]) -> tuple[bytes, list[ChunkHeader], list[np.ndarray]]:
+        headers = [ChunkHeader(4, i, 2, Phase.UP, 1, 2, 1, 2, 0, float(i), False, (1, 2), n)
+                   for i, n in enumerate(counts)]
+        payloads = [rng.integers(-1000, 1000, n).astype(np.float32) for n in counts]
+        stream = Hello(1, "h").encode() + b"".join(h.encode() + p.tobytes()
+                                                   for h, p in zip(headers, payloads, strict=True))
+        return stream, headers, payloads
+
+    small = frames([0, 1, 3, 500, 17, 2])  # fed a few bytes at a time
+    large = frames([0, 1, 3, 5000, 70000, 17, 20000])  # frames far beyond the 64 KiB staging buffer
+    for trial in range(12):
+        stream, headers, payloads = small if trial < 3 else large
+        received: list[tuple[ChunkHeader, np.ndarray]] = []
+        hellos: list[Hello] = []
+        def on_hello(hello: Hello, _: InboundProtocol, hellos: list[Hello] = hellos) -> None:
+            hellos.append(hello)
+
+        def on_chunk(peer: int, header: ChunkHeader, payload: np.ndarray, t: float,
+                     received: list[tuple[ChunkHeader, np.ndarray]] = received) -> None:
+            received.append((header, payload.copy()))
+
+        protocol = InboundProtocol(on_hello=on_hello, on_chunk=on_chunk, on_lost=lambda p, r: None,
+                                   max_frame_bytes=1 << 24, clock=lambda: 0.0)
+        position = 0
+        while position < len(stream):
+            buffer = protocol.get_buffer(-1)
+            assert len(buffer) > 0
+            step = int(rng.integers(1, 8 if trial < 3 else 200_000))
+            step = min(step, len(buffer), len(stream) - position)
+            buffer[:step] = stream[position:position + step]
+            protocol.buffer_updated(step)
+            position += step
+        assert hellos == [Hello(1, "h")]
+        assert [h for h, _ in received] == headers
+        for (_, got), want in zip(received, payloads, strict=True):
+            np.testing.assert_array_equal(got, want)
