@@ -187,3 +187,15 @@ def test_the_node_maps_only_the_trainers_own_shared_memory_files(tmp_path: Path)
         run_cluster(tmp_path, body)
     finally:
         link.unlink(missing_ok=True)
+
+
+def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the_iteration(tmp_path: Path):
+    def lonely(address: str) -> None:
+        with netstorm.connect(address, timeout=30) as kv, \
+                pytest.raises(TrainerTimeout, match="iteration 0 timed out at node 2 after 1 s"):
+            kv.init(model(2))  # over TCP; the other DCs never call init
+
+    async def body(addresses: dict[int, str]) -> None:
+        await asyncio.to_thread(lonely, addresses[2])
+
+    run_cluster(tmp_path, body, CONFIG.replace(iteration_timeout=1.0))
