@@ -17,12 +17,16 @@ import contextlib
 import logging
 import mmap
 import os
+import socket
+import stat
+import struct
 from pathlib import Path
 
 import numpy as np
 
 from netstorm import trainer_wire as tw
-from netstorm.errors import ChunkError, IterationFailed, LayoutError, TrainerProtocolError
+from netstorm.client import SHM_PREFIX, shm_directory
+from netstorm.errors import IterationFailed, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
 from node.service import GeneralNode, IterationTimeout, PeerGone
 
@@ -32,10 +36,11 @@ log = logging.getLogger("netstorm.node.trainer")
 class _Session:
     """One trainer connection: its transport kind and, for Unix sockets, the shared model vector."""
 
-    def __init__(self, node: GeneralNode, inline: bool, name: str) -> None:
+    def __init__(self, node: GeneralNode, inline: bool, name: str, peer_uid: int | None = None) -> None:
         self.node = node
         self.inline = inline
         self.name = name
+        self.peer_uid = peer_uid
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
 
@@ -46,15 +51,26 @@ class _Session:
                 self._mmap.close()
             self._mmap = None
 
-    def attach(self, path: str, layout: Layout) -> None:
+    def attach(self, path: str, layout: Layout, peer_uid: int | None) -> None:
+        """Map the trainer's model file: only a netstorm-* regular file in the shared-memory directory,
+        owned by the trainer's user, so a trainer cannot make the node write into any other file."""
         if not path:
             raise TrainerProtocolError("init over a Unix socket needs a shared-memory file")
+        where = Path(path)
+        if where.parent != Path(shm_directory()) or not where.name.startswith(SHM_PREFIX):
+            raise TrainerProtocolError(f"shared-memory file {path} is not a {SHM_PREFIX}* file in {shm_directory()}")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise TrainerProtocolError(f"cannot open shared-memory file {path}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TrainerProtocolError(f"shared-memory file {path} is not a regular file")
+            if peer_uid is not None and info.st_uid != peer_uid:
+                raise TrainerProtocolError(f"shared-memory file {path} belongs to uid {info.st_uid}, the trainer "
+                                           f"runs as uid {peer_uid}")
+            size = info.st_size
             if size != layout.total * 4:
                 raise TrainerProtocolError(f"shared-memory file {path} holds {size} bytes; the model needs "
                                            f"{layout.total * 4}")
@@ -70,6 +86,15 @@ class _Session:
         if len(set(keys)) != len(keys):
             raise TrainerProtocolError(f"a tensor is named twice in one request: {list(names)}")
         return keys
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
 
 
 def _error_kind(exc: Exception) -> str:
@@ -111,7 +136,8 @@ class TrainerEndpoint:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool) -> None:
         self._sessions += 1
-        session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}")
+        session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
+                           None if inline else _peer_uid(writer))
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
         try:
             while True:
@@ -138,8 +164,13 @@ class TrainerEndpoint:
                     return
                 try:
                     reply, out = await self._serve(session, request, payload)
-                except (TrainerProtocolError, LayoutError, ChunkError, IterationFailed) as exc:
+                except NetStormError as exc:
+                    log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
                     reply, out = tw.ErrorReply(_error_kind(exc), str(exc)), b""
+                except Exception as exc:  # a bug must not cost the trainer its connection without a word
+                    log.exception("node %d: %s: %s failed unexpectedly", self.node.node_id, session.name,
+                                  request.TYPE)
+                    reply, out = tw.ErrorReply("failed", f"node {self.node.node_id}: internal error: {exc!r}"), b""
                 await self._reply(writer, reply, out)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
@@ -173,9 +204,10 @@ class TrainerEndpoint:
         node = self.node
         if isinstance(request, tw.InitRequest):
             specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
+            if not session.inline:  # check the file before the tensors become the node's layout
+                session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
             layout = await node.register(specs)
             if not session.inline:
-                session.attach(request.shm, layout)
                 values = session.shm
             else:
                 # Inline values come in request order; place them in layout order.
@@ -188,8 +220,9 @@ class TrainerEndpoint:
                     values[layout.key_slice(key)] = flat[position:position + size]
                     position += size
             assert values is not None
-            contributor = node.node_id == min(node.members)
             iteration = node.next_iteration()
+            policy = await node.ensure_policy(iteration)
+            contributor = node.node_id == min(policy.nodes)
             for key in range(len(layout.tensors)):
                 await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
             names = tuple(t.name for t in layout.tensors)
@@ -201,8 +234,8 @@ class TrainerEndpoint:
                     if order else np.zeros(0, dtype="<f4")
                 out = ordered.tobytes()
             log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
-                     node.node_id, session.name, len(names), layout.hash, min(node.members))
-            return tw.InitReply(node.node_id, iteration, node.num_workers, layout.hash), out
+                     node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
+            return tw.InitReply(node.node_id, iteration, len(policy.nodes), layout.hash), out
         layout = self._layout()
         if isinstance(request, tw.PushRequest | tw.PushPullRequest):
             keys = session.keys(layout, request.names)
@@ -210,12 +243,12 @@ class TrainerEndpoint:
             if isinstance(request, tw.PushRequest):
                 return tw.PushReply(iteration), b""
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names), out
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
         if isinstance(request, tw.PullRequest):
             keys = session.keys(layout, request.names)
             iteration = node.pull_iteration(keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names), out
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
     async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
@@ -238,7 +271,6 @@ class TrainerEndpoint:
     async def _collect(self, session: _Session, layout: Layout, keys: list[int], *, average: bool,
                        inline_order: bool = False) -> bytes:
         """Wait for ``keys``' sums; write them to shared memory, or return them inline."""
-        scale = np.float32(self.node.num_workers)
         if session.inline:
             sizes = [layout.tensors[k].size for k in keys]
             out = np.empty(sum(sizes) if inline_order else layout.total, dtype="<f4")
@@ -250,6 +282,9 @@ class TrainerEndpoint:
                 raise TrainerProtocolError("pull before init on this connection")
             position = {k: layout.offsets[k] for k in keys}
             target = session.shm
+
+        iteration = self.node.pull_iteration(keys[0]) if keys else -1
+        scale = np.float32(len(self.node.contributors(iteration)))
 
         def sink(key: int, values: np.ndarray) -> None:
             start = position[key]
