@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 GRACE_S = 5.0
 """Seconds a child gets to exit after SIGTERM before SIGKILL."""
 LISTEN_MARK = "scheduler listening on "
+ADDRESS_FILE = "scheduler.address"
+"""RUN_DIR/scheduler.address holds HOST:PORT of the scheduler (admin requests, e.g. a policy override)."""
 RUN_DIR_ENV = "NETSTORM_LOCAL_RUN_DIR"
 """Set in every child's environment: tells which run a process belongs to (and lets tests find them)."""
 
@@ -126,11 +128,24 @@ class LocalCluster:
                                                     *self.scheduler_args, *self.common_args])
         self.scheduler_address = await self._scheduler_address(scheduler, deadline)
         address = format_address(self.scheduler_address)
+        (self.run_dir / ADDRESS_FILE).write_text(address + "\n")
         for node_id, port in zip(self.node_ids, free_ports(len(self.node_ids)), strict=True):
             await self._spawn(f"node-{node_id}", [
                 "node", "--id", str(node_id), "--scheduler", address, "--listen", f"127.0.0.1:{port}",
                 "--socket", str(self.socket_path(node_id)), *self.common_args])
         await self._wait_ready(deadline)
+
+    async def __aenter__(self) -> LocalCluster:
+        """Start (stopping whatever started if that fails); for tests that drive a cluster from Python."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
 
     async def _scheduler_address(self, scheduler: Child, deadline: float) -> tuple[str, int]:
         while True:
@@ -201,9 +216,9 @@ class LocalCluster:
                     with contextlib.suppress(ProcessLookupError):
                         child.process.kill()
                     await child.process.wait()
-        for node_id in self.node_ids:
+        for path in [*(self.socket_path(n) for n in self.node_ids), self.run_dir / ADDRESS_FILE]:
             with contextlib.suppress(FileNotFoundError):
-                self.socket_path(node_id).unlink()
+                path.unlink()
 
 
 async def run_local(cluster: LocalCluster) -> int:

@@ -69,6 +69,7 @@ class SchedulerClient:
         self._reports: collections.deque[control.LinkReport] = collections.deque(maxlen=REPORT_QUEUE)
         self._reports_ready = asyncio.Event()
         self._down_callbacks: list[Callable[[int, str], None]] = []
+        self._lost_callbacks: list[Callable[[ControlError], None]] = []
         self._lost: ControlError | None = None
         self._tasks: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
@@ -149,6 +150,10 @@ class SchedulerClient:
     def on_member_down(self, callback: Callable[[int, str], None]) -> None:
         """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
         self._down_callbacks.append(callback)
+
+    def on_lost(self, callback: Callable[[ControlError], None]) -> None:
+        """Call ``callback(error)`` once if the connection to the scheduler is lost (not on ``close``)."""
+        self._lost_callbacks.append(callback)
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -295,6 +300,11 @@ class SchedulerClient:
         if self._lost is None:
             self._lost = error
             log.error("node %d: %s", self.node_id, error)
+            for callback in list(self._lost_callbacks):
+                try:
+                    callback(error)
+                except Exception:
+                    log.exception("connection-lost callback failed")
         self._fail_all(error)
 
     def _fail_all(self, error: ControlError) -> None:

@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
-from netstorm.policy import Policy
 
 from netstorm.config import Config
 from netstorm.errors import ChunkError, FrameError, IterationFailed, LayoutError
 from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
+from netstorm.policy import Policy
 from netstorm.probe import LinkReport, ProbeEstimator
 from netstorm.sendsched import PathScheduler
 from node.chunks import Action, ChunkCore, IterationDone, KeyDone, Send
@@ -304,9 +304,13 @@ class GeneralNode:
             return
         self.down[peer] = f"node {peer} is gone: {reason}"
         live = self.core.live_iterations()
-        log.warning("node %d: node %d is gone (%s); failing iterations %s", self.node_id, peer, reason, live)
         pending = [k for k, t in self._trackers.items() if t.failed is None and not t.done]
-        for iteration in sorted(set(live) | set(pending)):
+        affected = sorted(set(live) | set(pending))
+        if affected:
+            log.warning("node %d: node %d is gone (%s); failing iterations %s", self.node_id, peer, reason, affected)
+        else:
+            log.info("node %d: node %d is gone (%s); no iteration in progress", self.node_id, peer, reason)
+        for iteration in affected:
             self._apply(self.core.fail(iteration, f"iteration {iteration} failed at node {self.node_id}: "
                                                   f"node {peer} is gone ({reason})", "gone"))
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from netstorm.policy import Policy, plan
-
 from netstorm.errors import NetStormError
+from netstorm.policy import Policy, plan
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
@@ -308,3 +309,21 @@ def test_nodes_that_cannot_form_a_job_are_refused_at_startup() -> None:
     with pytest.raises(ConfigError, match="cannot plan a fapt policy"):
         two_islands = {(1, 2): 10.0, (2, 1): 10.0, (3, 4): 10.0, (4, 3): 10.0}
         SchedulerService(two_islands, [1, 2, 3, 4], FAST)
+
+
+def test_losing_the_scheduler_fails_waiters_at_once_and_is_signalled() -> None:
+    async def main() -> None:
+        lost: list[ControlError] = []
+        async with scheduler(nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            clients[0].on_lost(lost.append)
+            await clients[0].policy_for(0, timeout=T)
+        # The scheduler is gone (its server and every connection closed).
+        await until(lambda: len(lost) == 1, "loss signalled")
+        assert clients[0].lost is lost[0]
+        assert re.search(r"scheduler 127\.0\.0\.1:\d+ closed the control connection of node 1", str(lost[0]))
+        with pytest.raises(ControlError, match=r"iteration 7: .*closed the control connection"):
+            await clients[0].policy_for(7, timeout=T)
+        await close_all(clients)
+
+    run(main())
