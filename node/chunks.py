@@ -22,11 +22,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from netstorm.policy import Policy, allot_chunks
 
 from netstorm.errors import ChunkError
 from netstorm.frames import ChunkHeader, Phase
 from netstorm.layout import Layout
+from netstorm.policy import Policy, allot_chunks
 
 
 @dataclasses.dataclass(frozen=True)

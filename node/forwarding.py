@@ -8,9 +8,8 @@ that is stale for an intermediate node's own policy still arrives.
 
 from __future__ import annotations
 
-from netstorm.policy import Policy
-
 from netstorm.config import Config
+from netstorm.policy import Policy
 from netstorm.sendsched import PathScheduler
 
 Path = tuple[int, ...]

@@ -11,9 +11,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from netstorm.policy import Policy
-
 from netstorm.config import Config
+from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from node.service import GeneralNode
 

@@ -12,11 +12,11 @@ import random
 
 import numpy as np
 import pytest
-from netstorm.policy import Policy, plan
 
 from netstorm.errors import ChunkError
 from netstorm.frames import Phase
 from netstorm.layout import Layout, TensorSpec
+from netstorm.policy import Policy, plan
 from node.chunks import Action, ChunkCore, IterationDone, IterationFailed, KeyDone, Send
 
 RING5 = {(1, 2): 40.0, (2, 3): 90.0, (3, 4): 20.0, (4, 5): 70.0, (5, 1): 30.0, (2, 4): 55.0}
