@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from netstorm.bench.loopback import cpu_seconds, descendants, memcpy_bandwidth, node_processes
+from netstorm.bench.loopback import cpu_seconds, descendants, host_cpu, memcpy_bandwidth, node_processes
 from netstorm.scenario import parse
 from netstorm.trainers.launch import ring_scenario
 
@@ -64,6 +64,15 @@ def test_descendants_and_node_processes_are_found_through_proc() -> None:
         child.wait(timeout=10)
 
 
+def test_host_cpu_counts_our_own_work() -> None:
+    busy0, total0 = host_cpu()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        sum(range(10_000))
+    busy1, total1 = host_cpu()
+    assert 0.25 <= busy1 - busy0 <= total1 - total0
+
+
 def test_memcpy_bandwidth_is_a_plausible_rate() -> None:
     rate = memcpy_bandwidth(8_000_000)
     assert 1e8 < rate < 1e12  # between 100 MB/s and 1 TB/s: a copy, not a no-op nor a stall
@@ -86,4 +95,5 @@ def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
     assert result["sync_bytes_per_s"] == pytest.approx(400_000 / result["steady_iteration_s"])
     assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
     assert 0 < result["sync_vs_memcpy"] < 1
+    assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + 0.05 <= 1.05
     assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout
