@@ -4,7 +4,8 @@ A ``netstorm local`` cluster of ``--nodes`` DCs on loopback, one synthetic train
 time, so every second is synchronization), ``--iterations`` iterations of a ``--model-mb`` float32
 model. Reported against baselines measured in the same run:
 
-- synchronization throughput (model bytes per second of iteration time) against this machine's
+- synchronization throughput (model bytes per second of push_pull time, slowest DC, iterations after
+  the first) against this machine's
   memory-copy bandwidth (a numpy copy of the same number of bytes): loopback has no WAN, so copying
   memory is the physical ceiling the runtime's per-byte work is compared with;
 - CPU seconds per node per iteration and per synchronized MB (utime + stime of every node process,
@@ -182,13 +183,17 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
     last = args.iterations - 1
     first, end = marks[0], marks[last]
     measured = last  # iterations 1..last lie between the two samples
-    iteration_s = [max(r["seconds"] for rs in records for r in rs if r.get("iteration") == k)
-                   for k in range(args.iterations)]
+    def slowest(field: str, k: int) -> float:
+        return max(float(r[field]) for rs in records for r in rs if r.get("iteration") == k)
+
+    iteration_s = [slowest("seconds", k) for k in range(args.iterations)]
+    sync_s = [slowest("sync_s", k) for k in range(args.iterations)]
+    sync_steady = statistics.fmean(sync_s[1:])
     window = end.t - first.t
     steady_s = window / measured
     node_cpu = {node: (end.nodes[node] - first.nodes[node]) / measured for node in end.nodes}
     trainer_cpu = [(end.trainers[i] - first.trainers[i]) / measured for i in end.trainers]
-    host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1e-9)
+    host_busy = min(1.0, (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1e-9))
     cpus = os.cpu_count() or 1
     cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)
     mb = model_bytes / 1e6
@@ -198,10 +203,11 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
         "exact": all(r.get("exact") is True for rs in records for r in rs) and all(len(rs) == args.iterations
                                                                                    for rs in records),
         "iteration_s": iteration_s,
+        "sync_s": sync_s,
         "steady_iteration_s": steady_s,
-        "sync_bytes_per_s": model_bytes / steady_s,
+        "sync_bytes_per_s": model_bytes / sync_steady,
         "memcpy_bytes_per_s": copy_bw,
-        "sync_vs_memcpy": model_bytes / steady_s / copy_bw,
+        "sync_vs_memcpy": model_bytes / sync_steady / copy_bw,
         "node_cpu_s_per_iteration": node_cpu,
         "node_cpu_s_per_iteration_mean": statistics.fmean(node_cpu.values()),
         "node_cpu_s_per_iteration_max": max(node_cpu.values()),
@@ -217,8 +223,8 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
 
 def print_result(r: dict[str, Any]) -> None:
     mb = r["model_bytes"] / 1e6
-    print(f"iteration times (s, slowest DC): {', '.join(f'{s:.3f}' for s in r['iteration_s'])}; "
-          f"steady {r['steady_iteration_s']:.3f} s")
+    print(f"push_pull times (s, slowest DC): {', '.join(f'{s:.3f}' for s in r['sync_s'])}; iteration period "
+          f"after the first: {r['steady_iteration_s']:.3f} s (includes the trainers' gradient fill and check)")
     print(f"sync throughput  {r['sync_bytes_per_s'] / 1e6:10.1f} MB/s of model   "
           f"= {r['sync_vs_memcpy']:.4f} x memory-copy bandwidth ({r['memcpy_bytes_per_s'] / 1e9:.2f} GB/s)")
     print(f"node CPU         {r['node_cpu_s_per_iteration_mean']:10.3f} s per node per iteration (max "
