@@ -75,12 +75,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
-def host_cpu() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole host since boot, from /proc/stat's first line."""
+def host_cpu() -> tuple[int, int]:
+    """(busy, total) CPU clock ticks of the whole host since boot, from /proc/stat's first line."""
     fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields)
-    return (total - idle) / _CLOCK_TICKS, total / _CLOCK_TICKS
+    return total - idle, total
 
 
 def _parent(pid: int) -> int:
@@ -130,7 +130,7 @@ class Mark:
     t: float
     nodes: dict[int, float]
     trainers: dict[int, float]
-    host: tuple[float, float]
+    host: tuple[int, int]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,7 +193,7 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
     steady_s = window / measured
     node_cpu = {node: (end.nodes[node] - first.nodes[node]) / measured for node in end.nodes}
     trainer_cpu = [(end.trainers[i] - first.trainers[i]) / measured for i in end.trainers]
-    host_busy = min(1.0, (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1e-9))
+    host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1)
     cpus = os.cpu_count() or 1
     cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)
     mb = model_bytes / 1e6
