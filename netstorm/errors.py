@@ -13,3 +13,7 @@ class ConfigError(NetStormError):
 
 class ScenarioError(NetStormError):
     """A scenario file is malformed; the message names the file, the key or line, and the problem."""
+
+
+class PolicyError(NetStormError):
+    """A policy or its input (rates, roots, wire data) is malformed or cannot be planned."""
