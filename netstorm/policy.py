@@ -176,12 +176,8 @@ def _node_key(key: Any, what: str) -> int:
 
 def _tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
     """Directed pairs a policy sends on: every tree edge up (push) and down (result)."""
-    pairs: set[tuple[int, int]] = set()
-    for tree in trees.values():
-        for child, parent in tree.edges():
-            pairs.add((child, parent))
-            pairs.add((parent, child))
-    return pairs
+    up = {(child, parent) for tree in trees.values() for child, parent in tree.parent.items() if parent is not None}
+    return up | {(parent, child) for child, parent in up}
 
 
 def plan(
@@ -229,6 +225,5 @@ def plan(
     total_q = sum(quality[r] for r in chosen)
     share = {r: quality[r] / total_q for r in chosen}
     aux_paths = auxiliary_paths(graph, sorted(_tree_pairs(trees))) if aux else {}
-    policy = Policy(version, topology, chosen, trees, share, quality, aux_paths)
-    policy.validate()
-    return policy
+    # Built from validated rates by construction; from_wire is where untrusted policies are checked.
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths)
