@@ -1,0 +1,37 @@
+"""``netstorm report RESULT.json``: redraw an emulation result's summary table and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+NAME = "report"
+HELP = "print the summary table of an emulation result (JSON) and redraw its plots"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("result", help="result JSON written by netstorm emulate --out")
+    parser.add_argument("--plots", metavar="DIR", help="write PNG plots here (default: beside the result)")
+    parser.add_argument("--no-plots", action="store_true", help="print the table only")
+
+
+def run(args: argparse.Namespace) -> int:
+    from netstorm.emulation import plots, results
+
+    path = Path(args.result)
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"netstorm report: cannot read {path}: {exc}", file=sys.stderr)
+        return 1
+    if not isinstance(result, dict) or result.get("format") != results.FORMAT_VERSION or "systems" not in result:
+        print(f"netstorm report: {path} is not a netstorm emulate result (format {results.FORMAT_VERSION})",
+              file=sys.stderr)
+        return 1
+    print(results.summary(result))
+    if not args.no_plots:
+        for plot in plots.draw_all(result, Path(args.plots) if args.plots else path.parent):
+            print(f"plot: {plot}", file=sys.stderr)
+    return 0
