@@ -69,21 +69,13 @@ class _Searches:
             setattr(self, name, getattr(self, name)[mask])
 
 
-def _out_edge_table(graph: RateGraph) -> np.ndarray:
-    """(n, max out-degree) edge ids per tail, padded with the sentinel edge id len(edges)."""
-    e = len(graph.src)
-    degree = np.bincount(graph.src, minlength=graph.n)
-    width = max(int(degree.max()), 1)
-    table = np.full((graph.n, width), e, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(degree)[:-1]))
-    slot = np.arange(e) - starts[graph.src]
-    table[graph.src, slot] = np.arange(e)
-    return table
+def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None, *,
+                    without_direct: bool = False) -> dict[tuple[int, int], tuple[Path, ...]]:
+    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending.
 
-
-def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None
-                    ) -> dict[tuple[int, int], tuple[Path, ...]]:
-    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending."""
+    ``without_direct`` searches each pair's graph without its direct link src -> dst: what a tree edge
+    can offload onto when the link itself is its primary path.
+    """
     wanted: Sequence[tuple[int, int]] = (
         sorted(set(pairs)) if pairs is not None
         else [(a, b) for a in graph.nodes for b in graph.nodes if a != b])
@@ -101,12 +93,21 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
     targets, t_row = np.unique(t, return_inverse=True)
     to_target = np.atleast_2d(_distances_to(graph, targets))
     run = _Searches(graph, s, t, to_target[t_row])
+    if without_direct:
+        codes = graph.src * graph.n + graph.dst  # ascending: edges are sorted by (src, dst)
+        at = np.minimum(np.searchsorted(codes, s * graph.n + t), len(codes) - 1)
+        direct = np.flatnonzero(codes[at] == s * graph.n + t)
+        run.w[direct, at[direct]] = np.inf
+        run.out_left[direct] -= 1
+        run.in_left[direct] -= 1
     names = _PathNames(graph)
 
-    table = _out_edge_table(graph)
-    head = np.append(graph.dst, 0)
+    out_degree = np.bincount(graph.src, minlength=graph.n)
+    first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
+    head = graph.dst
     n, width = graph.n, len(graph.src) + 1
     alive = np.ones(len(run.pair), dtype=bool)
+    rows = -1
     while True:
         left = int(alive.sum())
         if left <= TAIL_ROWS:
@@ -117,9 +118,12 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         if left * 2 < len(alive):  # compact once half the rows are finished
             run.keep(alive)
             alive = np.ones(len(run.pair), dtype=bool)
-        rows = len(alive)
-        node_base = np.arange(rows) * n
-        g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
+        if rows != len(alive):  # flat views and row offsets, renewed after each compaction
+            rows = len(alive)
+            row_ids = np.arange(rows)
+            node_base, edge_base = row_ids * n, row_ids * width
+            g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
+            weights, heuristic = run.w.ravel(), run.h.ravel()
         u = np.argmin(run.key, axis=1)
         at_u = node_base + u
         best = key[at_u]
@@ -137,7 +141,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 found[int(run.pair[r])].append(names.path(edges))
                 offset = r * width
                 marked.extend(offset + e for e in edges)
-            run.w.ravel()[marked] = np.inf
+            weights[marked] = np.inf
             run.out_left[done] -= 1
             run.in_left[done] -= 1
             complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
@@ -146,14 +150,18 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             run.restart(done[~complete])
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
-        out = table[u]  # (rows, width) out-edges of each popped node
-        at_v = node_base[:, None] + head[out]
-        cand = g[at_u][:, None] + run.w.ravel()[(np.arange(rows) * width)[:, None] + out]
+        # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
+        degree = out_degree[u]
+        owner = np.repeat(row_ids, degree)
+        ends = np.cumsum(degree)
+        out = np.arange(int(ends[-1])) + np.repeat(first_edge[u] - ends + degree, degree)
+        at_v = node_base[owner] + head[out]
+        cand = g[at_u][owner] + weights[edge_base[owner] + out]
         better = cand < g[at_v]
         hit = at_v[better]
         cand = cand[better]
         g[hit] = cand
-        key[hit] = cand + run.h.ravel()[hit]
+        key[hit] = cand + heuristic[hit]
         pred[hit] = out[better]
     return {pair: tuple(paths) for pair, paths in zip(wanted, found, strict=True)}
 

@@ -50,8 +50,10 @@ def aggregation_distances(graph: RateGraph, roots: Sequence[int] | None = None, 
     node that cannot reach a root; otherwise its distance is inf.
     """
     indices = list(range(graph.n)) if roots is None else [graph.index[r] for r in roots]
-    dist = dijkstra(graph.matrix(transpose=True), directed=True, indices=indices)
-    result: np.ndarray = np.atleast_2d(dist)
+    if roots is None or graph.has_distances():
+        result = graph.distances_to[indices]
+    else:
+        result = np.atleast_2d(dijkstra(graph.matrix(transpose=True), directed=True, indices=indices))
     unreachable = ~np.isfinite(result)
     if strict and unreachable.any():
         k, v = np.argwhere(unreachable)[0]

@@ -79,3 +79,14 @@ def test_rejects_bad_pairs():
     with pytest.raises(PolicyError, match="not in the overlay"):
         auxiliary_paths(graph, [(1, 42)])
     assert auxiliary_paths(graph, []) == {}
+
+
+def test_without_direct_searches_the_graph_minus_the_link():
+    rates = random_overlay(12, 4, seed=3)
+    graph = RateGraph.from_rates(rates)
+    links = sorted(rates)
+    result = auxiliary_paths(graph, links, without_direct=True)
+    for pair, paths in result.items():
+        reduced = {link: s for link, s in rates.items() if link != pair}
+        _check_properties(reduced, pair, paths)
+        assert [path_cost(graph, p) for p in paths] == pytest.approx(_reference_costs(reduced, *pair), rel=1e-12)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -117,6 +118,11 @@ def test_aux_paths_cover_every_tree_edge_both_ways():
         for child, parent in tree.edges():
             wanted |= {(child, parent), (parent, child)}
     assert set(policy.aux_paths) == wanted
+    for pair, paths in policy.aux_paths.items():
+        assert paths[0] == pair  # the tree edge itself is the primary
+        assert all(pair not in set(itertools.pairwise(p)) for p in paths[1:])
+    # 2->1 is a result edge: 2-3-1 is faster than the direct link, yet the tree edge stays the primary.
+    assert policy.aux_paths[(2, 1)] == ((2, 1), (2, 3, 1))
     assert plan(internet2(), aux=False).aux_paths == {}
 
 
