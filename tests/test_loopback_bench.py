@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -66,3 +68,22 @@ def test_memcpy_bandwidth_is_a_plausible_rate() -> None:
     rate = memcpy_bandwidth(8_000_000)
     assert 1e8 < rate < 1e12  # between 100 MB/s and 1 TB/s: a copy, not a no-op nor a stall
 
+
+@pytest.mark.slow
+def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "netstorm.cli", "bench", "loopback", "--nodes", "3", "--model-mb", "0.4",
+         "--iterations", "3", "--chunk-size", "30000", "--run-dir", str(tmp_path / "run"), "--timeout", "60",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["exact"] is True
+    assert result["model_bytes"] == 400_000
+    assert len(result["iteration_s"]) == 3
+    assert sorted(result["node_cpu_s_per_iteration"]) == ["1", "2", "3"]
+    assert result["sync_bytes_per_s"] == pytest.approx(400_000 / result["steady_iteration_s"])
+    assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
+    assert 0 < result["sync_vs_memcpy"] < 1
+    assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout
