@@ -80,3 +80,14 @@ def test_system_names_parse_in_order_and_unknown_names_fail() -> None:
         "--topology", "fapt", "--enable-awareness", "false", "--enable-aux-path", "false"]
     with pytest.raises(EmulationError, match="unknown system"):
         systems.parse("netstorm,ring")
+
+
+def test_scaling_efficiency_is_the_ratio_of_iteration_times() -> None:
+    small, big = _result(), _result()
+    small["nodes"], big["nodes"] = [1, 2, 3, 4, 5], list(range(1, 16))
+    small["scenario"], big["scenario"] = "scale-5", "scale-15"
+    big["systems"]["netstorm"]["iteration_s"] = [9.0, 2.0, 2.0]
+    lines = results.scaling([big, small])
+    line = next(x for x in lines if x.startswith("netstorm:"))
+    # 5 DCs at 1.5 s, 15 DCs at 2.0 s: samples/s x(15/2)/(5/1.5) = 2.25 for 3x the DCs -> 0.75.
+    assert "x2.25 for x3.00" in line and line.endswith("efficiency 0.75")

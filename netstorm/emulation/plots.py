@@ -82,40 +82,53 @@ def _positions(nodes: list[int]) -> dict[int, tuple[float, float]]:
             for i, node in enumerate(nodes)}
 
 
+MAX_TREES_SHOWN = 5
+
+
 def trees(result: dict[str, Any], path: Path) -> Path:
-    """One panel per system with trees: the overlay in grey, each root's tree in its own colour."""
+    """One row per system, one panel per tree (the first few roots): overlay in grey, tree edges as arrows.
+
+    Systems planning identical trees (netstorm, std and lite start from the same plan) share a row.
+    """
     plt = _pyplot()
-    drawn = [(name, s["trees"]) for name, s in result["systems"].items() if s.get("trees")]
-    cols = min(3, len(drawn))
-    rows = math.ceil(len(drawn) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 4.2 * rows), squeeze=False)
+    rows_by_trees: dict[str, tuple[list[str], dict[str, dict[str, int | None]]]] = {}
+    for name, s in result["systems"].items():
+        if s.get("trees"):
+            key = repr(sorted(s["trees"].items()))
+            rows_by_trees.setdefault(key, ([], s["trees"]))[0].append(name)
+    rows = list(rows_by_trees.values())
+    cols = min(MAX_TREES_SHOWN, max(len(t) for _, t in rows))
+    fig, axes = plt.subplots(len(rows), cols, figsize=(3.2 * cols, 3.4 * len(rows)), squeeze=False)
     pos = _positions(result["nodes"])
-    colours = plt.get_cmap("tab10")
     for ax in axes.flat:
         ax.axis("off")
-    for ax, (name, system_trees) in zip(axes.flat, drawn, strict=False):
-        for a, b in result["links"]:
-            ax.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], color="0.85", linewidth=4, zorder=1)
-        for i, (root, parents) in enumerate(sorted(system_trees.items(), key=lambda kv: int(kv[0]))):
-            colour = colours(i % 10)
-            offset = 0.02 * (i - len(system_trees) / 2)
+    for r, (names, system_trees) in enumerate(rows):
+        ordered = list(system_trees.items())
+        for c, (root, parents) in enumerate(ordered[:cols]):
+            ax = axes[r][c]
+            for a, b in result["links"]:
+                ax.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], color="0.85", linewidth=4, zorder=1)
             for child, parent in parents.items():
                 if parent is None:
                     continue
                 (x0, y0), (x1, y1) = pos[int(child)], pos[int(parent)]
-                ax.annotate("", xy=(x1 + offset, y1 + offset), xytext=(x0 + offset, y0 + offset),
-                            arrowprops={"arrowstyle": "->", "color": colour, "lw": 1.2}, zorder=2)
-            rx, ry = pos[int(root)]
-            ax.scatter([rx], [ry], s=420, facecolors="none", edgecolors=[colour], linewidths=2, zorder=3)
-        for node, (x, y) in pos.items():
-            ax.scatter([x], [y], s=260, color="white", edgecolors="black", zorder=4)
-            ax.text(x, y, str(node), ha="center", va="center", fontsize=9, zorder=5)
-        ax.set_title(f"{name}: {len(system_trees)} tree(s), child -> parent", fontsize=9)
-        ax.set_xlim(-1.3, 1.3)
-        ax.set_ylim(-1.3, 1.3)
-        ax.set_aspect("equal")
-    fig.suptitle(f"{result['scenario']}: trees planned at the initial rates on the overlay (grey)")
+                ax.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=2,
+                            arrowprops={"arrowstyle": "-|>", "color": "tab:blue", "lw": 1.4,
+                                        "shrinkA": 9, "shrinkB": 9})
+            for node, (x, y) in pos.items():
+                is_root = str(node) == str(root)
+                ax.scatter([x], [y], s=230, color="gold" if is_root else "white", edgecolors="black", zorder=4)
+                ax.text(x, y, str(node), ha="center", va="center", fontsize=8, zorder=5)
+            title = f"{'/'.join(names)}: root {root}"
+            if c == cols - 1 and len(ordered) > cols:
+                title += f" (+{len(ordered) - cols} more)"
+            ax.set_title(title, fontsize=8)
+            ax.set_xlim(-1.25, 1.25)
+            ax.set_ylim(-1.25, 1.25)
+            ax.set_aspect("equal")
+    fig.suptitle(f"{result['scenario']}: trees planned at the initial rates (child -> parent; grey: overlay links)",
+                 fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
