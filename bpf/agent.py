@@ -122,8 +122,10 @@ class EdgeGateway:
         self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=4096)
         self.data_packets = 0
         """DATA datagrams the aggregator consumed (kernel counter in xdp mode)."""
-        self.aggregation_cpu = 0.0
-        """Thread CPU seconds this agent spent receiving and aggregating (not broadcasting results)."""
+        self.receive_cpu = 0.0
+        """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
+        self.delivery_cpu = 0.0
+        """Part of receive_cpu spent taking completed slots into the iteration's sums (same in both modes)."""
         self.errors = 0
         self._tasks: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
@@ -232,6 +234,13 @@ class EdgeGateway:
             self._emit([(0, nack)])
 
     def _on_agg(self, data: bytes) -> None:
+        started = time.thread_time()
+        try:
+            self._take_agg(data)
+        finally:
+            self.delivery_cpu += time.thread_time() - started
+
+    def _take_agg(self, data: bytes) -> None:
         head = Header.decode(data)
         if head.job != self.job or not self._accepts(head.iteration):
             return
@@ -297,7 +306,7 @@ class EdgeGateway:
                 except WireError as exc:
                     self.errors += 1
                     log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
-            self.aggregation_cpu += time.thread_time() - started
+            self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:
         loop = asyncio.get_running_loop()
