@@ -1,0 +1,113 @@
+"""``netstorm bench policy``: one Algorithm 2 + Algorithm 3 run on random overlays, against baselines.
+
+The scheduler re-plans every UPDATE_TIME seconds while training runs, so a plan must be cheap: the
+target is 50 ms at 100 nodes of average degree 6. Two references are measured in the same run on the
+same graphs: networkx's all-pairs Dijkstra (only Algorithm 1's path lengths, pure Python), and
+Algorithm 3 done the plain way (one networkx Dijkstra per path, edges removed in between).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+import networkx as nx
+
+from netstorm.policy import plan
+from netstorm.scenario import Rates
+
+HELP = "time Algorithm 2 + 3 on random overlays of 50/100/200 nodes against networkx baselines"
+TARGET_S = 0.050
+TARGET_NODES = 100
+
+
+def random_overlay(n: int, degree: float, seed: int, low: int = 20, high: int = 155) -> Rates:
+    """A connected random overlay: a random spanning tree plus random extra links; each direction gets
+    its own uniform integer rate in [low, high] Mbit/s."""
+    rng = random.Random(seed)
+    order = list(range(n))
+    rng.shuffle(order)
+    links: set[tuple[int, int]] = set()
+    for i in range(1, n):
+        a, b = order[i], order[rng.randrange(i)]
+        links.add((min(a, b), max(a, b)))
+    wanted = min(round(n * degree / 2), n * (n - 1) // 2)
+    while len(links) < wanted:
+        a, b = rng.sample(range(n), 2)
+        links.add((min(a, b), max(a, b)))
+    rates: Rates = {}
+    for a, b in sorted(links):
+        rates[(a, b)] = float(rng.randint(low, high))
+        rates[(b, a)] = float(rng.randint(low, high))
+    return rates
+
+
+def _timed(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of ``repeats`` calls."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _networkx_apsp(rates: Rates) -> None:
+    graph = nx.DiGraph()
+    for (a, b), s in rates.items():
+        graph.add_edge(a, b, w=1.0 / s)
+    dict(nx.all_pairs_dijkstra_path_length(graph, weight="w"))
+
+
+def _networkx_alg3(rates: Rates, pairs: list[tuple[int, int]]) -> int:
+    """Algorithm 3 the plain way, for ``pairs``: returns the number of paths found."""
+    base = nx.DiGraph()
+    for (a, b), s in rates.items():
+        base.add_edge(a, b, w=1.0 / s)
+    count = 0
+    for src, dst in pairs:
+        graph = base.copy()
+        while True:
+            try:
+                path = nx.dijkstra_path(graph, src, dst, weight="w")
+            except nx.NetworkXNoPath:
+                break
+            count += 1
+            graph.remove_edges_from(itertools.pairwise(path))
+    return count
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sizes", type=int, nargs="+", default=[50, 100, 200], metavar="N", help="overlay sizes")
+    parser.add_argument("--degree", type=float, default=6.0, help="average node degree (default 6)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement; the median is printed")
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def run(args: argparse.Namespace) -> int:
+    print(f"policy planning: Algorithm 2 (all nodes as roots) + Algorithm 3 (every directed tree edge), "
+          f"average degree {args.degree:g}, median of {args.repeats}, seed {args.seed}")
+    print(f"{'nodes':>5} {'links':>6} {'pairs':>6} {'paths':>6} {'plan ms':>8} {'vs target':>9} "
+          f"{'nx-apsp ms':>10} {'plan/apsp':>9} {'nx-alg3 ms':>10} {'nx-alg3/plan':>12}")
+    plan(random_overlay(10, 3, args.seed))  # warm imports and caches outside the timings
+    for n in args.sizes:
+        rates = random_overlay(n, args.degree, args.seed)
+        policy = plan(rates)
+        pairs = sorted(policy.aux_paths)
+        paths = sum(len(p) for p in policy.aux_paths.values())
+        t_plan = _timed(lambda rates=rates: plan(rates), args.repeats)  # type: ignore[misc]
+        t_apsp = _timed(lambda rates=rates: _networkx_apsp(rates), args.repeats)  # type: ignore[misc]
+        start = time.perf_counter()
+        nx_paths = _networkx_alg3(rates, pairs)
+        t_alg3 = time.perf_counter() - start
+        if nx_paths != paths:
+            print(f"warning: networkx found {nx_paths} paths, the planner {paths}")
+        target = f"{t_plan / TARGET_S:8.2f}x" if n == TARGET_NODES else f"{'':9}"
+        print(f"{n:>5} {len(rates):>6} {len(pairs):>6} {paths:>6} {t_plan * 1e3:>8.1f} {target} "
+              f"{t_apsp * 1e3:>10.1f} {t_plan / t_apsp:>9.2f} {t_alg3 * 1e3:>10.1f} {t_alg3 / t_plan:>12.1f}")
+    print(f"target: plan <= {TARGET_S * 1e3:.0f} ms at {TARGET_NODES} nodes ('vs target' = plan / target)")
+    return 0

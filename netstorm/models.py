@@ -1,0 +1,108 @@
+"""Parameter layouts of the models the benchmarks synchronize, without importing torch.
+
+Shapes are torchvision's (``alexnet``: 61,100,840 parameters; ``resnet50``: 25,557,032, batch-norm
+scale and shift included, running statistics excluded as they are buffers, not gradients), in the
+order ``named_parameters()`` yields them. Any other model is a plain parameter count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from netstorm.errors import PolicyError
+
+Shape = tuple[int, ...]
+FLOAT32_BYTES = 4
+MODELS = ("alexnet", "resnet50")
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Named float32 tensors in registration order."""
+
+    name: str
+    tensors: tuple[tuple[str, Shape], ...]
+
+    @property
+    def sizes(self) -> list[int]:
+        """Elements per tensor."""
+        return [math.prod(shape) for _, shape in self.tensors]
+
+    @property
+    def params(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of one float32 copy of every parameter."""
+        return self.params * FLOAT32_BYTES
+
+
+def _conv(name: str, out_ch: int, in_ch: int, k: int, bias: bool) -> list[tuple[str, Shape]]:
+    out: list[tuple[str, Shape]] = [(f"{name}.weight", (out_ch, in_ch, k, k))]
+    if bias:
+        out.append((f"{name}.bias", (out_ch,)))
+    return out
+
+
+def _linear(name: str, out_f: int, in_f: int) -> list[tuple[str, Shape]]:
+    return [(f"{name}.weight", (out_f, in_f)), (f"{name}.bias", (out_f,))]
+
+
+def _bn(name: str, channels: int) -> list[tuple[str, Shape]]:
+    return [(f"{name}.weight", (channels,)), (f"{name}.bias", (channels,))]
+
+
+def alexnet() -> ModelLayout:
+    """torchvision.models.alexnet(num_classes=1000)."""
+    tensors = [
+        *_conv("features.0", 64, 3, 11, True),
+        *_conv("features.3", 192, 64, 5, True),
+        *_conv("features.6", 384, 192, 3, True),
+        *_conv("features.8", 256, 384, 3, True),
+        *_conv("features.10", 256, 256, 3, True),
+        *_linear("classifier.1", 4096, 256 * 6 * 6),
+        *_linear("classifier.4", 4096, 4096),
+        *_linear("classifier.6", 1000, 4096),
+    ]
+    return ModelLayout("alexnet", tuple(tensors))
+
+
+def resnet50() -> ModelLayout:
+    """torchvision.models.resnet50(num_classes=1000): bottleneck blocks [3, 4, 6, 3], expansion 4."""
+    tensors = [*_conv("conv1", 64, 3, 7, False), *_bn("bn1", 64)]
+    inplanes = 64
+    for stage, (planes, blocks) in enumerate(((64, 3), (128, 4), (256, 6), (512, 3)), start=1):
+        for block in range(blocks):
+            prefix = f"layer{stage}.{block}"
+            tensors += _conv(f"{prefix}.conv1", planes, inplanes, 1, False) + _bn(f"{prefix}.bn1", planes)
+            tensors += _conv(f"{prefix}.conv2", planes, planes, 3, False) + _bn(f"{prefix}.bn2", planes)
+            tensors += _conv(f"{prefix}.conv3", planes * 4, planes, 1, False) + _bn(f"{prefix}.bn3", planes * 4)
+            if block == 0:
+                tensors += _conv(f"{prefix}.downsample.0", planes * 4, inplanes, 1, False)
+                tensors += _bn(f"{prefix}.downsample.1", planes * 4)
+            inplanes = planes * 4
+    tensors += _linear("fc", 1000, 2048)
+    return ModelLayout("resnet50", tuple(tensors))
+
+
+_SIZE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)(?P<suffix>[kKmMgG]?)")
+_SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+
+
+def layout(spec: str) -> ModelLayout:
+    """``alexnet``, ``resnet50``, or a parameter count (``15275210``, ``1e6``, ``61.1M``) as one tensor."""
+    key = spec.strip().lower()
+    if key == "alexnet":
+        return alexnet()
+    if key == "resnet50":
+        return resnet50()
+    match = _SIZE.fullmatch(spec.strip())
+    if match is None:
+        raise PolicyError(f"unknown model {spec!r}: give {', '.join(MODELS)} or a parameter count such as 1e6")
+    count = float(match["number"]) * _SUFFIX[match["suffix"].lower()]
+    if not count.is_integer() or count < 1:
+        raise PolicyError(f"model size {spec!r} is not a whole, positive number of parameters")
+    return ModelLayout(f"{int(count)} params", (("params", (int(count),)),))

@@ -1,0 +1,234 @@
+"""Policies: the trees, chunk shares and auxiliary paths a scheduler hands every node, and ``plan``.
+
+A Policy is pure data with an exact wire form; ``plan`` turns measured rates into one, for NetStorm's
+multi-root FAPT or one of the baselines, deterministically (same rates, same bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from netstorm.allot import allot_chunks
+from netstorm.auxpath import auxiliary_paths
+from netstorm.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
+from netstorm.errors import PolicyError
+from netstorm.fapt import build_multi_root_fapt
+from netstorm.predict import routed_delay, routes_for
+from netstorm.rategraph import RateGraph
+from netstorm.scenario import Rates
+from netstorm.tree import Tree
+
+__all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "allot_chunks", "plan"]
+
+WIRE_VERSION = 1
+TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
+_WIRE_KEYS = {"wire", "version", "topology", "roots", "trees", "chunk_share", "quality", "aux_paths"}
+_INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
+_PAIR_TEXT = re.compile(r"(-?(?:0|[1-9][0-9]*))->(-?(?:0|[1-9][0-9]*))")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One decision of the scheduler: every root's tree, its share of the chunks, the auxiliary paths."""
+
+    version: int
+    topology: str
+    roots: tuple[int, ...]
+    trees: Mapping[int, Tree]
+    chunk_share: Mapping[int, float]
+    """Root -> fraction of the model's elements it aggregates; sums to 1."""
+    quality: Mapping[int, float]
+    """q_i = 1 / w(T_i) for the roots (for every node on a first FAPT decision)."""
+    aux_paths: Mapping[tuple[int, int], tuple[tuple[int, ...], ...]]
+    """(src, dst) -> Algorithm 3's paths, [0] the primary."""
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return self.trees[self.roots[0]].nodes
+
+    def with_version(self, version: int) -> Policy:
+        return dataclasses.replace(self, version=version)
+
+    def validate(self) -> None:
+        """Raise PolicyError unless every invariant the runtime relies on holds."""
+        if isinstance(self.version, bool) or not isinstance(self.version, int) or self.version < 0:
+            raise PolicyError(f"policy version must be a non-negative integer, got {self.version!r}")
+        if self.topology not in TOPOLOGIES:
+            raise PolicyError(f"unknown topology {self.topology!r} (known: {', '.join(TOPOLOGIES)})")
+        if not self.roots or len(set(self.roots)) != len(self.roots):
+            raise PolicyError(f"roots must be non-empty and distinct, got {list(self.roots)}")
+        if set(self.trees) != set(self.roots):
+            raise PolicyError(f"trees {sorted(self.trees)} do not match roots {sorted(self.roots)}")
+        nodes = set(self.trees[self.roots[0]].parent)
+        for root in self.roots:
+            tree = self.trees[root]
+            if tree.root != root:
+                raise PolicyError(f"tree under root {root} is rooted at {tree.root}")
+            if set(tree.parent) != nodes:
+                raise PolicyError(f"tree of root {root} does not span the same nodes as the others")
+        if set(self.chunk_share) != set(self.roots):
+            raise PolicyError(f"chunk shares {sorted(self.chunk_share)} do not match roots {sorted(self.roots)}")
+        for root, share in self.chunk_share.items():
+            if not (isinstance(share, float) and math.isfinite(share) and share >= 0):
+                raise PolicyError(f"chunk share of root {root} must be a non-negative float, got {share!r}")
+        if not math.isclose(sum(self.chunk_share.values()), 1.0, rel_tol=0, abs_tol=1e-9):
+            raise PolicyError(f"chunk shares sum to {sum(self.chunk_share.values())}, not 1")
+        for node, q in self.quality.items():
+            if node not in nodes or not (isinstance(q, float) and q > 0 and not math.isnan(q)):
+                raise PolicyError(f"quality of node {node} must be a positive float of a tree node, got {q!r}")
+        for (src, dst), paths in self.aux_paths.items():
+            if src not in nodes or dst not in nodes or src == dst:
+                raise PolicyError(f"auxiliary paths {src}->{dst}: endpoints must be two distinct tree nodes")
+            for path in paths:
+                if len(path) < 2 or path[0] != src or path[-1] != dst or len(set(path)) != len(path):
+                    raise PolicyError(f"auxiliary path {list(path)} is not a simple path {src}->{dst}")
+                if any(n not in nodes for n in path):
+                    raise PolicyError(f"auxiliary path {list(path)} leaves the tree's nodes")
+
+    def to_wire(self) -> dict[str, Any]:
+        """A msgpack/JSON-safe dict (string keys, node ids as decimal strings); exact round trip."""
+        return {
+            "wire": WIRE_VERSION,
+            "version": self.version,
+            "topology": self.topology,
+            "roots": list(self.roots),
+            "trees": {str(r): {str(n): p for n, p in sorted(self.trees[r].parent.items())} for r in self.roots},
+            "chunk_share": {str(r): self.chunk_share[r] for r in self.roots},
+            "quality": {str(n): q for n, q in sorted(self.quality.items())},
+            "aux_paths": {f"{s}->{d}": [list(p) for p in paths] for (s, d), paths in sorted(self.aux_paths.items())},
+        }
+
+    @classmethod
+    def from_wire(cls, data: Mapping[str, Any]) -> Policy:
+        """Decode ``to_wire``'s form; anything malformed or unknown raises PolicyError."""
+        if not isinstance(data, Mapping):
+            raise PolicyError(f"policy must be a mapping, got {type(data).__name__}")
+        keys = set(data)
+        if keys != _WIRE_KEYS:
+            missing, extra = sorted(_WIRE_KEYS - keys), sorted(map(str, keys - _WIRE_KEYS))
+            raise PolicyError(f"policy keys: missing {missing}, unknown {extra}")
+        if data["wire"] != WIRE_VERSION or isinstance(data["wire"], bool):
+            raise PolicyError(f"unsupported policy wire version {data['wire']!r} (this build reads {WIRE_VERSION})")
+        version = _wire_int(data["version"], "version")
+        topology = data["topology"]
+        if not isinstance(topology, str):
+            raise PolicyError(f"topology must be a string, got {topology!r}")
+        if not isinstance(data["roots"], list | tuple):
+            raise PolicyError(f"roots must be a list, got {data['roots']!r}")
+        roots = tuple(_wire_int(r, "root") for r in data["roots"])
+        trees: dict[int, Tree] = {}
+        for key, raw in _wire_mapping(data["trees"], "trees").items():
+            root = _node_key(key, "trees")
+            parent: dict[int, int | None] = {}
+            for node_key, up in _wire_mapping(raw, f"trees[{key}]").items():
+                parent[_node_key(node_key, f"trees[{key}]")] = None if up is None else _wire_int(up, "parent")
+            trees[root] = Tree(root, parent)
+        share = {_node_key(k, "chunk_share"): _wire_float(v, "chunk share")
+                 for k, v in _wire_mapping(data["chunk_share"], "chunk_share").items()}
+        quality = {_node_key(k, "quality"): _wire_float(v, "quality")
+                   for k, v in _wire_mapping(data["quality"], "quality").items()}
+        aux: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
+        for key, raw_paths in _wire_mapping(data["aux_paths"], "aux_paths").items():
+            match = _PAIR_TEXT.fullmatch(key) if isinstance(key, str) else None
+            if match is None:
+                raise PolicyError(f"aux_paths key {key!r} is not '<src>-><dst>'")
+            if not isinstance(raw_paths, list | tuple):
+                raise PolicyError(f"aux_paths[{key}] must be a list of paths")
+            paths = []
+            for raw_path in raw_paths:
+                if not isinstance(raw_path, list | tuple):
+                    raise PolicyError(f"aux_paths[{key}]: a path must be a list of node ids")
+                paths.append(tuple(_wire_int(n, "path node") for n in raw_path))
+            aux[(int(match[1]), int(match[2]))] = tuple(paths)
+        policy = cls(version, topology, roots, trees, share, quality, aux)
+        policy.validate()
+        return policy
+
+
+def _wire_int(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PolicyError(f"{what} must be an integer, got {value!r}")
+    return value
+
+
+def _wire_float(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PolicyError(f"{what} must be a number, got {value!r}")
+    return float(value)
+
+
+def _wire_mapping(value: Any, what: str) -> Mapping[Any, Any]:
+    if not isinstance(value, Mapping):
+        raise PolicyError(f"{what} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _node_key(key: Any, what: str) -> int:
+    if not isinstance(key, str) or _INT_TEXT.fullmatch(key) is None:
+        raise PolicyError(f"{what}: key {key!r} is not a node id")
+    return int(key)
+
+
+def _tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
+    """Directed pairs a policy sends on: every tree edge up (push) and down (result)."""
+    pairs: set[tuple[int, int]] = set()
+    for tree in trees.values():
+        for child, parent in tree.edges():
+            pairs.add((child, parent))
+            pairs.add((parent, child))
+    return pairs
+
+
+def plan(
+    rates: Rates,
+    *,
+    topology: str = "fapt",
+    num_roots: int = 0,
+    roots: Sequence[int] | None = None,
+    bkt_k: int = 2,
+    hub: int | None = None,
+    version: int = 0,
+    aux: bool = True,
+) -> Policy:
+    """A policy for the directed ``rates`` (Mbit/s for every overlay link).
+
+    ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
+    earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
+    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root. With ``aux``,
+    Algorithm 3 runs for every directed pair the trees send on.
+    """
+    if topology not in TOPOLOGIES:
+        raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
+    graph = RateGraph.from_rates(rates)
+    trees: dict[int, Tree]
+    if topology in ("fapt", "fapt1"):
+        if topology == "fapt1":
+            if roots is not None and len(roots) != 1:
+                raise PolicyError(f"single-root FAPT takes one root, got {list(roots)}")
+            num_roots = 1
+        result = build_multi_root_fapt(graph, num_roots, roots)
+        chosen, trees, quality = result.roots, result.trees, result.quality
+    else:
+        if topology == "mst":
+            edges = maximum_spanning_edges(graph)
+            routes = routes_for(graph)
+            options = {r: orient(graph.nodes, edges, r) for r in graph.nodes}
+            delays = {r: routed_delay(t, graph, routes) for r, t in options.items()}
+            root = hub if hub is not None else min(delays, key=lambda r: (delays[r], r))
+            tree = options.get(root) or star_tree(graph, root)  # star_tree rejects an unknown hub
+        else:
+            root = best_connected(graph) if hub is None else hub
+            tree = star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
+        chosen, trees = (root,), {root: tree}
+        quality = {root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
+    total_q = sum(quality[r] for r in chosen)
+    share = {r: quality[r] / total_q for r in chosen}
+    aux_paths = auxiliary_paths(graph, sorted(_tree_pairs(trees))) if aux else {}
+    policy = Policy(version, topology, chosen, trees, share, quality, aux_paths)
+    policy.validate()
+    return policy

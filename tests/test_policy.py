@@ -1,0 +1,162 @@
+"""Policy: plan's shape per topology, the wire round trip, rejection of malformed wire data, determinism."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import msgpack
+import pytest
+
+from netstorm.errors import PolicyError
+from netstorm.policy import TOPOLOGIES, Policy, Tree, plan
+from tests.policy_graphs import internet2, random_overlay
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_plan_spans_every_node_with_shares_summing_to_one(topology):
+    rates = internet2(0.25)
+    policy = plan(rates, topology=topology)
+    nodes = tuple(range(1, 10))
+    assert policy.topology == topology
+    for root in policy.roots:
+        assert policy.trees[root].nodes == nodes
+        assert policy.trees[root].root == root
+    assert sum(policy.chunk_share.values()) == pytest.approx(1.0, abs=1e-12)
+    expected_roots = 9 if topology == "fapt" else 1
+    assert len(policy.roots) == expected_roots
+
+
+def test_wire_round_trip_is_exact_through_json_and_msgpack():
+    policy = plan(internet2(0.25), version=7)
+    wire = policy.to_wire()
+    via_json = Policy.from_wire(json.loads(json.dumps(wire)))
+    via_msgpack = Policy.from_wire(msgpack.unpackb(msgpack.packb(wire), strict_map_key=False))
+    assert via_json == policy
+    assert via_msgpack == policy
+    assert via_json.to_wire() == wire
+    assert policy.with_version(8).version == 8
+    assert policy.with_version(8).trees == policy.trees
+
+
+def _corrupt(wire: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
+    data = json.loads(json.dumps(wire))
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    if value is KeyError:
+        del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(("path", "value", "message"), [
+    (["wire"], 2, "wire version"),
+    (["version"], -1, "version"),
+    (["version"], "3", "integer"),
+    (["topology"], "ring", "unknown topology"),
+    (["roots"], [4, 4], "distinct"),
+    (["roots"], [99], "do not match"),
+    (["trees", "4", "9"], 9, "cycle"),
+    (["trees", "4", "3"], 42, "not in the tree"),
+    (["trees", "4", "x"], 3, "not a node id"),
+    (["trees", "4", "4"], 3, "root must be"),
+    (["chunk_share", "4"], 0.9, "sum"),
+    (["chunk_share", "4"], "half", "number"),
+    (["quality", "4"], -1.0, "positive"),
+    (["aux_paths", "1->2"], [[1, 3]], "not a simple path"),
+    (["aux_paths", "1->2"], [[1, 2, 1, 2]], "not a simple path"),
+    (["aux_paths", "1-2"], [[1, 2]], "not '<src>-><dst>'"),
+    (["extra"], 1, "unknown"),
+    (["aux_paths"], KeyError, "missing"),
+])
+def test_from_wire_rejects_malformed_input(path, value, message):
+    wire = plan(internet2(0.25)).to_wire()
+    with pytest.raises(PolicyError, match=message):
+        Policy.from_wire(_corrupt(wire, path, value))
+
+
+def test_from_wire_rejects_non_mapping():
+    with pytest.raises(PolicyError):
+        Policy.from_wire([1, 2])  # type: ignore[arg-type]
+
+
+def test_plan_rejects_bad_rates_and_options():
+    with pytest.raises(PolicyError, match="positive"):
+        plan({(1, 2): 0.0, (2, 1): 5.0})
+    with pytest.raises(PolicyError, match="itself"):
+        plan({(1, 1): 5.0})
+    with pytest.raises(PolicyError, match="strongly connected"):
+        plan({(1, 2): 5.0, (2, 3): 5.0, (3, 2): 5.0})
+    with pytest.raises(PolicyError, match="unknown topology"):
+        plan(internet2(), topology="ring")
+    with pytest.raises(PolicyError, match="not a node"):
+        plan(internet2(), roots=[42])
+    with pytest.raises(PolicyError, match="hub"):
+        plan(internet2(), topology="star", hub=42)
+
+
+def test_fixed_roots_are_kept_in_the_given_order():
+    policy = plan(internet2(), roots=[9, 1])
+    assert policy.roots == (9, 1)
+    assert set(policy.trees) == {9, 1}
+    # Only the roots' scores are known when R was fixed earlier.
+    assert set(policy.quality) == {9, 1}
+    assert policy.chunk_share[9] / policy.chunk_share[1] == pytest.approx(policy.quality[9] / policy.quality[1])
+
+
+def test_aux_paths_cover_every_tree_edge_both_ways():
+    policy = plan(internet2())
+    wanted = set()
+    for tree in policy.trees.values():
+        for child, parent in tree.edges():
+            wanted |= {(child, parent), (parent, child)}
+    assert set(policy.aux_paths) == wanted
+    assert plan(internet2(), aux=False).aux_paths == {}
+
+
+_DUMP = """
+import json, random, sys
+from netstorm.policy import plan
+from tests.policy_graphs import random_overlay
+rates = random_overlay(40, 6, 5, low=20, high=24)   # few distinct rates: many exact ties
+items = list(rates.items())
+random.Random(int(sys.argv[1])).shuffle(items)       # insertion order must not matter
+out = {t: plan(dict(items), topology=t).to_wire() for t in ("fapt", "star", "bkt", "mst", "fapt1")}
+sys.stdout.write(json.dumps(out, sort_keys=True))
+"""
+
+
+def test_same_rates_give_the_same_bytes_across_processes():
+    outputs = set()
+    for seed, hashseed in ((1, "0"), (2, "12345")):
+        env = dict(os.environ, PYTHONHASHSEED=hashseed)
+        done = subprocess.run([sys.executable, "-c", _DUMP, str(seed)], capture_output=True, text=True,
+                              env=env, timeout=120, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        outputs.add(done.stdout)
+    assert len(outputs) == 1
+    in_process = {t: plan(random_overlay(40, 6, 5, low=20, high=24), topology=t).to_wire()
+                  for t in ("fapt", "star", "bkt", "mst", "fapt1")}
+    assert json.dumps(in_process, sort_keys=True) == outputs.pop()
+
+
+def test_tree_accessors():
+    tree = Tree(1, {1: None, 2: 1, 3: 1, 4: 2, 5: 4})
+    assert tree.children(1) == (2, 3)
+    assert tree.children(5) == ()
+    assert tree.path_to_root(5) == (5, 4, 2, 1)
+    order = tree.bottom_up()
+    assert sorted(order) == [1, 2, 3, 4, 5]
+    for node in order:
+        parent = tree.parent[node]
+        if parent is not None:
+            assert order.index(node) < order.index(parent)
+    assert order == (5, 4, 2, 3, 1)
+    with pytest.raises(PolicyError, match="cycle"):
+        Tree(1, {1: None, 2: 3, 3: 2})
+    with pytest.raises(PolicyError):
+        Tree(1, {1: 2, 2: None})
