@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.maps import EdgeLayout
-from bpf.wire import HEADER_BYTES, HEADER_DTYPE, INT32_MAX, Flag, Kind, WireError
+from bpf.wire import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, INT32_MAX, MAGIC, VERSION, Flag, Kind, WireError
 from bpf.xdp import STATS, SlotEvent
 
 
@@ -53,20 +53,21 @@ class UserspaceAggregator:
         if len(data) != HEADER_BYTES + 4 * lanes:
             self.counters["bad"] += 1
             raise WireError(f"DATA datagram of {len(data)} bytes, expected {HEADER_BYTES + 4 * lanes}")
-        h = np.frombuffer(data, HEADER_DTYPE, count=1)[0]
-        if int(h["kind"]) != Kind.DATA or int(h["job"]) != self.job:
+        (magic, version, kind, job, worker, flags, iteration, tensor, chunk, index, count, scale, need,
+         _reserved) = HEADER_STRUCT.unpack_from(data)
+        if magic != MAGIC or version != VERSION:
+            raise WireError(f"not an edge datagram (magic 0x{magic:04x}, version {version})")
+        if kind != Kind.DATA or job != self.job:
             raise WireError(f"not a DATA datagram of job {self.job}")
         self.counters["rx"] += 1
-        worker, count, index = int(h["worker"]), int(h["count"]), int(h["slot"])
-        if not 0 < count <= lanes or worker >= 64 or index >= len(self.slots) or int(h["flags"]) & ~int(Flag.OVERFLOW):
+        if not 0 < count <= lanes or worker >= 64 or index >= len(self.slots) or flags & ~int(Flag.OVERFLOW):
             self.counters["bad"] += 1
             raise WireError(f"DATA from worker {worker} with count {count}, slot {index}: out of range")
         bit = 1 << worker
         if not self.expected & bit:
             self.counters["unexpected"] += 1
             return None
-        values = np.frombuffer(data, "<i4", offset=HEADER_BYTES).astype(np.int64)
-        iteration, tensor, chunk, scale = int(h["iteration"]), int(h["tensor"]), int(h["chunk"]), int(h["scale"])
+        values = np.frombuffer(data, "<i4", offset=HEADER_BYTES)
         s = self.slots[index]
         same = (s.iteration, s.tensor, s.chunk) == (iteration, tensor, chunk)
         age = ((iteration - s.iteration + 2**31) % 2**32) - 2**31
@@ -84,8 +85,8 @@ class UserspaceAggregator:
             else:
                 s.lanes += values
                 s.bitmap |= bit
-                s.flags |= int(h["flags"]) & int(Flag.OVERFLOW)
-                s.need = min(s.need, int(h["need"]))
+                s.flags |= flags & int(Flag.OVERFLOW)
+                s.need = min(s.need, need)
                 if s.bitmap == self.expected:
                     s.busy = False
                     last = True
@@ -94,7 +95,7 @@ class UserspaceAggregator:
             if s.busy and not same:
                 self.counters["busy_evicted"] += 1
             s.iteration, s.tensor, s.chunk, s.scale, s.count = iteration, tensor, chunk, scale, count
-            s.need, s.flags, s.nacks, s.bitmap = int(h["need"]), int(h["flags"]) & int(Flag.OVERFLOW), 0, bit
+            s.need, s.flags, s.nacks, s.bitmap = need, flags & int(Flag.OVERFLOW), 0, bit
             s.lanes[:] = values
             if bit == self.expected:
                 s.busy = False

@@ -237,7 +237,7 @@ def compile_and_load(
         raise LoaderError(f"kernel headers missing at {kdir}; scripts/setup.sh links Debian's linux-headers there")
     flags = [*cflags, "-Wno-unused-value", "-Wno-pointer-sign"]
     try:
-        owner = bcc.BPF(text=owner_text, cflags=flags)
+        owner = bcc.BPF(text=owner_text.encode(), cflags=flags)
     except Exception as exc:
         raise LoaderError(f"compiling the timer map owner failed: {exc}") from None
     map_fd = int(bcc.libbcc.lib.bpf_table_fd(owner.module, timer_map.encode()))
@@ -246,12 +246,13 @@ def compile_and_load(
         raise LoaderError(f"the owner module defines no table {timer_map!r}")
     mark = new_mark()
     try:
-        module = bcc.BPF(text=prog_text, cflags=[*flags, f"-DTIMER_MAP_FD={map_fd}", f"-DTIMER_CB_MARK={mark}ULL"])
+        defines = [f"-DTIMER_MAP_FD={map_fd}", f"-DTIMER_CB_MARK={mark}ULL"]
+        module = bcc.BPF(text=prog_text.encode(), cflags=[*flags, *defines])
     except Exception as exc:
         owner.cleanup()
         raise LoaderError(f"compiling {prog_name} failed: {exc}") from None
     try:
-        fd = load_with_callback(module.dump_func(prog_name), module.dump_func(callback_name), mark,
+        fd = load_with_callback(module.dump_func(prog_name.encode()), module.dump_func(callback_name.encode()), mark,
                                 prog_name=prog_name, callback_name=callback_name)
     except Exception:
         module.cleanup()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import dataclass
 from typing import Final
 
@@ -84,7 +85,8 @@ HEADER_DTYPE: Final = np.dtype(
         ("scale", "i1"), ("need", "i1"), ("reserved", "<u4"),
     ]
 )
-assert HEADER_DTYPE.itemsize == HEADER_BYTES
+HEADER_STRUCT: Final = struct.Struct("<HBBHBBIIIIHbbI")
+assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
 
 
 @dataclass(frozen=True)
@@ -102,30 +104,29 @@ class Header:
     flags: Flag = Flag.NONE
 
     def encode(self) -> bytes:
-        row = np.zeros(1, HEADER_DTYPE)
-        row[0] = (MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags), self.iteration,
-                  self.tensor, self.chunk, self.slot, self.count, self.scale, self.need, 0)
-        return row.tobytes()
+        return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
+                                  self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
+                                  self.need, 0)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Header:
         """The header of ``data``; raises WireError for a short, foreign or inconsistent datagram."""
         if len(data) < HEADER_BYTES:
             raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
-        row = np.frombuffer(data, HEADER_DTYPE, count=1)[0]
-        if int(row["magic"]) != MAGIC:
-            raise WireError(f"bad magic 0x{int(row['magic']):04x}")
-        if int(row["version"]) != VERSION:
-            raise WireError(f"unsupported version {int(row['version'])} (this side speaks {VERSION})")
+        (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
+         _reserved) = HEADER_STRUCT.unpack_from(data)
+        if magic != MAGIC:
+            raise WireError(f"bad magic 0x{magic:04x}")
+        if version != VERSION:
+            raise WireError(f"unsupported version {version} (this side speaks {VERSION})")
         try:
-            kind = Kind(int(row["kind"]))
+            kind = Kind(kind_code)
         except ValueError:
-            raise WireError(f"unknown kind {int(row['kind'])}") from None
-        count = int(row["count"])
+            raise WireError(f"unknown kind {kind_code}") from None
         if count > MAX_LANES:
             raise WireError(f"count {count} exceeds {MAX_LANES} lanes")
-        if int(row["worker"]) >= MAX_WORKERS:
-            raise WireError(f"worker {int(row['worker'])} out of range 0..{MAX_WORKERS - 1}")
+        if worker >= MAX_WORKERS:
+            raise WireError(f"worker {worker} out of range 0..{MAX_WORKERS - 1}")
         payload = len(data) - HEADER_BYTES
         if kind in (Kind.DATA, Kind.AGG, Kind.RESULT):
             # lanes may be padded (with zeros) up to the layout's lane width; count says how many matter
@@ -133,12 +134,10 @@ class Header:
                 raise WireError(f"{kind.name} datagram with {payload} payload bytes cannot hold {count} lanes")
         elif payload:
             raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
-        flags = int(row["flags"])
         if flags & ~int(Flag.OVERFLOW | Flag.RESCALE):
             raise WireError(f"unknown flags 0x{flags:02x}")
-        return cls(kind=kind, job=int(row["job"]), worker=int(row["worker"]), iteration=int(row["iteration"]),
-                   tensor=int(row["tensor"]), chunk=int(row["chunk"]), slot=int(row["slot"]), count=count,
-                   scale=int(row["scale"]), need=int(row["need"]), flags=Flag(flags))
+        return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
+                   count=count, scale=scale, need=need, flags=Flag(flags))
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:

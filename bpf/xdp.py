@@ -85,7 +85,7 @@ class XdpAggregator:
 
     def configure(self, *, job: int, port: int, expected: int, timeout: float, max_nacks: int) -> None:
         """Install the control side's view: which workers contribute, the timer period, job and port."""
-        table = self._module["ns_cfg"]
+        table = self._module[b"ns_cfg"]
         value = table.Leaf()
         value.expected = expected
         value.timeout_ns = int(timeout * 1e9)
@@ -115,7 +115,7 @@ class XdpAggregator:
 
     def stats(self) -> dict[str, int]:
         """Counters summed over CPUs."""
-        table = self._module["ns_stats"]
+        table = self._module[b"ns_stats"]
         return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(STATS)}
 
     # ring buffer -------------------------------------------------------------------------------------
@@ -123,7 +123,7 @@ class XdpAggregator:
     def events_fd(self) -> int:
         """Readable when the timer callback has reported slots (for loop.add_reader)."""
         self._open_ring()
-        return int(self._module["ns_events"].map_fd)
+        return int(self._module[b"ns_events"].map_fd)
 
     def _open_ring(self) -> None:
         if self._ring_open:
@@ -136,7 +136,7 @@ class XdpAggregator:
             return 0
 
         self._on_event = on_event  # bcc keeps only a weak hold on the callback
-        self._module["ns_events"].open_ring_buffer(on_event)
+        self._module[b"ns_events"].open_ring_buffer(on_event)
         self._ring_open = True
 
     def drain_events(self) -> list[SlotEvent]:

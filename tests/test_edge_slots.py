@@ -64,7 +64,7 @@ def xdp_aggregator() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=[pytest.mark.root, pytest.mark.bcc])])
+@pytest.fixture(params=["userspace", pytest.param("xdp", marks=[pytest.mark.root, pytest.mark.bcc, pytest.mark.slow])])
 def backend(request: pytest.FixtureRequest) -> Backend:
     if request.param == "xdp":
         return Backend("xdp", request.getfixturevalue("xdp_aggregator"))
@@ -192,6 +192,7 @@ def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) 
 
 @pytest.mark.root
 @pytest.mark.bcc
+@pytest.mark.slow
 def test_concurrent_runs_on_two_cpus_serialise_per_slot(xdp_aggregator: Any) -> None:
     """Two threads run the program at once (the syscall drops the GIL, the kernel runs them on both CPUs),
     hitting the same slots: the per-slot bpf_spin_lock must keep every sum exact."""

@@ -56,6 +56,7 @@ def test_missing_mark_and_torn_instructions_are_errors() -> None:
 
 @pytest.mark.root
 @pytest.mark.bcc
+@pytest.mark.slow
 def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
     import numpy as np
 
