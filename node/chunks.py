@@ -91,6 +91,9 @@ class ChunkCore:
         self._early: dict[int, list[tuple[ChunkHeader, np.ndarray]]] = {}
         self._closed: dict[int, str] = {}
         self._roots_cache: dict[int, list[int]] = {}
+        self.horizon = 1
+        """Highest iteration a peer may send chunks for: no peer can be more than one iteration ahead of
+        this node's own contributions, so anything beyond is a broken peer, not early data to keep."""
         if layout is not None:
             self.set_layout(layout)
 
@@ -173,6 +176,9 @@ class ChunkCore:
             raise ChunkError(f"node {self.node_id} received a hop addressed to node {header.dst}")
         if header.final != self.node_id:
             return [self._forward(header, payload)]
+        if header.iteration > self.horizon:
+            raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, but "
+                             f"node {self.node_id} has not reached iteration {header.iteration - 1}")
         if header.iteration in self._closed:
             if self._closed[header.iteration] == "failed":
                 return []

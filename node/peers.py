@@ -248,12 +248,13 @@ class PeerLink:
     """The sending half towards one peer: a queue and the task that drains it."""
 
     def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
-                 clock: Callable[[], float], connect_timeout: float) -> None:
+                 clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0) -> None:
         self.peer_id = peer_id
         self.address = address
         self._hello = hello
         self._clock = clock
         self._connect_timeout = connect_timeout
+        self._stall_timeout = stall_timeout
         self._queue: collections.deque[Outgoing] = collections.deque()
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -308,7 +309,12 @@ class PeerLink:
                 self.queued_bytes -= item.payload.nbytes
                 self.sent_frames += 1
                 self.sent_bytes += item.payload.nbytes
-                await protocol.drain()
+                try:
+                    async with asyncio.timeout(self._stall_timeout):
+                        await protocol.drain()
+                except TimeoutError:
+                    raise PeerError(f"node {self.peer_id} accepted no data for {self._stall_timeout:g} s (sending "
+                                    f"chunk {header.chunk} of iteration {header.iteration})") from None
                 if item.on_sent is not None:
                     item.on_sent()
         finally:

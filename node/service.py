@@ -138,7 +138,8 @@ class GeneralNode:
                     if peer == self.node_id:
                         continue
                     link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
-                                    connect_timeout=self.config.connect_timeout)
+                                    connect_timeout=self.config.connect_timeout,
+                                    stall_timeout=self.config.iteration_timeout)
                     self.links[peer] = link
                     tg.create_task(self._run_link(link))
                 self._ready.set()
@@ -187,6 +188,7 @@ class GeneralNode:
         self.layout = layout
         self._key_next = np.full(len(layout.tensors), self.first_iteration, dtype=np.int64)
         self._key_pull = self._key_next.copy()
+        self.core.horizon = self.first_iteration + 1
         self._apply(self.core.set_layout(layout))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
@@ -205,16 +207,28 @@ class GeneralNode:
                              f"iteration {low}: {', '.join(behind)}")
         return low
 
-    async def contribute(self, key: int, values: np.ndarray | None) -> int:
-        """This DC's values for tensor ``key`` in its next iteration (None contributes zeros)."""
+    def pull_iteration(self, key: int) -> int:
+        """The iteration the next ``collect`` of tensor ``key`` returns."""
+        return int(self._key_pull[key])
+
+    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None) -> int:
+        """This DC's values for tensor ``key`` in its next iteration (None contributes zeros).
+
+        This is the hook for any source of the DC's contribution (the trainer endpoint, or the LAN edge
+        aggregator): ``iteration``, when given, must be the tensor's next one.
+        """
         if self.layout is None:
             raise LayoutError("no tensors registered")
+        if iteration is not None and iteration != int(self._key_next[key]):
+            raise ChunkError(f"tensor {self.layout.tensors[key].name!r}: contribution for iteration {iteration}, "
+                             f"but its next iteration is {int(self._key_next[key])}")
         iteration = int(self._key_next[key])
         tracker = self._tracker(iteration)
         tracker.check()
         await self.ensure_policy(iteration)
         tracker.check()
         self._key_next[key] += 1
+        self.core.horizon = max(self.core.horizon, iteration + 1)
         self._apply(self.core.push_local(iteration, key, values))
         return iteration
 
@@ -382,6 +396,23 @@ class GeneralNode:
                       report.mbit_s)
             self.control.report_link(report)
 
+    def _skip(self, iteration: int) -> None:
+        """A failed iteration is over for every tensor: the DC's next push and pull go to the one after."""
+        if self.layout is None:
+            return
+        np.maximum(self._key_next, iteration + 1, out=self._key_next)
+        np.maximum(self._key_pull, iteration + 1, out=self._key_pull)
+        self.core.horizon = max(self.core.horizon, iteration + 2)
+        for old in [k for k, t in self._trackers.items() if k < iteration - 2 and t.failed is not None]:
+            del self._trackers[old]
+
+    def contributors(self, iteration: int) -> list[int]:
+        """The DCs whose contributions make up ``iteration``'s sums (the nodes of its bound policy)."""
+        waiter = self._policy_waits.get(iteration)
+        if waiter is None or not waiter.done() or waiter.exception() is not None:
+            return sorted(self.members)
+        return sorted(waiter.result().nodes)
+
     def _tracker(self, iteration: int) -> _Tracker:
         tracker = self._trackers.get(iteration)
         if tracker is None:
@@ -407,6 +438,7 @@ class GeneralNode:
                 tracker.failed = action.reason
                 tracker.cause = action.cause
                 tracker.changed.set()
+                self._skip(action.iteration)
                 log.error("node %d: %s", self.node_id, action.reason)
 
     def _send(self, send: Send) -> None:

@@ -30,6 +30,8 @@ from scheduler.planner import Planner, PlanningError, restrict
 
 log = logging.getLogger(__name__)
 
+STATUS_BINDINGS = 64
+"""Most recent iteration -> version bindings a status answer carries."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
 
@@ -90,6 +92,7 @@ class SchedulerService:
         self._plan_lock = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._layout: tuple[str, int] | None = None
+        self._ignored_links: set[tuple[int, int]] = set()
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
         self.cycles = 0
@@ -117,7 +120,10 @@ class SchedulerService:
     async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
         for attempt in range(20):
-            server = await asyncio.start_server(self._serve_connection, host, port)
+            try:
+                server = await asyncio.start_server(self._serve_connection, host, port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on TCP {control.format_address((host, port))}: {exc}") from None
             sockname = server.sockets[0].getsockname()
             address = (str(sockname[0]), int(sockname[1]))
             try:
@@ -126,7 +132,7 @@ class SchedulerService:
                 server.close()
                 await server.wait_closed()
                 if port != 0 or attempt == 19:
-                    raise OSError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from exc
+                    raise ConfigError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from None
                 continue
             self.address = address
             return server, sntp, address
@@ -180,6 +186,8 @@ class SchedulerService:
                 await self._override(conn, message)
             case control.StatusRequest():
                 await conn.send(self.status())
+            case control.PolicyFetch():
+                await conn.send(self._policy_fetch(message.version))
             case _:
                 await conn.send(control.Error(f"the scheduler does not accept {message.TYPE} messages"))
         return True
@@ -279,7 +287,10 @@ class SchedulerService:
         try:
             self.collector.add(report, self.clock())
         except ValueError as exc:
-            log.warning("link report from %s ignored: %s", conn.name(), exc)
+            # e.g. a STAR/BKT tree edge between non-adjacent DCs measures a route, not an overlay link
+            if (message.src, message.dst) not in self._ignored_links:
+                self._ignored_links.add((message.src, message.dst))
+                log.warning("link reports %d->%d ignored (said once): %s", message.src, message.dst, exc)
             return
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
                   message.samples)
@@ -297,9 +308,22 @@ class SchedulerService:
 
     def status(self) -> control.Status:
         current = self.consistency.current_version
+        bindings = sorted(self.consistency.bindings.items())[-STATUS_BINDINGS:]
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
-                              version=-1 if current is None else current)
+                              version=-1 if current is None else current, bindings=tuple(bindings))
+
+    def _policy_fetch(self, version: int) -> control.Message:
+        current = self.consistency.current_version
+        wanted = current if version == -1 else version
+        if wanted is None:
+            return control.Error("no policy has been planned yet")
+        try:
+            policy = self.consistency.policy(wanted)
+        except KeyError:
+            return control.Error(f"policy version {version} is not held (current {current}; older versions are "
+                                 "kept only while a remembered iteration uses them)")
+        return control.PolicyReply(-1, wanted, policy.to_wire())
 
     # --- membership changes and planning ---------------------------------------------------------
 
@@ -307,8 +331,8 @@ class SchedulerService:
         async def one(conn: _Connection) -> None:
             try:
                 await conn.send(message)
-            except ConnectionError as exc:
-                log.warning("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
+            except ConnectionError as exc:  # it is going away; its own handler reports that
+                log.info("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
                 conn.close()
 
         async with asyncio.TaskGroup() as tasks:
@@ -342,6 +366,9 @@ class SchedulerService:
             if not self.complete.is_set():
                 continue
             if not membership_change and not self.config.enable_awareness:
+                continue
+            if len(self.membership.alive) < 2:
+                log.info("fewer than two live nodes (%s): no job left to plan for", list(self.membership.alive))
                 continue
             rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
                 else self.planner.planned_rates or self.initial_rates

@@ -286,3 +286,22 @@ def test_failed_iteration_ignores_late_chunks_and_finished_rejects_them():
     net.run()  # chunks for the failed iteration are ignored at node 2, node 1 never completes
     assert not cores[1].is_done(0)
     assert "outstanding" in cores[1].status(0)
+
+
+def test_chunks_from_beyond_the_next_iteration_are_refused():
+    # A peer can be at most one iteration ahead of this node's own contributions; anything further is a
+    # broken peer and must not make this node allocate buffers for it.
+    layout = Layout.build(SPECS, 4)
+    policy = plan(rates({(1, 2): 10.0}), topology="fapt", version=0)
+    cores = make([1, 2], layout)
+    net = Network(cores)
+    net.take(1, cores[1].bind_policy(0, policy))
+    for key in range(len(layout.tensors)):
+        net.take(1, cores[1].push_local(0, key, np.ones(layout.tensors[key].size, np.float32)))
+    send = net.inflight[0]
+    far = dataclasses.replace(send.header, iteration=cores[2].horizon + 1)
+    with pytest.raises(ChunkError, match="has not reached iteration"):
+        cores[2].receive(far, send.payload)
+    assert cores[2].live_iterations() == []
+    cores[2].receive(send.header, send.payload)  # iteration 0 itself is early data, kept
+    assert cores[2].live_iterations() == [0]

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from netstorm.local import RUN_DIR_ENV
+from netstorm.local import RUN_DIR_ENV, LocalCluster, LocalError
 
 STARTUP = 120.0  # seconds; nine Python processes on a loaded 2-core machine
 
@@ -82,3 +86,51 @@ def test_a_child_failing_at_startup_fails_the_run_with_its_log_tail(tmp_path: Pa
     assert "scheduler exited with status 1" in err
     assert "--bw-scale must be positive, got -1.0" in err  # the tail of the scheduler's own log
     assert processes_of(run_dir) == []
+
+
+@pytest.mark.slow
+def test_ready_then_sigterm_stops_every_child(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_local(run_dir, "internet2-9", "--nodes", "1,2,3", "--heartbeat-interval", "0.5")
+    try:
+        lines = read_until_ready(proc, STARTUP)
+        assert lines[-1] == f"READY {run_dir}"
+        for node in (1, 2, 3):
+            assert (run_dir / f"node-{node}.sock").exists()
+            assert any(str(run_dir / f"node-{node}.sock") in line for line in lines)
+        assert len(processes_of(run_dir)) == 4  # the scheduler and three nodes
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code, err = stop(proc)
+    assert code == 0, err
+    assert processes_of(run_dir) == []
+    assert not list(run_dir.glob("*.sock"))
+    assert (run_dir / "scheduler.log").exists()
+
+
+@pytest.mark.slow
+def test_a_child_dying_after_ready_stops_the_rest_and_reports_it(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_local(run_dir, "internet2-9", "--nodes", "1,2")
+    try:
+        read_until_ready(proc, STARTUP)
+        os.kill(node_pid(run_dir, 2), signal.SIGKILL)
+        code, err = stop(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1
+    assert "node-2 was killed by signal 9" in err
+    deadline = time.monotonic() + 10
+    while processes_of(run_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_of(run_dir) == []
+
+
+def test_a_run_dir_too_long_for_unix_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / ("d" * 100)
+    cluster = LocalCluster("internet2-9", [1, 2], run_dir)
+    with pytest.raises(LocalError, match="longer than the 107 bytes a Unix socket allows"):
+        asyncio.run(cluster.start())
+    assert cluster.children == []
+    assert not run_dir.exists()
