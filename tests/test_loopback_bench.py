@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 import tomllib
+from pathlib import Path
 
 import pytest
 
-from netstorm.bench.loopback import cpu_seconds, descendants, memcpy_bandwidth, node_processes
+from netstorm.bench.loopback import cpu_seconds, descendants, host_cpu, memcpy_bandwidth, node_processes
 from netstorm.scenario import parse
 from netstorm.trainers.launch import ring_scenario
 
@@ -62,7 +64,37 @@ def test_descendants_and_node_processes_are_found_through_proc() -> None:
         child.wait(timeout=10)
 
 
+def test_host_cpu_counts_our_own_work() -> None:
+    busy0, total0 = host_cpu()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        sum(range(10_000))
+    busy1, total1 = host_cpu()
+    assert 0.25 * os.sysconf("SC_CLK_TCK") <= busy1 - busy0 <= total1 - total0
+
+
 def test_memcpy_bandwidth_is_a_plausible_rate() -> None:
     rate = memcpy_bandwidth(8_000_000)
     assert 1e8 < rate < 1e12  # between 100 MB/s and 1 TB/s: a copy, not a no-op nor a stall
 
+
+@pytest.mark.slow
+def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "netstorm.cli", "bench", "loopback", "--nodes", "3", "--model-mb", "0.4",
+         "--iterations", "3", "--chunk-size", "30000", "--run-dir", str(tmp_path / "run"), "--timeout", "60",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["exact"] is True
+    assert result["model_bytes"] == 400_000
+    assert len(result["iteration_s"]) == 3
+    assert sorted(result["node_cpu_s_per_iteration"]) == ["1", "2", "3"]
+    assert result["sync_bytes_per_s"] == pytest.approx(400_000 / ((result["sync_s"][1] + result["sync_s"][2]) / 2))
+    assert all(s <= t for s, t in zip(result["sync_s"], result["iteration_s"], strict=True))
+    assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
+    assert 0 < result["sync_vs_memcpy"] < 1
+    assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + 0.05 <= 1.05
+    assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout

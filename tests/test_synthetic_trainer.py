@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
+from netstorm.trainers.launch import Trainers, collect, local_cluster
 from netstorm.trainers.synthetic import GradientPattern, model_layers
 
 # Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
@@ -102,3 +107,19 @@ def test_model_layers_come_from_the_model_catalogue() -> None:
     with pytest.raises(ValueError, match="unknown model"):
         model_layers("vgg")
 
+
+@pytest.mark.slow
+def test_trainers_on_a_local_cluster_check_every_sum_exactly(tmp_path: Path) -> None:
+    # chunk_size 40k splits the 150k-parameter layer into chunks that travel separately.
+    with local_cluster(3, tmp_path / "run", flags=["--chunk-size", "40000"], ready_timeout=60) as cluster:
+        outs = {node: tmp_path / f"dc{node}.jsonl" for node in cluster.node_ids}
+        argvs = [[sys.executable, "-m", "netstorm.trainers.synthetic", "--socket", cluster.socket(node),
+                  "--model", "150k", "--iterations", "3", "--compute-s", "0.05", "--out", str(out),
+                  "--timeout", "60"] for node, out in outs.items()]
+        with Trainers(argvs, tmp_path) as trainers:
+            collect(trainers, timeout=60)
+    for node, out in outs.items():
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [0, 1, 2], records
+        assert all(r["exact"] is True and r["dc"] == node for r in records), records
+        assert all(r["seconds"] >= 0.05 and r["sync_s"] <= r["seconds"] and r["check_s"] > 0 for r in records)

@@ -4,7 +4,8 @@ A ``netstorm local`` cluster of ``--nodes`` DCs on loopback, one synthetic train
 time, so every second is synchronization), ``--iterations`` iterations of a ``--model-mb`` float32
 model. Reported against baselines measured in the same run:
 
-- synchronization throughput (model bytes per second of iteration time) against this machine's
+- synchronization throughput (model bytes per second of push_pull time, slowest DC, iterations after
+  the first) against this machine's
   memory-copy bandwidth (a numpy copy of the same number of bytes): loopback has no WAN, so copying
   memory is the physical ceiling the runtime's per-byte work is compared with;
 - CPU seconds per node per iteration and per synchronized MB (utime + stime of every node process,
@@ -15,6 +16,7 @@ model. Reported against baselines measured in the same run:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -73,6 +75,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def host_cpu() -> tuple[int, int]:
+    """(busy, total) CPU clock ticks of the whole host since boot, from /proc/stat's first line."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    total = sum(fields)
+    return total - idle, total
+
+
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
@@ -113,6 +123,16 @@ def _sample(pids: dict[int, int]) -> dict[int, float]:
     return {key: cpu_seconds(pid) for key, pid in pids.items()}
 
 
+@dataclasses.dataclass(frozen=True)
+class Mark:
+    """CPU times when every DC had finished one iteration."""
+
+    t: float
+    nodes: dict[int, float]
+    trainers: dict[int, float]
+    host: tuple[int, int]
+
+
 def run(args: argparse.Namespace) -> int:
     from netstorm.trainers.launch import LaunchError, Trainers, local_cluster
 
@@ -135,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         records: list[list[dict[str, Any]]] = [[] for _ in argvs]
         with Trainers(argvs, run_dir) as trainers:
             trainer_pids = {i: p.pid for i, p in enumerate(trainers.processes)}
-            marks: dict[int, tuple[float, dict[int, float], dict[int, float]]] = {}
+            marks: dict[int, Mark] = {}
             done = 0
             while done < len(argvs):
                 line = trainers.next_line(timeout=args.timeout)
@@ -149,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 k = line.record.get("iteration")
                 if k in (0, args.iterations - 1) and all(
                         any(r.get("iteration") == k for r in rs) for rs in records):
-                    marks[k] = (time.perf_counter(), _sample(nodes), _sample(trainer_pids))
+                    marks[k] = Mark(time.perf_counter(), _sample(nodes), _sample(trainer_pids), host_cpu())
     result = summarize(args, model_bytes, copy_bw, records, marks)
     print_result(result)
     if args.json:
@@ -158,17 +178,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, records: list[list[dict[str, Any]]],
-              marks: dict[int, tuple[float, dict[int, float], dict[int, float]]]) -> dict[str, Any]:
+              marks: dict[int, Mark]) -> dict[str, Any]:
     """The numbers the benchmark reports, from the trainers' records and the two CPU samples."""
     last = args.iterations - 1
-    t0, nodes0, trainers0 = marks[0]
-    t1, nodes1, trainers1 = marks[last]
+    first, end = marks[0], marks[last]
     measured = last  # iterations 1..last lie between the two samples
-    iteration_s = [max(r["seconds"] for rs in records for r in rs if r.get("iteration") == k)
-                   for k in range(args.iterations)]
-    steady_s = (t1 - t0) / measured
-    node_cpu = {node: (nodes1[node] - nodes0[node]) / measured for node in nodes1}
-    trainer_cpu = [(trainers1[i] - trainers0[i]) / measured for i in trainers1]
+    def slowest(field: str, k: int) -> float:
+        return max(float(r[field]) for rs in records for r in rs if r.get("iteration") == k)
+
+    iteration_s = [slowest("seconds", k) for k in range(args.iterations)]
+    sync_s = [slowest("sync_s", k) for k in range(args.iterations)]
+    sync_steady = statistics.fmean(sync_s[1:])
+    window = end.t - first.t
+    steady_s = window / measured
+    node_cpu = {node: (end.nodes[node] - first.nodes[node]) / measured for node in end.nodes}
+    trainer_cpu = [(end.trainers[i] - first.trainers[i]) / measured for i in end.trainers]
+    host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1)
+    cpus = os.cpu_count() or 1
+    cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)
     mb = model_bytes / 1e6
     target = TARGET_CPU_S_PER_100MB * mb / 100
     return {
@@ -176,10 +203,11 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
         "exact": all(r.get("exact") is True for rs in records for r in rs) and all(len(rs) == args.iterations
                                                                                    for rs in records),
         "iteration_s": iteration_s,
+        "sync_s": sync_s,
         "steady_iteration_s": steady_s,
-        "sync_bytes_per_s": model_bytes / steady_s,
+        "sync_bytes_per_s": model_bytes / sync_steady,
         "memcpy_bytes_per_s": copy_bw,
-        "sync_vs_memcpy": model_bytes / steady_s / copy_bw,
+        "sync_vs_memcpy": model_bytes / sync_steady / copy_bw,
         "node_cpu_s_per_iteration": node_cpu,
         "node_cpu_s_per_iteration_mean": statistics.fmean(node_cpu.values()),
         "node_cpu_s_per_iteration_max": max(node_cpu.values()),
@@ -187,14 +215,16 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
         "trainer_cpu_s_per_iteration_mean": statistics.fmean(trainer_cpu),
         "target_node_cpu_s_per_iteration": target,
         "node_cpu_vs_target": max(node_cpu.values()) / target,
-        "cpus": os.cpu_count(),
+        "cpus": cpus,
+        "host_cpu_busy": host_busy,
+        "cluster_cpu_share": cluster_share,
     }
 
 
 def print_result(r: dict[str, Any]) -> None:
     mb = r["model_bytes"] / 1e6
-    print(f"iteration times (s, slowest DC): {', '.join(f'{s:.3f}' for s in r['iteration_s'])}; "
-          f"steady {r['steady_iteration_s']:.3f} s")
+    print(f"push_pull times (s, slowest DC): {', '.join(f'{s:.3f}' for s in r['sync_s'])}; iteration period "
+          f"after the first: {r['steady_iteration_s']:.3f} s (includes the trainers' gradient fill and check)")
     print(f"sync throughput  {r['sync_bytes_per_s'] / 1e6:10.1f} MB/s of model   "
           f"= {r['sync_vs_memcpy']:.4f} x memory-copy bandwidth ({r['memcpy_bytes_per_s'] / 1e9:.2f} GB/s)")
     print(f"node CPU         {r['node_cpu_s_per_iteration_mean']:10.3f} s per node per iteration (max "
@@ -204,7 +234,9 @@ def print_result(r: dict[str, Any]) -> None:
           f"({'within' if r['node_cpu_vs_target'] <= 1 else 'OVER'})")
     print(f"trainer CPU      {r['trainer_cpu_s_per_iteration_mean']:10.3f} s per iteration (gradient fill + "
           f"exact check, not the runtime's)")
+    print(f"host CPU         {r['host_cpu_busy']:10.0%} busy during the measured iterations, "
+          f"this cluster's nodes and trainers {r['cluster_cpu_share']:.0%} of its {r['cpus']} CPUs")
     print(f"results exact:   {r['exact']}")
-    if r["cpus"] and r["nodes"] * 2 > r["cpus"]:
-        print(f"note: {r['nodes']} nodes and {r['nodes']} trainers share {r['cpus']} CPUs: iteration times are "
-              f"CPU-bound here, CPU seconds per node are the portable figure")
+    if r["host_cpu_busy"] > 0.9:
+        print("note: the host was CPU-bound: iteration times and throughput measure CPU contention, not the "
+              "runtime; CPU seconds per node and per MB are the portable figures")

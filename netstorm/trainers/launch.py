@@ -93,7 +93,8 @@ def local_cluster(n: int, run_dir: Path, *, flags: Sequence[str] = (), ready_tim
     log_path = run_dir / "local.log"
     argv = [sys.executable, "-m", "netstorm.cli", "local", str(scenario), "--run-dir", str(run_dir), *flags]
     with log_path.open("wb") as log:
-        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL)
+        # Unbuffered: select() sees the pipe, so no line may wait in a reader's buffer.
+        process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, bufsize=0)
         assert process.stdout is not None
         drain: threading.Thread | None = None
         try:

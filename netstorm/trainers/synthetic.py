@@ -2,8 +2,12 @@
 
 ``python -m netstorm.trainers.synthetic --socket PATH --model alexnet|resnet50|SIZE --iterations N``
 
-Each iteration sleeps the compute time (the stand-in for a forward and backward pass), push_pulls one
-gradient per layer and checks the result exactly. DC ``d`` pushes, in iteration ``k``,
+Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
+gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
+JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
+``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``.
+
+DC ``d`` pushes, in iteration ``k``,
 
     g_d = A * c1(k) + B * (d + c2(k))
 
@@ -211,12 +215,12 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
                 sync_start = time.perf_counter()
                 result = kv.push_pull(grads, average=False)
-                sync_s = time.perf_counter() - sync_start
+                end = time.perf_counter()
                 verdict = pattern.check(k, workers, result, members_sum)
                 members_sum = verdict.members_sum if verdict.exact else members_sum
                 all_exact &= verdict.exact
-                record: dict[str, Any] = {"iteration": k, "seconds": time.perf_counter() - start,
-                                          "sync_s": sync_s, "exact": verdict.exact, "dc": dc}
+                record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
+                                          "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc}
                 if verdict.error:
                     record["error"] = verdict.error
                 _emit(stream, record)
