@@ -195,7 +195,7 @@ def test_one_chunk_at_a_time_needs_and_gets_the_clock_correction():
     assert max(raw) < 60.0 * 0.5  # what the skewed clock alone would have reported
 
 
-@pytest.mark.parametrize(("rate", "new_rate"), [(155.0, 40.0), (40.0, 140.0)])
+@pytest.mark.parametrize(("rate", "new_rate"), [(155.0, 40.0), (40.0, 100.0)])
 def test_reports_follow_a_rate_change(rate, new_rate):
     case = Case(rate, 2_000_000, chunks=20, new_rate=new_rate, change_after=8)
     received, clock_error = run_case(case)
