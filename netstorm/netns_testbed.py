@@ -2,10 +2,11 @@
 
 For measuring the probes against a known shaped rate, not for experiments (the WAN emulator builds
 those). Link ``i`` joins nodes ``a`` and ``b`` through interface ``l<i>`` on both sides (namespaces
-keep the names apart), addresses ``10.250.<i>.1`` (a) and ``.2`` (b); the egress of each side carries
-HTB at that direction's rate, with pure TCP ACKs ahead of data (see ``_shape``). Namespace names
-carry the pid and a counter so parallel runs never collide; ``close`` (or leaving the ``with`` block)
-deletes them, which deletes their veths.
+keep the names apart), addresses ``10.250.<i>.1`` (a) and ``.2`` (b); each node also has its own
+address ``10.251.0.<node+1>`` that its neighbours reach over their link. The egress of each side
+carries HTB at that direction's rate, with pure TCP ACKs ahead of data (see ``_shape``). Namespace
+names carry the pid and a counter so parallel runs never collide; ``close`` (or leaving the ``with``
+block) deletes them, which deletes their veths.
 
 Code runs "inside" a namespace through threads: ``setns(2)`` moves only the calling thread, and every
 thread (and socket) it creates after that lives in the namespace too. ``run_in`` gives each side its
@@ -138,6 +139,12 @@ class Testbed:
                     _run("ip", "-n", ns, "link", "set", dev, "up")
                     rate = spec.rate_ab_mbit if node == spec.a else spec.rate_ba_mbit
                     _shape(ns, dev, rate, add=True)
+            for node, name in enumerate(self.names):
+                _run("ip", "-n", name, "addr", "add", f"{self.node_address(node)}/32", "dev", "lo")
+            for i, spec in enumerate(self.links):
+                for here, there in ((spec.a, spec.b), (spec.b, spec.a)):
+                    _run("ip", "-n", self.names[here], "route", "add", f"{self.node_address(there)}/32",
+                         "via", self.address(i, there))
         except BaseException:
             self.close()
             raise
@@ -160,6 +167,13 @@ class Testbed:
         if node not in (spec.a, spec.b):
             raise ValueError(f"node {node} is not on link {link} ({spec.a}-{spec.b})")
         return f"10.250.{link}.{1 if node == spec.a else 2}"
+
+    def node_address(self, node: int) -> str:
+        """Node ``node``'s own address (on its loopback), routed over the direct link from each neighbour.
+
+        The first link listed between two nodes carries their traffic; nodes without a direct link
+        cannot reach each other (no multi-hop routing here)."""
+        return f"10.251.0.{node + 1}"
 
     def set_rate(self, link: int, src: int, mbit: float) -> None:
         """Reshape the direction ``src -> other end`` of ``link`` to ``mbit`` Mbit/s, traffic flowing."""
