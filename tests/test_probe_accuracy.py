@@ -171,13 +171,16 @@ def shaped_at(case: Case, received: Received, report: LinkReport) -> float:
 
 @pytest.mark.parametrize(("rate", "chunk_mb"), [(20.0, 1.0), (60.0, 2.0), (155.0, 4.0)])
 def test_streaming_reports_within_ten_percent(rate, chunk_mb):
-    case = Case(rate, int(chunk_mb * 1e6), chunks=8)
+    case = Case(rate, int(chunk_mb * 1e6), chunks=12)
     received, clock_error = run_case(case)
     show("stream", case, received, clock_error)
     assert abs(clock_error) < 0.005
-    assert len(received.reports) == 2
+    assert len(received.reports) == 3
     assert in_flight(received.samples)[2:].min() >= 1  # the sender really was ahead of the wire
-    for r in received.reports:
+    # The first window also holds the new connection's ramp-up (TCP growing its windows while the
+    # shaper's queue fills), a real effect measured as it is; from then on every report is within 10 %.
+    assert all(r.mbit_s <= rate for r in received.reports)
+    for r in received.reports[1:]:
         assert r.mbit_s == pytest.approx(rate, rel=0.10)
 
 
