@@ -80,6 +80,7 @@ class AsyncClient:
         reply, data = await self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
         assert isinstance(reply, tw.PullReply)
         self.iteration = reply.iteration
+        self.registry.num_workers = reply.workers
         return self.registry.results(names, data)
 
     async def push(self, name: str, value: np.ndarray) -> None:
@@ -91,6 +92,7 @@ class AsyncClient:
         reply, data = await self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
+        self.registry.num_workers = reply.workers
         return self.registry.results((name,), data)[name]
 
     async def close(self) -> None:

@@ -26,25 +26,27 @@ from netstorm.rategraph import RateGraph
 
 Path = tuple[int, ...]
 
-TAIL_ROWS = 24
+TAIL_ROWS = 32
 """Searches left when the lockstep stops and the rest finish one at a time."""
 
 
 class _Searches:
-    """Lockstep A* state, one row per pair still looking for its next path."""
+    """Lockstep A* state, one row per pair still looking for paths.
+
+    Arrays are (rows, n) for nodes and (rows, edges + 1) for each row's residual edge weights (removed
+    edges weigh inf; the last column is the padding edge of the out-edge table, always inf). The loop
+    indexes them flat: row r's node v sits at r * n + v.
+    """
 
     def __init__(self, graph: RateGraph, s: np.ndarray, t: np.ndarray, heuristic: np.ndarray) -> None:
-        n, e = graph.n, len(graph.src)
-        rows = len(s)
+        n, rows = graph.n, len(s)
+        self.n = n
         self.pair = np.arange(rows)
         self.s, self.t, self.h = s, t, heuristic
         self.g = np.full((rows, n), np.inf)
         self.key = np.full((rows, n), np.inf)  # g + h for open nodes, inf otherwise
-        self.closed = np.zeros((rows, n), dtype=bool)
-        self.pred_edge = np.full((rows, n), -1, dtype=np.int64)
-        # Column e is the padding edge of the out-edge table: always "removed".
-        self.removed = np.zeros((rows, e + 1), dtype=bool)
-        self.removed[:, e] = True
+        self.pred = np.full((rows, n), -1, dtype=np.int64)  # edge that reached the node
+        self.w = np.tile(np.append(graph.weight, np.inf), (rows, 1))
         self.out_left = np.bincount(graph.src, minlength=n)[s].astype(np.int64)
         self.in_left = np.bincount(graph.dst, minlength=n)[t].astype(np.int64)
         self.restart(np.arange(rows))
@@ -53,32 +55,27 @@ class _Searches:
         """Begin a fresh search from each row's source."""
         self.g[rows] = np.inf
         self.key[rows] = np.inf
-        self.closed[rows] = False
-        self.pred_edge[rows] = -1
         self.g[rows, self.s[rows]] = 0.0
         self.key[rows, self.s[rows]] = self.h[rows, self.s[rows]]
 
+    def stop(self, rows: np.ndarray) -> None:
+        """Make rows inert: nothing open, nothing reached."""
+        self.g[rows] = np.inf
+        self.key[rows] = np.inf
+
     def keep(self, mask: np.ndarray) -> None:
         """Drop the rows whose pairs have all their paths."""
-        for name in ("pair", "s", "t", "h", "g", "key", "closed", "pred_edge", "removed", "out_left", "in_left"):
+        for name in ("pair", "s", "t", "h", "g", "key", "pred", "w", "out_left", "in_left"):
             setattr(self, name, getattr(self, name)[mask])
 
 
-def _out_edge_table(graph: RateGraph) -> np.ndarray:
-    """(n, max out-degree) edge ids per tail, padded with the sentinel edge id len(edges)."""
-    e = len(graph.src)
-    degree = np.bincount(graph.src, minlength=graph.n)
-    width = max(int(degree.max()), 1)
-    table = np.full((graph.n, width), e, dtype=np.int64)
-    starts = np.concatenate(([0], np.cumsum(degree)[:-1]))
-    slot = np.arange(e) - starts[graph.src]
-    table[graph.src, slot] = np.arange(e)
-    return table
+def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None, *,
+                    without_direct: bool = False) -> dict[tuple[int, int], tuple[Path, ...]]:
+    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending.
 
-
-def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None
-                    ) -> dict[tuple[int, int], tuple[Path, ...]]:
-    """Algorithm 3 for every pair in ``pairs`` (node ids; default every ordered pair), keys ascending."""
+    ``without_direct`` searches each pair's graph without its direct link src -> dst: what a tree edge
+    can offload onto when the link itself is its primary path.
+    """
     wanted: Sequence[tuple[int, int]] = (
         sorted(set(pairs)) if pairs is not None
         else [(a, b) for a in graph.nodes for b in graph.nodes if a != b])
@@ -88,64 +85,111 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         for node in (a, b):
             if node not in graph.index:
                 raise PolicyError(f"node {node} of pair {a}->{b} is not in the overlay")
-    found: list[list[Path]] = [[] for _ in wanted]
     if not wanted:
         return {}
+    found: list[list[Path]] = [[] for _ in wanted]
     s = np.array([graph.index[a] for a, _ in wanted], dtype=np.int64)
     t = np.array([graph.index[b] for _, b in wanted], dtype=np.int64)
     targets, t_row = np.unique(t, return_inverse=True)
     to_target = np.atleast_2d(_distances_to(graph, targets))
     run = _Searches(graph, s, t, to_target[t_row])
+    if without_direct:
+        codes = graph.src * graph.n + graph.dst  # ascending: edges are sorted by (src, dst)
+        at = np.minimum(np.searchsorted(codes, s * graph.n + t), len(codes) - 1)
+        direct = np.flatnonzero(codes[at] == s * graph.n + t)
+        run.w[direct, at[direct]] = np.inf
+        run.out_left[direct] -= 1
+        run.in_left[direct] -= 1
+    names = _PathNames(graph)
 
-    table = _out_edge_table(graph)
-    head = np.append(graph.dst, 0)
-    tail = np.append(graph.src, 0)
-    weight = np.append(graph.weight, np.inf)
-    nodes = np.array(graph.nodes)
-
+    out_degree = np.bincount(graph.src, minlength=graph.n)
+    first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
+    head = graph.dst
     n, width = graph.n, len(graph.src) + 1
     alive = np.ones(len(run.pair), dtype=bool)
-    while alive.any():
-        if alive.sum() <= TAIL_ROWS:
+    rows = -1
+    while True:
+        left = int(alive.sum())
+        if left <= TAIL_ROWS:
             # A few long searches remain: finish them one by one rather than paying a lockstep step each.
             for r in np.flatnonzero(alive).tolist():
-                _finish_alone(graph, run, r, found, nodes)
+                _finish_alone(graph, run, r, found, names)
             break
-        if alive.sum() * 2 < len(alive):  # compact once half the rows are finished
+        if left * 2 < len(alive):  # compact once half the rows are finished
             run.keep(alive)
             alive = np.ones(len(run.pair), dtype=bool)
-        rows = np.arange(len(alive))
+        if rows != len(alive):  # flat views and row offsets, renewed after each compaction
+            rows = len(alive)
+            row_ids = np.arange(rows)
+            node_base, edge_base = row_ids * n, row_ids * width
+            g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
+            weights, heuristic = run.w.ravel(), run.h.ravel()
         u = np.argmin(run.key, axis=1)
-        best = run.key[rows, u]
-        alive &= np.isfinite(best) & (run.out_left > 0) & (run.in_left > 0)
+        at_u = node_base + u
+        best = key[at_u]
+        dead = alive & (best == np.inf)
+        if dead.any():
+            alive &= ~dead
+            run.stop(np.flatnonzero(dead))
         arrived = alive & (u == run.t)
         if arrived.any():
-            done = rows[arrived]
-            for r, path_edges in zip(done.tolist(), _walk_back(run, done, tail), strict=True):
-                run.removed[r, path_edges] = True
-                hops = [int(run.s[r]), *head[path_edges].tolist()]
-                found[int(run.pair[r])].append(tuple(nodes[hops].tolist()))
+            done = np.flatnonzero(arrived)
+            marked: list[int] = []
+            for r, pred_row, src, dst in zip(done.tolist(), run.pred[done].tolist(), run.s[done].tolist(),
+                                             run.t[done].tolist(), strict=True):
+                edges = names.walk_back(pred_row, src, dst)
+                found[int(run.pair[r])].append(names.path(edges))
+                offset = r * width
+                marked.extend(offset + e for e in edges)
+            weights[marked] = np.inf
             run.out_left[done] -= 1
             run.in_left[done] -= 1
-            run.restart(done)
-        step = rows[alive & ~arrived]
-        if not len(step):
-            continue
-        # Flat indices into the (rows, n) and (rows, edges + 1) state arrays.
-        g, key, closed = run.g.ravel(), run.key.ravel(), run.closed.ravel()
-        base = step * n
-        at_u = base + u[step]
+            complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
+            alive[done[complete]] = False
+            run.stop(done[complete])
+            run.restart(done[~complete])
+        # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
-        closed[at_u] = True
-        edges = table[u[step]]  # (step rows, width) out-edges of each popped node
-        at_v = base[:, None] + head[edges]
-        cand = g[at_u][:, None] + weight[edges]
-        better = ~run.removed.ravel()[step[:, None] * width + edges] & ~closed[at_v] & (cand < g[at_v])
+        # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
+        degree = out_degree[u]
+        owner = np.repeat(row_ids, degree)
+        ends = np.cumsum(degree)
+        out = np.arange(int(ends[-1])) + np.repeat(first_edge[u] - ends + degree, degree)
+        at_v = node_base[owner] + head[out]
+        cand = g[at_u][owner] + weights[edge_base[owner] + out]
+        better = cand < g[at_v]
         hit = at_v[better]
-        g[hit] = cand[better]
-        key[hit] = cand[better] + run.h.ravel()[hit]
-        run.pred_edge.ravel()[hit] = edges[better]
+        cand = cand[better]
+        g[hit] = cand
+        key[hit] = cand + heuristic[hit]
+        pred[hit] = out[better]
     return {pair: tuple(paths) for pair, paths in zip(wanted, found, strict=True)}
+
+
+class _PathNames:
+    """Edge-id lists to node-id paths."""
+
+    def __init__(self, graph: RateGraph) -> None:
+        self.nodes = graph.nodes
+        self.tail = graph.src.tolist()
+        self.head = graph.dst.tolist()
+        self.matrix = csr_matrix((graph.weight, graph.dst, np.searchsorted(graph.src, np.arange(graph.n + 1))),
+                                 shape=(graph.n, graph.n))
+
+    def walk_back(self, pred: list[int], src: int, dst: int) -> list[int]:
+        """Edge ids from ``src`` to ``dst`` following a search's predecessor edges back from ``dst``."""
+        edges = []
+        node = dst
+        while node != src:
+            edge = pred[node]
+            edges.append(edge)
+            node = self.tail[edge]
+        edges.reverse()
+        return edges
+
+    def path(self, edges: list[int]) -> Path:
+        nodes, head = self.nodes, self.head
+        return (nodes[self.tail[edges[0]]], *(nodes[head[e]] for e in edges))
 
 
 def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
@@ -153,14 +197,18 @@ def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
     return aggregation_distances(graph, [graph.nodes[i] for i in targets.tolist()], strict=False)
 
 
-def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], nodes: np.ndarray) -> None:
-    """Complete row ``r``'s remaining rounds with one C Dijkstra per round on its residual graph."""
+def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], names: _PathNames) -> None:
+    """Complete row ``r``'s remaining rounds with one C Dijkstra per round on its residual graph.
+
+    Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
+    """
     e = len(graph.src)
     s, t = int(run.s[r]), int(run.t[r])
-    removed = run.removed[r, :e].copy()
-    while True:
-        keep = ~removed
-        matrix = csr_matrix((graph.weight[keep], (graph.src[keep], graph.dst[keep])), shape=(graph.n, graph.n))
+    matrix = names.matrix.copy()
+    weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
+    weight[:] = run.w[r, :e]
+    out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
+    while out_left and in_left:
         dist, pred = dijkstra(matrix, directed=True, indices=s, return_predecessors=True)
         if not np.isfinite(dist[t]):
             return
@@ -168,9 +216,11 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
         while hops[-1] != s:
             hops.append(int(pred[hops[-1]]))
         hops.reverse()
-        found[int(run.pair[r])].append(tuple(nodes[hops].tolist()))
-        for a, b in itertools.pairwise(hops):
-            removed[_edge_id(graph, a, b)] = True
+        edges = [_edge_id(graph, a, b) for a, b in itertools.pairwise(hops)]
+        found[int(run.pair[r])].append(names.path(edges))
+        weight[edges] = np.inf
+        out_left -= 1
+        in_left -= 1
 
 
 def _edge_id(graph: RateGraph, a: int, b: int) -> int:
@@ -178,21 +228,6 @@ def _edge_id(graph: RateGraph, a: int, b: int) -> int:
     lo = int(np.searchsorted(graph.src, a, side="left"))
     hi = int(np.searchsorted(graph.src, a, side="right"))
     return lo + int(np.searchsorted(graph.dst[lo:hi], b))
-
-
-def _walk_back(run: _Searches, rows: np.ndarray, tail: np.ndarray) -> list[list[int]]:
-    """Edge ids of each row's found path s -> t, walking the search trees back in lockstep."""
-    cur = run.t[rows].copy()
-    columns = []
-    while True:
-        active = cur != run.s[rows]
-        if not active.any():
-            break
-        edge = np.where(active, run.pred_edge[rows, cur], -1)
-        columns.append(edge)
-        cur = np.where(active, tail[np.maximum(edge, 0)], cur)
-    steps = np.array(columns).T.tolist()  # (rows, longest path), -1 after a row's source
-    return [[e for e in reversed(row) if e >= 0] for row in steps]
 
 
 def edge_disjoint_paths(graph: RateGraph, src: int, dst: int) -> tuple[Path, ...]:

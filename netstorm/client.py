@@ -272,7 +272,7 @@ class Client:
 
     @property
     def num_workers(self) -> int:
-        """Contributors to each sum (DCs)."""
+        """Contributors to each sum (DCs) in the latest iteration."""
         return self.registry.num_workers
 
     @property
@@ -286,6 +286,7 @@ class Client:
         reply, data = self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
         assert isinstance(reply, tw.PullReply)
         self.iteration = reply.iteration
+        self.registry.num_workers = reply.workers
         return self.registry.results(names, data)
 
     def push(self, name: str, value: np.ndarray) -> None:
@@ -299,6 +300,7 @@ class Client:
         reply, data = self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
+        self.registry.num_workers = reply.workers
         return self.registry.results((name,), data)[name]
 
     def close(self) -> None:

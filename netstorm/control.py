@@ -114,6 +114,12 @@ def _rates(where: str, value: Any) -> dict[tuple[int, int], float]:
     return out
 
 
+def _pairs(where: str, value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise ControlError(f"{where}: expected a list of [int, int] pairs, got {value!r}")
+    return tuple((_int(where, a), _int(where, b)) for a, b in value)
+
+
 def _ids(where: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ControlError(f"{where}: expected a list of node ids, got {type(value).__name__}")
@@ -266,8 +272,7 @@ class StatusRequest(Message):
 class Status(Message):
     TYPE: ClassVar[str] = "status"
     FIELDS: ClassVar[Mapping[str, Checker]] = {"expected": _ids, "registered": _ids, "alive": _ids,
-                                                "complete": _bool,
-                                                "version": _int}
+                                                "complete": _bool, "version": _int, "bindings": _pairs}
     expected: tuple[int, ...]
     registered: tuple[int, ...]
     alive: tuple[int, ...]
@@ -275,16 +280,30 @@ class Status(Message):
     """Every expected node has registered and received its RegisterAck."""
     version: int
     """The current policy version (-1 before the first plan)."""
+    bindings: tuple[tuple[int, int], ...] = ()
+    """(iteration, version) of the most recent bound iterations, oldest first."""
 
     def to_fields(self) -> dict[str, Any]:
         return {"expected": list(self.expected), "registered": list(self.registered), "alive": list(self.alive),
-                "complete": self.complete, "version": self.version}
+                "complete": self.complete, "version": self.version,
+                "bindings": [[k, v] for k, v in self.bindings]}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyFetch(Message):
+    """Admin: the wire form of policy ``version`` (-1: the current one), answered with a PolicyReply whose
+    iteration is -1. For tools that record or draw the policies a run used."""
+
+    TYPE: ClassVar[str] = "policy_fetch"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int}
+    version: int
 
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, MemberDown, PolicyRequest,
-                PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status)
+                PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
+                PolicyFetch)
 }
 
 

@@ -50,8 +50,10 @@ def aggregation_distances(graph: RateGraph, roots: Sequence[int] | None = None, 
     node that cannot reach a root; otherwise its distance is inf.
     """
     indices = list(range(graph.n)) if roots is None else [graph.index[r] for r in roots]
-    dist = dijkstra(graph.matrix(transpose=True), directed=True, indices=indices)
-    result: np.ndarray = np.atleast_2d(dist)
+    if roots is None or graph.has_distances():
+        result = graph.distances_to[indices]
+    else:
+        result = np.atleast_2d(dijkstra(graph.matrix(transpose=True), directed=True, indices=indices))
     unreachable = ~np.isfinite(result)
     if strict and unreachable.any():
         k, v = np.argwhere(unreachable)[0]
@@ -112,19 +114,18 @@ def tree_depths(parents: np.ndarray) -> np.ndarray:
 def fapt_trees(graph: RateGraph, dist: np.ndarray, roots: Sequence[int]) -> dict[int, Tree]:
     """The FAPT rooted at each of ``roots`` from its row of aggregation distances."""
     parents = shortest_path_parents(graph, dist)
+    root_index = np.array([graph.index[r] for r in roots])
+    orphan = parents < 0
+    orphan[np.arange(len(roots)), root_index] = False
+    if orphan.any():
+        k, i = np.argwhere(orphan)[0]
+        raise PolicyError(f"node {graph.nodes[int(i)]} has no path to root {roots[int(k)]}")
     depths = tree_depths(parents)
+    ids = np.array(graph.nodes)
     trees: dict[int, Tree] = {}
     for k, root in enumerate(roots):
-        row = parents[k].tolist()
-        parent: dict[int, int | None] = {}
-        for i, p in enumerate(row):
-            node = graph.nodes[i]
-            if node == root:
-                parent[node] = None
-            elif p < 0:
-                raise PolicyError(f"node {node} has no path to root {root}")
-            else:
-                parent[node] = graph.nodes[p]
+        parent: dict[int, int | None] = dict(zip(graph.nodes, ids[parents[k]].tolist(), strict=True))
+        parent[root] = None
         trees[root] = Tree.from_parents(root, parent, dict(zip(graph.nodes, depths[k].tolist(), strict=True)))
     return trees
 

@@ -34,6 +34,8 @@ GRACE_S = 5.0
 LISTEN_MARK = "scheduler listening on "
 ADDRESS_FILE = "scheduler.address"
 """RUN_DIR/scheduler.address holds HOST:PORT of the scheduler (admin requests, e.g. a policy override)."""
+UNIX_PATH_MAX = 107
+"""Longest Unix socket path Linux accepts (sun_path is 108 bytes with the terminating NUL)."""
 RUN_DIR_ENV = "NETSTORM_LOCAL_RUN_DIR"
 """Set in every child's environment: tells which run a process belongs to (and lets tests find them)."""
 
@@ -119,6 +121,10 @@ class LocalCluster:
 
     async def start(self) -> None:
         """Start everything and return once every node is registered and serving its trainer socket."""
+        longest = max((self.socket_path(n) for n in self.node_ids), key=lambda p: len(bytes(p)))
+        if len(bytes(longest)) > UNIX_PATH_MAX:
+            raise LocalError(f"trainer socket path {longest} is longer than the {UNIX_PATH_MAX} bytes a Unix "
+                             "socket allows; choose a shorter --run-dir")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for node_id in self.node_ids:
             with contextlib.suppress(FileNotFoundError):

@@ -176,12 +176,20 @@ def _node_key(key: Any, what: str) -> int:
 
 def _tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
     """Directed pairs a policy sends on: every tree edge up (push) and down (result)."""
-    pairs: set[tuple[int, int]] = set()
-    for tree in trees.values():
-        for child, parent in tree.edges():
-            pairs.add((child, parent))
-            pairs.add((parent, child))
-    return pairs
+    up = {(child, parent) for tree in trees.values() for child, parent in tree.parent.items() if parent is not None}
+    return up | {(parent, child) for child, parent in up}
+
+
+def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
+    """For every directed pair the trees send on: the tree edge itself first, then Algorithm 3's paths
+    in the graph without that link, each no faster than the one before.
+
+    The tree edge leads because the runtime sends a chunk over it unless it is busy: a push child ->
+    parent is the first hop of the child's fastest path to the root anyway, and a result returns down
+    the same edge. An edge between DCs that share no link (STAR, BKT) is the IP route between them.
+    """
+    searched = auxiliary_paths(graph, _tree_pairs(trees), without_direct=True)
+    return {pair: (pair, *paths) for pair, paths in searched.items()}
 
 
 def plan(
@@ -200,7 +208,8 @@ def plan(
     ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
     earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
     ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root. With ``aux``,
-    Algorithm 3 runs for every directed pair the trees send on.
+    Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
+    a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
     """
     if topology not in TOPOLOGIES:
         raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
@@ -228,7 +237,6 @@ def plan(
         quality = {root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
     total_q = sum(quality[r] for r in chosen)
     share = {r: quality[r] / total_q for r in chosen}
-    aux_paths = auxiliary_paths(graph, sorted(_tree_pairs(trees))) if aux else {}
-    policy = Policy(version, topology, chosen, trees, share, quality, aux_paths)
-    policy.validate()
-    return policy
+    aux_paths = _tree_edge_paths(graph, trees) if aux else {}
+    # Built from validated rates by construction; from_wire is where untrusted policies are checked.
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths)

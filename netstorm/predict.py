@@ -59,16 +59,32 @@ def routed_delay(tree: Tree, graph: RateGraph, routes: Routes, *, down: bool = F
     return max(cost.values())
 
 
-def link_loads(policy: Policy, graph: RateGraph, model_bytes: float, routes: Routes) -> dict[tuple[int, int], float]:
-    """Bytes each directed overlay link carries in one synchronization of ``model_bytes``."""
+def link_loads(policy: Policy, graph: RateGraph, model_bytes: float, routes: Routes, *,
+               push: bool = True, result: bool = True) -> dict[tuple[int, int], float]:
+    """Bytes each directed overlay link carries in one synchronization of ``model_bytes``.
+
+    ``push`` counts the gradients going up, ``result`` the sums coming down.
+    """
     loads: dict[tuple[int, int], float] = {}
     for root in policy.roots:
         share_bytes = policy.chunk_share[root] * model_bytes
         for child, parent in policy.trees[root].edges():
-            for a, b in route_links(routes, child, parent) + route_links(routes, parent, child):
+            links = (route_links(routes, child, parent) if push else []) + (
+                route_links(routes, parent, child) if result else [])
+            for a, b in links:
                 graph.rate_of(a, b)  # the link must exist in this direction
                 loads[(a, b)] = loads.get((a, b), 0.0) + share_bytes
     return loads
+
+
+def _busiest(loads: Mapping[tuple[int, int], float], graph: RateGraph) -> tuple[float, tuple[int, int] | None]:
+    """Seconds of the busiest link at its rate, and that link (the first in order on a tie)."""
+    seconds, link = 0.0, None
+    for (a, b), load in sorted(loads.items()):
+        t = load * 8 / (graph.rate_of(a, b) * 1e6)
+        if t > seconds:
+            seconds, link = t, (a, b)
+    return seconds, link
 
 
 @dataclass(frozen=True)
@@ -82,6 +98,9 @@ class Prediction:
     """One chunk up the slowest path and back down."""
     bottleneck: tuple[int, int] | None
     """The busiest directed link."""
+    phased_s: float
+    """If no result moved before every push had arrived (a parameter server that pulls after it
+    pushes): the busiest link of the push phase plus that of the result phase, plus the fill."""
 
 
 def predict(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes: float, *,
@@ -91,16 +110,13 @@ def predict(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes:
         raise PolicyError(f"model size must be positive, got {model_bytes} bytes")
     graph = RateGraph.from_rates(rates)
     routes = routes_for(graph) if routes is None else routes
-    loads = link_loads(policy, graph, model_bytes, routes)
-    bulk, bottleneck = 0.0, None
-    for (a, b), load in sorted(loads.items()):
-        seconds = load * 8 / (graph.rate_of(a, b) * 1e6)
-        if seconds > bulk:
-            bulk, bottleneck = seconds, (a, b)
+    bulk, bottleneck = _busiest(link_loads(policy, graph, model_bytes, routes), graph)
+    push_s, _ = _busiest(link_loads(policy, graph, model_bytes, routes, result=False), graph)
+    result_s, _ = _busiest(link_loads(policy, graph, model_bytes, routes, push=False), graph)
     chunk_mbit = min(chunk_bytes, model_bytes) * 8 / 1e6
     fill = chunk_mbit * max(routed_delay(t, graph, routes) + routed_delay(t, graph, routes, down=True)
                             for t in policy.trees.values())
-    return Prediction(bulk + fill, bulk, fill, bottleneck)
+    return Prediction(bulk + fill, bulk, fill, bottleneck, push_s + result_s + fill)
 
 
 def predict_sync_s(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes: float, *,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import dijkstra
 
 from netstorm.errors import PolicyError
 
@@ -73,6 +75,20 @@ class RateGraph:
         """Sparse n x n matrix of w_trans (row = tail unless ``transpose``)."""
         rows, cols = (self.dst, self.src) if transpose else (self.src, self.dst)
         return csr_matrix((self.weight, (rows, cols)), shape=(self.n, self.n))
+
+    @cached_property
+    def distances_to(self) -> np.ndarray:
+        """D[r, v] = cost of the fastest path from node index v to node index r (inf if none).
+
+        Shortest paths *to* r are shortest paths *from* r in the reversed graph. Computed once per
+        graph: Algorithm 1 and Algorithm 3's search heuristic both need it.
+        """
+        result: np.ndarray = dijkstra(self.matrix(transpose=True), directed=True)
+        return result
+
+    def has_distances(self) -> bool:
+        """Whether ``distances_to`` is already computed."""
+        return "distances_to" in self.__dict__
 
     def rate_of(self, a: int, b: int) -> float:
         """s(a -> b) in Mbit/s; PolicyError when the overlay has no such link."""

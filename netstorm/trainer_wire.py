@@ -145,13 +145,16 @@ class PullReply:
     TYPE: ClassVar[str] = "result"
     iteration: int
     names: tuple[str, ...]
+    workers: int
+    """DCs whose contributions make up these sums (fewer than the job's after a DC died)."""
 
     def fields(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "names": list(self.names)}
+        return {"iteration": self.iteration, "names": list(self.names), "workers": self.workers}
 
     @classmethod
     def from_fields(cls, data: Mapping[str, Any]) -> PullReply:
-        return cls(_get(data, "iteration", int, "result"), _names(data.get("names"), "result"))
+        return cls(_get(data, "iteration", int, "result"), _names(data.get("names"), "result"),
+                   _get(data, "workers", int, "result"))
 
 
 ERROR_KINDS = ("unknown_name", "shape", "dtype", "gone", "timeout", "failed", "protocol")

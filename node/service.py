@@ -396,6 +396,23 @@ class GeneralNode:
                       report.mbit_s)
             self.control.report_link(report)
 
+    def _skip(self, iteration: int) -> None:
+        """A failed iteration is over for every tensor: the DC's next push and pull go to the one after."""
+        if self.layout is None:
+            return
+        np.maximum(self._key_next, iteration + 1, out=self._key_next)
+        np.maximum(self._key_pull, iteration + 1, out=self._key_pull)
+        self.core.horizon = max(self.core.horizon, iteration + 2)
+        for old in [k for k, t in self._trackers.items() if k < iteration - 2 and t.failed is not None]:
+            del self._trackers[old]
+
+    def contributors(self, iteration: int) -> list[int]:
+        """The DCs whose contributions make up ``iteration``'s sums (the nodes of its bound policy)."""
+        waiter = self._policy_waits.get(iteration)
+        if waiter is None or not waiter.done() or waiter.exception() is not None:
+            return sorted(self.members)
+        return sorted(waiter.result().nodes)
+
     def _tracker(self, iteration: int) -> _Tracker:
         tracker = self._trackers.get(iteration)
         if tracker is None:
@@ -421,6 +438,7 @@ class GeneralNode:
                 tracker.failed = action.reason
                 tracker.cause = action.cause
                 tracker.changed.set()
+                self._skip(action.iteration)
                 log.error("node %d: %s", self.node_id, action.reason)
 
     def _send(self, send: Send) -> None:

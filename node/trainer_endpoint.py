@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from netstorm import trainer_wire as tw
-from netstorm.errors import ChunkError, IterationFailed, LayoutError, TrainerProtocolError
+from netstorm.errors import IterationFailed, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
 from node.service import GeneralNode, IterationTimeout, PeerGone
 
@@ -138,8 +138,13 @@ class TrainerEndpoint:
                     return
                 try:
                     reply, out = await self._serve(session, request, payload)
-                except (TrainerProtocolError, LayoutError, ChunkError, IterationFailed) as exc:
+                except NetStormError as exc:
+                    log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
                     reply, out = tw.ErrorReply(_error_kind(exc), str(exc)), b""
+                except Exception as exc:  # a bug must not cost the trainer its connection without a word
+                    log.exception("node %d: %s: %s failed unexpectedly", self.node.node_id, session.name,
+                                  request.TYPE)
+                    reply, out = tw.ErrorReply("failed", f"node {self.node.node_id}: internal error: {exc!r}"), b""
                 await self._reply(writer, reply, out)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
@@ -188,8 +193,9 @@ class TrainerEndpoint:
                     values[layout.key_slice(key)] = flat[position:position + size]
                     position += size
             assert values is not None
-            contributor = node.node_id == min(node.members)
             iteration = node.next_iteration()
+            policy = await node.ensure_policy(iteration)
+            contributor = node.node_id == min(policy.nodes)
             for key in range(len(layout.tensors)):
                 await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
             names = tuple(t.name for t in layout.tensors)
@@ -201,8 +207,8 @@ class TrainerEndpoint:
                     if order else np.zeros(0, dtype="<f4")
                 out = ordered.tobytes()
             log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
-                     node.node_id, session.name, len(names), layout.hash, min(node.members))
-            return tw.InitReply(node.node_id, iteration, node.num_workers, layout.hash), out
+                     node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
+            return tw.InitReply(node.node_id, iteration, len(policy.nodes), layout.hash), out
         layout = self._layout()
         if isinstance(request, tw.PushRequest | tw.PushPullRequest):
             keys = session.keys(layout, request.names)
@@ -210,12 +216,12 @@ class TrainerEndpoint:
             if isinstance(request, tw.PushRequest):
                 return tw.PushReply(iteration), b""
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names), out
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
         if isinstance(request, tw.PullRequest):
             keys = session.keys(layout, request.names)
             iteration = node.pull_iteration(keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names), out
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
     async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
@@ -238,7 +244,6 @@ class TrainerEndpoint:
     async def _collect(self, session: _Session, layout: Layout, keys: list[int], *, average: bool,
                        inline_order: bool = False) -> bytes:
         """Wait for ``keys``' sums; write them to shared memory, or return them inline."""
-        scale = np.float32(self.node.num_workers)
         if session.inline:
             sizes = [layout.tensors[k].size for k in keys]
             out = np.empty(sum(sizes) if inline_order else layout.total, dtype="<f4")
@@ -250,6 +255,9 @@ class TrainerEndpoint:
                 raise TrainerProtocolError("pull before init on this connection")
             position = {k: layout.offsets[k] for k in keys}
             target = session.shm
+
+        iteration = self.node.pull_iteration(keys[0]) if keys else -1
+        scale = np.float32(len(self.node.contributors(iteration)))
 
         def sink(key: int, values: np.ndarray) -> None:
             start = position[key]

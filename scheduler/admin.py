@@ -1,4 +1,4 @@
-"""One-shot admin requests to a running scheduler: its status, and forcing a new policy version.
+"""One-shot admin requests to a running scheduler: its status, its policies, forcing a new policy version.
 
 ``netstorm local`` waits on ``status`` for every node to register; tests and operators use
 ``override_policy`` to roll out a policy planned from given rates (a policy change between iterations).
@@ -10,6 +10,8 @@ import asyncio
 
 from netstorm import control
 from netstorm.control import ControlError, ControlTimeout
+from netstorm.errors import NetStormError
+from netstorm.policy import Policy
 from netstorm.scenario import Rates
 
 
@@ -50,3 +52,14 @@ async def override_policy(address: tuple[str, int], rates: Rates, *, timeout: fl
     if not isinstance(reply, control.PolicyOverrideAck):
         raise ControlError(f"scheduler {control.format_address(address)} answered an override with {reply.TYPE}")
     return reply.version
+
+
+async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: float) -> Policy:  # noqa: ASYNC109
+    """Policy ``version`` (-1: the current one) as the scheduler holds it."""
+    reply = await request(address, control.PolicyFetch(version), timeout=timeout)
+    if not isinstance(reply, control.PolicyReply) or reply.policy is None:
+        raise ControlError(f"scheduler {control.format_address(address)} answered a policy fetch with {reply!r}")
+    try:
+        return Policy.from_wire(reply.policy)
+    except NetStormError as exc:
+        raise ControlError(f"scheduler {control.format_address(address)} sent a malformed policy: {exc}") from None

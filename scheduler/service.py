@@ -30,6 +30,8 @@ from scheduler.planner import Planner, PlanningError, restrict
 
 log = logging.getLogger(__name__)
 
+STATUS_BINDINGS = 64
+"""Most recent iteration -> version bindings a status answer carries."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
 
@@ -118,7 +120,10 @@ class SchedulerService:
     async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
         for attempt in range(20):
-            server = await asyncio.start_server(self._serve_connection, host, port)
+            try:
+                server = await asyncio.start_server(self._serve_connection, host, port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on TCP {control.format_address((host, port))}: {exc}") from None
             sockname = server.sockets[0].getsockname()
             address = (str(sockname[0]), int(sockname[1]))
             try:
@@ -127,7 +132,7 @@ class SchedulerService:
                 server.close()
                 await server.wait_closed()
                 if port != 0 or attempt == 19:
-                    raise OSError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from exc
+                    raise ConfigError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from None
                 continue
             self.address = address
             return server, sntp, address
@@ -181,6 +186,8 @@ class SchedulerService:
                 await self._override(conn, message)
             case control.StatusRequest():
                 await conn.send(self.status())
+            case control.PolicyFetch():
+                await conn.send(self._policy_fetch(message.version))
             case _:
                 await conn.send(control.Error(f"the scheduler does not accept {message.TYPE} messages"))
         return True
@@ -301,9 +308,22 @@ class SchedulerService:
 
     def status(self) -> control.Status:
         current = self.consistency.current_version
+        bindings = sorted(self.consistency.bindings.items())[-STATUS_BINDINGS:]
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
-                              version=-1 if current is None else current)
+                              version=-1 if current is None else current, bindings=tuple(bindings))
+
+    def _policy_fetch(self, version: int) -> control.Message:
+        current = self.consistency.current_version
+        wanted = current if version == -1 else version
+        if wanted is None:
+            return control.Error("no policy has been planned yet")
+        try:
+            policy = self.consistency.policy(wanted)
+        except KeyError:
+            return control.Error(f"policy version {version} is not held (current {current}; older versions are "
+                                 "kept only while a remembered iteration uses them)")
+        return control.PolicyReply(-1, wanted, policy.to_wire())
 
     # --- membership changes and planning ---------------------------------------------------------
 

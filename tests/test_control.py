@@ -17,6 +17,7 @@ from netstorm.control import (
     LayoutCheck,
     LinkReport,
     MemberDown,
+    PolicyFetch,
     PolicyOverride,
     PolicyOverrideAck,
     PolicyReply,
@@ -46,6 +47,8 @@ SAMPLES: list[control.Message] = [
     PolicyOverrideAck(version=5),
     StatusRequest(),
     Status(expected=(1, 2, 3), registered=(1, 3), alive=(1, 3), complete=False, version=-1),
+    Status(expected=(1, 2), registered=(1, 2), alive=(2,), complete=True, version=3, bindings=((7, 2), (8, 3))),
+    PolicyFetch(version=-1),
 ]
 
 
@@ -92,7 +95,9 @@ def raw(data: object) -> bytes:
         ({"v": 1, "type": "policy_reply", "iteration": 1, "version": 1, "policy": [1]}, "expected a map"),
         ({"v": 1, "type": "policy_override", "rates": [[1, 2, -3.0]]}, "must be positive"),
         ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": 1,
-          "version": 0}, "expected true or false"),
+          "version": 0, "bindings": []}, "expected true or false"),
+        ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": True,
+          "version": 0, "bindings": [[1, 2, 3]]}, "[int, int] pairs"),
         ([1, 2, 3], "not a map"),
     ],
 )

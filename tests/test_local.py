@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from netstorm.local import RUN_DIR_ENV
+from netstorm.local import RUN_DIR_ENV, LocalCluster, LocalError
 
 STARTUP = 120.0  # seconds; nine Python processes on a loaded 2-core machine
 
@@ -124,3 +125,12 @@ def test_a_child_dying_after_ready_stops_the_rest_and_reports_it(tmp_path: Path)
     while processes_of(run_dir) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert processes_of(run_dir) == []
+
+
+def test_a_run_dir_too_long_for_unix_sockets_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    run_dir = tmp_path / ("d" * 100)
+    cluster = LocalCluster("internet2-9", [1, 2], run_dir)
+    with pytest.raises(LocalError, match="longer than the 107 bytes a Unix socket allows"):
+        asyncio.run(cluster.start())
+    assert cluster.children == []
+    assert not run_dir.exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -20,6 +21,7 @@ from tests.policy_graphs import internet2, random_overlay
 def test_plan_spans_every_node_with_shares_summing_to_one(topology):
     rates = internet2(0.25)
     policy = plan(rates, topology=topology)
+    policy.validate()
     nodes = tuple(range(1, 10))
     assert policy.topology == topology
     for root in policy.roots:
@@ -116,6 +118,11 @@ def test_aux_paths_cover_every_tree_edge_both_ways():
         for child, parent in tree.edges():
             wanted |= {(child, parent), (parent, child)}
     assert set(policy.aux_paths) == wanted
+    for pair, paths in policy.aux_paths.items():
+        assert paths[0] == pair  # the tree edge itself is the primary
+        assert all(pair not in set(itertools.pairwise(p)) for p in paths[1:])
+    # 2->1 is a result edge: 2-3-1 is faster than the direct link, yet the tree edge stays the primary.
+    assert policy.aux_paths[(2, 1)] == ((2, 1), (2, 3, 1))
     assert plan(internet2(), aux=False).aux_paths == {}
 
 
@@ -123,7 +130,7 @@ _DUMP = """
 import json, random, sys
 from netstorm.policy import plan
 from tests.policy_graphs import random_overlay
-rates = random_overlay(40, 6, 5, low=20, high=24)   # few distinct rates: many exact ties
+rates = random_overlay(25, 5, 5, low=20, high=24)   # few distinct rates: many exact ties
 items = list(rates.items())
 random.Random(int(sys.argv[1])).shuffle(items)       # insertion order must not matter
 out = {t: plan(dict(items), topology=t).to_wire() for t in ("fapt", "star", "bkt", "mst", "fapt1")}
@@ -139,7 +146,7 @@ def test_same_rates_give_the_same_bytes_across_processes():
                               env=env, timeout=120, check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
         outputs.add(done.stdout)
     assert len(outputs) == 1
-    in_process = {t: plan(random_overlay(40, 6, 5, low=20, high=24), topology=t).to_wire()
+    in_process = {t: plan(random_overlay(25, 5, 5, low=20, high=24), topology=t).to_wire()
                   for t in ("fapt", "star", "bkt", "mst", "fapt1")}
     assert json.dumps(in_process, sort_keys=True) == outputs.pop()
 

@@ -22,6 +22,7 @@ import netstorm
 from netstorm.aclient import AsyncClient
 from netstorm.errors import IterationError, NodeGone, TrainerError
 from netstorm.local import LocalCluster
+from netstorm.scenario import load as load_scenario
 from scheduler import admin
 
 pytestmark = pytest.mark.slow
@@ -44,16 +45,19 @@ def model(dc: int, step: int) -> dict[str, np.ndarray]:
     }
 
 
-def expected_sum(step: int) -> dict[str, np.ndarray]:
+def expected_sum(step: int, dcs: list[int] = NODES, average: bool = False) -> dict[str, np.ndarray]:
     out = {}
     for name in model(1, step):
-        total = np.sum([model(dc, step)[name].astype(np.float32) for dc in NODES], axis=0)
+        total = np.sum([model(dc, step)[name].astype(np.float32) for dc in dcs], axis=0)
+        if average:
+            total = total / np.float32(len(dcs))
         out[name] = total.astype(model(1, step)[name].dtype)
     return out
 
 
-def check(results: dict[int, dict[str, np.ndarray]], step: int) -> None:
-    want = expected_sum(step)
+def check(results: dict[int, dict[str, np.ndarray]], step: int, dcs: list[int] = NODES,
+          average: bool = False) -> None:
+    want = expected_sum(step, dcs, average)
     for dc, got in results.items():
         assert set(got) == set(want), dc
         for name, value in want.items():
@@ -122,7 +126,7 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
 
                 # A policy rollout between iterations (rates that favour other trees): nothing lost.
                 before = (await admin.status(cluster.scheduler_address, timeout=10)).version
-                rates = {(a, b): float(10 + 7 * a + 3 * b) for a in NODES for b in NODES if a != b}
+                rates = {(a, b): 300.0 - r for (a, b), r in load_scenario(SCENARIO).rates().items()}
                 version = await admin.override_policy(cluster.scheduler_address, rates, timeout=30)
                 assert version > before
                 for step in (3, 4):
@@ -147,6 +151,7 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                 check(await push_pull_all(clients, 6), 6)
 
                 # Node 5 is killed mid-iteration: the others fail with an error naming it, within seconds.
+                version_before_kill = (await admin.status(cluster.scheduler_address, timeout=10)).version
                 waiting = {dc: asyncio.ensure_future(clients[dc].push_pull(model(dc, 7))) for dc in NODES[:-1]}
                 await asyncio.wait(waiting.values(), timeout=0.5)
                 os.kill(node_pid(run_dir, 5), signal.SIGKILL)
@@ -159,6 +164,31 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                     assert isinstance(outcome, NodeGone | IterationError), (dc, outcome)
                     assert "node 5" in str(outcome) and "iteration 7" in str(outcome), str(outcome)
                 assert elapsed < 15.0, elapsed
+
+                # The survivors go on: once the scheduler has declared node 5 dead and re-planned without
+                # it, iterations among the four complete (iterations still bound to the old policy fail
+                # at once, naming the dead node).
+                del clients[5]
+                async with asyncio.timeout(30):
+                    while True:  # the scheduler pushes nothing to admin clients: poll its status, with a deadline
+                        status = await admin.status(cluster.scheduler_address, timeout=10)
+                        if 5 not in status.alive and status.version > version_before_kill:
+                            break
+                        await asyncio.sleep(0.2)
+                survivors = NODES[:-1]
+                survivor_results: dict[int, dict[str, np.ndarray]] = {}
+                for _attempt in range(3):
+                    attempt = await asyncio.gather(*(clients[dc].push_pull(model(dc, 8), average=True)
+                                                     for dc in survivors), return_exceptions=True)
+                    failures = [o for o in attempt if isinstance(o, BaseException)]
+                    if not failures:
+                        survivor_results = {dc: o for dc, o in zip(survivors, attempt, strict=True)
+                                            if not isinstance(o, BaseException)}
+                        break
+                    assert all(isinstance(o, TrainerError) and "node 5" in str(o) for o in failures), failures
+                check(survivor_results, 8, survivors, average=True)
+                assert len(survivor_results) == len(survivors)
+                assert all(kv.num_workers == len(survivors) for kv in clients.values())
             finally:
                 for kv in clients.values():
                     await kv.close()

@@ -68,3 +68,15 @@ def test_parse_nodes_names_unknown_ids() -> None:
         parse_nodes("1,12", scenario)
     with pytest.raises(ConfigError, match="comma-separated integers"):
         parse_nodes("1,x", scenario)
+
+
+def test_the_cli_builds_only_the_command_it_runs() -> None:
+    from netstorm import cli
+
+    _, modules = cli.build_parser(only="scheduler")
+    assert set(modules) == {"scheduler"}
+    _, everything = cli.build_parser()
+    assert {"scheduler", "local", "node"} <= set(everything)
+    with pytest.raises(SystemExit) as info:
+        cli.main(["-v", "no-such-command"])
+    assert info.value.code == 2

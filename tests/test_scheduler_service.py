@@ -130,6 +130,13 @@ def test_every_node_gets_the_same_version_per_iteration_across_a_policy_change()
                 assert {p.version for p in two} == {1}
                 assert two[0] == two[3] and two[0].trees != zero[0].trees
                 assert service.consistency.bindings[2] == 1
+                status = await admin.status(addr(service), timeout=T)
+                assert status.version == 1
+                assert status.bindings[:3] == ((0, 0), (1, 0), (2, 1))
+                assert await admin.fetch_policy(addr(service), timeout=T) == two[0]
+                assert await admin.fetch_policy(addr(service), 0, timeout=T) == zero[0]
+                with pytest.raises(ControlError, match="policy version 99 is not held"):
+                    await admin.fetch_policy(addr(service), 99, timeout=T)
             finally:
                 await close_all(clients)
 
@@ -326,5 +333,37 @@ def test_losing_the_scheduler_fails_waiters_at_once_and_is_signalled() -> None:
         with pytest.raises(ControlError, match=r"iteration 7: .*closed the control connection"):
             await clients[0].policy_for(7, timeout=T)
         await close_all(clients)
+
+    run(main())
+
+
+@pytest.mark.parametrize("topology", ["fapt", "fapt1", "star", "bkt", "mst"])
+def test_roots_stay_fixed_across_replans_for_every_topology(topology: str) -> None:
+    async def main() -> None:
+        config = FAST.replace(num_root_servers=2)
+        async with scheduler(config, topology=topology) as service:
+            clients = await connect_all(service)
+            try:
+                first = await clients[0].policy_for(0, timeout=T)
+                assert first.topology == topology
+                # Rates that make the first roots look poor: every link touching them becomes slow.
+                slow = {(a, b): 1.0 if a in first.roots or b in first.roots else 500.0 for a, b in RATES}
+                version = await admin.override_policy(addr(service), slow, timeout=T)
+                later = await clients[0].policy_for(5, timeout=T)
+                assert later.version == version == 1
+                assert later.roots == first.roots
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_a_busy_listen_port_is_a_clear_error() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as first:
+            port = addr(first)[1]
+            second = SchedulerService(RATES, (1, 2), FAST)
+            with pytest.raises(ConfigError, match=rf"cannot listen on TCP 127\.0\.0\.1:{port}: .*in use"):
+                await second.serve("127.0.0.1", port)
 
     run(main())

@@ -15,7 +15,7 @@ MESSAGES: list[tw.Message] = [
     tw.PushReply(7),
     tw.PullRequest(("w",), True),
     tw.PushPullRequest(("w", "b"), False),
-    tw.PullReply(7, ("w", "b")),
+    tw.PullReply(7, ("w", "b"), 4),
     tw.ErrorReply("timeout", "iteration 7 timed out"),
 ]
 

@@ -123,7 +123,8 @@ def _report(name: str, scale: float, model: ModelLayout, chunk_size: int, policy
         "chunks_per_root": per_root,
         "aux_paths": wire["aux_paths"],
         "predicted_sync_s": {t: p.total_s for t, p in predictions.items()},
-        "predicted_detail": {t: {"bulk_s": p.bulk_s, "fill_s": p.fill_s, "bottleneck": _pair(p.bottleneck)}
+        "predicted_detail": {t: {"bulk_s": p.bulk_s, "fill_s": p.fill_s, "bottleneck": _pair(p.bottleneck),
+                                 "phased_s": p.phased_s}
                              for t, p in predictions.items()},
         "limit_s": limit,
         "ratio_to_limit": {t: p.total_s / limit for t, p in predictions.items()},
@@ -161,7 +162,8 @@ def _text(r: dict[str, Any]) -> str:
     for topology, seconds in r["predicted_sync_s"].items():
         detail = r["predicted_detail"][topology]
         lines.append(f"  {topology:<6} {seconds:9.1f} s  {r['ratio_to_limit'][topology]:6.2f} x limit  "
-                     f"(bottleneck {detail['bottleneck']}, fill {detail['fill_s']:.1f} s)")
+                     f"(bottleneck {detail['bottleneck']}, fill {detail['fill_s']:.1f} s; "
+                     f"push then pull: {detail['phased_s']:.1f} s)")
     sink = ",".join(map(str, r["min_cut_sink_side"]))
     lines.append(f"limit M/λ: {r['limit_s']:.1f} s (λ = {r['min_cut_mbit']:g} Mbit/s into {{{sink}}})")
     return "\n".join(lines)

@@ -1,0 +1,40 @@
+"""Model layouts: torchvision's published parameter counts and plain sizes."""
+
+from __future__ import annotations
+
+import pytest
+
+from netstorm.errors import PolicyError
+from netstorm.models import layout
+
+
+def test_alexnet_matches_torchvision():
+    model = layout("alexnet")
+    assert model.params == 61_100_840
+    assert len(model.tensors) == 16
+    assert model.tensors[0] == ("features.0.weight", (64, 3, 11, 11))
+    assert model.tensors[-1] == ("classifier.6.bias", (1000,))
+    assert model.bytes == 4 * 61_100_840
+
+
+def test_resnet50_matches_torchvision():
+    model = layout("ResNet50")
+    assert model.params == 25_557_032
+    assert len(model.tensors) == 161
+    assert model.tensors[0] == ("conv1.weight", (64, 3, 7, 7))
+    assert ("layer3.0.downsample.0.weight", (1024, 512, 1, 1)) in model.tensors
+    assert model.tensors[-2] == ("fc.weight", (1000, 2048))
+
+
+@pytest.mark.parametrize(("spec", "params"), [("15275210", 15_275_210), ("1e6", 1_000_000), ("61.1M", 61_100_000),
+                                               ("2k", 2000)])
+def test_plain_sizes(spec, params):
+    model = layout(spec)
+    assert model.params == params
+    assert model.sizes == [params]
+
+
+@pytest.mark.parametrize("spec", ["vgg", "0", "1.5", "-3", ""])
+def test_bad_models_are_rejected(spec):
+    with pytest.raises(PolicyError):
+        layout(spec)

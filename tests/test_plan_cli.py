@@ -1,0 +1,83 @@
+"""``netstorm plan``: the JSON shape the issue specifies, the text form, measured rates, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from netstorm.cli import main
+from netstorm.policy import TOPOLOGIES, Policy
+
+
+def _json(capsys, *argv: str) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_shape_for_internet2(capsys):
+    out = _json(capsys, "internet2-9", "--bw-scale", "0.25", "--model", "15275210", "--roots", "3")
+    assert out["roots"] == [int(r) for r in out["chunk_share"]]
+    assert len(out["roots"]) == 3
+    for root, tree in out["trees"].items():
+        assert set(tree) == {str(n) for n in range(1, 10)}
+        assert tree[root] is None
+    assert sum(out["chunk_share"].values()) == pytest.approx(1.0)
+    assert all("->" in key and all(isinstance(p, list) for p in paths) for key, paths in out["aux_paths"].items())
+    assert set(out["predicted_sync_s"]) == set(TOPOLOGIES)
+    assert out["limit_s"] == pytest.approx(61.1e6 * 8 / 21.5e6, rel=1e-3)
+    assert all(t >= out["limit_s"] for t in out["predicted_sync_s"].values())
+    assert sum(v["elements"] for v in out["chunks_per_root"].values()) == 15275210
+    # The policy part decodes as a Policy.
+    wire = {"wire": 1, "version": 0, "topology": out["topology"], **{k: out[k] for k in
+            ("roots", "trees", "chunk_share", "quality", "aux_paths")}}
+    assert Policy.from_wire(wire).roots == tuple(out["roots"])
+
+
+def test_config_flags_apply(capsys, monkeypatch):
+    monkeypatch.delenv("NETSTORM_NUM_ROOT_SERVERS", raising=False)
+    out = _json(capsys, "internet2-9", "--num-root-servers", "2", "--chunk-size", "500000",
+                "--model", "1e6", "--topology", "fapt")
+    assert len(out["roots"]) == 2
+    assert out["chunk_size"] == 500000
+    assert sum(v["chunks"] for v in out["chunks_per_root"].values()) == 2
+
+
+def test_measured_rates_file(tmp_path, capsys):
+    path = tmp_path / "rates.json"
+    path.write_text(json.dumps({"1->2": 10, "2->1": 20, "2->3": 40, "3->2": 5}))
+    out = _json(capsys, "--rates", str(path), "--topology", "star", "--model", "2.5M")
+    assert out["roots"] == [2]
+    assert out["trees"] == {"2": {"1": 2, "2": None, "3": 2}}
+    # The busiest link 3->2 (5 Mbit/s) carries the 10 MB model once: 16 s, plus the fill.
+    assert out["predicted_detail"]["star"]["bulk_s"] == pytest.approx(16.0)
+
+
+def test_text_output(capsys):
+    assert main(["plan", "internet2-9", "--topology", "bkt", "--bkt-k", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "topology bkt: 1 root(s)" in text
+    assert "limit M/λ" in text
+    for topology in TOPOLOGIES:
+        assert f"  {topology} " in text
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("{not json", "cannot read rates"),
+    ('{"1-2": 5}', "is not '<a>-><b>'"),
+    ('{"1->2": -5, "2->1": 5}', "positive"),
+    ('{"1->2": 5}', "strongly connected"),
+    ("[]", "JSON object"),
+])
+def test_bad_rates_file_fails_with_a_message(tmp_path, capsys, content, message):
+    path = tmp_path / "rates.json"
+    path.write_text(content)
+    assert main(["plan", "--rates", str(path)]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_needs_exactly_one_source(capsys, tmp_path):
+    assert main(["plan"]) == 1
+    assert "exactly one" in capsys.readouterr().err
+    assert main(["plan", "no-such-scenario"]) == 1
+    assert "no-such-scenario" in capsys.readouterr().err
