@@ -35,10 +35,11 @@ def iteration_times(result: dict[str, Any], path: Path) -> Path:
     for name, s in result["systems"].items():
         xs = list(range(1, len(s["iteration_s"]) + 1))
         ax.plot(xs, s["iteration_s"], marker="o", label=name)
-    first = next(iter(result["systems"].values()), None)
+    first_name, first = next(iter(result["systems"].items()), ("", None))
     if first and first.get("limit_s"):
         xs = list(range(1, len(first["limit_s"]) + 1))
-        ax.step(xs, first["limit_s"], where="mid", color="black", linestyle="--", label="limit M/λ")
+        label = f"limit M/λ (at {first_name}'s iterations)" if result.get("dynamic") else "limit M/λ"
+        ax.step(xs, first["limit_s"], where="mid", color="black", linestyle="--", label=label)
     else:
         ax.axhline(result["limit_s"], color="black", linestyle="--", label="limit M/λ")
     ax.set_xlabel("iteration")
