@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -28,7 +29,7 @@ from netstorm.rategraph import RateGraph
 
 Path = tuple[int, ...]
 
-TAIL_ROWS = 32
+TAIL_ROWS = 8
 """Searches left when the lockstep stops and the rest finish one at a time."""
 BATCH_PAIRS = 4096
 """Pairs searched in one lockstep; more run in batches, keeping the state arrays to tens of MB."""
@@ -187,11 +188,22 @@ class _PathNames:
     """Edge-id lists to node-id paths."""
 
     def __init__(self, graph: RateGraph) -> None:
+        self.graph = graph
         self.nodes = graph.nodes
         self.tail = graph.src.tolist()
         self.head = graph.dst.tolist()
-        self.matrix = csr_matrix((graph.weight, graph.dst, np.searchsorted(graph.src, np.arange(graph.n + 1))),
-                                 shape=(graph.n, graph.n))
+
+    @cached_property
+    def matrix(self) -> csr_matrix:
+        """The graph as CSR with data in edge order, for the searches that finish alone."""
+        graph = self.graph
+        indptr = np.searchsorted(graph.src, np.arange(graph.n + 1))
+        return csr_matrix((graph.weight.copy(), graph.dst, indptr), shape=(graph.n, graph.n))
+
+    @cached_property
+    def edge_of(self) -> dict[tuple[int, int], int]:
+        """Edge id of each (tail index, head index)."""
+        return {pair: e for e, pair in enumerate(zip(self.tail, self.head, strict=True))}
 
     def walk_back(self, pred: list[int], src: int, dst: int) -> list[int]:
         """Edge ids from ``src`` to ``dst`` following a search's predecessor edges back from ``dst``."""
@@ -271,7 +283,7 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
     Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
     """
     s, t = int(run.s[r]), int(run.t[r])
-    matrix = names.matrix.copy()
+    matrix = names.matrix  # shared by the rows finishing alone, one after another
     weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
     weight[:] = run.w[r]
     out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
@@ -283,18 +295,11 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
         while hops[-1] != s:
             hops.append(int(pred[hops[-1]]))
         hops.reverse()
-        edges = [_edge_id(graph, a, b) for a, b in itertools.pairwise(hops)]
+        edges = [names.edge_of[pair] for pair in itertools.pairwise(hops)]
         found[int(run.pair[r])].append(names.path(edges))
         weight[edges] = np.inf
         out_left -= 1
         in_left -= 1
-
-
-def _edge_id(graph: RateGraph, a: int, b: int) -> int:
-    """Position of edge index a -> b in the (src, dst)-sorted edge arrays."""
-    lo = int(np.searchsorted(graph.src, a, side="left"))
-    hi = int(np.searchsorted(graph.src, a, side="right"))
-    return lo + int(np.searchsorted(graph.dst[lo:hi], b))
 
 
 def edge_disjoint_paths(graph: RateGraph, src: int, dst: int) -> tuple[Path, ...]:
