@@ -7,10 +7,12 @@ chunk offloaded onto an auxiliary path never queues behind the primary's traffic
 
 A policy needs this for hundreds of pairs every few seconds, so all pairs are searched together: one
 A* search per pair, advanced in lockstep with numpy (every step pops one node in every pair's search).
-The heuristic is the distance to dst in the full graph, which removed edges can only lengthen, so it
-never overestimates and each search still finds a shortest path of its residual graph. A pair is done
-when src has no unused out-link, dst no unused in-link, or its search runs dry. The last few pairs,
-whose searches run longest, finish one by one with scipy's Dijkstra instead of holding the lockstep.
+The A* bound is the full graph's cheapest way into dst over an in-link the pair has not used yet
+(``_EntryBound``): removed edges only lengthen paths, so it never overestimates and each search still
+finds a shortest path of its residual graph, yet it steers the later rounds around the links already
+taken. A pair is done when src has no unused out-link, dst no unused in-link, or its search runs dry.
+The last few pairs, whose searches run longest, finish one by one with scipy's Dijkstra instead of
+holding the lockstep.
 """
 
 from __future__ import annotations
