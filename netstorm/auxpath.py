@@ -155,7 +155,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 edges = names.walk_back(pred_row, src, dst)
                 found[int(run.pair[r])].append(names.path(edges))
                 offset = r * width
-                marked.extend(offset + e for e in edges)
+                marked.extend([offset + e for e in edges])
                 last.append(edges[-1])
             weights[marked] = np.inf
             run.out_left[done] -= 1
@@ -164,9 +164,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             alive[done[complete]] = False
             run.stop(done[complete])
             again = done[~complete]
-            bound = run.h[again]
-            bounds.refresh(bound, run.pair[again], np.array(last)[~complete])
-            run.h[again] = bound
+            run.h[again] = bounds.refresh(run.pair[again], np.array(last)[~complete], run.t[again])
             run.restart(again)
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
@@ -194,6 +192,8 @@ class _PathNames:
         self.nodes = graph.nodes
         self.tail = graph.src.tolist()
         self.head = graph.dst.tolist()
+        self.tail_id = [graph.nodes[i] for i in self.tail]
+        self.head_id = [graph.nodes[i] for i in self.head]
 
     @cached_property
     def matrix(self) -> csr_matrix:
@@ -219,8 +219,8 @@ class _PathNames:
         return edges
 
     def path(self, edges: list[int]) -> Path:
-        nodes, head = self.nodes, self.head
-        return (nodes[self.tail[edges[0]]], *(nodes[head[e]] for e in edges))
+        """Node ids along ``edges``."""
+        return (self.tail_id[edges[0]], *map(self.head_id.__getitem__, edges))
 
 
 def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
@@ -237,8 +237,7 @@ class _EntryBound:
     plain distance to t near the nodes whose links were removed.
 
     One row of ``entry`` per (pair, in-link of its target); ``slots`` lists each pair's rows, padded
-    with the all-inf last row. Removing an in-link sets its row to inf, and only the nodes whose bound
-    came from that in-link are recomputed.
+    with the all-inf last row. Removing an in-link sets its row to inf.
     """
 
     def __init__(self, graph: RateGraph, t: np.ndarray) -> None:
@@ -269,14 +268,12 @@ class _EntryBound:
         bound[np.arange(len(t)), t] = 0.0
         return bound
 
-    def refresh(self, bound: np.ndarray, pairs: np.ndarray, edges: np.ndarray) -> None:
-        """Remove the in-links ``edges`` and raise ``bound`` (rows of ``pairs``) where they were the minimum."""
-        rows = self.first[pairs] + self.position[edges]
-        was = self.entry[rows] == bound
-        self.entry[rows] = np.inf
-        r, x = np.nonzero(was)
-        if len(r):
-            bound[r, x] = self.entry[self.slots[pairs[r]], x[:, None]].min(axis=1)
+    def refresh(self, pairs: np.ndarray, edges: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Remove the in-links ``edges`` of ``pairs`` and return those pairs' raised bounds."""
+        self.remove(pairs, edges)
+        bound: np.ndarray = self.entry[self.slots[pairs]].min(axis=1)
+        bound[np.arange(len(pairs)), t] = 0.0
+        return bound
 
 
 def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], names: _PathNames) -> None:
