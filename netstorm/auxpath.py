@@ -112,7 +112,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         run.out_left[direct] -= 1
         run.in_left[direct] -= 1
         bounds.remove(direct, at[direct])
-    run.h = bounds.initial(t)
+    run.h = bounds.bounds(run.pair, t)
     run.restart(run.pair)
     names = _PathNames(graph)
 
@@ -164,7 +164,8 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             alive[done[complete]] = False
             run.stop(done[complete])
             again = done[~complete]
-            run.h[again] = bounds.refresh(run.pair[again], np.array(last)[~complete], run.t[again])
+            bounds.remove(run.pair[again], np.array(last)[~complete])
+            run.h[again] = bounds.bounds(run.pair[again], run.t[again])
             run.restart(again)
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
@@ -236,42 +237,47 @@ class _EntryBound:
     t, stays admissible and consistent (a minimum of consistent bounds), and is far tighter than the
     plain distance to t near the nodes whose links were removed.
 
-    One row of ``entry`` per (pair, in-link of its target); ``slots`` lists each pair's rows, padded
-    with the all-inf last row. Removing an in-link sets its row to inf.
+    ``via[e]`` holds dist(x -> y) + w(e) for every link e = y -> t (plus an all-inf row); each pair
+    owns the stretch ``first[p] : first[p] + count[p]`` of ``in_link``/``used``, its target's in-links.
     """
 
     def __init__(self, graph: RateGraph, t: np.ndarray) -> None:
+        e = len(graph.src)
         by_dst = np.argsort(graph.dst, kind="stable")
         in_degree = np.bincount(graph.dst, minlength=graph.n)
         in_first = np.concatenate(([0], np.cumsum(in_degree)[:-1]))
-        self.position = np.empty(len(graph.dst), dtype=np.int64)  # of each edge among its head's in-links
-        self.position[by_dst] = np.arange(len(by_dst)) - in_first[graph.dst[by_dst]]
-        count = in_degree[t]
-        ends = np.cumsum(count)
-        self.first = ends - count
-        owner = np.repeat(np.arange(len(t)), count)
-        edges = by_dst[np.arange(int(ends[-1])) + np.repeat(in_first[t] - ends + count, count)]
-        needed, needed_row = np.unique(graph.src[edges], return_inverse=True)
-        total = len(edges)
-        self.entry = np.full((total + 1, graph.n), np.inf)
-        self.entry[:total] = _distances_to(graph, needed)[needed_row] + graph.weight[edges][:, None]
-        width = max(int(count.max()), 1)
-        self.slots = np.full((len(t), width), total, dtype=np.int64)
-        self.slots[owner, np.arange(total) - self.first[owner]] = np.arange(total)
+        self.position = np.empty(e, dtype=np.int64)  # of each link among its head's in-links
+        self.position[by_dst] = np.arange(e) - in_first[graph.dst[by_dst]]
+        self.count = in_degree[t]
+        ends = np.cumsum(self.count)
+        self.first = ends - self.count
+        total = int(ends[-1])
+        # One extra, always-unusable entry for pairs whose target has no in-link at all.
+        self.in_link = np.full(total + 1, e, dtype=np.int64)
+        self.in_link[:total] = by_dst[np.arange(total) + np.repeat(in_first[t] - ends + self.count, self.count)]
+        self.used = np.zeros(total + 1, dtype=bool)
+        self.used[total] = True
+        tails, tail_row = np.unique(graph.src, return_inverse=True)
+        self.via = np.full((e + 1, graph.n), np.inf)
+        self.via[:e] = _distances_to(graph, tails)[tail_row] + graph.weight[:, None]
 
     def remove(self, pairs: np.ndarray, edges: np.ndarray) -> None:
         """In-link ``edges[i]`` of pair ``pairs[i]``'s target is used up."""
-        self.entry[self.first[pairs] + self.position[edges]] = np.inf
+        self.used[self.first[pairs] + self.position[edges]] = True
 
-    def initial(self, t: np.ndarray) -> np.ndarray:
-        bound: np.ndarray = self.entry[self.slots].min(axis=1)
-        bound[np.arange(len(t)), t] = 0.0
-        return bound
-
-    def refresh(self, pairs: np.ndarray, edges: np.ndarray, t: np.ndarray) -> np.ndarray:
-        """Remove the in-links ``edges`` of ``pairs`` and return those pairs' raised bounds."""
-        self.remove(pairs, edges)
-        bound: np.ndarray = self.entry[self.slots[pairs]].min(axis=1)
+    def bounds(self, pairs: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The bound of each of ``pairs`` (targets ``t``) over its unused in-links."""
+        if not len(pairs):
+            return np.zeros((0, self.via.shape[1]))
+        count = self.count[pairs]
+        length = np.maximum(count, 1)
+        ends = np.cumsum(length)
+        starts = ends - length
+        entry = np.arange(int(ends[-1])) + np.repeat(self.first[pairs] - starts, length)
+        entry[np.repeat(count == 0, length)] = len(self.used) - 1
+        values = self.via[self.in_link[entry]]
+        values[self.used[entry]] = np.inf
+        bound: np.ndarray = np.minimum.reduceat(values, starts, axis=0)
         bound[np.arange(len(pairs)), t] = 0.0
         return bound
 

@@ -106,7 +106,7 @@ def test_entry_bound_never_overestimates_and_is_consistent():
     codes = graph.src * graph.n + graph.dst
     direct = np.searchsorted(codes, s * graph.n + t)
     bounds.remove(np.arange(len(pairs)), direct)
-    h = bounds.initial(t)
+    h = bounds.bounds(np.arange(len(pairs)), t)
     for k, (a, b) in enumerate(pairs):
         reduced = nx.DiGraph()
         reduced.add_nodes_from(graph.nodes)
