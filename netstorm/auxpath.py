@@ -18,7 +18,7 @@ holding the lockstep.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 
 import numpy as np
@@ -150,10 +150,11 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             done = np.flatnonzero(arrived)
             marked: list[int] = []
             last: list[int] = []
-            for r, pred_row, src, dst in zip(done.tolist(), run.pred[done].tolist(), run.s[done].tolist(),
-                                             run.t[done].tolist(), strict=True):
-                edges = names.walk_back(pred_row, src, dst)
-                found[int(run.pair[r])].append(names.path(edges))
+            step_back = pred.item  # predecessor edge of (row, node) at row * n + node
+            for r, pair, src, dst in zip(done.tolist(), run.pair[done].tolist(), run.s[done].tolist(),
+                                         run.t[done].tolist(), strict=True):
+                edges = names.walk_back(step_back, r * n, src, dst)
+                found[pair].append(names.path(edges))
                 offset = r * width
                 marked.extend([offset + e for e in edges])
                 last.append(edges[-1])
@@ -208,14 +209,15 @@ class _PathNames:
         """Edge id of each (tail index, head index)."""
         return {pair: e for e, pair in enumerate(zip(self.tail, self.head, strict=True))}
 
-    def walk_back(self, pred: list[int], src: int, dst: int) -> list[int]:
-        """Edge ids from ``src`` to ``dst`` following a search's predecessor edges back from ``dst``."""
+    def walk_back(self, pred: Callable[[int], int], base: int, src: int, dst: int) -> list[int]:
+        """Edge ids from ``src`` to ``dst``, following the predecessor edges ``pred(base + node)`` back."""
         edges = []
         node = dst
+        tail = self.tail
         while node != src:
-            edge = pred[node]
+            edge = pred(base + node)
             edges.append(edge)
-            node = self.tail[edge]
+            node = tail[edge]
         edges.reverse()
         return edges
 
