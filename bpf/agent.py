@@ -120,7 +120,7 @@ class EdgeGateway:
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
-        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=4096)
+        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=1 << 16)
         self.data_packets = 0
         """DATA datagrams the aggregator consumed (kernel counter in xdp mode)."""
         self.receive_cpu = 0.0
@@ -180,7 +180,7 @@ class EdgeGateway:
                     async with asyncio.timeout(min(remaining, 4 * self.slot_timeout)):
                         await waiter.wait()
                 if not sums.done and not waiter.is_set():
-                    self._poke_stalled(sums)
+                    await self._poke_stalled(sums)
             return sums.result()
         finally:
             self._waiters.pop(iteration, None)
@@ -225,14 +225,16 @@ class EdgeGateway:
             except asyncio.QueueFull:
                 log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
 
-    def _poke_stalled(self, sums: IterationSums) -> None:
+    async def _poke_stalled(self, sums: IterationSums) -> None:
         """A slot can complete while its AGG datagram is lost before our socket: a duplicate from one
         contributor makes the aggregator re-emit it. Pending slots that are merely incomplete are
         unaffected (the duplicate is dropped) and stay with the timer."""
         for t, c in sorted(sums.pending)[:256]:
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
-            self._emit([(0, nack)])
+            address = self.addresses.get(0)
+            if address is not None:
+                await self._out.put((nack, address))
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
