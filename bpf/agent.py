@@ -196,12 +196,16 @@ class EdgeGateway:
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
+        absent = [w for w in range(self.workers) if w not in self.addresses]
         for w in range(self.workers):
             address = self.addresses.get(w)
             if address is None:
-                raise EdgeTimeout(f"edge gateway: worker {w} has no address (never said HELLO)")
+                continue
             for row in rows:
                 await self._out.put((row.tobytes(), address))
+        if absent:
+            raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
+                              "HELLO); the others got their results")
 
     # ------------------------------------------------------------------ internals
     def _sums(self, iteration: int) -> IterationSums:

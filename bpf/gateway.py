@@ -20,6 +20,7 @@ import numpy as np
 from bpf.agent import EdgeGateway
 from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
+from bpf.wire import EdgeTimeout
 from netstorm.errors import ConfigError
 
 log = logging.getLogger("netstorm.edge")
@@ -60,7 +61,7 @@ class EdgeRole:
         self._xdp: object | None = None
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
-        self._lan: dict[int, asyncio.Task[list[np.ndarray]]] = {}
+        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout]] = {}
         self._results: asyncio.Queue[tuple[int, list[np.ndarray]]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
 
@@ -132,12 +133,24 @@ class EdgeRole:
         if task is None:
             if self._tg is None:
                 raise RuntimeError("edge: combine before EdgeRole.run started serving the LAN")
-            task = self._tg.create_task(self.gateway.collect(iteration, timeout=self.iteration_timeout))
+            task = self._tg.create_task(self._collect(iteration))
             self._lan[iteration] = task
             for old in [k for k in self._lan if k < iteration - 2]:
                 del self._lan[old]
-        lan = (await asyncio.shield(task))[key]
+        sums = await asyncio.shield(task)
+        if isinstance(sums, EdgeTimeout):
+            raise EdgeTimeout(str(sums))   # fails this iteration's contribution, not the node
+        lan = sums[key]
         return lan if values is None else np.asarray(values, np.float32) + lan
+
+    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout:
+        """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
+        assert self.gateway is not None
+        try:
+            return await self.gateway.collect(iteration, timeout=self.iteration_timeout)
+        except EdgeTimeout as exc:
+            log.error("edge: %s", exc)
+            return exc
 
     def released(self, iteration: int, per_key: list[np.ndarray]) -> None:
         """The iteration's result (one flat float32 array per tensor) goes back to the LAN workers."""
@@ -150,6 +163,9 @@ class EdgeRole:
         assert self.gateway is not None
         while True:
             iteration, per_key = await self._results.get()
-            if iteration == self.init_iteration:
-                await self.gateway.wait_workers(self.iteration_timeout)
-            await self.gateway.send_results(iteration, per_key)
+            try:
+                if iteration == self.init_iteration:
+                    await self.gateway.wait_workers(self.iteration_timeout)
+                await self.gateway.send_results(iteration, per_key)
+            except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
+                log.error("edge: results of iteration %d: %s", iteration, exc)
