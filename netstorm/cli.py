@@ -38,7 +38,8 @@ def _load(module: str) -> ModuleType | None:
         raise
 
 
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+    """The parser with every command, or with just ``only`` (child processes start faster)."""
     parser = argparse.ArgumentParser(
         prog="netstorm",
         description="Geo-distributed parameter synchronization over multi-root FAPT trees.",
@@ -47,6 +48,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     modules: dict[str, ModuleType] = {}
     for name, module_name in COMMANDS.items():
+        if only is not None and name != only:
+            continue
         module = _load(module_name)
         if module is None:
             continue
@@ -57,7 +60,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, modules = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    named = next((arg for arg in argv if not arg.startswith("-")), None)
+    parser, modules = build_parser(only=named if named in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -7,7 +7,10 @@ One frozen ``Config`` is resolved from defaults < config file (TOML) < environme
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import inspect
+import itertools
 import os
 import tomllib
 from collections.abc import Mapping
@@ -79,6 +82,21 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _field_docs() -> dict[str, str]:
+    """The attribute docstrings under each field, so ``--help`` and the README say the same thing."""
+    tree = ast.parse(inspect.getsource(Config))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for stmt, nxt in itertools.pairwise(body):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)):
+            docs[stmt.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+DOCS = _field_docs()
 ENV_PREFIX = "NETSTORM_"
 
 
@@ -185,7 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="TOML file with options")
     for name, field in FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        doc = (field.metadata.get("doc") if field.metadata else None) or ""
+        doc = DOCS.get(name, "")
         kind = type(field.default)
         if kind is bool:
             group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,

@@ -52,3 +52,8 @@ def test_unknown_key_in_file(tmp_path) -> None:
     f.write_text("chunk_sise = 3\n")
     with pytest.raises(ConfigError, match="chunk_sise"):
         config.resolve(file=f)
+
+
+def test_every_option_is_documented() -> None:
+    assert set(config.DOCS) == set(config.FIELDS)
+    assert all(config.DOCS[name] for name in config.FIELDS)

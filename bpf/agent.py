@@ -1,0 +1,325 @@
+"""The gateway's edge agent: turns completed slots into per-iteration LAN sums, NACKs missing workers,
+recovers overflow by re-quantisation, and hands results back to the workers.
+
+``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
+``EdgeGateway`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
+AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
+``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from bpf import udp
+from bpf.fallback import UserspaceAggregator
+from bpf.maps import EdgeLayout
+from bpf.packets import control_packet, result_packets
+from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of, rescale_for
+from bpf.xdp import SlotEvent, XdpAggregator
+
+log = logging.getLogger(__name__)
+Address = tuple[str, int]
+
+
+@dataclass
+class IterationSums:
+    """One iteration's LAN sums, filled chunk by chunk from AGG datagrams."""
+
+    layout: EdgeLayout
+    iteration: int
+    workers: int
+    job: int
+    sums: list[np.ndarray] = field(init=False)
+    pending: set[tuple[int, int]] = field(init=False)
+    missing: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    rescaled: int = 0
+
+    def __post_init__(self) -> None:
+        self.sums = [np.zeros(size, np.float64) for size in self.layout.sizes]
+        self.pending = {(t, c) for t, n in enumerate(self.layout.chunks) for c in range(n)}
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
+        """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
+        key = (head.tensor, head.chunk)
+        if key not in self.pending:
+            return []
+        if head.flags & Flag.OVERFLOW:
+            scale = rescale_for(head.need, self.workers)
+            if scale >= head.scale:
+                raise WireError(f"iteration {self.iteration} tensor {head.tensor} chunk {head.chunk}: overflow at "
+                                f"scale {head.scale} but the workers' values need scale {head.need}")
+            self.rescaled += 1
+            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=self.iteration, tensor=head.tensor,
+                                  chunk=head.chunk, slot=head.slot, scale=scale, flags=Flag.RESCALE)
+            return [(w, nack) for w in range(self.workers)]
+        start, stop = self.layout.bounds(head.tensor, head.chunk)
+        if head.count != stop - start:
+            raise WireError(f"AGG for tensor {head.tensor} chunk {head.chunk} has {head.count} lanes, "
+                            f"expected {stop - start}")
+        self.sums[head.tensor][start:stop] = lanes[: head.count].astype(np.float64) * 2.0 ** -head.scale
+        self.pending.discard(key)
+        self.missing.pop(key, None)
+        return []
+
+    def on_event(self, event: SlotEvent) -> list[tuple[int, bytes]]:
+        """NACK exactly the workers a slot report says are missing."""
+        key = (event.tensor, event.chunk)
+        if key not in self.pending:
+            return []
+        self.missing[key] = event.missing
+        nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=self.iteration, tensor=event.tensor,
+                              chunk=event.chunk, slot=event.slot, scale=event.scale)
+        return [(w, nack) for w in event.missing]
+
+    def result(self) -> list[np.ndarray]:
+        return [s.astype(np.float32) for s in self.sums]
+
+    def describe_missing(self) -> str:
+        shown = sorted(self.pending)[:5]
+        parts = [f"tensor {t} chunk {c} missing workers {self.missing.get((t, c), 'unknown (no report yet)')}"
+                 for t, c in shown]
+        more = f" and {len(self.pending) - len(shown)} more" if len(self.pending) > len(shown) else ""
+        return "; ".join(parts) + more
+
+
+class EdgeGateway:
+    """The asyncio agent on the gateway's UDP port."""
+
+    def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
+                 xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20) -> None:
+        if mode not in ("xdp", "userspace"):
+            raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
+        if mode == "xdp" and xdp is None:
+            raise ValueError("xdp mode needs a loaded XdpAggregator")
+        self.sock = sock
+        self.layout = layout
+        self.workers = workers
+        self.job = job
+        self.mode = mode
+        self.xdp = xdp
+        self.slot_timeout = slot_timeout
+        self.expected = (1 << workers) - 1
+        self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
+                                             max_nacks=max_nacks) if mode == "userspace" else None)
+        self.addresses: dict[int, Address] = {}
+        self._hello = asyncio.Event()
+        self._open: dict[int, IterationSums] = {}
+        self._finished: dict[int, IterationSums] = {}
+        self._waiters: dict[int, asyncio.Event] = {}
+        self._results: dict[int, np.ndarray] = {}
+        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=4096)
+        self.data_packets = 0
+        """DATA datagrams the aggregator consumed (kernel counter in xdp mode)."""
+        self.receive_cpu = 0.0
+        """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
+        self.delivery_cpu = 0.0
+        """Part of receive_cpu spent taking completed slots into the iteration's sums (same in both modes)."""
+        self.errors = 0
+        self._tasks: asyncio.TaskGroup | None = None
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        """Serve until ``close``: receive loop, sender, slot timers (userspace) or ring buffer (xdp)."""
+        loop = asyncio.get_running_loop()
+        if self.xdp is not None and self.mode == "xdp":
+            loop.add_reader(self.xdp.events_fd, self._on_ring)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                receive = tg.create_task(self._receive())
+                send = tg.create_task(self._send())
+                timers = tg.create_task(self._timers()) if self.fallback is not None else None
+                await self._stop.wait()
+                for task in (receive, send, timers):
+                    if task is not None:
+                        task.cancel()
+        finally:
+            if self.xdp is not None and self.mode == "xdp":
+                loop.remove_reader(self.xdp.events_fd)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # ------------------------------------------------------------------ public verbs
+    async def wait_workers(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return once every expected worker has said HELLO."""
+        try:
+            async with asyncio.timeout(timeout):
+                while len(self.addresses) < self.workers:
+                    self._hello.clear()
+                    await self._hello.wait()
+        except TimeoutError:
+            missing = sorted(set(range(self.workers)) - set(self.addresses))
+            raise EdgeTimeout(f"edge gateway: workers {missing} never said HELLO within {timeout} s") from None
+
+    async def collect(self, iteration: int, *, timeout: float) -> list[np.ndarray]:  # noqa: ASYNC109
+        """The LAN sum of every tensor for ``iteration`` (float32); EdgeTimeout names missing workers."""
+        sums = self._sums(iteration)
+        waiter = self._waiters.setdefault(iteration, asyncio.Event())
+        deadline = time.monotonic() + timeout
+        try:
+            while not sums.done:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EdgeTimeout(f"edge gateway: iteration {iteration} incomplete after {timeout} s: "
+                                      f"{sums.describe_missing()}")
+                waiter.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(min(remaining, 4 * self.slot_timeout)):
+                        await waiter.wait()
+                if not sums.done and not waiter.is_set():
+                    self._poke_stalled(sums)
+            return sums.result()
+        finally:
+            self._waiters.pop(iteration, None)
+            self._open.pop(iteration, None)
+            self._finished[iteration] = sums
+            for old in [k for k in self._finished if k < iteration - 4]:
+                del self._finished[old]
+
+    async def send_results(self, iteration: int, results: Sequence[np.ndarray]) -> None:
+        """Send every worker the float32 result of each chunk; kept for PULLs until 4 iterations later."""
+        rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
+                                              values=np.asarray(r, np.float32)) for t, r in enumerate(results)])
+        self._results[iteration] = rows
+        for old in [k for k in self._results if k < iteration - 4]:
+            del self._results[old]
+        for w in range(self.workers):
+            address = self.addresses.get(w)
+            if address is None:
+                raise EdgeTimeout(f"edge gateway: worker {w} has no address (never said HELLO)")
+            for row in rows:
+                await self._out.put((row.tobytes(), address))
+
+    # ------------------------------------------------------------------ internals
+    def _sums(self, iteration: int) -> IterationSums:
+        sums = self._open.get(iteration)
+        if sums is None:
+            sums = IterationSums(self.layout, iteration, self.workers, self.job)
+            self._open[iteration] = sums
+        return sums
+
+    def _accepts(self, iteration: int) -> bool:
+        return iteration not in self._finished
+
+    def _emit(self, actions: list[tuple[int, bytes]]) -> None:
+        for worker, datagram in actions:
+            address = self.addresses.get(worker)
+            if address is None:
+                log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
+                continue
+            try:
+                self._out.put_nowait((datagram, address))
+            except asyncio.QueueFull:
+                log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
+
+    def _poke_stalled(self, sums: IterationSums) -> None:
+        """A slot can complete while its AGG datagram is lost before our socket: a duplicate from one
+        contributor makes the aggregator re-emit it. Pending slots that are merely incomplete are
+        unaffected (the duplicate is dropped) and stay with the timer."""
+        for t, c in sorted(sums.pending)[:256]:
+            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
+                                  slot=self.layout.slot(t, c), scale=self.layout.scales[t])
+            self._emit([(0, nack)])
+
+    def _on_agg(self, data: bytes) -> None:
+        started = time.thread_time()
+        try:
+            self._take_agg(data)
+        finally:
+            self.delivery_cpu += time.thread_time() - started
+
+    def _take_agg(self, data: bytes) -> None:
+        head = Header.decode(data)
+        if head.job != self.job or not self._accepts(head.iteration):
+            return
+        sums = self._sums(head.iteration)
+        self._emit(sums.on_agg(head, lanes_of(data)))
+        if sums.done:
+            waiter = self._waiters.get(head.iteration)
+            if waiter is not None:
+                waiter.set()
+
+    def _on_events(self, events: list[SlotEvent]) -> None:
+        for event in events:
+            if event.job != self.job or not self._accepts(event.iteration):
+                continue
+            self._emit(self._sums(event.iteration).on_event(event))
+
+    def _on_ring(self) -> None:
+        assert self.xdp is not None
+        self._on_events(self.xdp.drain_events())
+
+    def _handle(self, data: bytes, address: Address) -> None:
+        kind = data[3] if len(data) >= HEADER_BYTES else 0
+        if kind == Kind.AGG:
+            self._on_agg(data)
+        elif kind == Kind.DATA and self.fallback is not None:
+            self.data_packets += 1
+            agg = self.fallback.on_data(data, time.monotonic())
+            if agg is not None:
+                self._on_agg(agg)
+        else:
+            head = Header.decode(data)
+            if head.job != self.job:
+                raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
+            if head.kind == Kind.HELLO:
+                self.addresses[head.worker] = address
+                self._hello.set()
+                # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
+                reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, tensor=len(self.layout.sizes),
+                                       chunk=self.workers, slot=self.layout.num_slots, scale=self.layout.scales[0])
+                self._out.put_nowait((reply, address))
+            elif head.kind == Kind.PULL:
+                rows = self._results.get(head.iteration)
+                if rows is not None:
+                    index = self.layout.slot(head.tensor, head.chunk)
+                    self._out.put_nowait((rows[index].tobytes(), address))
+            elif head.kind == Kind.DATA:
+                raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
+            else:
+                raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+
+    async def _receive(self) -> None:
+        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
+        view = memoryview(buf)
+        while True:
+            await udp.readable(self.sock)
+            started = time.thread_time()
+            # drain what is queued before yielding again: one wake-up per burst, not per datagram
+            for _ in range(256):
+                try:
+                    n, address = self.sock.recvfrom_into(buf)
+                except BlockingIOError:
+                    break
+                try:
+                    self._handle(bytes(view[:n]), address)
+                except WireError as exc:
+                    self.errors += 1
+                    log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
+            self.receive_cpu += time.thread_time() - started
+
+    async def _send(self) -> None:
+        while True:
+            datagram, address = await self._out.get()
+            await udp.sendto(self.sock, datagram, address)
+
+    async def _timers(self) -> None:
+        assert self.fallback is not None
+        while True:
+            deadline = self.fallback.next_deadline()
+            delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
+            await asyncio.sleep(min(delay, self.slot_timeout))
+            self._on_events(self.fallback.expire(time.monotonic()))

@@ -1,0 +1,172 @@
+"""The LAN worker's side: send a gradient as fixed-point DATA datagrams to the gateway, answer NACKs from
+what it kept, and receive the float32 result (PULLing chunks whose RESULT was lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from bpf import udp
+from bpf.maps import EdgeLayout
+from bpf.packets import control_packet, data_packets
+from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of
+
+Address = tuple[str, int]
+
+
+class EdgeWorker:
+    """One LAN worker. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
+
+    def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
+                 loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5) -> None:
+        self.sock = sock
+        self.gateway = gateway
+        self.worker = worker
+        self.layout = layout
+        self.job = job
+        self.loss = loss
+        self.rng = np.random.default_rng(seed * 1000 + worker)
+        self.pull_interval = pull_interval
+        self.retransmitted = 0
+        self.dropped = 0
+        self.rescaled = 0
+        self.duplicate = 0.0
+        """Fraction of first transmissions sent twice (duplicate injection)."""
+        self._queued: list[bytes] = []
+
+    async def hello(self, *, timeout: float) -> Header:  # noqa: ASYNC109
+        """Announce this worker until the gateway answers (it learns our address from it). The answer
+        carries the gateway's tensor count (``tensor``), slots (``slot``) and fixed-point ``scale``."""
+        hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker)
+        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES)
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    await udp.sendto(self.sock, hello, self.gateway)
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(0.2):
+                            n, _ = await udp.recvfrom_into(self.sock, buf)
+                            if n >= HEADER_BYTES and buf[3] == Kind.HELLO:
+                                with contextlib.suppress(WireError):
+                                    return Header.decode(bytes(buf[:n]))
+        except TimeoutError:
+            raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
+                              f"within {timeout} s") from None
+
+    async def push_pull(
+        self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float  # noqa: ASYNC109
+    ) -> list[np.ndarray]:
+        """Contribute ``tensors`` to ``iteration`` and return the result the gateway sends back."""
+        values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
+        rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
+                                            tensor=t, values=v) for t, v in enumerate(values)])
+        results = [np.zeros(size, np.float32) for size in self.layout.sizes]
+        missing = np.ones(self.layout.num_slots, bool)
+        keep = rows.copy()
+        for i, row in enumerate(rows):
+            if self.loss and self.rng.random() < self.loss:
+                self.dropped += 1
+                continue
+            await udp.sendto(self.sock, row.tobytes(), self.gateway)
+            if self.duplicate and self.rng.random() < self.duplicate:
+                await udp.sendto(self.sock, row.tobytes(), self.gateway)
+            if i % 64 == 63:
+                self._serve_pending(iteration, keep, values, results, missing)
+        await self._gather(iteration, keep, values, results, missing, timeout)
+        return results
+
+    async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray]]:  # noqa: ASYNC109
+        """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``)."""
+        results = [np.zeros(size, np.float32) for size in self.layout.sizes]
+        missing = np.ones(self.layout.num_slots, bool)
+        keep = np.zeros((0, 0), np.uint8)
+        iteration = await self._gather(None, keep, [], results, missing, timeout)
+        return iteration, results
+
+    async def _gather(self, iteration: int | None, keep: np.ndarray, values: list[np.ndarray],
+                      results: list[np.ndarray], missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
+        """Receive RESULT datagrams (answering NACKs meanwhile) until every chunk is in."""
+        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
+        deadline = time.monotonic() + timeout
+        while missing.any():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                what = "the first result" if iteration is None else f"iteration {iteration}"
+                raise EdgeTimeout(f"edge worker {self.worker}: {what}: {int(missing.sum())} result "
+                                  f"chunks from gateway {self.gateway} missing after {timeout} s")
+            try:
+                async with asyncio.timeout(min(remaining, self.pull_interval)):
+                    n, _ = await udp.recvfrom_into(self.sock, buf)
+            except TimeoutError:
+                if iteration is not None:
+                    await self._pull(iteration, missing)
+                continue
+            data = bytes(buf[:n])
+            if iteration is None and n >= HEADER_BYTES and data[3] == Kind.RESULT:
+                try:
+                    iteration = Header.decode(data).iteration
+                except WireError:
+                    continue
+            if iteration is not None:
+                self._on_datagram(data, iteration, keep, values, results, missing)
+            await self._flush()
+        assert iteration is not None
+        return iteration
+
+    # ------------------------------------------------------------------ internals
+    def _serve_pending(self, iteration: int, keep: np.ndarray, values: list[np.ndarray],
+                       results: list[np.ndarray], missing: np.ndarray) -> None:
+        """Handle NACKs that arrived while we were still sending (non-blocking)."""
+        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
+        while True:
+            try:
+                n, _ = self.sock.recvfrom_into(buf)
+            except BlockingIOError:
+                return
+            self._on_datagram(bytes(buf[:n]), iteration, keep, values, results, missing)
+
+    def _on_datagram(self, data: bytes, iteration: int, keep: np.ndarray, values: list[np.ndarray],
+                     results: list[np.ndarray], missing: np.ndarray) -> None:
+        try:
+            head = Header.decode(data)
+        except WireError:
+            return
+        if head.job != self.job or head.iteration != iteration & 0xFFFFFFFF:
+            return
+        if head.kind == Kind.RESULT:
+            index = self.layout.slot(head.tensor, head.chunk)
+            if missing[index]:
+                start, stop = self.layout.bounds(head.tensor, head.chunk)
+                results[head.tensor][start:stop] = lanes_of(data, "<f4")[: stop - start]
+                missing[index] = False
+        elif head.kind == Kind.NACK and keep.size:
+            index = self.layout.slot(head.tensor, head.chunk)
+            if head.flags & Flag.RESCALE:
+                keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
+                                           tensor=head.tensor, values=values[head.tensor],
+                                           chunks=np.array([head.chunk]), scale=head.scale)[0]
+                self.rescaled += 1
+            self.retransmitted += 1
+            self._queued.append(keep[index].tobytes())
+
+    async def _flush(self) -> None:
+        queued, self._queued = self._queued, []
+        for datagram in queued:
+            await udp.sendto(self.sock, datagram, self.gateway)
+
+    async def _pull(self, iteration: int, missing: np.ndarray) -> None:
+        """Retransmit queued answers, then ask for up to 256 result chunks that never arrived."""
+        await self._flush()
+        if missing.all():
+            return  # the gateway has not started sending results (its WAN step is still running)
+        for index in np.flatnonzero(missing)[:256]:
+            tensor = int(np.searchsorted(self.layout.first_slot, index, side="right") - 1)
+            chunk = int(index) - self.layout.first_slot[tensor]
+            await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
+                                                             iteration=iteration, tensor=tensor, chunk=chunk),
+                                   self.gateway)

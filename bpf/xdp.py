@@ -1,0 +1,203 @@
+"""The XDP aggregator as an object: compile and link (bpf/timer_link.py), configure, attach, read out.
+
+One instance owns one slot map sized by an EdgeLayout, the configuration map (expected contributor mask,
+timer period, job, UDP port), per-CPU counters and the ring buffer the timer callback writes to.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bpf import timer_link
+from bpf.maps import EdgeLayout
+from bpf.timer_link import LoaderError
+
+HERE = Path(__file__).resolve().parent
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1
+XDP_FLAGS_SKB_MODE = 2
+XDP_FLAGS_DRV_MODE = 4
+STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
+         "timer_events", "busy_evicted")
+EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
+                        ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
+                        ("nacks", "u1"), ("pad", "<u4")])
+_instances = itertools.count()
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """The timer callback's report: a slot that is still missing contributors after its period."""
+
+    iteration: int
+    tensor: int
+    chunk: int
+    slot: int
+    bitmap: int
+    expected: int
+    job: int
+    scale: int
+    nacks: int
+
+    @property
+    def missing(self) -> list[int]:
+        left = self.expected & ~self.bitmap
+        return [w for w in range(64) if left >> w & 1]
+
+
+class _TestRunOpts(ctypes.Structure):
+    _fields_ = [
+        ("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p), ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32), ("data_size_out", ctypes.c_uint32), ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p), ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32), ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32), ("batch_size", ctypes.c_uint32),
+    ]
+
+
+class XdpAggregator:
+    """A loaded (not yet attached) aggregation program for one layout, job and UDP port."""
+
+    def __init__(self, layout: EdgeLayout, *, job: int, port: int, expected: int, timeout: float,
+                 max_nacks: int = 20) -> None:
+        self.layout = layout
+        name = f"ns_slots_{os.getpid()}_{next(_instances)}"
+        cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}"]
+        owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
+        prog = (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
+        self._owner, self._module, self.fd = timer_link.compile_and_load(
+            owner, prog, prog_name="ns_aggregate", callback_name="ns_timer_cb", timer_map=name, cflags=cflags)
+        self._lib = timer_link.libbpf()
+        self._lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
+        self._lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
+        self._lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
+        self._attached: tuple[int, int] | None = None
+        self._events: list[SlotEvent] = []
+        self._ring_open = False
+        self.configure(job=job, port=port, expected=expected, timeout=timeout, max_nacks=max_nacks)
+
+    def configure(self, *, job: int, port: int, expected: int, timeout: float, max_nacks: int) -> None:
+        """Install the control side's view: which workers contribute, the timer period, job and port."""
+        table = self._module[b"ns_cfg"]
+        value = table.Leaf()
+        value.expected = expected
+        value.timeout_ns = int(timeout * 1e9)
+        value.job = job
+        value.port = port
+        value.max_nacks = max_nacks
+        table[table.Key(0)] = value
+
+    def attach(self, ifindex: int, *, mode: str = "auto") -> str:
+        """Attach to ``ifindex`` in the caller's network namespace; returns "native" or "generic"."""
+        tries = {"auto": [("native", XDP_FLAGS_DRV_MODE), ("generic", XDP_FLAGS_SKB_MODE)],
+                 "native": [("native", XDP_FLAGS_DRV_MODE)], "generic": [("generic", XDP_FLAGS_SKB_MODE)]}[mode]
+        errors = []
+        for name, flags in tries:
+            rc = self._lib.bpf_xdp_attach(ifindex, self.fd, flags, None)
+            if rc == 0:
+                self._attached = (ifindex, flags)
+                return name
+            errors.append(f"{name}: {os.strerror(-rc)}")
+        raise LoaderError(f"attaching XDP to ifindex {ifindex} failed ({'; '.join(errors)})")
+
+    def detach(self) -> None:
+        if self._attached is not None:
+            ifindex, flags = self._attached
+            self._lib.bpf_xdp_detach(ifindex, flags, None)
+            self._attached = None
+
+    def stats(self) -> dict[str, int]:
+        """Counters summed over CPUs."""
+        table = self._module[b"ns_stats"]
+        return {name: int(sum(table[table.Key(i)])) for i, name in enumerate(STATS)}
+
+    # ring buffer -------------------------------------------------------------------------------------
+    @property
+    def events_fd(self) -> int:
+        """Readable when the timer callback has reported slots (for loop.add_reader)."""
+        self._open_ring()
+        return int(self._module[b"ns_events"].map_fd)
+
+    def _open_ring(self) -> None:
+        if self._ring_open:
+            return
+
+        def on_event(_ctx: Any, data: Any, size: int) -> int:
+            raw = np.frombuffer(ctypes.string_at(data, min(size, EVENT_DTYPE.itemsize)), EVENT_DTYPE)[0]
+            fields = ("iteration", "tensor", "chunk", "slot", "bitmap", "expected", "job", "scale", "nacks")
+            self._events.append(SlotEvent(*(int(raw[f]) for f in fields)))
+            return 0
+
+        self._on_event = on_event  # bcc keeps only a weak hold on the callback
+        self._module[b"ns_events"].open_ring_buffer(on_event)
+        self._ring_open = True
+
+    def drain_events(self) -> list[SlotEvent]:
+        """Slot reports written since the last call (non-blocking)."""
+        self._open_ring()
+        self._module.ring_buffer_consume()
+        out, self._events = self._events, []
+        return out
+
+    def poll_events(self, timeout_ms: int) -> list[SlotEvent]:
+        """Wait up to ``timeout_ms`` for slot reports (blocking; for tests and tools without a loop)."""
+        self._open_ring()
+        self._module.ring_buffer_poll(timeout_ms)
+        out, self._events = self._events, []
+        return out
+
+    # direct runs ------------------------------------------------------------------------------------
+    def test_run(self, frame: bytes) -> tuple[int, bytes]:
+        """Run the program once on an Ethernet frame without an interface: (XDP verdict, frame after)."""
+        data_in = ctypes.create_string_buffer(frame, len(frame))
+        data_out = ctypes.create_string_buffer(len(frame) + 256)
+        opts = _TestRunOpts()
+        opts.sz = ctypes.sizeof(_TestRunOpts)
+        opts.data_in = ctypes.cast(data_in, ctypes.c_void_p)
+        opts.data_size_in = len(frame)
+        opts.data_out = ctypes.cast(data_out, ctypes.c_void_p)
+        opts.data_size_out = len(data_out)
+        opts.repeat = 1
+        rc = self._lib.bpf_prog_test_run_opts(self.fd, ctypes.byref(opts))
+        if rc != 0:
+            raise LoaderError(f"BPF_PROG_TEST_RUN failed: {os.strerror(-rc)}")
+        return int(opts.retval), data_out.raw[: opts.data_size_out]
+
+    def close(self) -> None:
+        self.detach()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self._module.cleanup()
+        self._owner.cleanup()
+
+
+XDP_DROP, XDP_PASS = 1, 2
+
+
+def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",
+              dst: str = "10.0.0.1") -> bytes:
+    """An Ethernet/IPv4/UDP frame around ``payload`` (for BPF_PROG_TEST_RUN)."""
+    import socket
+    import struct
+
+    udp_len = 8 + len(payload)
+    ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, 17, 0,
+                     socket.inet_aton(src), socket.inet_aton(dst))
+    csum = 0
+    for (word,) in struct.iter_unpack("!H", ip):
+        csum += word
+    csum = (csum & 0xFFFF) + (csum >> 16)
+    ip = ip[:10] + struct.pack("!H", ~csum & 0xFFFF) + ip[12:]
+    eth = b"\x02\x00\x00\x00\x00\x01" + b"\x02\x00\x00\x00\x00\x02" + b"\x08\x00"
+    return eth + ip + struct.pack("!HHHH", sport, dport, udp_len, 0) + payload
+
+
+EventSink = Callable[[SlotEvent], None]

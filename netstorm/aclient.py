@@ -1,0 +1,136 @@
+"""The asyncio trainer API: ``await netstorm.aconnect()`` with the same verbs as ``netstorm.connect``.
+
+Requests on one connection are serialized (the node answers them in order); every await has the
+client's timeout, and its error names the node's address and the iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+from netstorm import trainer_wire as tw
+from netstorm.client import DEFAULT_TIMEOUT, Registry, raise_for, resolve_address
+from netstorm.errors import NodeGone, TrainerError, TrainerTimeout
+
+
+class AsyncClient:
+    """An asyncio connection to this DC's general node; create with ``aconnect``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool,
+                 address: object, timeout: float) -> None:
+        self._reader = reader
+        self._writer = writer
+        self._lock = asyncio.Lock()
+        self.address = address
+        self.timeout = timeout
+        self.registry = Registry(inline=inline)
+        self.iteration = -1
+        self._broken: str | None = None
+
+    async def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
+                    context: str) -> tuple[tw.Message, bytes]:
+        async with self._lock:
+            if self._broken is not None:
+                raise NodeGone(f"{context}: this connection to the node at {self.address} is unusable after: "
+                               f"{self._broken}")
+            try:
+                async with asyncio.timeout(self.timeout):
+                    self._writer.write(tw.encode(request, len(payload)))
+                    if payload:
+                        self._writer.write(payload)
+                    await self._writer.drain()
+                    header_len, payload_len = tw.decode_prefix(await self._reader.readexactly(tw.PREFIX.size),
+                                                               max_payload=1 << 40)
+                    reply = tw.decode(await self._reader.readexactly(header_len))
+                    data = await self._reader.readexactly(payload_len) if payload_len else b""
+            except TimeoutError:
+                self._broken = f"{context}: no answer within {self.timeout:g} s"
+                self._writer.close()
+                raise TrainerTimeout(f"{context}: no answer from the node at {self.address} within "
+                                     f"{self.timeout:g} s") from None
+            except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+                self._broken = f"{context}: {exc or 'connection closed'}"
+                self._writer.close()
+                raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
+            except TrainerError as exc:
+                self._broken = str(exc)
+                self._writer.close()
+                raise
+        raise_for(reply, expected, context)
+        return reply, data
+
+    async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        request, payload, path = self.registry.prepare_init(tensors)
+        try:
+            reply, data = await self._call(request, payload, tw.InitReply, "init")
+        finally:
+            if path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        assert isinstance(reply, tw.InitReply)
+        self.registry.num_workers = reply.num_workers
+        self.registry.node_id = reply.node_id
+        self.iteration = reply.iteration
+        return self.registry.results(list(tensors), data)
+
+    @property
+    def num_workers(self) -> int:
+        return self.registry.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.registry.node_id
+
+    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        names, payload = self.registry.prepare_push(tensors)
+        context = f"push_pull of iteration {self.iteration + 1}"
+        reply, data = await self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
+        assert isinstance(reply, tw.PullReply)
+        self.iteration = reply.iteration
+        self.registry.num_workers = reply.workers
+        return self.registry.results(names, data)
+
+    async def push(self, name: str, value: np.ndarray) -> None:
+        names, payload = self.registry.prepare_push({name: value})
+        await self._call(tw.PushRequest(names), payload, tw.PushReply, f"push of {name!r}")
+
+    async def pull(self, name: str, average: bool = False) -> np.ndarray:
+        self.registry.key(name)
+        reply, data = await self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
+        assert isinstance(reply, tw.PullReply)
+        self.iteration = max(self.iteration, reply.iteration)
+        self.registry.num_workers = reply.workers
+        return self.registry.results((name,), data)[name]
+
+    async def close(self) -> None:
+        self._writer.close()
+        with contextlib.suppress(ConnectionError, OSError):
+            await self._writer.wait_closed()
+        self.registry.close()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def aconnect(address: str | os.PathLike[str] | None = None, *,
+                   timeout: float = DEFAULT_TIMEOUT) -> AsyncClient:  # noqa: ASYNC109 (the contract)
+    """An asyncio client of this DC's general node (same addresses as ``netstorm.connect``)."""
+    kind, where = resolve_address(address)
+    try:
+        async with asyncio.timeout(timeout):
+            if kind == "tcp":
+                assert isinstance(where, tuple)
+                reader, writer = await asyncio.open_connection(*where)
+            else:
+                reader, writer = await asyncio.open_unix_connection(str(where))
+    except (OSError, TimeoutError) as exc:
+        raise NodeGone(f"cannot reach the node at {where}: {exc or 'timed out'}") from None
+    return AsyncClient(reader, writer, inline=(kind == "tcp"), address=where, timeout=timeout)

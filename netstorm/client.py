@@ -1,0 +1,341 @@
+"""The trainer API: ``netstorm.connect()`` and its PUSH/PULL verbs.
+
+```python
+kv = netstorm.connect()                       # NETSTORM_SOCKET, a Unix socket path, or "tcp://host:port"
+params = kv.init({"fc1.weight": w, ...})      # every DC gets the same initial values (the lowest id's)
+out = kv.push_pull({"fc1.weight": g, ...}, average=True)   # one synchronous iteration
+kv.push("fc1.weight", g); out = kv.pull("fc1.weight")      # the split form
+```
+
+Over a Unix socket the model lives in a shared-memory file both sides map: a push converts the tensor
+into it (float16 becomes float32 on the way), the node reads it from there and writes the sums back;
+the socket carries only names. The file is unlinked as soon as the node has mapped it, so nothing is
+left behind even if either side dies. Over TCP the values travel inline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import tempfile
+import uuid
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from netstorm import trainer_wire as tw
+from netstorm.errors import (
+    IterationError,
+    NodeGone,
+    TrainerError,
+    TrainerProtocolError,
+    TrainerTimeout,
+    UnknownTensor,
+    WrongDtype,
+    WrongShape,
+)
+from netstorm.layout import DTYPES, Layout, TensorSpec
+
+DEFAULT_TIMEOUT = 300.0
+ENV_SOCKET = "NETSTORM_SOCKET"
+
+ERRORS: dict[str, type[TrainerError]] = {
+    "unknown_name": UnknownTensor, "shape": WrongShape, "dtype": WrongDtype, "gone": NodeGone,
+    "timeout": TrainerTimeout, "failed": IterationError, "protocol": TrainerProtocolError,
+}
+
+
+def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | tuple[str, int]]:
+    """("unix", path) or ("tcp", (host, port)) from an address, or from NETSTORM_SOCKET."""
+    if address is None:
+        address = os.environ.get(ENV_SOCKET)
+        if not address:
+            raise NodeGone(f"no node address given and {ENV_SOCKET} is not set")
+    text = os.fspath(address)
+    if text.startswith("tcp://"):
+        host, sep, port = text[len("tcp://"):].rpartition(":")
+        if not sep or not port.isdigit():
+            raise TrainerError(f"bad trainer address {text!r}: expected tcp://HOST:PORT")
+        return "tcp", (host.strip("[]"), int(port))
+    return "unix", text
+
+
+SHM_PREFIX = "netstorm-"
+"""Shared-memory files are named netstorm-<pid>-<random> in ``shm_directory()``; nodes map no others."""
+
+
+def shm_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+class Registry:
+    """The trainer side's view of the registered tensors: checks, shared memory, result decoding."""
+
+    def __init__(self, inline: bool) -> None:
+        self.inline = inline
+        self.layout: Layout | None = None
+        self.shm: np.ndarray | None = None
+        self._mmap: mmap.mmap | None = None
+        self.num_workers = 0
+        self.node_id = -1
+
+    def close(self) -> None:
+        self.shm = None
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+    def prepare_init(self, tensors: Mapping[str, np.ndarray]) -> tuple[tw.InitRequest, bytes, str]:
+        """The init request, its inline payload (TCP) and the shared-memory path to unlink afterwards."""
+        if not tensors:
+            raise TrainerError("init needs at least one tensor")
+        arrays = {name: np.asarray(value) for name, value in tensors.items()}
+        for name, array in arrays.items():
+            if np.dtype(array.dtype).name not in DTYPES:
+                raise WrongDtype(f"tensor {name!r}: dtype {array.dtype} not supported "
+                                 f"(supported: {', '.join(DTYPES)})")
+        specs = [TensorSpec.of(name, array) for name, array in arrays.items()]
+        # Only offsets matter here; the node cuts the chunks with the job's chunk_size.
+        layout = Layout.build(specs, 1 << 62)
+        self.layout = layout
+        request_tensors = tuple((s.name, s.shape, s.dtype) for s in specs)
+        if self.inline:
+            payload = b"".join(np.ascontiguousarray(arrays[s.name], dtype="<f4").tobytes() for s in specs)
+            return tw.InitRequest(request_tensors, ""), payload, ""
+        path = self._create_shm(layout.total * 4)
+        assert self.shm is not None
+        for key, spec in enumerate(layout.tensors):
+            np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name], casting="same_kind")
+        return tw.InitRequest(request_tensors, path), b"", path
+
+    def _create_shm(self, size: int) -> str:
+        self.close()
+        path = str(Path(shm_directory()) / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size) if size else None
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.shm = np.frombuffer(self._mmap, dtype="<f4") if self._mmap is not None else np.zeros(0, "<f4")
+        return path
+
+    def _need_layout(self) -> Layout:
+        if self.layout is None:
+            raise TrainerError("call init before push/pull")
+        return self.layout
+
+    def check(self, name: str, value: np.ndarray) -> int:
+        """The tensor's key; UnknownTensor / WrongShape / WrongDtype naming it otherwise."""
+        layout = self._need_layout()
+        try:
+            key = layout.key(name)
+        except Exception:
+            raise UnknownTensor(f"unknown tensor {name!r}: init registered "
+                                f"{', '.join(layout.names()[:8])}{' ...' if len(layout.tensors) > 8 else ''}") \
+                from None
+        spec = layout.tensors[key]
+        if tuple(value.shape) != spec.shape:
+            raise WrongShape(f"tensor {name!r}: shape {tuple(value.shape)}, registered {spec.shape}")
+        if np.dtype(value.dtype).name != spec.dtype:
+            raise WrongDtype(f"tensor {name!r}: dtype {value.dtype}, registered {spec.dtype}")
+        return key
+
+    def key(self, name: str) -> int:
+        layout = self._need_layout()
+        try:
+            return layout.key(name)
+        except Exception:
+            raise UnknownTensor(f"unknown tensor {name!r}") from None
+
+    def prepare_push(self, tensors: Mapping[str, np.ndarray]) -> tuple[tuple[str, ...], bytes]:
+        """Check every tensor first (nothing is sent if one is wrong), then place the values."""
+        layout = self._need_layout()
+        arrays = {name: np.asarray(value) for name, value in tensors.items()}
+        keys = [self.check(name, array) for name, array in arrays.items()]
+        names = tuple(arrays)
+        if self.inline:
+            return names, b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in arrays.values())
+        assert self.shm is not None
+        for key, array in zip(keys, arrays.values(), strict=True):
+            np.copyto(self.shm[layout.key_slice(key)].reshape(array.shape), array, casting="same_kind")
+        return names, b""
+
+    def results(self, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+        """Fresh arrays of the registered shapes and dtypes from the node's reply."""
+        layout = self._need_layout()
+        flat = np.frombuffer(payload, dtype="<f4") if self.inline else None
+        out: dict[str, np.ndarray] = {}
+        position = 0
+        for name in names:
+            key = self.key(name)
+            spec = layout.tensors[key]
+            if flat is not None:
+                values = flat[position:position + spec.size]
+                position += spec.size
+            else:
+                assert self.shm is not None
+                values = self.shm[layout.key_slice(key)]
+            out[name] = values.astype(DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+        if flat is not None and position != flat.size:
+            raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
+        return out
+
+    def payload_len(self, names: Sequence[str]) -> int:
+        if not self.inline:
+            return 0
+        layout = self._need_layout()
+        return 4 * sum(layout.tensors[self.key(n)].size for n in names)
+
+
+def raise_for(reply: tw.Message, expected: type[tw.Message], context: str) -> None:
+    if isinstance(reply, tw.ErrorReply):
+        raise ERRORS.get(reply.kind, TrainerError)(reply.message)
+    if not isinstance(reply, expected):
+        raise TrainerProtocolError(f"{context}: node answered {reply.TYPE!r}, expected {expected.TYPE!r}")
+
+
+class Client:
+    """A blocking connection to the general node of this DC."""
+
+    def __init__(self, address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        kind, where = resolve_address(address)
+        self.address = where
+        self.timeout = timeout
+        self.registry = Registry(inline=(kind == "tcp"))
+        self.iteration = -1
+        self._broken: str | None = None
+        try:
+            if kind == "tcp":
+                assert isinstance(where, tuple)
+                self._sock = socket.create_connection(where, timeout=timeout)
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            else:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(timeout)
+                self._sock.connect(str(where))
+        except OSError as exc:
+            raise NodeGone(f"cannot reach the node at {where}: {exc}") from None
+
+    # ---- I/O ----------------------------------------------------------------------------------------
+
+    def _recv_exactly(self, size: int, context: str) -> bytes:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            try:
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError:
+                raise TrainerTimeout(f"{context}: no answer from the node at {self.address} within "
+                                     f"{self.timeout:g} s") from None
+            except OSError as exc:
+                raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
+            if n == 0:
+                raise NodeGone(f"{context}: the node at {self.address} closed the connection")
+            got += n
+        return bytes(buf)
+
+    def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
+              context: str) -> tuple[tw.Message, bytes]:
+        if self._broken is not None:
+            raise NodeGone(f"{context}: this connection to the node at {self.address} is unusable after: "
+                           f"{self._broken}")
+        try:
+            try:
+                self._sock.sendall(tw.encode(request, len(payload)))
+                if payload:
+                    self._sock.sendall(payload)
+            except TimeoutError:
+                raise TrainerTimeout(f"{context}: the node at {self.address} did not accept the request within "
+                                     f"{self.timeout:g} s") from None
+            except OSError as exc:
+                raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
+            header_len, payload_len = tw.decode_prefix(self._recv_exactly(tw.PREFIX.size, context),
+                                                       max_payload=1 << 40)
+            reply = tw.decode(self._recv_exactly(header_len, context))
+            data = self._recv_exactly(payload_len, context) if payload_len else b""
+        except TrainerError as exc:
+            # A reply may still be on its way: later requests would read it as theirs. Start over instead.
+            self._broken = str(exc)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            raise
+        raise_for(reply, expected, context)
+        return reply, data
+
+    # ---- verbs --------------------------------------------------------------------------------------
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Register ``tensors``; returns the initial values every DC agrees on."""
+        request, payload, path = self.registry.prepare_init(tensors)
+        try:
+            reply, data = self._call(request, payload, tw.InitReply, "init")
+        finally:
+            if path:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+        assert isinstance(reply, tw.InitReply)
+        self.registry.num_workers = reply.num_workers
+        self.registry.node_id = reply.node_id
+        self.iteration = reply.iteration
+        return self.registry.results(list(tensors), data)
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (DCs) in the latest iteration."""
+        return self.registry.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.registry.node_id
+
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        """One synchronous iteration: the sum (or mean) over DCs of every tensor given."""
+        names, payload = self.registry.prepare_push(tensors)
+        context = f"push_pull of iteration {self.iteration + 1}"
+        reply, data = self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
+        assert isinstance(reply, tw.PullReply)
+        self.iteration = reply.iteration
+        self.registry.num_workers = reply.workers
+        return self.registry.results(names, data)
+
+    def push(self, name: str, value: np.ndarray) -> None:
+        """This DC's value of one tensor for its next iteration (returns once the node has it)."""
+        names, payload = self.registry.prepare_push({name: value})
+        self._call(tw.PushRequest(names), payload, tw.PushReply, f"push of {name!r}")
+
+    def pull(self, name: str, average: bool = False) -> np.ndarray:
+        """The sum (or mean) of one tensor from its oldest iteration not yet pulled."""
+        self.registry.key(name)
+        reply, data = self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
+        assert isinstance(reply, tw.PullReply)
+        self.iteration = max(self.iteration, reply.iteration)
+        self.registry.num_workers = reply.workers
+        return self.registry.results((name,), data)[name]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+        self.registry.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Client:
+    """A client of this DC's general node: a Unix socket path, "tcp://host:port", or NETSTORM_SOCKET.
+    A LAN worker behind a DC gateway uses ``netstorm.connect_edge("edge://GATEWAY:PORT?worker=I")``."""
+    if os.fspath(address if address is not None else os.environ.get(ENV_SOCKET, "")).startswith("edge://"):
+        raise TrainerError("edge:// addresses are for netstorm.connect_edge (the LAN worker's edge mode)")
+    return Client(address, timeout=timeout)

@@ -1,0 +1,69 @@
+"""``netstorm demo``: the main command: dynamic internet2-9, NetStorm against STAR (and gloo), in minutes.
+
+Rates x0.25 and a 10 MB model keep the run network-bound on a small host; the dynamics period is
+scaled to 18 s so the rates change several times while it runs. Everything else is ``netstorm
+emulate`` with these settings, so a larger run is that command with other flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+NAME = "demo"
+HELP = "run the demo: dynamic internet2-9, netstorm vs star (and gloo), table and plots (root)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", default="demo-results", help="where the result JSON and plots go")
+    parser.add_argument("--scenario", default="internet2-9-dynamic")
+    parser.add_argument("--systems", default=None, help="default: netstorm,star plus gloo when torch is installed")
+    parser.add_argument("--iterations", type=int, default=3)
+    parser.add_argument("--model", default="2.5M", help="parameters (default 2.5M = 10 MB of float32)")
+    parser.add_argument("--bw-scale", type=float, default=0.25)
+    parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--results", metavar="DIR", default=None,
+                        help="instead: the committed results: static and dynamic internet2-9 with every system, "
+                             "written to DIR (about half an hour)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        print("netstorm demo: the WAN emulation needs root (network namespaces and tc); run it as root",
+              file=sys.stderr)
+        return 2
+    from netstorm.commands import emulate
+
+    if args.results:
+        return _results(args, Path(args.results))
+    systems = args.systems or ("netstorm,star,gloo" if importlib.util.find_spec("torch") else "netstorm,star")
+    out_dir = Path(args.out_dir)
+    argv = [args.scenario, "--system", systems, "--iterations", str(args.iterations), "--model", args.model,
+            "--bw-scale", str(args.bw_scale), "--time-scale", str(args.time_scale),
+            "--out", str(out_dir / "demo.json"), "--plots", str(out_dir)]
+    parser = argparse.ArgumentParser(prog="netstorm emulate")
+    emulate.add_arguments(parser)
+    print(f"netstorm demo: netstorm emulate {' '.join(argv)}", file=sys.stderr)
+    return emulate.run(parser.parse_args(argv))
+
+
+def _results(args: argparse.Namespace, out_dir: Path) -> int:
+    """Static and dynamic internet2-9, every system, one after the other; one JSON and plot set each."""
+    from netstorm.commands import emulate
+
+    systems = args.systems or "netstorm,lite,std,star,bkt,mst,fapt,gloo"
+    status = 0
+    for scenario in ("internet2-9", "internet2-9-dynamic"):
+        argv = [scenario, "--system", systems, "--iterations", str(args.iterations), "--model", args.model,
+                "--bw-scale", str(args.bw_scale), "--time-scale", str(args.time_scale),
+                "--out", str(out_dir / f"{scenario}.json"), "--plots", str(out_dir)]
+        parser = argparse.ArgumentParser(prog="netstorm emulate")
+        emulate.add_arguments(parser)
+        print(f"netstorm demo: netstorm emulate {' '.join(argv)}", file=sys.stderr)
+        status = max(status, emulate.run(parser.parse_args(argv)))
+        if status >= 128:  # stopped by a signal: the user wants out, not the next scenario
+            return status
+    return status

@@ -1,0 +1,95 @@
+"""``netstorm emulate``: build the emulated WAN of a scenario and run systems on it, or clean up."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from types import FrameType
+
+NAME = "emulate"
+HELP = "emulate a scenario's WAN in network namespaces and run training systems on it (root)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", nargs="?", help="scenario file or name (e.g. internet2-9-dynamic)")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove namespaces, links, processes and mounts left by killed runs, then exit")
+    parser.add_argument("--hold", action="store_true",
+                        help="build the network, print READY <run-id> and its addresses, wait for Ctrl-C")
+    parser.add_argument("--bw-scale", type=float, default=1.0, help="multiply every link rate (default 1)")
+    parser.add_argument("--no-loss", action="store_true", help="do not apply the scenario's packet loss")
+    from netstorm.emulation.runner import add_run_arguments
+
+    add_run_arguments(parser)
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: unwinds like Ctrl-C so every ``finally`` tears its part down."""
+
+
+@contextlib.contextmanager
+def terminate_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM (and SIGHUP) into an exception in the main thread for the duration."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Terminated(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run(args: argparse.Namespace) -> int:
+    from netstorm.emulation import teardown
+
+    if args.cleanup:
+        report = teardown.cleanup()
+        for line in report.lines():
+            print(line)
+        if args.scenario is None:
+            return 0
+    if args.scenario is None:
+        print("netstorm emulate: a SCENARIO is required (or --cleanup)", file=sys.stderr)
+        return 2
+    try:
+        with terminate_on_sigterm():
+            if args.hold:
+                return _hold(args)
+            from netstorm.emulation.runner import run_from_args
+
+            return run_from_args(args)
+    except Terminated as exc:
+        print(f"netstorm emulate: stopped by {exc}; everything was torn down", file=sys.stderr)
+        return 143
+
+
+def _hold(args: argparse.Namespace) -> int:
+    from netstorm.emulation.network import EmulatedNetwork
+    from netstorm.scenario import load
+
+    scenario = load(args.scenario)
+    with EmulatedNetwork(scenario, bw_scale=args.bw_scale, loss=not args.no_loss) as net:
+        for line in net.features.lines():
+            print(line)
+        for dc in net.plan.node_ids:
+            print(f"DC {dc}: namespace {net.namespace(dc)} node address {net.node_address(dc)} "
+                  f"management {net.plan.mgmt_address(dc)}")
+        print(f"scheduler/management namespace {net.plan.mgmt_namespace} address {net.scheduler_host}")
+        print(f"READY {net.run_id}", flush=True)
+        stop = threading.Event()
+        try:
+            while not stop.wait(3600):
+                pass
+        except KeyboardInterrupt:
+            print("tearing down", file=sys.stderr)
+    return 0

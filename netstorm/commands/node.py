@@ -1,0 +1,132 @@
+"""``netstorm node``: the general node of one DC (data plane, trainer endpoint, scheduler client)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from netstorm import config as config_mod
+from netstorm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bpf.gateway import EdgeOptions
+
+NAME = "node"
+HELP = "run the general node of one DC: peers over TCP, trainers over a Unix socket (and TCP)"
+
+log = logging.getLogger("netstorm.node")
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise ConfigError(f"{what}: expected HOST:PORT, got {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--id", type=int, required=True, help="this DC's node id (as in the scenario)")
+    parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's control address")
+    parser.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT",
+                        help="data-plane address to listen on (port 0 picks a free one)")
+    parser.add_argument("--advertise", metavar="HOST:PORT",
+                        help="data-plane address peers connect to (default: the bound --listen address)")
+    parser.add_argument("--socket", required=True, metavar="PATH", help="Unix socket for local trainers")
+    parser.add_argument("--trainer-tcp", metavar="HOST:PORT", help="also serve trainers over TCP here")
+    edge = parser.add_argument_group("gateway role: aggregate this DC's LAN workers (edge mode trainers)")
+    edge.add_argument("--edge-workers", type=int, default=0, metavar="N",
+                      help="LAN workers to aggregate (ids 0..N-1); 0 disables the gateway role")
+    edge.add_argument("--edge-listen", default=f"0.0.0.0:{9700}", metavar="HOST:PORT",
+                      help="UDP address the LAN workers send to (default 0.0.0.0:9700)")
+    edge.add_argument("--edge-interface", metavar="IFACE", help="LAN-facing interface for the XDP aggregator")
+    edge.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
+                      help="xdp, the userspace fallback, or auto (xdp, falling back when it cannot load)")
+    edge.add_argument("--edge-scale", type=int, default=16,
+                      help="fixed-point scale: LAN lanes carry round(x * 2**scale) (default 16)")
+    edge.add_argument("--edge-slot-timeout", type=float, default=0.2,
+                      help="seconds before a slot missing workers makes the gateway NACK them (default 0.2)")
+    config_mod.add_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_mod.from_args(args)
+    scheduler = parse_address(args.scheduler, "--scheduler")
+    listen = parse_address(args.listen, "--listen")
+    advertise = parse_address(args.advertise, "--advertise") if args.advertise else None
+    trainer_tcp = parse_address(args.trainer_tcp, "--trainer-tcp") if args.trainer_tcp else None
+    edge = None
+    if args.edge_workers:
+        from bpf.gateway import EdgeOptions
+
+        edge = EdgeOptions(workers=args.edge_workers, listen=parse_address(args.edge_listen, "--edge-listen"),
+                           interface=args.edge_interface, mode=args.edge_mode, scale=args.edge_scale,
+                           slot_timeout=args.edge_slot_timeout)
+    import uvloop
+
+    return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
+                            socket_path=Path(args.socket), trainer_tcp=trainer_tcp, edge=edge))
+
+
+async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],
+                advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None,
+                edge: EdgeOptions | None = None) -> int:
+    """Run one node until SIGTERM/SIGINT, or until the connection to the scheduler is lost."""
+    from netstorm.clock import Clock, ClockSyncError
+    from node.control_client import SchedulerClient
+    from node.service import GeneralNode
+    from node.trainer_endpoint import TrainerEndpoint
+
+    clock = Clock.from_env()
+    try:
+        offset = await clock.sync(scheduler[0], scheduler[1], timeout=config.connect_timeout)
+        log.info("node %d: clock offset to the scheduler %+.6f s (skew %+.3f s)", node_id, offset, clock.skew)
+    except ClockSyncError as exc:
+        log.warning("node %d: %s; timestamps stay uncorrected until a later sync succeeds", node_id, exc)
+    node = GeneralNode(node_id, config, clock=clock.now)
+    bound = await node.serve_data(*listen)
+    data_address = advertise or bound
+    log.info("node %d: data plane on %s:%d", node_id, *bound)
+    control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout)
+    endpoint = TrainerEndpoint(node)
+
+    def scheduler_lost(error: Exception) -> None:
+        log.error("node %d: lost the scheduler: %s; stopping", node_id, error)
+        node.stop()
+    control.on_lost(scheduler_lost)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, node.stop)
+    try:
+        await endpoint.serve_unix(socket_path)
+        if trainer_tcp is not None:
+            server = await endpoint.serve_tcp(*trainer_tcp)
+            log.info("node %d: trainers over TCP on %s", node_id, server.sockets[0].getsockname())
+        print(f"node {node_id} serving: trainers at {socket_path}, data plane at {data_address[0]}:"
+              f"{data_address[1]}, members {sorted(control.members)}", flush=True)
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(node.run(control))
+            edge_task = None
+            if edge is not None:
+                from bpf.gateway import EdgeRole
+
+                role = EdgeRole(edge, iteration_timeout=control.config.iteration_timeout)
+                node.edge = role
+                edge_task = tg.create_task(role.run())
+                print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"
+                      f"{edge.listen[1]} (edge://HOST:{edge.listen[1]}?worker=I)", flush=True)
+            clock_task = tg.create_task(clock.keep_synced(scheduler[0], scheduler[1],
+                                                          interval=control.config.clock_sync_interval,
+                                                          timeout=config.connect_timeout))
+            await node.wait_stopped()
+            clock_task.cancel()
+            if edge_task is not None:
+                edge_task.cancel()
+    finally:
+        endpoint.close()
+        await control.close()
+        await asyncio.to_thread(socket_path.unlink, missing_ok=True)
+    return 0

@@ -1,0 +1,87 @@
+"""``netstorm scheduler``: the central scheduler of one job (control TCP and SNTP on one address)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from collections.abc import Callable
+
+from netstorm import config as config_module
+from netstorm import scenario as scenario_module
+from netstorm.control import format_address, parse_address
+from netstorm.errors import ConfigError
+
+NAME = "scheduler"
+HELP = "run the central scheduler: registration, heartbeats, policies per iteration, link reports, SNTP"
+TOPOLOGIES = ("fapt", "star", "bkt", "mst", "fapt1")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="scenario name (klonet-scenarios/) or TOML file")
+    parser.add_argument("--listen", default="127.0.0.1:7700", metavar="HOST:PORT",
+                        help="control TCP and SNTP UDP address (port 0 picks one; default 127.0.0.1:7700)")
+    parser.add_argument("--nodes", metavar="IDS", help="comma-separated node ids to expect (default: the scenario's)")
+    parser.add_argument("--topology", choices=TOPOLOGIES, default="fapt", help="policy family (default fapt)")
+    parser.add_argument("--roots", type=int, metavar="N", help="number of roots (default NUM_ROOT_SERVERS)")
+    parser.add_argument("--bw-scale", type=float, default=1.0, metavar="X",
+                        help="multiply the scenario's rates by X for the first plan (default 1)")
+    config_module.add_arguments(parser)
+
+
+def parse_nodes(text: str | None, scenario: scenario_module.Scenario) -> list[int]:
+    known = scenario.node_ids
+    if text is None:
+        return known
+    try:
+        nodes = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ConfigError(f"--nodes expects comma-separated integers, got {text!r}") from None
+    unknown = [n for n in nodes if n not in known]
+    if unknown or not nodes:
+        raise ConfigError(f"--nodes {text}: unknown node(s) {unknown}; scenario {scenario.name} has {known}")
+    return nodes
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler.service import SchedulerService
+
+    config = config_module.from_args(args)
+    scenario = scenario_module.load(args.scenario)
+    nodes = parse_nodes(args.nodes, scenario)
+    if not args.bw_scale > 0:
+        raise ConfigError(f"--bw-scale must be positive, got {args.bw_scale}")
+    if args.roots is not None and args.roots < 0:
+        raise ConfigError(f"--roots must be >= 0, got {args.roots}")
+    host, port = parse_address(args.listen)
+    rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
+    service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots)
+
+    def ready(address: tuple[str, int]) -> None:
+        print(f"scheduler listening on {format_address(address)} for nodes "
+              f"{','.join(map(str, nodes))} ({scenario.name}, {args.topology})", flush=True)
+
+    async def main() -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await service.serve(host, port, ready=ready)
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(main())
+    print("scheduler stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed (it is a dependency; the fallback keeps a broken install debuggable)."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory

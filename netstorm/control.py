@@ -1,0 +1,402 @@
+"""Control-plane messages between nodes and the scheduler, and their framing.
+
+A frame is a 4-byte little-endian body length followed by a msgpack map holding ``"v"`` (the
+protocol version), ``"type"`` and the message's fields. Every message is a frozen dataclass with an
+explicit ``to_fields`` / ``from_fields`` pair; decoding checks every field's type and rejects unknown
+types, versions and fields with a ``ControlError`` naming the problem, so a confused or hostile peer
+gets a clear answer instead of a half-built object.
+
+Replies on one connection come back in request order (the scheduler answers each request before it
+reads the next), which is how the client pairs an ``Error`` with the request that caused it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import struct
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import msgpack
+
+from netstorm.errors import NetStormError
+
+VERSION = 1
+LENGTH = struct.Struct("<I")
+MAX_CONTROL_FRAME = 64 * 1024 * 1024
+"""Largest control frame body accepted: a 200-node policy with auxiliary paths fits comfortably."""
+
+
+class ControlError(NetStormError):
+    """A control message is malformed or unknown, or the scheduler refused a request."""
+
+
+class ControlTimeout(ControlError, TimeoutError):
+    """A control-plane request did not complete in time; the message names the peer and iteration."""
+
+
+class LayoutMismatch(ControlError):
+    """This node's tensor layout differs from the one the first node registered."""
+
+
+# --- field checkers: raise ControlError naming the message and field ------------------------------
+
+Checker = Callable[[str, Any], Any]
+
+
+def _int(where: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ControlError(f"{where}: expected an integer, got {value!r}")
+    return value
+
+
+def _float(where: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ControlError(f"{where}: expected a number, got {value!r}")
+    return float(value)
+
+
+def _bool(where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ControlError(f"{where}: expected true or false, got {value!r}")
+    return value
+
+
+def _str(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ControlError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def _port(where: str, value: Any) -> int:
+    port = _int(where, value)
+    if not 0 < port < 65536:
+        raise ControlError(f"{where}: port {port} out of range")
+    return port
+
+
+def _dict(where: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ControlError(f"{where}: expected a map with string keys, got {type(value).__name__}")
+    return value
+
+
+def _opt_dict(where: str, value: Any) -> dict[str, Any] | None:
+    return None if value is None else _dict(where, value)
+
+
+def _members(where: str, value: Any) -> dict[int, tuple[str, int]]:
+    if not isinstance(value, list):
+        raise ControlError(f"{where}: expected a list of [id, host, port], got {type(value).__name__}")
+    out: dict[int, tuple[str, int]] = {}
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise ControlError(f"{where}: expected [id, host, port], got {entry!r}")
+        node_id = _int(where, entry[0])
+        if node_id in out:
+            raise ControlError(f"{where}: node {node_id} listed twice")
+        out[node_id] = (_str(where, entry[1]), _port(where, entry[2]))
+    return out
+
+
+def _rates(where: str, value: Any) -> dict[tuple[int, int], float]:
+    if not isinstance(value, list):
+        raise ControlError(f"{where}: expected a list of [src, dst, mbit_s], got {type(value).__name__}")
+    out: dict[tuple[int, int], float] = {}
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 3:
+            raise ControlError(f"{where}: expected [src, dst, mbit_s], got {entry!r}")
+        rate = _float(where, entry[2])
+        if not rate > 0:
+            raise ControlError(f"{where}: rate of {entry[0]}->{entry[1]} must be positive, got {rate}")
+        out[(_int(where, entry[0]), _int(where, entry[1]))] = rate
+    return out
+
+
+def _pairs(where: str, value: Any) -> tuple[tuple[int, int], ...]:
+    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
+        raise ControlError(f"{where}: expected a list of [int, int] pairs, got {value!r}")
+    return tuple((_int(where, a), _int(where, b)) for a, b in value)
+
+
+def _ids(where: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ControlError(f"{where}: expected a list of node ids, got {type(value).__name__}")
+    return tuple(_int(where, v) for v in value)
+
+
+# --- messages ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Message:
+    """Base of every control message; subclasses set TYPE and FIELDS (name -> checker)."""
+
+    TYPE: ClassVar[str] = ""
+    FIELDS: ClassVar[Mapping[str, Checker]] = {}
+
+    def to_fields(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.FIELDS}
+
+    @classmethod
+    def from_fields(cls, data: Mapping[str, Any]) -> Message:
+        values = {name: check(f"{cls.TYPE}.{name}", data[name]) for name, check in cls.FIELDS.items()}
+        return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True)
+class Register(Message):
+    TYPE: ClassVar[str] = "register"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "data_host": _str, "data_port": _port}
+    node_id: int
+    data_host: str
+    data_port: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterAck(Message):
+    """Sent to every node once all expected nodes have registered."""
+
+    TYPE: ClassVar[str] = "register_ack"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"members": _members, "config": _dict, "scheduler_time": _float}
+    members: Mapping[int, tuple[str, int]]
+    config: Mapping[str, Any]
+    scheduler_time: float
+
+    def to_fields(self) -> dict[str, Any]:
+        members = [[node_id, host, port] for node_id, (host, port) in sorted(self.members.items())]
+        return {"members": members, "config": dict(self.config), "scheduler_time": self.scheduler_time}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCheck(Message):
+    TYPE: ClassVar[str] = "layout_check"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "layout_hash": _str}
+    node_id: int
+    layout_hash: str
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutAck(Message):
+    TYPE: ClassVar[str] = "layout_ack"
+
+
+@dataclasses.dataclass(frozen=True)
+class Heartbeat(Message):
+    TYPE: ClassVar[str] = "heartbeat"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "t": _float}
+    node_id: int
+    t: float
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberDown(Message):
+    """Pushed to every node when a member is declared dead (or to a node declared dead itself)."""
+
+    TYPE: ClassVar[str] = "member_down"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "reason": _str}
+    node_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRequest(Message):
+    TYPE: ClassVar[str] = "policy_request"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "iteration": _int, "known_version": _int}
+    node_id: int
+    iteration: int
+    known_version: int
+    """The newest policy version the node holds; -1 when it holds none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyReply(Message):
+    """The policy bound to ``iteration``; ``policy`` is None when the node already holds ``version``."""
+
+    TYPE: ClassVar[str] = "policy_reply"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"iteration": _int, "version": _int, "policy": _opt_dict}
+    iteration: int
+    version: int
+    policy: Mapping[str, Any] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkReport(Message):
+    """A passive throughput measurement of the directed link src->dst (no reply)."""
+
+    TYPE: ClassVar[str] = "link_report"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"src": _int, "dst": _int, "mbit_s": _float, "t": _float,
+                                                "samples": _int}
+    src: int
+    dst: int
+    mbit_s: float
+    t: float
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Error(Message):
+    TYPE: ClassVar[str] = "error"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"message": _str}
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyOverride(Message):
+    """Admin: plan a new policy version from these rates now (tests and operators force a change)."""
+
+    TYPE: ClassVar[str] = "policy_override"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"rates": _rates}
+    rates: Mapping[tuple[int, int], float]
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"rates": [[src, dst, float(r)] for (src, dst), r in sorted(self.rates.items())]}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyOverrideAck(Message):
+    TYPE: ClassVar[str] = "policy_override_ack"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int}
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StatusRequest(Message):
+    """Admin: ask for membership and policy state (``netstorm local`` waits on it)."""
+
+    TYPE: ClassVar[str] = "status_request"
+
+
+@dataclasses.dataclass(frozen=True)
+class Status(Message):
+    TYPE: ClassVar[str] = "status"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"expected": _ids, "registered": _ids, "alive": _ids,
+                                                "complete": _bool, "version": _int, "bindings": _pairs}
+    expected: tuple[int, ...]
+    registered: tuple[int, ...]
+    alive: tuple[int, ...]
+    complete: bool
+    """Every expected node has registered and received its RegisterAck."""
+    version: int
+    """The current policy version (-1 before the first plan)."""
+    bindings: tuple[tuple[int, int], ...] = ()
+    """(iteration, version) of the most recent bound iterations, oldest first."""
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"expected": list(self.expected), "registered": list(self.registered), "alive": list(self.alive),
+                "complete": self.complete, "version": self.version,
+                "bindings": [[k, v] for k, v in self.bindings]}
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyFetch(Message):
+    """Admin: the wire form of policy ``version`` (-1: the current one), answered with a PolicyReply whose
+    iteration is -1. For tools that record or draw the policies a run used."""
+
+    TYPE: ClassVar[str] = "policy_fetch"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int}
+    version: int
+
+
+MESSAGES: dict[str, type[Message]] = {
+    cls.TYPE: cls
+    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, MemberDown, PolicyRequest,
+                PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
+                PolicyFetch)
+}
+
+
+# --- codec -------------------------------------------------------------------------------------------
+
+
+def encode(message: Message) -> bytes:
+    """The whole frame: length prefix and msgpack body."""
+    body = msgpack.packb({"v": VERSION, "type": message.TYPE, **message.to_fields()}, use_bin_type=True)
+    if len(body) > MAX_CONTROL_FRAME:
+        raise ControlError(f"{message.TYPE} frame of {len(body)} bytes exceeds {MAX_CONTROL_FRAME}")
+    return LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """One message from a frame body (without the length prefix)."""
+    try:
+        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types for garbage
+        raise ControlError(f"undecodable control frame ({len(body)} bytes): {exc}") from None
+    if not isinstance(data, dict):
+        raise ControlError(f"control frame is not a map but {type(data).__name__}")
+    version = data.get("v")
+    if version != VERSION:
+        raise ControlError(f"unsupported control protocol version {version!r} (this side speaks {VERSION})")
+    kind = data.get("type")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ControlError(f"unknown control message type {kind!r}")
+    expected = set(cls.FIELDS) | {"v", "type"}
+    missing = sorted(set(cls.FIELDS) - set(data))
+    extra = sorted(str(k) for k in set(data) - expected)
+    if missing:
+        raise ControlError(f"{kind}: missing field(s) {', '.join(missing)}")
+    if extra:
+        raise ControlError(f"{kind}: unknown field(s) {', '.join(extra)}")
+    return cls.from_fields(data)
+
+
+class FrameDecoder:
+    """Sans-I/O frame splitter: feed bytes, iterate complete messages."""
+
+    def __init__(self, max_frame: int = MAX_CONTROL_FRAME) -> None:
+        self._buffer = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> Iterator[Message]:
+        self._buffer += data
+        while len(self._buffer) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(self._buffer)
+            if length > self._max:
+                raise ControlError(f"control frame of {length} bytes exceeds the limit of {self._max}")
+            end = LENGTH.size + length
+            if len(self._buffer) < end:
+                return
+            body = bytes(self._buffer[LENGTH.size:end])
+            del self._buffer[:end]
+            yield decode(body)
+
+
+async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CONTROL_FRAME) -> Message | None:
+    """The next message, or None at a clean end of stream between frames."""
+    try:
+        prefix = await reader.readexactly(LENGTH.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ControlError("connection closed inside a frame length prefix") from None
+    (length,) = LENGTH.unpack(prefix)
+    if length > max_frame:
+        raise ControlError(f"control frame of {length} bytes exceeds the limit of {max_frame}")
+    try:
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError:
+        raise ControlError(f"connection closed inside a {length}-byte control frame") from None
+    return decode(body)
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), with a clear error."""
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not host:
+        raise ControlError(f"expected HOST:PORT, got {text!r}")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ControlError(f"expected HOST:PORT with a numeric port, got {text!r}") from None
+    if not 0 <= port < 65536:
+        raise ControlError(f"port out of range in {text!r}")
+    return host, port
+
+
+def format_address(address: tuple[str, int]) -> str:
+    host, port = address
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,0 +1,239 @@
+"""The emulated WAN of one run: build it from a scenario, re-shape it, run processes in it, tear it down.
+
+``with EmulatedNetwork(scenario, bw_scale=0.25) as net:`` builds every namespace, link, route and
+shaper, and on leaving (normally, by exception, Ctrl-C or SIGTERM turned into an exception by the
+caller) kills every process it started and deletes every namespace. A run registry record exists from
+before the first namespace until after the last one is gone, so a run killed with SIGKILL is found and
+removed by ``netstorm emulate --cleanup``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from netstorm.emulation import lossfilter, netns, registry, shaping
+from netstorm.emulation.errors import EmulationError
+from netstorm.emulation.teardown import teardown_record
+from netstorm.emulation.topology import MGMT_HOST, Plan, build_plan
+from netstorm.scenario import Rates, Scenario
+
+log = logging.getLogger(__name__)
+
+_FORWARDING = {
+    "net.ipv4.ip_forward": "1",
+    "net.ipv4.conf.all.rp_filter": "0",
+    "net.ipv4.conf.default.rp_filter": "0",
+}
+GSO_MAX_SIZE = 1500
+"""Shaped ends send wire-sized packets, so HTB meters what the link would carry."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """What this emulation applies of the scenario, and what it cannot, with the reason."""
+
+    applied: tuple[str, ...]
+    not_applied: dict[str, str]
+
+    def lines(self) -> list[str]:
+        out = [f"applied: {', '.join(self.applied)}"]
+        out += [f"NOT applied: {name}: {why}" for name, why in self.not_applied.items()]
+        return out
+
+
+class EmulatedNetwork:
+    """One run's namespaces, shaped links, routes, management network and processes."""
+
+    def __init__(self, scenario: Scenario, *, bw_scale: float = 1.0, loss: bool = True,
+                 record: registry.RunRecord | None = None) -> None:
+        if bw_scale <= 0:
+            raise EmulationError(f"--bw-scale must be positive, got {bw_scale}")
+        self.scenario = scenario
+        self.bw_scale = bw_scale
+        self._want_loss = loss
+        self.record = record or registry.reserve(netns.list_namespaces())
+        self.plan: Plan = build_plan(scenario, self.record.run_id)
+        self.rates: Rates = {}
+        self.features = Features((), {})
+        self._processes: list[subprocess.Popen[bytes]] = []
+        self._built = False
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+    @property
+    def scheduler_host(self) -> str:
+        """The management address processes in any DC reach the scheduler on."""
+        return MGMT_HOST
+
+    def node_address(self, dc: int) -> str:
+        return self.plan.node_addresses[dc]
+
+    def namespace(self, dc: int) -> str:
+        return self.plan.namespaces[dc]
+
+    # building -----------------------------------------------------------------------------------
+
+    def build(self) -> None:
+        plan = self.plan
+        self.record.namespaces = plan.all_namespaces
+        self.record.save()
+        try:
+            for name in plan.all_namespaces:
+                netns.add_namespace(name)
+            for name in plan.all_namespaces:
+                netns.sysctl(name, _FORWARDING)
+            self._build_links()
+            self._build_mgmt()
+            self._shape(self.scenario.rates())
+            self.features = self._apply_impairments()
+        except BaseException:
+            self.close()
+            raise
+        self._built = True
+
+    def _build_links(self) -> None:
+        plan = self.plan
+        seen: set[frozenset[int]] = set()
+        create: list[str] = []
+        for (src, dst), iface in plan.interfaces.items():
+            pair = frozenset((src, dst))
+            if pair in seen:
+                continue
+            seen.add(pair)
+            peer = plan.interfaces[(dst, src)]
+            create.append(f"link add {iface.name} netns {iface.namespace} type veth "
+                          f"peer name {peer.name} netns {peer.namespace}")
+        netns.ip_batch(create, what="create the overlay's veth pairs")
+        per_ns: dict[str, list[str]] = {name: ["link set lo up"] for name in plan.namespaces.values()}
+        for dc, ns in plan.namespaces.items():
+            per_ns[ns].append(f"address add {plan.node_addresses[dc]}/32 dev lo")
+        for iface in plan.interfaces.values():
+            per_ns[iface.namespace] += [
+                f"address add {iface.address} dev {iface.name}",
+                f"link set dev {iface.name} gso_max_size {GSO_MAX_SIZE}",
+                f"link set dev {iface.name} up",
+            ]
+        for route in plan.routes:
+            per_ns[route.namespace].append(
+                f"route add {route.destination} via {route.via} dev {route.device} src {route.source}")
+        for ns, lines in per_ns.items():
+            netns.ip_batch(lines, namespace=ns, what=f"address and route {ns}")
+
+    def _build_mgmt(self) -> None:
+        plan = self.plan
+        mgmt = plan.mgmt_namespace
+        create = [f"link add {port.dc_end} netns {plan.namespaces[dc]} type veth "
+                  f"peer name {port.bridge_end} netns {mgmt}" for dc, port in plan.mgmt_ports.items()]
+        netns.ip_batch(create, what="create the management veth pairs")
+        lines = ["link set lo up", f"link add {plan.bridge} type bridge",
+                 f"address add {MGMT_HOST}/24 dev {plan.bridge}", f"link set {plan.bridge} up"]
+        for port in plan.mgmt_ports.values():
+            lines += [f"link set {port.bridge_end} master {plan.bridge}", f"link set {port.bridge_end} up"]
+        netns.ip_batch(lines, namespace=mgmt, what="build the management bridge")
+        for dc, port in plan.mgmt_ports.items():
+            netns.ip_batch([f"address add {port.address} dev {port.dc_end}", f"link set {port.dc_end} up"],
+                           namespace=plan.namespaces[dc], what=f"management port of DC {dc}")
+
+    def _shape(self, rates: Rates) -> None:
+        per_ns: dict[str, list[str]] = {}
+        for direction, iface in self.plan.interfaces.items():
+            per_ns.setdefault(iface.namespace, []).extend(
+                shaping.setup_lines(iface.name, rates[direction] * self.bw_scale))
+        for ns, lines in per_ns.items():
+            netns.tc_batch(lines, namespace=ns, what=f"shape the links of {ns}")
+        self.rates = dict(rates)
+
+    def _apply_impairments(self) -> Features:
+        applied = ["per-direction HTB rates", "shortest-hop static routes", "unshaped management network"]
+        not_applied: dict[str, str] = {}
+        latency = {lk.latency_ms for lk in self.scenario.links if lk.latency_ms > 0}
+        losses = {(lk.a, lk.b): lk.loss for lk in self.scenario.links if lk.loss > 0}
+        has_netem = lossfilter.netem_available()
+        if latency:
+            if has_netem:
+                not_applied["latency"] = "netem is present but this emulator applies loss only through tc BPF"
+            else:
+                not_applied["latency"] = (f"this kernel has no netem; the scenario's {sorted(latency)} ms one-way "
+                                          "latency was NOT applied")
+        if losses:
+            status = lossfilter.bcc_status()
+            if not self._want_loss:
+                not_applied["loss"] = "disabled with --no-loss"
+            elif status is not None:
+                not_applied["loss"] = f"no netem and {status}"
+            else:
+                targets: dict[tuple[str, str], float] = {}
+                for (a, b), p in losses.items():
+                    for src, dst in ((a, b), (b, a)):
+                        iface = self.plan.interfaces[(src, dst)]
+                        targets[(iface.namespace, iface.name)] = p
+                bpf_dir = Path(f"/run/netstorm-emu-bpf-{self.run_id}")
+
+                def remember(path: Path) -> None:
+                    self.record.bpf_mount = str(path)
+                    self.record.save()
+
+                lossfilter.attach(targets, bpf_dir, on_mount=remember)
+                self.record.bpf_mount = None
+                self.record.save()
+                applied.append(f"packet loss {sorted(set(losses.values()))} via a tc BPF filter")
+        return Features(tuple(applied), not_applied)
+
+    # running ------------------------------------------------------------------------------------
+
+    def set_rates(self, rates: Rates) -> None:
+        """Re-shape every direction to ``rates`` (scenario Mbit/s, scaled by bw_scale) in place."""
+        per_ns: dict[str, list[str]] = {}
+        for direction, iface in self.plan.interfaces.items():
+            per_ns.setdefault(iface.namespace, []).append(
+                shaping.change_line(iface.name, rates[direction] * self.bw_scale))
+        for ns, lines in per_ns.items():
+            netns.tc_batch(lines, namespace=ns, what=f"re-shape the links of {ns}")
+        self.rates = dict(rates)
+
+    def spawn(self, where: int | str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
+              stdout: IO[bytes] | int | None = None,
+              stderr: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` in DC ``where``'s namespace (or ``"mgmt"``); it is killed on close()."""
+        ns = self.plan.mgmt_namespace if where == "mgmt" else self.plan.namespaces[int(where)]
+        proc = netns.spawn(ns, argv, env=env, stdout=stdout, stderr=stderr)
+        self._processes.append(proc)
+        return proc
+
+    def stop_processes(self, grace_s: float = 3.0) -> None:
+        """Terminate every process this network started (and anything else left in its namespaces)."""
+        live = [p.pid for p in self._processes if p.poll() is None]
+        netns.terminate(live, grace_s=grace_s)
+        for proc in self._processes:
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                log.warning("process %d did not exit after SIGKILL", proc.pid)
+        self._processes.clear()
+
+    # teardown -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Kill every process, delete every namespace (and with them every link), drop the record."""
+        started = time.monotonic()
+        self.stop_processes()
+        teardown_record(self.record)
+        log.info("run %s torn down in %.1f s", self.run_id, time.monotonic() - started)
+
+    def __enter__(self) -> EmulatedNetwork:
+        if not self._built:
+            self.build()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

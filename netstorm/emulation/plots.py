@@ -1,0 +1,134 @@
+"""PNG plots of a result document: iteration time per system, link rates over time, trees on the overlay.
+
+Everything is drawn from the result JSON alone, so ``netstorm report RESULT.json`` redraws them.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_all(result: dict[str, Any], directory: Path) -> list[Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"{result['scenario']}"
+    out = [iteration_times(result, directory / f"{stem}-iterations.png"),
+           link_rates(result, directory / f"{stem}-rates.png")]
+    if any(s.get("trees") for s in result["systems"].values()):
+        out.append(trees(result, directory / f"{stem}-trees.png"))
+    return out
+
+
+def iteration_times(result: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, s in result["systems"].items():
+        xs = list(range(1, len(s["iteration_s"]) + 1))
+        ax.plot(xs, s["iteration_s"], marker="o", label=name)
+    first = next(iter(result["systems"].values()), None)
+    if first and first.get("limit_s"):
+        xs = list(range(1, len(first["limit_s"]) + 1))
+        ax.step(xs, first["limit_s"], where="mid", color="black", linestyle="--", label="limit M/λ")
+    else:
+        ax.axhline(result["limit_s"], color="black", linestyle="--", label="limit M/λ")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("seconds per iteration")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['scenario']}: rates x{result['bw_scale']}, {result['model']['bytes'] / 1e6:.1f} MB model")
+    ax.legend(fontsize="small")
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def link_rates(result: dict[str, Any], path: Path) -> Path:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5))
+    log = next((s["link_rate_log"] for s in result["systems"].values() if s.get("link_rate_log")), None)
+    if not log:
+        log = [{"t": 0.0, "rates_mbit": result["initial_rates_mbit"]}]
+    end = max([1.0, *(s.get("wall_s", 0.0) for s in result["systems"].values())])
+    for key in log[0]["rates_mbit"]:
+        ts = [e["t"] for e in log if e["t"] <= end] + [end]
+        rs = [e["rates_mbit"][key] for e in log if e["t"] <= end]
+        rs.append(rs[-1])
+        ax.step(ts, rs, where="post", label=key, linewidth=1)
+    ax.set_xlabel("seconds since the system started")
+    ax.set_ylabel("shaped rate (Mbit/s)")
+    ax.set_title(f"{result['scenario']}: link rates (each direction), as applied with tc")
+    ax.legend(fontsize="x-small", ncol=4, loc="upper right")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _positions(nodes: list[int]) -> dict[int, tuple[float, float]]:
+    n = len(nodes)
+    return {node: (math.cos(2 * math.pi * i / n + math.pi / 2), math.sin(2 * math.pi * i / n + math.pi / 2))
+            for i, node in enumerate(nodes)}
+
+
+MAX_TREES_SHOWN = 5
+
+
+def trees(result: dict[str, Any], path: Path) -> Path:
+    """One row per system, one panel per tree (the first few roots): overlay in grey, tree edges as arrows.
+
+    Systems planning identical trees (netstorm, std and lite start from the same plan) share a row.
+    """
+    plt = _pyplot()
+    rows_by_trees: dict[str, tuple[list[str], dict[str, dict[str, int | None]]]] = {}
+    for name, s in result["systems"].items():
+        if s.get("trees"):
+            key = repr(sorted(s["trees"].items()))
+            rows_by_trees.setdefault(key, ([], s["trees"]))[0].append(name)
+    rows = list(rows_by_trees.values())
+    cols = min(MAX_TREES_SHOWN, max(len(t) for _, t in rows))
+    fig, axes = plt.subplots(len(rows), cols, figsize=(3.2 * cols, 3.4 * len(rows)), squeeze=False)
+    pos = _positions(result["nodes"])
+    for ax in axes.flat:
+        ax.axis("off")
+    for r, (names, system_trees) in enumerate(rows):
+        ordered = list(system_trees.items())
+        for c, (root, parents) in enumerate(ordered[:cols]):
+            ax = axes[r][c]
+            for a, b in result["links"]:
+                ax.plot([pos[a][0], pos[b][0]], [pos[a][1], pos[b][1]], color="0.85", linewidth=4, zorder=1)
+            for child, parent in parents.items():
+                if parent is None:
+                    continue
+                (x0, y0), (x1, y1) = pos[int(child)], pos[int(parent)]
+                ax.annotate("", xy=(x1, y1), xytext=(x0, y0), zorder=2,
+                            arrowprops={"arrowstyle": "-|>", "color": "tab:blue", "lw": 1.4,
+                                        "shrinkA": 9, "shrinkB": 9})
+            for node, (x, y) in pos.items():
+                is_root = str(node) == str(root)
+                ax.scatter([x], [y], s=230, color="gold" if is_root else "white", edgecolors="black", zorder=4)
+                ax.text(x, y, str(node), ha="center", va="center", fontsize=8, zorder=5)
+            title = f"{'/'.join(names)}: root {root}"
+            if c == cols - 1 and len(ordered) > cols:
+                title += f" (+{len(ordered) - cols} more)"
+            ax.set_title(title, fontsize=8)
+            ax.set_xlim(-1.25, 1.25)
+            ax.set_ylim(-1.25, 1.25)
+            ax.set_aspect("equal")
+    fig.suptitle(f"{result['scenario']}: trees planned at the initial rates (child -> parent; grey: overlay links)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

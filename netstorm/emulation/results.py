@@ -1,0 +1,213 @@
+"""The result document of an emulation run, its physical bounds and its terminal summary.
+
+Layout (JSON): scenario, seed, scales, model, features applied and not applied, host CPU per system,
+``"systems": {"<name>": {"iteration_s": [...], "sync_s": [...], "limit_s": [...], "link_rate_log":
+[...], "cpu": {...}, ...}}``, ``"limit_s"`` (M/λ at the initial rates) and ``"star_bound_s"`` (the best a
+STAR parameter server can do over the emulator's static routes: every other DC's gradient into the hub
+and the sum back out, the busiest link deciding, at the best hub).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import platform
+import time
+from typing import Any
+
+from netstorm.emulation.cpu import CPU_BOUND_PCT
+from netstorm.routing import shortest_hop_routes
+from netstorm.scenario import Rates, Scenario
+
+FORMAT_VERSION = 1
+
+
+class Bounds:
+    """Physical bounds for a model of ``model_bytes`` over scenario rates scaled by ``bw_scale``."""
+
+    def __init__(self, model_bytes: int, bw_scale: float) -> None:
+        self.model_bytes = model_bytes
+        self.bw_scale = bw_scale
+
+    def scaled(self, rates: Rates) -> Rates:
+        return {k: v * self.bw_scale for k, v in rates.items()}
+
+    def limit_s(self, rates: Rates) -> float:
+        """M/λ at scenario ``rates`` (before scaling)."""
+        return limit_of_scaled(self.model_bytes, self.scaled(rates))
+
+    def star_bound(self, rates: Rates) -> tuple[float, int]:
+        """(seconds, hub) of the best STAR hub at scenario ``rates``."""
+        return star_bound_of_scaled(self.model_bytes, self.scaled(rates))
+
+
+def limit_of_scaled(model_bytes: int, rates: Rates) -> float:
+    from netstorm.limit import limit_s
+
+    return float(limit_s(model_bytes, rates))
+
+
+def star_bound_of_scaled(model_bytes: int, rates: Rates) -> tuple[float, int]:
+    """The best STAR hub and its time bound over the static routes the emulator installs.
+
+    With hub h, every other DC's gradient travels its route to h and the sum travels back along h's
+    routes, M bytes each; a directed link carrying c of these flows needs c·M / rate however they are
+    scheduled. The busiest link decides; the best hub is the one whose busiest link is least loaded.
+    """
+    nodes = sorted({a for a, _ in rates} | {b for _, b in rates})
+    routes = shortest_hop_routes(nodes, [(a, b) for a, b in rates if a < b or (b, a) not in rates])
+    best: tuple[float, int] | None = None
+    for hub in nodes:
+        load: dict[tuple[int, int], int] = {}
+        for other in nodes:
+            if other == hub:
+                continue
+            for path in (routes[(other, hub)], routes[(hub, other)]):
+                for hop in itertools.pairwise(path):
+                    load[hop] = load.get(hop, 0) + 1
+        seconds = max(count * model_bytes * 8 / (rates[hop] * 1e6) for hop, count in load.items())
+        if best is None or seconds < best[0]:
+            best = (seconds, hub)
+    assert best is not None
+    return best
+
+
+def new_result(scenario: Scenario, opts: Any, parameters: int, bounds: Bounds) -> dict[str, Any]:
+    star_s, hub = bounds.star_bound(scenario.rates())
+    dyn = scenario.dynamics
+    return {
+        "format": FORMAT_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "scenario": scenario.name,
+        "scenario_source": scenario.source,
+        "nodes": scenario.node_ids,
+        "links": [[lk.a, lk.b] for lk in scenario.links],
+        "initial_rates_mbit": {f"{a}->{b}": r * bounds.bw_scale for (a, b), r in sorted(scenario.rates().items())},
+        "dynamic": dyn is not None,
+        "seed": dyn.seed if dyn is not None else None,
+        "dynamics_period_s": dyn.period_s * opts.time_scale if dyn is not None else None,
+        "bw_scale": opts.bw_scale,
+        "time_scale": opts.time_scale,
+        "model": {"spec": opts.model, "parameters": parameters, "bytes": 4 * parameters},
+        "iterations": opts.iterations,
+        "compute_s": opts.compute_s,
+        "config_flags": list(opts.config_flags),
+        "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
+        "limit_s": bounds.limit_s(scenario.rates()),
+        "star_bound_s": star_s,
+        "star_bound_hub": hub,
+        "features": {},
+        "systems": {},
+    }
+
+
+def _rates_at(rate_log: list[dict[str, Any]], t: float) -> Rates:
+    current = rate_log[0]["rates_mbit"]
+    for entry in rate_log:
+        if entry["t"] <= t:
+            current = entry["rates_mbit"]
+    out: Rates = {}
+    for key, value in current.items():
+        a, b = key.split("->")
+        out[(int(a), int(b))] = float(value)
+    return out
+
+
+def iteration_limits(outcome: dict[str, Any], rate_log: list[dict[str, Any]], bounds: Bounds,
+                     scenario: Scenario) -> list[float]:
+    """M/λ at the rates in force when each completed iteration began (the previous one's end)."""
+    if not rate_log:
+        return [bounds.limit_s(scenario.rates())] * len(outcome["iteration_s"])
+    starts = [0.0, *outcome["completed_at_s"]][: len(outcome["iteration_s"])]
+    return [round(limit_of_scaled(bounds.model_bytes, _rates_at(rate_log, t)), 4) for t in starts]
+
+
+def steady(values: list[float]) -> list[float]:
+    """Iterations after the first (which also pays for connection set-up), when there are two or more."""
+    return values[1:] if len(values) >= 2 else values
+
+
+def mean(values: list[float]) -> float:
+    return math.fsum(values) / len(values) if values else float("nan")
+
+
+def system_stats(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per system: mean steady iteration time, mean limit over the same iterations, their ratio."""
+    out: dict[str, dict[str, float]] = {}
+    for name, s in result["systems"].items():
+        times = steady(s["iteration_s"])
+        limits = steady(s.get("limit_s") or [])
+        t = mean(times)
+        lim = mean(limits) if limits else result["limit_s"]
+        out[name] = {"mean_s": t, "limit_s": lim, "x_limit": t / lim if times else float("nan")}
+    return out
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The terminal table: time per iteration, ratio to the limit, speed-up over STAR and gloo."""
+    stats = system_stats(result)
+    model = result["model"]
+    lines = [
+        f"scenario {result['scenario']} ({'dynamic' if result['dynamic'] else 'static'}), seed {result['seed']}, "
+        f"rates x{result['bw_scale']}, time x{result['time_scale']}, model {model['spec']} "
+        f"({model['parameters'] / 1e6:.2f} M parameters, {model['bytes'] / 1e6:.1f} MB), "
+        f"{result['iterations']} iteration(s), compute {result['compute_s']} s",
+    ]
+    feats = result.get("features", {})
+    if feats:
+        lines.append("applied: " + ", ".join(feats.get("applied", [])))
+        lines += [f"NOT applied: {k}: {v}" for k, v in feats.get("not_applied", {}).items()]
+    star = stats.get("star", {}).get("mean_s")
+    gloo = stats.get("gloo", {}).get("mean_s")
+    header = f"{'system':<10}{'iter s':>10}{'limit s':>10}{'x limit':>9}{'vs STAR':>9}{'vs gloo':>9}" \
+             f"{'exact':>7}{'CPU %':>7}{'done':>6}"
+    lines += ["", header, "-" * len(header)]
+    for name, s in result["systems"].items():
+        st = stats[name]
+        vs_star = f"{star / st['mean_s']:.2f}x" if star and st["mean_s"] == st["mean_s"] else "-"
+        vs_gloo = f"{gloo / st['mean_s']:.2f}x" if gloo and st["mean_s"] == st["mean_s"] else "-"
+        lines.append(f"{name:<10}{st['mean_s']:>10.2f}{st['limit_s']:>10.2f}{st['x_limit']:>9.2f}{vs_star:>9}"
+                     f"{vs_gloo:>9}{'yes' if s.get('exact') else 'NO':>7}{s['cpu']['mean_pct']:>7.0f}"
+                     f"{s['iterations_completed']:>4}/{result['iterations']}")
+    lines.append("")
+    lines.append(f"iteration times are means over iterations 2..N (the first also sets connections up); "
+                 f"limit = M/lambda, the directed min cut (initial: {result['limit_s']:.2f} s)")
+    star_bound = result["star_bound_s"]
+    lines.append(f"STAR's physical bound: {star_bound:.2f} s at hub {result['star_bound_hub']} (every spoke's M in and "
+                 f"out over the static routes, busiest link); a system at the limit can beat STAR by at most "
+                 f"{star_bound / result['limit_s']:.2f}x at these rates")
+    if star and "netstorm" in stats:
+        lines.append(f"measured netstorm vs star: {star / stats['netstorm']['mean_s']:.2f}x")
+    for name, s in result["systems"].items():
+        if s.get("error"):
+            lines.append(f"{name}: FAILED: {s['error']}")
+        if s["cpu"]["mean_pct"] >= CPU_BOUND_PCT:
+            lines.append(f"WARNING: {name}: host CPU averaged {s['cpu']['mean_pct']:.0f}% (this run's own processes "
+                         f"{s['cpu'].get('run_pct', float('nan')):.0f}%): CPU-bound, its ratios are not network "
+                         "results (scale --bw-scale and --model down together)")
+    return "\n".join(lines)
+
+
+def scaling(results_list: list[dict[str, Any]]) -> list[str]:
+    """Scaling efficiency between the smallest and the largest run of each system.
+
+    Every DC runs the same trainer, so samples/s grows with n / t(n); the efficiency from n1 to n2 DCs is
+    (n2 / t2) / (n1 / t1) / (n2 / n1) = t1 / t2 (1.0: adding DCs costs no time per iteration).
+    """
+    by_system: dict[str, list[tuple[int, float, str]]] = {}
+    for result in results_list:
+        stats = system_stats(result)
+        for name, st in stats.items():
+            if result["systems"][name]["iteration_s"]:
+                by_system.setdefault(name, []).append((len(result["nodes"]), st["mean_s"], result["scenario"]))
+    lines: list[str] = []
+    for name, runs in by_system.items():
+        sizes = sorted(runs)
+        (n1, t1, s1), (n2, t2, s2) = sizes[0], sizes[-1]
+        if n1 == n2:
+            continue
+        lines.append(f"{name}: {n1} DCs ({s1}) {t1:.2f} s/iteration -> {n2} DCs ({s2}) {t2:.2f} s/iteration: "
+                     f"samples/s x{(n2 / t2) / (n1 / t1):.2f} for x{n2 / n1:.2f} the DCs, scaling efficiency "
+                     f"{t1 / t2:.2f}")
+    return lines

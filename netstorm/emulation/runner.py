@@ -1,0 +1,428 @@
+"""``netstorm emulate``'s runner: every requested system, one after another, on one emulated network.
+
+Each system starts from the scenario's initial rates with the dynamics clock reset, so all systems see
+the same seeded rate sequence. NetStorm systems run the scheduler in the management namespace and node
+i plus the synthetic trainer i in DC i's namespace; gloo runs one process per DC namespace. Trainers
+write one JSON line per iteration, which the runner follows for its progress display and its result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from netstorm.emulation import netns, results, systems
+from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
+from netstorm.emulation.dynamics import DynamicsPlayer, schedule
+from netstorm.emulation.errors import EmulationError
+from netstorm.emulation.network import EmulatedNetwork
+from netstorm.scenario import Rates, Scenario, load
+
+log = logging.getLogger(__name__)
+
+SCHEDULER_PORT = 7000
+DATA_PORT = 7100
+GLOO_STORE_PORT = 29500
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    from netstorm import config
+
+    parser.add_argument("--system", default="netstorm,star",
+                        help=f"comma-separated systems to run in order: {', '.join(systems.SYSTEMS)} or all "
+                             "(default netstorm,star)")
+    parser.add_argument("--iterations", type=int, default=5, help="synchronization iterations per system")
+    parser.add_argument("--model", default="alexnet", help="alexnet, resnet50 or a parameter count (25M)")
+    parser.add_argument("--seed", type=int, default=None, help="dynamics seed (default: the scenario's)")
+    parser.add_argument("--compute-s", type=float, default=0.0, help="trainer compute time per iteration")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply the scenario's dynamics period (0.1 = rates change 10x as often)")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds a system may take in all (default: from the min-cut limit)")
+    parser.add_argument("--out", metavar="FILE", help="write the result JSON here")
+    parser.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    parser.add_argument("--run-dir", metavar="DIR",
+                        help="keep every process's log and trainer output here (default: a temporary directory)")
+    config.add_arguments(parser)
+
+
+@dataclasses.dataclass
+class Options:
+    scenario: str
+    systems: list[systems.System]
+    iterations: int
+    model: str
+    bw_scale: float = 1.0
+    seed: int | None = None
+    compute_s: float = 0.0
+    time_scale: float = 1.0
+    timeout_s: float | None = None
+    loss: bool = True
+    config_flags: list[str] = dataclasses.field(default_factory=list)
+    run_dir: str | None = None
+    stream: IO[str] = sys.stderr
+
+
+def _config_flags(args: argparse.Namespace) -> list[str]:
+    """The config flags the user gave, forwarded verbatim to the scheduler and nodes."""
+    from netstorm.config import FIELDS
+
+    flags: list[str] = []
+    if getattr(args, "config", None):
+        flags += ["--config", str(Path(args.config).resolve())]
+    for name in FIELDS:
+        value = getattr(args, f"opt_{name}", None)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
+    return flags
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    if args.iterations < 1:
+        raise EmulationError(f"--iterations must be at least 1, got {args.iterations}")
+    if args.compute_s < 0:
+        raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
+    return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
+                   args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
+                   _config_flags(args), args.run_dir)
+
+
+def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
+    if seed is None or scenario.dynamics is None:
+        return scenario
+    return dataclasses.replace(scenario, dynamics=dataclasses.replace(scenario.dynamics, seed=seed))
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
+    result = run(opts)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"result written to {args.out}", file=sys.stderr)
+    print(results.summary(result))
+    if args.plots:
+        from netstorm.emulation import plots
+
+        for path in plots.draw_all(result, Path(args.plots)):
+            print(f"plot: {path}", file=sys.stderr)
+    failed = [name for name, s in result["systems"].items() if s.get("error")]
+    return 1 if failed else 0
+
+
+class TrainerLog:
+    """Follows one trainer's JSON-lines output file."""
+
+    def __init__(self, path: Path, dc: int) -> None:
+        self.path = path
+        self.dc = dc
+        self.records: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+
+    def poll(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as fh:
+            fh.seek(self._offset)
+            data = fh.read()
+        self._offset += len(data)
+        data = self._partial + data
+        *lines, self._partial = data.split(b"\n")
+        for line in lines:
+            if line.strip():
+                try:
+                    self.records.append(json.loads(line))
+                except ValueError:
+                    self.records.append({"dc": self.dc, "exact": False, "error": f"unreadable line {line[:80]!r}"})
+
+
+class SystemRun:
+    """One system on the network: start its processes, follow progress, collect the result."""
+
+    def __init__(self, net: EmulatedNetwork, scenario: Scenario, system: systems.System, opts: Options,
+                 workdir: Path, model_bytes: int, limit_for: Any) -> None:
+        self.net = net
+        self.scenario = scenario
+        self.system = system
+        self.opts = opts
+        self.dir = workdir / system.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.model_bytes = model_bytes
+        self.limit_for = limit_for
+        self.logs = {dc: TrainerLog(self.dir / f"trainer-{dc}.jsonl", dc) for dc in net.plan.node_ids}
+        self.trainers: dict[int, subprocess.Popen[bytes]] = {}
+        self.services: dict[str, subprocess.Popen[bytes]] = {}
+        self._files: list[IO[bytes]] = []
+        self.completed_at: list[float] = []
+        self.current_rates: Rates = scenario.rates()
+        self.epoch = 0
+
+    def _logfile(self, name: str) -> IO[bytes]:
+        fh = (self.dir / f"{name}.log").open("wb")
+        self._files.append(fh)
+        return fh
+
+    def _python(self, *args: str) -> list[str]:
+        return [sys.executable, *args]
+
+    def _start_netstorm(self, deadline: float) -> None:
+        net, opts = self.net, self.opts
+        scheduler = f"{net.scheduler_host}:{SCHEDULER_PORT}"
+        scenario_path = str(Path(self.scenario.source).resolve())
+        nodes = ",".join(str(dc) for dc in net.plan.node_ids)
+        out = self._logfile("scheduler")
+        self.services["scheduler"] = net.spawn("mgmt", self._python(
+            "-m", "netstorm.cli", "-v", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
+            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags),
+            stdout=out, stderr=subprocess.STDOUT)
+        _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
+        for dc in net.plan.node_ids:
+            out = self._logfile(f"node-{dc}")
+            self.services[f"node-{dc}"] = net.spawn(dc, self._python(
+                "-m", "netstorm.cli", "node", "--id", str(dc), "--scheduler", scheduler,
+                "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
+                *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
+        for dc in net.plan.node_ids:
+            sock = self.dir / f"node-{dc}.sock"
+            while not sock.exists():
+                self._check_services()
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"node {dc} did not open its trainer socket {sock} in time")
+                time.sleep(0.1)
+        for dc in net.plan.node_ids:
+            self.trainers[dc] = net.spawn(dc, self._python(
+                "-m", "netstorm.trainers.synthetic", "--socket", str(self.dir / f"node-{dc}.sock"),
+                "--dc", str(dc), "--model", opts.model, "--iterations", str(opts.iterations),
+                "--compute-s", str(opts.compute_s), "--out", str(self.logs[dc].path)),
+                stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
+
+    def _start_gloo(self) -> None:
+        net, opts = self.net, self.opts
+        ids = net.plan.node_ids
+        store = f"{net.plan.mgmt_address(ids[0])}:{GLOO_STORE_PORT}"
+        for rank, dc in enumerate(ids):
+            self.trainers[dc] = net.spawn(dc, self._python(
+                "-m", "netstorm.emulation.gloo_trainer", "--rank", str(rank), "--world", str(len(ids)),
+                "--dc", str(dc), "--store", store, "--address", net.node_address(dc), "--model", opts.model,
+                "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
+                "--out", str(self.logs[dc].path)), stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
+
+    def _check_services(self) -> None:
+        for name, proc in self.services.items():
+            if proc.poll() is not None:
+                tail = (self.dir / f"{name}.log").read_text(errors="replace")[-600:]
+                raise EmulationError(f"{self.system.name}: {name} exited with {proc.returncode}: {tail.strip()}")
+
+    def policy_versions(self) -> dict[str, Any]:
+        """Which policy version each iteration was bound to, and each version's summary (scheduler log)."""
+        path = self.dir / "scheduler.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        bound = {int(m.group(1)): int(m.group(2)) for m in _BOUND_RE.finditer(text)}
+        policies = [{"version": int(m.group(1)), "reason": m.group(2), "roots": m.group(3)}
+                    for m in _POLICY_RE.finditer(text)]
+        return {"by_iteration": [bound.get(k) for k in range(max(bound, default=-1) + 1)], "policies": policies}
+
+    def on_rates(self, entry: dict[str, Any]) -> None:
+        self.epoch = int(entry["epoch"])
+
+    def run(self, budget_s: float, progress: Progress) -> dict[str, Any]:
+        start = time.monotonic()
+        deadline = start + budget_s
+        cpu = CpuMeter()
+        usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        error = ""
+        stop = threading.Event()
+        try:
+            if self.system.kind == "gloo":
+                self._start_gloo()
+            else:
+                self._start_netstorm(deadline)
+            while not stop.wait(0.5):
+                for tlog in self.logs.values():
+                    tlog.poll()
+                self._note_progress(time.monotonic() - start, progress, cpu.sample())
+                failed = {dc: p.returncode for dc, p in self.trainers.items() if p.poll() not in (None, 0)}
+                if failed:
+                    raise EmulationError(f"trainer(s) failed: {failed}; see {self.dir}")
+                if all(p.poll() == 0 for p in self.trainers.values()):
+                    break
+                self._check_services()
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"not finished after {budget_s:.0f} s (raise --timeout)")
+        except EmulationError as exc:
+            error = str(exc)
+            progress.line(f"[{self.system.name}] FAILED: {error}")
+        finally:
+            self.net.stop_processes()
+            for fh in self._files:
+                fh.close()
+        for tlog in self.logs.values():
+            tlog.poll()
+        usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = self._collect(time.monotonic() - start)
+        out["cpu"] = cpu.summary()
+        run_cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
+        out["cpu"]["run_cpu_s"] = round(run_cpu_s, 2)
+        out["cpu"]["run_pct"] = round(100.0 * run_cpu_s / max(out["wall_s"], 1e-9) / out["cpu"]["cpus"], 1)
+        if error:
+            out["error"] = error
+        return out
+
+    def _complete(self) -> int:
+        return min(sum(1 for r in tl.records if "iteration" in r) for tl in self.logs.values())
+
+    def _note_progress(self, elapsed: float, progress: Progress, cpu_pct: float) -> None:
+        done = self._complete()
+        while len(self.completed_at) < done:
+            k = len(self.completed_at)
+            self.completed_at.append(elapsed)
+            secs = max(r["seconds"] for tl in self.logs.values() for r in tl.records if r.get("iteration") == k)
+            rates = " ".join(f"{a}>{b}:{r * self.net.bw_scale:.0f}" for (a, b), r in sorted(self.net.rates.items()))
+            version = ""
+            if self.system.kind == "netstorm":
+                by_iteration = self.policy_versions()["by_iteration"]
+                version = f"policy v{by_iteration[k] if k < len(by_iteration) else '?'} "
+            progress.line(f"[{self.system.name}] iteration {k + 1}/{self.opts.iterations}: {secs:.2f} s "
+                          f"(limit {self.limit_for(self.net.rates):.2f} s) {version}epoch {self.epoch} "
+                          f"cpu {cpu_pct:.0f}% rates(Mbit/s) {rates}")
+
+    def _collect(self, wall_s: float) -> dict[str, Any]:
+        iterations: list[float] = []
+        sync: list[float] = []
+        per_dc: dict[str, list[float]] = {str(dc): [] for dc in self.logs}
+        exact = True
+        errors: list[str] = []
+        for tl in self.logs.values():
+            for r in tl.records:
+                if "iteration" in r:
+                    per_dc[str(tl.dc)].append(float(r["seconds"]))
+                exact &= bool(r.get("exact", False))
+                if r.get("error"):
+                    errors.append(f"DC {tl.dc}: {r['error']}")
+        done = self._complete()
+        for k in range(done):
+            recs = [r for tl in self.logs.values() for r in tl.records if r.get("iteration") == k]
+            iterations.append(round(max(float(r["seconds"]) for r in recs), 4))
+            sync.append(round(max(float(r.get("sync_s", r["seconds"])) for r in recs), 4))
+        out: dict[str, Any] = {"kind": self.system.kind, "iteration_s": iterations, "sync_s": sync,
+                               "per_dc_iteration_s": per_dc, "exact": exact and done == self.opts.iterations,
+                               "iterations_completed": done, "wall_s": round(wall_s, 2),
+                               "completed_at_s": [round(t, 2) for t in self.completed_at]}
+        if self.system.kind == "netstorm":
+            out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
+                       policy_versions=self.policy_versions())
+            out["policy_versions"]["by_iteration"] = out["policy_versions"]["by_iteration"][:done]
+        if errors:
+            out["trainer_errors"] = errors[:20]
+        return out
+
+
+_BOUND_RE = re.compile(r"iteration (\d+) bound to policy version (\d+)")
+_POLICY_RE = re.compile(r"policy version (\d+) \((.*?)\): roots (\[.*?\])")
+
+
+class Progress:
+    """Progress lines on a stream (stderr by default): one per iteration and per rate change."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.t0 = time.monotonic()
+
+    def line(self, text: str) -> None:
+        self.stream.write(f"{time.monotonic() - self.t0:8.1f}s {text}\n")
+        self.stream.flush()
+
+
+def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
+    """Wait until something listens on TCP ``port`` inside ``namespace`` (the scheduler is up)."""
+    while True:
+        out = netns.run(["ip", "netns", "exec", namespace, "ss", "-Htln", f"sport = :{port}"],
+                        what=f"check port {port} in {namespace}", check=False)
+        if out.strip():
+            return
+        if proc.poll() is not None:
+            raise EmulationError(f"the scheduler exited with {proc.returncode} before listening on {port}")
+        if time.monotonic() > deadline:
+            raise EmulationError(f"the scheduler did not listen on port {port} in time")
+        time.sleep(0.2)
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Build the network, run every system, return the result document (see ``results``)."""
+    from netstorm.emulation.gloo_trainer import model_parameters
+
+    scenario = with_seed(load(opts.scenario), opts.seed)
+    parameters = model_parameters(opts.model)
+    model_bytes = 4 * parameters
+    bounds = results.Bounds(model_bytes, opts.bw_scale)
+    progress = Progress(opts.stream)
+    result = results.new_result(scenario, opts, parameters, bounds)
+    with contextlib.ExitStack() as stack:
+        if opts.run_dir:
+            tmp = opts.run_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
+        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
+        result["run_id"] = net.run_id
+        result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
+        for line in net.features.lines():
+            progress.line(line)
+        for system in opts.systems:
+            net.set_rates(scenario.rates())
+            per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
+            budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
+            runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s)
+
+            def on_change(entry: dict[str, Any], runner: SystemRun = runner) -> None:
+                _on_rates(entry, runner, progress)
+
+            player = DynamicsPlayer(net, schedule(scenario, time_scale=opts.time_scale), on_change=on_change)
+            progress.line(f"[{system.name}] starting ({system.kind})")
+            player.start(scenario.rates())
+            try:
+                outcome = runner.run(budget, progress)
+            finally:
+                player.stop()
+            outcome["link_rate_log"] = player.log
+            outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
+            if system.kind == "netstorm":
+                outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
+            result["systems"][system.name] = outcome
+            _warn_cpu(outcome, progress, system.name)
+    return result
+
+
+def planned_trees(system: systems.System, rates: Rates) -> dict[str, dict[str, int | None]]:
+    """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from)."""
+    from netstorm.policy import plan
+
+    policy = plan(rates, topology=system.topology, aux=False)
+    return {str(root): {str(child): parent for child, parent in sorted(tree.parent.items())}
+            for root, tree in sorted(policy.trees.items())}
+
+
+def _on_rates(entry: dict[str, Any], runner: SystemRun, progress: Progress) -> None:
+    runner.on_rates(entry)
+    if entry["epoch"] > 0:
+        progress.line(f"[{runner.system.name}] rates re-drawn (epoch {entry['epoch']}) at t={entry['t']:.1f} s")
+
+
+def _warn_cpu(outcome: dict[str, Any], progress: Progress, name: str) -> None:
+    if outcome["cpu"]["mean_pct"] >= CPU_BOUND_PCT:
+        progress.line(f"[{name}] WARNING: host CPU averaged {outcome['cpu']['mean_pct']:.0f}% (this run's own "
+                      f"processes {outcome['cpu']['run_pct']:.0f}%): this result is "
+                      "CPU-bound, not a network result; scale --bw-scale and --model down together")

@@ -1,0 +1,145 @@
+"""The emulated network's plan: namespace and interface names, addresses and routes (no I/O).
+
+Every name carries the run id, so two runs on one host never collide and ``--cleanup`` can tell a
+run's leftovers by their prefix. Interface names stay within the kernel's 15 characters.
+
+Addressing (namespaces isolate addresses, so every run may use the same ones):
+- DC at index k (ids in ascending order): node address 10.100.0.(k+1)/32 on the namespace's ``lo``;
+  processes bind to it and peers reach it over the overlay.
+- Overlay link number l (file order): a /30 in 10.101.0.0/16; the a-side gets .1, the b-side .2.
+- Management network: a bridge in its own namespace at 10.102.0.1/24 (the scheduler's address);
+  DC k's management interface has 10.102.0.(k+2)/24. It is not shaped.
+Routes: in DC s, the node address of every other DC d goes via the next hop of
+``netstorm.routing.shortest_hop_routes`` with ``src`` set to s's node address, so replies come back to
+the node address and any pair, adjacent or not, talks over the overlay as plain IP would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import re
+
+from netstorm.emulation.errors import EmulationError
+from netstorm.routing import shortest_hop_routes
+from netstorm.scenario import Scenario
+
+NAMESPACE_PREFIX = "nse"
+"""Every namespace this emulator creates is named ``nse<run>-...``."""
+IFNAME_PREFIX = "n"
+RUN_ID_RE = re.compile(r"^[0-9a-f]{4}$")
+MAX_DCS = 250
+MAX_NODE_ID = 999
+IFNAMSIZ = 15
+MGMT_HOST = "10.102.0.1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Interface:
+    """One end of a veth pair inside a DC namespace; its egress carries traffic ``src -> dst``."""
+
+    name: str
+    namespace: str
+    address: str
+    """With prefix length, e.g. ``10.101.0.1/30``."""
+    src: int
+    dst: int
+    peer_address: str
+    """The other end's address without prefix: the next hop for routes through this interface."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    namespace: str
+    destination: str
+    """``A.B.C.D/32``"""
+    via: str
+    device: str
+    source: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MgmtPort:
+    dc: int
+    dc_end: str
+    bridge_end: str
+    address: str
+    """With prefix length, on ``dc_end`` inside the DC namespace."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    run_id: str
+    node_ids: tuple[int, ...]
+    namespaces: dict[int, str]
+    node_addresses: dict[int, str]
+    interfaces: dict[tuple[int, int], Interface]
+    """Keyed by the direction its egress shapes."""
+    routes: tuple[Route, ...]
+    paths: dict[tuple[int, int], tuple[int, ...]]
+    mgmt_namespace: str
+    bridge: str
+    mgmt_ports: dict[int, MgmtPort]
+
+    @property
+    def all_namespaces(self) -> list[str]:
+        return [self.mgmt_namespace, *self.namespaces.values()]
+
+    def mgmt_address(self, dc: int) -> str:
+        return self.mgmt_ports[dc].address.split("/")[0]
+
+
+def namespace_name(run_id: str, suffix: str) -> str:
+    return f"{NAMESPACE_PREFIX}{run_id}-{suffix}"
+
+
+def run_of_namespace(name: str) -> str | None:
+    """The run id a namespace name belongs to, or None when this emulator did not name it."""
+    m = re.match(rf"^{NAMESPACE_PREFIX}([0-9a-f]{{4}})-", name)
+    return m.group(1) if m else None
+
+
+def _ifname(run_id: str, tail: str) -> str:
+    name = f"{IFNAME_PREFIX}{run_id}-{tail}"
+    if len(name) > IFNAMSIZ:
+        raise EmulationError(f"interface name {name!r} is longer than {IFNAMSIZ} characters")
+    return name
+
+
+def _link_addresses(index: int) -> tuple[str, str]:
+    base = ipaddress.IPv4Address("10.101.0.0") + 4 * index
+    if base > ipaddress.IPv4Address("10.101.255.252"):
+        raise EmulationError(f"too many links for 10.101.0.0/16 (link #{index})")
+    return str(base + 1), str(base + 2)
+
+
+def build_plan(scenario: Scenario, run_id: str) -> Plan:
+    """Names, addresses and routes for ``scenario`` under ``run_id``; raises on what cannot be emulated."""
+    if not RUN_ID_RE.match(run_id):
+        raise EmulationError(f"run id must be 4 lowercase hex digits, got {run_id!r}")
+    ids = tuple(sorted(scenario.node_ids))
+    if len(ids) > MAX_DCS:
+        raise EmulationError(f"at most {MAX_DCS} DCs can be emulated, the scenario has {len(ids)}")
+    if ids[-1] > MAX_NODE_ID:
+        raise EmulationError(f"node ids above {MAX_NODE_ID} do not fit interface names (got {ids[-1]})")
+    namespaces = {dc: namespace_name(run_id, str(dc)) for dc in ids}
+    node_addresses = {dc: f"10.100.0.{k + 1}" for k, dc in enumerate(ids)}
+    interfaces: dict[tuple[int, int], Interface] = {}
+    for index, link in enumerate(scenario.links):
+        addr_a, addr_b = _link_addresses(index)
+        interfaces[(link.a, link.b)] = Interface(
+            _ifname(run_id, f"{link.a}-{link.b}"), namespaces[link.a], f"{addr_a}/30", link.a, link.b, addr_b)
+        interfaces[(link.b, link.a)] = Interface(
+            _ifname(run_id, f"{link.b}-{link.a}"), namespaces[link.b], f"{addr_b}/30", link.b, link.a, addr_a)
+    paths = shortest_hop_routes(ids, [(lk.a, lk.b) for lk in scenario.links])
+    routes: list[Route] = []
+    for (src, dst), path in sorted(paths.items()):
+        iface = interfaces[(src, path[1])]
+        routes.append(Route(namespaces[src], f"{node_addresses[dst]}/32", iface.peer_address, iface.name,
+                            node_addresses[src]))
+    mgmt_ports = {
+        dc: MgmtPort(dc, _ifname(run_id, f"m{dc}"), _ifname(run_id, f"b{dc}"), f"10.102.0.{k + 2}/24")
+        for k, dc in enumerate(ids)
+    }
+    return Plan(run_id, ids, namespaces, node_addresses, interfaces, tuple(routes), paths,
+                namespace_name(run_id, "mgmt"), _ifname(run_id, "br"), mgmt_ports)

@@ -1,0 +1,273 @@
+"""``netstorm local``: a scheduler and one node per DC on loopback, as supervised child processes.
+
+The scheduler picks its own port (``--listen 127.0.0.1:0``) and prints it; nodes get free loopback
+ports chosen here. Each child logs to ``RUN_DIR/<name>.log``. Once every node has registered and its
+trainer socket ``RUN_DIR/node-<i>.sock`` exists, one line ``READY <run-dir>`` goes to stdout so
+scripts can wait on it. SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period);
+children also get SIGTERM from the kernel if this process dies, so none is ever orphaned. A child that
+dies at startup makes the whole run exit non-zero with that child's log tail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from netstorm.control import ControlError, format_address, parse_address
+from netstorm.errors import NetStormError
+from scheduler import admin
+
+log = logging.getLogger(__name__)
+
+GRACE_S = 5.0
+"""Seconds a child gets to exit after SIGTERM before SIGKILL."""
+LISTEN_MARK = "scheduler listening on "
+ADDRESS_FILE = "scheduler.address"
+"""RUN_DIR/scheduler.address holds HOST:PORT of the scheduler (admin requests, e.g. a policy override)."""
+UNIX_PATH_MAX = 107
+"""Longest Unix socket path Linux accepts (sun_path is 108 bytes with the terminating NUL)."""
+RUN_DIR_ENV = "NETSTORM_LOCAL_RUN_DIR"
+"""Set in every child's environment: tells which run a process belongs to (and lets tests find them)."""
+
+
+class LocalError(NetStormError):
+    """The local cluster could not start or a child failed."""
+
+
+@dataclasses.dataclass
+class Child:
+    name: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(no log: {exc})"
+        return "\n".join(text[-lines:]) or "(empty log)"
+
+    def describe_exit(self) -> str:
+        code = self.process.returncode
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
+        return f"{self.name} {how}; last lines of {self.log_path}:\n{self.tail()}"
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """Distinct ports free right now on ``host`` (held open together so they differ)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the supervising process dies (Linux prctl PR_SET_PDEATHSIG)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+
+
+@dataclasses.dataclass
+class LocalCluster:
+    scenario: str
+    node_ids: Sequence[int]
+    run_dir: Path
+    scheduler_args: Sequence[str] = ()
+    """Extra flags for the scheduler only (topology, roots, bw-scale)."""
+    common_args: Sequence[str] = ()
+    """Config flags for every child."""
+    verbose: int = 0
+    startup_timeout: float = 120.0
+    children: list[Child] = dataclasses.field(default_factory=list)
+    scheduler_address: tuple[str, int] | None = None
+
+    def socket_path(self, node_id: int) -> Path:
+        return self.run_dir / f"node-{node_id}.sock"
+
+    async def _spawn(self, name: str, argv: Sequence[str]) -> Child:
+        log_path = self.run_dir / f"{name}.log"
+        cli = [sys.executable, "-m", "netstorm.cli", *(["-" + "v" * self.verbose] if self.verbose else [])]
+        with log_path.open("wb") as log_file:
+            process = await asyncio.create_subprocess_exec(
+                *cli, *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+                start_new_session=True, preexec_fn=_die_with_parent,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", RUN_DIR_ENV: str(self.run_dir)})
+        child = Child(name, process, log_path)
+        self.children.append(child)
+        log.info("started %s (pid %d), log %s", name, process.pid, log_path)
+        return child
+
+    def _check_children(self) -> None:
+        for child in self.children:
+            if child.process.returncode is not None:
+                raise LocalError(child.describe_exit())
+
+    async def start(self) -> None:
+        """Start everything and return once every node is registered and serving its trainer socket."""
+        longest = max((self.socket_path(n) for n in self.node_ids), key=lambda p: len(bytes(p)))
+        if len(bytes(longest)) > UNIX_PATH_MAX:
+            raise LocalError(f"trainer socket path {longest} is longer than the {UNIX_PATH_MAX} bytes a Unix "
+                             "socket allows; choose a shorter --run-dir")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for node_id in self.node_ids:
+            with contextlib.suppress(FileNotFoundError):
+                self.socket_path(node_id).unlink()
+        deadline = time.monotonic() + self.startup_timeout
+        scheduler = await self._spawn("scheduler", ["scheduler", self.scenario, "--listen", "127.0.0.1:0",
+                                                    *self.scheduler_args, *self.common_args])
+        self.scheduler_address = await self._scheduler_address(scheduler, deadline)
+        address = format_address(self.scheduler_address)
+        (self.run_dir / ADDRESS_FILE).write_text(address + "\n")
+        for node_id, port in zip(self.node_ids, free_ports(len(self.node_ids)), strict=True):
+            await self._spawn(f"node-{node_id}", [
+                "node", "--id", str(node_id), "--scheduler", address, "--listen", f"127.0.0.1:{port}",
+                "--socket", str(self.socket_path(node_id)), *self.common_args])
+        await self._wait_ready(deadline)
+
+    async def __aenter__(self) -> LocalCluster:
+        """Start (stopping whatever started if that fails); for tests that drive a cluster from Python."""
+        try:
+            await self.start()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    async def _scheduler_address(self, scheduler: Child, deadline: float) -> tuple[str, int]:
+        while True:
+            self._check_children()
+            with contextlib.suppress(OSError):
+                for line in scheduler.log_path.read_text(errors="replace").splitlines():
+                    if line.startswith(LISTEN_MARK):
+                        return parse_address(line[len(LISTEN_MARK):].split()[0])
+            if time.monotonic() > deadline:
+                raise LocalError(f"scheduler did not start listening within {self.startup_timeout} s; last lines "
+                                 f"of {scheduler.log_path}:\n{scheduler.tail()}")
+            await self._wait_for_exit(0.05)
+
+    async def _wait_ready(self, deadline: float) -> None:
+        assert self.scheduler_address is not None
+        while True:
+            self._check_children()
+            try:
+                status = await admin.status(self.scheduler_address, timeout=5.0)
+            except ControlError as exc:
+                status = None
+                log.debug("scheduler status: %s", exc)
+            sockets = all(self.socket_path(n).exists() for n in self.node_ids)
+            if status is not None and status.complete and sockets:
+                return
+            if time.monotonic() > deadline:
+                waiting = "no status" if status is None else (
+                    f"registered {list(status.registered)} of {list(status.expected)}")
+                missing = [str(self.socket_path(n)) for n in self.node_ids if not self.socket_path(n).exists()]
+                raise LocalError(f"cluster not ready within {self.startup_timeout} s ({waiting}; missing trainer "
+                                 f"sockets: {missing or 'none'})")
+            await self._wait_for_exit(0.1)
+
+    async def _wait_for_exit(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, waking early when any child exits."""
+        waits = [asyncio.ensure_future(c.process.wait()) for c in self.children]
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def wait_any_exit(self) -> Child:
+        """The first child to exit (the cluster is broken from then on)."""
+        async with asyncio.TaskGroup() as tasks:
+            waits = {tasks.create_task(c.process.wait()): c for c in self.children}
+            done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                task.cancel()
+        return waits[next(iter(done))]
+
+    async def stop(self) -> None:
+        """SIGTERM every child (nodes first), SIGKILL stragglers after GRACE_S, remove trainer sockets."""
+        nodes = [c for c in self.children if c.name != "scheduler"]
+        schedulers = [c for c in self.children if c.name == "scheduler"]
+        for group in (nodes, schedulers):
+            for child in group:
+                if child.process.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.process.send_signal(signal.SIGTERM)
+            for child in group:
+                try:
+                    async with asyncio.timeout(GRACE_S):
+                        await child.process.wait()
+                except TimeoutError:
+                    log.warning("%s ignored SIGTERM for %s s: killing it", child.name, GRACE_S)
+                    with contextlib.suppress(ProcessLookupError):
+                        child.process.kill()
+                    await child.process.wait()
+        for path in [*(self.socket_path(n) for n in self.node_ids), self.run_dir / ADDRESS_FILE]:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+async def run_local(cluster: LocalCluster) -> int:
+    """Start, print READY, run until a signal (exit 0) or a child's death (exit 1); always stop children."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    rc = 0
+    try:
+        await _supervise(cluster, stop)
+    except* LocalError as group:
+        for exc in group.exceptions:
+            print(f"netstorm local: error: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await cluster.stop()
+    return rc
+
+
+async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
+    """Returns when asked to stop; raises LocalError when a child fails."""
+    async with asyncio.TaskGroup() as tasks:
+        starting = tasks.create_task(cluster.start())
+        stopping = tasks.create_task(stop.wait())
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            starting.cancel()
+            return
+        stopping.cancel()
+    assert cluster.scheduler_address is not None
+    print(f"scheduler: {format_address(cluster.scheduler_address)} (logs in {cluster.run_dir})")
+    for node_id in cluster.node_ids:
+        print(f"node {node_id}: trainers connect with netstorm.connect({str(cluster.socket_path(node_id))!r})")
+    print(f"READY {cluster.run_dir}", flush=True)
+    async with asyncio.TaskGroup() as tasks:
+        exited = tasks.create_task(cluster.wait_any_exit())
+        stopping = tasks.create_task(stop.wait())
+        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            exited.cancel()
+            return
+        stopping.cancel()
+    raise LocalError(f"a child died: {exited.result().describe_exit()}")

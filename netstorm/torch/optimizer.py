@@ -1,0 +1,117 @@
+"""An optimizer wrapper that synchronizes gradients across DCs before every step.
+
+Why a wrapper and not a DDP communication hook: a DC runs one trainer process against its node, so
+there is no ``torch.distributed`` process group to hang a hook on, and DDP re-buckets its gradients
+after the first iteration while the node needs one fixed, registered tensor layout (checked by hash
+across DCs). Wrapping the optimizer needs neither: the layout is the model's named parameters,
+registered once, and one ``push_pull`` per step carries them all, which is what users of Horovod's or
+BytePS's ``DistributedOptimizer`` already write:
+
+    kv = netstorm.connect()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), kv)
+    loss.backward(); opt.step(); opt.zero_grad()
+
+Gradients travel as float32 whatever the parameters' dtype or device; the buffers are allocated once
+and shared with torch without copies on the CPU side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+
+class KeyValueStore(Protocol):
+    """The part of ``netstorm.connect()``'s client this wrapper uses."""
+
+    @property
+    def num_workers(self) -> int: ...
+
+    def init(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def push_pull(self, tensors: dict[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]: ...
+
+
+class DistributedOptimizer:
+    """Wraps ``optimizer``: ``step()`` first replaces every gradient by its sum (or mean) over the DCs.
+
+    The constructor registers the parameters with the node (``kv.init``) and copies the values every
+    DC agreed on into them, so all DCs start from the same model. Parameters without a gradient in a
+    step contribute zeros. ``average=True`` (the default) divides by ``kv.num_workers``: with equal
+    batches per DC, that is the gradient of the mean loss over the union of the batches. LR schedulers
+    take ``wrapper.optimizer``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
+                 kv: KeyValueStore, *, average: bool = True) -> None:
+        self.optimizer = optimizer
+        self.kv = kv
+        self.average = average
+        self._params: dict[str, torch.nn.Parameter] = {}
+        for name, param in named_parameters:
+            if not param.requires_grad:
+                continue
+            if name in self._params:
+                raise ValueError(f"parameter name {name!r} appears twice")
+            if any(param is seen for seen in self._params.values()):
+                raise ValueError(f"parameter {name!r} is registered under another name too")
+            self._params[name] = param
+        optimized = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        missing = [name for name, p in self._params.items() if id(p) not in optimized]
+        unnamed = optimized - {id(p) for p in self._params.values()}
+        if missing or unnamed:
+            raise ValueError(f"named_parameters and the optimizer's parameters differ: not optimized "
+                             f"{missing[:5]}, {len(unnamed)} optimized parameters without a name")
+        self._buffers = {name: np.empty(tuple(p.shape), dtype=np.float32) for name, p in self._params.items()}
+        self._views = {name: torch.from_numpy(buf) for name, buf in self._buffers.items()}
+        with torch.no_grad():
+            for name, param in self._params.items():
+                self._views[name].copy_(param.detach())
+            agreed = kv.init(self._buffers)
+            for name, param in self._params.items():
+                param.copy_(torch.from_numpy(np.asarray(agreed[name])))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    def synchronize(self) -> None:
+        """Replace every parameter's gradient by the sum (or mean) over the DCs: one push_pull."""
+        with torch.no_grad():
+            for name, param in self._params.items():
+                if param.grad is None:
+                    self._buffers[name].fill(0.0)
+                else:
+                    self._views[name].copy_(param.grad)
+            result = self.kv.push_pull(self._buffers, average=self.average)
+            for name, param in self._params.items():
+                total = torch.from_numpy(np.asarray(result[name]))
+                if param.grad is None:
+                    param.grad = torch.empty_like(param)
+                param.grad.copy_(total)
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Synchronize the gradients, then take the wrapped optimizer's step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.synchronize()
+        self.optimizer.step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)

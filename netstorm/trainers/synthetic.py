@@ -1,0 +1,247 @@
+"""A trainer that pushes model-shaped, integer-valued gradients and checks every sum exactly.
+
+``python -m netstorm.trainers.synthetic --socket PATH --model alexnet|resnet50|SIZE --iterations N``
+
+Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
+gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
+JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
+``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``.
+
+DC ``d`` pushes, in iteration ``k``,
+
+    g_d = A * c1(k) + B * (d + c2(k))
+
+with ``A`` and ``B`` small integer patterns every DC derives from the layer shapes alone. The sum over
+the ``n`` contributing DCs is ``A * c1(k) * n + B * (S + n * c2(k))`` with ``S`` the sum of their ids;
+``A`` is 0 and ``B`` is 1 at the first element, so that element reveals ``S`` and the rest is checked
+against it (and ``S`` against its first value). A missing or doubled contribution, a stale iteration or
+a chunk written to the wrong place changes the result, and float32 holds these integers exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+import netstorm
+from netstorm import models
+from netstorm.errors import NetStormError, PolicyError
+
+Layers = list[tuple[str, tuple[int, ...]]]
+
+# Pattern periods: distinct primes, so a chunk landing at another offset is caught unless the offsets
+# differ by a multiple of both (about 4.3e9 elements, beyond any model here).
+_PERIOD_A = 65521
+_PERIOD_B = 65519
+_BLOCK = 1 << 20  # elements per numpy pass: bounds temporaries, stays in cache-friendly sizes
+
+
+def model_layers(spec: str) -> Layers:
+    """Layer names and shapes: ``alexnet``, ``resnet50`` or a parameter count (``netstorm.models``)."""
+    try:
+        return list(models.layout(spec).tensors)
+    except PolicyError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def coefficients(iteration: int) -> tuple[int, int]:
+    """(c1, c2) of iteration ``k``: they vary with k, so a result of another iteration is caught."""
+    return 1 + iteration % 5, iteration % 3
+
+
+def _blocks(size: int) -> Iterator[slice]:
+    for start in range(0, size, _BLOCK):
+        yield slice(start, min(start + _BLOCK, size))
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The outcome of checking one iteration's result."""
+
+    exact: bool
+    members_sum: float
+    """S, the sum of the contributing DCs' ids, as read from the first element."""
+    error: str = ""
+
+
+class GradientPattern:
+    """The integer patterns A and B over a model's flattened layers (int8: two bytes per parameter)."""
+
+    def __init__(self, layers: Layers) -> None:
+        if not layers:
+            raise ValueError("a model needs at least one layer")
+        self.layers = list(layers)
+        self.sizes = [int(np.prod(shape, dtype=np.int64)) for _, shape in self.layers]
+        if any(size <= 0 for size in self.sizes):
+            raise ValueError(f"layers must be non-empty: {self.layers}")
+        self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        total = int(self.offsets[-1])
+        rng = np.random.default_rng(20240229)
+        self.a = np.resize(rng.integers(-8, 9, _PERIOD_A, dtype=np.int8), total)
+        self.b = np.resize(rng.integers(-5, 6, _PERIOD_B, dtype=np.int8), total)
+        self.a[0] = 0
+        self.b[0] = 1
+
+    @property
+    def parameters(self) -> int:
+        return int(self.offsets[-1])
+
+    def allocate(self) -> dict[str, np.ndarray]:
+        """One float32 array per layer, views into a single flat buffer."""
+        flat = np.zeros(self.parameters, dtype=np.float32)
+        return {
+            name: flat[self.offsets[i]:self.offsets[i + 1]].reshape(shape)
+            for i, (name, shape) in enumerate(self.layers)
+        }
+
+    def fill(self, dc: int, iteration: int, out: dict[str, np.ndarray]) -> None:
+        """Write DC ``dc``'s gradient of ``iteration`` into ``out`` (arrays from ``allocate``)."""
+        c1, c2 = coefficients(iteration)
+        self._combine(np.float32(c1), np.float32(dc + c2), out)
+
+    def expected(self, iteration: int, workers: int, members_sum: int) -> dict[str, np.ndarray]:
+        """The exact sum over ``workers`` DCs whose ids add up to ``members_sum`` (for tests and tools)."""
+        c1, c2 = coefficients(iteration)
+        out = self.allocate()
+        self._combine(np.float32(c1 * workers), np.float32(members_sum + workers * c2), out)
+        return out
+
+    def _combine(self, ka: np.float32, kb: np.float32, out: dict[str, np.ndarray]) -> None:
+        for i, (name, _) in enumerate(self.layers):
+            target = out[name].reshape(-1)
+            base = int(self.offsets[i])
+            scratch = np.empty(min(_BLOCK, target.size), dtype=np.float32)
+            for part in _blocks(target.size):
+                window = slice(base + part.start, base + part.stop)
+                np.multiply(self.a[window], ka, out=target[part])
+                np.multiply(self.b[window], kb, out=scratch[: part.stop - part.start])
+                target[part] += scratch[: part.stop - part.start]
+
+    def check(self, iteration: int, workers: int, result: dict[str, np.ndarray],
+              members_sum: float | None = None) -> Verdict:
+        """Whether ``result`` is exactly the sum of ``workers`` DCs' gradients of ``iteration``.
+
+        ``members_sum`` is S as seen before (None on the first check: S is then read from the result).
+        """
+        missing = [name for name, _ in self.layers if name not in result]
+        if missing:
+            return Verdict(False, float("nan"), f"result lacks layers {missing[:3]}")
+        for (name, shape) in self.layers:
+            got = result[name]
+            if tuple(got.shape) != shape or got.dtype != np.float32:
+                return Verdict(False, float("nan"),
+                               f"{name}: got {got.dtype}{tuple(got.shape)}, expected float32{shape}")
+        c1, c2 = coefficients(iteration)
+        first = float(result[self.layers[0][0]].reshape(-1)[0])
+        seen = first - workers * c2
+        if members_sum is not None and seen != members_sum:
+            return Verdict(False, seen, f"sum of DC ids changed from {members_sum:g} to {seen:g}")
+        if not seen.is_integer() or seen < 0:
+            return Verdict(False, seen, f"sum of DC ids read as {seen!r}, not a non-negative integer")
+        ka = np.float32(c1 * workers)
+        kb = np.float32(seen + workers * c2)
+        for i, (name, _) in enumerate(self.layers):
+            got = result[name].reshape(-1)
+            base = int(self.offsets[i])
+            want = np.empty(min(_BLOCK, got.size), dtype=np.float32)
+            scratch = np.empty_like(want)
+            for part in _blocks(got.size):
+                n = part.stop - part.start
+                window = slice(base + part.start, base + part.stop)
+                np.multiply(self.a[window], ka, out=want[:n])
+                np.multiply(self.b[window], kb, out=scratch[:n])
+                want[:n] += scratch[:n]
+                bad = np.flatnonzero(got[part] != want[:n])
+                if bad.size:
+                    j = int(bad[0])
+                    return Verdict(False, seen, f"{name}[{part.start + j}] = {float(got[part][j])!r}, "
+                                                f"expected {float(want[j])!r} ({bad.size} wrong in this block)")
+        return Verdict(True, seen)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", required=True,
+                        help="the node's trainer endpoint: a unix socket path or tcp://host:port")
+    parser.add_argument("--model", default="alexnet",
+                        help="alexnet, resnet50 or a parameter count (25000000, 25M); default alexnet")
+    parser.add_argument("--iterations", type=int, default=10, help="iterations to run (default 10)")
+    parser.add_argument("--compute-s", type=float, default=0.0,
+                        help="seconds of stand-in compute per iteration before the push (default 0)")
+    parser.add_argument("--dc", type=int, default=None,
+                        help="this DC's id in the gradients (default: the node's id)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
+    parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
+
+
+def _emit(stream: IO[str], record: dict[str, Any]) -> None:
+    stream.write(json.dumps(record) + "\n")
+    stream.flush()
+
+
+def run(args: argparse.Namespace, stream: IO[str]) -> int:
+    """Connect, register the layers, run the iterations; 0 when every result was exact."""
+    if args.dc is not None and args.dc < 0:
+        print(f"synthetic trainer: --dc must be >= 0, got {args.dc}", file=sys.stderr)
+        return 2
+    if args.iterations < 0 or args.compute_s < 0:
+        print("synthetic trainer: --iterations and --compute-s must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        pattern = GradientPattern(model_layers(args.model))
+    except ValueError as exc:
+        print(f"synthetic trainer: {exc}", file=sys.stderr)
+        return 2
+    grads = pattern.allocate()
+    all_exact = True
+    dc = args.dc
+    try:
+        kv = netstorm.connect(args.socket, timeout=args.timeout)
+        try:
+            kv.init(grads)
+            workers = kv.num_workers
+            dc = kv.node_id if dc is None else dc
+            members_sum: float | None = None
+            for k in range(args.iterations):
+                start = time.perf_counter()
+                pattern.fill(dc, k, grads)
+                time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
+                sync_start = time.perf_counter()
+                result = kv.push_pull(grads, average=False)
+                end = time.perf_counter()
+                verdict = pattern.check(k, workers, result, members_sum)
+                members_sum = verdict.members_sum if verdict.exact else members_sum
+                all_exact &= verdict.exact
+                record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
+                                          "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc}
+                if verdict.error:
+                    record["error"] = verdict.error
+                _emit(stream, record)
+        finally:
+            kv.close()
+    except NetStormError as exc:
+        _emit(stream, {"dc": dc, "exact": False, "error": f"{type(exc).__name__}: {exc}"})
+        print(f"synthetic trainer (DC {dc}): {exc}", file=sys.stderr)
+        return 1
+    return 0 if all_exact else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.synthetic", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.out is None:
+        return run(args, sys.stdout)
+    with Path(args.out).open("w") as stream:
+        return run(args, stream)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""The aggregation core of a general node: a sans-I/O state machine over (iteration, chunk).
+
+It is fed the layout, the policy bound to each iteration, this DC's contribution per tensor and the
+chunks peers send, and answers with actions: chunks to send over a tree edge (or onward along an
+auxiliary path), tensors whose sums are complete, iterations that completed or failed. No sockets and
+no clock: the asyncio shell in ``node/service.py`` moves the bytes, and tests wire several cores
+together with plain calls.
+
+Per chunk and iteration the rule is the paper's aggregate-forward: once this DC's contribution and
+every child's partial sum (in the tree of the chunk's root) are in, send the partial sum to the parent;
+the root instead holds the full sum and sends it down the same tree; a node receiving the full sum
+from its parent keeps it and passes it on to its children. Sums accumulate in one float32 vector per
+iteration (``np.add(..., out=...)`` on slices, never a Python loop over elements).
+
+Chunks that arrive for an iteration whose policy is not bound yet are kept and processed when it is;
+nothing is dropped. A contribution that arrives twice is rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from netstorm.errors import ChunkError
+from netstorm.frames import ChunkHeader, Phase
+from netstorm.layout import Layout
+from netstorm.policy import Policy, allot_chunks
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+    """Send ``payload`` as ``header``'s hop to ``header.dst`` (t_send is stamped by the sender)."""
+
+    header: ChunkHeader
+    payload: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyDone:
+    """Every chunk of tensor ``key`` holds the full sum for ``iteration``."""
+
+    iteration: int
+    key: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationDone:
+    iteration: int
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationFailed:
+    iteration: int
+    reason: str
+    cause: str = "failed"
+    """"failed" (invalid data), "gone" (a peer died) or "timeout"."""
+
+
+Action = Send | KeyDone | IterationDone | IterationFailed
+
+
+class _Iteration:
+    """Everything one iteration holds at this node."""
+
+    def __init__(self, number: int, layout: Layout) -> None:
+        n_chunks = len(layout.chunks)
+        self.number = number
+        self.acc = np.zeros(layout.total, dtype=np.float32)
+        self.policy: Policy | None = None
+        self.roots: list[int] = []
+        self.pushed = np.zeros(len(layout.tensors), dtype=bool)
+        self.local_missing = np.array([c.last_key - c.first_key + 1 for c in layout.chunks], dtype=np.int64)
+        self.arrived: list[set[int]] = [set() for _ in range(n_chunks)]
+        self.sent_up = np.zeros(n_chunks, dtype=bool)
+        self.done = np.zeros(n_chunks, dtype=bool)
+        self.key_remaining = np.array([hi - lo for lo, hi in layout.key_chunks], dtype=np.int64)
+        self.chunks_left = n_chunks
+        self.pending: list[tuple[ChunkHeader, np.ndarray]] = []
+        self.pending_seen: set[tuple[int, int, int]] = set()
+
+
+class ChunkCore:
+    """Aggregation state of node ``node_id``; see the module docstring."""
+
+    def __init__(self, node_id: int, layout: Layout | None = None) -> None:
+        self.node_id = node_id
+        self.layout: Layout | None = None
+        self._iterations: dict[int, _Iteration] = {}
+        self._early: dict[int, list[tuple[ChunkHeader, np.ndarray]]] = {}
+        self._early_seen: set[tuple[int, int, int, int]] = set()
+        self._closed: dict[int, str] = {}
+        self._roots_cache: dict[int, list[int]] = {}
+        self.horizon = 1
+        self.peak_live = 0
+        """Most iterations held at once: 2 means a peer's next iteration reached us while ours ran."""
+        """Highest iteration a peer may send chunks for: no peer can be more than one iteration ahead of
+        this node's own contributions, so anything beyond is a broken peer, not early data to keep."""
+        if layout is not None:
+            self.set_layout(layout)
+
+    # ---- inputs -------------------------------------------------------------------------------------
+
+    def set_layout(self, layout: Layout) -> list[Action]:
+        """Fix the layout (once); chunks that arrived before it are processed now."""
+        if self.layout is not None:
+            if layout.hash != self.layout.hash:
+                raise ChunkError(f"node {self.node_id}: layout {layout.hash} differs from the registered "
+                                 f"{self.layout.hash}")
+            return []
+        self.layout = layout
+        actions: list[Action] = []
+        early, self._early = self._early, {}
+        self._early_seen.clear()
+        for iteration, items in sorted(early.items()):
+            for header, payload in items:
+                try:
+                    actions += self.receive(header, payload)
+                except ChunkError as exc:
+                    actions += self.fail(iteration, str(exc))
+        return actions
+
+    def bind_policy(self, iteration: int, policy: Policy) -> list[Action]:
+        """Bind ``iteration`` to ``policy``; buffered chunks of that iteration are processed now."""
+        state = self._state(iteration)
+        if state is None:
+            return []
+        if state.policy is not None:
+            if state.policy.version != policy.version:
+                return self.fail(iteration, f"iteration {iteration} was bound to policy version "
+                                            f"{state.policy.version}, now offered {policy.version}")
+            return []
+        if self.node_id not in policy.trees[policy.roots[0]].parent:
+            return self.fail(iteration, f"node {self.node_id} is not part of policy version {policy.version} "
+                                        f"bound to iteration {iteration}")
+        state.policy = policy
+        state.roots = self._roots(policy)
+        actions: list[Action] = []
+        pending, state.pending = state.pending, []
+        state.pending_seen.clear()
+        for header, payload in pending:
+            try:
+                actions += self._deliver(state, header, payload)
+            except ChunkError as exc:
+                actions += self.fail(iteration, str(exc))
+                break
+        for index in range(len(state.roots)):
+            actions += self._advance(state, index)
+        return actions
+
+    def push_local(self, iteration: int, key: int, values: np.ndarray | None) -> list[Action]:
+        """Add this DC's contribution for tensor ``key`` to ``iteration``; None contributes zeros."""
+        layout = self._need_layout()
+        state = self._state(iteration)
+        if state is None:
+            raise ChunkError(f"iteration {iteration} is already {self._closed[iteration]}")
+        if not 0 <= key < len(layout.tensors):
+            raise ChunkError(f"no tensor with index {key}")
+        spec = layout.tensors[key]
+        if values is not None and values.size != spec.size:
+            raise ChunkError(f"tensor {spec.name!r}: {values.size} values for {spec.size} elements")
+        if state.pushed[key]:
+            raise ChunkError(f"tensor {spec.name!r} pushed twice in iteration {iteration}")
+        state.pushed[key] = True
+        if values is not None:
+            target = state.acc[layout.key_slice(key)]
+            np.add(target, values.reshape(-1), out=target, casting="same_kind")
+        lo, hi = layout.key_chunks[key]
+        state.local_missing[lo:hi] -= 1
+        actions: list[Action] = []
+        if state.policy is not None:
+            for index in range(lo, hi):
+                actions += self._advance(state, index)
+        return actions
+
+    def receive(self, header: ChunkHeader, payload: np.ndarray) -> list[Action]:
+        """A chunk hop addressed to this node. Raises ChunkError for input no correct peer sends."""
+        if header.dst != self.node_id:
+            raise ChunkError(f"node {self.node_id} received a hop addressed to node {header.dst}")
+        if header.final != self.node_id:
+            return [self._forward(header, payload)]
+        if header.iteration > self.horizon:
+            raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, but "
+                             f"node {self.node_id} has not reached iteration {header.iteration - 1}")
+        if header.iteration in self._closed:
+            if self._closed[header.iteration] == "failed":
+                return []
+            raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, "
+                             f"which already finished: a duplicate")
+        if self.layout is None:
+            early_key = (header.iteration, int(header.phase), header.chunk, header.origin)
+            if early_key in self._early_seen:
+                raise ChunkError(f"duplicate {header.phase.name} contribution of chunk {header.chunk} from node "
+                                 f"{header.origin} in iteration {header.iteration}")
+            self._early_seen.add(early_key)
+            self._early.setdefault(header.iteration, []).append((header, payload))
+            return []
+        self._check_shape(header, payload)
+        state = self._state(header.iteration)
+        assert state is not None
+        if state.policy is None:
+            key = (int(header.phase), header.chunk, header.origin)
+            if key in state.pending_seen:
+                raise ChunkError(f"duplicate {header.phase.name} contribution of chunk {header.chunk} from node "
+                                 f"{header.origin} in iteration {header.iteration}")
+            state.pending_seen.add(key)
+            state.pending.append((header, payload))
+            return []
+        return self._deliver(state, header, payload)
+
+    def fail(self, iteration: int, reason: str, cause: str = "failed") -> list[Action]:
+        """Give up on ``iteration`` (dead peer, timeout, invalid data); later chunks for it are ignored."""
+        if self._closed.get(iteration) is not None:
+            return []
+        self._iterations.pop(iteration, None)
+        self._early.pop(iteration, None)
+        self._closed[iteration] = "failed"
+        return [IterationFailed(iteration, reason, cause)]
+
+    def release(self, iteration: int) -> None:
+        """Forget a completed iteration's buffers (the trainer has read the result)."""
+        state = self._iterations.get(iteration)
+        if state is not None and state.chunks_left:
+            raise ChunkError(f"iteration {iteration} released with {state.chunks_left} chunks outstanding")
+        self._iterations.pop(iteration, None)
+        self._closed.setdefault(iteration, "finished")
+
+    # ---- queries ------------------------------------------------------------------------------------
+
+    def result(self, iteration: int) -> np.ndarray:
+        """The iteration's flat float32 vector: full sums wherever a chunk is done."""
+        state = self._iterations.get(iteration)
+        if state is None:
+            raise ChunkError(f"iteration {iteration} is not held (state: {self._closed.get(iteration, 'unknown')})")
+        return state.acc
+
+    def key_done(self, iteration: int, key: int) -> bool:
+        state = self._iterations.get(iteration)
+        return state is not None and bool(state.key_remaining[key] == 0)
+
+    def is_done(self, iteration: int) -> bool:
+        state = self._iterations.get(iteration)
+        return state is not None and state.chunks_left == 0
+
+    def live_iterations(self) -> list[int]:
+        return sorted(self._iterations)
+
+    def has_policy(self, iteration: int) -> bool:
+        state = self._iterations.get(iteration)
+        return state is not None and state.policy is not None
+
+    def status(self, iteration: int) -> str:
+        """A short description for error messages: what the iteration still waits for."""
+        state = self._iterations.get(iteration)
+        if state is None:
+            return self._closed.get(iteration, "not started")
+        if state.policy is None:
+            return f"waiting for its policy ({len(state.pending)} chunks buffered)"
+        waiting = int(np.count_nonzero(~state.done))
+        local = int(np.count_nonzero(state.local_missing > 0))
+        return f"{waiting} chunks outstanding ({local} still lacking this DC's contribution)"
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _need_layout(self) -> Layout:
+        if self.layout is None:
+            raise ChunkError(f"node {self.node_id} has no layout yet: the trainer has not registered")
+        return self.layout
+
+    def _state(self, iteration: int) -> _Iteration | None:
+        state = self._iterations.get(iteration)
+        if state is None:
+            if iteration in self._closed:
+                return None
+            state = _Iteration(iteration, self._need_layout())
+            self._iterations[iteration] = state
+            self.peak_live = max(self.peak_live, len(self._iterations))
+        return state
+
+    def _roots(self, policy: Policy) -> list[int]:
+        roots = self._roots_cache.get(policy.version)
+        if roots is None:
+            roots = list(allot_chunks(self._need_layout().chunk_sizes(), policy.chunk_share))
+            self._roots_cache = {policy.version: roots}
+        return roots
+
+    def _check_shape(self, header: ChunkHeader, payload: np.ndarray) -> None:
+        layout = self._need_layout()
+        if not 0 <= header.chunk < len(layout.chunks):
+            raise ChunkError(f"chunk index {header.chunk} out of range (layout has {len(layout.chunks)})")
+        expected = layout.chunks[header.chunk].count
+        if header.count != expected or payload.size != expected:
+            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
+                             f"{header.count} elements, layout says {expected}")
+
+    def _forward(self, header: ChunkHeader, payload: np.ndarray) -> Send:
+        """An auxiliary chunk passing through: follow the source's path, whatever our own policy says."""
+        if not header.is_aux:
+            raise ChunkError(f"node {self.node_id} received chunk {header.chunk} of iteration {header.iteration} "
+                             f"for node {header.final} without an auxiliary path")
+        try:
+            position = header.path.index(self.node_id)
+        except ValueError:
+            raise ChunkError(f"auxiliary chunk with path {header.path} reached node {self.node_id}, not on it") \
+                from None
+        if position == len(header.path) - 1:
+            raise ChunkError(f"auxiliary path {header.path} ends here but final is {header.final}")
+        return Send(header.hop(self.node_id, header.path[position + 1], 0.0), payload)
+
+    def _deliver(self, state: _Iteration, header: ChunkHeader, payload: np.ndarray) -> list[Action]:
+        """A chunk that completed its tree edge at this node, with the iteration's policy bound."""
+        policy = state.policy
+        assert policy is not None
+        layout = self._need_layout()
+        index = header.chunk
+        where = (f"chunk {index} of iteration {state.number} from node {header.origin} "
+                 f"({header.phase.name}, root {header.root})")
+        if header.version != policy.version:
+            raise ChunkError(f"{where}: policy version {header.version}, iteration is bound to {policy.version}")
+        root = state.roots[index]
+        if header.root != root:
+            raise ChunkError(f"{where}: policy version {policy.version} allots this chunk to root {root}")
+        tree = policy.trees[root]
+        chunk = layout.chunks[index]
+        span = slice(chunk.offset, chunk.stop)
+        if header.phase is Phase.UP:
+            if tree.parent.get(header.origin) != self.node_id:
+                raise ChunkError(f"{where}: node {header.origin} is not a child of node {self.node_id} in the "
+                                 f"tree of root {root}")
+            if header.origin in state.arrived[index]:
+                raise ChunkError(f"{where}: duplicate contribution")
+            if state.sent_up[index]:
+                raise ChunkError(f"{where}: arrived after the partial sum left")
+            state.arrived[index].add(header.origin)
+            target = state.acc[span]
+            np.add(target, payload, out=target)
+            return self._advance(state, index)
+        if tree.parent.get(self.node_id) != header.origin:
+            raise ChunkError(f"{where}: node {header.origin} is not the parent of node {self.node_id}")
+        if state.done[index]:
+            raise ChunkError(f"{where}: duplicate result")
+        if not state.sent_up[index]:
+            raise ChunkError(f"{where}: result before this node's partial sum left")
+        state.acc[span] = payload
+        return self._complete(state, index, payload)
+
+    def _advance(self, state: _Iteration, index: int) -> list[Action]:
+        """Send the partial sum up (or, at the root, the full sum down) if the chunk is ready."""
+        if state.sent_up[index] or state.local_missing[index] > 0 or state.policy is None:
+            return []
+        root = state.roots[index]
+        tree = state.policy.trees[root]
+        if len(state.arrived[index]) < len(tree.children(self.node_id)):
+            return []
+        state.sent_up[index] = True
+        chunk = self._need_layout().chunks[index]
+        payload = state.acc[chunk.offset:chunk.stop]
+        if self.node_id == root:
+            return self._complete(state, index, payload)
+        parent = tree.parent[self.node_id]
+        assert parent is not None
+        return [Send(self._header(state, index, Phase.UP, parent), payload)]
+
+    def _complete(self, state: _Iteration, index: int, payload: np.ndarray) -> list[Action]:
+        """The chunk holds the full sum here: pass it to the children, account for keys and iteration."""
+        policy = state.policy
+        assert policy is not None
+        state.done[index] = True
+        state.chunks_left -= 1
+        tree = policy.trees[state.roots[index]]
+        actions: list[Action] = [Send(self._header(state, index, Phase.DOWN, child), payload)
+                                 for child in tree.children(self.node_id)]
+        chunk = self._need_layout().chunks[index]
+        for key in range(chunk.first_key, chunk.last_key + 1):
+            state.key_remaining[key] -= 1
+            if state.key_remaining[key] == 0:
+                actions.append(KeyDone(state.number, key))
+        if state.chunks_left == 0:
+            actions.append(IterationDone(state.number))
+        return actions
+
+    def _header(self, state: _Iteration, index: int, phase: Phase, dst: int) -> ChunkHeader:
+        policy = state.policy
+        assert policy is not None
+        count = self._need_layout().chunks[index].count
+        return ChunkHeader(iteration=state.number, chunk=index, root=state.roots[index], phase=phase,
+                           src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
+                           t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count)
+
+
+def wire(cores: Mapping[int, ChunkCore], actions: Sequence[Action]) -> list[Action]:
+    """Deliver every Send among in-process cores until quiet; return the other actions (tests, tools)."""
+    queue = list(actions)
+    rest: list[Action] = []
+    while queue:
+        action = queue.pop(0)
+        if isinstance(action, Send):
+            queue += cores[action.header.dst].receive(action.header, action.payload.copy())
+        else:
+            rest.append(action)
+    return rest

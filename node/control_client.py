@@ -1,0 +1,352 @@
+"""The node's side of the control plane: registration, heartbeats, per-iteration policies, link reports.
+
+One TCP connection to the scheduler. Requests (layout check, policy request) are answered in order, so
+each request owns one future in a FIFO; ``MemberDown`` is the only message the scheduler pushes on its
+own. Background work (reading, heartbeats, link reports, policy prefetches) runs in one TaskGroup owned
+by a single runner task that ``close`` cancels and awaits. Every wait has a deadline whose error names
+the scheduler's address and, for policies, the iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+from netstorm import config as config_module
+from netstorm import control
+from netstorm.config import Config
+from netstorm.control import ControlError, ControlTimeout, LayoutMismatch
+from netstorm.errors import NetStormError
+from netstorm.policy import Policy
+
+log = logging.getLogger(__name__)
+
+REPORT_QUEUE = 256
+"""Link reports waiting to be sent; beyond this the oldest are dropped (newer ones supersede them)."""
+KEEP_ITERATIONS = 8
+"""Policy answers remembered behind the newest iteration asked for."""
+
+
+class LinkSample(Protocol):
+    """A link report as netstorm.probe produces it (netstorm.probe.LinkReport has these fields)."""
+
+    @property
+    def src(self) -> int: ...
+    @property
+    def dst(self) -> int: ...
+    @property
+    def mbit_s(self) -> float: ...
+    @property
+    def t(self) -> float: ...
+    @property
+    def samples(self) -> int: ...
+
+
+class _Lost(Exception):
+    """Ends the runner's TaskGroup when the connection is gone."""
+
+
+class SchedulerClient:
+    def __init__(self, address: tuple[str, int], node_id: int, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, ack: control.RegisterAck, config: Config) -> None:
+        self.address = address
+        self.node_id = node_id
+        self.members: Mapping[int, tuple[str, int]] = dict(ack.members)
+        self.config = config
+        self.scheduler_time = ack.scheduler_time
+        self._name = f"scheduler {control.format_address(address)}"
+        self._reader = reader
+        self._writer = writer
+        self._write_lock = asyncio.Lock()
+        self._pending: collections.deque[asyncio.Future[control.Message]] = collections.deque()
+        self._policy_answers: dict[int, asyncio.Future[Policy]] = {}
+        self._by_version: dict[int, Policy] = {}
+        self._reports: collections.deque[control.LinkReport] = collections.deque(maxlen=REPORT_QUEUE)
+        self._reports_ready = asyncio.Event()
+        self._down_callbacks: list[Callable[[int, str], None]] = []
+        self._lost_callbacks: list[Callable[[ControlError], None]] = []
+        self._lost: ControlError | None = None
+        self._tasks: asyncio.TaskGroup | None = None
+        self._started = asyncio.Event()
+        self._runner: asyncio.Task[None] | None = None
+        self.dropped_reports = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, address: tuple[str, int], node_id: int, data_address: tuple[str, int], *,
+                      timeout: float) -> SchedulerClient:  # noqa: ASYNC109 (the contract's per-call deadline)
+        """Register node ``node_id``; returns once every expected node has registered."""
+        name = f"scheduler {control.format_address(address)}"
+        writer: asyncio.StreamWriter | None = None
+        try:
+            async with asyncio.timeout(timeout):
+                reader, writer = await asyncio.open_connection(*address)
+                writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1])))
+                await writer.drain()
+                reply = await control.read_message(reader)
+        except TimeoutError:
+            if writer is not None:
+                writer.close()
+            raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
+                                 "(are all expected nodes started?)") from None
+        except OSError as exc:
+            if writer is not None:
+                writer.close()
+            raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
+        if not isinstance(reply, control.RegisterAck):
+            writer.close()
+            if isinstance(reply, control.Error):
+                raise ControlError(f"{name} refused node {node_id}: {reply.message}")
+            what = "closed the connection" if reply is None else f"answered {reply.TYPE}"
+            raise ControlError(f"{name} {what} instead of acknowledging node {node_id}'s registration")
+        try:
+            config = config_module.resolve(overrides=ack_config(ack=reply))
+        except NetStormError as exc:
+            writer.close()
+            raise ControlError(f"{name} sent an unusable config: {exc}") from None
+        client = cls(address, node_id, reader, writer, reply, config)
+        client._runner = asyncio.create_task(client._run(), name=f"scheduler-client-{node_id}")
+        await client._started.wait()
+        log.info("node %d registered with %s; members %s", node_id, name, sorted(client.members))
+        return client
+
+    async def close(self) -> None:
+        """Stop background work and close the connection; pending requests fail."""
+        if self._runner is not None:
+            self._runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+            self._runner = None
+        self._fail_all(ControlError(f"{self._name}: the client of node {self.node_id} was closed"))
+        self._writer.close()
+        with contextlib.suppress(OSError):
+            await self._writer.wait_closed()
+
+    async def _run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._tasks = tasks
+                tasks.create_task(self._read_loop())
+                tasks.create_task(self._heartbeat_loop())
+                tasks.create_task(self._report_loop())
+                self._started.set()
+        except* _Lost:
+            pass
+        finally:
+            self._tasks = None
+            self._started.set()
+
+    @property
+    def lost(self) -> ControlError | None:
+        """Why the connection to the scheduler is gone (None while it is up)."""
+        return self._lost
+
+    def on_member_down(self, callback: Callable[[int, str], None]) -> None:
+        """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
+        self._down_callbacks.append(callback)
+
+    def on_lost(self, callback: Callable[[ControlError], None]) -> None:
+        """Call ``callback(error)`` once if the connection to the scheduler is lost (not on ``close``)."""
+        self._lost_callbacks.append(callback)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    async def check_layout(self, layout_hash: str, *, timeout: float) -> None:  # noqa: ASYNC109 (the contract's per-call deadline)
+        """Check this node's tensor layout against the job's; LayoutMismatch names both sides."""
+        reply = await self._request(control.LayoutCheck(self.node_id, layout_hash), "layout check", timeout)
+        if isinstance(reply, control.Error):
+            error = LayoutMismatch if reply.message.startswith("layout mismatch") else ControlError
+            raise error(f"{self._name}: {reply.message}")
+        if not isinstance(reply, control.LayoutAck):
+            raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
+
+    async def policy_for(self, iteration: int, *, timeout: float) -> Policy:  # noqa: ASYNC109 (the contract's per-call deadline)
+        """The policy bound to ``iteration`` (cached); asks for ``iteration + 1`` in the background."""
+        answer = self._policy_future(iteration)
+        try:
+            async with asyncio.timeout(timeout):
+                policy = await asyncio.shield(answer)
+        except TimeoutError:
+            raise ControlTimeout(f"{self._name}: no policy for iteration {iteration} within {timeout} s") from None
+        except ControlError:
+            if self._policy_answers.get(iteration) is answer and self._lost is None:
+                del self._policy_answers[iteration]  # a later call asks again
+            raise
+        self._policy_future(iteration + 1)
+        for old in [k for k in self._policy_answers if k < iteration - KEEP_ITERATIONS]:
+            del self._policy_answers[old]
+        return policy
+
+    def report_link(self, report: LinkSample) -> None:
+        """Queue a link report for the scheduler; never blocks (the oldest report is dropped when full)."""
+        if len(self._reports) == self._reports.maxlen:
+            self.dropped_reports += 1
+        self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples))
+        self._reports_ready.set()
+
+    def _policy_future(self, iteration: int) -> asyncio.Future[Policy]:
+        answer = self._policy_answers.get(iteration)
+        if answer is None:
+            answer = asyncio.get_running_loop().create_future()
+            answer.add_done_callback(_consume)
+            self._policy_answers[iteration] = answer
+            if self._lost is not None or self._tasks is None:
+                why = str(self._lost) if self._lost else f"the client of node {self.node_id} is closed"
+                answer.set_exception(ControlError(f"{self._name}: iteration {iteration}: {why}"))
+            else:
+                self._tasks.create_task(self._fetch_policy(iteration, answer))
+        return answer
+
+    async def _fetch_policy(self, iteration: int, answer: asyncio.Future[Policy]) -> None:
+        known = max(self._by_version, default=-1)
+        request = control.PolicyRequest(self.node_id, iteration, known)
+        try:
+            reply = await self._request(request, f"policy request for iteration {iteration}",
+                                        self.config.iteration_timeout)
+            answer.set_result(self._accept_policy(iteration, known, reply))
+        except ControlError as exc:
+            if not answer.done():
+                answer.set_exception(exc)
+
+    def _accept_policy(self, iteration: int, known: int, reply: control.Message) -> Policy:
+        where = f"{self._name}: iteration {iteration}"
+        if isinstance(reply, control.Error):
+            raise ControlError(f"{where}: {reply.message}")
+        if not isinstance(reply, control.PolicyReply) or reply.iteration != iteration:
+            raise ControlError(f"{where}: unexpected answer {reply!r}")
+        if reply.policy is None:
+            held = self._by_version.get(reply.version)
+            if held is None or reply.version != known:
+                raise ControlError(f"{where}: told version {reply.version} is unchanged, but this node holds "
+                                   f"{sorted(self._by_version)}")
+            return held
+        try:
+            policy = Policy.from_wire(reply.policy)
+        except NetStormError as exc:
+            raise ControlError(f"{where}: malformed policy version {reply.version}: {exc}") from None
+        if policy.version != reply.version:
+            raise ControlError(f"{where}: reply says version {reply.version} but the policy is {policy.version}")
+        self._by_version[policy.version] = policy
+        for old in sorted(self._by_version)[:-4]:
+            del self._by_version[old]
+        log.info("node %d: iteration %d runs policy version %d", self.node_id, iteration, policy.version)
+        return policy
+
+    async def _request(self, message: control.Message, what: str, seconds: float) -> control.Message:
+        if self._lost is not None:
+            raise ControlError(f"{self._lost} ({what})")
+        reply: asyncio.Future[control.Message] = asyncio.get_running_loop().create_future()
+        try:
+            async with asyncio.timeout(seconds):
+                async with self._write_lock:
+                    self._pending.append(reply)
+                    self._writer.write(control.encode(message))
+                    await self._writer.drain()
+                return await reply
+        except TimeoutError:
+            raise ControlTimeout(f"{self._name}: no answer to the {what} of node {self.node_id} within "
+                                 f"{seconds} s") from None
+        except (ConnectionError, OSError) as exc:
+            raise ControlError(f"{self._name}: {what} of node {self.node_id} failed: {exc}") from None
+
+    async def _send(self, message: control.Message) -> None:
+        """A message without a reply (heartbeat, link report)."""
+        async with self._write_lock:
+            self._writer.write(control.encode(message))
+            async with asyncio.timeout(self.config.heartbeat_timeout):
+                await self._writer.drain()
+
+    # --- background ------------------------------------------------------------------------------
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                message = await control.read_message(self._reader)
+                if message is None:
+                    raise ControlError(f"{self._name} closed the control connection of node {self.node_id}")
+                if isinstance(message, control.MemberDown):
+                    self._member_down(message)
+                    continue
+                while self._pending:
+                    waiter = self._pending.popleft()
+                    if not waiter.done():  # a waiter that timed out is skipped, keeping the order
+                        waiter.set_result(message)
+                        break
+                else:
+                    raise ControlError(f"{self._name} sent an unrequested {message.TYPE}")
+        except (ControlError, ConnectionError, OSError) as exc:
+            error = exc if isinstance(exc, ControlError) else ControlError(f"{self._name}: connection lost: {exc}")
+            self._connection_lost(error)
+            raise _Lost from None
+
+    def _member_down(self, message: control.MemberDown) -> None:
+        if message.node_id == self.node_id:
+            log.error("node %d: the scheduler declared this node dead: %s", self.node_id, message.reason)
+        else:
+            log.warning("node %d: member %d is down: %s", self.node_id, message.node_id, message.reason)
+        for callback in list(self._down_callbacks):
+            try:
+                callback(message.node_id, message.reason)
+            except Exception:
+                log.exception("member-down callback failed")
+
+    def _connection_lost(self, error: ControlError) -> None:
+        if self._lost is None:
+            self._lost = error
+            log.error("node %d: %s", self.node_id, error)
+            for callback in list(self._lost_callbacks):
+                try:
+                    callback(error)
+                except Exception:
+                    log.exception("connection-lost callback failed")
+        self._fail_all(error)
+
+    def _fail_all(self, error: ControlError) -> None:
+        while self._pending:
+            waiter = self._pending.popleft()
+            if not waiter.done():
+                waiter.set_exception(error)
+        for answer in self._policy_answers.values():
+            if not answer.done():
+                answer.set_exception(error)
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        while True:
+            try:
+                await self._send(control.Heartbeat(self.node_id, time.time()))
+            except (TimeoutError, ConnectionError, OSError) as exc:
+                self._connection_lost(ControlError(f"{self._name}: heartbeat of node {self.node_id} failed: "
+                                                   f"{exc or type(exc).__name__}"))
+                raise _Lost from None
+            await asyncio.sleep(interval)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await self._reports_ready.wait()
+            self._reports_ready.clear()
+            while self._reports:
+                report = self._reports.popleft()
+                try:
+                    await self._send(report)
+                except (TimeoutError, ConnectionError, OSError) as exc:
+                    self._connection_lost(ControlError(f"{self._name}: link report of node {self.node_id} "
+                                                       f"failed: {exc or type(exc).__name__}"))
+                    raise _Lost from None
+
+
+def ack_config(*, ack: control.RegisterAck) -> dict[str, object]:
+    """The scheduler's config options, restricted to the ones this version knows (newer ones are ignored)."""
+    return {k: v for k, v in ack.config.items() if k in config_module.FIELDS}
+
+
+def _consume(future: asyncio.Future[Policy]) -> None:
+    """Mark a policy answer's exception as retrieved: prefetches nobody waits for must not warn."""
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,56 @@
+"""Auxiliary multipath forwarding, sender side: which path a chunk takes over a tree edge.
+
+Per tree edge (this node -> neighbour) and policy version, a ``PathScheduler`` (paper Fig. 7) picks the
+primary path or one of the policy's auxiliary paths for (src, dst). Auxiliary chunks carry ``is_aux``
+and the full path; nodes on the way forward them by the header (``ChunkCore._forward``), so a path
+that is stale for an intermediate node's own policy still arrives.
+"""
+
+from __future__ import annotations
+
+from netstorm.config import Config
+from netstorm.policy import Policy
+from netstorm.sendsched import PathScheduler
+
+Path = tuple[int, ...]
+
+
+class Forwarding:
+    """Path schedulers of one node, keyed by (policy version, destination)."""
+
+    def __init__(self, node_id: int, config: Config) -> None:
+        self.node_id = node_id
+        self.config = config
+        self._schedulers: dict[tuple[int, int], PathScheduler] = {}
+        self.aux_chunks = 0
+        self.primary_chunks = 0
+
+    def _scheduler(self, policy: Policy, dst: int) -> PathScheduler:
+        key = (policy.version, dst)
+        scheduler = self._schedulers.get(key)
+        if scheduler is None:
+            paths = tuple(policy.aux_paths.get((self.node_id, dst), ()))
+            primary: Path = (self.node_id, dst)
+            aux = [p for p in paths[1:] if len(p) >= 2 and p[0] == self.node_id and p[-1] == dst
+                   and len(set(p)) == len(p)]
+            scheduler = PathScheduler(primary, aux, busy_bound=self.config.primary_busy_bound,
+                                      aux_queue_length=self.config.auxiliary_queue_length,
+                                      enabled=self.config.enable_aux_path and bool(aux))
+            # Schedulers of older versions keep their in-flight counts until their chunks left.
+            self._schedulers[key] = scheduler
+        return scheduler
+
+    def choose(self, policy: Policy, dst: int) -> tuple[Path, PathScheduler]:
+        """The path for the next chunk over the tree edge to ``dst``; counts it as in flight."""
+        scheduler = self._scheduler(policy, dst)
+        path = scheduler.choose()
+        if len(path) > 2:
+            self.aux_chunks += 1
+        else:
+            self.primary_chunks += 1
+        return path, scheduler
+
+    def forget_before(self, version: int) -> None:
+        """Drop schedulers of policy versions older than ``version`` (their chunks are gone)."""
+        for key in [k for k in self._schedulers if k[0] < version]:
+            del self._schedulers[key]

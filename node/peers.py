@@ -1,0 +1,322 @@
+"""TCP transport between general nodes: one connection per ordered pair, opened by the sender.
+
+Receiving: ``InboundProtocol`` is an ``asyncio.BufferedProtocol``. Prefix and header land in a small
+staging buffer; a chunk's payload is received straight into a freshly allocated float32 array, so the
+only copy of the payload is the kernel's. The first frame must be a Hello from a member; any malformed,
+oversized or unexpected frame gets an Error frame back and the connection is closed, and the node goes
+on serving every other peer.
+
+Sending: one ``PeerLink`` per peer with its own task and queue. A frame is stamped (t_send) when its
+first byte is handed to the socket, written, and the next one waits while the transport is paused
+(``pause_writing``/``resume_writing``), so a slow link slows its sender and the waiting happens in the
+link's queue, visible as ``queued_bytes``, never in an unbounded socket buffer. The queue itself holds
+views of the iteration's buffers: with synchronous iterations its size is bounded by the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import cast
+
+import numpy as np
+
+from netstorm.errors import ChunkError, FrameError, NetStormError
+from netstorm.frames import (
+    PREFIX_SIZE,
+    ChunkHeader,
+    ErrorFrame,
+    Hello,
+    Kind,
+    Prefix,
+    decode_header,
+    decode_prefix,
+)
+
+log = logging.getLogger("netstorm.node.peers")
+
+STAGING_BYTES = 64 * 1024
+WRITE_HIGH_WATER = 1 << 20
+"""Bytes the transport may hold before it pauses the sender; the rest waits in the link's queue."""
+
+
+class PeerError(NetStormError):
+    """A connection to or from a peer failed; the message names the peer."""
+
+
+OnHello = Callable[[Hello, "InboundProtocol"], None]
+OnChunk = Callable[[int, ChunkHeader, np.ndarray, float], None]
+OnLost = Callable[["InboundProtocol", str], None]
+
+
+class InboundProtocol(asyncio.BufferedProtocol):
+    """Frames from one peer. Callbacks raise FrameError/ChunkError to reject the peer's input."""
+
+    def __init__(self, *, on_hello: OnHello, on_chunk: OnChunk, on_lost: OnLost, max_frame_bytes: int,
+                 clock: Callable[[], float]) -> None:
+        self._on_hello = on_hello
+        self._on_chunk = on_chunk
+        self._on_lost = on_lost
+        self._max_frame = max_frame_bytes
+        self._clock = clock
+        self._staging = bytearray(STAGING_BYTES)
+        self._staging_view = memoryview(self._staging)
+        self._fill = 0
+        self._prefix: Prefix | None = None
+        self._chunk: ChunkHeader | None = None
+        self._payload: np.ndarray | None = None
+        self._payload_bytes: memoryview | None = None
+        self._payload_fill = 0
+        self._closing = False
+        self.rejected = False
+        self.transport: asyncio.Transport | None = None
+        self.peer_id: int | None = None
+        self.layout_hash = ""
+        self.peername = "?"
+        self.frames = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        self.peername = str(transport.get_extra_info("peername"))
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._payload_bytes is not None:
+            return self._payload_bytes[self._payload_fill:]
+        return self._staging_view[self._fill:]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._closing:
+            return
+        try:
+            if self._payload_bytes is not None:
+                self._payload_fill += nbytes
+                if self._payload_fill == len(self._payload_bytes):
+                    self._finish_chunk()
+                return
+            self._fill += nbytes
+            self._parse_staging()
+        except (FrameError, ChunkError) as exc:
+            self.reject(str(exc))
+
+    def _parse_staging(self) -> None:
+        view = self._staging_view
+        pos = 0
+        while not self._closing:
+            available = self._fill - pos
+            if self._prefix is None:
+                if available < PREFIX_SIZE:
+                    break
+                self._prefix = decode_prefix(view[pos:pos + PREFIX_SIZE], max_frame_bytes=self._max_frame)
+                pos += PREFIX_SIZE
+                continue
+            prefix = self._prefix
+            if available < prefix.header_len:
+                break
+            header = decode_header(prefix, view[pos:pos + prefix.header_len])
+            pos += prefix.header_len
+            self._prefix = None
+            self.frames += 1
+            if isinstance(header, ChunkHeader):
+                if self.peer_id is None:
+                    raise FrameError("chunk before Hello")
+                if header.src != self.peer_id:
+                    raise FrameError(f"chunk claims to come from node {header.src} on node {self.peer_id}'s "
+                                     f"connection")
+                payload = np.empty(header.count, dtype="<f4")
+                raw = payload.data.cast("B")
+                take = min(self._fill - pos, len(raw))
+                raw[:take] = view[pos:pos + take]
+                pos += take
+                self._chunk, self._payload, self._payload_bytes, self._payload_fill = header, payload, raw, take
+                if take == len(raw):
+                    self._finish_chunk()
+                    continue
+                break  # the rest of the payload is read straight into the array
+            if isinstance(header, Hello):
+                if self.peer_id is not None:
+                    raise FrameError(f"second Hello from node {self.peer_id}")
+                self._on_hello(header, self)
+                self.peer_id = header.node_id
+            else:
+                raise FrameError(f"peer sent an Error frame: {header.message}")
+        rest = self._fill - pos
+        if rest and pos:
+            self._staging[:rest] = self._staging[pos:self._fill]
+        self._fill = rest
+
+    def _finish_chunk(self) -> None:
+        header, payload = self._chunk, self._payload
+        assert header is not None and payload is not None and self.peer_id is not None
+        self._chunk = self._payload = self._payload_bytes = None
+        self._payload_fill = 0
+        self._on_chunk(self.peer_id, header, payload, self._clock())
+
+    def reject(self, message: str) -> None:
+        """Tell the peer why, close the connection; the node keeps serving everyone else."""
+        if self._closing or self.transport is None:
+            return
+        self._closing = True
+        self.rejected = True
+        who = f"node {self.peer_id}" if self.peer_id is not None else f"peer {self.peername}"
+        log.warning("rejecting %s: %s", who, message)
+        self.transport.write(ErrorFrame(message).encode())
+        self.transport.close()
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        in_frame = self._prefix is not None or self._payload_bytes is not None or self._fill > 0
+        reason = f"connection closed{' mid-frame' if in_frame else ''}" + (f": {exc}" if exc else "")
+        self._closing = True
+        self._on_lost(self, reason)
+
+
+class OutboundProtocol(asyncio.Protocol):
+    """The sending side's view of a connection: write flow control and the receiver's Error frame."""
+
+    def __init__(self, peer_id: int) -> None:
+        self.peer_id = peer_id
+        self.transport: asyncio.Transport | None = None
+        self._paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._incoming = bytearray()
+        self.closed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    async def drain(self) -> None:
+        if self.closed.done():
+            raise PeerError(f"connection to node {self.peer_id} lost: {self.closed.result()}")
+        if not self._paused:
+            return
+        self._drain = asyncio.get_running_loop().create_future()
+        waiters: list[asyncio.Future[object]] = [self._drain, self.closed]  # type: ignore[list-item]
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if self.closed.done():
+            raise PeerError(f"connection to node {self.peer_id} lost: {self.closed.result()}")
+
+    def data_received(self, data: bytes) -> None:
+        self._incoming += data
+        if len(self._incoming) < PREFIX_SIZE:
+            return
+        try:
+            prefix = decode_prefix(self._incoming[:PREFIX_SIZE], max_frame_bytes=1 << 20)
+            if prefix.kind is not Kind.ERROR:
+                raise FrameError(f"unexpected {prefix.kind.name} frame on a sending connection")
+            if len(self._incoming) < PREFIX_SIZE + prefix.header_len:
+                return
+            message = ErrorFrame.decode(self._incoming[PREFIX_SIZE:PREFIX_SIZE + prefix.header_len]).message
+            reason = f"node {self.peer_id} rejected us: {message}"
+        except FrameError as exc:
+            reason = f"node {self.peer_id} sent garbage: {exc}"
+        if not self.closed.done():
+            self.closed.set_result(reason)
+        assert self.transport is not None
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(f"connection to node {self.peer_id} closed" + (f": {exc}" if exc else ""))
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+
+@dataclasses.dataclass
+class Outgoing:
+    """One frame waiting in a link's queue; ``on_sent`` runs once it left for the socket."""
+
+    header: ChunkHeader
+    payload: np.ndarray
+    on_sent: Callable[[], None] | None = None
+
+
+class PeerLink:
+    """The sending half towards one peer: a queue and the task that drains it."""
+
+    def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
+                 clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0) -> None:
+        self.peer_id = peer_id
+        self.address = address
+        self._hello = hello
+        self._clock = clock
+        self._connect_timeout = connect_timeout
+        self._stall_timeout = stall_timeout
+        self._queue: collections.deque[Outgoing] = collections.deque()
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self.queued_bytes = 0
+        self.sent_frames = 0
+        self.sent_bytes = 0
+        self.protocol: OutboundProtocol | None = None
+
+    def enqueue(self, item: Outgoing) -> None:
+        self._queue.append(item)
+        self.queued_bytes += item.payload.nbytes
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """Stop after the queue is empty."""
+        self._closing = True
+        self._wakeup.set()
+
+    async def _connect(self) -> OutboundProtocol:
+        loop = asyncio.get_running_loop()
+        host, port = self.address
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, protocol = await loop.create_connection(lambda: OutboundProtocol(self.peer_id), host, port)
+        except (OSError, TimeoutError) as exc:
+            raise PeerError(f"cannot connect to node {self.peer_id} at {host}:{port}: "
+                            f"{exc or f'timed out after {self._connect_timeout:.1f} s'}") from None
+        assert protocol.transport is not None
+        protocol.transport.write(self._hello().encode())
+        return protocol
+
+    async def run(self) -> None:
+        """Send queued frames until closed; raises PeerError when the peer cannot be reached."""
+        try:
+            while True:
+                while not self._queue:
+                    if self._closing:
+                        return
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                if self.protocol is None:
+                    self.protocol = await self._connect()
+                item = self._queue.popleft()
+                protocol = self.protocol
+                transport = protocol.transport
+                assert transport is not None
+                if protocol.closed.done():
+                    raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
+                header = item.header.hop(item.header.src, item.header.dst, self._clock())
+                transport.write(header.encode())
+                transport.write(item.payload.data.cast("B"))
+                self.queued_bytes -= item.payload.nbytes
+                self.sent_frames += 1
+                self.sent_bytes += item.payload.nbytes
+                try:
+                    async with asyncio.timeout(self._stall_timeout):
+                        await protocol.drain()
+                except TimeoutError:
+                    raise PeerError(f"node {self.peer_id} accepted no data for {self._stall_timeout:g} s (sending "
+                                    f"chunk {header.chunk} of iteration {header.iteration})") from None
+                if item.on_sent is not None:
+                    item.on_sent()
+        finally:
+            if self.protocol is not None and self.protocol.transport is not None:
+                self.protocol.transport.close()

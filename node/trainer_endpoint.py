@@ -1,0 +1,298 @@
+"""The trainer endpoint of a general node: a Unix socket (tensors in shared memory) and optionally TCP.
+
+Over the Unix socket the trainer creates a shared-memory file holding the whole model as one float32
+vector in layout order and names it in ``init``; pushes name tensors whose values are already in that
+file, and results are written back into it, so no tensor byte crosses the socket. Over TCP (a trainer
+on another host of the DC) the same messages carry the float32 values inline.
+
+Each connection handles one request at a time. A bad request (unknown tensor, wrong size, bad message)
+gets an error reply naming the problem and the connection stays usable; a malformed frame closes the
+connection. Either way the node goes on serving its peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import mmap
+import os
+import socket
+import stat
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from netstorm import trainer_wire as tw
+from netstorm.client import SHM_PREFIX, shm_directory
+from netstorm.errors import IterationFailed, LayoutError, NetStormError, TrainerProtocolError
+from netstorm.layout import Layout, TensorSpec
+from node.service import GeneralNode, IterationTimeout, PeerGone
+
+log = logging.getLogger("netstorm.node.trainer")
+
+
+class _Session:
+    """One trainer connection: its transport kind and, for Unix sockets, the shared model vector."""
+
+    def __init__(self, node: GeneralNode, inline: bool, name: str, peer_uid: int | None = None) -> None:
+        self.node = node
+        self.inline = inline
+        self.name = name
+        self.peer_uid = peer_uid
+        self.shm: np.ndarray | None = None
+        self._mmap: mmap.mmap | None = None
+
+    def close(self) -> None:
+        self.shm = None
+        if self._mmap is not None:
+            with contextlib.suppress(BufferError):
+                self._mmap.close()
+            self._mmap = None
+
+    def attach(self, path: str, layout: Layout, peer_uid: int | None) -> None:
+        """Map the trainer's model file: only a netstorm-* regular file in the shared-memory directory,
+        owned by the trainer's user, so a trainer cannot make the node write into any other file."""
+        if not path:
+            raise TrainerProtocolError("init over a Unix socket needs a shared-memory file")
+        where = Path(path)
+        if where.parent != Path(shm_directory()) or not where.name.startswith(SHM_PREFIX):
+            raise TrainerProtocolError(f"shared-memory file {path} is not a {SHM_PREFIX}* file in {shm_directory()}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise TrainerProtocolError(f"cannot open shared-memory file {path}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TrainerProtocolError(f"shared-memory file {path} is not a regular file")
+            if peer_uid is not None and info.st_uid != peer_uid:
+                raise TrainerProtocolError(f"shared-memory file {path} belongs to uid {info.st_uid}, the trainer "
+                                           f"runs as uid {peer_uid}")
+            size = info.st_size
+            if size != layout.total * 4:
+                raise TrainerProtocolError(f"shared-memory file {path} holds {size} bytes; the model needs "
+                                           f"{layout.total * 4}")
+            self.close()
+            self._mmap = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        self.shm = (np.frombuffer(self._mmap, dtype="<f4") if self._mmap is not None
+                    else np.zeros(0, dtype="<f4"))
+
+    def keys(self, layout: Layout, names: tuple[str, ...]) -> list[int]:
+        keys = [layout.key(n) for n in names]
+        if len(set(keys)) != len(keys):
+            raise TrainerProtocolError(f"a tensor is named twice in one request: {list(names)}")
+        return keys
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
+
+
+def _error_kind(exc: Exception) -> str:
+    if isinstance(exc, IterationTimeout):
+        return "timeout"
+    if isinstance(exc, PeerGone):
+        return "gone"
+    if isinstance(exc, IterationFailed):
+        return "failed"
+    if isinstance(exc, LayoutError) and "unknown tensor" in str(exc):
+        return "unknown_name"
+    return "protocol"
+
+
+class TrainerEndpoint:
+    """Serves trainers of one node."""
+
+    def __init__(self, node: GeneralNode) -> None:
+        self.node = node
+        self._servers: list[asyncio.Server] = []
+        self._sessions = 0
+
+    async def serve_unix(self, path: str | Path) -> asyncio.Server:
+        path = Path(path)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        server = await asyncio.start_unix_server(lambda r, w: self._handle(r, w, inline=False), path=str(path))
+        self._servers.append(server)
+        return server
+
+    async def serve_tcp(self, host: str, port: int) -> asyncio.Server:
+        server = await asyncio.start_server(lambda r, w: self._handle(r, w, inline=True), host, port)
+        self._servers.append(server)
+        return server
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool) -> None:
+        self._sessions += 1
+        session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
+                           None if inline else _peer_uid(writer))
+        log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
+        try:
+            while True:
+                try:
+                    prefix = await reader.readexactly(tw.PREFIX.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                try:
+                    header_len, payload_len = tw.decode_prefix(prefix, max_payload=1 << 40)
+                    async with asyncio.timeout(self.node.config.iteration_timeout):
+                        request = tw.decode(await reader.readexactly(header_len))
+                        expected = self._payload_len(session, request)
+                        if payload_len != expected:
+                            raise TrainerProtocolError(f"{request.TYPE}: payload of {payload_len} bytes, "
+                                                       f"expected {expected}")
+                        payload = await reader.readexactly(payload_len) if payload_len else b""
+                except TimeoutError:
+                    log.warning("node %d: closing %s: a request stalled mid-message for %g s", self.node.node_id,
+                                session.name, self.node.config.iteration_timeout)
+                    return
+                except (TrainerProtocolError, LayoutError) as exc:
+                    log.warning("node %d: closing %s: %s", self.node.node_id, session.name, exc)
+                    await self._reply(writer, tw.ErrorReply("protocol", str(exc)))
+                    return
+                try:
+                    reply, out = await self._serve(session, request, payload)
+                except NetStormError as exc:
+                    log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
+                    reply, out = tw.ErrorReply(_error_kind(exc), str(exc)), b""
+                except Exception as exc:  # a bug must not cost the trainer its connection without a word
+                    log.exception("node %d: %s: %s failed unexpectedly", self.node.node_id, session.name,
+                                  request.TYPE)
+                    reply, out = tw.ErrorReply("failed", f"node {self.node.node_id}: internal error: {exc!r}"), b""
+                await self._reply(writer, reply, out)
+        except (asyncio.IncompleteReadError, ConnectionError) as exc:
+            log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
+        finally:
+            session.close()
+            writer.close()
+
+    async def _reply(self, writer: asyncio.StreamWriter, reply: tw.Message, out: bytes | memoryview = b"") -> None:
+        writer.write(tw.encode(reply, len(out)))
+        if out:
+            writer.write(out)
+        async with asyncio.timeout(self.node.config.iteration_timeout):
+            await writer.drain()
+
+    def _payload_len(self, session: _Session, request: tw.Message) -> int:
+        if not session.inline:
+            return 0
+        if isinstance(request, tw.InitRequest):
+            return 4 * sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
+        if isinstance(request, tw.PushRequest | tw.PushPullRequest):
+            layout = self._layout()
+            return 4 * sum(layout.tensors[k].size for k in session.keys(layout, request.names))
+        return 0
+
+    def _layout(self) -> Layout:
+        if self.node.layout is None:
+            raise TrainerProtocolError("no tensors registered: call init first")
+        return self.node.layout
+
+    async def _serve(self, session: _Session, request: tw.Message, payload: bytes) -> tuple[tw.Message, bytes]:
+        node = self.node
+        if isinstance(request, tw.InitRequest):
+            specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
+            if not session.inline:  # check the file before the tensors become the node's layout
+                session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
+            layout = await node.register(specs)
+            if not session.inline:
+                values = session.shm
+            else:
+                # Inline values come in request order; place them in layout order.
+                values = np.empty(layout.total, dtype="<f4")
+                flat = np.frombuffer(payload, dtype="<f4")
+                position = 0
+                for name, _, _ in request.tensors:
+                    key = layout.key(name)
+                    size = layout.tensors[key].size
+                    values[layout.key_slice(key)] = flat[position:position + size]
+                    position += size
+            assert values is not None
+            iteration = node.next_iteration()
+            policy = await node.ensure_policy(iteration)
+            contributor = node.node_id == min(policy.nodes)
+            for key in range(len(layout.tensors)):
+                await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
+            names = tuple(t.name for t in layout.tensors)
+            out = await self._collect(session, layout, list(range(len(layout.tensors))), average=False)
+            if session.inline:
+                # Reply in request order, like the values came.
+                order = [layout.key(n) for n, _, _ in request.tensors]
+                ordered = np.concatenate([np.frombuffer(out, dtype="<f4")[layout.key_slice(k)] for k in order]) \
+                    if order else np.zeros(0, dtype="<f4")
+                out = ordered.tobytes()
+            log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
+                     node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
+            return tw.InitReply(node.node_id, iteration, len(policy.nodes), layout.hash), out
+        layout = self._layout()
+        if isinstance(request, tw.PushRequest | tw.PushPullRequest):
+            keys = session.keys(layout, request.names)
+            iteration = await self._push(session, layout, keys, payload)
+            if isinstance(request, tw.PushRequest):
+                return tw.PushReply(iteration), b""
+            out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
+        if isinstance(request, tw.PullRequest):
+            keys = session.keys(layout, request.names)
+            iteration = node.pull_iteration(keys[0]) if keys else -1
+            out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
+            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
+        raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
+
+    async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
+        iteration = -1
+        flat = np.frombuffer(payload, dtype="<f4") if session.inline else None
+        position = 0
+        for key in keys:
+            span = layout.key_slice(key)
+            if flat is not None:
+                size = span.stop - span.start
+                values = flat[position:position + size]
+                position += size
+            else:
+                if session.shm is None:
+                    raise TrainerProtocolError("push before init on this connection")
+                values = session.shm[span]
+            iteration = await self.node.contribute(key, values)
+        return iteration
+
+    async def _collect(self, session: _Session, layout: Layout, keys: list[int], *, average: bool,
+                       inline_order: bool = False) -> bytes:
+        """Wait for ``keys``' sums; write them to shared memory, or return them inline."""
+        if session.inline:
+            sizes = [layout.tensors[k].size for k in keys]
+            out = np.empty(sum(sizes) if inline_order else layout.total, dtype="<f4")
+            starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64) if inline_order else None
+            position = {k: (int(starts[i]) if starts is not None else layout.offsets[k]) for i, k in enumerate(keys)}
+            target = out
+        else:
+            if session.shm is None:
+                raise TrainerProtocolError("pull before init on this connection")
+            position = {k: layout.offsets[k] for k in keys}
+            target = session.shm
+
+        iteration = self.node.pull_iteration(keys[0]) if keys else -1
+        scale = np.float32(len(self.node.contributors(iteration)))
+
+        def sink(key: int, values: np.ndarray) -> None:
+            start = position[key]
+            dest = target[start:start + values.size]
+            if average:
+                np.divide(values, scale, out=dest)
+            else:
+                np.copyto(dest, values)
+
+        await self.node.collect(keys, sink)
+        return out.tobytes() if session.inline else b""

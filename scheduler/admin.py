@@ -1,0 +1,65 @@
+"""One-shot admin requests to a running scheduler: its status, its policies, forcing a new policy version.
+
+``netstorm local`` waits on ``status`` for every node to register; tests and operators use
+``override_policy`` to roll out a policy planned from given rates (a policy change between iterations).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from netstorm import control
+from netstorm.control import ControlError, ControlTimeout
+from netstorm.errors import NetStormError
+from netstorm.policy import Policy
+from netstorm.scenario import Rates
+
+
+async def request(address: tuple[str, int], message: control.Message, *, timeout: float) -> control.Message:  # noqa: ASYNC109 (the contract's per-call deadline)
+    """Send one message on a fresh connection and return the answer (Error answers raise ControlError)."""
+    name = f"scheduler {control.format_address(address)}"
+    writer: asyncio.StreamWriter | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(*address)
+            writer.write(control.encode(message))
+            await writer.drain()
+            reply = await control.read_message(reader)
+    except TimeoutError:
+        raise ControlTimeout(f"{name}: no answer to {message.TYPE} within {timeout} s") from None
+    except OSError as exc:
+        raise ControlError(f"{name}: {message.TYPE} failed: {exc}") from None
+    finally:
+        if writer is not None:
+            writer.close()
+    if reply is None:
+        raise ControlError(f"{name} closed the connection without answering {message.TYPE}")
+    if isinstance(reply, control.Error):
+        raise ControlError(f"{name}: {reply.message}")
+    return reply
+
+
+async def status(address: tuple[str, int], *, timeout: float) -> control.Status:  # noqa: ASYNC109 (the contract's per-call deadline)
+    reply = await request(address, control.StatusRequest(), timeout=timeout)
+    if not isinstance(reply, control.Status):
+        raise ControlError(f"scheduler {control.format_address(address)} answered status with {reply.TYPE}")
+    return reply
+
+
+async def override_policy(address: tuple[str, int], rates: Rates, *, timeout: float) -> int:  # noqa: ASYNC109 (the contract's per-call deadline)
+    """Plan and publish a policy from ``rates`` now; returns its version (current for unbound iterations)."""
+    reply = await request(address, control.PolicyOverride(rates), timeout=timeout)
+    if not isinstance(reply, control.PolicyOverrideAck):
+        raise ControlError(f"scheduler {control.format_address(address)} answered an override with {reply.TYPE}")
+    return reply.version
+
+
+async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: float) -> Policy:  # noqa: ASYNC109
+    """Policy ``version`` (-1: the current one) as the scheduler holds it."""
+    reply = await request(address, control.PolicyFetch(version), timeout=timeout)
+    if not isinstance(reply, control.PolicyReply) or reply.policy is None:
+        raise ControlError(f"scheduler {control.format_address(address)} answered a policy fetch with {reply!r}")
+    try:
+        return Policy.from_wire(reply.policy)
+    except NetStormError as exc:
+        raise ControlError(f"scheduler {control.format_address(address)} sent a malformed policy: {exc}") from None

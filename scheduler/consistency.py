@@ -1,0 +1,120 @@
+"""The topology-consistency protocol (paper §VII-A) as a sans-I/O core.
+
+Every node asks for iteration k's policy before its PUSH. The first request for k binds k to the
+scheduler's current policy version; every later request for k, from any node, gets that same version,
+so all nodes run iteration k on one set of trees. A new policy from the planner becomes current only
+for iterations not yet bound, so an iteration in flight never changes under the nodes' feet, and a
+node may ask for k+1 while k runs (the round trip stays off the critical path).
+
+Memory stays bounded: only the last ``window`` bound iterations are remembered, and a request for an
+older iteration is refused rather than silently bound to a possibly different version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Protocol
+
+from netstorm.errors import NetStormError
+
+log = logging.getLogger(__name__)
+
+
+class ConsistencyError(NetStormError):
+    """A policy request cannot be answered consistently (no policy yet, iteration too old)."""
+
+
+class WirePolicy(Protocol):
+    """What the core needs of a policy: a version and a wire form (netstorm.policy.Policy has both)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def to_wire(self) -> dict[str, Any]: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """The reply to one policy request: ``policy`` is None when the node already holds ``version``."""
+
+    iteration: int
+    version: int
+    policy: dict[str, Any] | None
+    newly_bound: bool
+    """This request bound the iteration (the shell logs which version each iteration got)."""
+
+
+class Consistency:
+    """Policy versions and the iteration -> version bindings."""
+
+    def __init__(self, *, window: int = 4096) -> None:
+        if window < 2:
+            raise ValueError("window must hold at least two iterations")
+        self._window = window
+        self._policies: dict[int, WirePolicy] = {}
+        self._wire: dict[int, dict[str, Any]] = {}
+        self._current: int | None = None
+        self._bindings: dict[int, int] = {}
+        self._forgotten_below = 0
+        """Iterations below this were bound once and forgotten; they can no longer be answered."""
+
+    @property
+    def current_version(self) -> int | None:
+        return self._current
+
+    @property
+    def bindings(self) -> dict[int, int]:
+        """iteration -> version, for the remembered window (a copy)."""
+        return dict(self._bindings)
+
+    def policy(self, version: int) -> WirePolicy:
+        return self._policies[version]
+
+    def publish(self, policy: WirePolicy) -> None:
+        """Make ``policy`` current for every iteration not yet bound. Versions must increase."""
+        version = policy.version
+        if self._current is not None and version <= self._current:
+            raise ConsistencyError(f"policy version {version} is not newer than the current {self._current}")
+        self._policies[version] = policy
+        self._wire[version] = policy.to_wire()
+        self._current = version
+        self._drop_unreferenced()
+
+    def next_version(self) -> int:
+        return 0 if self._current is None else self._current + 1
+
+    def request(self, iteration: int, known_version: int) -> Answer:
+        """Answer a node's request for ``iteration``'s policy, binding the iteration if it is new."""
+        if iteration < 0:
+            raise ConsistencyError(f"iteration must be >= 0, got {iteration}")
+        newly_bound = False
+        version = self._bindings.get(iteration)
+        if version is None:
+            if iteration < self._forgotten_below:
+                raise ConsistencyError(
+                    f"iteration {iteration} is too old: bindings below {self._forgotten_below} are forgotten")
+            if self._current is None:
+                raise ConsistencyError(f"no policy has been planned yet for iteration {iteration}")
+            version = self._current
+            self._bindings[iteration] = version
+            newly_bound = True
+            self._forget_old()
+        policy = None if known_version == version else self._wire[version]
+        return Answer(iteration, version, policy, newly_bound)
+
+    def _forget_old(self) -> None:
+        if len(self._bindings) <= self._window:
+            return
+        for iteration in sorted(self._bindings)[: len(self._bindings) - self._window]:
+            del self._bindings[iteration]
+            self._forgotten_below = max(self._forgotten_below, iteration + 1)
+        self._drop_unreferenced()
+
+    def _drop_unreferenced(self) -> None:
+        keep = set(self._bindings.values())
+        if self._current is not None:
+            keep.add(self._current)
+        for version in [v for v in self._policies if v not in keep]:
+            del self._policies[version]
+            del self._wire[version]

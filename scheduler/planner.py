@@ -1,0 +1,89 @@
+"""Policy formulation: Algorithm 2 + 3 (netstorm.policy.plan) over the live nodes' link rates.
+
+The first decision picks the roots (top-N quality scores); every later plan passes them back as
+``roots=`` so they never move (paper Algorithm 1), minus any root that has died. A re-plan is skipped
+when the rates changed by no more than UPDATE_RATE since the last plan (0 refreshes every time), and a
+plan whose trees, shares and paths equal the current policy's is not worth a new version.
+Plans are pure CPU work: the service runs them in a thread so heartbeats never stall.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+
+from netstorm.errors import NetStormError
+from netstorm.policy import Policy, plan
+from netstorm.scenario import Rates
+
+log = logging.getLogger(__name__)
+
+ROOTED_TOPOLOGIES = ("fapt", "fapt1")
+"""Topologies whose roots come from quality scores and stay fixed after the first decision."""
+
+
+class PlanningError(NetStormError):
+    """No policy can be planned (e.g. the live nodes' overlay is disconnected)."""
+
+
+def restrict(rates: Rates, nodes: Collection[int]) -> Rates:
+    """The directed links between live nodes only."""
+    alive = set(nodes)
+    return {(a, b): r for (a, b), r in rates.items() if a in alive and b in alive}
+
+
+class Planner:
+    def __init__(self, *, topology: str, num_roots: int, update_rate: float,
+                 relative_change: Callable[[Rates, Rates], float]) -> None:
+        self.topology = topology
+        self.num_roots = 1 if topology == "fapt1" else num_roots
+        self.update_rate = update_rate
+        self._relative_change = relative_change
+        self.roots: tuple[int, ...] | None = None
+        self.planned_rates: Rates | None = None
+        """The rates the latest policy was planned from."""
+
+    def first(self, rates: Rates, nodes: Collection[int]) -> Policy:
+        """The first decision: choose the roots and plan; the roots are fixed from now on."""
+        policy = self._plan(restrict(rates, nodes), roots=None)
+        self.roots = tuple(policy.roots)
+        self.planned_rates = dict(rates)
+        log.info("first policy: topology %s, roots %s", self.topology, list(self.roots))
+        return policy
+
+    def replan(self, rates: Rates, nodes: Collection[int], current: Policy, *, force: bool = False) -> Policy | None:
+        """A new policy from ``rates`` over ``nodes``, or None when nothing changed enough."""
+        if self.roots is None or self.planned_rates is None:
+            raise PlanningError("replan before the first decision")
+        alive = set(nodes)
+        membership_changed = not alive.issuperset(self._nodes_of(current))
+        if not (force or membership_changed):
+            change = self._relative_change(restrict(self.planned_rates, alive), restrict(rates, alive))
+            if self.update_rate > 0 and change <= self.update_rate:
+                log.debug("rates changed by %.3f <= UPDATE_RATE %.3f: keep policy %d", change, self.update_rate,
+                          current.version)
+                return None
+        roots = tuple(r for r in self.roots if r in alive)
+        policy = self._plan(restrict(rates, alive), roots=roots or None)
+        if not roots:
+            self.roots = tuple(policy.roots)
+            log.warning("every root died: new roots %s", list(self.roots))
+        self.planned_rates = dict(rates)
+        if not force and not membership_changed and policy.with_version(current.version) == current:
+            return None
+        return policy
+
+    def _plan(self, rates: Rates, roots: tuple[int, ...] | None) -> Policy:
+        """Rooted topologies keep their root set; baselines keep their hub (the root of the first plan)."""
+        try:
+            if roots is None:
+                return plan(rates, topology=self.topology, num_roots=self.num_roots)
+            if self.topology in ROOTED_TOPOLOGIES:
+                return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots)
+            return plan(rates, topology=self.topology, hub=roots[0])
+        except NetStormError as exc:
+            raise PlanningError(f"cannot plan a {self.topology} policy: {exc}") from exc
+
+    @staticmethod
+    def _nodes_of(policy: Policy) -> set[int]:
+        return set(policy.nodes)

@@ -1,0 +1,399 @@
+"""The scheduler's asyncio shell: control TCP, SNTP on the same port, heartbeat timer, re-planning.
+
+Protocol decisions live in the sans-I/O cores (membership.py, consistency.py); this module moves
+frames, runs timers and hands planning to a thread (asyncio.to_thread) so a slow plan never delays a
+heartbeat or a policy reply. Each connection is served by one task that answers every request before
+reading the next, so replies come back in request order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Collection
+from typing import Any
+
+from netstorm import control
+from netstorm.clock import serve_sntp
+from netstorm.config import Config
+from netstorm.errors import ConfigError
+from netstorm.policy import Policy
+from netstorm.probe import LinkReport as ProbeReport
+from netstorm.scenario import Rates
+from scheduler.collector import LinkCollector
+from scheduler.consistency import Consistency, ConsistencyError
+from scheduler.membership import Down, Membership, MembershipError
+from scheduler.planner import Planner, PlanningError, restrict
+
+log = logging.getLogger(__name__)
+
+STATUS_BINDINGS = 64
+"""Most recent iteration -> version bindings a status answer carries."""
+SEND_TIMEOUT = 10.0
+"""Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
+
+
+class _Connection:
+    """One peer's control connection: serialized writes with a deadline."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        peer = writer.get_extra_info("peername")
+        self.peer = control.format_address(peer[:2]) if isinstance(peer, tuple) else str(peer)
+        self.node_id: int | None = None
+        self._lock = asyncio.Lock()
+
+    def name(self) -> str:
+        return f"node {self.node_id} ({self.peer})" if self.node_id is not None else self.peer
+
+    async def send(self, message: control.Message) -> None:
+        async with self._lock:
+            if self.writer.is_closing():
+                raise ConnectionError(f"connection to {self.name()} is closed")
+            self.writer.write(control.encode(message))
+            try:
+                async with asyncio.timeout(SEND_TIMEOUT):
+                    await self.writer.drain()
+            except TimeoutError:
+                raise ConnectionError(f"{self.name()} did not read its control messages for {SEND_TIMEOUT} s") \
+                    from None
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class SchedulerService:
+    """State of one job's scheduler; ``serve`` runs it until cancelled."""
+
+    def __init__(self, rates: Rates, nodes: Collection[int], config: Config, *, topology: str = "fapt",
+                 num_roots: int | None = None, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.initial_rates = dict(rates)
+        self.clock = clock
+        self.membership = Membership(nodes, heartbeat_timeout=config.heartbeat_timeout)
+        if len(self.membership.expected) < 2 or not restrict(rates, nodes):
+            raise ConfigError(f"a job needs at least two DCs joined by overlay links, got nodes "
+                              f"{list(self.membership.expected)}")
+        self.consistency = Consistency()
+        self.collector = LinkCollector(restrict(rates, nodes), now=clock())
+        self.planner = Planner(topology=topology,
+                               num_roots=config.num_root_servers if num_roots is None else num_roots,
+                               update_rate=config.update_rate, relative_change=self.collector.relative_change)
+        try:  # fail at startup, not when the last node registers, if these nodes cannot form a job
+            Planner(topology=topology, num_roots=self.planner.num_roots, update_rate=0.0,
+                    relative_change=self.collector.relative_change).first(rates, self.membership.expected)
+        except PlanningError as exc:
+            raise ConfigError(str(exc)) from None
+        self.address: tuple[str, int] | None = None
+        self._connections: dict[int, _Connection] = {}
+        self._plan_lock = asyncio.Lock()
+        self._replan_wanted = asyncio.Event()
+        self._layout: tuple[str, int] | None = None
+        self._ignored_links: set[tuple[int, int]] = set()
+        self.complete = asyncio.Event()
+        """Set once every node registered, the first policy exists and every RegisterAck went out."""
+        self.cycles = 0
+        """Re-plan cycles run so far (tests wait on it instead of sleeping)."""
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def serve(self, host: str, port: int, *, ready: Callable[[tuple[str, int]], None] | None = None) -> None:
+        """Serve control TCP and SNTP on host:port until cancelled."""
+        server, sntp, address = await self._bind(host, port)
+        log.info("scheduler listening on %s (TCP control, UDP SNTP); expecting nodes %s",
+                 control.format_address(address), list(self.membership.expected))
+        try:
+            async with server, asyncio.TaskGroup() as tasks:
+                tasks.create_task(self._liveness_loop())
+                tasks.create_task(self._replan_loop())
+                if ready is not None:
+                    ready(address)
+                await server.serve_forever()
+        finally:
+            sntp.close()
+            for conn in list(self._connections.values()):
+                conn.close()
+
+    async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
+        """TCP and UDP on one port; with port 0, retry until a port is free for both."""
+        for attempt in range(20):
+            try:
+                server = await asyncio.start_server(self._serve_connection, host, port)
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on TCP {control.format_address((host, port))}: {exc}") from None
+            sockname = server.sockets[0].getsockname()
+            address = (str(sockname[0]), int(sockname[1]))
+            try:
+                sntp = await serve_sntp(address[0], address[1], self.clock)
+            except OSError as exc:
+                server.close()
+                await server.wait_closed()
+                if port != 0 or attempt == 19:
+                    raise ConfigError(f"cannot serve SNTP on UDP {control.format_address(address)}: {exc}") from None
+                continue
+            self.address = address
+            return server, sntp, address
+        raise AssertionError("unreachable")
+
+    # --- connections -----------------------------------------------------------------------------
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = _Connection(writer)
+        try:
+            while True:
+                timeout = None if conn.node_id is not None else self.config.connect_timeout
+                try:
+                    async with asyncio.timeout(timeout):
+                        message = await control.read_message(reader)
+                except TimeoutError:
+                    log.warning("%s sent nothing for %s s: closing", conn.name(), timeout)
+                    break
+                if message is None:
+                    break
+                if not await self._dispatch(conn, message):
+                    break
+        except control.ControlError as exc:
+            log.warning("bad control input from %s: %s", conn.name(), exc)
+            with contextlib.suppress(ConnectionError):
+                await conn.send(control.Error(f"bad control message: {exc}"))
+        except ConnectionError as exc:
+            log.warning("control connection to %s failed: %s", conn.name(), exc)
+        finally:
+            conn.close()
+            if conn.node_id is not None and self._connections.get(conn.node_id) is conn:
+                del self._connections[conn.node_id]
+                down = self.membership.disconnected(conn.node_id, self.clock())
+                if down is not None:
+                    await self._member_down(down)
+
+    async def _dispatch(self, conn: _Connection, message: control.Message) -> bool:
+        """Handle one message; False closes the connection."""
+        match message:
+            case control.Register():
+                return await self._register(conn, message)
+            case control.Heartbeat():
+                return await self._heartbeat(conn, message)
+            case control.PolicyRequest():
+                await self._policy_request(conn, message)
+            case control.LayoutCheck():
+                await self._layout_check(conn, message)
+            case control.LinkReport():
+                self._link_report(conn, message)
+            case control.PolicyOverride():
+                await self._override(conn, message)
+            case control.StatusRequest():
+                await conn.send(self.status())
+            case control.PolicyFetch():
+                await conn.send(self._policy_fetch(message.version))
+            case _:
+                await conn.send(control.Error(f"the scheduler does not accept {message.TYPE} messages"))
+        return True
+
+    def _member(self, conn: _Connection, claimed: int, what: str) -> str | None:
+        """Why ``conn`` may not act for node ``claimed`` (None when it may)."""
+        if conn.node_id is None:
+            return f"{what} from an unregistered connection ({conn.peer})"
+        if claimed != conn.node_id:
+            return f"{what} names node {claimed} but this connection registered as node {conn.node_id}"
+        return None
+
+    async def _register(self, conn: _Connection, message: control.Register) -> bool:
+        if conn.node_id is not None:
+            await conn.send(control.Error(f"this connection already registered as node {conn.node_id}"))
+            return True
+        try:
+            completes = self.membership.register(message.node_id, (message.data_host, message.data_port),
+                                                 self.clock())
+        except MembershipError as exc:
+            log.warning("registration from %s refused: %s", conn.peer, exc)
+            await conn.send(control.Error(str(exc)))
+            return False
+        conn.node_id = message.node_id
+        self._connections[message.node_id] = conn
+        log.info("node %d registered from %s with data address %s:%d (%d of %d)", message.node_id, conn.peer,
+                 message.data_host, message.data_port, len(self.membership.registered),
+                 len(self.membership.expected))
+        if completes:
+            await self._start_job()
+        return True
+
+    async def _start_job(self) -> None:
+        """Every node is here: plan the first policy, then tell everyone the membership and config."""
+        async with self._plan_lock:
+            nodes = self.membership.alive
+            try:
+                policy = await asyncio.to_thread(self.planner.first, self.initial_rates, nodes)
+            except PlanningError as exc:
+                log.error("%s", exc)
+                await self._broadcast(control.Error(f"the scheduler cannot start the job: {exc}"))
+                return
+            self._publish(policy, "first plan")
+        ack = control.RegisterAck(members=self.membership.members(), config=dataclasses.asdict(self.config),
+                                  scheduler_time=self.clock())
+        await self._broadcast(ack)
+        self.complete.set()
+        log.info("membership complete: nodes %s; policy %d is current", list(nodes),
+                 self.consistency.current_version)
+
+    async def _heartbeat(self, conn: _Connection, message: control.Heartbeat) -> bool:
+        problem = self._member(conn, message.node_id, "heartbeat")
+        if problem is None:
+            try:
+                self.membership.heartbeat(message.node_id, self.clock())
+                return True
+            except MembershipError as exc:
+                problem = str(exc)
+        await conn.send(control.Error(problem))
+        return False
+
+    async def _policy_request(self, conn: _Connection, message: control.PolicyRequest) -> None:
+        problem = self._member(conn, message.node_id, f"policy request for iteration {message.iteration}")
+        if problem is None and not self.complete.is_set():
+            problem = f"policy request for iteration {message.iteration} before the membership is complete"
+        if problem is not None:
+            await conn.send(control.Error(problem))
+            return
+        try:
+            answer = self.consistency.request(message.iteration, message.known_version)
+        except ConsistencyError as exc:
+            await conn.send(control.Error(f"node {message.node_id}: {exc}"))
+            return
+        if answer.newly_bound:
+            log.info("iteration %d bound to policy version %d (first asked by node %d)", answer.iteration,
+                     answer.version, message.node_id)
+        await conn.send(control.PolicyReply(answer.iteration, answer.version, answer.policy))
+
+    async def _layout_check(self, conn: _Connection, message: control.LayoutCheck) -> None:
+        problem = self._member(conn, message.node_id, "layout check")
+        if problem is None:
+            if self._layout is None:
+                self._layout = (message.layout_hash, message.node_id)
+                log.info("tensor layout %s registered by node %d", message.layout_hash, message.node_id)
+            elif self._layout[0] != message.layout_hash:
+                problem = (f"layout mismatch: node {message.node_id} has layout {message.layout_hash} but node "
+                           f"{self._layout[1]} registered layout {self._layout[0]}")
+        await conn.send(control.Error(problem) if problem else control.LayoutAck())
+
+    def _link_report(self, conn: _Connection, message: control.LinkReport) -> None:
+        if conn.node_id is None or (message.dst != conn.node_id and message.src != conn.node_id):
+            log.warning("link report %d->%d from %s ignored: not an endpoint", message.src, message.dst,
+                        conn.name())
+            return
+        report = ProbeReport(src=message.src, dst=message.dst, mbit_s=message.mbit_s, t=message.t,
+                             samples=message.samples)
+        try:
+            self.collector.add(report, self.clock())
+        except ValueError as exc:
+            # e.g. a STAR/BKT tree edge between non-adjacent DCs measures a route, not an overlay link
+            if (message.src, message.dst) not in self._ignored_links:
+                self._ignored_links.add((message.src, message.dst))
+                log.warning("link reports %d->%d ignored (said once): %s", message.src, message.dst, exc)
+            return
+        log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
+                  message.samples)
+
+    async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
+        if not self.complete.is_set():
+            await conn.send(control.Error("policy override before the first policy exists"))
+            return
+        try:
+            version = await self.replan(dict(message.rates), force=True, reason=f"override from {conn.name()}")
+        except PlanningError as exc:
+            await conn.send(control.Error(str(exc)))
+            return
+        await conn.send(control.PolicyOverrideAck(version))
+
+    def status(self) -> control.Status:
+        current = self.consistency.current_version
+        bindings = sorted(self.consistency.bindings.items())[-STATUS_BINDINGS:]
+        return control.Status(expected=self.membership.expected, registered=self.membership.registered,
+                              alive=self.membership.alive, complete=self.complete.is_set(),
+                              version=-1 if current is None else current, bindings=tuple(bindings))
+
+    def _policy_fetch(self, version: int) -> control.Message:
+        current = self.consistency.current_version
+        wanted = current if version == -1 else version
+        if wanted is None:
+            return control.Error("no policy has been planned yet")
+        try:
+            policy = self.consistency.policy(wanted)
+        except KeyError:
+            return control.Error(f"policy version {version} is not held (current {current}; older versions are "
+                                 "kept only while a remembered iteration uses them)")
+        return control.PolicyReply(-1, wanted, policy.to_wire())
+
+    # --- membership changes and planning ---------------------------------------------------------
+
+    async def _broadcast(self, message: control.Message) -> None:
+        async def one(conn: _Connection) -> None:
+            try:
+                await conn.send(message)
+            except ConnectionError as exc:  # it is going away; its own handler reports that
+                log.info("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
+                conn.close()
+
+        async with asyncio.TaskGroup() as tasks:
+            for conn in list(self._connections.values()):
+                tasks.create_task(one(conn))
+
+    async def _member_down(self, down: Down) -> None:
+        log.warning("node %d is down: %s; re-planning without it", down.node_id, down.reason)
+        await self._broadcast(control.MemberDown(down.node_id, down.reason))
+        conn = self._connections.pop(down.node_id, None)
+        if conn is not None:
+            conn.close()
+        self._replan_wanted.set()
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            deadline = self.membership.next_deadline()
+            wait = self.config.heartbeat_interval if deadline is None else deadline - self.clock() + 0.01
+            await asyncio.sleep(min(max(wait, 0.01), self.config.heartbeat_interval))
+            for down in self.membership.check(self.clock()):
+                await self._member_down(down)
+
+    async def _replan_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.update_time):
+                    await self._replan_wanted.wait()
+            membership_change = self._replan_wanted.is_set()
+            self._replan_wanted.clear()
+            self.cycles += 1
+            if not self.complete.is_set():
+                continue
+            if not membership_change and not self.config.enable_awareness:
+                continue
+            if len(self.membership.alive) < 2:
+                log.info("fewer than two live nodes (%s): no job left to plan for", list(self.membership.alive))
+                continue
+            rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
+                else self.planner.planned_rates or self.initial_rates
+            try:
+                await self.replan(rates, force=False, reason="node down" if membership_change else "periodic update")
+            except PlanningError as exc:
+                log.error("re-plan failed, keeping policy %s: %s", self.consistency.current_version, exc)
+
+    async def replan(self, rates: Rates, *, force: bool, reason: str) -> int:
+        """Plan from ``rates`` over the live nodes and publish it if it is new; the current version after."""
+        async with self._plan_lock:
+            current_version = self.consistency.current_version
+            if current_version is None:
+                raise PlanningError("no first policy yet")
+            current: Any = self.consistency.policy(current_version)
+            assert isinstance(current, Policy)
+            policy = await asyncio.to_thread(self.planner.replan, rates, self.membership.alive, current,
+                                             force=force)
+            if policy is not None:
+                self._publish(policy, reason)
+            return self.consistency.current_version or 0
+
+    def _publish(self, policy: Policy, reason: str) -> None:
+        versioned = policy.with_version(self.consistency.next_version())
+        self.consistency.publish(versioned)
+        shares = ", ".join(f"{root}:{share:.2f}" for root, share in sorted(versioned.chunk_share.items()))
+        log.info("policy version %d (%s): roots %s, chunk shares %s; binds to the next iteration asked for",
+                 versioned.version, reason, list(versioned.roots), shares)

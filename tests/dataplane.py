@@ -1,0 +1,61 @@
+"""Helpers for data-plane tests: in-process general nodes on loopback under a fixed policy.
+
+The control plane here is deliberately simple (membership known up front, one policy per iteration
+chosen by the test) so these tests exercise the data plane alone; the scheduler's own client is used by
+the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Mapping
+
+from netstorm.config import Config
+from netstorm.policy import Policy
+from netstorm.probe import LinkReport
+from node.service import GeneralNode
+
+
+class FixedControl:
+    """Membership and policies decided by the test; records link reports."""
+
+    def __init__(self, node_id: int, members: Mapping[int, tuple[str, int]], config: Config,
+                 policies: Callable[[int], Policy]) -> None:
+        self.node_id = node_id
+        self.members = dict(members)
+        self.config = config
+        self._policies = policies
+        self.reports: list[LinkReport] = []
+        self.layouts: list[str] = []
+        self._down: list[Callable[[int, str], None]] = []
+
+    async def check_layout(self, layout_hash: str, *, timeout: float) -> None:  # noqa: ASYNC109
+        self.layouts.append(layout_hash)
+
+    async def policy_for(self, iteration: int, *, timeout: float) -> Policy:  # noqa: ASYNC109
+        return self._policies(iteration)
+
+    def report_link(self, report: LinkReport) -> None:
+        self.reports.append(report)
+
+    def on_member_down(self, cb: Callable[[int, str], None]) -> None:
+        self._down.append(cb)
+
+
+@contextlib.asynccontextmanager
+async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy]
+                  ) -> AsyncIterator[dict[int, GeneralNode]]:
+    """Nodes ``ids`` serving on loopback, each running in this scope; stopped on exit."""
+    nodes = {i: GeneralNode(i, config) for i in ids}
+    members = {i: await n.serve_data("127.0.0.1", 0) for i, n in nodes.items()}
+    async with asyncio.TaskGroup() as tg:
+        for i, n in nodes.items():
+            tg.create_task(n.run(FixedControl(i, members, config, policies)))
+        for n in nodes.values():
+            await n.wait_ready()
+        try:
+            yield nodes
+        finally:
+            for n in nodes.values():
+                n.stop()

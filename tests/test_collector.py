@@ -1,0 +1,84 @@
+"""LinkCollector: latest reports, decay of stale links toward the optimum, relative change."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from netstorm.probe import LinkReport
+from scheduler.collector import LinkCollector
+
+INITIAL = {(1, 2): 100.0, (2, 1): 80.0, (2, 3): 20.0, (3, 2): 40.0}
+
+
+def test_fresh_values_are_believed_as_they_are():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
+    assert c.estimate(10.0) == INITIAL
+    c.add(LinkReport(2, 3, 55.5, 12.0, 4), now=12.0)
+    assert c.estimate(20.0) == {**INITIAL, (2, 3): 55.5}
+    assert c.state(2, 3).measured and c.state(2, 3).samples == 4
+    assert not c.state(1, 2).measured
+
+
+def test_stale_link_decays_halfway_to_the_best_rate_per_half_life():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
+    c.add(LinkReport(1, 2, 100.0, 89.0, 4), now=89.0)  # keeps (1, 2) fresh; target = 100
+    est = c.estimate(90.0)  # 60 s past the 30 s horizon for the never-measured links: one half-life
+    assert est[(1, 2)] == 100.0
+    assert est[(2, 1)] == pytest.approx(90.0)  # 80 + (100 - 80) / 2
+    assert est[(2, 3)] == pytest.approx(60.0)  # 20 + (100 - 20) / 2
+    assert est[(3, 2)] == pytest.approx(70.0)
+    assert c.estimate(150.0)[(2, 3)] == pytest.approx(80.0)  # two half-lives: 3/4 of the way
+
+
+def test_an_unused_slow_link_eventually_looks_best_enough_to_be_tried():
+    # The avalanche effect: (2, 3) is never measured because no tree uses it. Its estimate must rise
+    # monotonically and overtake every other link's fresh value, so a re-plan will try it.
+    c = LinkCollector(INITIAL, now=0.0)
+    seen = []
+    for t in range(0, 600, 5):
+        for link in ((1, 2), (2, 1), (3, 2)):
+            c.add(LinkReport(*link, INITIAL[link], t, 4), now=float(t))
+        seen.append(c.estimate(float(t))[(2, 3)])
+    assert all(b >= a for a, b in itertools.pairwise(seen))
+    assert seen[0] == 20.0 and seen[-1] > 80.0  # above the (2, 1) and (3, 2) links' 80 and 40
+
+
+def test_a_new_report_resets_the_decay():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
+    assert c.estimate(200.0)[(2, 3)] > 80.0
+    c.add(LinkReport(2, 3, 21.0, 200.0, 4), now=200.0)
+    assert c.estimate(210.0)[(2, 3)] == 21.0
+
+
+def test_decay_can_be_turned_off():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=math.inf)
+    assert c.estimate(1e6) == INITIAL
+
+
+@pytest.mark.parametrize("report", [LinkReport(3, 1, 10.0, 0.0, 4), LinkReport(1, 2, 0.0, 0.0, 4),
+                                    LinkReport(1, 2, -5.0, 0.0, 4), LinkReport(1, 2, math.nan, 0.0, 4),
+                                    LinkReport(1, 2, math.inf, 0.0, 4)])
+def test_bad_reports_raise_and_change_nothing(report):
+    c = LinkCollector(INITIAL, now=0.0)
+    with pytest.raises(ValueError, match=f"{report.src}->{report.dst}"):
+        c.add(report, now=1.0)
+    assert c.estimate(1.0) == INITIAL
+
+
+def test_bad_initial_rates_raise():
+    with pytest.raises(ValueError, match="2->3"):
+        LinkCollector({(1, 2): 10.0, (2, 3): 0.0}, now=0.0)
+    with pytest.raises(ValueError):
+        LinkCollector({}, now=0.0)
+
+
+def test_relative_change_is_the_largest_per_link_change():
+    old = {(1, 2): 100.0, (2, 1): 50.0}
+    assert LinkCollector.relative_change(old, dict(old)) == 0.0
+    assert LinkCollector.relative_change(old, {(1, 2): 110.0, (2, 1): 25.0}) == pytest.approx(0.5)
+    assert LinkCollector.relative_change(old, {(1, 2): 300.0, (2, 1): 50.0}) == pytest.approx(2.0)
+    assert LinkCollector.relative_change(old, {(1, 2): 100.0}) == math.inf
+    assert LinkCollector.relative_change({}, {}) == 0.0

@@ -1,0 +1,156 @@
+"""Control messages: every type survives a wire round trip; anything unknown or malformed is refused."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+
+from netstorm import control
+from netstorm.control import (
+    ControlError,
+    Error,
+    FrameDecoder,
+    Heartbeat,
+    LayoutAck,
+    LayoutCheck,
+    LinkReport,
+    MemberDown,
+    PolicyFetch,
+    PolicyOverride,
+    PolicyOverrideAck,
+    PolicyReply,
+    PolicyRequest,
+    Register,
+    RegisterAck,
+    Status,
+    StatusRequest,
+    decode,
+    encode,
+)
+
+SAMPLES: list[control.Message] = [
+    Register(node_id=3, data_host="127.0.0.1", data_port=40003),
+    RegisterAck(members={1: ("127.0.0.1", 4001), 2: ("10.0.0.2", 4002)}, config={"chunk_size": 7},
+                scheduler_time=1234.5),
+    LayoutCheck(node_id=2, layout_hash="ab12"),
+    LayoutAck(),
+    Heartbeat(node_id=1, t=99.25),
+    MemberDown(node_id=4, reason="no heartbeat for 5.0 s"),
+    PolicyRequest(node_id=1, iteration=17, known_version=-1),
+    PolicyReply(iteration=17, version=2, policy={"version": 2, "roots": [1, 2]}),
+    PolicyReply(iteration=18, version=2, policy=None),
+    LinkReport(src=1, dst=2, mbit_s=37.5, t=10.0, samples=4),
+    Error(message="unknown node 12"),
+    PolicyOverride(rates={(1, 2): 10.0, (2, 1): 20.5}),
+    PolicyOverrideAck(version=5),
+    StatusRequest(),
+    Status(expected=(1, 2, 3), registered=(1, 3), alive=(1, 3), complete=False, version=-1),
+    Status(expected=(1, 2), registered=(1, 2), alive=(2,), complete=True, version=3, bindings=((7, 2), (8, 3))),
+    PolicyFetch(version=-1),
+]
+
+
+def body(frame: bytes) -> bytes:
+    (length,) = control.LENGTH.unpack_from(frame)
+    assert len(frame) == control.LENGTH.size + length
+    return frame[control.LENGTH.size:]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.TYPE)
+def test_round_trip(message: control.Message) -> None:
+    assert decode(body(encode(message))) == message
+
+
+def test_every_type_has_a_sample() -> None:
+    assert {m.TYPE for m in SAMPLES} == set(control.MESSAGES)
+
+
+def test_frame_layout_is_length_prefixed_msgpack_with_version_and_type() -> None:
+    frame = encode(Heartbeat(node_id=5, t=1.5))
+    data = msgpack.unpackb(body(frame))
+    assert data == {"v": 1, "type": "heartbeat", "node_id": 5, "t": 1.5}
+
+
+def raw(data: object) -> bytes:
+    return msgpack.packb(data, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"v": 2, "type": "heartbeat", "node_id": 1, "t": 0.0}, "version 2"),
+        ({"type": "heartbeat", "node_id": 1, "t": 0.0}, "version None"),
+        ({"v": 1, "type": "launch_missiles"}, "unknown control message type 'launch_missiles'"),
+        ({"v": 1, "type": "heartbeat", "node_id": 1}, "missing field(s) t"),
+        ({"v": 1, "type": "heartbeat", "node_id": 1, "t": 0.0, "x": 1}, "unknown field(s) x"),
+        ({"v": 1, "type": "heartbeat", "node_id": "1", "t": 0.0}, "heartbeat.node_id: expected an integer"),
+        ({"v": 1, "type": "heartbeat", "node_id": True, "t": 0.0}, "expected an integer"),
+        ({"v": 1, "type": "register", "node_id": 1, "data_host": "h", "data_port": 70000}, "out of range"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h"]], "config": {}, "scheduler_time": 0},
+         "expected [id, host, port]"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h", 5], [1, "h", 6]], "config": {},
+          "scheduler_time": 0}, "listed twice"),
+        ({"v": 1, "type": "policy_reply", "iteration": 1, "version": 1, "policy": [1]}, "expected a map"),
+        ({"v": 1, "type": "policy_override", "rates": [[1, 2, -3.0]]}, "must be positive"),
+        ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": 1,
+          "version": 0, "bindings": []}, "expected true or false"),
+        ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": True,
+          "version": 0, "bindings": [[1, 2, 3]]}, "[int, int] pairs"),
+        ([1, 2, 3], "not a map"),
+    ],
+)
+def test_malformed_messages_are_rejected_with_a_reason(data: object, needle: str) -> None:
+    with pytest.raises(ControlError) as info:
+        decode(raw(data))
+    assert needle in str(info.value)
+
+
+def test_garbage_bytes_are_rejected() -> None:
+    with pytest.raises(ControlError, match="undecodable"):
+        decode(b"\xc1\xff\x00garbage")
+
+
+def test_frame_decoder_splits_a_stream_fed_byte_by_byte() -> None:
+    stream = b"".join(encode(m) for m in SAMPLES)
+    decoder = FrameDecoder()
+    out: list[control.Message] = []
+    for i in range(len(stream)):
+        out.extend(decoder.feed(stream[i:i + 1]))
+    assert out == SAMPLES
+
+
+def test_frame_decoder_refuses_oversized_frames_before_buffering_them() -> None:
+    decoder = FrameDecoder(max_frame=100)
+    with pytest.raises(ControlError, match="exceeds the limit of 100"):
+        list(decoder.feed(control.LENGTH.pack(101) + b"x" * 10))
+
+
+def test_read_message_from_a_stream() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode(SAMPLES[0]) + encode(SAMPLES[1]))
+        reader.feed_data(encode(SAMPLES[2])[:5])
+        reader.feed_eof()
+        assert await control.read_message(reader) == SAMPLES[0]
+        assert await control.read_message(reader) == SAMPLES[1]
+        with pytest.raises(ControlError, match="closed inside"):
+            await control.read_message(reader)
+        empty = asyncio.StreamReader()
+        empty.feed_eof()
+        assert await control.read_message(empty) is None
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize(("text", "expected"), [("127.0.0.1:80", ("127.0.0.1", 80)), ("[::1]:9", ("::1", 9))])
+def test_parse_address(text: str, expected: tuple[str, int]) -> None:
+    assert control.parse_address(text) == expected
+    assert control.parse_address(control.format_address(expected)) == expected
+
+
+@pytest.mark.parametrize("text", ["localhost", ":80", "h:x", "h:70000"])
+def test_parse_address_rejects(text: str) -> None:
+    with pytest.raises(ControlError):
+        control.parse_address(text)

@@ -1,0 +1,93 @@
+"""Result documents: the STAR bound by hand, per-iteration limits from the rate log, the summary table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from netstorm.emulation import results, systems
+from netstorm.emulation.errors import EmulationError
+from netstorm.emulation.runner import TrainerLog
+from netstorm.scenario import load
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_star_bound_counts_every_route_through_the_busiest_link() -> None:
+    # Chain 1-2-3, 10 Mbit/s everywhere, M = 1.25 MB = 10 Mbit. Hub 2: each link carries one flow each
+    # way -> 1 s. Hub 1: 2->1 carries the gradients of 2 and 3 -> 2 s. So hub 2 at 1 s.
+    rates = {(1, 2): 10.0, (2, 1): 10.0, (2, 3): 10.0, (3, 2): 10.0}
+    assert results.star_bound_of_scaled(1_250_000, rates) == (pytest.approx(1.0), 2)
+    # Make 3->2 slow (2 Mbit/s): hub 3 sends the sum to 2 and 1 over it (2 flows: 10 s); hubs 1 and 2
+    # each need one flow over it (5 s): a tie, which goes to the lower id.
+    rates[(3, 2)] = 2.0
+    assert results.star_bound_of_scaled(1_250_000, rates) == (pytest.approx(5.0), 1)
+
+
+def test_iteration_limits_follow_the_rates_in_force() -> None:
+    scenario = load(DATA / "emu-4.toml")
+    bounds = results.Bounds(2_500_000, 1.0)  # 20 Mbit
+    log = [{"t": 0.0, "epoch": 0, "rates_mbit": {f"{a}->{b}": r for (a, b), r in scenario.rates().items()}},
+           {"t": 5.0, "epoch": 1, "rates_mbit": {f"{a}->{b}": 10.0 for (a, b) in scenario.rates()}}]
+    outcome = {"iteration_s": [3.0, 3.0, 3.0], "completed_at_s": [4.0, 7.0, 10.0]}
+    # Initially the min cut is node 1's 20 Mbit/s out -> 1 s; after t=5 every link is 10 -> cut of
+    # node 1 (one link) = 10 Mbit/s -> 2 s. Iterations start at 0, 4 and 7 s.
+    assert results.iteration_limits(outcome, log, bounds, scenario) == [1.0, 1.0, 2.0]
+
+
+def _result() -> dict:
+    def system(times: list[float], cpu: float = 20.0) -> dict:
+        return {"kind": "netstorm", "iteration_s": times, "limit_s": [1.0] * len(times), "exact": True,
+                "iterations_completed": len(times), "cpu": {"mean_pct": cpu, "run_pct": 5.0}}
+
+    return {"format": 1, "scenario": "x", "dynamic": False, "seed": None, "bw_scale": 0.5, "time_scale": 1.0,
+            "model": {"spec": "1M", "parameters": 10**6, "bytes": 4 * 10**6}, "iterations": 3, "compute_s": 0.0,
+            "limit_s": 1.0, "star_bound_s": 4.0, "star_bound_hub": 2,
+            "systems": {"netstorm": system([9.0, 1.5, 1.5]), "star": system([9.0, 6.0, 6.0]),
+                        "gloo": system([9.0, 4.5, 4.5], cpu=97.0)}}
+
+
+def test_summary_reports_ratios_to_limit_star_and_gloo_and_warns_when_cpu_bound() -> None:
+    text = results.summary(_result())
+    row = next(line for line in text.splitlines() if line.startswith("netstorm "))
+    # Steady iterations only: 1.5 s -> 1.5x the limit, 4x faster than STAR (6 s), 3x faster than gloo.
+    assert "1.50" in row and "4.00x" in row and "3.00x" in row
+    assert "beat STAR by at most 4.00x" in text
+    assert "WARNING: gloo" in text and "WARNING: netstorm" not in text
+
+
+def test_trainer_log_reads_only_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    tlog = TrainerLog(path, 3)
+    tlog.poll()
+    path.write_text('{"iteration": 0, "seconds": 1.0, "exact": true}\n{"iteration": 1, "sec')
+    tlog.poll()
+    assert [r["iteration"] for r in tlog.records] == [0]
+    with path.open("a") as fh:
+        fh.write('onds": 2.0, "exact": true}\nnot json\n')
+    tlog.poll()
+    assert [r.get("iteration") for r in tlog.records] == [0, 1, None]
+    assert tlog.records[2]["exact"] is False
+    json.dumps(tlog.records)
+
+
+def test_system_names_parse_in_order_and_unknown_names_fail() -> None:
+    assert [s.name for s in systems.parse("star, netstorm,star")] == ["star", "netstorm"]
+    assert len(systems.parse("all")) == 8
+    assert systems.parse("lite")[0].scheduler_flags() == [
+        "--topology", "fapt", "--enable-awareness", "false", "--enable-aux-path", "false"]
+    with pytest.raises(EmulationError, match="unknown system"):
+        systems.parse("netstorm,ring")
+
+
+def test_scaling_efficiency_is_the_ratio_of_iteration_times() -> None:
+    small, big = _result(), _result()
+    small["nodes"], big["nodes"] = [1, 2, 3, 4, 5], list(range(1, 16))
+    small["scenario"], big["scenario"] = "scale-5", "scale-15"
+    big["systems"]["netstorm"]["iteration_s"] = [9.0, 2.0, 2.0]
+    lines = results.scaling([big, small])
+    line = next(x for x in lines if x.startswith("netstorm:"))
+    # 5 DCs at 1.5 s, 15 DCs at 2.0 s: samples/s x(15/2)/(5/1.5) = 2.25 for 3x the DCs -> 0.75.
+    assert "x2.25 for x3.00" in line and line.endswith("efficiency 0.75")

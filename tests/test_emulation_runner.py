@@ -1,0 +1,74 @@
+"""The runner end to end with the gloo baseline: a result that obeys physics, plots, report, teardown."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netstorm.emulation import netns
+
+DATA = Path(__file__).parent / "data"
+
+pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.torch]
+
+
+def test_gloo_on_emu4_writes_a_result_that_no_scheme_could_beat(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    before = {n for n in netns.list_namespaces() if n.startswith("nse")}
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(DATA / "emu-4.toml"),
+                           "--system", "gloo", "--iterations", "2", "--model", "1M", "--out", str(out),
+                           "--plots", str(tmp_path / "plots")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    gloo = result["systems"]["gloo"]
+    assert gloo["exact"] and gloo["iterations_completed"] == 2
+    assert result["model"]["bytes"] == 4_000_000
+    # emu-4's min cut is node 1's 20 Mbit/s out: 32 Mbit / 20 Mbit/s = 1.6 s.
+    assert result["limit_s"] == pytest.approx(1.6)
+    for seconds, limit in zip(gloo["sync_s"], gloo["limit_s"], strict=True):
+        assert seconds >= 0.95 * limit
+    assert "latency" in result["features"]["not_applied"]
+    assert gloo["cpu"]["run_cpu_s"] > 0
+    assert "iteration 2/2" in proc.stderr
+    assert "gloo" in proc.stdout and "x limit" in proc.stdout
+    assert {p.name for p in (tmp_path / "plots").iterdir()} == {"emu-4-iterations.png", "emu-4-rates.png"}
+    assert {n for n in netns.list_namespaces() if n.startswith("nse")} <= before
+
+    report = subprocess.run([sys.executable, "-m", "netstorm.cli", "report", str(out), "--plots",
+                             str(tmp_path / "again")], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert report.stdout.splitlines()[0] == proc.stdout.splitlines()[0]
+    assert len(list((tmp_path / "again").iterdir())) == 2
+
+
+def test_netstorm_system_on_emu4_is_exact_and_records_its_policies(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(DATA / "emu-4.toml"),
+                           "--system", "netstorm", "--iterations", "2", "--model", "1M", "--out", str(out),
+                           "--run-dir", str(tmp_path / "run")], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ns = json.loads(out.read_text())["systems"]["netstorm"]
+    assert ns["exact"] and ns["iterations_completed"] == 2
+    for seconds, limit in zip(ns["sync_s"], ns["limit_s"], strict=True):
+        assert seconds >= 0.95 * limit
+    versions = ns["policy_versions"]
+    assert len(versions["by_iteration"]) == 2 and all(isinstance(v, int) for v in versions["by_iteration"])
+    assert versions["policies"][0]["version"] == 0
+    # Multi-root FAPT plans one tree per node at the initial rates, each spanning all four DCs.
+    assert sorted(ns["trees"]) == ["1", "2", "3", "4"]
+    assert all(sorted(t) == ["1", "2", "3", "4"] for t in ns["trees"].values())
+    assert (tmp_path / "run" / "netstorm" / "scheduler.log").exists()
+    assert "policy v0" in proc.stderr
+
+
+def test_report_rejects_what_is_not_a_result(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"hello": 1}')
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "report", str(bad)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert "not a netstorm emulate result" in proc.stderr

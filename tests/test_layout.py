@@ -1,0 +1,79 @@
+"""The chunk layout: every element in exactly one chunk, limits respected, the same on every node."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from netstorm.errors import LayoutError
+from netstorm.layout import Layout, TensorSpec
+
+
+def specs(sizes: dict[str, int]) -> list[TensorSpec]:
+    return [TensorSpec(name, (size,), "float32") for name, size in sizes.items()]
+
+
+def covered(layout: Layout) -> np.ndarray:
+    hits = np.zeros(layout.total, dtype=np.int64)
+    for chunk in layout.chunks:
+        hits[chunk.offset:chunk.stop] += 1
+    return hits
+
+
+def test_every_element_in_exactly_one_chunk_and_no_chunk_above_limit():
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        sizes = {f"t{i}": int(rng.integers(0, 40)) for i in range(int(rng.integers(1, 12)))}
+        chunk_size = int(rng.integers(1, 17))
+        if sum(sizes.values()) == 0:
+            with pytest.raises(LayoutError, match="no elements"):
+                Layout.build(specs(sizes), chunk_size)
+            continue
+        layout = Layout.build(specs(sizes), chunk_size)
+        assert layout.total == sum(sizes.values())
+        assert (covered(layout) == 1).all()
+        assert all(0 < c.count <= chunk_size for c in layout.chunks)
+        offsets = [c.offset for c in layout.chunks]
+        assert offsets == sorted(offsets)
+        # A tensor that fits in one chunk is never cut; larger ones are cut into near-equal pieces.
+        for key, spec in enumerate(layout.tensors):
+            lo, hi = layout.key_chunks[key]
+            if 0 < spec.size <= chunk_size:
+                assert hi - lo == 1
+            elif spec.size > chunk_size:
+                pieces = [layout.chunks[i].count for i in range(lo, hi)]
+                assert sum(pieces) == spec.size and max(pieces) - min(pieces) <= 1
+                assert len(pieces) == -(-spec.size // chunk_size)
+            for index in range(lo, hi):
+                assert layout.chunks[index].first_key <= key <= layout.chunks[index].last_key
+
+
+def test_small_tensors_share_a_chunk_in_name_order():
+    layout = Layout.build(specs({"c": 3, "a": 2, "b": 10, "d": 4}), 8)
+    assert layout.names() == ["a", "b", "c", "d"]
+    # a (2) alone, b (10) split 5+5, c+d (3+4) together.
+    assert [(c.offset, c.count) for c in layout.chunks] == [(0, 2), (2, 5), (7, 5), (12, 7)]
+    assert layout.key_chunks == ((0, 1), (1, 3), (3, 4), (3, 4))
+    assert (layout.chunks[3].first_key, layout.chunks[3].last_key) == (2, 3)
+
+
+def test_hash_ignores_registration_order_but_not_shapes_dtypes_or_chunk_size():
+    base = Layout.build([TensorSpec("w", (3, 4), "float32"), TensorSpec("b", (4,), "float32")], 5)
+    same = Layout.build([TensorSpec("b", (4,), "float32"), TensorSpec("w", (3, 4), "float32")], 5)
+    assert base.hash == same.hash
+    assert Layout.build([TensorSpec("w", (4, 3), "float32"), TensorSpec("b", (4,), "float32")], 5).hash != base.hash
+    assert Layout.build([TensorSpec("w", (3, 4), "float16"), TensorSpec("b", (4,), "float32")], 5).hash != base.hash
+    assert Layout.build([TensorSpec("w", (3, 4), "float32"), TensorSpec("b", (4,), "float32")], 6).hash != base.hash
+
+
+def test_bad_tensor_lists_are_rejected_by_name():
+    with pytest.raises(LayoutError, match="twice: w"):
+        Layout.build([TensorSpec("w", (1,), "float32"), TensorSpec("w", (2,), "float32")], 4)
+    with pytest.raises(LayoutError, match="int64"):
+        TensorSpec("w", (1,), "int64")
+    with pytest.raises(LayoutError, match="no tensors"):
+        Layout.build([], 4)
+    layout = Layout.build(specs({"a": 1, "b": 2}), 4)
+    assert layout.key("b") == 1
+    with pytest.raises(LayoutError, match="'zz'"):
+        layout.key("zz")

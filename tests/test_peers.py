@@ -1,0 +1,298 @@
+"""The TCP data plane: in-process nodes on loopback under fixed policies.
+
+Exact sums over several iterations; garbage, strangers and oversized frames rejected while the node
+keeps serving; a dead peer and a stuck iteration fail with errors naming peer and iteration;
+back-pressure keeps a slow link's bytes in its queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import uvloop
+
+from netstorm.config import Config
+from netstorm.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, ChunkHeader, ErrorFrame, Hello, Kind, Phase
+from netstorm.layout import TensorSpec
+from netstorm.policy import Policy, plan
+from node.peers import Outgoing, PeerError, PeerLink
+from node.service import GeneralNode, IterationTimeout, PeerGone
+from tests.dataplane import cluster
+
+RATES = {(1, 2): 50.0, (2, 1): 40.0, (2, 3): 80.0, (3, 2): 60.0, (3, 4): 30.0, (4, 3): 35.0,
+         (4, 1): 90.0, (1, 4): 70.0, (1, 3): 20.0, (3, 1): 25.0}
+SPECS = [TensorSpec("conv", (40, 30), "float32"), TensorSpec("fc", (2500,), "float32"),
+         TensorSpec("bias", (7,), "float32"), TensorSpec("scale", (1,), "float32")]
+CONFIG = Config(chunk_size=500, iteration_timeout=20.0, connect_timeout=5.0)
+
+
+def rollout(nodes: list[int]) -> Callable[[int], Policy]:
+    """A new policy (and topology) every iteration: rollouts between iterations lose nothing."""
+    rates = {(a, b): r for (a, b), r in RATES.items() if a in nodes and b in nodes}
+
+    def policy(iteration: int) -> Policy:
+        return plan(rates, topology=["fapt", "star", "mst", "fapt1"][iteration % 4], version=iteration)
+    return policy
+
+
+async def one_iteration(nodes: dict[int, GeneralNode], values: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+    async def run(node: GeneralNode) -> np.ndarray:
+        layout = node.layout
+        assert layout is not None
+        flat = values[node.node_id]
+        for key in range(len(layout.tensors)):
+            await node.contribute(key, flat[layout.key_slice(key)])
+        out = np.full(layout.total, np.nan, dtype=np.float32)
+
+        def sink(key: int, result: np.ndarray) -> None:
+            out[layout.key_slice(key)] = result
+        await node.collect(list(range(len(layout.tensors))), sink)
+        return out
+
+    results = await asyncio.gather(*(run(n) for n in nodes.values()))
+    return dict(zip(nodes, results, strict=True))
+
+
+def test_exact_sums_over_several_iterations_and_policy_changes():
+    async def main() -> None:
+        async with cluster([1, 2, 3, 4], CONFIG, rollout([1, 2, 3, 4])) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            rng = np.random.default_rng(0)
+            total = nodes[1].layout.total  # type: ignore[union-attr]
+            for _ in range(4):
+                values = {i: rng.integers(-500, 500, total).astype(np.float32) for i in nodes}
+                results = await one_iteration(nodes, values)
+                expected = np.sum(list(values.values()), axis=0, dtype=np.float32)
+                for out in results.values():
+                    np.testing.assert_array_equal(out, expected)
+            assert all(n.core.live_iterations() == [] for n in nodes.values())
+    uvloop.run(main())
+
+
+def raw_send(port: int, data: bytes) -> bytes:
+    """Send bytes to a node's data port; return what it answers before closing."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(data)
+        chunks: list[bytes] = []
+        while True:
+            part = s.recv(65536)
+            if not part:
+                return b"".join(chunks)
+            chunks.append(part)
+
+
+def error_message(reply: bytes) -> str:
+    magic, _, kind, header_len, _ = PREFIX.unpack_from(reply)
+    assert magic == MAGIC and kind == Kind.ERROR
+    return ErrorFrame.decode(reply[PREFIX_SIZE:PREFIX_SIZE + header_len]).message
+
+
+def test_bad_frames_are_rejected_and_the_node_keeps_serving():
+    async def main() -> None:
+        async with cluster([1, 2, 3], CONFIG, rollout([1, 2, 3])) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            port = nodes[2]._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            layout_hash = nodes[2].layout.hash  # type: ignore[union-attr]
+            chunk = ChunkHeader(0, 0, 1, Phase.UP, 1, 2, 1, 2, 0, 0.0, False, (1, 2), 10)
+            cases = {
+                b"GET / HTTP/1.1\r\nHost: x\r\n\r\n": "bad magic",
+                Hello(9, layout_hash).encode(): "not a member",
+                Hello(1, "0123456789abcdef").encode(): "layout mismatch",
+                chunk.encode() + bytes(40): "chunk before Hello",
+                Hello(1, layout_hash).encode() + PREFIX.pack(MAGIC, VERSION, Kind.CHUNK, 10, 1 << 30): "exceeds",
+                Hello(1, layout_hash).encode() + PREFIX.pack(MAGIC, VERSION, 42, 1, 0) + b"x": "unknown frame kind",
+                Hello(1, layout_hash).encode() + chunk.encode() + bytes(40): "layout says",
+                Hello(3, layout_hash).encode() + chunk.encode() + bytes(40): "claims to come from node 1",
+                Hello(1, layout_hash).encode() + struct.pack("<4sBBII", MAGIC, VERSION, Kind.CHUNK, 3, 0)
+                + b"\x92\x01\x02": "must be a map",
+            }
+            for data, message in cases.items():
+                reply = await asyncio.to_thread(raw_send, port, data)
+                assert message in error_message(reply)
+            # The node was not hurt: the next iteration among all members is still exact.
+            rng = np.random.default_rng(1)
+            values = {i: rng.integers(-9, 9, nodes[1].layout.total).astype(np.float32)  # type: ignore[union-attr]
+                      for i in nodes}
+            results = await one_iteration(nodes, values)
+            for out in results.values():
+                np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
+            assert not any(n.down for n in nodes.values())
+    uvloop.run(main())
+
+
+def test_a_dead_peer_fails_the_iteration_at_once_naming_peer_and_iteration():
+    async def main() -> None:
+        async with cluster([1, 2, 3], CONFIG.replace(iteration_timeout=30.0), rollout([1, 2, 3])) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            total = nodes[1].layout.total  # type: ignore[union-attr]
+            await one_iteration(nodes, {i: np.ones(total, np.float32) for i in nodes})
+            # Node 3 dies before contributing to iteration 1 (its sockets close, like a killed process).
+            victim = nodes.pop(3)
+            victim.stop()
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            with pytest.raises(PeerGone, match=r"iteration 1 .*node 3 is gone"):
+                await one_iteration(nodes, {i: np.ones(total, np.float32) for i in nodes})
+            assert loop.time() - start < 10.0
+    uvloop.run(main())
+
+
+def test_a_stuck_iteration_times_out_naming_the_iteration():
+    async def main() -> None:
+        async with cluster([1, 2], CONFIG.replace(iteration_timeout=1.0), rollout([1, 2])) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            layout = nodes[1].layout
+            assert layout is not None
+            for key in range(len(layout.tensors)):  # node 2 never contributes
+                await nodes[1].contribute(key, np.ones(layout.tensors[key].size, np.float32))
+            with pytest.raises(IterationTimeout, match=r"iteration 0 timed out at node 1 after 1 s"):
+                await nodes[1].collect(list(range(len(layout.tensors))), lambda k, v: None)
+    uvloop.run(main())
+
+
+def test_a_slow_receiver_keeps_the_bytes_in_the_senders_queue():
+    async def main() -> None:
+        # A receiver that accepts and then never reads: the kernel buffers fill, the transport pauses,
+        # and the remaining frames wait in the link's queue instead of the transport's buffer.
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        link = PeerLink(peer_id=2, address=("127.0.0.1", port), hello=lambda: Hello(1, ""), clock=lambda: 0.0,
+                        connect_timeout=5.0)
+        payload = np.zeros(1 << 20, np.float32)  # 4 MiB per frame
+        header = ChunkHeader(0, 0, 2, Phase.UP, 1, 2, 1, 2, 0, 0.0, False, (1, 2), payload.size)
+        for _ in range(16):
+            link.enqueue(Outgoing(header, payload))
+        async def sender() -> None:
+            with pytest.raises(PeerError, match="connection to node 2"):
+                await link.run()
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(sender())
+            loop = asyncio.get_running_loop()
+            conn, _ = await loop.sock_accept(server)
+            async with asyncio.timeout(10):
+                # Transports signal pausing only to their protocol: poll it, with a deadline.
+                while link.protocol is None or not link.protocol._paused:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            transport = link.protocol.transport
+            assert transport is not None
+            assert transport.get_write_buffer_size() <= (1 << 20) + 2 * payload.nbytes
+            assert link.queued_bytes >= 8 * payload.nbytes
+            conn.close()  # the peer dies: the sender fails with an error naming it
+        server.close()
+    uvloop.run(main())
+
+
+def test_auxiliary_paths_carry_chunks_exactly_once_and_hops_are_measured():
+    """Aux on, a new policy every two iterations, and no barrier between iterations: a node that is done
+    with iteration k starts k+1 (under the next policy) while k's chunks, some on auxiliary paths, are
+    still in flight elsewhere. Every sum stays exact."""
+    mesh = [1, 2, 3, 4]
+    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
+
+    def fixed(iteration: int) -> Policy:
+        shifted = {(a, b): r * (1 + iteration % 3) if a == 1 else r for (a, b), r in rates.items()}
+        return plan(shifted, topology="fapt", num_roots=2, version=iteration // 2)
+
+    config = CONFIG.replace(enable_aux_path=True, primary_busy_bound=1, auxiliary_queue_length=3,
+                            probe_chunk_size=1000, probe_chunk_num=2, chunk_size=400)
+    iterations = 5
+    rng = np.random.default_rng(5)
+    total = sum(spec.size for spec in SPECS)
+    values = [{i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh} for _ in range(iterations)]
+
+    async def main() -> None:
+        async with cluster(mesh, config, fixed) as nodes:
+            assert any(len(p) > 1 for p in fixed(0).aux_paths.values())
+            for node in nodes.values():
+                await node.register(SPECS)
+
+            started = {(n, k): asyncio.Event() for n in mesh for k in range(iterations)}
+            # The first root of iteration k+1 holds on to iteration k until every other DC has begun k+1,
+            # so k+1's partial sums reach it while k is still live there.
+            holder = {k: fixed(k + 1).roots[0] for k in range(iterations - 1)}
+
+            async def trainer(node: GeneralNode) -> list[np.ndarray]:
+                layout = node.layout
+                assert layout is not None
+                results = []
+                for k in range(iterations):
+                    flat = values[k][node.node_id]
+                    for key in range(len(layout.tensors)):
+                        await node.contribute(key, flat[layout.key_slice(key)])
+                    started[(node.node_id, k)].set()
+                    if holder.get(k) == node.node_id:
+                        for other in mesh:
+                            if other != node.node_id:
+                                await started[(other, k + 1)].wait()
+                    out = np.full(layout.total, np.nan, np.float32)
+
+                    def sink(key: int, result: np.ndarray, out: np.ndarray = out) -> None:
+                        out[layout.key_slice(key)] = result
+                    await node.collect(list(range(len(layout.tensors))), sink)
+                    results.append(out)
+                return results
+
+            per_node = await asyncio.gather(*(trainer(n) for n in nodes.values()))
+            for results in per_node:
+                for k, out in enumerate(results):
+                    np.testing.assert_array_equal(out, np.sum(list(values[k].values()), axis=0))
+            assert sum(n.forwarding.aux_chunks for n in nodes.values()) > 0
+            assert all(nodes[h].core.peak_live == 2 for h in holder.values())
+            reports = [r for n in nodes.values() for r in getattr(n.control, "reports", [])]
+            assert reports and all(r.mbit_s > 0 and r.dst in mesh and r.src in mesh for r in reports)
+    uvloop.run(main())
+
+
+def test_the_receiver_reassembles_frames_split_at_any_byte():
+    """Feed the BufferedProtocol a stream of frames cut at random places, as TCP may deliver it."""
+    from node.peers import InboundProtocol
+
+    rng = np.random.default_rng(11)
+
+    def frames(counts: list[int]) -> tuple[bytes, list[ChunkHeader], list[np.ndarray]]:
+        headers = [ChunkHeader(4, i, 2, Phase.UP, 1, 2, 1, 2, 0, float(i), False, (1, 2), n)
+                   for i, n in enumerate(counts)]
+        payloads = [rng.integers(-1000, 1000, n).astype(np.float32) for n in counts]
+        stream = Hello(1, "h").encode() + b"".join(h.encode() + p.tobytes()
+                                                   for h, p in zip(headers, payloads, strict=True))
+        return stream, headers, payloads
+
+    small = frames([0, 1, 3, 500, 17, 2])  # fed a few bytes at a time
+    large = frames([0, 1, 3, 5000, 70000, 17, 20000])  # frames far beyond the 64 KiB staging buffer
+    for trial in range(12):
+        stream, headers, payloads = small if trial < 3 else large
+        received: list[tuple[ChunkHeader, np.ndarray]] = []
+        hellos: list[Hello] = []
+        def on_hello(hello: Hello, _: InboundProtocol, hellos: list[Hello] = hellos) -> None:
+            hellos.append(hello)
+
+        def on_chunk(peer: int, header: ChunkHeader, payload: np.ndarray, t: float,
+                     received: list[tuple[ChunkHeader, np.ndarray]] = received) -> None:
+            received.append((header, payload.copy()))
+
+        protocol = InboundProtocol(on_hello=on_hello, on_chunk=on_chunk, on_lost=lambda p, r: None,
+                                   max_frame_bytes=1 << 24, clock=lambda: 0.0)
+        position = 0
+        while position < len(stream):
+            buffer = protocol.get_buffer(-1)
+            assert len(buffer) > 0
+            step = int(rng.integers(1, 8 if trial < 3 else 200_000))
+            step = min(step, len(buffer), len(stream) - position)
+            buffer[:step] = stream[position:position + step]
+            protocol.buffer_updated(step)
+            position += step
+        assert hellos == [Hello(1, "h")]
+        assert [h for h, _ in received] == headers
+        for (_, got), want in zip(received, payloads, strict=True):
+            np.testing.assert_array_equal(got, want)

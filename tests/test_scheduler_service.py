@@ -1,0 +1,369 @@
+"""The scheduler service and the node's SchedulerClient, talking over real loopback TCP in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import pytest
+
+from netstorm import control, scenario
+from netstorm.config import Config
+from netstorm.control import ControlError, LayoutMismatch
+from netstorm.errors import ConfigError
+from netstorm.probe import LinkReport
+from node.control_client import SchedulerClient
+from scheduler import admin
+from scheduler.service import SchedulerService
+
+SCENARIO = scenario.parse({
+    "name": "square",
+    "node": [{"id": 1}, {"id": 2}, {"id": 3}, {"id": 4}],
+    "link": [{"a": 1, "b": 2, "rate_mbit": 100}, {"a": 2, "b": 3, "rate_mbit": 50},
+             {"a": 3, "b": 4, "rate_mbit": [80, 30]}, {"a": 4, "b": 1, "rate_mbit": 60},
+             {"a": 1, "b": 3, "rate_mbit": 20}],
+})
+RATES = SCENARIO.rates()
+FAST = Config(heartbeat_interval=0.1, heartbeat_timeout=1.0, update_time=60.0, connect_timeout=5.0)
+T = 10.0  # deadline of every wait in these tests
+
+
+def run(coro: Awaitable[None]) -> None:
+    async def bounded() -> None:
+        async with asyncio.timeout(60):
+            await coro
+
+    asyncio.run(bounded())
+
+
+@contextlib.asynccontextmanager
+async def scheduler(config: Config = FAST, nodes: Sequence[int] = (1, 2, 3, 4),
+                    topology: str = "fapt") -> AsyncIterator[SchedulerService]:
+    service = SchedulerService(RATES, nodes, config, topology=topology)
+    ready = asyncio.Event()
+    task = asyncio.create_task(service.serve("127.0.0.1", 0, ready=lambda _address: ready.set()))
+    try:
+        async with asyncio.timeout(T):
+            await ready.wait()
+        yield service
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def addr(service: SchedulerService) -> tuple[str, int]:
+    assert service.address is not None
+    return service.address
+
+
+async def connect_all(service: SchedulerService, nodes: Sequence[int] = (1, 2, 3, 4)) -> list[SchedulerClient]:
+    return list(await asyncio.gather(*(
+        SchedulerClient.connect(addr(service), n, ("127.0.0.1", 40000 + n), timeout=T) for n in nodes)))
+
+
+async def close_all(clients: Sequence[SchedulerClient]) -> None:
+    for client in clients:
+        await client.close()
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait for a condition the system under test makes true, with a deadline."""
+    async with asyncio.timeout(T):
+        while not condition():  # noqa: ASYNC110 (state inside the service under test has no event of its own)
+            await asyncio.sleep(0.01)
+    assert condition(), what
+
+
+def test_registration_completes_with_members_and_the_schedulers_config() -> None:
+    async def main() -> None:
+        config = FAST.replace(chunk_size=1234, num_root_servers=2)
+        async with scheduler(config) as service:
+            clients = await connect_all(service)
+            try:
+                for client in clients:
+                    assert client.members == {n: ("127.0.0.1", 40000 + n) for n in (1, 2, 3, 4)}
+                    assert client.config == config
+                status = await admin.status(addr(service), timeout=T)
+                assert status.complete and status.alive == (1, 2, 3, 4) and status.version == 0
+                policy = await clients[0].policy_for(0, timeout=T)
+                assert len(policy.roots) == 2 and set(policy.nodes) == {1, 2, 3, 4}
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_unknown_and_duplicate_ids_are_refused_clearly() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            with pytest.raises(ControlError, match="refused node 9: unknown node id 9: this job expects nodes 1, 2"):
+                await SchedulerClient.connect(addr(service), 9, ("127.0.0.1", 1), timeout=T)
+            first = asyncio.create_task(SchedulerClient.connect(addr(service), 1, ("127.0.0.1", 2), timeout=T))
+            await until(lambda: service.membership.registered == (1,), "node 1 registered")
+            with pytest.raises(ControlError, match="duplicate node id 1"):
+                await SchedulerClient.connect(addr(service), 1, ("127.0.0.1", 3), timeout=T)
+            second = await SchedulerClient.connect(addr(service), 2, ("127.0.0.1", 4), timeout=T)
+            await close_all([await first, second])
+
+    run(main())
+
+
+def test_every_node_gets_the_same_version_per_iteration_across_a_policy_change() -> None:
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service)
+            try:
+                zero = await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients))
+                assert {p.version for p in zero} == {0}
+                # Every node has now asked for iteration 1 in the background (the prefetch), binding it.
+                await until(lambda: 1 in service.consistency.bindings, "iteration 1 prefetched")
+                slow = {**RATES, (1, 2): 1.0, (2, 1): 1.0}
+                version = await admin.override_policy(addr(service), slow, timeout=T)
+                assert version == 1
+                one = await asyncio.gather(*(c.policy_for(1, timeout=T) for c in clients))
+                two = await asyncio.gather(*(c.policy_for(2, timeout=T) for c in clients))
+                assert {p.version for p in one} == {0}, "an iteration bound before the change keeps its policy"
+                assert {p.version for p in two} == {1}
+                assert two[0] == two[3] and two[0].trees != zero[0].trees
+                assert service.consistency.bindings[2] == 1
+                status = await admin.status(addr(service), timeout=T)
+                assert status.version == 1
+                assert status.bindings[:3] == ((0, 0), (1, 0), (2, 1))
+                assert await admin.fetch_policy(addr(service), timeout=T) == two[0]
+                assert await admin.fetch_policy(addr(service), 0, timeout=T) == zero[0]
+                with pytest.raises(ControlError, match="policy version 99 is not held"):
+                    await admin.fetch_policy(addr(service), 99, timeout=T)
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_layout_mismatch_names_both_hashes_and_nodes() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            one, two = await connect_all(service, (1, 2))
+            try:
+                await one.check_layout("aaaa", timeout=T)
+                await one.check_layout("aaaa", timeout=T)
+                with pytest.raises(LayoutMismatch, match="node 2 has layout bbbb but node 1 registered layout aaaa"):
+                    await two.check_layout("bbbb", timeout=T)
+                await two.check_layout("aaaa", timeout=T)  # the connection is still usable
+            finally:
+                await close_all([one, two])
+
+    run(main())
+
+
+def record(into: list[tuple[int, int, str]], me: int, node: int, reason: str) -> None:
+    into.append((me, node, reason))
+
+
+def test_closed_connection_is_death_and_the_next_policy_excludes_the_node() -> None:
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service)
+            downs: list[tuple[int, int, str]] = []
+            for c in clients:
+                c.on_member_down(functools.partial(record, downs, c.node_id))
+            try:
+                await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients[:3]))
+                await clients[3].close()
+                await until(lambda: len(downs) == 3, "every survivor told")
+                assert sorted(me for me, _, _ in downs) == [1, 2, 3]
+                assert all(node == 4 and "control connection" in reason for _, node, reason in downs)
+                await until(lambda: service.consistency.current_version == 1, "re-planned without node 4")
+                later = await clients[0].policy_for(5, timeout=T)
+                assert later.version == 1 and set(later.nodes) == {1, 2, 3}
+            finally:
+                await close_all(clients[:3])
+
+    run(main())
+
+
+def test_silent_member_is_declared_dead_after_the_heartbeat_timeout() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            reader, writer = await asyncio.open_connection(*addr(service))
+            writer.write(control.encode(control.Register(2, "127.0.0.1", 9)))
+            one = await SchedulerClient.connect(addr(service), 1, ("127.0.0.1", 8), timeout=T)
+            assert isinstance(await control.read_message(reader), control.RegisterAck)
+            downs: list[tuple[int, str]] = []
+            one.on_member_down(lambda node, reason: downs.append((node, reason)))
+            try:
+                started = asyncio.get_running_loop().time()
+                # The silent node itself is told, then disconnected.
+                message = await asyncio.wait_for(control.read_message(reader), T)
+                assert isinstance(message, control.MemberDown) and message.node_id == 2
+                elapsed = asyncio.get_running_loop().time() - started
+                assert FAST.heartbeat_timeout * 0.5 < elapsed < FAST.heartbeat_timeout * 5
+                assert "no heartbeat" in message.reason
+                await until(lambda: downs == [(2, message.reason)], "node 1 told")
+                assert await asyncio.wait_for(control.read_message(reader), T) is None
+                assert service.membership.alive == (1,)  # node 1 heartbeats, so it lives on
+            finally:
+                writer.close()
+                await one.close()
+
+    run(main())
+
+
+def test_garbage_gets_an_error_and_the_scheduler_keeps_serving() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            reader, writer = await asyncio.open_connection(*addr(service))
+            writer.write(control.LENGTH.pack(5) + b"\xc1junk")
+            reply = await asyncio.wait_for(control.read_message(reader), T)
+            assert isinstance(reply, control.Error) and "bad control message" in reply.message
+            assert await asyncio.wait_for(control.read_message(reader), T) is None
+            writer.close()
+            reader, writer = await asyncio.open_connection(*addr(service))
+            writer.write(control.LENGTH.pack(2**31))  # oversized: refused before reading it
+            reply = await asyncio.wait_for(control.read_message(reader), T)
+            assert isinstance(reply, control.Error) and "exceeds the limit" in reply.message
+            writer.close()
+            with pytest.raises(ControlError, match="unregistered connection"):
+                await admin.request(addr(service), control.PolicyRequest(1, 0, -1), timeout=T)
+            clients = await connect_all(service, (1, 2))
+            assert (await clients[0].policy_for(0, timeout=T)).version == 0
+            await close_all(clients)
+
+    run(main())
+
+
+def test_link_reports_reach_the_collector_and_awareness_replans() -> None:
+    async def main() -> None:
+        config = FAST.replace(update_time=0.2, update_rate=0.5)
+        async with scheduler(config, nodes=(1, 2, 3, 4)) as service:
+            clients = await connect_all(service)
+            try:
+                first = await clients[0].policy_for(0, timeout=T)
+                cycles = service.cycles
+                await until(lambda: service.cycles >= cycles + 2, "two quiet update cycles")
+                assert service.consistency.current_version == 0, "nothing measured: no new policy"
+                clients[1].report_link(LinkReport(src=4, dst=2, mbit_s=9.0, t=0.0, samples=4))  # not a link
+                clients[1].report_link(LinkReport(src=1, dst=2, mbit_s=2.0, t=0.0, samples=4))
+                await until(lambda: service.collector.state(1, 2).measured, "report collected")
+                assert service.collector.state(1, 2).mbit_s == 2.0
+                await until(lambda: service.consistency.current_version == 1, "re-planned from the report")
+                changed = await clients[0].policy_for(9, timeout=T)
+                assert changed.version == 1 and changed.roots == first.roots, "roots never move"
+                assert changed.trees != first.trees
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_without_awareness_the_first_policy_stays() -> None:
+    async def main() -> None:
+        config = FAST.replace(update_time=0.1, enable_awareness=False)
+        async with scheduler(config, nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            try:
+                clients[0].report_link(LinkReport(src=1, dst=2, mbit_s=1.0, t=0.0, samples=4))
+                cycles = service.cycles
+                await until(lambda: service.cycles >= cycles + 3, "three update cycles")
+                assert service.consistency.current_version == 0
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_policy_errors_and_timeouts_name_the_scheduler_and_iteration() -> None:
+    async def stuck(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A scheduler that acknowledges registration and then never answers."""
+        await control.read_message(reader)
+        writer.write(control.encode(control.RegisterAck({1: ("127.0.0.1", 7)}, {}, 0.0)))
+        while await control.read_message(reader) is not None:
+            pass
+
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            client, other = await connect_all(service, (1, 2))
+            try:
+                with pytest.raises(ControlError, match=r"scheduler 127\.0\.0\.1:\d+: iteration -1: .*>= 0"):
+                    await client.policy_for(-1, timeout=T)
+                assert (await client.policy_for(0, timeout=T)).version == 0  # still usable
+            finally:
+                await close_all([client, other])
+            with pytest.raises(ControlError, match=r"scheduler 127\.0\.0\.1:\d+: .*iteration 3"):
+                await client.policy_for(3, timeout=T)
+        server = await asyncio.start_server(stuck, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            client = await SchedulerClient.connect(address, 1, ("127.0.0.1", 7), timeout=T)
+            try:
+                with pytest.raises(control.ControlTimeout, match=r"127\.0\.0\.1:\d+: no policy for iteration 0 "
+                                                                  r"within 0\.3 s"):
+                    await client.policy_for(0, timeout=0.3)
+            finally:
+                await client.close()
+
+    run(main())
+
+
+def test_a_one_dc_job_is_refused() -> None:
+    with pytest.raises(ConfigError, match="at least two DCs"):
+        SchedulerService(RATES, [1], FAST)
+
+
+def test_nodes_that_cannot_form_a_job_are_refused_at_startup() -> None:
+    with pytest.raises(ConfigError, match="cannot plan a fapt policy"):
+        two_islands = {(1, 2): 10.0, (2, 1): 10.0, (3, 4): 10.0, (4, 3): 10.0}
+        SchedulerService(two_islands, [1, 2, 3, 4], FAST)
+
+
+def test_losing_the_scheduler_fails_waiters_at_once_and_is_signalled() -> None:
+    async def main() -> None:
+        lost: list[ControlError] = []
+        async with scheduler(nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            clients[0].on_lost(lost.append)
+            await clients[0].policy_for(0, timeout=T)
+        # The scheduler is gone (its server and every connection closed).
+        await until(lambda: len(lost) == 1, "loss signalled")
+        assert clients[0].lost is lost[0]
+        assert re.search(r"scheduler 127\.0\.0\.1:\d+ closed the control connection of node 1", str(lost[0]))
+        with pytest.raises(ControlError, match=r"iteration 7: .*closed the control connection"):
+            await clients[0].policy_for(7, timeout=T)
+        await close_all(clients)
+
+    run(main())
+
+
+@pytest.mark.parametrize("topology", ["fapt", "fapt1", "star", "bkt", "mst"])
+def test_roots_stay_fixed_across_replans_for_every_topology(topology: str) -> None:
+    async def main() -> None:
+        config = FAST.replace(num_root_servers=2)
+        async with scheduler(config, topology=topology) as service:
+            clients = await connect_all(service)
+            try:
+                first = await clients[0].policy_for(0, timeout=T)
+                assert first.topology == topology
+                # Rates that make the first roots look poor: every link touching them becomes slow.
+                slow = {(a, b): 1.0 if a in first.roots or b in first.roots else 500.0 for a, b in RATES}
+                version = await admin.override_policy(addr(service), slow, timeout=T)
+                later = await clients[0].policy_for(5, timeout=T)
+                assert later.version == version == 1
+                assert later.roots == first.roots
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_a_busy_listen_port_is_a_clear_error() -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as first:
+            port = addr(first)[1]
+            second = SchedulerService(RATES, (1, 2), FAST)
+            with pytest.raises(ConfigError, match=rf"cannot listen on TCP 127\.0\.0\.1:{port}: .*in use"):
+                await second.serve("127.0.0.1", port)
+
+    run(main())

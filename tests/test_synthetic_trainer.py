@@ -1,0 +1,125 @@
+"""The synthetic trainer's gradients: every DC's sum is checkable exactly, and corruption is caught."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netstorm.trainers.launch import Trainers, collect, local_cluster
+from netstorm.trainers.synthetic import GradientPattern, model_layers
+
+# Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
+LAYERS = [("conv.weight", (3, 5, 7)), ("fc.weight", (70_000,)), ("fc.bias", (1,)), ("head", (257, 300))]
+
+
+def numpy_sum(pattern: GradientPattern, dcs: list[int], iteration: int) -> dict[str, np.ndarray]:
+    """The reference: each DC's gradient built separately, summed in float64."""
+    total = {name: np.zeros(shape, dtype=np.float64) for name, shape in LAYERS}
+    for dc in dcs:
+        grads = pattern.allocate()
+        pattern.fill(dc, iteration, grads)
+        for name in total:
+            total[name] += grads[name]
+    return {name: value.astype(np.float32) for name, value in total.items()}
+
+
+@pytest.fixture(scope="module")
+def pattern() -> GradientPattern:
+    return GradientPattern(LAYERS)
+
+
+def test_gradients_are_small_integers_that_differ_by_dc_and_iteration(pattern: GradientPattern) -> None:
+    g1, g2, g1_next = pattern.allocate(), pattern.allocate(), pattern.allocate()
+    pattern.fill(1, 0, g1)
+    pattern.fill(2, 0, g2)
+    pattern.fill(1, 1, g1_next)
+    for name, _ in LAYERS:
+        assert np.array_equal(g1[name], np.round(g1[name]))
+    assert not np.array_equal(g1["head"], g2["head"])
+    assert not np.array_equal(g1["head"], g1_next["head"])
+    # Distinct values everywhere, not a constant: the pattern locates misplaced chunks.
+    assert len(np.unique(g1["fc.weight"])) > 10
+
+
+@pytest.mark.parametrize("iteration", [0, 1, 2, 7])
+def test_true_sum_is_exact_and_reveals_the_dc_ids(pattern: GradientPattern, iteration: int) -> None:
+    dcs = [1, 4, 7, 9]
+    result = numpy_sum(pattern, dcs, iteration)
+    verdict = pattern.check(iteration, len(dcs), result)
+    assert verdict.exact, verdict.error
+    assert verdict.members_sum == sum(dcs)
+    expected = pattern.expected(iteration, len(dcs), sum(dcs))
+    for name, _ in LAYERS:
+        assert np.array_equal(expected[name], result[name])
+
+
+def test_a_missing_contribution_is_caught(pattern: GradientPattern) -> None:
+    result = numpy_sum(pattern, [1, 2], 3)
+    assert not pattern.check(3, 3, result).exact
+
+
+def test_a_doubled_contribution_is_caught(pattern: GradientPattern) -> None:
+    result = numpy_sum(pattern, [1, 2, 2], 3)
+    verdict = pattern.check(3, 3, result, members_sum=6.0)
+    assert not verdict.exact
+    assert "changed from 6 to 5" in verdict.error
+
+
+def test_a_stale_iteration_is_caught(pattern: GradientPattern) -> None:
+    assert not pattern.check(4, 3, numpy_sum(pattern, [1, 2, 3], 3)).exact
+
+
+def test_a_chunk_at_the_wrong_offset_is_caught(pattern: GradientPattern) -> None:
+    result = numpy_sum(pattern, [1, 2, 3], 5)
+    flat = result["fc.weight"]
+    first, second = flat[:1000].copy(), flat[30_000:31_000].copy()
+    flat[:1000], flat[30_000:31_000] = second, first
+    verdict = pattern.check(5, 3, result)
+    assert not verdict.exact
+    assert verdict.error.startswith("fc.weight[")
+
+
+def test_one_wrong_element_is_caught_and_named(pattern: GradientPattern) -> None:
+    result = numpy_sum(pattern, [1, 2, 3], 2)
+    result["head"][256, 299] += 1
+    verdict = pattern.check(2, 3, result)
+    assert not verdict.exact
+    assert verdict.error.startswith(f"head[{257 * 300 - 1}]")
+
+
+def test_wrong_dtype_shape_or_missing_layer_is_reported(pattern: GradientPattern) -> None:
+    result = numpy_sum(pattern, [1, 2], 0)
+    assert "float32" in pattern.check(0, 2, {**result, "fc.bias": np.zeros(2, np.float32)}).error
+    assert "float64" in pattern.check(0, 2, {**result, "fc.bias": np.zeros(1, np.float64)}).error
+    del result["head"]
+    assert "lacks" in pattern.check(0, 2, result).error
+
+
+def test_model_layers_come_from_the_model_catalogue() -> None:
+    alexnet = model_layers("alexnet")
+    assert alexnet[0] == ("features.0.weight", (64, 3, 11, 11))
+    assert sum(int(np.prod(shape)) for _, shape in alexnet) == 61_100_840
+    assert model_layers("25M") == [("params", (25_000_000,))]
+    with pytest.raises(ValueError, match="unknown model"):
+        model_layers("vgg")
+
+
+@pytest.mark.slow
+def test_trainers_on_a_local_cluster_check_every_sum_exactly(tmp_path: Path) -> None:
+    # chunk_size 40k splits the 150k-parameter layer into chunks that travel separately.
+    with local_cluster(3, tmp_path / "run", flags=["--chunk-size", "40000"], ready_timeout=60) as cluster:
+        outs = {node: tmp_path / f"dc{node}.jsonl" for node in cluster.node_ids}
+        argvs = [[sys.executable, "-m", "netstorm.trainers.synthetic", "--socket", cluster.socket(node),
+                  "--model", "150k", "--iterations", "3", "--compute-s", "0.05", "--out", str(out),
+                  "--timeout", "60"] for node, out in outs.items()]
+        with Trainers(argvs, tmp_path) as trainers:
+            collect(trainers, timeout=60)
+    for node, out in outs.items():
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        assert [r["iteration"] for r in records] == [0, 1, 2], records
+        assert all(r["exact"] is True and r["dc"] == node for r in records), records
+        assert all(r["seconds"] >= 0.05 and r["sync_s"] <= r["seconds"] and r["check_s"] > 0 for r in records)
