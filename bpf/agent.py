@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bpf import udp
 from bpf.fallback import UserspaceAggregator
 from bpf.maps import EdgeLayout
 from bpf.packets import control_packet, result_packets
@@ -277,7 +278,10 @@ class EdgeGateway:
             if head.kind == Kind.HELLO:
                 self.addresses[head.worker] = address
                 self._hello.set()
-                self._out.put_nowait((control_packet(Kind.HELLO, job=self.job, worker=head.worker), address))
+                # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
+                reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, tensor=len(self.layout.sizes),
+                                       chunk=self.workers, slot=self.layout.num_slots, scale=self.layout.scales[0])
+                self._out.put_nowait((reply, address))
             elif head.kind == Kind.PULL:
                 rows = self._results.get(head.iteration)
                 if rows is not None:
@@ -289,11 +293,10 @@ class EdgeGateway:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
 
     async def _receive(self) -> None:
-        loop = asyncio.get_running_loop()
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
         view = memoryview(buf)
         while True:
-            await _readable(loop, self.sock)
+            await udp.readable(self.sock)
             started = time.thread_time()
             # drain what is queued before yielding again: one wake-up per burst, not per datagram
             for _ in range(256):
@@ -309,10 +312,9 @@ class EdgeGateway:
             self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             datagram, address = await self._out.get()
-            await loop.sock_sendto(self.sock, datagram, address)
+            await udp.sendto(self.sock, datagram, address)
 
     async def _timers(self) -> None:
         assert self.fallback is not None
@@ -321,18 +323,3 @@ class EdgeGateway:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until ``sock`` has a datagram (back-pressure: the kernel queue holds the rest)."""
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())

@@ -8,7 +8,9 @@ chunk offloaded onto an auxiliary path never queues behind the primary's traffic
 A policy needs this for hundreds of pairs every few seconds, so all pairs are searched together: one
 A* search per pair, advanced in lockstep with numpy (every step pops one node in every pair's search).
 The heuristic is the distance to dst in the full graph, which removed edges can only lengthen, so it
-never overestimates and each search still finds a shortest path of its residual graph.
+never overestimates and each search still finds a shortest path of its residual graph. A pair is done
+when src has no unused out-link, dst no unused in-link, or its search runs dry. The last few pairs,
+whose searches run longest, finish one by one with scipy's Dijkstra instead of holding the lockstep.
 """
 
 from __future__ import annotations
@@ -28,28 +30,30 @@ Path = tuple[int, ...]
 
 TAIL_ROWS = 32
 """Searches left when the lockstep stops and the rest finish one at a time."""
+BATCH_PAIRS = 4096
+"""Pairs searched in one lockstep; more run in batches, keeping the state arrays to tens of MB."""
 
 
 class _Searches:
     """Lockstep A* state, one row per pair still looking for paths.
 
-    Arrays are (rows, n) for nodes and (rows, edges + 1) for each row's residual edge weights (removed
-    edges weigh inf; the last column is the padding edge of the out-edge table, always inf). The loop
-    indexes them flat: row r's node v sits at r * n + v.
+    Arrays are (rows, n) for nodes and (rows, edges) for each row's residual edge weights (removed
+    edges weigh inf). The loop indexes them flat: row r's node v sits at r * n + v, its edge e at
+    r * edges + e.
     """
 
-    def __init__(self, graph: RateGraph, s: np.ndarray, t: np.ndarray, heuristic: np.ndarray) -> None:
+    def __init__(self, graph: RateGraph, s: np.ndarray, t: np.ndarray) -> None:
         n, rows = graph.n, len(s)
         self.n = n
         self.pair = np.arange(rows)
-        self.s, self.t, self.h = s, t, heuristic
+        self.s, self.t = s, t
+        self.h = np.zeros((rows, n))  # A* bounds, set by the caller before the first restart
         self.g = np.full((rows, n), np.inf)
         self.key = np.full((rows, n), np.inf)  # g + h for open nodes, inf otherwise
         self.pred = np.full((rows, n), -1, dtype=np.int64)  # edge that reached the node
-        self.w = np.tile(np.append(graph.weight, np.inf), (rows, 1))
+        self.w = np.tile(graph.weight, (rows, 1))
         self.out_left = np.bincount(graph.src, minlength=n)[s].astype(np.int64)
         self.in_left = np.bincount(graph.dst, minlength=n)[t].astype(np.int64)
-        self.restart(np.arange(rows))
 
     def restart(self, rows: np.ndarray) -> None:
         """Begin a fresh search from each row's source."""
@@ -87,12 +91,16 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 raise PolicyError(f"node {node} of pair {a}->{b} is not in the overlay")
     if not wanted:
         return {}
+    if len(wanted) > BATCH_PAIRS:
+        merged: dict[tuple[int, int], tuple[Path, ...]] = {}
+        for start in range(0, len(wanted), BATCH_PAIRS):
+            merged.update(auxiliary_paths(graph, wanted[start:start + BATCH_PAIRS], without_direct=without_direct))
+        return merged
     found: list[list[Path]] = [[] for _ in wanted]
     s = np.array([graph.index[a] for a, _ in wanted], dtype=np.int64)
     t = np.array([graph.index[b] for _, b in wanted], dtype=np.int64)
-    targets, t_row = np.unique(t, return_inverse=True)
-    to_target = np.atleast_2d(_distances_to(graph, targets))
-    run = _Searches(graph, s, t, to_target[t_row])
+    bounds = _EntryBound(graph, t)
+    run = _Searches(graph, s, t)
     if without_direct:
         codes = graph.src * graph.n + graph.dst  # ascending: edges are sorted by (src, dst)
         at = np.minimum(np.searchsorted(codes, s * graph.n + t), len(codes) - 1)
@@ -100,12 +108,15 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         run.w[direct, at[direct]] = np.inf
         run.out_left[direct] -= 1
         run.in_left[direct] -= 1
+        bounds.remove(direct, at[direct])
+    run.h = bounds.initial(t)
+    run.restart(run.pair)
     names = _PathNames(graph)
 
     out_degree = np.bincount(graph.src, minlength=graph.n)
     first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
     head = graph.dst
-    n, width = graph.n, len(graph.src) + 1
+    n, width = graph.n, len(graph.src)
     alive = np.ones(len(run.pair), dtype=bool)
     rows = -1
     while True:
@@ -135,19 +146,25 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         if arrived.any():
             done = np.flatnonzero(arrived)
             marked: list[int] = []
+            last: list[int] = []
             for r, pred_row, src, dst in zip(done.tolist(), run.pred[done].tolist(), run.s[done].tolist(),
                                              run.t[done].tolist(), strict=True):
                 edges = names.walk_back(pred_row, src, dst)
                 found[int(run.pair[r])].append(names.path(edges))
                 offset = r * width
                 marked.extend(offset + e for e in edges)
+                last.append(edges[-1])
             weights[marked] = np.inf
             run.out_left[done] -= 1
             run.in_left[done] -= 1
             complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
             alive[done[complete]] = False
             run.stop(done[complete])
-            run.restart(done[~complete])
+            again = done[~complete]
+            bound = run.h[again]
+            bounds.refresh(bound, run.pair[again], np.array(last)[~complete])
+            run.h[again] = bound
+            run.restart(again)
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
         # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
@@ -194,7 +211,58 @@ class _PathNames:
 
 def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
     """dist(x -> target) for each target index (rows) and every node x (columns)."""
-    return aggregation_distances(graph, [graph.nodes[i] for i in targets.tolist()], strict=False)
+    return np.atleast_2d(aggregation_distances(graph, [graph.nodes[i] for i in targets.tolist()], strict=False))
+
+
+class _EntryBound:
+    """A* heuristic per search: the cheapest way into t over an in-link the search may still use.
+
+    Every residual path to t ends with an unused in-link y -> t, so it costs at least the minimum over
+    those of dist(x -> y) + w(y, t) in the full graph. The bound only grows as rounds remove in-links of
+    t, stays admissible and consistent (a minimum of consistent bounds), and is far tighter than the
+    plain distance to t near the nodes whose links were removed.
+
+    One row of ``entry`` per (pair, in-link of its target); ``slots`` lists each pair's rows, padded
+    with the all-inf last row. Removing an in-link sets its row to inf, and only the nodes whose bound
+    came from that in-link are recomputed.
+    """
+
+    def __init__(self, graph: RateGraph, t: np.ndarray) -> None:
+        by_dst = np.argsort(graph.dst, kind="stable")
+        in_degree = np.bincount(graph.dst, minlength=graph.n)
+        in_first = np.concatenate(([0], np.cumsum(in_degree)[:-1]))
+        self.position = np.empty(len(graph.dst), dtype=np.int64)  # of each edge among its head's in-links
+        self.position[by_dst] = np.arange(len(by_dst)) - in_first[graph.dst[by_dst]]
+        count = in_degree[t]
+        ends = np.cumsum(count)
+        self.first = ends - count
+        owner = np.repeat(np.arange(len(t)), count)
+        edges = by_dst[np.arange(int(ends[-1])) + np.repeat(in_first[t] - ends + count, count)]
+        needed, needed_row = np.unique(graph.src[edges], return_inverse=True)
+        total = len(edges)
+        self.entry = np.full((total + 1, graph.n), np.inf)
+        self.entry[:total] = _distances_to(graph, needed)[needed_row] + graph.weight[edges][:, None]
+        width = max(int(count.max()), 1)
+        self.slots = np.full((len(t), width), total, dtype=np.int64)
+        self.slots[owner, np.arange(total) - self.first[owner]] = np.arange(total)
+
+    def remove(self, pairs: np.ndarray, edges: np.ndarray) -> None:
+        """In-link ``edges[i]`` of pair ``pairs[i]``'s target is used up."""
+        self.entry[self.first[pairs] + self.position[edges]] = np.inf
+
+    def initial(self, t: np.ndarray) -> np.ndarray:
+        bound: np.ndarray = self.entry[self.slots].min(axis=1)
+        bound[np.arange(len(t)), t] = 0.0
+        return bound
+
+    def refresh(self, bound: np.ndarray, pairs: np.ndarray, edges: np.ndarray) -> None:
+        """Remove the in-links ``edges`` and raise ``bound`` (rows of ``pairs``) where they were the minimum."""
+        rows = self.first[pairs] + self.position[edges]
+        was = self.entry[rows] == bound
+        self.entry[rows] = np.inf
+        r, x = np.nonzero(was)
+        if len(r):
+            bound[r, x] = self.entry[self.slots[pairs[r]], x[:, None]].min(axis=1)
 
 
 def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], names: _PathNames) -> None:
@@ -202,11 +270,10 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
 
     Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
     """
-    e = len(graph.src)
     s, t = int(run.s[r]), int(run.t[r])
     matrix = names.matrix.copy()
     weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
-    weight[:] = run.w[r, :e]
+    weight[:] = run.w[r]
     out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
     while out_left and in_left:
         dist, pred = dijkstra(matrix, directed=True, indices=s, return_predecessors=True)

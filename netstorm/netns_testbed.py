@@ -2,9 +2,11 @@
 
 For measuring the probes against a known shaped rate, not for experiments (the WAN emulator builds
 those). Link ``i`` joins nodes ``a`` and ``b`` through interface ``l<i>`` on both sides (namespaces
-keep the names apart), addresses ``10.250.<i>.1`` (a) and ``.2`` (b); the egress of each side carries
-an HTB class at that direction's rate. Namespace names carry the pid and a counter so parallel runs
-never collide; ``close`` (or leaving the ``with`` block) deletes them, which deletes their veths.
+keep the names apart), addresses ``10.250.<i>.1`` (a) and ``.2`` (b); each node also has its own
+address ``10.251.0.<node+1>`` that its neighbours reach over their link. The egress of each side
+carries HTB at that direction's rate, with pure TCP ACKs ahead of data (see ``_shape``). Namespace
+names carry the pid and a counter so parallel runs never collide; ``close`` (or leaving the ``with``
+block) deletes them, which deletes their veths.
 
 Code runs "inside" a namespace through threads: ``setns(2)`` moves only the calling thread, and every
 thread (and socket) it creates after that lives in the namespace too. ``run_in`` gives each side its
@@ -76,6 +78,36 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+ACK_SHARE = 0.05
+"""Guaranteed share of a link for pure TCP ACKs; the rest (and whatever ACKs leave) carries data."""
+ACK_FILTER = ("match", "ip", "protocol", "6", "0xff",   # TCP
+              "match", "u8", "0x05", "0x0f", "at", "0",  # IP header without options
+              "match", "u16", "0x0000", "0xffc0", "at", "2",  # total length below 64 bytes
+              "match", "u8", "0x10", "0xff", "at", "33")  # flags: ACK alone
+
+
+def _shape(ns: str, dev: str, mbit: float, *, add: bool) -> None:
+    """HTB at ``mbit`` on ``dev``'s egress: class 1:1 caps the link; pure ACKs (1:10) go before data (1:20).
+
+    Without the ACK class, the ACKs of the opposite direction's flow wait behind up to a TCP send
+    window of this direction's data in the HTB queue, and the opposite flow (correctly measured) runs
+    slower than its own shaping: real bidirectional bufferbloat, but not what these tests measure.
+    """
+    verb = "add" if add else "change"
+    ack = max(mbit * ACK_SHARE, 0.1)
+    if add:
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "20")
+    _run("tc", "-n", ns, "class", verb, "dev", dev, "parent", "1:", "classid", "1:1",
+         "htb", "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
+    _run("tc", "-n", ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:10",
+         "htb", "rate", f"{ack}mbit", "ceil", f"{mbit}mbit", "prio", "0")
+    _run("tc", "-n", ns, "class", verb, "dev", dev, "parent", "1:1", "classid", "1:20",
+         "htb", "rate", f"{mbit - ack}mbit", "ceil", f"{mbit}mbit", "prio", "1")
+    if add:
+        _run("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+             "u32", *ACK_FILTER, "flowid", "1:10")
+
+
 class Testbed:
     """Namespaces ``0..nodes-1`` and shaped veth links between them; a context manager."""
 
@@ -105,10 +137,14 @@ class Testbed:
                     _run("ip", "-n", ns, "link", "set", f"{self.prefix}{end}{i}", "name", dev)
                     _run("ip", "-n", ns, "addr", "add", f"{self.address(i, node)}/24", "dev", dev)
                     _run("ip", "-n", ns, "link", "set", dev, "up")
-                    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
                     rate = spec.rate_ab_mbit if node == spec.a else spec.rate_ba_mbit
-                    _run("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
-                         "htb", "rate", f"{rate}mbit", "ceil", f"{rate}mbit")
+                    _shape(ns, dev, rate, add=True)
+            for node, name in enumerate(self.names):
+                _run("ip", "-n", name, "addr", "add", f"{self.node_address(node)}/32", "dev", "lo")
+            for i, spec in enumerate(self.links):
+                for here, there in ((spec.a, spec.b), (spec.b, spec.a)):
+                    _run("ip", "-n", self.names[here], "route", "add", f"{self.node_address(there)}/32",
+                         "via", self.address(i, there))
         except BaseException:
             self.close()
             raise
@@ -132,11 +168,17 @@ class Testbed:
             raise ValueError(f"node {node} is not on link {link} ({spec.a}-{spec.b})")
         return f"10.250.{link}.{1 if node == spec.a else 2}"
 
+    def node_address(self, node: int) -> str:
+        """Node ``node``'s own address (on its loopback), routed over the direct link from each neighbour.
+
+        The first link listed between two nodes carries their traffic; nodes without a direct link
+        cannot reach each other (no multi-hop routing here)."""
+        return f"10.251.0.{node + 1}"
+
     def set_rate(self, link: int, src: int, mbit: float) -> None:
         """Reshape the direction ``src -> other end`` of ``link`` to ``mbit`` Mbit/s, traffic flowing."""
         self.address(link, src)
-        _run("tc", "-n", self.names[src], "class", "change", "dev", f"l{link}", "parent", "1:", "classid", "1:1",
-             "htb", "rate", f"{mbit}mbit", "ceil", f"{mbit}mbit")
+        _shape(self.names[src], f"l{link}", mbit, add=False)
 
     def run_in(self, node: int, main: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
         """Run ``asyncio.run(main())`` on a new thread inside node ``node``'s namespace."""

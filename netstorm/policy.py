@@ -192,6 +192,21 @@ def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[
     return {pair: (pair, *paths) for pair, paths in searched.items()}
 
 
+def _baseline_tree(graph: RateGraph, topology: str, hub: int | None, bkt_k: int) -> Tree:
+    """STAR or BKT at ``hub`` (default the best-connected node); MST at ``hub`` or its fastest root."""
+    if hub is not None and hub not in graph.index:
+        raise PolicyError(f"hub {hub} is not a node of the overlay (nodes: {list(graph.nodes)})")
+    if topology == "mst":
+        edges = maximum_spanning_edges(graph)
+        if hub is not None:
+            return orient(graph.nodes, edges, hub)
+        routes = routes_for(graph)
+        options = [orient(graph.nodes, edges, r) for r in graph.nodes]
+        return min(options, key=lambda t: (routed_delay(t, graph, routes), t.root))
+    root = best_connected(graph) if hub is None else hub
+    return star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
+
+
 def plan(
     rates: Rates,
     *,
@@ -207,7 +222,7 @@ def plan(
 
     ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
     earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
-    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root. With ``aux``,
+    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
     Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
     a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
     """
@@ -223,18 +238,9 @@ def plan(
         result = build_multi_root_fapt(graph, num_roots, roots)
         chosen, trees, quality = result.roots, result.trees, result.quality
     else:
-        if topology == "mst":
-            edges = maximum_spanning_edges(graph)
-            routes = routes_for(graph)
-            options = {r: orient(graph.nodes, edges, r) for r in graph.nodes}
-            delays = {r: routed_delay(t, graph, routes) for r, t in options.items()}
-            root = hub if hub is not None else min(delays, key=lambda r: (delays[r], r))
-            tree = options.get(root) or star_tree(graph, root)  # star_tree rejects an unknown hub
-        else:
-            root = best_connected(graph) if hub is None else hub
-            tree = star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
-        chosen, trees = (root,), {root: tree}
-        quality = {root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
+        tree = _baseline_tree(graph, topology, hub, bkt_k)
+        chosen, trees = (tree.root,), {tree.root: tree}
+        quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
     total_q = sum(quality[r] for r in chosen)
     share = {r: quality[r] / total_q for r in chosen}
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}

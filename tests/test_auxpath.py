@@ -51,10 +51,12 @@ def test_hand_worked_internet2_pair():
     assert edge_disjoint_paths(RateGraph.from_rates(internet2()), 1, 2) == ((1, 2), (1, 3, 2))
 
 
-@pytest.mark.parametrize("tail_rows", [0, 24, 10_000])
-def test_all_pairs_match_networkx(monkeypatch, tail_rows):
-    """Same path costs as the plain algorithm, whether searches run in lockstep, one by one, or both."""
+@pytest.mark.parametrize(("tail_rows", "batch"), [(0, 4096), (24, 4096), (10_000, 4096), (5, 50)])
+def test_all_pairs_match_networkx(monkeypatch, tail_rows, batch):
+    """Same path costs as the plain algorithm, whether searches run in lockstep, one by one, both, or
+    in batches of pairs."""
     monkeypatch.setattr(auxpath, "TAIL_ROWS", tail_rows)
+    monkeypatch.setattr(auxpath, "BATCH_PAIRS", batch)
     rates = random_overlay(12, 4, seed=7)
     result = auxiliary_paths(RateGraph.from_rates(rates))
     assert len(result) == 12 * 11

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from netstorm.errors import PolicyError
 from netstorm.policy import TOPOLOGIES, Policy, Tree, plan
@@ -167,3 +169,40 @@ def test_tree_accessors():
         Tree(1, {1: None, 2: 3, 3: 2})
     with pytest.raises(PolicyError):
         Tree(1, {1: 2, 2: None})
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 12) | st.floats(allow_nan=True) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=6,
+)
+_WIRE = plan(internet2(0.25), num_roots=2).to_wire()
+
+
+def _paths(data: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix]
+    if isinstance(data, dict):
+        for key, value in data.items():
+            out += _paths(value, (*prefix, key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            out += _paths(value, (*prefix, i))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(where=st.integers(min_value=0), value=_JSON)
+def test_from_wire_never_fails_with_anything_but_policy_error(where, value):
+    """Replace any one part of a valid wire form with arbitrary JSON: decode or PolicyError, nothing else."""
+    paths = _paths(_WIRE)[1:]
+    path = paths[where % len(paths)]
+    data = json.loads(json.dumps(_WIRE))
+    target = data
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    try:
+        policy = Policy.from_wire(data)
+    except PolicyError:
+        return
+    assert Policy.from_wire(policy.to_wire()) == policy
