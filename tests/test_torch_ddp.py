@@ -20,6 +20,13 @@ def test_importing_netstorm_and_its_trainers_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_without_torch_the_helper_names_the_extra_to_install() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import netstorm.torch\nexcept ImportError as exc:\n    print(exc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "netstorm[torch]" in out.stdout
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

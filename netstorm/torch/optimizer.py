@@ -21,7 +21,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # the torch extra is optional; say which one to install
+    raise ImportError(f"netstorm.torch needs PyTorch (pip install 'netstorm[torch]'): {exc}") from exc
 
 
 class KeyValueStore(Protocol):
@@ -137,7 +141,7 @@ class DistributedOptimizer:
                     param.grad = torch.empty_like(param)
                 param.grad.copy_(total)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize the gradients, then take the wrapped optimizer's step."""
         loss = None
         if closure is not None:
