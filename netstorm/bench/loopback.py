@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from netstorm import config
+from netstorm.trainers.launch import descendants
 
 HELP = "sync throughput and CPU per node of a loopback cluster, vs memory-copy bandwidth and the CPU target"
 
@@ -81,29 +82,6 @@ def host_cpu() -> tuple[int, int]:
     idle = fields[3] + fields[4]  # idle + iowait
     total = sum(fields)
     return total - idle, total
-
-
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root``, found by walking /proc's parent links."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = _parent(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue  # exited while we looked
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid]
-        found += children
-        frontier += children
-    return sorted(found)
 
 
 def node_processes(local_pid: int) -> dict[int, int]:
