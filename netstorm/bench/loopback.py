@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from netstorm import config
-from netstorm.trainers.launch import descendants
+from netstorm.trainers.launch import LaunchError, Trainers, descendants, local_cluster
 
 HELP = "sync throughput and CPU per node of a loopback cluster, vs memory-copy bandwidth and the CPU target"
 
@@ -103,17 +103,14 @@ def _sample(pids: dict[int, int]) -> dict[int, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Mark:
-    """CPU times when every DC had finished one iteration."""
+    """Node and host CPU times when every DC had finished one iteration."""
 
     t: float
     nodes: dict[int, float]
-    trainers: dict[int, float]
     host: tuple[int, int]
 
 
 def run(args: argparse.Namespace) -> int:
-    from netstorm.trainers.launch import LaunchError, Trainers, local_cluster
-
     if args.iterations < 2:
         raise LaunchError("--iterations must be at least 2: CPU is measured from the first iteration's end")
     params = max(1, round(args.model_mb * 1e6 / 4))
@@ -132,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
                   "--timeout", str(args.timeout)] for node in cluster.node_ids]
         records: list[list[dict[str, Any]]] = [[] for _ in argvs]
         with Trainers(argvs, run_dir) as trainers:
-            trainer_pids = {i: p.pid for i, p in enumerate(trainers.processes)}
             marks: dict[int, Mark] = {}
             done = 0
             while done < len(argvs):
@@ -147,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
                 k = line.record.get("iteration")
                 if k in (0, args.iterations - 1) and all(
                         any(r.get("iteration") == k for r in rs) for rs in records):
-                    marks[k] = Mark(time.perf_counter(), _sample(nodes), _sample(trainer_pids), host_cpu())
+                    marks[k] = Mark(time.perf_counter(), _sample(nodes), host_cpu())
     # Measured again once the cluster is gone: on a shared host the best of both is the machine's.
     copy_bw = max(copy_bw, memcpy_bandwidth(model_bytes))
     result = summarize(args, model_bytes, copy_bw, records, marks)
@@ -172,7 +168,8 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
     window = end.t - first.t
     steady_s = window / measured
     node_cpu = {node: (end.nodes[node] - first.nodes[node]) / measured for node in end.nodes}
-    trainer_cpu = [(end.trainers[i] - first.trainers[i]) / measured for i in end.trainers]
+    # Trainers report their own CPU time (they may have exited by the time the last line is read).
+    trainer_cpu = [(rs[last]["cpu_s"] - rs[0]["cpu_s"]) / measured for rs in records]
     host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1)
     cpus = os.cpu_count() or 1
     cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)

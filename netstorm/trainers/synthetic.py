@@ -5,7 +5,8 @@
 Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
 gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
-``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``.
+``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
+``workers`` (DCs that contributed) and ``cpu_s`` (this process's CPU time so far).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
-                                          "workers": workers}
+                                          "workers": workers, "cpu_s": time.process_time()}
                 if verdict.error:
                     record["error"] = verdict.error
                 _emit(stream, record)
