@@ -19,7 +19,6 @@ nothing is dropped. A contribution that arrives twice is rejected.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -388,15 +387,3 @@ class ChunkCore:
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
                            t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count)
 
-
-def wire(cores: Mapping[int, ChunkCore], actions: Sequence[Action]) -> list[Action]:
-    """Deliver every Send among in-process cores until quiet; return the other actions (tests, tools)."""
-    queue = list(actions)
-    rest: list[Action] = []
-    while queue:
-        action = queue.pop(0)
-        if isinstance(action, Send):
-            queue += cores[action.header.dst].receive(action.header, action.payload.copy())
-        else:
-            rest.append(action)
-    return rest

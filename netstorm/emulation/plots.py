@@ -31,7 +31,7 @@ def draw_all(result: dict[str, Any], directory: Path) -> list[Path]:
 
 def iteration_times(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for name, s in result["systems"].items():
         xs = list(range(1, len(s["iteration_s"]) + 1))
         ax.plot(xs, s["iteration_s"], marker="o", label=name)
@@ -42,10 +42,11 @@ def iteration_times(result: dict[str, Any], path: Path) -> Path:
     else:
         ax.axhline(result["limit_s"], color="black", linestyle="--", label="limit M/λ")
     ax.set_xlabel("iteration")
-    ax.set_ylabel("seconds per iteration")
+    ax.set_ylabel("seconds per iteration (log scale)")
     ax.set_yscale("log")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_title(f"{result['scenario']}: rates x{result['bw_scale']}, {result['model']['bytes'] / 1e6:.1f} MB model")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -55,7 +56,7 @@ def iteration_times(result: dict[str, Any], path: Path) -> Path:
 
 def link_rates(result: dict[str, Any], path: Path) -> Path:
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig, ax = plt.subplots(figsize=(11, 5))
     log = next((s["link_rate_log"] for s in result["systems"].values() if s.get("link_rate_log")), None)
     if not log:
         log = [{"t": 0.0, "rates_mbit": result["initial_rates_mbit"]}]
@@ -68,7 +69,7 @@ def link_rates(result: dict[str, Any], path: Path) -> Path:
     ax.set_xlabel("seconds since the system started")
     ax.set_ylabel("shaped rate (Mbit/s)")
     ax.set_title(f"{result['scenario']}: link rates (each direction), as applied with tc")
-    ax.legend(fontsize="x-small", ncol=4, loc="upper right")
+    ax.legend(fontsize="x-small", ncol=2, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

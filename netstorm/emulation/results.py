@@ -195,19 +195,21 @@ def scaling(results_list: list[dict[str, Any]]) -> list[str]:
     Every DC runs the same trainer, so samples/s grows with n / t(n); the efficiency from n1 to n2 DCs is
     (n2 / t2) / (n1 / t1) / (n2 / n1) = t1 / t2 (1.0: adding DCs costs no time per iteration).
     """
-    by_system: dict[str, list[tuple[int, float, str]]] = {}
+    by_system: dict[str, list[tuple[int, float, float, str]]] = {}
     for result in results_list:
         stats = system_stats(result)
         for name, st in stats.items():
             if result["systems"][name]["iteration_s"]:
-                by_system.setdefault(name, []).append((len(result["nodes"]), st["mean_s"], result["scenario"]))
+                by_system.setdefault(name, []).append(
+                    (len(result["nodes"]), st["mean_s"], st["limit_s"], result["scenario"]))
     lines: list[str] = []
     for name, runs in by_system.items():
         sizes = sorted(runs)
-        (n1, t1, s1), (n2, t2, s2) = sizes[0], sizes[-1]
+        (n1, t1, lim1, s1), (n2, t2, lim2, s2) = sizes[0], sizes[-1]
         if n1 == n2:
             continue
         lines.append(f"{name}: {n1} DCs ({s1}) {t1:.2f} s/iteration -> {n2} DCs ({s2}) {t2:.2f} s/iteration: "
                      f"samples/s x{(n2 / t2) / (n1 / t1):.2f} for x{n2 / n1:.2f} the DCs, scaling efficiency "
-                     f"{t1 / t2:.2f}")
+                     f"{t1 / t2:.2f} (a system at the limit: {lim1 / lim2:.2f}, as the min cut changes with the "
+                     "topology)")
     return lines

@@ -227,13 +227,17 @@ class SystemRun:
                 raise EmulationError(f"{self.system.name}: {name} exited with {proc.returncode}: {tail.strip()}")
 
     def policy_versions(self) -> dict[str, Any]:
-        """Which policy version each iteration was bound to, and each version's summary (scheduler log)."""
+        """The policy version the scheduler bound each of its iterations to, and every version it published.
+
+        Read from the scheduler's log; iteration numbers are the scheduler's (the runtime's own count,
+        which need not equal the trainer's), so the result keeps them as they are.
+        """
         path = self.dir / "scheduler.log"
         text = path.read_text(errors="replace") if path.exists() else ""
-        bound = {int(m.group(1)): int(m.group(2)) for m in _BOUND_RE.finditer(text)}
+        bound = {str(m.group(1)): int(m.group(2)) for m in _BOUND_RE.finditer(text)}
         policies = [{"version": int(m.group(1)), "reason": m.group(2), "roots": m.group(3)}
                     for m in _POLICY_RE.finditer(text)]
-        return {"by_iteration": [bound.get(k) for k in range(max(bound, default=-1) + 1)], "policies": policies}
+        return {"bound": bound, "policies": policies}
 
     def on_rates(self, entry: dict[str, Any]) -> None:
         self.epoch = int(entry["epoch"])
@@ -293,8 +297,9 @@ class SystemRun:
             rates = " ".join(f"{a}>{b}:{r * self.net.bw_scale:.0f}" for (a, b), r in sorted(self.net.rates.items()))
             version = ""
             if self.system.kind == "netstorm":
-                by_iteration = self.policy_versions()["by_iteration"]
-                version = f"policy v{by_iteration[k] if k < len(by_iteration) else '?'} "
+                versions = self.policy_versions()
+                latest = max(versions["bound"].items(), key=lambda kv: int(kv[0]), default=(None, "?"))[1]
+                version = f"policy v{latest} (of {len(versions['policies'])} published) "
             progress.line(f"[{self.system.name}] iteration {k + 1}/{self.opts.iterations}: {secs:.2f} s "
                           f"(limit {self.limit_for(self.net.rates):.2f} s) {version}epoch {self.epoch} "
                           f"cpu {cpu_pct:.0f}% rates(Mbit/s) {rates}")
@@ -324,7 +329,6 @@ class SystemRun:
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions())
-            out["policy_versions"]["by_iteration"] = out["policy_versions"]["by_iteration"][:done]
         if errors:
             out["trainer_errors"] = errors[:20]
         return out
