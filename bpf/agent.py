@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from bpf import udp
 from bpf.fallback import UserspaceAggregator
 from bpf.maps import EdgeLayout
 from bpf.packets import control_packet, result_packets
@@ -119,7 +120,7 @@ class EdgeGateway:
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
-        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=4096)
+        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=1 << 16)
         self.data_packets = 0
         """DATA datagrams the aggregator consumed (kernel counter in xdp mode)."""
         self.receive_cpu = 0.0
@@ -179,7 +180,7 @@ class EdgeGateway:
                     async with asyncio.timeout(min(remaining, 4 * self.slot_timeout)):
                         await waiter.wait()
                 if not sums.done and not waiter.is_set():
-                    self._poke_stalled(sums)
+                    await self._poke_stalled(sums)
             return sums.result()
         finally:
             self._waiters.pop(iteration, None)
@@ -195,12 +196,16 @@ class EdgeGateway:
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
+        absent = [w for w in range(self.workers) if w not in self.addresses]
         for w in range(self.workers):
             address = self.addresses.get(w)
             if address is None:
-                raise EdgeTimeout(f"edge gateway: worker {w} has no address (never said HELLO)")
+                continue
             for row in rows:
                 await self._out.put((row.tobytes(), address))
+        if absent:
+            raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
+                              "HELLO); the others got their results")
 
     # ------------------------------------------------------------------ internals
     def _sums(self, iteration: int) -> IterationSums:
@@ -224,14 +229,16 @@ class EdgeGateway:
             except asyncio.QueueFull:
                 log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
 
-    def _poke_stalled(self, sums: IterationSums) -> None:
+    async def _poke_stalled(self, sums: IterationSums) -> None:
         """A slot can complete while its AGG datagram is lost before our socket: a duplicate from one
         contributor makes the aggregator re-emit it. Pending slots that are merely incomplete are
         unaffected (the duplicate is dropped) and stay with the timer."""
         for t, c in sorted(sums.pending)[:256]:
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
-            self._emit([(0, nack)])
+            address = self.addresses.get(0)
+            if address is not None:
+                await self._out.put((nack, address))
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
@@ -277,7 +284,10 @@ class EdgeGateway:
             if head.kind == Kind.HELLO:
                 self.addresses[head.worker] = address
                 self._hello.set()
-                self._out.put_nowait((control_packet(Kind.HELLO, job=self.job, worker=head.worker), address))
+                # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
+                reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, tensor=len(self.layout.sizes),
+                                       chunk=self.workers, slot=self.layout.num_slots, scale=self.layout.scales[0])
+                self._out.put_nowait((reply, address))
             elif head.kind == Kind.PULL:
                 rows = self._results.get(head.iteration)
                 if rows is not None:
@@ -289,11 +299,10 @@ class EdgeGateway:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
 
     async def _receive(self) -> None:
-        loop = asyncio.get_running_loop()
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
         view = memoryview(buf)
         while True:
-            await _readable(loop, self.sock)
+            await udp.readable(self.sock)
             started = time.thread_time()
             # drain what is queued before yielding again: one wake-up per burst, not per datagram
             for _ in range(256):
@@ -309,10 +318,9 @@ class EdgeGateway:
             self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             datagram, address = await self._out.get()
-            await loop.sock_sendto(self.sock, datagram, address)
+            await udp.sendto(self.sock, datagram, address)
 
     async def _timers(self) -> None:
         assert self.fallback is not None
@@ -321,18 +329,3 @@ class EdgeGateway:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
-
-
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until ``sock`` has a datagram (back-pressure: the kernel queue holds the rest)."""
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())

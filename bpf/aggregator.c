@@ -8,7 +8,7 @@
  * bpf_timer; on expiry the callback reports the slot and its bitmap through the ring buffer (it cannot
  * send packets) and re-arms itself up to max_nacks times, so the agent NACKs the missing workers.
  *
- * Defined by the loader: NS_LANES, NS_SLOTS, NS_SLOT_MAP (replaced by the shared table's name), TIMER_MAP_FD,
+ * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP (replaced by the shared table's name), TIMER_MAP_FD,
  * TIMER_CB_MARK (64-bit constant the loader turns into a BPF_PSEUDO_FUNC reference to ns_timer_cb). */
 #include <linux/if_ether.h>
 #include <linux/in.h>
@@ -20,12 +20,13 @@
 #define NS_VERSION 1
 #define NS_KIND_DATA 1
 #define NS_KIND_AGG 2
+#define NS_KIND_TIMER_INIT 0x7f    /* loader-only: initialise one slot's timer (see prime_timers) */
 #define NS_FLAG_OVERFLOW 1
 #define NS_CLOCK_MONOTONIC 1
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
-    ST_TIMER_EVENTS, ST_BUSY_EVICTED, NS_NSTATS
+    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, NS_NSTATS
 };
 
 struct ns_hdr {
@@ -70,7 +71,7 @@ struct ns_event {
 BPF_TABLE("extern", u32, struct ns_slot, NS_SLOT_MAP, NS_SLOTS);
 BPF_ARRAY(ns_cfg, struct ns_cfg, 1);
 BPF_PERCPU_ARRAY(ns_stats, u64, NS_NSTATS);
-BPF_RINGBUF_OUTPUT(ns_events, 16);
+BPF_RINGBUF_OUTPUT(ns_events, NS_RING_PAGES);
 
 static __always_inline void bump(u32 index)
 {
@@ -137,6 +138,19 @@ int ns_aggregate(struct xdp_md *ctx)
     struct ns_hdr *h = (void *)(udp + 1);
     if ((void *)(h + 1) > end)
         return XDP_PASS;
+    if (h->magic == NS_MAGIC && h->version == NS_VERSION && h->kind == NS_KIND_TIMER_INIT) {
+        /* bpf_timer_init allocates; in NAPI context that can fail under load, so the loader initialises
+         * every slot's timer up front through BPF_PROG_TEST_RUN and the data path only (re)starts it. */
+        u32 index = h->slot;
+        struct ns_slot *slot = NS_SLOT_MAP.lookup(&index);
+        if (!slot)
+            return XDP_ABORTED;
+        long err = bpf_timer_init(&slot->timer, (void *)bpf_pseudo_fd(1, TIMER_MAP_FD), NS_CLOCK_MONOTONIC);
+        if (!err || err == -16)
+            err = bpf_timer_set_callback(&slot->timer, (void *)TIMER_CB_MARK);
+        h->reserved = (u32)-err;    /* the loader reads the errno back from the frame */
+        return err ? XDP_ABORTED : XDP_DROP;
+    }
     /* Anything but our job's DATA goes to the agent, which answers malformed input with a clear error. */
     if (h->magic != NS_MAGIC || h->version != NS_VERSION || h->kind != NS_KIND_DATA || h->job != cfg->job)
         return XDP_PASS;
@@ -239,9 +253,13 @@ int ns_aggregate(struct xdp_md *ctx)
         bump(ST_OVERFLOW);
     if (first && !last) {
         /* -EBUSY once the slot's timer is initialised: harmless, the callback stays the same. */
-        bpf_timer_init(&slot->timer, (void *)bpf_pseudo_fd(1, TIMER_MAP_FD), NS_CLOCK_MONOTONIC);
-        bpf_timer_set_callback(&slot->timer, (void *)TIMER_CB_MARK);
-        bpf_timer_start(&slot->timer, cfg->timeout_ns, 0);
+        long err = bpf_timer_init(&slot->timer, (void *)bpf_pseudo_fd(1, TIMER_MAP_FD), NS_CLOCK_MONOTONIC);
+        if (err && err != -16 /* EBUSY: initialised before */)
+            bump(ST_TIMER_FAIL);
+        if (bpf_timer_set_callback(&slot->timer, (void *)TIMER_CB_MARK))
+            bump(ST_TIMER_FAIL);
+        if (bpf_timer_start(&slot->timer, cfg->timeout_ns, 0))
+            bump(ST_TIMER_FAIL);
     }
     if (last) {
         if (!first)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from bpf import udp
 from bpf.maps import EdgeLayout
 from bpf.packets import control_packet, data_packets
 from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of
@@ -38,20 +39,21 @@ class EdgeWorker:
         """Fraction of first transmissions sent twice (duplicate injection)."""
         self._queued: list[bytes] = []
 
-    async def hello(self, *, timeout: float) -> None:  # noqa: ASYNC109
-        """Announce this worker until the gateway answers (it learns our address from it)."""
-        loop = asyncio.get_running_loop()
+    async def hello(self, *, timeout: float) -> Header:  # noqa: ASYNC109
+        """Announce this worker until the gateway answers (it learns our address from it). The answer
+        carries the gateway's tensor count (``tensor``), slots (``slot``) and fixed-point ``scale``."""
         hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker)
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES)
         try:
             async with asyncio.timeout(timeout):
                 while True:
-                    await loop.sock_sendto(self.sock, hello, self.gateway)
+                    await udp.sendto(self.sock, hello, self.gateway)
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(0.2):
-                            n, _ = await loop.sock_recvfrom_into(self.sock, buf)
+                            n, _ = await udp.recvfrom_into(self.sock, buf)
                             if n >= HEADER_BYTES and buf[3] == Kind.HELLO:
-                                return
+                                with contextlib.suppress(WireError):
+                                    return Header.decode(bytes(buf[:n]))
         except TimeoutError:
             raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
                               f"within {timeout} s") from None
@@ -60,7 +62,6 @@ class EdgeWorker:
         self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float  # noqa: ASYNC109
     ) -> list[np.ndarray]:
         """Contribute ``tensors`` to ``iteration`` and return the result the gateway sends back."""
-        loop = asyncio.get_running_loop()
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
                                             tensor=t, values=v) for t, v in enumerate(values)])
@@ -71,27 +72,51 @@ class EdgeWorker:
             if self.loss and self.rng.random() < self.loss:
                 self.dropped += 1
                 continue
-            await loop.sock_sendto(self.sock, row.tobytes(), self.gateway)
+            await udp.sendto(self.sock, row.tobytes(), self.gateway)
             if self.duplicate and self.rng.random() < self.duplicate:
-                await loop.sock_sendto(self.sock, row.tobytes(), self.gateway)
+                await udp.sendto(self.sock, row.tobytes(), self.gateway)
             if i % 64 == 63:
                 self._serve_pending(iteration, keep, values, results, missing)
+        await self._gather(iteration, keep, values, results, missing, timeout)
+        return results
+
+    async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray]]:  # noqa: ASYNC109
+        """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``)."""
+        results = [np.zeros(size, np.float32) for size in self.layout.sizes]
+        missing = np.ones(self.layout.num_slots, bool)
+        keep = np.zeros((0, 0), np.uint8)
+        iteration = await self._gather(None, keep, [], results, missing, timeout)
+        return iteration, results
+
+    async def _gather(self, iteration: int | None, keep: np.ndarray, values: list[np.ndarray],
+                      results: list[np.ndarray], missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
+        """Receive RESULT datagrams (answering NACKs meanwhile) until every chunk is in."""
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
         deadline = time.monotonic() + timeout
         while missing.any():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise EdgeTimeout(f"edge worker {self.worker}: iteration {iteration}: {int(missing.sum())} result "
+                what = "the first result" if iteration is None else f"iteration {iteration}"
+                raise EdgeTimeout(f"edge worker {self.worker}: {what}: {int(missing.sum())} result "
                                   f"chunks from gateway {self.gateway} missing after {timeout} s")
             try:
                 async with asyncio.timeout(min(remaining, self.pull_interval)):
-                    n, _ = await loop.sock_recvfrom_into(self.sock, buf)
+                    n, _ = await udp.recvfrom_into(self.sock, buf)
             except TimeoutError:
-                await self._pull(iteration, missing)
+                if iteration is not None:
+                    await self._pull(iteration, missing)
                 continue
-            self._on_datagram(bytes(buf[:n]), iteration, keep, values, results, missing)
+            data = bytes(buf[:n])
+            if iteration is None and n >= HEADER_BYTES and data[3] == Kind.RESULT:
+                try:
+                    iteration = Header.decode(data).iteration
+                except WireError:
+                    continue
+            if iteration is not None:
+                self._on_datagram(data, iteration, keep, values, results, missing)
             await self._flush()
-        return results
+        assert iteration is not None
+        return iteration
 
     # ------------------------------------------------------------------ internals
     def _serve_pending(self, iteration: int, keep: np.ndarray, values: list[np.ndarray],
@@ -119,7 +144,7 @@ class EdgeWorker:
                 start, stop = self.layout.bounds(head.tensor, head.chunk)
                 results[head.tensor][start:stop] = lanes_of(data, "<f4")[: stop - start]
                 missing[index] = False
-        elif head.kind == Kind.NACK:
+        elif head.kind == Kind.NACK and keep.size:
             index = self.layout.slot(head.tensor, head.chunk)
             if head.flags & Flag.RESCALE:
                 keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
@@ -130,20 +155,18 @@ class EdgeWorker:
             self._queued.append(keep[index].tobytes())
 
     async def _flush(self) -> None:
-        loop = asyncio.get_running_loop()
         queued, self._queued = self._queued, []
         for datagram in queued:
-            await loop.sock_sendto(self.sock, datagram, self.gateway)
+            await udp.sendto(self.sock, datagram, self.gateway)
 
     async def _pull(self, iteration: int, missing: np.ndarray) -> None:
         """Retransmit queued answers, then ask for up to 256 result chunks that never arrived."""
         await self._flush()
         if missing.all():
             return  # the gateway has not started sending results (its WAN step is still running)
-        loop = asyncio.get_running_loop()
         for index in np.flatnonzero(missing)[:256]:
             tensor = int(np.searchsorted(self.layout.first_slot, index, side="right") - 1)
             chunk = int(index) - self.layout.first_slot[tensor]
-            await loop.sock_sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
+            await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                              iteration=iteration, tensor=tensor, chunk=chunk),
                                    self.gateway)

@@ -7,8 +7,11 @@ timer period, job, UDP port), per-CPU counters and the ring buffer the timer cal
 from __future__ import annotations
 
 import ctypes
+import errno
 import itertools
+import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,13 +22,14 @@ import numpy as np
 from bpf import timer_link
 from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
+from bpf.wire import Kind
 
 HERE = Path(__file__).resolve().parent
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted")
+         "timer_events", "busy_evicted", "timer_fail")
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])
@@ -69,7 +73,10 @@ class XdpAggregator:
                  max_nacks: int = 20) -> None:
         self.layout = layout
         name = f"ns_slots_{os.getpid()}_{next(_instances)}"
-        cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}"]
+        # the ring buffer holds one report from every slot at once (power-of-two pages, at least 16)
+        pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 64 / 4096)))
+        cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
+                  f"-DNS_RING_PAGES={pages}"]
         owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
         prog = (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
         self._owner, self._module, self.fd = timer_link.compile_and_load(
@@ -82,6 +89,34 @@ class XdpAggregator:
         self._events: list[SlotEvent] = []
         self._ring_open = False
         self.configure(job=job, port=port, expected=expected, timeout=timeout, max_nacks=max_nacks)
+        self.prime_timers()
+
+    def prime_timers(self) -> None:
+        """Initialise every slot's bpf_timer from process context (BPF_PROG_TEST_RUN with the loader-only
+        TIMER_INIT kind): in NAPI context the timer's allocation can fail under load, leaving a slot that
+        would never report. The data path then only starts and cancels timers."""
+        from bpf.wire import Header
+
+        cfg = self._module[b"ns_cfg"][self._module[b"ns_cfg"].Key(0)]
+        frame = bytearray(udp_frame(Header(Kind.DATA, 0, 0, 0, 0, 0, 0, 0, 0).encode(), dport=int(cfg.port)))
+        frame[42 + 3] = TIMER_INIT_KIND
+        failed: list[tuple[int, int]] = []
+        for index in range(self.layout.num_slots):
+            frame[42 + 20: 42 + 24] = index.to_bytes(4, "little")
+            # the kernel serves timer allocations from a per-CPU cache refilled asynchronously: after a
+            # burst of about a hundred it answers ENOMEM until the refill ran, so back off briefly and retry
+            for attempt in range(200):
+                verdict, out = self.test_run(bytes(frame))
+                code = int.from_bytes(out[42 + 28: 42 + 32], "little")
+                if verdict == XDP_DROP or code != errno.ENOMEM:
+                    break
+                time.sleep(0.0005 * (attempt + 1))
+            if verdict != XDP_DROP:
+                failed.append((index, code))
+        if failed:
+            index, code = failed[0]
+            raise LoaderError(f"initialising the bpf_timer of {len(failed)} of {self.layout.num_slots} slots failed "
+                              f"(slot {index}: {os.strerror(code) if code else 'unknown error'})")
 
     def configure(self, *, job: int, port: int, expected: int, timeout: float, max_nacks: int) -> None:
         """Install the control side's view: which workers contribute, the timer period, job and port."""
@@ -180,6 +215,7 @@ class XdpAggregator:
 
 
 XDP_DROP, XDP_PASS = 1, 2
+TIMER_INIT_KIND = 0x7F
 
 
 def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",

@@ -74,7 +74,8 @@ def train_dc(socket: str, shard: int, args: argparse.Namespace,
     loss_fn = nn.CrossEntropyLoss()
     kv = netstorm.connect(socket, timeout=args.timeout)
     try:
-        opt = DistributedOptimizer(make_optimizer(model, args.lr), model.named_parameters(), kv)
+        opt = DistributedOptimizer(make_optimizer(model, args.lr), model.named_parameters(), kv,
+                                   overlap=args.overlap)
         params, losses = [flat(model)], []
         for step in range(args.steps):
             opt.zero_grad()
@@ -145,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--overlap", action="store_true",
+                        help="push each gradient as soon as backward produced it (see DistributedOptimizer)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the cluster or a step")
     parser.add_argument("--run-dir", default=None, help="driver: where sockets, logs and results go")
     parser.add_argument("--socket", default=None, help="trainer mode: this DC's node socket")

@@ -7,16 +7,19 @@ chunk offloaded onto an auxiliary path never queues behind the primary's traffic
 
 A policy needs this for hundreds of pairs every few seconds, so all pairs are searched together: one
 A* search per pair, advanced in lockstep with numpy (every step pops one node in every pair's search).
-The heuristic is the distance to dst in the full graph, which removed edges can only lengthen, so it
-never overestimates and each search still finds a shortest path of its residual graph. A pair is done
-when src has no unused out-link, dst no unused in-link, or its search runs dry. The last few pairs,
-whose searches run longest, finish one by one with scipy's Dijkstra instead of holding the lockstep.
+The A* bound is the full graph's cheapest way into dst over an in-link the pair has not used yet
+(``_EntryBound``): removed edges only lengthen paths, so it never overestimates and each search still
+finds a shortest path of its residual graph, yet it steers the later rounds around the links already
+taken. A pair is done when src has no unused out-link, dst no unused in-link, or its search runs dry.
+The last few pairs, whose searches run longest, finish one by one with scipy's Dijkstra instead of
+holding the lockstep.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -28,7 +31,7 @@ from netstorm.rategraph import RateGraph
 
 Path = tuple[int, ...]
 
-TAIL_ROWS = 32
+TAIL_ROWS = 8
 """Searches left when the lockstep stops and the rest finish one at a time."""
 BATCH_PAIRS = 4096
 """Pairs searched in one lockstep; more run in batches, keeping the state arrays to tens of MB."""
@@ -109,7 +112,7 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         run.out_left[direct] -= 1
         run.in_left[direct] -= 1
         bounds.remove(direct, at[direct])
-    run.h = bounds.initial(t)
+    run.h = bounds.bounds(run.pair, t)
     run.restart(run.pair)
     names = _PathNames(graph)
 
@@ -147,12 +150,13 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             done = np.flatnonzero(arrived)
             marked: list[int] = []
             last: list[int] = []
-            for r, pred_row, src, dst in zip(done.tolist(), run.pred[done].tolist(), run.s[done].tolist(),
-                                             run.t[done].tolist(), strict=True):
-                edges = names.walk_back(pred_row, src, dst)
-                found[int(run.pair[r])].append(names.path(edges))
+            step_back = pred.item  # predecessor edge of (row, node) at row * n + node
+            for r, pair, src, dst in zip(done.tolist(), run.pair[done].tolist(), run.s[done].tolist(),
+                                         run.t[done].tolist(), strict=True):
+                edges = names.walk_back(step_back, r * n, src, dst)
+                found[pair].append(names.path(edges))
                 offset = r * width
-                marked.extend(offset + e for e in edges)
+                marked.extend([offset + e for e in edges])
                 last.append(edges[-1])
             weights[marked] = np.inf
             run.out_left[done] -= 1
@@ -161,9 +165,8 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
             alive[done[complete]] = False
             run.stop(done[complete])
             again = done[~complete]
-            bound = run.h[again]
-            bounds.refresh(bound, run.pair[again], np.array(last)[~complete])
-            run.h[again] = bound
+            bounds.remove(run.pair[again], np.array(last)[~complete])
+            run.h[again] = bounds.bounds(run.pair[again], run.t[again])
             run.restart(again)
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
         key[at_u] = np.inf
@@ -187,26 +190,40 @@ class _PathNames:
     """Edge-id lists to node-id paths."""
 
     def __init__(self, graph: RateGraph) -> None:
+        self.graph = graph
         self.nodes = graph.nodes
         self.tail = graph.src.tolist()
         self.head = graph.dst.tolist()
-        self.matrix = csr_matrix((graph.weight, graph.dst, np.searchsorted(graph.src, np.arange(graph.n + 1))),
-                                 shape=(graph.n, graph.n))
+        self.tail_id = [graph.nodes[i] for i in self.tail]
+        self.head_id = [graph.nodes[i] for i in self.head]
 
-    def walk_back(self, pred: list[int], src: int, dst: int) -> list[int]:
-        """Edge ids from ``src`` to ``dst`` following a search's predecessor edges back from ``dst``."""
+    @cached_property
+    def matrix(self) -> csr_matrix:
+        """The graph as CSR with data in edge order, for the searches that finish alone."""
+        graph = self.graph
+        indptr = np.searchsorted(graph.src, np.arange(graph.n + 1))
+        return csr_matrix((graph.weight.copy(), graph.dst, indptr), shape=(graph.n, graph.n))
+
+    @cached_property
+    def edge_of(self) -> dict[tuple[int, int], int]:
+        """Edge id of each (tail index, head index)."""
+        return {pair: e for e, pair in enumerate(zip(self.tail, self.head, strict=True))}
+
+    def walk_back(self, pred: Callable[[int], int], base: int, src: int, dst: int) -> list[int]:
+        """Edge ids from ``src`` to ``dst``, following the predecessor edges ``pred(base + node)`` back."""
         edges = []
         node = dst
+        tail = self.tail
         while node != src:
-            edge = pred[node]
+            edge = pred(base + node)
             edges.append(edge)
-            node = self.tail[edge]
+            node = tail[edge]
         edges.reverse()
         return edges
 
     def path(self, edges: list[int]) -> Path:
-        nodes, head = self.nodes, self.head
-        return (nodes[self.tail[edges[0]]], *(nodes[head[e]] for e in edges))
+        """Node ids along ``edges``."""
+        return (self.tail_id[edges[0]], *map(self.head_id.__getitem__, edges))
 
 
 def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
@@ -222,47 +239,49 @@ class _EntryBound:
     t, stays admissible and consistent (a minimum of consistent bounds), and is far tighter than the
     plain distance to t near the nodes whose links were removed.
 
-    One row of ``entry`` per (pair, in-link of its target); ``slots`` lists each pair's rows, padded
-    with the all-inf last row. Removing an in-link sets its row to inf, and only the nodes whose bound
-    came from that in-link are recomputed.
+    ``via[e]`` holds dist(x -> y) + w(e) for every link e = y -> t (plus an all-inf row); each pair
+    owns the stretch ``first[p] : first[p] + count[p]`` of ``in_link``/``used``, its target's in-links.
     """
 
     def __init__(self, graph: RateGraph, t: np.ndarray) -> None:
+        e = len(graph.src)
         by_dst = np.argsort(graph.dst, kind="stable")
         in_degree = np.bincount(graph.dst, minlength=graph.n)
         in_first = np.concatenate(([0], np.cumsum(in_degree)[:-1]))
-        self.position = np.empty(len(graph.dst), dtype=np.int64)  # of each edge among its head's in-links
-        self.position[by_dst] = np.arange(len(by_dst)) - in_first[graph.dst[by_dst]]
-        count = in_degree[t]
-        ends = np.cumsum(count)
-        self.first = ends - count
-        owner = np.repeat(np.arange(len(t)), count)
-        edges = by_dst[np.arange(int(ends[-1])) + np.repeat(in_first[t] - ends + count, count)]
-        needed, needed_row = np.unique(graph.src[edges], return_inverse=True)
-        total = len(edges)
-        self.entry = np.full((total + 1, graph.n), np.inf)
-        self.entry[:total] = _distances_to(graph, needed)[needed_row] + graph.weight[edges][:, None]
-        width = max(int(count.max()), 1)
-        self.slots = np.full((len(t), width), total, dtype=np.int64)
-        self.slots[owner, np.arange(total) - self.first[owner]] = np.arange(total)
+        self.position = np.empty(e, dtype=np.int64)  # of each link among its head's in-links
+        self.position[by_dst] = np.arange(e) - in_first[graph.dst[by_dst]]
+        self.count = in_degree[t]
+        ends = np.cumsum(self.count)
+        self.first = ends - self.count
+        total = int(ends[-1])
+        # One extra, always-unusable entry for pairs whose target has no in-link at all.
+        self.in_link = np.full(total + 1, e, dtype=np.int64)
+        self.in_link[:total] = by_dst[np.arange(total) + np.repeat(in_first[t] - ends + self.count, self.count)]
+        self.used = np.zeros(total + 1, dtype=bool)
+        self.used[total] = True
+        tails, tail_row = np.unique(graph.src, return_inverse=True)
+        self.via = np.full((e + 1, graph.n), np.inf)
+        self.via[:e] = _distances_to(graph, tails)[tail_row] + graph.weight[:, None]
 
     def remove(self, pairs: np.ndarray, edges: np.ndarray) -> None:
         """In-link ``edges[i]`` of pair ``pairs[i]``'s target is used up."""
-        self.entry[self.first[pairs] + self.position[edges]] = np.inf
+        self.used[self.first[pairs] + self.position[edges]] = True
 
-    def initial(self, t: np.ndarray) -> np.ndarray:
-        bound: np.ndarray = self.entry[self.slots].min(axis=1)
-        bound[np.arange(len(t)), t] = 0.0
+    def bounds(self, pairs: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The bound of each of ``pairs`` (targets ``t``) over its unused in-links."""
+        if not len(pairs):
+            return np.zeros((0, self.via.shape[1]))
+        count = self.count[pairs]
+        length = np.maximum(count, 1)
+        ends = np.cumsum(length)
+        starts = ends - length
+        entry = np.arange(int(ends[-1])) + np.repeat(self.first[pairs] - starts, length)
+        entry[np.repeat(count == 0, length)] = len(self.used) - 1
+        values = self.via[self.in_link[entry]]
+        values[self.used[entry]] = np.inf
+        bound: np.ndarray = np.minimum.reduceat(values, starts, axis=0)
+        bound[np.arange(len(pairs)), t] = 0.0
         return bound
-
-    def refresh(self, bound: np.ndarray, pairs: np.ndarray, edges: np.ndarray) -> None:
-        """Remove the in-links ``edges`` and raise ``bound`` (rows of ``pairs``) where they were the minimum."""
-        rows = self.first[pairs] + self.position[edges]
-        was = self.entry[rows] == bound
-        self.entry[rows] = np.inf
-        r, x = np.nonzero(was)
-        if len(r):
-            bound[r, x] = self.entry[self.slots[pairs[r]], x[:, None]].min(axis=1)
 
 
 def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], names: _PathNames) -> None:
@@ -271,7 +290,7 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
     Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
     """
     s, t = int(run.s[r]), int(run.t[r])
-    matrix = names.matrix.copy()
+    matrix = names.matrix  # shared by the rows finishing alone, one after another
     weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
     weight[:] = run.w[r]
     out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
@@ -283,18 +302,11 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
         while hops[-1] != s:
             hops.append(int(pred[hops[-1]]))
         hops.reverse()
-        edges = [_edge_id(graph, a, b) for a, b in itertools.pairwise(hops)]
+        edges = [names.edge_of[pair] for pair in itertools.pairwise(hops)]
         found[int(run.pair[r])].append(names.path(edges))
         weight[edges] = np.inf
         out_left -= 1
         in_left -= 1
-
-
-def _edge_id(graph: RateGraph, a: int, b: int) -> int:
-    """Position of edge index a -> b in the (src, dst)-sorted edge arrays."""
-    lo = int(np.searchsorted(graph.src, a, side="left"))
-    hi = int(np.searchsorted(graph.src, a, side="right"))
-    return lo + int(np.searchsorted(graph.dst[lo:hi], b))
 
 
 def edge_disjoint_paths(graph: RateGraph, src: int, dst: int) -> tuple[Path, ...]:

@@ -334,5 +334,8 @@ class Client:
 
 
 def connect(address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Client:
-    """A client of this DC's general node: a Unix socket path, "tcp://host:port", or NETSTORM_SOCKET."""
+    """A client of this DC's general node: a Unix socket path, "tcp://host:port", or NETSTORM_SOCKET.
+    A LAN worker behind a DC gateway uses ``netstorm.connect_edge("edge://GATEWAY:PORT?worker=I")``."""
+    if os.fspath(address if address is not None else os.environ.get(ENV_SOCKET, "")).startswith("edge://"):
+        raise TrainerError("edge:// addresses are for netstorm.connect_edge (the LAN worker's edge mode)")
     return Client(address, timeout=timeout)

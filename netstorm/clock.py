@@ -5,6 +5,12 @@ with ``ntplib`` and keeps the estimated offset in software. The system clock is 
 emulation host every namespace shares the kernel's clock, so a node can be given an artificial
 ``skew``: its local clock reads ``time.time() + skew`` and the offset estimate must remove it.
 
+Nodes sync to the scheduler, over the management path, rather than to their FAPT parent: a chain of
+parents adds each hop's error, and SNTP packets on a data link queue behind chunks in one direction
+only, an asymmetry that turns straight into offset error (half the queueing delay). Where a
+deployment has no such path, a node can serve its own corrected clock with ``serve_sntp(..., clock.now)``
+to its children. Of a few exchanges the least delayed one wins, which filters out queued samples.
+
 ``ntplib`` stamps its request and the reply's arrival with ``time.time()``, not with our local clock;
 the offset it reports is relative to ``time.time()``. Our local clock differs from that by exactly
 ``skew``, so the offset of the local clock is ntplib's offset minus the skew: the same number a client

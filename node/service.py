@@ -52,6 +52,14 @@ class Control(Protocol):
     def on_member_down(self, cb: Callable[[int, str], None]) -> None: ...
 
 
+class EdgeHook(Protocol):
+    """What the node needs from the LAN edge aggregation of a gateway (bpf/gateway.EdgeRole)."""
+
+    async def combine(self, iteration: int, key: int, values: np.ndarray | None,
+                      sizes: list[int]) -> np.ndarray | None: ...
+    def released(self, iteration: int, per_key: list[np.ndarray]) -> None: ...
+
+
 class IterationTimeout(IterationFailed):
     """The iteration ran past iteration_timeout."""
 
@@ -111,6 +119,8 @@ class GeneralNode:
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self.first_iteration = 0
+        self.edge: EdgeHook | None = None
+        """The gateway role (bpf/gateway.EdgeRole): LAN workers' sums join this DC's contribution."""
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -227,6 +237,9 @@ class GeneralNode:
         tracker.check()
         await self.ensure_policy(iteration)
         tracker.check()
+        if self.edge is not None:
+            values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
+            tracker.check()
         self._key_next[key] += 1
         self.core.horizon = max(self.core.horizon, iteration + 1)
         self._apply(self.core.push_local(iteration, key, values))
@@ -251,6 +264,9 @@ class GeneralNode:
             self._key_pull[key] += 1
             tracker.pulled.add(key)
         if len(tracker.pulled) == len(self.layout.tensors):
+            if self.edge is not None:
+                self.edge.released(iteration, [result[self.layout.key_slice(k)].copy()
+                                               for k in range(len(self.layout.tensors))])
             self.core.release(iteration)
             del self._trackers[iteration]
             log.debug("node %d: iteration %d released", self.node_id, iteration)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import networkx as nx
+import numpy as np
 import pytest
 
 from netstorm import auxpath
@@ -92,3 +93,27 @@ def test_without_direct_searches_the_graph_minus_the_link():
         reduced = {link: s for link, s in rates.items() if link != pair}
         _check_properties(reduced, pair, paths)
         assert [path_cost(graph, p) for p in paths] == pytest.approx(_reference_costs(reduced, *pair), rel=1e-12)
+
+
+def test_entry_bound_never_overestimates_and_is_consistent():
+    """The A* bound through t's unused in-links, against exact distances in the graph without s -> t."""
+    rates = random_overlay(15, 4, seed=11)
+    graph = RateGraph.from_rates(rates)
+    pairs = sorted(rates)[:20]
+    s = np.array([graph.index[a] for a, _ in pairs])
+    t = np.array([graph.index[b] for _, b in pairs])
+    bounds = auxpath._EntryBound(graph, t)
+    codes = graph.src * graph.n + graph.dst
+    direct = np.searchsorted(codes, s * graph.n + t)
+    bounds.remove(np.arange(len(pairs)), direct)
+    h = bounds.bounds(np.arange(len(pairs)), t)
+    for k, (a, b) in enumerate(pairs):
+        reduced = nx.DiGraph()
+        reduced.add_nodes_from(graph.nodes)
+        reduced.add_weighted_edges_from((x, y, 1 / r) for (x, y), r in rates.items() if (x, y) != (a, b))
+        exact = nx.single_source_dijkstra_path_length(reduced.reverse(), b)
+        for node in graph.nodes:
+            assert h[k, graph.index[node]] <= exact.get(node, float("inf")) * (1 + 1e-12)
+        for (x, y), r in rates.items():  # consistency on every link the search may use
+            if (x, y) != (a, b):
+                assert h[k, graph.index[x]] <= 1 / r + h[k, graph.index[y]] + 1e-12

@@ -92,6 +92,13 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                 try:
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await gateway.wait_workers(timeout=10)
+                    # garbage and a foreign job's datagram: rejected with a logged reason, nothing else lost
+                    from bpf.packets import control_packet
+                    from bpf.udp import sendto
+                    from bpf.wire import Kind
+
+                    await sendto(nodes[0].sock, b"not an edge datagram", (GATEWAY_IP, PORT))
+                    await sendto(nodes[0].sock, control_packet(Kind.PULL, job=JOB + 1, worker=0), (GATEWAY_IP, PORT))
                     first = next(_iterations)
                     for k in range(iterations):
                         iteration = first + k
@@ -116,7 +123,8 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                     gateway.close()
                     await serving
             stats = xdp.stats() if xdp is not None else dict(gateway.fallback.counters)  # type: ignore[union-attr]
-            return {"checked": checked, "stats": stats, "dropped": sum(n.dropped for n in nodes),
+            return {"checked": checked, "stats": stats, "rejected": gateway.errors,
+                    "dropped": sum(n.dropped for n in nodes),
                     "retransmitted": sum(n.retransmitted for n in nodes),
                     "rescaled": sum(n.rescaled for n in nodes), "mode": attached if xdp is not None else "userspace"}
         finally:
@@ -128,10 +136,12 @@ def test_exact_sums_with_eight_workers_under_loss_and_duplicates(mode: str, requ
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
     out = asyncio.run(run_lan(mode, xdp, workers=8, iterations=3, loss=0.05, duplicate=0.05))
     assert out["checked"] == 3
+    assert out["rejected"] == 2
     assert out["dropped"] > 0 and out["retransmitted"] >= out["dropped"]
     # the timer path did the recovery, and duplicates were seen and ignored
     assert out["stats"]["timer_events"] > 0
     assert out["stats"]["dup"] > 0
+    assert out["stats"].get("timer_fail", 0) == 0
 
 
 def test_overflow_is_recovered_by_rescaling(mode: str, request: pytest.FixtureRequest) -> None:

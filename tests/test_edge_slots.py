@@ -13,14 +13,12 @@ import numpy as np
 import pytest
 
 from bpf.fallback import UserspaceAggregator
-from bpf.maps import EdgeLayout
 from bpf.packets import data_packets
 from bpf.wire import Flag, Header, Kind, lanes_of, rescale_for
 from bpf.xdp import SlotEvent
+from tests.edge_programs import JOB, LAYOUT, PORT, SLOT_TENSORS, shared_program
 
-LAYOUT = EdgeLayout.uniform([1000, 360, 7], scale=12, lanes=360)
-JOB = 3
-PORT = 9111
+SLOT_CHUNKS = sum(LAYOUT.chunks[t] for t in SLOT_TENSORS)
 _iterations = itertools.count(1)
 
 
@@ -57,11 +55,7 @@ class Backend:
 
 @pytest.fixture(scope="module")
 def xdp_aggregator() -> Iterator[Any]:
-    from bpf.xdp import XdpAggregator
-
-    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=5.0)
-    yield agg
-    agg.close()
+    yield shared_program()
 
 
 @pytest.fixture(params=["userspace", pytest.param("xdp", marks=[pytest.mark.root, pytest.mark.bcc, pytest.mark.slow])])
@@ -72,7 +66,7 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 
 def contributions(rng: np.random.Generator, workers: int) -> list[list[np.ndarray]]:
-    return [[rng.standard_normal(size).astype(np.float32) for size in LAYOUT.sizes] for _ in range(workers)]
+    return [[rng.standard_normal(LAYOUT.sizes[t]).astype(np.float32) for t in SLOT_TENSORS] for _ in range(workers)]
 
 
 def quantised_sum(values: list[list[np.ndarray]], tensor: int, scale: int) -> np.ndarray:
@@ -86,7 +80,7 @@ def test_exact_sums_over_iterations_in_any_order_with_duplicates(backend: Backen
     for _ in range(4):
         iteration = next(_iterations)
         values = contributions(rng, workers)
-        datagrams = [bytes(row) for w in range(workers) for t in range(len(LAYOUT.sizes))
+        datagrams = [bytes(row) for w in range(workers) for t in SLOT_TENSORS
                      for row in data_packets(LAYOUT, job=JOB, worker=w, iteration=iteration, tensor=t,
                                              values=values[w][t])]
         order = rng.permutation(len(datagrams))
@@ -103,8 +97,8 @@ def test_exact_sums_over_iterations_in_any_order_with_duplicates(backend: Backen
             if key in got:
                 assert np.array_equal(got[key], lanes_of(out)[: head.count])
             got[key] = lanes_of(out)[: head.count].copy()
-        assert len(got) == LAYOUT.num_slots
-        for t in range(len(LAYOUT.sizes)):
+        assert len(got) == SLOT_CHUNKS
+        for t in SLOT_TENSORS:
             exact = quantised_sum(values, t, LAYOUT.scales[t])
             mine = np.concatenate([got[(t, c)] for c in range(LAYOUT.chunks[t])])
             assert np.array_equal(mine.astype(np.int64), exact)
@@ -230,9 +224,9 @@ def test_concurrent_runs_on_two_cpus_serialise_per_slot(xdp_aggregator: Any) -> 
     for out in outputs:
         head = Header.decode(out)
         got[(head.iteration, head.tensor, head.chunk)] = lanes_of(out)[: head.count].astype(np.int64)
-    assert len(got) == rounds * LAYOUT.num_slots
+    assert len(got) == rounds * SLOT_CHUNKS
     for r in range(rounds):
         for t in range(3):
             mine = np.concatenate([got[(base + r, t, c)] for c in range(LAYOUT.chunks[t])])
             assert np.array_equal(mine, quantised_sum(values[r], t, 12))
-    assert len(outputs) == rounds * LAYOUT.num_slots
+    assert len(outputs) == rounds * SLOT_CHUNKS

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -12,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from netstorm.bench.loopback import cpu_seconds, descendants, host_cpu, memcpy_bandwidth, node_processes
+from netstorm.bench.loopback import cpu_seconds, host_cpu, memcpy_bandwidth, node_processes
 from netstorm.scenario import parse
-from netstorm.trainers.launch import ring_scenario
+from netstorm.trainers.launch import _start_time, _stop, descendants, ring_scenario
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 9, 15])
@@ -71,6 +73,28 @@ def test_host_cpu_counts_our_own_work() -> None:
         sum(range(10_000))
     busy1, total1 = host_cpu()
     assert 0.25 * os.sysconf("SC_CLK_TCK") <= busy1 - busy0 <= total1 - total0
+
+
+def test_stopping_a_process_also_ends_the_children_it_leaves_behind() -> None:
+    # A parent that dies on SIGTERM without stopping its child, as a crashed supervisor would.
+    code = ("import subprocess, sys, time\n"
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert parent.stdout is not None
+    orphan = int(parent.stdout.readline())
+    try:
+        _stop(parent, timeout=10)
+        assert parent.returncode == -signal.SIGTERM
+        # The orphan was SIGKILLed; as init's child it is reaped at once, so its /proc entry goes away.
+        deadline = time.monotonic() + 10
+        while _start_time(orphan) is not None and Path(f"/proc/{orphan}/stat").read_text().split()[2] != "Z":
+            assert time.monotonic() < deadline, "the orphan survived"
+            time.sleep(0.01)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
 
 
 def test_memcpy_bandwidth_is_a_plausible_rate() -> None:

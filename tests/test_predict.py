@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from netstorm.errors import PolicyError
 from netstorm.limit import limit_s
 from netstorm.policy import TOPOLOGIES, plan
-from netstorm.predict import predict
+from netstorm.predict import link_loads, predict, routes_for
 from netstorm.rategraph import RateGraph
+from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
 
 # A line 1 - 2 - 3: 1->2 10, 2->1 20, 2->3 40, 3->2 5 Mbit/s.
@@ -65,8 +68,6 @@ def test_multi_root_loads_split_by_share():
     rates = internet2()
     policy = plan(rates, aux=False)
     graph = RateGraph.from_rates(rates)
-    from netstorm.predict import link_loads, routes_for
-
     loads = link_loads(policy, graph, 1.0, routes_for(graph))
     # Every tree has 8 edges, each carried once up and once down: 16 link-crossings per unit of share.
     assert sum(loads.values()) == pytest.approx(16.0)
@@ -75,3 +76,27 @@ def test_multi_root_loads_split_by_share():
 def test_rejects_empty_model():
     with pytest.raises(PolicyError):
         predict(plan(LINE, aux=False), LINE, 0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mst_minimises_the_bulk_term_among_single_trees(seed):
+    """What is true beside Theorem 1: on one tree of links each edge carries the model once up and once
+    down, so the bulk time is set by the tree's slowest edge direction. A maximum spanning tree on the
+    slower direction minimises that bottleneck (brute force over every spanning tree); the FAPT, which
+    minimises path sums instead, can only match or lose."""
+    rates = random_overlay(6, 3, seed)
+    model = 1e6
+    nodes = sorted({n for pair in rates for n in pair})
+    best = float("inf")
+    others = nodes[1:]
+    for picks in itertools.product(*[[b for (a, b) in rates if a == n] for n in others]):
+        try:
+            tree = Tree(nodes[0], {nodes[0]: None, **dict(zip(others, picks, strict=True))})
+        except PolicyError:
+            continue
+        slowest = max(max(1 / rates[(c, p)], 1 / rates[(p, c)]) for c, p in tree.edges())
+        best = min(best, model * 8 / 1e6 * slowest)
+    mst = predict(plan(rates, topology="mst", aux=False), rates, model)
+    fapt1 = predict(plan(rates, topology="fapt1", aux=False), rates, model)
+    assert mst.bulk_s == pytest.approx(best)
+    assert fapt1.bulk_s >= best * (1 - 1e-12)

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from netstorm.trainers.launch import Trainers, collect, local_cluster
-from netstorm.trainers.synthetic import GradientPattern, model_layers
+from netstorm.bench.loopback import node_processes
+from netstorm.trainers.launch import Trainers, local_cluster
+from netstorm.trainers.synthetic import GradientPattern, main, model_layers
 
 # Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
 LAYERS = [("conv.weight", (3, 5, 7)), ("fc.weight", (70_000,)), ("fc.bias", (1,)), ("head", (257, 300))]
@@ -108,18 +112,50 @@ def test_model_layers_come_from_the_model_catalogue() -> None:
         model_layers("vgg")
 
 
+def test_a_trainer_without_a_node_says_so_in_its_output_file(tmp_path: Path) -> None:
+    out = tmp_path / "out.jsonl"
+    code = main(["--socket", str(tmp_path / "nowhere.sock"), "--model", "10", "--iterations", "2", "--dc", "4",
+                 "--out", str(out)])
+    assert code == 1
+    [record] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert record["exact"] is False and record["dc"] == 4
+    assert record["error"].startswith("NodeGone") and "nowhere.sock" in record["error"]
+
+
+def test_bad_options_are_refused_before_connecting(tmp_path: Path) -> None:
+    for bad in (["--model", "vgg"], ["--iterations", "-1"], ["--max-failures", "0"], ["--dc", "-2"]):
+        assert main(["--socket", str(tmp_path / "nowhere.sock"), *bad]) == 2
+
+
 @pytest.mark.slow
-def test_trainers_on_a_local_cluster_check_every_sum_exactly(tmp_path: Path) -> None:
+def test_trainers_check_every_sum_exactly_and_stop_when_their_node_dies(tmp_path: Path) -> None:
     # chunk_size 40k splits the 150k-parameter layer into chunks that travel separately.
-    with local_cluster(3, tmp_path / "run", flags=["--chunk-size", "40000"], ready_timeout=60) as cluster:
-        outs = {node: tmp_path / f"dc{node}.jsonl" for node in cluster.node_ids}
+    iterations = 8
+    with local_cluster(3, tmp_path / "run", flags=["--chunk-size", "40000"], ready_timeout=90) as cluster:
         argvs = [[sys.executable, "-m", "netstorm.trainers.synthetic", "--socket", cluster.socket(node),
-                  "--model", "150k", "--iterations", "3", "--compute-s", "0.05", "--out", str(out),
-                  "--timeout", "60"] for node, out in outs.items()]
+                  "--model", "150k", "--iterations", str(iterations), "--compute-s", "0.2", "--timeout", "60",
+                  "--max-failures", "3", "--retry-s", "0.1"] for node in cluster.node_ids]
+        records: dict[int, list[dict[str, Any]]] = {1: [], 2: [], 3: []}
+        codes: dict[int, int | None] = {}
         with Trainers(argvs, tmp_path) as trainers:
-            collect(trainers, timeout=60)
-    for node, out in outs.items():
-        records = [json.loads(line) for line in out.read_text().splitlines()]
-        assert [r["iteration"] for r in records] == [0, 1, 2], records
-        assert all(r["exact"] is True and r["dc"] == node for r in records), records
-        assert all(r["seconds"] >= 0.05 and r["sync_s"] <= r["seconds"] and r["check_s"] > 0 for r in records)
+            killed = False
+            while len(codes) < 3:
+                line = trainers.next_line(timeout=90)
+                node = cluster.node_ids[line.index]
+                if line.record is None:
+                    codes[node] = line.returncode
+                    continue
+                records[node].append(line.record)
+                if not killed and all(len(r) >= 2 for r in records.values()):
+                    # Every DC finished iteration 1. DC 3's node dies now (and netstorm local, seeing a
+                    # child die, stops the others): iteration 2 can complete nowhere.
+                    os.kill(node_processes(cluster.process.pid)[3], signal.SIGKILL)
+                    killed = True
+    assert codes == {1: 1, 2: 1, 3: 1}
+    for node, got in records.items():
+        assert [(r["iteration"], r["exact"], r["workers"]) for r in got[:2]] == [(0, True, 3), (1, True, 3)], got
+        assert all(r["dc"] == node and r["sync_s"] <= r["seconds"] for r in got), got
+        assert all(r["seconds"] >= 0.2 for r in got[:2]), got
+        # Then three failed iterations in a row, each naming its error, and the trainer stops.
+        assert [(r["iteration"], r.get("failed")) for r in got[2:]] == [(2, True), (3, True), (4, True)], got
+        assert all(r["exact"] is False and r["error"] for r in got[2:]), got

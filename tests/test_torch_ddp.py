@@ -20,6 +20,13 @@ def test_importing_netstorm_and_its_trainers_does_not_import_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_without_torch_the_helper_names_the_extra_to_install() -> None:
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import netstorm.torch\nexcept ImportError as exc:\n    print(exc)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert "netstorm[torch]" in out.stdout
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -27,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_example_matches_single_process_training_step_for_step(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "train_mlp.py"), "--dcs", "3", "--steps", "4",
-                          "--run-dir", str(tmp_path), "--timeout", "120"],
+                          "--overlap", "--run-dir", str(tmp_path), "--timeout", "120"],
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "MATCH: 3 DCs" in run.stdout
@@ -61,13 +68,19 @@ def test_distributed_optimizer_agrees_on_initial_values_and_averages_gradients(t
         x = torch.randn(8, 5, generator=torch.Generator().manual_seed(index))
         kv = netstorm.connect(cluster.socket(cluster.node_ids[index]), timeout=60)
         try:
-            opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), kv)
+            # DC 0 pushes each gradient from backward, DC 1 all of them at step(): the sums agree.
+            opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), kv,
+                                       overlap=index == 0)
             initial = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
             model(x).square().sum().backward()
             local = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
             opt.step()
             synced = {n: p.grad.numpy().copy() for n, p in model.named_parameters() if p.grad is not None}
             after = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+            if index == 0:  # overlap needs one backward per step: a second one is refused
+                model(x).sum().backward()
+                with pytest.raises(RuntimeError, match="second gradient before step"):
+                    model(x).sum().backward()
         finally:
             kv.close()
         return {"initial": initial, "local": local, "synced": synced, "after": after}

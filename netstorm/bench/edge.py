@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--elements", type=int, default=400_000, help="model size in float32 elements")
     parser.add_argument("--iterations", type=int, default=8, help="iterations per path (default 8)")
     parser.add_argument("--scale", type=int, default=20, help="fixed-point scale: lanes hold x * 2**scale")
-    parser.add_argument("--slot-timeout", type=float, default=0.5, help="slot timer period in seconds")
+    parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

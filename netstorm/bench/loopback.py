@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from netstorm import config
+from netstorm.trainers.launch import LaunchError, Trainers, descendants, local_cluster
 
 HELP = "sync throughput and CPU per node of a loopback cluster, vs memory-copy bandwidth and the CPU target"
 
@@ -56,7 +57,7 @@ def config_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def memcpy_bandwidth(nbytes: int, *, repeats: int = 3) -> float:
+def memcpy_bandwidth(nbytes: int, *, repeats: int = 5) -> float:
     """Bytes per second of the best of ``repeats`` numpy copies of ``nbytes`` (pages touched first)."""
     src = np.ones(max(1, nbytes // 4), dtype=np.float32)
     dst = np.zeros_like(src)
@@ -83,29 +84,6 @@ def host_cpu() -> tuple[int, int]:
     return total - idle, total
 
 
-def _parent(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root``, found by walking /proc's parent links."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                parents[int(entry)] = _parent(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue  # exited while we looked
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid]
-        found += children
-        frontier += children
-    return sorted(found)
-
-
 def node_processes(local_pid: int) -> dict[int, int]:
     """node id -> pid of each ``netstorm node`` below the ``netstorm local`` process."""
     nodes: dict[int, int] = {}
@@ -125,17 +103,14 @@ def _sample(pids: dict[int, int]) -> dict[int, float]:
 
 @dataclasses.dataclass(frozen=True)
 class Mark:
-    """CPU times when every DC had finished one iteration."""
+    """Node and host CPU times when every DC had finished one iteration."""
 
     t: float
     nodes: dict[int, float]
-    trainers: dict[int, float]
     host: tuple[int, int]
 
 
 def run(args: argparse.Namespace) -> int:
-    from netstorm.trainers.launch import LaunchError, Trainers, local_cluster
-
     if args.iterations < 2:
         raise LaunchError("--iterations must be at least 2: CPU is measured from the first iteration's end")
     params = max(1, round(args.model_mb * 1e6 / 4))
@@ -154,7 +129,6 @@ def run(args: argparse.Namespace) -> int:
                   "--timeout", str(args.timeout)] for node in cluster.node_ids]
         records: list[list[dict[str, Any]]] = [[] for _ in argvs]
         with Trainers(argvs, run_dir) as trainers:
-            trainer_pids = {i: p.pid for i, p in enumerate(trainers.processes)}
             marks: dict[int, Mark] = {}
             done = 0
             while done < len(argvs):
@@ -169,7 +143,9 @@ def run(args: argparse.Namespace) -> int:
                 k = line.record.get("iteration")
                 if k in (0, args.iterations - 1) and all(
                         any(r.get("iteration") == k for r in rs) for rs in records):
-                    marks[k] = Mark(time.perf_counter(), _sample(nodes), _sample(trainer_pids), host_cpu())
+                    marks[k] = Mark(time.perf_counter(), _sample(nodes), host_cpu())
+    # Measured again once the cluster is gone: on a shared host the best of both is the machine's.
+    copy_bw = max(copy_bw, memcpy_bandwidth(model_bytes))
     result = summarize(args, model_bytes, copy_bw, records, marks)
     print_result(result)
     if args.json:
@@ -192,7 +168,8 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
     window = end.t - first.t
     steady_s = window / measured
     node_cpu = {node: (end.nodes[node] - first.nodes[node]) / measured for node in end.nodes}
-    trainer_cpu = [(end.trainers[i] - first.trainers[i]) / measured for i in end.trainers]
+    # Trainers report their own CPU time (they may have exited by the time the last line is read).
+    trainer_cpu = [(rs[last]["cpu_s"] - rs[0]["cpu_s"]) / measured for rs in records]
     host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1)
     cpus = os.cpu_count() or 1
     cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)

@@ -7,9 +7,13 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from netstorm import config as config_mod
 from netstorm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from bpf.gateway import EdgeOptions
 
 NAME = "node"
 HELP = "run the general node of one DC: peers over TCP, trainers over a Unix socket (and TCP)"
@@ -33,6 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data-plane address peers connect to (default: the bound --listen address)")
     parser.add_argument("--socket", required=True, metavar="PATH", help="Unix socket for local trainers")
     parser.add_argument("--trainer-tcp", metavar="HOST:PORT", help="also serve trainers over TCP here")
+    edge = parser.add_argument_group("gateway role: aggregate this DC's LAN workers (edge mode trainers)")
+    edge.add_argument("--edge-workers", type=int, default=0, metavar="N",
+                      help="LAN workers to aggregate (ids 0..N-1); 0 disables the gateway role")
+    edge.add_argument("--edge-listen", default=f"0.0.0.0:{9700}", metavar="HOST:PORT",
+                      help="UDP address the LAN workers send to (default 0.0.0.0:9700)")
+    edge.add_argument("--edge-interface", metavar="IFACE", help="LAN-facing interface for the XDP aggregator")
+    edge.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
+                      help="xdp, the userspace fallback, or auto (xdp, falling back when it cannot load)")
+    edge.add_argument("--edge-scale", type=int, default=16,
+                      help="fixed-point scale: LAN lanes carry round(x * 2**scale) (default 16)")
+    edge.add_argument("--edge-slot-timeout", type=float, default=0.2,
+                      help="seconds before a slot missing workers makes the gateway NACK them (default 0.2)")
     config_mod.add_arguments(parser)
 
 
@@ -42,14 +58,22 @@ def run(args: argparse.Namespace) -> int:
     listen = parse_address(args.listen, "--listen")
     advertise = parse_address(args.advertise, "--advertise") if args.advertise else None
     trainer_tcp = parse_address(args.trainer_tcp, "--trainer-tcp") if args.trainer_tcp else None
+    edge = None
+    if args.edge_workers:
+        from bpf.gateway import EdgeOptions
+
+        edge = EdgeOptions(workers=args.edge_workers, listen=parse_address(args.edge_listen, "--edge-listen"),
+                           interface=args.edge_interface, mode=args.edge_mode, scale=args.edge_scale,
+                           slot_timeout=args.edge_slot_timeout)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
-                            socket_path=Path(args.socket), trainer_tcp=trainer_tcp))
+                            socket_path=Path(args.socket), trainer_tcp=trainer_tcp, edge=edge))
 
 
 async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],
-                advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None) -> int:
+                advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None,
+                edge: EdgeOptions | None = None) -> int:
     """Run one node until SIGTERM/SIGINT, or until the connection to the scheduler is lost."""
     from netstorm.clock import Clock, ClockSyncError
     from node.control_client import SchedulerClient
@@ -85,11 +109,22 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
               f"{data_address[1]}, members {sorted(control.members)}", flush=True)
         async with asyncio.TaskGroup() as tg:
             tg.create_task(node.run(control))
+            edge_task = None
+            if edge is not None:
+                from bpf.gateway import EdgeRole
+
+                role = EdgeRole(edge, iteration_timeout=control.config.iteration_timeout)
+                node.edge = role
+                edge_task = tg.create_task(role.run())
+                print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"
+                      f"{edge.listen[1]} (edge://HOST:{edge.listen[1]}?worker=I)", flush=True)
             clock_task = tg.create_task(clock.keep_synced(scheduler[0], scheduler[1],
                                                           interval=control.config.clock_sync_interval,
                                                           timeout=config.connect_timeout))
             await node.wait_stopped()
             clock_task.cancel()
+            if edge_task is not None:
+                edge_task.cancel()
     finally:
         endpoint.close()
         await control.close()

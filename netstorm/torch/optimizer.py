@@ -21,7 +21,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError as exc:  # the torch extra is optional; say which one to install
+    raise ImportError(f"netstorm.torch needs PyTorch (pip install 'netstorm[torch]'): {exc}") from exc
 
 
 class KeyValueStore(Protocol):
@@ -34,6 +38,10 @@ class KeyValueStore(Protocol):
 
     def push_pull(self, tensors: dict[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]: ...
 
+    def push(self, name: str, value: np.ndarray) -> None: ...
+
+    def pull(self, name: str, average: bool = False) -> np.ndarray: ...
+
 
 class DistributedOptimizer:
     """Wraps ``optimizer``: ``step()`` first replaces every gradient by its sum (or mean) over the DCs.
@@ -43,13 +51,21 @@ class DistributedOptimizer:
     step contribute zeros. ``average=True`` (the default) divides by ``kv.num_workers``: with equal
     batches per DC, that is the gradient of the mean loss over the union of the batches. LR schedulers
     take ``wrapper.optimizer``.
+
+    ``overlap=True`` pushes each gradient to the node as soon as backward has accumulated it (as DDP
+    overlaps its buckets' all-reduce with backward), so the WAN transfer of the last layers' gradients
+    runs while the first layers' are still being computed; ``step()`` then pulls the sums. It needs
+    exactly one backward per step (no gradient accumulation over micro-batches): a second gradient
+    for a parameter before ``step()`` is an error.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                 kv: KeyValueStore, *, average: bool = True) -> None:
+                 kv: KeyValueStore, *, average: bool = True, overlap: bool = False) -> None:
         self.optimizer = optimizer
         self.kv = kv
         self.average = average
+        self.overlap = overlap
+        self._pushed: set[str] = set()
         self._params: dict[str, torch.nn.Parameter] = {}
         for name, param in named_parameters:
             if not param.requires_grad:
@@ -73,6 +89,23 @@ class DistributedOptimizer:
             agreed = kv.init(self._buffers)
             for name, param in self._params.items():
                 param.copy_(torch.from_numpy(np.asarray(agreed[name])))
+        self._hooks = [param.register_post_accumulate_grad_hook(self._push_hook(name))
+                       for name, param in self._params.items()] if overlap else []
+
+    def _push_hook(self, name: str) -> Callable[[torch.Tensor], None]:
+        def push(param: torch.Tensor) -> None:
+            if name in self._pushed:
+                raise RuntimeError(f"parameter {name!r} got a second gradient before step(): with overlap=True "
+                                   f"each step takes exactly one backward pass")
+            grad = param.grad
+            if grad is None:  # the hook runs after accumulation, so a gradient is there
+                raise RuntimeError(f"parameter {name!r}: no gradient after accumulation")
+            with torch.no_grad():
+                self._views[name].copy_(grad)
+            self.kv.push(name, self._buffers[name])
+            self._pushed.add(name)
+
+        return push
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -83,21 +116,32 @@ class DistributedOptimizer:
         return self.optimizer.state
 
     def synchronize(self) -> None:
-        """Replace every parameter's gradient by the sum (or mean) over the DCs: one push_pull."""
+        """Replace every parameter's gradient by the sum (or mean) over the DCs.
+
+        One push_pull; with ``overlap``, the pushes backward has not made yet, then one pull per parameter.
+        """
         with torch.no_grad():
             for name, param in self._params.items():
+                if name in self._pushed:
+                    continue
                 if param.grad is None:
                     self._buffers[name].fill(0.0)
                 else:
                     self._views[name].copy_(param.grad)
-            result = self.kv.push_pull(self._buffers, average=self.average)
+                if self.overlap:
+                    self.kv.push(name, self._buffers[name])
+            if self.overlap:
+                self._pushed.clear()
+                result = {name: self.kv.pull(name, average=self.average) for name in self._params}
+            else:
+                result = self.kv.push_pull(self._buffers, average=self.average)
             for name, param in self._params.items():
                 total = torch.from_numpy(np.asarray(result[name]))
                 if param.grad is None:
                     param.grad = torch.empty_like(param)
                 param.grad.copy_(total)
 
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Synchronize the gradients, then take the wrapped optimizer's step."""
         loss = None
         if closure is not None:

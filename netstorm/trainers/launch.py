@@ -53,15 +53,56 @@ def _tail(path: Path, lines: int = 30) -> str:
 
 
 def _stop(process: subprocess.Popen[Any], *, timeout: float) -> None:
-    """SIGTERM, wait, then SIGKILL: the process (and, through its own handler, its children) ends."""
+    """SIGTERM, wait, then SIGKILL; a child of it that outlives it (its own handler failed) is killed too."""
     if process.poll() is not None:
         return
+    children = {pid: _start_time(pid) for pid in descendants(process.pid)}
     process.send_signal(signal.SIGTERM)
     try:
         process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait(timeout=timeout)
+    for pid, started in children.items():
+        if started is not None and _start_time(pid) == started:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after the command name (state first)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _parent(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def _start_time(pid: int) -> int | None:
+    """When ``pid`` started (clock ticks after boot), None once it is gone: tells a reused pid apart."""
+    try:
+        return int(_stat(pid)[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root``, found by walking /proc's parent links."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = _parent(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue  # exited while we looked
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop()
+        children = [child for child, parent in parents.items() if parent == pid]
+        found += children
+        frontier += children
+    return sorted(found)
 
 
 @dataclasses.dataclass

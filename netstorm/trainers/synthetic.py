@@ -5,7 +5,12 @@
 Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
 gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
-``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``.
+``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
+``workers`` (DCs that contributed) and ``cpu_s`` (this process's CPU time so far).
+An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
+on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
+``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
+unless every iteration was exact.
 
 DC ``d`` pushes, in iteration ``k``,
 
@@ -33,7 +38,7 @@ import numpy as np
 
 import netstorm
 from netstorm import models
-from netstorm.errors import NetStormError, PolicyError
+from netstorm.errors import IterationError, NetStormError, NodeGone, PolicyError
 
 Layers = list[tuple[str, tuple[int, ...]]]
 
@@ -178,6 +183,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dc", type=int, default=None,
                         help="this DC's id in the gradients (default: the node's id)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
+    parser.add_argument("--max-failures", type=int, default=10,
+                        help="consecutive failed iterations after which the trainer stops (default 10)")
+    parser.add_argument("--retry-s", type=float, default=1.0,
+                        help="seconds to wait after a failed iteration before the next one (default 1)")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
 
 
@@ -191,8 +200,9 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     if args.dc is not None and args.dc < 0:
         print(f"synthetic trainer: --dc must be >= 0, got {args.dc}", file=sys.stderr)
         return 2
-    if args.iterations < 0 or args.compute_s < 0:
-        print("synthetic trainer: --iterations and --compute-s must be >= 0", file=sys.stderr)
+    if args.iterations < 0 or args.compute_s < 0 or args.retry_s < 0 or args.max_failures < 1:
+        print("synthetic trainer: --iterations, --compute-s and --retry-s must be >= 0, --max-failures >= 1",
+              file=sys.stderr)
         return 2
     try:
         pattern = GradientPattern(model_layers(args.model))
@@ -209,18 +219,38 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
             workers = kv.num_workers
             dc = kv.node_id if dc is None else dc
             members_sum: float | None = None
+            failures = 0
             for k in range(args.iterations):
                 start = time.perf_counter()
                 pattern.fill(dc, k, grads)
                 time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
                 sync_start = time.perf_counter()
-                result = kv.push_pull(grads, average=False)
+                try:
+                    result = kv.push_pull(grads, average=False)
+                except (IterationError, NodeGone) as exc:
+                    # A DC died: this iteration is lost everywhere; the survivors carry on without it once
+                    # the scheduler has re-planned. If failures persist (this DC's own node is gone), stop.
+                    all_exact = False
+                    failures += 1
+                    end = time.perf_counter()
+                    _emit(stream, {"iteration": k, "seconds": end - start, "sync_s": end - sync_start, "exact": False,
+                                   "failed": True, "dc": dc, "error": f"{type(exc).__name__}: {exc}"})
+                    if failures >= args.max_failures:
+                        print(f"synthetic trainer (DC {dc}): giving up after {failures} failed iterations: {exc}",
+                              file=sys.stderr)
+                        return 1
+                    time.sleep(args.retry_s)
+                    continue
+                failures = 0
                 end = time.perf_counter()
+                if kv.num_workers != workers:  # membership changed: S is read afresh
+                    workers, members_sum = kv.num_workers, None
                 verdict = pattern.check(k, workers, result, members_sum)
                 members_sum = verdict.members_sum if verdict.exact else members_sum
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
-                                          "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc}
+                                          "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
+                                          "workers": workers, "cpu_s": time.process_time()}
                 if verdict.error:
                     record["error"] = verdict.error
                 _emit(stream, record)

@@ -1,0 +1,171 @@
+"""The gateway role of a general node: its LAN workers' sum joins the DC's contribution, and the WAN result
+goes back to them.
+
+The node calls ``combine(iteration, key, values)`` while its own trainer contributes tensor ``key``
+(that is how the gateway's own trainer is included: explicitly, since its packets to its own address
+would never cross the NIC's XDP hook), and ``released(iteration, result)`` once the iteration's result
+has been read. The first iteration (the trainer's ``init``) carries no LAN sum: its result, the values
+every DC agrees on, is what the LAN workers' ``init`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from dataclasses import dataclass
+
+import numpy as np
+
+from bpf.agent import EdgeGateway
+from bpf.maps import EdgeLayout
+from bpf.timer_link import LoaderError
+from bpf.wire import EdgeTimeout
+from netstorm.errors import ConfigError
+
+log = logging.getLogger("netstorm.edge")
+DEFAULT_SCALE = 16
+DEFAULT_PORT = 9700
+
+
+@dataclass(frozen=True)
+class EdgeOptions:
+    """``netstorm node --edge-*``: where the LAN workers send and how to aggregate them."""
+
+    workers: int
+    listen: tuple[str, int]
+    interface: str | None = None
+    mode: str = "auto"
+    scale: int = DEFAULT_SCALE
+    slot_timeout: float = 0.2
+    job: int = 1
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.workers <= 64:
+            raise ConfigError(f"--edge-workers must be in 1..64, got {self.workers}")
+        if self.mode not in ("auto", "xdp", "userspace"):
+            raise ConfigError(f"--edge-mode must be auto, xdp or userspace, got {self.mode!r}")
+        if self.mode != "userspace" and not self.interface:
+            raise ConfigError(f"--edge-mode {self.mode} needs --edge-interface (the LAN-facing interface)")
+
+
+class EdgeRole:
+    """Owns the EdgeGateway (created once the node knows its layout) and the result broadcast."""
+
+    def __init__(self, options: EdgeOptions, *, iteration_timeout: float) -> None:
+        self.options = options
+        self.iteration_timeout = iteration_timeout
+        self.gateway: EdgeGateway | None = None
+        self.mode = "not started"
+        self.init_iteration: int | None = None
+        self._xdp: object | None = None
+        self._started = asyncio.Event()
+        self._starting = asyncio.Lock()
+        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout]] = {}
+        self._results: asyncio.Queue[tuple[int, list[np.ndarray]]] = asyncio.Queue(maxsize=4)
+        self._tg: asyncio.TaskGroup | None = None
+
+    def _start(self, sizes: list[int]) -> EdgeGateway:
+        opts = self.options
+        layout = EdgeLayout.uniform(sizes, scale=opts.scale)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+        sock.bind(opts.listen)
+        sock.setblocking(False)
+        xdp = None
+        mode = "userspace"
+        if opts.mode in ("auto", "xdp"):
+            try:
+                from bpf.xdp import XdpAggregator
+
+                xdp = XdpAggregator(layout, job=opts.job, port=opts.listen[1], expected=(1 << opts.workers) - 1,
+                                    timeout=opts.slot_timeout)
+                assert opts.interface is not None
+                attached = xdp.attach(socket.if_nametoindex(opts.interface))
+                mode = f"xdp ({attached})"
+            except (LoaderError, OSError) as exc:
+                if xdp is not None:
+                    xdp.close()
+                    xdp = None
+                if opts.mode == "xdp":
+                    sock.close()
+                    raise
+                log.warning("edge: XDP unavailable (%s); aggregating in userspace", exc)
+        self._xdp = xdp
+        self.mode = mode
+        gateway = EdgeGateway(sock, layout, workers=opts.workers, job=opts.job,
+                              mode="xdp" if xdp is not None else "userspace", xdp=xdp,
+                              slot_timeout=opts.slot_timeout)
+        log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB)",
+                 opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6)
+        return gateway
+
+    async def run(self) -> None:
+        """Serve the LAN until cancelled (started by ``netstorm node`` beside the node)."""
+        try:
+            await self._started.wait()
+            assert self.gateway is not None
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                tg.create_task(self.gateway.run())
+                tg.create_task(self._broadcast())
+        finally:
+            self._tg = None
+            if self.gateway is not None:
+                self.gateway.close()
+                self.gateway.sock.close()
+            if self._xdp is not None:
+                self._xdp.close()  # type: ignore[attr-defined]
+
+    async def combine(self, iteration: int, key: int, values: np.ndarray | None,
+                      sizes: list[int]) -> np.ndarray | None:
+        """This DC's contribution of tensor ``key``: the gateway trainer's values plus the LAN sum."""
+        async with self._starting:
+            if self.gateway is None:
+                # compiling and loading the XDP program takes seconds: keep the node's loop (heartbeats) free
+                self.gateway = await asyncio.to_thread(self._start, sizes)
+                self._started.set()
+        if self.init_iteration is None:
+            self.init_iteration = iteration
+        if iteration == self.init_iteration:
+            return values
+        task = self._lan.get(iteration)
+        if task is None:
+            if self._tg is None:
+                raise RuntimeError("edge: combine before EdgeRole.run started serving the LAN")
+            task = self._tg.create_task(self._collect(iteration))
+            self._lan[iteration] = task
+            for old in [k for k in self._lan if k < iteration - 2]:
+                del self._lan[old]
+        sums = await asyncio.shield(task)
+        if isinstance(sums, EdgeTimeout):
+            raise EdgeTimeout(str(sums))   # fails this iteration's contribution, not the node
+        lan = sums[key]
+        return lan if values is None else np.asarray(values, np.float32) + lan
+
+    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout:
+        """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
+        assert self.gateway is not None
+        try:
+            return await self.gateway.collect(iteration, timeout=self.iteration_timeout)
+        except EdgeTimeout as exc:
+            log.error("edge: %s", exc)
+            return exc
+
+    def released(self, iteration: int, per_key: list[np.ndarray]) -> None:
+        """The iteration's result (one flat float32 array per tensor) goes back to the LAN workers."""
+        try:
+            self._results.put_nowait((iteration, per_key))
+        except asyncio.QueueFull:
+            log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
+
+    async def _broadcast(self) -> None:
+        assert self.gateway is not None
+        while True:
+            iteration, per_key = await self._results.get()
+            try:
+                if iteration == self.init_iteration:
+                    await self.gateway.wait_workers(self.iteration_timeout)
+                await self.gateway.send_results(iteration, per_key)
+            except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
+                log.error("edge: results of iteration %d: %s", iteration, exc)

@@ -1,0 +1,191 @@
+"""The trainer API's edge mode: a LAN worker's ``push_pull`` goes to its DC gateway as UDP fixed-point
+datagrams, and the WAN result comes back the same way.
+
+``netstorm.connect("edge://GATEWAY:PORT?worker=I")`` returns an ``EdgeClient`` with the usual verbs
+(``init``, ``push_pull``, ``push``, ``pull``, ``num_workers``, ``close``); ``netstorm.aconnect`` returns
+the asyncio ``AsyncEdgeClient``. ``init`` registers nothing itself: the gateway's own trainer registers
+the model at the node, and every LAN worker receives the values the DCs agreed on, exactly like a trainer
+at the node. Tensors are ordered by name, as the node's layout orders them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.parse
+from collections.abc import Mapping
+
+import numpy as np
+
+from bpf.maps import EdgeLayout
+from bpf.sender import EdgeWorker
+from bpf.wire import EdgeTimeout
+from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
+from netstorm.layout import DTYPES
+
+DEFAULT_TIMEOUT = 300.0
+
+
+def parse(address: str) -> tuple[tuple[str, int], int, int]:
+    """((host, port), worker id, job) from ``edge://HOST:PORT?worker=I[&job=J]``."""
+    url = urllib.parse.urlsplit(address)
+    query = urllib.parse.parse_qs(url.query)
+    if url.scheme != "edge" or not url.hostname or not url.port or "worker" not in query:
+        raise TrainerError(f"bad edge address {address!r}: expected edge://HOST:PORT?worker=I")
+    try:
+        worker = int(query["worker"][0])
+        job = int(query.get("job", ["1"])[0])
+    except ValueError:
+        raise TrainerError(f"bad edge address {address!r}: worker and job must be integers") from None
+    if not 0 <= worker < 64:
+        raise TrainerError(f"edge worker id must be in 0..63, got {worker}")
+    return (url.hostname, url.port), worker, job
+
+
+class AsyncEdgeClient:
+    """One LAN worker of a gateway; create with ``aconnect_edge``."""
+
+    def __init__(self, gateway: tuple[str, int], worker: int, *, job: int, timeout: float,
+                 sock: socket.socket | None = None) -> None:
+        self.gateway = gateway
+        self.worker_id = worker
+        self.job = job
+        self.timeout = timeout
+        self.sock = sock or socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.names: tuple[str, ...] = ()
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, np.dtype] = {}
+        self.iteration = -1
+        self._worker: EdgeWorker | None = None
+        self._pushed: dict[str, np.ndarray] = {}
+        self._pulled: dict[str, np.ndarray] = {}
+        self._workers = 0
+
+    @property
+    def num_workers(self) -> int:
+        """LAN workers aggregated at this gateway (the gateway's own trainer not counted)."""
+        return self._workers
+
+    async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Announce this worker and wait for the values every DC agreed on."""
+        for name, value in tensors.items():
+            dtype = np.asarray(value).dtype
+            if dtype.name not in DTYPES:
+                raise WrongDtype(f"tensor {name!r} has dtype {dtype.name}; supported: {', '.join(DTYPES)}")
+        self.names = tuple(sorted(tensors))
+        self.shapes = {n: tuple(np.shape(tensors[n])) for n in self.names}
+        self.dtypes = {n: np.asarray(tensors[n]).dtype for n in self.names}
+        sizes = [max(1, int(np.prod(self.shapes[n], dtype=np.int64))) for n in self.names]
+        probe = EdgeWorker(self.sock, self.gateway, worker=self.worker_id,
+                           layout=EdgeLayout.uniform(sizes, scale=0), job=self.job)
+        try:
+            reply = await probe.hello(timeout=self.timeout)
+        except EdgeTimeout as exc:
+            raise NodeGone(str(exc)) from None
+        layout = EdgeLayout.uniform(sizes, scale=reply.scale)
+        if reply.tensor != len(sizes) or reply.slot != layout.num_slots:
+            raise WrongShape(f"edge worker {self.worker_id}: the gateway's model has {reply.tensor} tensors in "
+                             f"{reply.slot} slots, this worker's has {len(sizes)} in {layout.num_slots}")
+        self._workers = reply.chunk
+        self._worker = EdgeWorker(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job)
+        try:
+            self.iteration, flat = await self._worker.receive_first(timeout=self.timeout)
+        except EdgeTimeout as exc:
+            raise TrainerTimeout(str(exc)) from None
+        return self._shape(flat)
+
+    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        """One synchronous iteration: every registered tensor, in any order."""
+        if self._worker is None:
+            raise TrainerError("push_pull before init")
+        if average:
+            raise TrainerError("average=True is not available in edge mode: a LAN worker does not know how many "
+                               "workers the other DCs have; divide the sum by your job's total")
+        unknown = sorted(set(tensors) - set(self.names))
+        if unknown:
+            raise UnknownTensor(f"unknown tensor(s) {unknown}; registered: {list(self.names)}")
+        absent = sorted(set(self.names) - set(tensors))
+        if absent:
+            raise TrainerError(f"edge mode pushes every tensor each iteration; missing {absent}")
+        values = []
+        for name in self.names:
+            value = np.asarray(tensors[name])
+            if value.shape != self.shapes[name]:
+                raise WrongShape(f"tensor {name!r}: shape {value.shape}, registered {self.shapes[name]}")
+            if value.dtype != self.dtypes[name]:
+                raise WrongDtype(f"tensor {name!r}: dtype {value.dtype}, registered {self.dtypes[name]}")
+            values.append(value.astype(np.float32).reshape(-1))
+        iteration = self.iteration + 1
+        try:
+            flat = await self._worker.push_pull(iteration, values, timeout=self.timeout)
+        except EdgeTimeout as exc:
+            raise TrainerTimeout(str(exc)) from None
+        self.iteration = iteration
+        return self._shape(flat)
+
+    async def push(self, name: str, value: np.ndarray) -> None:
+        if name not in self.shapes:
+            raise UnknownTensor(f"unknown tensor {name!r}")
+        self._pushed[name] = value
+
+    async def pull(self, name: str, average: bool = False) -> np.ndarray:
+        """The result of ``name``; the iteration runs once every tensor has been pushed."""
+        if name not in self._pulled:
+            if set(self._pushed) != set(self.names):
+                raise TrainerError(f"pull of {name!r} before every tensor was pushed (edge mode sends them together)")
+            self._pulled = await self.push_pull(self._pushed, average)
+            self._pushed = {}
+        return self._pulled.pop(name)
+
+    def _shape(self, flat: list[np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: f[: int(np.prod(self.shapes[n], dtype=np.int64))].reshape(self.shapes[n]).astype(self.dtypes[n])
+                for n, f in zip(self.names, flat, strict=True)}
+
+    async def close(self) -> None:
+        self.sock.close()
+
+
+class EdgeClient:
+    """The blocking face of ``AsyncEdgeClient`` (its own event loop, one call at a time)."""
+
+    def __init__(self, inner: AsyncEdgeClient) -> None:
+        self._inner = inner
+        self._loop = asyncio.new_event_loop()
+
+    @property
+    def num_workers(self) -> int:
+        return self._inner.num_workers
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._loop.run_until_complete(self._inner.init(tensors))
+
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        return self._loop.run_until_complete(self._inner.push_pull(tensors, average))
+
+    def push(self, name: str, value: np.ndarray) -> None:
+        self._loop.run_until_complete(self._inner.push(name, value))
+
+    def pull(self, name: str, average: bool = False) -> np.ndarray:
+        return self._loop.run_until_complete(self._inner.pull(name, average))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self._inner.close())
+        self._loop.close()
+
+    def __enter__(self) -> EdgeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT, sock: socket.socket | None = None) -> EdgeClient:
+    gateway, worker, job = parse(address)
+    return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock))
+
+
+async def aconnect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
+                        sock: socket.socket | None = None) -> AsyncEdgeClient:
+    gateway, worker, job = parse(address)
+    return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock)

@@ -1,0 +1,27 @@
+"""One compiled XDP aggregator shared by the edge test modules of a pytest run (compiling costs seconds).
+
+Tensors 0-2 serve the slot-semantics tests; tensor 3 (500 single-lane-width chunks, more than the kernel's
+burst of timer allocations) serves the timer link test."""
+
+from __future__ import annotations
+
+import atexit
+from functools import cache
+from typing import Any
+
+from bpf.maps import EdgeLayout
+
+LAYOUT = EdgeLayout((1000, 360, 7, 360 * 500), (12, 12, 12, 0), lanes=360)
+SLOT_TENSORS = (0, 1, 2)
+TIMER_TENSOR = 3
+JOB = 3
+PORT = 9111
+
+
+@cache
+def shared_program() -> Any:
+    from bpf.xdp import XdpAggregator
+
+    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=5.0)
+    atexit.register(agg.close)
+    return agg

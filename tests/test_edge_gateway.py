@@ -1,0 +1,118 @@
+"""The gateway role end to end: a scheduler and two DC nodes (node 1 a gateway for two LAN workers on a
+bridge), the gateway's own trainer, DC 2's trainer and both LAN workers in edge mode. Every participant
+gets the same init values and the same exact sums; the LAN workers' push_pull is plain edge mode."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import netstorm
+from bpf.netns import GATEWAY_IP, Lan
+from bpf.trainer import AsyncEdgeClient
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+EDGE_PORT = 9700
+TIMEOUT = 60.0
+
+
+def model(who: int, step: int) -> dict[str, np.ndarray]:
+    """Integer-valued tensors, so every sum is exact whatever the order of additions."""
+    rng = np.random.default_rng(100 * step + who)
+    return {
+        "a.weight": rng.integers(-50, 50, (30, 40)).astype(np.float32),
+        "b.bias": rng.integers(-50, 50, (7,)).astype(np.float32),
+        "c": rng.integers(-50, 50, (3, 500)).astype(np.float16),
+    }
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> None:
+    with Lan(2) as lan:
+        cli = [sys.executable, "-m", "netstorm.cli"]
+        inside = ["ip", "netns", "exec", lan.gateway]
+        sched_port = 7000 + os.getpid() % 1000
+        common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
+        logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
+                                           f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
+            time.sleep(0.5)
+            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
+                                           str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
+                                           f"{GATEWAY_IP}:{EDGE_PORT}", "--edge-interface", "eth0", "--edge-mode",
+                                           mode], stdout=logs[1], stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "2", *common, "--socket",
+                                           str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
+            for sock in ("n1.sock", "n2.sock"):
+                wait_for(tmp_path / sock, procs, 60)
+            workers = [AsyncEdgeClient((GATEWAY_IP, EDGE_PORT), i, job=1, timeout=TIMEOUT,
+                                       sock=lan.udp_socket(ns, lan.worker_ip(i)))
+                       for i, ns in enumerate(lan.workers)]
+            asyncio.run(_drive(tmp_path, workers))
+            node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")
+            assert "gateway: 2 LAN workers" in node_log
+        except BaseException:
+            for name in ("scheduler", "node1", "node2"):
+                text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
+                sys.stderr.write(f"--- {name}\n{text[-3000:]}")
+            raise
+        finally:
+            for proc in reversed(procs):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in reversed(procs):
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
+
+
+async def _drive(tmp_path: Path, workers: list[AsyncEdgeClient]) -> None:
+    gw = await netstorm.aconnect(str(tmp_path / "n1.sock"), timeout=TIMEOUT)
+    dc2 = await netstorm.aconnect(str(tmp_path / "n2.sock"), timeout=TIMEOUT)
+    try:
+        inits = await asyncio.gather(gw.init(model(1, 0)), dc2.init(model(2, 0)),
+                                     *(w.init(model(10 + w.worker_id, 0)) for w in workers))
+        for got in inits:  # everyone starts from DC 1's values (the lowest id)
+            for name, value in model(1, 0).items():
+                np.testing.assert_array_equal(got[name], value)
+        assert all(w.num_workers == 2 for w in workers)
+        for step in (1, 2, 3):
+            inputs = [model(1, step), model(2, step), *(model(10 + w.worker_id, step) for w in workers)]
+            outs = await asyncio.gather(gw.push_pull(inputs[0]), dc2.push_pull(inputs[1]),
+                                        *(w.push_pull(inputs[2 + i]) for i, w in enumerate(workers)))
+            for name in inputs[0]:
+                want = np.sum([x[name].astype(np.float32) for x in inputs], axis=0).astype(inputs[0][name].dtype)
+                for who, out in enumerate(outs):
+                    assert out[name].dtype == want.dtype and out[name].shape == want.shape
+                    np.testing.assert_array_equal(out[name], want, err_msg=f"participant {who}, {name}, step {step}")
+    finally:
+        await gw.close()
+        await dc2.close()
+        for w in workers:
+            await w.close()

@@ -1,0 +1,117 @@
+"""The edge wire format and fixed point, and the agent's sans-I/O core: hand-checked cases, brute force
+against numpy, and rejection of malformed input with a typed error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bpf.agent import IterationSums
+from bpf.maps import EdgeLayout
+from bpf.packets import control_packet, data_packets, fit_scales, result_packets
+from bpf.wire import (
+    HEADER_BYTES,
+    INT32_MAX,
+    NEED_NONE,
+    Flag,
+    Header,
+    Kind,
+    WireError,
+    lanes_of,
+    quantize,
+    rescale_for,
+)
+from bpf.xdp import SlotEvent
+
+LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=360)
+
+
+def test_header_round_trip_and_field_offsets() -> None:
+    head = Header(Kind.DATA, job=513, worker=63, iteration=2**32 - 1, tensor=7, chunk=9, slot=11, count=360,
+                  scale=-5, need=-128, flags=Flag.OVERFLOW)
+    raw = head.encode()
+    assert len(raw) == HEADER_BYTES
+    assert raw[:4] == bytes([0x4E, 0x53, 1, 1])           # magic "NS" little-endian, version, kind
+    assert int.from_bytes(raw[8:12], "little") == 2**32 - 1
+    assert Header.decode(raw + bytes(4 * 360)) == head
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda b: b[:10], "shorter"),
+    (lambda b: b"\x00\x00" + b[2:], "bad magic"),
+    (lambda b: b[:2] + b"\x02" + b[3:], "version"),
+    (lambda b: b[:3] + b"\x63" + b[4:], "unknown kind"),
+    (lambda b: b[:7] + b"\x80" + b[8:], "unknown flags"),
+    (lambda b: b[:-1], "payload bytes"),
+    (lambda b: b[:6] + b"\x40" + b[7:], "worker 64"),
+])
+def test_malformed_datagrams_are_rejected_with_a_reason(mutate: object, message: str) -> None:
+    good = bytes(data_packets(LAYOUT, job=1, worker=2, iteration=3, tensor=1, values=np.ones(7))[0])
+    Header.decode(good)
+    with pytest.raises(WireError, match=message):
+        Header.decode(mutate(good))  # type: ignore[operator]
+
+
+def test_control_datagrams_carry_no_payload() -> None:
+    nack = control_packet(Kind.NACK, job=1, worker=0, iteration=4, tensor=1, chunk=0, scale=3, flags=Flag.RESCALE)
+    head = Header.decode(nack)
+    assert (head.kind, head.iteration, head.scale, head.flags) == (Kind.NACK, 4, 3, Flag.RESCALE)
+    with pytest.raises(WireError, match="unexpected payload"):
+        Header.decode(nack + b"\x00" * 4)
+
+
+def test_fit_scale_is_the_largest_that_fits_by_brute_force() -> None:
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((50, 20)) * 10.0 ** rng.integers(-6, 9, (50, 1))
+    rows[0] = 0.0
+    for row, need in zip(rows, fit_scales(rows), strict=True):
+        if not row.any():
+            assert need == NEED_NONE
+            continue
+        fits = [s for s in range(-60, 100) if np.all(np.abs(np.rint(row * 2.0**s)) <= INT32_MAX)]
+        assert need == max(fits)
+
+
+def test_quantize_flags_clipping_instead_of_wrapping() -> None:
+    lanes, overflow = quantize(np.array([1.5, -2.25, 3e9]), 1)
+    assert overflow and lanes[2] == INT32_MAX and list(lanes[:2]) == [3, -4]   # rint(-4.5) = -4 (to even)
+
+
+def test_rescale_leaves_room_for_every_worker() -> None:
+    for workers in (1, 2, 3, 8, 64):
+        s = rescale_for(20, workers)
+        assert workers * (2**31 - 1) / 2**(20 - s) <= 2**31 - 1 + 1e-9
+
+
+def test_data_packets_split_pad_and_address_slots() -> None:
+    values = np.arange(1000, dtype=np.float32) / 8
+    rows = data_packets(LAYOUT, job=1, worker=4, iteration=9, tensor=0, values=values)
+    assert rows.shape == (3, HEADER_BYTES + 4 * 360)
+    heads = [Header.decode(bytes(r)) for r in rows]
+    assert [h.count for h in heads] == [360, 360, 280]
+    assert [h.slot for h in heads] == [0, 1, 2] and LAYOUT.slot(1, 0) == 3
+    got = np.concatenate([lanes_of(bytes(r))[: h.count] for r, h in zip(rows, heads, strict=True)])
+    assert np.array_equal(got, values * 2**10) and not lanes_of(bytes(rows[2]))[280:].any()
+    res = result_packets(LAYOUT, job=1, iteration=9, tensor=0, values=values)
+    assert np.array_equal(lanes_of(bytes(res[1]), "<f4")[:360], values[360:720])
+
+
+def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
+    sums = IterationSums(LAYOUT, iteration=9, workers=4, job=1)
+    event = SlotEvent(iteration=9, tensor=1, chunk=0, slot=3, bitmap=0b0101, expected=0b1111, job=1, scale=10,
+                      nacks=1)
+    actions = sums.on_event(event)
+    assert [w for w, _ in actions] == [1, 3]
+    assert Header.decode(actions[0][1]).kind == Kind.NACK
+    over = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=10, need=11, flags=Flag.OVERFLOW)
+    rescale = sums.on_agg(over, np.zeros(360, np.int32))
+    assert [w for w, _ in rescale] == [0, 1, 2, 3]   # each fits at 11, four of them at 11 - 2
+    assert all(Header.decode(d).scale == 9 and Header.decode(d).flags == Flag.RESCALE for _, d in rescale)
+    # an overflow the workers' own needs cannot explain is an error, not a silent wrap
+    with pytest.raises(WireError, match="overflow at scale 10"):
+        sums.on_agg(Header(Kind.AGG, 1, 0, 9, 0, 1, 1, 360, scale=10, need=12, flags=Flag.OVERFLOW),
+                    np.zeros(360, np.int32))
+    ok = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=8)
+    assert sums.on_agg(ok, np.arange(360, dtype=np.int32)) == []
+    assert np.array_equal(sums.sums[1], np.arange(7) / 2**8)
+    assert (1, 0) not in sums.pending and "tensor 0 chunk 0" in sums.describe_missing()
