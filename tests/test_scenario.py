@@ -6,6 +6,7 @@ import pytest
 
 from netstorm import scenario
 from netstorm.errors import ScenarioError
+from netstorm.limit import min_cut
 
 EDGES = [(1, 2), (1, 3), (2, 3), (2, 5), (3, 4), (4, 5), (4, 6), (5, 7), (6, 7), (6, 8), (6, 9), (7, 8), (8, 9)]
 
@@ -38,6 +39,8 @@ def test_dynamic_variant_redraws_deterministically() -> None:
 def test_scale_scenarios_load(n: int) -> None:
     s = scenario.load(f"scale-{n}")
     assert len(s.nodes) == n
+    # every DC has the same capacity, so the physical limit does not change with n
+    assert min_cut(s.rates()).mbit == 400.0
 
 
 BASE = """
