@@ -15,7 +15,7 @@ import numpy as np
 
 from netstorm import trainer_wire as tw
 from netstorm.client import DEFAULT_TIMEOUT, Registry, raise_for, resolve_address
-from netstorm.errors import NodeGone, TrainerTimeout
+from netstorm.errors import NodeGone, TrainerError, TrainerTimeout
 
 
 class AsyncClient:
@@ -30,10 +30,14 @@ class AsyncClient:
         self.timeout = timeout
         self.registry = Registry(inline=inline)
         self.iteration = -1
+        self._broken: str | None = None
 
     async def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
                     context: str) -> tuple[tw.Message, bytes]:
         async with self._lock:
+            if self._broken is not None:
+                raise NodeGone(f"{context}: this connection to the node at {self.address} is unusable after: "
+                               f"{self._broken}")
             try:
                 async with asyncio.timeout(self.timeout):
                     self._writer.write(tw.encode(request, len(payload)))
@@ -45,10 +49,18 @@ class AsyncClient:
                     reply = tw.decode(await self._reader.readexactly(header_len))
                     data = await self._reader.readexactly(payload_len) if payload_len else b""
             except TimeoutError:
+                self._broken = f"{context}: no answer within {self.timeout:g} s"
+                self._writer.close()
                 raise TrainerTimeout(f"{context}: no answer from the node at {self.address} within "
                                      f"{self.timeout:g} s") from None
             except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+                self._broken = f"{context}: {exc or 'connection closed'}"
+                self._writer.close()
                 raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
+            except TrainerError as exc:
+                self._broken = str(exc)
+                self._writer.close()
+                raise
         raise_for(reply, expected, context)
         return reply, data
 

@@ -63,6 +63,14 @@ def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | 
     return "unix", text
 
 
+SHM_PREFIX = "netstorm-"
+"""Shared-memory files are named netstorm-<pid>-<random> in ``shm_directory()``; nodes map no others."""
+
+
+def shm_directory() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
 class Registry:
     """The trainer side's view of the registered tensors: checks, shared memory, result decoding."""
 
@@ -106,8 +114,7 @@ class Registry:
 
     def _create_shm(self, size: int) -> str:
         self.close()
-        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = str(Path(directory) / f"netstorm-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        path = str(Path(shm_directory()) / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
@@ -204,6 +211,7 @@ class Client:
         self.timeout = timeout
         self.registry = Registry(inline=(kind == "tcp"))
         self.iteration = -1
+        self._broken: str | None = None
         try:
             if kind == "tcp":
                 assert isinstance(where, tuple)
@@ -237,19 +245,29 @@ class Client:
 
     def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
               context: str) -> tuple[tw.Message, bytes]:
+        if self._broken is not None:
+            raise NodeGone(f"{context}: this connection to the node at {self.address} is unusable after: "
+                           f"{self._broken}")
         try:
-            self._sock.sendall(tw.encode(request, len(payload)))
-            if payload:
-                self._sock.sendall(payload)
-        except TimeoutError:
-            raise TrainerTimeout(f"{context}: the node at {self.address} did not accept the request within "
-                                 f"{self.timeout:g} s") from None
-        except OSError as exc:
-            raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
-        header_len, payload_len = tw.decode_prefix(self._recv_exactly(tw.PREFIX.size, context),
-                                                   max_payload=1 << 40)
-        reply = tw.decode(self._recv_exactly(header_len, context))
-        data = self._recv_exactly(payload_len, context) if payload_len else b""
+            try:
+                self._sock.sendall(tw.encode(request, len(payload)))
+                if payload:
+                    self._sock.sendall(payload)
+            except TimeoutError:
+                raise TrainerTimeout(f"{context}: the node at {self.address} did not accept the request within "
+                                     f"{self.timeout:g} s") from None
+            except OSError as exc:
+                raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
+            header_len, payload_len = tw.decode_prefix(self._recv_exactly(tw.PREFIX.size, context),
+                                                       max_payload=1 << 40)
+            reply = tw.decode(self._recv_exactly(header_len, context))
+            data = self._recv_exactly(payload_len, context) if payload_len else b""
+        except TrainerError as exc:
+            # A reply may still be on its way: later requests would read it as theirs. Start over instead.
+            self._broken = str(exc)
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            raise
         raise_for(reply, expected, context)
         return reply, data
 

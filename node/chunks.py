@@ -19,7 +19,6 @@ nothing is dropped. A contribution that arrives twice is rejected.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -89,9 +88,12 @@ class ChunkCore:
         self.layout: Layout | None = None
         self._iterations: dict[int, _Iteration] = {}
         self._early: dict[int, list[tuple[ChunkHeader, np.ndarray]]] = {}
+        self._early_seen: set[tuple[int, int, int, int]] = set()
         self._closed: dict[int, str] = {}
         self._roots_cache: dict[int, list[int]] = {}
         self.horizon = 1
+        self.peak_live = 0
+        """Most iterations held at once: 2 means a peer's next iteration reached us while ours ran."""
         """Highest iteration a peer may send chunks for: no peer can be more than one iteration ahead of
         this node's own contributions, so anything beyond is a broken peer, not early data to keep."""
         if layout is not None:
@@ -109,6 +111,7 @@ class ChunkCore:
         self.layout = layout
         actions: list[Action] = []
         early, self._early = self._early, {}
+        self._early_seen.clear()
         for iteration, items in sorted(early.items()):
             for header, payload in items:
                 try:
@@ -185,6 +188,11 @@ class ChunkCore:
             raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, "
                              f"which already finished: a duplicate")
         if self.layout is None:
+            early_key = (header.iteration, int(header.phase), header.chunk, header.origin)
+            if early_key in self._early_seen:
+                raise ChunkError(f"duplicate {header.phase.name} contribution of chunk {header.chunk} from node "
+                                 f"{header.origin} in iteration {header.iteration}")
+            self._early_seen.add(early_key)
             self._early.setdefault(header.iteration, []).append((header, payload))
             return []
         self._check_shape(header, payload)
@@ -266,6 +274,7 @@ class ChunkCore:
                 return None
             state = _Iteration(iteration, self._need_layout())
             self._iterations[iteration] = state
+            self.peak_live = max(self.peak_live, len(self._iterations))
         return state
 
     def _roots(self, policy: Policy) -> list[int]:
@@ -378,15 +387,3 @@ class ChunkCore:
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
                            t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count)
 
-
-def wire(cores: Mapping[int, ChunkCore], actions: Sequence[Action]) -> list[Action]:
-    """Deliver every Send among in-process cores until quiet; return the other actions (tests, tools)."""
-    queue = list(actions)
-    rest: list[Action] = []
-    while queue:
-        action = queue.pop(0)
-        if isinstance(action, Send):
-            queue += cores[action.header.dst].receive(action.header, action.payload.copy())
-        else:
-            rest.append(action)
-    return rest

@@ -448,7 +448,12 @@ class GeneralNode:
                 tracker = self._tracker(action.iteration)
                 tracker.done = True
                 tracker.changed.set()
-                log.debug("node %d: iteration %d complete", self.node_id, action.iteration)
+                waiter = self._policy_waits.get(action.iteration)
+                version = waiter.result().version if waiter is not None and waiter.done() and \
+                    waiter.exception() is None else "?"
+                log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on "
+                         "auxiliary paths so far)", self.node_id, action.iteration, time.monotonic() - tracker.started,
+                         version, self.forwarding.aux_chunks)
             elif isinstance(action, FailedAction):
                 tracker = self._tracker(action.iteration)
                 tracker.failed = action.reason

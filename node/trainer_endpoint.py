@@ -17,11 +17,15 @@ import contextlib
 import logging
 import mmap
 import os
+import socket
+import stat
+import struct
 from pathlib import Path
 
 import numpy as np
 
 from netstorm import trainer_wire as tw
+from netstorm.client import SHM_PREFIX, shm_directory
 from netstorm.errors import IterationFailed, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
 from node.service import GeneralNode, IterationTimeout, PeerGone
@@ -32,10 +36,11 @@ log = logging.getLogger("netstorm.node.trainer")
 class _Session:
     """One trainer connection: its transport kind and, for Unix sockets, the shared model vector."""
 
-    def __init__(self, node: GeneralNode, inline: bool, name: str) -> None:
+    def __init__(self, node: GeneralNode, inline: bool, name: str, peer_uid: int | None = None) -> None:
         self.node = node
         self.inline = inline
         self.name = name
+        self.peer_uid = peer_uid
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
 
@@ -46,15 +51,26 @@ class _Session:
                 self._mmap.close()
             self._mmap = None
 
-    def attach(self, path: str, layout: Layout) -> None:
+    def attach(self, path: str, layout: Layout, peer_uid: int | None) -> None:
+        """Map the trainer's model file: only a netstorm-* regular file in the shared-memory directory,
+        owned by the trainer's user, so a trainer cannot make the node write into any other file."""
         if not path:
             raise TrainerProtocolError("init over a Unix socket needs a shared-memory file")
+        where = Path(path)
+        if where.parent != Path(shm_directory()) or not where.name.startswith(SHM_PREFIX):
+            raise TrainerProtocolError(f"shared-memory file {path} is not a {SHM_PREFIX}* file in {shm_directory()}")
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         except OSError as exc:
             raise TrainerProtocolError(f"cannot open shared-memory file {path}: {exc.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise TrainerProtocolError(f"shared-memory file {path} is not a regular file")
+            if peer_uid is not None and info.st_uid != peer_uid:
+                raise TrainerProtocolError(f"shared-memory file {path} belongs to uid {info.st_uid}, the trainer "
+                                           f"runs as uid {peer_uid}")
+            size = info.st_size
             if size != layout.total * 4:
                 raise TrainerProtocolError(f"shared-memory file {path} holds {size} bytes; the model needs "
                                            f"{layout.total * 4}")
@@ -70,6 +86,15 @@ class _Session:
         if len(set(keys)) != len(keys):
             raise TrainerProtocolError(f"a tensor is named twice in one request: {list(names)}")
         return keys
+
+
+def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
+    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+    sock = writer.get_extra_info("socket")
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return int(struct.unpack("3i", creds)[1])
 
 
 def _error_kind(exc: Exception) -> str:
@@ -111,7 +136,8 @@ class TrainerEndpoint:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool) -> None:
         self._sessions += 1
-        session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}")
+        session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
+                           None if inline else _peer_uid(writer))
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
         try:
             while True:
@@ -178,9 +204,10 @@ class TrainerEndpoint:
         node = self.node
         if isinstance(request, tw.InitRequest):
             specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
+            if not session.inline:  # check the file before the tensors become the node's layout
+                session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
             layout = await node.register(specs)
             if not session.inline:
-                session.attach(request.shm, layout)
                 values = session.shm
             else:
                 # Inline values come in request order; place them in layout order.

@@ -160,7 +160,10 @@ def test_chunks_before_the_layout_are_buffered():
         net.take(n, cores[n].bind_policy(0, policy))
         for key in range(len(layout.tensors)):
             net.take(n, cores[n].push_local(0, key, values[n][layout.key_slice(key)]))
+    early = [s for s in net.inflight if s.header.dst == 3]
     net.run()
+    with pytest.raises(ChunkError, match="duplicate"):  # kept once, even before the layout is known
+        cores[3].receive(early[0].header, early[0].payload)
     net.take(3, cores[3].set_layout(layout))
     net.take(3, cores[3].bind_policy(0, policy))
     for key in range(len(layout.tensors)):

@@ -143,11 +143,59 @@ def test_timeouts_and_missing_nodes(tmp_path: Path):
         netstorm.connect(str(tmp_path / "nobody.sock"), timeout=2)
 
     def lonely(address: str) -> None:
-        with netstorm.connect(address, timeout=1.0) as kv, \
-                pytest.raises(TrainerTimeout, match="init: no answer from the node"):
-            kv.init(model(1))  # the other DCs never call init
+        with netstorm.connect(address, timeout=1.0) as kv:
+            with pytest.raises(TrainerTimeout, match="init: no answer from the node"):
+                kv.init(model(1))  # the other DCs never call init
+            # The late reply would be taken for the next request's: the connection refuses further use.
+            with pytest.raises(NodeGone, match="unusable after: init: no answer"):
+                kv.init(model(1))
 
     async def body(addresses: dict[int, str]) -> None:
         await asyncio.to_thread(lonely, addresses[1])
 
     run_cluster(tmp_path, body)
+
+
+def test_the_node_maps_only_the_trainers_own_shared_memory_files(tmp_path: Path):
+    import socket
+
+    from netstorm import trainer_wire as tw
+    from netstorm.client import shm_directory
+
+    victim = tmp_path / "precious.bin"
+    victim.write_bytes(b"\x01" * 4 * 4)
+    link = Path(shm_directory()) / f"netstorm-{os.getpid()}-symlink-test"
+    link.unlink(missing_ok=True)
+    link.symlink_to(victim)
+
+    def init_with(address: str, shm: str) -> tw.Message:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(address)
+            s.sendall(tw.encode(tw.InitRequest((("w", (4,), "float32"),), shm)))
+            prefix = s.recv(tw.PREFIX.size, socket.MSG_WAITALL)
+            header_len, _ = tw.decode_prefix(prefix, max_payload=0)
+            return tw.decode(s.recv(header_len, socket.MSG_WAITALL))
+
+    async def body(addresses: dict[int, str]) -> None:
+        for shm, message in ((str(victim), "is not a netstorm-* file"), (str(link), "cannot open")):
+            reply = await asyncio.to_thread(init_with, addresses[1], shm)
+            assert isinstance(reply, tw.ErrorReply) and message in reply.message, reply
+        assert victim.read_bytes() == b"\x01" * 16
+
+    try:
+        run_cluster(tmp_path, body)
+    finally:
+        link.unlink(missing_ok=True)
+
+
+def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the_iteration(tmp_path: Path):
+    def lonely(address: str) -> None:
+        with netstorm.connect(address, timeout=30) as kv, \
+                pytest.raises(TrainerTimeout, match="iteration 0 timed out at node 2 after 1 s"):
+            kv.init(model(2))  # over TCP; the other DCs never call init
+
+    async def body(addresses: dict[int, str]) -> None:
+        await asyncio.to_thread(lonely, addresses[2])
+
+    run_cluster(tmp_path, body, CONFIG.replace(iteration_timeout=1.0))

@@ -194,28 +194,105 @@ def test_a_slow_receiver_keeps_the_bytes_in_the_senders_queue():
 
 
 def test_auxiliary_paths_carry_chunks_exactly_once_and_hops_are_measured():
+    """Aux on, a new policy every two iterations, and no barrier between iterations: a node that is done
+    with iteration k starts k+1 (under the next policy) while k's chunks, some on auxiliary paths, are
+    still in flight elsewhere. Every sum stays exact."""
     mesh = [1, 2, 3, 4]
     rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
 
     def fixed(iteration: int) -> Policy:
-        return plan(rates, topology="fapt", num_roots=2, version=iteration // 2)
+        shifted = {(a, b): r * (1 + iteration % 3) if a == 1 else r for (a, b), r in rates.items()}
+        return plan(shifted, topology="fapt", num_roots=2, version=iteration // 2)
 
     config = CONFIG.replace(enable_aux_path=True, primary_busy_bound=1, auxiliary_queue_length=3,
                             probe_chunk_size=1000, probe_chunk_num=2, chunk_size=400)
+    iterations = 5
+    rng = np.random.default_rng(5)
+    total = sum(spec.size for spec in SPECS)
+    values = [{i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh} for _ in range(iterations)]
 
     async def main() -> None:
         async with cluster(mesh, config, fixed) as nodes:
             assert any(len(p) > 1 for p in fixed(0).aux_paths.values())
             for node in nodes.values():
                 await node.register(SPECS)
-            rng = np.random.default_rng(5)
-            total = nodes[1].layout.total  # type: ignore[union-attr]
-            for _ in range(4):
-                values = {i: rng.integers(-500, 500, total).astype(np.float32) for i in nodes}
-                results = await one_iteration(nodes, values)
-                for out in results.values():
-                    np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
+
+            started = {(n, k): asyncio.Event() for n in mesh for k in range(iterations)}
+            # The first root of iteration k+1 holds on to iteration k until every other DC has begun k+1,
+            # so k+1's partial sums reach it while k is still live there.
+            holder = {k: fixed(k + 1).roots[0] for k in range(iterations - 1)}
+
+            async def trainer(node: GeneralNode) -> list[np.ndarray]:
+                layout = node.layout
+                assert layout is not None
+                results = []
+                for k in range(iterations):
+                    flat = values[k][node.node_id]
+                    for key in range(len(layout.tensors)):
+                        await node.contribute(key, flat[layout.key_slice(key)])
+                    started[(node.node_id, k)].set()
+                    if holder.get(k) == node.node_id:
+                        for other in mesh:
+                            if other != node.node_id:
+                                await started[(other, k + 1)].wait()
+                    out = np.full(layout.total, np.nan, np.float32)
+
+                    def sink(key: int, result: np.ndarray, out: np.ndarray = out) -> None:
+                        out[layout.key_slice(key)] = result
+                    await node.collect(list(range(len(layout.tensors))), sink)
+                    results.append(out)
+                return results
+
+            per_node = await asyncio.gather(*(trainer(n) for n in nodes.values()))
+            for results in per_node:
+                for k, out in enumerate(results):
+                    np.testing.assert_array_equal(out, np.sum(list(values[k].values()), axis=0))
             assert sum(n.forwarding.aux_chunks for n in nodes.values()) > 0
+            assert all(nodes[h].core.peak_live == 2 for h in holder.values())
             reports = [r for n in nodes.values() for r in getattr(n.control, "reports", [])]
             assert reports and all(r.mbit_s > 0 and r.dst in mesh and r.src in mesh for r in reports)
     uvloop.run(main())
+
+
+def test_the_receiver_reassembles_frames_split_at_any_byte():
+    """Feed the BufferedProtocol a stream of frames cut at random places, as TCP may deliver it."""
+    from node.peers import InboundProtocol
+
+    rng = np.random.default_rng(11)
+
+    def frames(counts: list[int]) -> tuple[bytes, list[ChunkHeader], list[np.ndarray]]:
+        headers = [ChunkHeader(4, i, 2, Phase.UP, 1, 2, 1, 2, 0, float(i), False, (1, 2), n)
+                   for i, n in enumerate(counts)]
+        payloads = [rng.integers(-1000, 1000, n).astype(np.float32) for n in counts]
+        stream = Hello(1, "h").encode() + b"".join(h.encode() + p.tobytes()
+                                                   for h, p in zip(headers, payloads, strict=True))
+        return stream, headers, payloads
+
+    small = frames([0, 1, 3, 500, 17, 2])  # fed a few bytes at a time
+    large = frames([0, 1, 3, 5000, 70000, 17, 20000])  # frames far beyond the 64 KiB staging buffer
+    for trial in range(12):
+        stream, headers, payloads = small if trial < 3 else large
+        received: list[tuple[ChunkHeader, np.ndarray]] = []
+        hellos: list[Hello] = []
+        def on_hello(hello: Hello, _: InboundProtocol, hellos: list[Hello] = hellos) -> None:
+            hellos.append(hello)
+
+        def on_chunk(peer: int, header: ChunkHeader, payload: np.ndarray, t: float,
+                     received: list[tuple[ChunkHeader, np.ndarray]] = received) -> None:
+            received.append((header, payload.copy()))
+
+        protocol = InboundProtocol(on_hello=on_hello, on_chunk=on_chunk, on_lost=lambda p, r: None,
+                                   max_frame_bytes=1 << 24, clock=lambda: 0.0)
+        position = 0
+        while position < len(stream):
+            buffer = protocol.get_buffer(-1)
+            assert len(buffer) > 0
+            step = int(rng.integers(1, 8 if trial < 3 else 200_000))
+            step = min(step, len(buffer), len(stream) - position)
+            buffer[:step] = stream[position:position + step]
+            protocol.buffer_updated(step)
+            position += step
+        assert hellos == [Hello(1, "h")]
+        assert [h for h, _ in received] == headers
+        for (_, got), want in zip(received, payloads, strict=True):
+            np.testing.assert_array_equal(got, want)
