@@ -121,8 +121,6 @@ class EdgeGateway:
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
         self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=1 << 16)
-        self.data_packets = 0
-        """DATA datagrams the aggregator consumed (kernel counter in xdp mode)."""
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
         self.delivery_cpu = 0.0
@@ -273,7 +271,6 @@ class EdgeGateway:
         if kind == Kind.AGG:
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:
-            self.data_packets += 1
             agg = self.fallback.on_data(data, time.monotonic())
             if agg is not None:
                 self._on_agg(agg)

@@ -12,7 +12,6 @@ import itertools
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,5 +234,3 @@ def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.
     eth = b"\x02\x00\x00\x00\x00\x01" + b"\x02\x00\x00\x00\x00\x02" + b"\x08\x00"
     return eth + ip + struct.pack("!HHHH", sport, dport, udp_len, 0) + payload
 
-
-EventSink = Callable[[SlotEvent], None]

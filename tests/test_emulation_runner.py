@@ -18,7 +18,6 @@ pytestmark = [pytest.mark.root, pytest.mark.slow, pytest.mark.torch]
 
 def test_gloo_on_emu4_writes_a_result_that_no_scheme_could_beat(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    before = {n for n in netns.list_namespaces() if n.startswith("nse")}
     proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(DATA / "emu-4.toml"),
                            "--system", "gloo", "--iterations", "2", "--model", "1M", "--out", str(out),
                            "--plots", str(tmp_path / "plots")], capture_output=True, text=True, timeout=240)
@@ -36,7 +35,7 @@ def test_gloo_on_emu4_writes_a_result_that_no_scheme_could_beat(tmp_path: Path) 
     assert "iteration 2/2" in proc.stderr
     assert "gloo" in proc.stdout and "x limit" in proc.stdout
     assert {p.name for p in (tmp_path / "plots").iterdir()} == {"emu-4-iterations.png", "emu-4-rates.png"}
-    assert {n for n in netns.list_namespaces() if n.startswith("nse")} <= before
+    assert not [n for n in netns.list_namespaces() if result["run_id"] in n]
 
     report = subprocess.run([sys.executable, "-m", "netstorm.cli", "report", str(out), "--plots",
                              str(tmp_path / "again")], capture_output=True, text=True, timeout=120)

@@ -1,6 +1,6 @@
 """``netstorm demo``: the main command: dynamic internet2-9, NetStorm against STAR (and gloo), in minutes.
 
-Rates x0.25 and a 10 MB model keep the run network-bound on a small host; the dynamics period is
+Rates x0.25 and a 5 MB model keep the run network-bound on a small host; the dynamics period is
 scaled to 18 s so the rates change several times while it runs. Everything else is ``netstorm
 emulate`` with these settings, so a larger run is that command with other flags.
 """
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scenario", default="internet2-9-dynamic")
     parser.add_argument("--systems", default=None, help="default: netstorm,star plus gloo when torch is installed")
     parser.add_argument("--iterations", type=int, default=3)
-    parser.add_argument("--model", default="2.5M", help="parameters (default 2.5M = 10 MB of float32)")
+    parser.add_argument("--model", default="1.25M", help="parameters (default 1.25M = 5 MB of float32)")
     parser.add_argument("--bw-scale", type=float, default=0.25)
     parser.add_argument("--time-scale", type=float, default=0.1)
     parser.add_argument("--results", metavar="DIR", default=None,
