@@ -32,20 +32,23 @@ Address = tuple[str, int]
 
 @dataclass
 class IterationSums:
-    """One iteration's LAN sums, filled chunk by chunk from AGG datagrams."""
+    """One iteration's LAN sums, filled chunk by chunk from AGG datagrams.
+
+    Each completed slot's int32 lanes and scale are stored as they come (one row copy per datagram);
+    the conversion to floats runs once per tensor, vectorised, when the iteration is complete."""
 
     layout: EdgeLayout
     iteration: int
     workers: int
     job: int
-    sums: list[np.ndarray] = field(init=False)
     pending: set[tuple[int, int]] = field(init=False)
     missing: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     rescaled: int = 0
 
     def __post_init__(self) -> None:
-        self.sums = [np.zeros(size, np.float64) for size in self.layout.sizes]
         self.pending = {(t, c) for t, n in enumerate(self.layout.chunks) for c in range(n)}
+        self.raw = np.zeros((self.layout.num_slots, self.layout.lanes), np.int32)
+        self.scales = np.zeros(self.layout.num_slots, np.int64)
 
     @property
     def done(self) -> bool:
@@ -66,10 +69,12 @@ class IterationSums:
                                   chunk=head.chunk, slot=head.slot, scale=scale, flags=Flag.RESCALE)
             return [(w, nack) for w in range(self.workers)]
         start, stop = self.layout.bounds(head.tensor, head.chunk)
-        if head.count != stop - start:
+        if head.count != stop - start or lanes.size < head.count:
             raise WireError(f"AGG for tensor {head.tensor} chunk {head.chunk} has {head.count} lanes, "
                             f"expected {stop - start}")
-        self.sums[head.tensor][start:stop] = lanes[: head.count].astype(np.float64) * 2.0 ** -head.scale
+        row = self.layout.first_slot[head.tensor] + head.chunk
+        self.raw[row, : head.count] = lanes[: head.count]
+        self.scales[row] = head.scale
         self.pending.discard(key)
         self.missing.pop(key, None)
         return []
@@ -85,7 +90,13 @@ class IterationSums:
         return [(w, nack) for w in event.missing]
 
     def result(self) -> list[np.ndarray]:
-        return [s.astype(np.float32) for s in self.sums]
+        """Every tensor's sum: exact int32 lanes times 2**-scale (float64, exact), rounded once to float32."""
+        out = []
+        for t, size in enumerate(self.layout.sizes):
+            rows = slice(self.layout.first_slot[t], self.layout.first_slot[t] + self.layout.chunks[t])
+            block = self.raw[rows].astype(np.float64) * np.exp2(-self.scales[rows].astype(np.float64))[:, None]
+            out.append(block.reshape(-1)[:size].astype(np.float32))
+        return out
 
     def describe_missing(self) -> str:
         shown = sorted(self.pending)[:5]
@@ -128,22 +139,28 @@ class EdgeGateway:
         self.errors = 0
         self._tasks: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
+        self._buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
+        self._view = memoryview(self._buf)
 
     async def run(self) -> None:
-        """Serve until ``close``: receive loop, sender, slot timers (userspace) or ring buffer (xdp)."""
+        """Serve until ``close``: receiving (a reader callback), sending, slot timers (userspace) or the
+        ring buffer (xdp)."""
         loop = asyncio.get_running_loop()
         if self.xdp is not None and self.mode == "xdp":
             loop.add_reader(self.xdp.events_fd, self._on_ring)
+        # one persistent reader: no future or re-registration per wake-up, which would cost more than
+        # handling the datagram itself
+        loop.add_reader(self.sock.fileno(), self._drain)
         try:
             async with asyncio.TaskGroup() as tg:
-                receive = tg.create_task(self._receive())
                 send = tg.create_task(self._send())
                 timers = tg.create_task(self._timers()) if self.fallback is not None else None
                 await self._stop.wait()
-                for task in (receive, send, timers):
+                for task in (send, timers):
                     if task is not None:
                         task.cancel()
         finally:
+            loop.remove_reader(self.sock.fileno())
             if self.xdp is not None and self.mode == "xdp":
                 loop.remove_reader(self.xdp.events_fd)
 
@@ -295,24 +312,23 @@ class EdgeGateway:
             else:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
 
-    async def _receive(self) -> None:
-        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
-        view = memoryview(buf)
-        while True:
-            await udp.readable(self.sock)
-            started = time.thread_time()
-            # drain what is queued before yielding again: one wake-up per burst, not per datagram
-            for _ in range(256):
-                try:
-                    n, address = self.sock.recvfrom_into(buf)
-                except BlockingIOError:
-                    break
-                try:
-                    self._handle(bytes(view[:n]), address)
-                except WireError as exc:
-                    self.errors += 1
-                    log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
-            self.receive_cpu += time.thread_time() - started
+    def _drain(self) -> None:
+        """Handle what is queued on the socket (up to 256 datagrams per wake-up; the kernel keeps the rest)."""
+        started = time.thread_time()
+        buf, view = self._buf, self._view
+        for _ in range(256):
+            try:
+                n, address = self.sock.recvfrom_into(buf)
+            except BlockingIOError:
+                break
+            try:
+                self._handle(bytes(view[:n]), address)
+            except WireError as exc:
+                self.errors += 1
+                log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
+            except asyncio.QueueFull:
+                log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)", address)
+        self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:
         while True:

@@ -78,6 +78,10 @@ class Flag(enum.IntFlag):
     RESCALE = 2
 
 
+_KINDS: Final = {int(k): k for k in Kind}
+_FLAGS: Final = {int(f): Flag(f) for f in range(4)}
+"""Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
+
 HEADER_DTYPE: Final = np.dtype(
     [
         ("magic", "<u2"), ("version", "u1"), ("kind", "u1"), ("job", "<u2"), ("worker", "u1"), ("flags", "u1"),
@@ -89,7 +93,7 @@ HEADER_STRUCT: Final = struct.Struct("<HBBHBBIIIIHbbI")
 assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Header:
     kind: Kind
     job: int
@@ -119,10 +123,9 @@ class Header:
             raise WireError(f"bad magic 0x{magic:04x}")
         if version != VERSION:
             raise WireError(f"unsupported version {version} (this side speaks {VERSION})")
-        try:
-            kind = Kind(kind_code)
-        except ValueError:
-            raise WireError(f"unknown kind {kind_code}") from None
+        kind = _KINDS.get(kind_code)
+        if kind is None:
+            raise WireError(f"unknown kind {kind_code}")
         if count > MAX_LANES:
             raise WireError(f"count {count} exceeds {MAX_LANES} lanes")
         if worker >= MAX_WORKERS:
@@ -134,10 +137,11 @@ class Header:
                 raise WireError(f"{kind.name} datagram with {payload} payload bytes cannot hold {count} lanes")
         elif payload:
             raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
-        if flags & ~int(Flag.OVERFLOW | Flag.RESCALE):
+        flag = _FLAGS.get(flags)
+        if flag is None:
             raise WireError(f"unknown flags 0x{flags:02x}")
         return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
-                   count=count, scale=scale, need=need, flags=Flag(flags))
+                   count=count, scale=scale, need=need, flags=flag)
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:
