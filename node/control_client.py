@@ -273,13 +273,14 @@ class SchedulerClient:
                 if isinstance(message, control.MemberDown):
                     self._member_down(message)
                     continue
-                while self._pending:
-                    waiter = self._pending.popleft()
-                    if not waiter.done():  # a waiter that timed out is skipped, keeping the order
-                        waiter.set_result(message)
-                        break
-                else:
+                if not self._pending:
                     raise ControlError(f"{self._name} sent an unrequested {message.TYPE}")
+                # Replies come in request order, so this one answers the oldest request written, even
+                # if that request has timed out meanwhile: its late answer is dropped, never handed to
+                # the next request.
+                waiter = self._pending.popleft()
+                if not waiter.done():
+                    waiter.set_result(message)
         except (ControlError, ConnectionError, OSError) as exc:
             error = exc if isinstance(exc, ControlError) else ControlError(f"{self._name}: connection lost: {exc}")
             self._connection_lost(error)

@@ -367,3 +367,39 @@ def test_a_busy_listen_port_is_a_clear_error() -> None:
                 await second.serve("127.0.0.1", port)
 
     run(main())
+
+
+def test_a_late_answer_to_a_timed_out_request_is_not_taken_for_the_next_ones() -> None:
+    """Replies pair with requests by order: the answer to a request that timed out must be dropped."""
+    async def late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Acknowledges registration; answers the first layout check only after the second arrived."""
+        await control.read_message(reader)
+        writer.write(control.encode(control.RegisterAck({1: ("127.0.0.1", 7)}, {}, 0.0)))
+        checks: list[control.LayoutCheck] = []
+        while len(checks) < 2:  # heartbeats come in between
+            message = await control.read_message(reader)
+            if isinstance(message, control.LayoutCheck):
+                checks.append(message)
+            else:
+                assert isinstance(message, control.Heartbeat), message
+        first = checks[0]
+        writer.write(control.encode(control.Error(f"layout mismatch: answer to {first.layout_hash}")))
+        writer.write(control.encode(control.LayoutAck()))
+        while await control.read_message(reader) is not None:
+            pass
+
+    async def main() -> None:
+        server = await asyncio.start_server(late, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            client = await SchedulerClient.connect(address, 1, ("127.0.0.1", 7), timeout=T)
+            try:
+                with pytest.raises(control.ControlTimeout, match=r"layout check of node 1 within 0\.2 s"):
+                    await client.check_layout("slow", timeout=0.2)
+                await client.check_layout("second", timeout=T)  # its own answer, the LayoutAck
+                assert client.lost is None
+            finally:
+                await client.close()
+
+    run(main())
+
