@@ -90,15 +90,17 @@ class SchedulerClient:
                 writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1])))
                 await writer.drain()
                 reply = await control.read_message(reader)
-        except TimeoutError:
+        except BaseException as exc:  # the connection must not outlive a failed registration
             if writer is not None:
                 writer.close()
-            raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
-                                 "(are all expected nodes started?)") from None
-        except OSError as exc:
-            if writer is not None:
-                writer.close()
-            raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
+            if isinstance(exc, TimeoutError) and not isinstance(exc, ControlError):
+                raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
+                                     "(are all expected nodes started?)") from None
+            if isinstance(exc, OSError):
+                raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
+            if isinstance(exc, ControlError):
+                raise ControlError(f"{name}: registration of node {node_id}: {exc}") from None
+            raise
         if not isinstance(reply, control.RegisterAck):
             writer.close()
             if isinstance(reply, control.Error):

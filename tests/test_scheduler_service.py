@@ -403,3 +403,25 @@ def test_a_late_answer_to_a_timed_out_request_is_not_taken_for_the_next_ones() -
 
     run(main())
 
+
+def test_a_garbled_registration_answer_names_the_scheduler_and_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def garbled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await control.read_message(reader)
+        writer.write(control.LENGTH.pack(5) + b"\xc1junk")
+        await reader.read()  # returns at the client's end of stream
+        closed.set()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(garbled, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            with pytest.raises(ControlError, match=r"scheduler 127\.0\.0\.1:\d+: registration of node 3: "
+                                                   r"undecodable control frame"):
+                await SchedulerClient.connect(address, 3, ("127.0.0.1", 7), timeout=T)
+            async with asyncio.timeout(T):
+                await closed.wait()
+
+    run(main())
