@@ -61,6 +61,10 @@ class AsyncClient:
                 self._broken = str(exc)
                 self._writer.close()
                 raise
+            except BaseException:  # cancelled mid-request: its reply would be read as the next request's
+                self._broken = f"{context}: cancelled before the node answered"
+                self._writer.close()
+                raise
         raise_for(reply, expected, context)
         return reply, data
 

@@ -262,9 +262,10 @@ class Client:
                                                        max_payload=1 << 40)
             reply = tw.decode(self._recv_exactly(header_len, context))
             data = self._recv_exactly(payload_len, context) if payload_len else b""
-        except TrainerError as exc:
-            # A reply may still be on its way: later requests would read it as theirs. Start over instead.
-            self._broken = str(exc)
+        except BaseException as exc:
+            # A reply may still be on its way (also after Ctrl-C mid-request): later requests would read it
+            # as theirs. Start over instead.
+            self._broken = str(exc) if isinstance(exc, TrainerError) else f"{context}: {type(exc).__name__}"
             with contextlib.suppress(OSError):
                 self._sock.close()
             raise

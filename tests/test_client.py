@@ -156,6 +156,22 @@ def test_timeouts_and_missing_nodes(tmp_path: Path):
     run_cluster(tmp_path, body)
 
 
+def test_an_async_request_cancelled_mid_flight_leaves_the_connection_refusing_further_use(tmp_path: Path):
+    async def body(addresses: dict[int, str]) -> None:
+        akv = await netstorm.aconnect(addresses[1], timeout=30.0)
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await akv.init(model(1))  # the other DCs never call init: cancelled while waiting
+            # The node's late answer would be read as the next request's: the connection refuses instead.
+            with pytest.raises(NodeGone, match="unusable after: init: cancelled before the node answered"):
+                await akv.init(model(1))
+        finally:
+            await akv.close()
+
+    run_cluster(tmp_path, body)
+
+
 def test_the_node_maps_only_the_trainers_own_shared_memory_files(tmp_path: Path):
     import socket
 
