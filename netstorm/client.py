@@ -110,8 +110,13 @@ class Registry:
             return tw.InitRequest(request_tensors, ""), payload, ""
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
-        for key, spec in enumerate(layout.tensors):
-            np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name], casting="same_kind")
+        try:
+            for key, spec in enumerate(layout.tensors):
+                np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name],
+                          casting="same_kind")
+        except BaseException:
+            release_init(path)
+            raise
         return tw.InitRequest(request_tensors, path), b"", path
 
     def _create_shm(self, size: int) -> str:

@@ -215,3 +215,19 @@ def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the
         await asyncio.to_thread(lonely, addresses[2])
 
     run_cluster(tmp_path, body, CONFIG.replace(iteration_timeout=1.0))
+
+
+def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypatch: pytest.MonkeyPatch):
+    from netstorm.client import Registry
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    before = shm_files()
+    registry = Registry(inline=False)
+    monkeypatch.setattr(np, "copyto", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        registry.prepare_init(model(1))
+    monkeypatch.undo()
+    registry.close()
+    assert shm_files() == before
