@@ -382,18 +382,18 @@ async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CON
     return decode(body)
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), with a clear error."""
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); the error names ``what`` (e.g. the flag)."""
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
-        raise ControlError(f"expected HOST:PORT, got {text!r}")
+        raise ControlError(f"{what}: expected HOST:PORT, got {text!r}")
     host = host.strip("[]")
     try:
         port = int(port_text)
     except ValueError:
-        raise ControlError(f"expected HOST:PORT with a numeric port, got {text!r}") from None
+        raise ControlError(f"{what}: expected HOST:PORT with a numeric port, got {text!r}") from None
     if not 0 <= port < 65536:
-        raise ControlError(f"port out of range in {text!r}")
+        raise ControlError(f"{what}: port out of range in {text!r}")
     return host, port
 
 

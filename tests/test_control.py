@@ -152,5 +152,5 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["localhost", ":80", "h:x", "h:70000"])
 def test_parse_address_rejects(text: str) -> None:
-    with pytest.raises(ControlError):
-        control.parse_address(text)
+    with pytest.raises(ControlError, match=f"^--listen: .*{text!r}"):
+        control.parse_address(text, "--listen")
