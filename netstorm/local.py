@@ -241,9 +241,11 @@ async def run_local(cluster: LocalCluster) -> int:
             print(f"netstorm local: error: {exc}", file=sys.stderr, flush=True)
         rc = 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await cluster.stop()
+        try:
+            await cluster.stop()  # a second Ctrl-C meanwhile only sets the event again: no half-done stop
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
     return rc
 
 
