@@ -20,14 +20,16 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from netstorm.control import ControlError, format_address, parse_address
 from netstorm.errors import NetStormError
 from scheduler import admin
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GRACE_S = 5.0
 """Seconds a child gets to exit after SIGTERM before SIGKILL."""
@@ -249,27 +251,28 @@ async def run_local(cluster: LocalCluster) -> int:
     return rc
 
 
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> asyncio.Task[T] | None:
+    """Run ``work`` until it ends or ``stop`` is set: its finished task, or None (it was cancelled)."""
+    async with asyncio.TaskGroup() as tasks:
+        working = tasks.create_task(work)
+        stopping = tasks.create_task(stop.wait())
+        await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            working.cancel()
+            return None
+        stopping.cancel()
+    return working
+
+
 async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
     """Returns when asked to stop; raises LocalError when a child fails."""
-    async with asyncio.TaskGroup() as tasks:
-        starting = tasks.create_task(cluster.start())
-        stopping = tasks.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            starting.cancel()
-            return
-        stopping.cancel()
+    if await _unless_stopped(cluster.start(), stop) is None:
+        return
     assert cluster.scheduler_address is not None
     print(f"scheduler: {format_address(cluster.scheduler_address)} (logs in {cluster.run_dir})")
     for node_id in cluster.node_ids:
         print(f"node {node_id}: trainers connect with netstorm.connect({str(cluster.socket_path(node_id))!r})")
     print(f"READY {cluster.run_dir}", flush=True)
-    async with asyncio.TaskGroup() as tasks:
-        exited = tasks.create_task(cluster.wait_any_exit())
-        stopping = tasks.create_task(stop.wait())
-        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            exited.cancel()
-            return
-        stopping.cancel()
-    raise LocalError(f"a child died: {exited.result().describe_exit()}")
+    exited = await _unless_stopped(cluster.wait_any_exit(), stop)
+    if exited is not None:
+        raise LocalError(f"a child died: {exited.result().describe_exit()}")
