@@ -14,6 +14,7 @@ from netstorm import control, scenario
 from netstorm.config import Config
 from netstorm.control import ControlError, LayoutMismatch
 from netstorm.errors import ConfigError
+from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from node.control_client import SchedulerClient
 from scheduler import admin
@@ -423,5 +424,24 @@ def test_a_garbled_registration_answer_names_the_scheduler_and_closes_the_connec
                 await SchedulerClient.connect(address, 3, ("127.0.0.1", 7), timeout=T)
             async with asyncio.timeout(T):
                 await closed.wait()
+
+    run(main())
+
+
+def test_a_member_that_died_while_the_job_started_is_planned_out_without_awareness() -> None:
+    """The death's wake-up can reach the re-plan loop before the first policy exists; it must not be lost."""
+    async def main() -> None:
+        service = SchedulerService(RATES, (1, 2, 3, 4), FAST.replace(enable_awareness=False, update_time=0.05))
+        for n in (1, 2, 3, 4):
+            service.membership.register(n, ("127.0.0.1", 40000 + n), service.clock())
+        await service._start_job()  # plans over all four; no connections to tell
+        assert service.consistency.current_version == 0
+        assert service.membership.disconnected(4, service.clock()) is not None  # recorded, loop not woken
+        async with asyncio.TaskGroup() as tasks:
+            loop = tasks.create_task(service._replan_loop())
+            await until(lambda: service.consistency.current_version == 1, "re-planned without node 4")
+            loop.cancel()
+        policy = service.consistency.policy(1)
+        assert isinstance(policy, Policy) and set(policy.nodes) == {1, 2, 3}
 
     run(main())
