@@ -188,6 +188,9 @@ class SchedulerClient:
     def report_link(self, report: LinkSample) -> None:
         """Queue a link report for the scheduler; never blocks (the oldest report is dropped when full)."""
         if len(self._reports) == self._reports.maxlen:
+            if self.dropped_reports % REPORT_QUEUE == 0:  # said, but not once per report
+                log.warning("node %d: %s is not taking link reports fast enough; dropped the oldest "
+                            "(%d so far)", self.node_id, self._name, self.dropped_reports + 1)
             self.dropped_reports += 1
         self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples))
         self._reports_ready.set()

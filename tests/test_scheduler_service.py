@@ -16,7 +16,7 @@ from netstorm.control import ControlError, LayoutMismatch
 from netstorm.errors import ConfigError
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
-from node.control_client import SchedulerClient
+from node.control_client import REPORT_QUEUE, SchedulerClient
 from scheduler import admin
 from scheduler.service import SchedulerService
 
@@ -449,3 +449,23 @@ def test_a_member_that_died_while_the_job_started_is_planned_out_without_awarene
         assert isinstance(policy, Policy) and set(policy.nodes) == {1, 2, 3}
 
     run(main())
+
+
+def test_a_full_report_queue_drops_the_oldest_reports_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            try:
+                extra = 44
+                for i in range(REPORT_QUEUE + extra):  # no await in between: the sender cannot run
+                    clients[0].report_link(LinkReport(src=2, dst=1, mbit_s=float(i + 1), t=0.0, samples=4))
+                assert clients[0].dropped_reports == extra
+                newest = float(REPORT_QUEUE + extra)
+                await until(lambda: service.collector.state(2, 1).mbit_s == newest, "the newest report kept")
+            finally:
+                await close_all(clients)
+
+    with caplog.at_level("WARNING", logger="node.control_client"):
+        run(main())
+    drops = [r for r in caplog.records if "dropped the oldest" in r.getMessage()]
+    assert len(drops) == 1 and "(1 so far)" in drops[0].getMessage()
