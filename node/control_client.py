@@ -279,6 +279,8 @@ class SchedulerClient:
                     self._member_down(message)
                     continue
                 if not self._pending:
+                    if isinstance(message, control.Error):  # e.g. a refused heartbeat, before it hangs up
+                        raise ControlError(f"{self._name} refused node {self.node_id}: {message.message}")
                     raise ControlError(f"{self._name} sent an unrequested {message.TYPE}")
                 # Replies come in request order, so this one answers the oldest request written, even
                 # if that request has timed out meanwhile: its late answer is dropped, never handed to

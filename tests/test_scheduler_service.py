@@ -469,3 +469,30 @@ def test_a_full_report_queue_drops_the_oldest_reports_and_says_so(caplog: pytest
         run(main())
     drops = [r for r in caplog.records if "dropped the oldest" in r.getMessage()]
     assert len(drops) == 1 and "(1 so far)" in drops[0].getMessage()
+
+
+def test_an_error_the_scheduler_sends_unasked_is_the_reason_the_connection_is_lost() -> None:
+    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Acknowledges registration, then refuses the first heartbeat and hangs up, as for a dead node."""
+        await control.read_message(reader)
+        writer.write(control.encode(control.RegisterAck({1: ("127.0.0.1", 7)}, {}, 0.0)))
+        assert isinstance(await control.read_message(reader), control.Heartbeat)
+        writer.write(control.encode(control.Error("heartbeat from node 1, which was declared dead (silent)")))
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(refusing, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            client = await SchedulerClient.connect(address, 1, ("127.0.0.1", 7), timeout=T)
+            lost: list[ControlError] = []
+            client.on_lost(lost.append)
+            try:
+                await until(lambda: client.lost is not None, "connection lost")
+                assert re.fullmatch(r"scheduler 127\.0\.0\.1:\d+ refused node 1: heartbeat from node 1, which was "
+                                    r"declared dead \(silent\)", str(client.lost))
+                assert lost == [client.lost]
+            finally:
+                await client.close()
+
+    run(main())
