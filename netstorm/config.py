@@ -162,7 +162,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Options from ``NETSTORM_<NAME>`` variables; unknown ``NETSTORM_`` names that look like options fail."""
+    """Options from ``NETSTORM_<NAME>`` variables. Other ``NETSTORM_`` names are left alone: some are not
+    options (``NETSTORM_SOCKET``, ``NETSTORM_CLOCK_SKEW``, ``NETSTORM_LOCAL_RUN_DIR``, ...)."""
     out: dict[str, Any] = {}
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX):
