@@ -496,3 +496,20 @@ def test_an_error_the_scheduler_sends_unasked_is_the_reason_the_connection_is_lo
                 await client.close()
 
     run(main())
+
+
+def test_an_admin_answer_cut_off_mid_frame_names_the_scheduler_and_the_request() -> None:
+    async def cut_off(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await control.read_message(reader)
+        writer.write(control.encode(control.LayoutAck())[:-1])
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(cut_off, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            with pytest.raises(ControlError, match=r"^scheduler 127\.0\.0\.1:\d+: status_request failed: "
+                                                   r"connection closed inside a \d+-byte control frame"):
+                await admin.status(address, timeout=T)
+
+    run(main())
