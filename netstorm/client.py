@@ -29,6 +29,7 @@ import numpy as np
 from netstorm import trainer_wire as tw
 from netstorm.errors import (
     IterationError,
+    LayoutError,
     NodeGone,
     TrainerError,
     TrainerProtocolError,
@@ -144,7 +145,7 @@ class Registry:
         layout = self._need_layout()
         try:
             key = layout.key(name)
-        except Exception:
+        except LayoutError:
             raise UnknownTensor(f"unknown tensor {name!r}: init registered "
                                 f"{', '.join(layout.names()[:8])}{' ...' if len(layout.tensors) > 8 else ''}") \
                 from None
@@ -159,7 +160,7 @@ class Registry:
         layout = self._need_layout()
         try:
             return layout.key(name)
-        except Exception:
+        except LayoutError:
             raise UnknownTensor(f"unknown tensor {name!r}") from None
 
     def prepare_push(self, tensors: Mapping[str, np.ndarray]) -> tuple[tuple[str, ...], bytes]:

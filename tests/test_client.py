@@ -120,6 +120,8 @@ def test_bad_requests_get_clear_errors_and_the_connection_stays_usable(tmp_path:
             good = model(dc + 5)
             with pytest.raises(UnknownTensor, match="'nope'"):
                 kv.push_pull({**good, "nope": np.zeros(3, np.float32)})
+            with pytest.raises(UnknownTensor, match="unknown tensor 7"):
+                kv.push_pull({**good, 7: np.zeros(3, np.float32)})  # type: ignore[dict-item]
             with pytest.raises(WrongShape, match=r"'fc.bias': shape \(41,\), registered \(40,\)"):
                 kv.push("fc.bias", np.zeros(41, np.float32))
             with pytest.raises(WrongDtype, match="'emb': dtype float32, registered float16"):
