@@ -79,6 +79,9 @@ class Config:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         if self.update_rate < 0:
             raise ConfigError(f"update_rate must be >= 0, got {self.update_rate}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
+                              f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
