@@ -1,7 +1,7 @@
 """``netstorm local``: a scheduler and one node per DC on loopback, as supervised child processes.
 
-The scheduler picks its own port (``--listen 127.0.0.1:0``) and prints it; nodes get free loopback
-ports chosen here. Each child logs to ``RUN_DIR/<name>.log``. Once every node has registered and its
+The scheduler and the nodes each bind a free loopback port themselves (``--listen 127.0.0.1:0``); the
+scheduler prints its address, the nodes register theirs with it. Each child logs to ``RUN_DIR/<name>.log``. Once every node has registered and its
 trainer socket ``RUN_DIR/node-<i>.sock`` exists, one line ``READY <run-dir>`` goes to stdout so
 scripts can wait on it. SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period);
 children also get SIGTERM from the kernel if this process dies, so none is ever orphaned. A child that
@@ -17,7 +17,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Coroutine, Sequence
@@ -63,20 +62,6 @@ class Child:
         code = self.process.returncode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
         return f"{self.name} {how}; last lines of {self.log_path}:\n{self.tail()}"
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct ports free right now on ``host`` (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _die_with_parent() -> None:
@@ -137,9 +122,11 @@ class LocalCluster:
         self.scheduler_address = await self._scheduler_address(scheduler, deadline)
         address = format_address(self.scheduler_address)
         (self.run_dir / ADDRESS_FILE).write_text(address + "\n")
-        for node_id, port in zip(self.node_ids, free_ports(len(self.node_ids)), strict=True):
+        for node_id in self.node_ids:
+            # Port 0: each node binds a free port itself and registers the bound address, so no port
+            # chosen here can be taken by another process before the node binds it.
             await self._spawn(f"node-{node_id}", [
-                "node", "--id", str(node_id), "--scheduler", address, "--listen", f"127.0.0.1:{port}",
+                "node", "--id", str(node_id), "--scheduler", address, "--listen", "127.0.0.1:0",
                 "--socket", str(self.socket_path(node_id)), *self.common_args])
         await self._wait_ready(deadline)
 
