@@ -1,11 +1,12 @@
 """``netstorm local``: a scheduler and one node per DC on loopback, as supervised child processes.
 
 The scheduler and the nodes each bind a free loopback port themselves (``--listen 127.0.0.1:0``); the
-scheduler prints its address, the nodes register theirs with it. Each child logs to ``RUN_DIR/<name>.log``. Once every node has registered and its
-trainer socket ``RUN_DIR/node-<i>.sock`` exists, one line ``READY <run-dir>`` goes to stdout so
-scripts can wait on it. SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period);
-children also get SIGTERM from the kernel if this process dies, so none is ever orphaned. A child that
-dies at startup makes the whole run exit non-zero with that child's log tail.
+scheduler prints its address, the nodes register theirs with it. Each child logs to
+``RUN_DIR/<name>.log``. Once every node has registered and its trainer socket ``RUN_DIR/node-<i>.sock``
+exists, one line ``READY <run-dir>`` goes to stdout so scripts can wait on it. SIGINT/SIGTERM stop every
+child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM from the kernel if this
+process dies, so none is ever orphaned. A child that dies at startup makes the whole run exit non-zero
+with that child's log tail.
 """
 
 from __future__ import annotations
