@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import msgpack
@@ -341,27 +341,6 @@ def decode(body: bytes) -> Message:
     if extra:
         raise ControlError(f"{kind}: unknown field(s) {', '.join(extra)}")
     return cls.from_fields(data)
-
-
-class FrameDecoder:
-    """Sans-I/O frame splitter: feed bytes, iterate complete messages."""
-
-    def __init__(self, max_frame: int = MAX_CONTROL_FRAME) -> None:
-        self._buffer = bytearray()
-        self._max = max_frame
-
-    def feed(self, data: bytes) -> Iterator[Message]:
-        self._buffer += data
-        while len(self._buffer) >= LENGTH.size:
-            (length,) = LENGTH.unpack_from(self._buffer)
-            if length > self._max:
-                raise ControlError(f"control frame of {length} bytes exceeds the limit of {self._max}")
-            end = LENGTH.size + length
-            if len(self._buffer) < end:
-                return
-            body = bytes(self._buffer[LENGTH.size:end])
-            del self._buffer[:end]
-            yield decode(body)
 
 
 async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CONTROL_FRAME) -> Message | None:
