@@ -243,17 +243,21 @@ class Client:
         self.timeout = timeout
         self.registry = Registry(inline=(kind == "tcp"))
         self._broken: str | None = None
+        sock: socket.socket | None = None
         try:
             if kind == "tcp":
                 assert isinstance(where, tuple)
-                self._sock = socket.create_connection(where, timeout=timeout)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = socket.create_connection(where, timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(timeout)
-                self._sock.connect(str(where))
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                sock.connect(str(where))
         except OSError as exc:
+            if sock is not None:
+                sock.close()
             raise NodeGone(f"cannot reach the node at {where}: {exc}") from None
+        self._sock = sock
 
     # ---- I/O ----------------------------------------------------------------------------------------
 
