@@ -148,24 +148,25 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
         arrived = alive & (u == run.t)
         if arrived.any():
             done = np.flatnonzero(arrived)
-            marked: list[int] = []
-            last: list[int] = []
+            marked: list[int] = []  # every found path's edges, path after path
+            hops: list[int] = []
             step_back = pred.item  # predecessor edge of (row, node) at row * n + node
             for r, pair, src, dst in zip(done.tolist(), run.pair[done].tolist(), run.s[done].tolist(),
                                          run.t[done].tolist(), strict=True):
                 edges = names.walk_back(step_back, r * n, src, dst)
                 found[pair].append(names.path(edges))
-                offset = r * width
-                marked.extend([offset + e for e in edges])
-                last.append(edges[-1])
-            weights[marked] = np.inf
+                marked += edges
+                hops.append(len(edges))
+            ends = np.cumsum(hops)
+            last = np.array(marked)[ends - 1]
+            weights[np.repeat(done * width, hops) + marked] = np.inf
             run.out_left[done] -= 1
             run.in_left[done] -= 1
             complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
             alive[done[complete]] = False
             run.stop(done[complete])
             again = done[~complete]
-            bounds.remove(run.pair[again], np.array(last)[~complete])
+            bounds.remove(run.pair[again], last[~complete])
             run.h[again] = bounds.bounds(run.pair[again], run.t[again])
             run.restart(again)
         # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
