@@ -56,3 +56,18 @@ def test_routes_are_exactly_the_shortest_hop_routes() -> None:
 def test_bad_run_ids_are_rejected(run_id: str) -> None:
     with pytest.raises(EmulationError, match="run id"):
         build_plan(load(DATA / "emu-4.toml"), run_id)
+
+
+def test_tc_lines_use_exact_kbit_and_put_netem_under_the_htb_class() -> None:
+    from netstorm.emulation import shaping
+
+    assert shaping.setup_lines("x", 13.5) == [
+        "qdisc add dev x root handle 1: htb default 1",
+        "class add dev x parent 1: classid 1:1 htb rate 13500kbit ceil 13500kbit",
+    ]
+    assert shaping.change_line("x", 0.25 * 155) == (
+        "class change dev x parent 1: classid 1:1 htb rate 38750kbit ceil 38750kbit")
+    assert shaping.netem_line("x", 30.0, 0.0002) == (
+        "qdisc add dev x parent 1:1 handle 10: netem limit 100000 delay 30ms loss 0.02%")
+    with pytest.raises(EmulationError):
+        shaping.kbit(0)

@@ -50,7 +50,13 @@ def terminate_on_sigterm() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from netstorm.emulation import teardown
+
+    if os.geteuid() != 0:
+        print("netstorm emulate: needs root (network namespaces, veth, tc); run it as root", file=sys.stderr)
+        return 2
 
     if args.cleanup:
         report = teardown.cleanup()

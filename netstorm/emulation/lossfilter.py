@@ -36,12 +36,12 @@ def threshold(probability: float) -> int:
     return min(2**32 - 1, round(probability * 2**32))
 
 
-def netem_available() -> bool:
-    """Whether this kernel has netem (checked by asking tc for a netem qdisc on a throwaway device)."""
-    probe = subprocess.run(["tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
+def netem_available(namespace: str) -> bool:
+    """Whether this kernel has netem: ask for a netem qdisc on ``lo`` of one of the run's own namespaces."""
+    probe = subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms"],
                            capture_output=True, text=True)
     if probe.returncode == 0:
-        subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
+        subprocess.run(["tc", "-n", namespace, "qdisc", "del", "dev", "lo", "root"], capture_output=True)
         return True
     return False
 

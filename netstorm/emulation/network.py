@@ -157,13 +157,18 @@ class EmulatedNetwork:
         not_applied: dict[str, str] = {}
         latency = {lk.latency_ms for lk in self.scenario.links if lk.latency_ms > 0}
         losses = {(lk.a, lk.b): lk.loss for lk in self.scenario.links if lk.loss > 0}
-        has_netem = lossfilter.netem_available()
+        if (latency or losses) and lossfilter.netem_available(self.plan.mgmt_namespace):
+            self._apply_netem()
+            if latency:
+                applied.append(f"one-way latency {sorted(latency)} ms via netem")
+            if losses and self._want_loss:
+                applied.append(f"packet loss {sorted(set(losses.values()))} via netem")
+            elif losses:
+                not_applied["loss"] = "disabled with --no-loss"
+            return Features(tuple(applied), not_applied)
         if latency:
-            if has_netem:
-                not_applied["latency"] = "netem is present but this emulator applies loss only through tc BPF"
-            else:
-                not_applied["latency"] = (f"this kernel has no netem; the scenario's {sorted(latency)} ms one-way "
-                                          "latency was NOT applied")
+            not_applied["latency"] = (f"this kernel has no netem; the scenario's {sorted(latency)} ms one-way "
+                                      "latency was NOT applied")
         if losses:
             status = lossfilter.bcc_status()
             if not self._want_loss:
@@ -187,6 +192,16 @@ class EmulatedNetwork:
                 self.record.save()
                 applied.append(f"packet loss {sorted(set(losses.values()))} via a tc BPF filter")
         return Features(tuple(applied), not_applied)
+
+    def _apply_netem(self) -> None:
+        """Where the kernel has netem: latency and loss as a netem leaf under each direction's HTB class."""
+        per_ns: dict[str, list[str]] = {}
+        for (src, dst), iface in self.plan.interfaces.items():
+            link = self.scenario.link(src, dst)
+            per_ns.setdefault(iface.namespace, []).append(
+                shaping.netem_line(iface.name, link.latency_ms, link.loss if self._want_loss else 0.0))
+        for ns, lines in per_ns.items():
+            netns.tc_batch(lines, namespace=ns, what=f"add netem latency/loss in {ns}")
 
     # running ------------------------------------------------------------------------------------
 

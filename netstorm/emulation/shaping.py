@@ -35,6 +35,13 @@ def change_line(device: str, mbit: float) -> str:
     return f"class change dev {device} parent 1: classid 1:1 htb rate {rate}kbit ceil {rate}kbit"
 
 
+def netem_line(device: str, latency_ms: float, loss: float) -> str:
+    """A tc batch line adding netem (one-way delay, loss probability) under ``device``'s HTB class."""
+    limit = 100_000  # packets: netem's default 1000 would drop at delay x rate beyond ~1.5 MB in flight
+    return (f"qdisc add dev {device} parent 1:1 handle 10: netem limit {limit} delay {latency_ms:g}ms "
+            f"loss {loss * 100:g}%")
+
+
 def read_rate_mbit(namespace: str, device: str) -> float:
     """The rate HTB currently enforces on ``device`` (read back from the kernel), in Mbit/s."""
     out = run(["tc", "-n", namespace, "class", "show", "dev", device], what=f"read HTB class of {device}")
