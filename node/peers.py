@@ -35,6 +35,7 @@ from netstorm.frames import (
     decode_header,
     decode_prefix,
 )
+from node import linkstats
 
 log = logging.getLogger("netstorm.node.peers")
 
@@ -262,6 +263,13 @@ class PeerLink:
         self.sent_frames = 0
         self.sent_bytes = 0
         self.protocol: OutboundProtocol | None = None
+
+    def counters(self) -> linkstats.LinkCounters | None:
+        """The kernel's cumulative counters of this link's connection (None before it is open)."""
+        transport = self.protocol.transport if self.protocol is not None else None
+        if transport is None:
+            return None
+        return linkstats.read(transport.get_extra_info("socket"))
 
     def enqueue(self, item: Outgoing) -> None:
         self._queue.append(item)

@@ -236,7 +236,7 @@ class SystemRun:
         for dc in net.plan.node_ids:
             out = self._logfile(f"node-{dc}")
             self.services[f"node-{dc}"] = net.spawn(dc, self._python(
-                "-m", "netstorm.cli", "node", "--id", str(dc), "--scheduler", scheduler,
+                "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
                 *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
         for dc in net.plan.node_ids:
