@@ -235,3 +235,14 @@ def test_plan_command_shows_packed_and_paper_fapt(capsys):
     assert main(["plan", "internet2-9"]) == 0
     text = capsys.readouterr().out
     assert "fapt: LP tree packing" in text and "  fapt-paper " in text
+
+
+def test_bench_packing_prints_bulk_against_the_limit(capsys):
+    from netstorm.cli import main
+
+    assert main(["bench", "packing", "--sizes", "12", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["12"]]
+    assert len(rows) == 1
+    paper, packed, optimum = (float(x) for x in rows[0][-3:])
+    # Never below the limit; the packing never loads its busiest link more than Algorithm 2 does.
+    assert 1 - 1e-9 <= optimum <= packed <= paper * (1 + 1e-9)
