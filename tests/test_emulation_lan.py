@@ -135,3 +135,23 @@ def test_an_emulated_run_with_lan_workers_is_exact_in_xdp_and_leaves_nothing_beh
         if str(run_dir).encode() in cmdline:
             leftovers.append(pid)
     assert leftovers == []
+
+
+def test_demo_lan_workers_reach_every_dc_of_the_emulated_scenario() -> None:
+    import argparse
+
+    from netstorm.commands import demo, emulate
+    from netstorm.emulation.runner import options_from_args
+
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    argv = demo.emulate_argv(parser.parse_args(["--lan-workers", "2", "--edge-mode", "userspace"]))
+    eparser = argparse.ArgumentParser()
+    emulate.add_arguments(eparser)
+    opts = options_from_args(eparser.parse_args(argv))
+    assert (opts.lan_workers, opts.edge_mode) == (2, "userspace")
+    scenario = with_lan_workers(load(opts.scenario), opts.lan_workers)
+    assert {dc.id: dc.lan_workers for dc in scenario.nodes} == {i: 2 for i in range(1, 10)}
+    assert {dc.lan_workers for dc in with_lan_workers(load(LAN), None).nodes} == {0, 2}
+    with pytest.raises(EmulationError, match="--lan-workers must be >= 0"):
+        with_lan_workers(scenario, -1)

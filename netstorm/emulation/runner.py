@@ -110,8 +110,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
     lan_workers = getattr(args, "lan_workers", None)
-    if lan_workers is not None and lan_workers < 0:
-        raise EmulationError(f"--lan-workers must be >= 0, got {lan_workers}")
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    _config_flags(args), args.run_dir, lan_workers=lan_workers,
@@ -128,6 +126,8 @@ def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
     """``scenario`` with ``workers`` LAN workers behind every DC (None keeps the scenario's own)."""
     if workers is None:
         return scenario
+    if workers < 0:
+        raise EmulationError(f"--lan-workers must be >= 0, got {workers}")
     nodes = tuple(dataclasses.replace(dc, lan_workers=workers) for dc in scenario.nodes)
     return dataclasses.replace(scenario, nodes=nodes)
 
