@@ -121,6 +121,7 @@ def test_an_emulated_run_with_lan_workers_is_exact_in_xdp_and_leaves_nothing_beh
     assert all(r["exact"] and r["workers"] == 4 and r["iteration"] == k
                for recs in seen.values() for k, r in enumerate(recs))
     assert "LAN aggregation: DC 2 xdp" in proc.stderr
+    assert f"LAN workers per DC: DC 2: 2; gateway aggregation: netstorm DC 2 {mode}" in proc.stdout
     # teardown: no namespace, interface or process of this run is left
     run_id = result["run_id"]
     assert not [n for n in netns.list_namespaces() if run_id in n]
@@ -155,3 +156,15 @@ def test_demo_lan_workers_reach_every_dc_of_the_emulated_scenario() -> None:
     assert {dc.lan_workers for dc in with_lan_workers(load(LAN), None).nodes} == {0, 2}
     with pytest.raises(EmulationError, match="--lan-workers must be >= 0"):
         with_lan_workers(scenario, -1)
+
+
+def test_the_gateway_mode_and_the_reason_for_a_fallback_come_from_the_node_log() -> None:
+    from netstorm.emulation.runner import edge_mode_of
+
+    xdp = ("2026 INFO netstorm.edge: edge: gateway for 2 LAN workers on 10.103.1.1:9700, xdp (native) "
+           "aggregation, 556 slots (0.8 MB)\n")
+    assert edge_mode_of("node 2 serving\n" + xdp) == "xdp (native)"
+    fallback = ("2026 WARNING netstorm.edge: edge: XDP unavailable (cannot load: bpf_prog_load\n  EPERM); "
+                "aggregating in userspace\n" + xdp.replace("xdp (native)", "userspace"))
+    assert edge_mode_of(fallback) == "userspace (XDP unavailable: cannot load: bpf_prog_load EPERM)"
+    assert edge_mode_of("node 2 serving\n") == "not started"

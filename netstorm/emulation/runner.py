@@ -267,9 +267,7 @@ class SystemRun:
         out: dict[str, str] = {}
         for dc in self.net.plan.lans:
             path = self.dir / f"node-{dc}.log"
-            text = path.read_text(errors="replace") if path.exists() else ""
-            m = _EDGE_MODE_RE.search(text)
-            out[str(dc)] = m.group(1) if m else "not started"
+            out[str(dc)] = edge_mode_of(path.read_text(errors="replace") if path.exists() else "")
         return out
 
     def _start_gloo(self) -> None:
@@ -410,6 +408,15 @@ class SystemRun:
 _BOUND_RE = re.compile(r"iteration (\d+) bound to policy version (\d+)")
 _POLICY_RE = re.compile(r"policy version (\d+) \((.*?)\): roots (\[.*?\])")
 _EDGE_MODE_RE = re.compile(r"edge: gateway for \d+ LAN workers on \S+ (.+?) aggregation")
+_EDGE_FALLBACK_RE = re.compile(r"edge: XDP unavailable \((.{0,400}?)\); aggregating in userspace", re.S)
+
+
+def edge_mode_of(node_log: str) -> str:
+    """A gateway node's aggregation mode from its log, with the reason when XDP fell back to userspace."""
+    m = _EDGE_MODE_RE.search(node_log)
+    mode = m.group(1) if m else "not started"
+    why = _EDGE_FALLBACK_RE.search(node_log)
+    return f"{mode} (XDP unavailable: {' '.join(why.group(1).split())})" if why else mode
 
 
 class Progress:
