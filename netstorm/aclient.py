@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from netstorm import trainer_wire as tw
-from netstorm.client import DEFAULT_TIMEOUT, Registry, raise_for, resolve_address
+from netstorm.client import DEFAULT_TIMEOUT, Registry, raise_for, release_init, resolve_address
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout
 
 
@@ -29,7 +29,6 @@ class AsyncClient:
         self.address = address
         self.timeout = timeout
         self.registry = Registry(inline=inline)
-        self.iteration = -1
         self._broken: str | None = None
 
     async def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
@@ -61,6 +60,10 @@ class AsyncClient:
                 self._broken = str(exc)
                 self._writer.close()
                 raise
+            except BaseException:  # cancelled mid-request: its reply would be read as the next request's
+                self._broken = f"{context}: cancelled before the node answered"
+                self._writer.close()
+                raise
         raise_for(reply, expected, context)
         return reply, data
 
@@ -69,14 +72,8 @@ class AsyncClient:
         try:
             reply, data = await self._call(request, payload, tw.InitReply, "init")
         finally:
-            if path:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        assert isinstance(reply, tw.InitReply)
-        self.registry.num_workers = reply.num_workers
-        self.registry.node_id = reply.node_id
-        self.iteration = reply.iteration
-        return self.registry.results(list(tensors), data)
+            release_init(path)
+        return self.registry.accept_init(reply, list(tensors), data)
 
     @property
     def num_workers(self) -> int:
@@ -86,14 +83,15 @@ class AsyncClient:
     def node_id(self) -> int:
         return self.registry.node_id
 
+    @property
+    def iteration(self) -> int:
+        return self.registry.iteration
+
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = await self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
-        assert isinstance(reply, tw.PullReply)
-        self.iteration = reply.iteration
-        self.registry.num_workers = reply.workers
-        return self.registry.results(names, data)
+        return self.registry.accept_result(reply, names, data)
 
     async def push(self, name: str, value: np.ndarray) -> None:
         names, payload = self.registry.prepare_push({name: value})
@@ -102,10 +100,7 @@ class AsyncClient:
     async def pull(self, name: str, average: bool = False) -> np.ndarray:
         self.registry.key(name)
         reply, data = await self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
-        assert isinstance(reply, tw.PullReply)
-        self.iteration = max(self.iteration, reply.iteration)
-        self.registry.num_workers = reply.workers
-        return self.registry.results((name,), data)[name]
+        return self.registry.accept_result(reply, (name,), data)[name]
 
     async def close(self) -> None:
         self._writer.close()

@@ -29,6 +29,7 @@ import numpy as np
 from netstorm import trainer_wire as tw
 from netstorm.errors import (
     IterationError,
+    LayoutError,
     NodeGone,
     TrainerError,
     TrainerProtocolError,
@@ -81,6 +82,8 @@ class Registry:
         self._mmap: mmap.mmap | None = None
         self.num_workers = 0
         self.node_id = -1
+        self.iteration = -1
+        """The newest iteration the node has reported to this trainer (-1 before init)."""
 
     def close(self) -> None:
         self.shm = None
@@ -108,8 +111,13 @@ class Registry:
             return tw.InitRequest(request_tensors, ""), payload, ""
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
-        for key, spec in enumerate(layout.tensors):
-            np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name], casting="same_kind")
+        try:
+            for key, spec in enumerate(layout.tensors):
+                np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name],
+                          casting="same_kind")
+        except BaseException:
+            release_init(path)
+            raise
         return tw.InitRequest(request_tensors, path), b"", path
 
     def _create_shm(self, size: int) -> str:
@@ -137,7 +145,7 @@ class Registry:
         layout = self._need_layout()
         try:
             key = layout.key(name)
-        except Exception:
+        except LayoutError:
             raise UnknownTensor(f"unknown tensor {name!r}: init registered "
                                 f"{', '.join(layout.names()[:8])}{' ...' if len(layout.tensors) > 8 else ''}") \
                 from None
@@ -152,7 +160,7 @@ class Registry:
         layout = self._need_layout()
         try:
             return layout.key(name)
-        except Exception:
+        except LayoutError:
             raise UnknownTensor(f"unknown tensor {name!r}") from None
 
     def prepare_push(self, tensors: Mapping[str, np.ndarray]) -> tuple[tuple[str, ...], bytes]:
@@ -188,11 +196,33 @@ class Registry:
             raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
         return out
 
+    def accept_init(self, reply: tw.Message, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+        """Take the node's InitReply: who and where we are, and the agreed initial values."""
+        assert isinstance(reply, tw.InitReply)
+        self.num_workers = reply.num_workers
+        self.node_id = reply.node_id
+        self.iteration = reply.iteration
+        return self.results(names, payload)
+
+    def accept_result(self, reply: tw.Message, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+        """Take a PullReply: the sums of ``names``, and how many contributed to them."""
+        assert isinstance(reply, tw.PullReply)
+        self.iteration = max(self.iteration, reply.iteration)
+        self.num_workers = reply.workers
+        return self.results(names, payload)
+
     def payload_len(self, names: Sequence[str]) -> int:
         if not self.inline:
             return 0
         layout = self._need_layout()
         return 4 * sum(layout.tensors[self.key(n)].size for n in names)
+
+
+def release_init(path: str) -> None:
+    """Remove an init's shared-memory file (the node has mapped it, or the init failed)."""
+    if path:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def raise_for(reply: tw.Message, expected: type[tw.Message], context: str) -> None:
@@ -210,7 +240,6 @@ class Client:
         self.address = where
         self.timeout = timeout
         self.registry = Registry(inline=(kind == "tcp"))
-        self.iteration = -1
         self._broken: str | None = None
         try:
             if kind == "tcp":
@@ -262,9 +291,10 @@ class Client:
                                                        max_payload=1 << 40)
             reply = tw.decode(self._recv_exactly(header_len, context))
             data = self._recv_exactly(payload_len, context) if payload_len else b""
-        except TrainerError as exc:
-            # A reply may still be on its way: later requests would read it as theirs. Start over instead.
-            self._broken = str(exc)
+        except BaseException as exc:
+            # A reply may still be on its way (also after Ctrl-C mid-request): later requests would read it
+            # as theirs. Start over instead.
+            self._broken = str(exc) if isinstance(exc, TrainerError) else f"{context}: {type(exc).__name__}"
             with contextlib.suppress(OSError):
                 self._sock.close()
             raise
@@ -279,14 +309,8 @@ class Client:
         try:
             reply, data = self._call(request, payload, tw.InitReply, "init")
         finally:
-            if path:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-        assert isinstance(reply, tw.InitReply)
-        self.registry.num_workers = reply.num_workers
-        self.registry.node_id = reply.node_id
-        self.iteration = reply.iteration
-        return self.registry.results(list(tensors), data)
+            release_init(path)
+        return self.registry.accept_init(reply, list(tensors), data)
 
     @property
     def num_workers(self) -> int:
@@ -297,15 +321,17 @@ class Client:
     def node_id(self) -> int:
         return self.registry.node_id
 
+    @property
+    def iteration(self) -> int:
+        """The newest iteration the node has reported (-1 before init)."""
+        return self.registry.iteration
+
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         """One synchronous iteration: the sum (or mean) over DCs of every tensor given."""
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
-        assert isinstance(reply, tw.PullReply)
-        self.iteration = reply.iteration
-        self.registry.num_workers = reply.workers
-        return self.registry.results(names, data)
+        return self.registry.accept_result(reply, names, data)
 
     def push(self, name: str, value: np.ndarray) -> None:
         """This DC's value of one tensor for its next iteration (returns once the node has it)."""
@@ -316,10 +342,7 @@ class Client:
         """The sum (or mean) of one tensor from its oldest iteration not yet pulled."""
         self.registry.key(name)
         reply, data = self._call(tw.PullRequest((name,), average), b"", tw.PullReply, f"pull of {name!r}")
-        assert isinstance(reply, tw.PullReply)
-        self.iteration = max(self.iteration, reply.iteration)
-        self.registry.num_workers = reply.workers
-        return self.registry.results((name,), data)[name]
+        return self.registry.accept_result(reply, (name,), data)[name]
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

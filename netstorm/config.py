@@ -79,6 +79,9 @@ class Config:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         if self.update_rate < 0:
             raise ConfigError(f"update_rate must be >= 0, got {self.update_rate}")
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
+                              f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
@@ -162,7 +165,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
 
 
 def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Options from ``NETSTORM_<NAME>`` variables; unknown ``NETSTORM_`` names that look like options fail."""
+    """Options from ``NETSTORM_<NAME>`` variables. Other ``NETSTORM_`` names are left alone: some are not
+    options (``NETSTORM_SOCKET``, ``NETSTORM_CLOCK_SKEW``, ``NETSTORM_LOCAL_RUN_DIR``, ...)."""
     out: dict[str, Any] = {}
     for key, value in environ.items():
         if not key.startswith(ENV_PREFIX):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import msgpack
@@ -343,27 +343,6 @@ def decode(body: bytes) -> Message:
     return cls.from_fields(data)
 
 
-class FrameDecoder:
-    """Sans-I/O frame splitter: feed bytes, iterate complete messages."""
-
-    def __init__(self, max_frame: int = MAX_CONTROL_FRAME) -> None:
-        self._buffer = bytearray()
-        self._max = max_frame
-
-    def feed(self, data: bytes) -> Iterator[Message]:
-        self._buffer += data
-        while len(self._buffer) >= LENGTH.size:
-            (length,) = LENGTH.unpack_from(self._buffer)
-            if length > self._max:
-                raise ControlError(f"control frame of {length} bytes exceeds the limit of {self._max}")
-            end = LENGTH.size + length
-            if len(self._buffer) < end:
-                return
-            body = bytes(self._buffer[LENGTH.size:end])
-            del self._buffer[:end]
-            yield decode(body)
-
-
 async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CONTROL_FRAME) -> Message | None:
     """The next message, or None at a clean end of stream between frames."""
     try:
@@ -382,18 +361,18 @@ async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CON
     return decode(body)
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port), with a clear error."""
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) -> (host, port); the error names ``what`` (e.g. the flag)."""
     host, sep, port_text = text.rpartition(":")
     if not sep or not host:
-        raise ControlError(f"expected HOST:PORT, got {text!r}")
+        raise ControlError(f"{what}: expected HOST:PORT, got {text!r}")
     host = host.strip("[]")
     try:
         port = int(port_text)
     except ValueError:
-        raise ControlError(f"expected HOST:PORT with a numeric port, got {text!r}") from None
+        raise ControlError(f"{what}: expected HOST:PORT with a numeric port, got {text!r}") from None
     if not 0 <= port < 65536:
-        raise ControlError(f"port out of range in {text!r}")
+        raise ControlError(f"{what}: port out of range in {text!r}")
     return host, port
 
 

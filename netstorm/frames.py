@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import struct
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -211,6 +212,8 @@ class ChunkHeader:
         except ValueError:
             raise FrameError(f"Chunk header: unknown phase {ints['phase']}") from None
         t_send = _field(obj, "t_send", (float, int), "Chunk")
+        if isinstance(t_send, bool) or not math.isfinite(t_send):
+            raise FrameError(f"Chunk header: t_send must be a finite time, got {t_send!r}")
         is_aux = _field(obj, "aux", bool, "Chunk")
         raw_path = _field(obj, "path", list, "Chunk")
         if any(isinstance(p, bool) or not isinstance(p, int) for p in raw_path):

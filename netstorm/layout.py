@@ -147,6 +147,8 @@ class Layout:
 
     def key(self, name: str) -> int:
         """Index of tensor ``name``; LayoutError naming it when unknown."""
+        if not isinstance(name, str):
+            raise LayoutError(f"unknown tensor {name!r}: tensor names are strings")
         lo, hi = 0, len(self.tensors)
         while lo < hi:
             mid = (lo + hi) // 2

@@ -1,11 +1,12 @@
 """``netstorm local``: a scheduler and one node per DC on loopback, as supervised child processes.
 
-The scheduler picks its own port (``--listen 127.0.0.1:0``) and prints it; nodes get free loopback
-ports chosen here. Each child logs to ``RUN_DIR/<name>.log``. Once every node has registered and its
-trainer socket ``RUN_DIR/node-<i>.sock`` exists, one line ``READY <run-dir>`` goes to stdout so
-scripts can wait on it. SIGINT/SIGTERM stop every child (SIGTERM, then SIGKILL after a grace period);
-children also get SIGTERM from the kernel if this process dies, so none is ever orphaned. A child that
-dies at startup makes the whole run exit non-zero with that child's log tail.
+The scheduler and the nodes each bind a free loopback port themselves (``--listen 127.0.0.1:0``); the
+scheduler prints its address, the nodes register theirs with it. Each child logs to
+``RUN_DIR/<name>.log``. Once every node has registered and its trainer socket ``RUN_DIR/node-<i>.sock``
+exists, one line ``READY <run-dir>`` goes to stdout so scripts can wait on it. SIGINT/SIGTERM stop every
+child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM from the kernel if this
+process dies, so none is ever orphaned. A child that dies at startup makes the whole run exit non-zero
+with that child's log tail.
 """
 
 from __future__ import annotations
@@ -17,17 +18,18 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 from netstorm.control import ControlError, format_address, parse_address
 from netstorm.errors import NetStormError
 from scheduler import admin
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 GRACE_S = 5.0
 """Seconds a child gets to exit after SIGTERM before SIGKILL."""
@@ -61,20 +63,6 @@ class Child:
         code = self.process.returncode
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
         return f"{self.name} {how}; last lines of {self.log_path}:\n{self.tail()}"
-
-
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Distinct ports free right now on ``host`` (held open together so they differ)."""
-    sockets = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            sockets.append(s)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def _die_with_parent() -> None:
@@ -135,9 +123,11 @@ class LocalCluster:
         self.scheduler_address = await self._scheduler_address(scheduler, deadline)
         address = format_address(self.scheduler_address)
         (self.run_dir / ADDRESS_FILE).write_text(address + "\n")
-        for node_id, port in zip(self.node_ids, free_ports(len(self.node_ids)), strict=True):
+        for node_id in self.node_ids:
+            # Port 0: each node binds a free port itself and registers the bound address, so no port
+            # chosen here can be taken by another process before the node binds it.
             await self._spawn(f"node-{node_id}", [
-                "node", "--id", str(node_id), "--scheduler", address, "--listen", f"127.0.0.1:{port}",
+                "node", "--id", str(node_id), "--scheduler", address, "--listen", "127.0.0.1:0",
                 "--socket", str(self.socket_path(node_id)), *self.common_args])
         await self._wait_ready(deadline)
 
@@ -241,33 +231,36 @@ async def run_local(cluster: LocalCluster) -> int:
             print(f"netstorm local: error: {exc}", file=sys.stderr, flush=True)
         rc = 1
     finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await cluster.stop()
+        try:
+            await cluster.stop()  # a second Ctrl-C meanwhile only sets the event again: no half-done stop
+        finally:
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(signum)
     return rc
+
+
+async def _unless_stopped(work: Coroutine[Any, Any, T], stop: asyncio.Event) -> asyncio.Task[T] | None:
+    """Run ``work`` until it ends or ``stop`` is set: its finished task, or None (it was cancelled)."""
+    async with asyncio.TaskGroup() as tasks:
+        working = tasks.create_task(work)
+        stopping = tasks.create_task(stop.wait())
+        await asyncio.wait({working, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if stop.is_set():
+            working.cancel()
+            return None
+        stopping.cancel()
+    return working
 
 
 async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
     """Returns when asked to stop; raises LocalError when a child fails."""
-    async with asyncio.TaskGroup() as tasks:
-        starting = tasks.create_task(cluster.start())
-        stopping = tasks.create_task(stop.wait())
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            starting.cancel()
-            return
-        stopping.cancel()
+    if await _unless_stopped(cluster.start(), stop) is None:
+        return
     assert cluster.scheduler_address is not None
     print(f"scheduler: {format_address(cluster.scheduler_address)} (logs in {cluster.run_dir})")
     for node_id in cluster.node_ids:
         print(f"node {node_id}: trainers connect with netstorm.connect({str(cluster.socket_path(node_id))!r})")
     print(f"READY {cluster.run_dir}", flush=True)
-    async with asyncio.TaskGroup() as tasks:
-        exited = tasks.create_task(cluster.wait_any_exit())
-        stopping = tasks.create_task(stop.wait())
-        await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if stop.is_set():
-            exited.cancel()
-            return
-        stopping.cancel()
-    raise LocalError(f"a child died: {exited.result().describe_exit()}")
+    exited = await _unless_stopped(cluster.wait_any_exit(), stop)
+    if exited is not None:
+        raise LocalError(f"a child died: {exited.result().describe_exit()}")

@@ -46,7 +46,7 @@ class PathScheduler:
 
     @property
     def in_flight(self) -> Mapping[Path, int]:
-        """Chunks chosen and not yet done, per path (a read-only view)."""
+        """Chunks chosen and not yet done, per path (a copy)."""
         return dict(self._in_flight)
 
     def choose(self) -> Path:

@@ -181,6 +181,10 @@ Message = InitRequest | InitReply | PushRequest | PushReply | PullRequest | Push
 TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
     InitRequest, InitReply, PushRequest, PushReply, PullRequest, PushPullRequest, PullReply, ErrorReply)}
 
+FIELDS: dict[type[Message], frozenset[str]] = {
+    cls: frozenset({"v", "type", *(f.name for f in dataclasses.fields(cls))}) for cls in TYPES.values()}
+"""The keys a header of each type may hold; decoding refuses any other."""
+
 
 def encode(message: Message, payload_len: int = 0) -> bytes:
     """Prefix and header; ``payload_len`` raw bytes follow."""
@@ -207,7 +211,11 @@ def decode(data: bytes) -> Message:
         raise TrainerProtocolError("message must be a map")
     if obj.get("v") != VERSION:
         raise TrainerProtocolError(f"message version {obj.get('v')!r}, this side speaks {VERSION}")
-    kind = TYPES.get(obj.get("type"))  # type: ignore[arg-type]
+    name = obj.get("type")
+    kind = TYPES.get(name) if isinstance(name, str) else None
     if kind is None:
-        raise TrainerProtocolError(f"unknown message type {obj.get('type')!r}")
+        raise TrainerProtocolError(f"unknown message type {name!r}")
+    unknown = sorted(str(k) for k in obj if k not in FIELDS[kind])
+    if unknown:
+        raise TrainerProtocolError(f"{name}: unknown field(s) {', '.join(unknown)}")
     return kind.from_fields(obj)

@@ -90,15 +90,17 @@ class SchedulerClient:
                 writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1])))
                 await writer.drain()
                 reply = await control.read_message(reader)
-        except TimeoutError:
+        except BaseException as exc:  # the connection must not outlive a failed registration
             if writer is not None:
                 writer.close()
-            raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
-                                 "(are all expected nodes started?)") from None
-        except OSError as exc:
-            if writer is not None:
-                writer.close()
-            raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
+            if isinstance(exc, TimeoutError) and not isinstance(exc, ControlError):
+                raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
+                                     "(are all expected nodes started?)") from None
+            if isinstance(exc, OSError):
+                raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
+            if isinstance(exc, ControlError):
+                raise ControlError(f"{name}: registration of node {node_id}: {exc}") from None
+            raise
         if not isinstance(reply, control.RegisterAck):
             writer.close()
             if isinstance(reply, control.Error):
@@ -186,6 +188,9 @@ class SchedulerClient:
     def report_link(self, report: LinkSample) -> None:
         """Queue a link report for the scheduler; never blocks (the oldest report is dropped when full)."""
         if len(self._reports) == self._reports.maxlen:
+            if self.dropped_reports % REPORT_QUEUE == 0:  # said, but not once per report
+                log.warning("node %d: %s is not taking link reports fast enough; dropped the oldest "
+                            "(%d so far)", self.node_id, self._name, self.dropped_reports + 1)
             self.dropped_reports += 1
         self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples))
         self._reports_ready.set()
@@ -273,13 +278,16 @@ class SchedulerClient:
                 if isinstance(message, control.MemberDown):
                     self._member_down(message)
                     continue
-                while self._pending:
-                    waiter = self._pending.popleft()
-                    if not waiter.done():  # a waiter that timed out is skipped, keeping the order
-                        waiter.set_result(message)
-                        break
-                else:
+                if not self._pending:
+                    if isinstance(message, control.Error):  # e.g. a refused heartbeat, before it hangs up
+                        raise ControlError(f"{self._name} refused node {self.node_id}: {message.message}")
                     raise ControlError(f"{self._name} sent an unrequested {message.TYPE}")
+                # Replies come in request order, so this one answers the oldest request written, even
+                # if that request has timed out meanwhile: its late answer is dropped, never handed to
+                # the next request.
+                waiter = self._pending.popleft()
+                if not waiter.done():
+                    waiter.set_result(message)
         except (ControlError, ConnectionError, OSError) as exc:
             error = exc if isinstance(exc, ControlError) else ControlError(f"{self._name}: connection lost: {exc}")
             self._connection_lost(error)

@@ -27,7 +27,7 @@ async def request(address: tuple[str, int], message: control.Message, *, timeout
             reply = await control.read_message(reader)
     except TimeoutError:
         raise ControlTimeout(f"{name}: no answer to {message.TYPE} within {timeout} s") from None
-    except OSError as exc:
+    except (OSError, ControlError) as exc:  # a refused connection, or a garbled or cut-off answer
         raise ControlError(f"{name}: {message.TYPE} failed: {exc}") from None
     finally:
         if writer is not None:

@@ -360,11 +360,14 @@ class SchedulerService:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.config.update_time):
                     await self._replan_wanted.wait()
-            membership_change = self._replan_wanted.is_set()
+            woken = self._replan_wanted.is_set()
             self._replan_wanted.clear()
             self.cycles += 1
             if not self.complete.is_set():
                 continue
+            # Derived, not only signalled: a member that died while the job was starting woke this loop
+            # before there was a policy to change, and that wake-up is gone.
+            membership_change = woken or self._policy_has_dead_members()
             if not membership_change and not self.config.enable_awareness:
                 continue
             if len(self.membership.alive) < 2:
@@ -376,6 +379,13 @@ class SchedulerService:
                 await self.replan(rates, force=False, reason="node down" if membership_change else "periodic update")
             except PlanningError as exc:
                 log.error("re-plan failed, keeping policy %s: %s", self.consistency.current_version, exc)
+
+    def _policy_has_dead_members(self) -> bool:
+        current = self.consistency.current_version
+        if current is None:
+            return False
+        policy: Any = self.consistency.policy(current)
+        return not set(self.membership.alive).issuperset(policy.nodes)
 
     async def replan(self, rates: Rates, *, force: bool, reason: str) -> int:
         """Plan from ``rates`` over the live nodes and publish it if it is new; the current version after."""

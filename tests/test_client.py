@@ -120,6 +120,8 @@ def test_bad_requests_get_clear_errors_and_the_connection_stays_usable(tmp_path:
             good = model(dc + 5)
             with pytest.raises(UnknownTensor, match="'nope'"):
                 kv.push_pull({**good, "nope": np.zeros(3, np.float32)})
+            with pytest.raises(UnknownTensor, match="unknown tensor 7"):
+                kv.push_pull({**good, 7: np.zeros(3, np.float32)})  # type: ignore[dict-item]
             with pytest.raises(WrongShape, match=r"'fc.bias': shape \(41,\), registered \(40,\)"):
                 kv.push("fc.bias", np.zeros(41, np.float32))
             with pytest.raises(WrongDtype, match="'emb': dtype float32, registered float16"):
@@ -152,6 +154,22 @@ def test_timeouts_and_missing_nodes(tmp_path: Path):
 
     async def body(addresses: dict[int, str]) -> None:
         await asyncio.to_thread(lonely, addresses[1])
+
+    run_cluster(tmp_path, body)
+
+
+def test_an_async_request_cancelled_mid_flight_leaves_the_connection_refusing_further_use(tmp_path: Path):
+    async def body(addresses: dict[int, str]) -> None:
+        akv = await netstorm.aconnect(addresses[1], timeout=30.0)
+        try:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.5):
+                    await akv.init(model(1))  # the other DCs never call init: cancelled while waiting
+            # The node's late answer would be read as the next request's: the connection refuses instead.
+            with pytest.raises(NodeGone, match="unusable after: init: cancelled before the node answered"):
+                await akv.init(model(1))
+        finally:
+            await akv.close()
 
     run_cluster(tmp_path, body)
 
@@ -199,3 +217,19 @@ def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the
         await asyncio.to_thread(lonely, addresses[2])
 
     run_cluster(tmp_path, body, CONFIG.replace(iteration_timeout=1.0))
+
+
+def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypatch: pytest.MonkeyPatch):
+    from netstorm.client import Registry
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    before = shm_files()
+    registry = Registry(inline=False)
+    monkeypatch.setattr(np, "copyto", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        registry.prepare_init(model(1))
+    monkeypatch.undo()
+    registry.close()
+    assert shm_files() == before

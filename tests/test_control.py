@@ -11,7 +11,6 @@ from netstorm import control
 from netstorm.control import (
     ControlError,
     Error,
-    FrameDecoder,
     Heartbeat,
     LayoutAck,
     LayoutCheck,
@@ -112,19 +111,33 @@ def test_garbage_bytes_are_rejected() -> None:
         decode(b"\xc1\xff\x00garbage")
 
 
-def test_frame_decoder_splits_a_stream_fed_byte_by_byte() -> None:
-    stream = b"".join(encode(m) for m in SAMPLES)
-    decoder = FrameDecoder()
-    out: list[control.Message] = []
-    for i in range(len(stream)):
-        out.extend(decoder.feed(stream[i:i + 1]))
-    assert out == SAMPLES
+def test_read_message_takes_a_stream_split_anywhere() -> None:
+    async def main() -> list[control.Message | None]:
+        stream = b"".join(encode(m) for m in SAMPLES)
+        reader = asyncio.StreamReader()
+
+        async def feed() -> None:
+            for i in range(len(stream)):
+                reader.feed_data(stream[i:i + 1])
+                await asyncio.sleep(0)  # let the reader see each byte on its own
+            reader.feed_eof()
+
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(feed())
+            out = [await control.read_message(reader) for _ in range(len(SAMPLES) + 1)]
+        return out
+
+    assert asyncio.run(main()) == [*SAMPLES, None]
 
 
-def test_frame_decoder_refuses_oversized_frames_before_buffering_them() -> None:
-    decoder = FrameDecoder(max_frame=100)
-    with pytest.raises(ControlError, match="exceeds the limit of 100"):
-        list(decoder.feed(control.LENGTH.pack(101) + b"x" * 10))
+def test_read_message_refuses_oversized_frames_before_buffering_them() -> None:
+    async def main() -> None:
+        reader = asyncio.StreamReader()
+        reader.feed_data(control.LENGTH.pack(101) + b"x" * 10)  # the rest never comes
+        with pytest.raises(ControlError, match="exceeds the limit of 100"):
+            await control.read_message(reader, max_frame=100)
+
+    asyncio.run(main())
 
 
 def test_read_message_from_a_stream() -> None:
@@ -152,5 +165,5 @@ def test_parse_address(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["localhost", ":80", "h:x", "h:70000"])
 def test_parse_address_rejects(text: str) -> None:
-    with pytest.raises(ControlError):
-        control.parse_address(text)
+    with pytest.raises(ControlError, match=f"^--listen: .*{text!r}"):
+        control.parse_address(text, "--listen")

@@ -81,6 +81,9 @@ def test_header_rejections():
         "does not join": body({**good, "path": [5, 2]}),
         "visits a node twice": body({**good, "path": [4, 5, 4, 2]}),
         "needs 44 payload bytes, prefix says 40": body({**good, "count": 11}),
+        "t_send must be a finite time, got nan": body({**good, "t_send": float("nan")}),
+        "t_send must be a finite time, got inf": body({**good, "t_send": float("inf")}),
+        "t_send must be a finite time, got True": body({**good, "t_send": True}),
     }
     for message, data in cases.items():
         with pytest.raises(FrameError, match=message):

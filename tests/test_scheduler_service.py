@@ -14,8 +14,9 @@ from netstorm import control, scenario
 from netstorm.config import Config
 from netstorm.control import ControlError, LayoutMismatch
 from netstorm.errors import ConfigError
+from netstorm.policy import Policy
 from netstorm.probe import LinkReport
-from node.control_client import SchedulerClient
+from node.control_client import REPORT_QUEUE, SchedulerClient
 from scheduler import admin
 from scheduler.service import SchedulerService
 
@@ -188,6 +189,7 @@ def test_closed_connection_is_death_and_the_next_policy_excludes_the_node() -> N
 def test_silent_member_is_declared_dead_after_the_heartbeat_timeout() -> None:
     async def main() -> None:
         async with scheduler(nodes=(1, 2)) as service:
+            started = asyncio.get_running_loop().time()  # before the membership completes: a lower bound
             reader, writer = await asyncio.open_connection(*addr(service))
             writer.write(control.encode(control.Register(2, "127.0.0.1", 9)))
             one = await SchedulerClient.connect(addr(service), 1, ("127.0.0.1", 8), timeout=T)
@@ -195,13 +197,16 @@ def test_silent_member_is_declared_dead_after_the_heartbeat_timeout() -> None:
             downs: list[tuple[int, str]] = []
             one.on_member_down(lambda node, reason: downs.append((node, reason)))
             try:
-                started = asyncio.get_running_loop().time()
+                acked = asyncio.get_running_loop().time()  # after the membership completed: an upper bound
                 # The silent node itself is told, then disconnected.
                 message = await asyncio.wait_for(control.read_message(reader), T)
                 assert isinstance(message, control.MemberDown) and message.node_id == 2
-                elapsed = asyncio.get_running_loop().time() - started
-                assert FAST.heartbeat_timeout * 0.5 < elapsed < FAST.heartbeat_timeout * 5
-                assert "no heartbeat" in message.reason
+                now = asyncio.get_running_loop().time()
+                # Never before the timeout (0.99: wall-clock slew against the loop's monotonic clock).
+                assert now - started > FAST.heartbeat_timeout * 0.99
+                assert now - acked < FAST.heartbeat_timeout * 5
+                silence = re.fullmatch(r"no heartbeat for (\d+\.\d) s \(timeout 1\.0 s\)", message.reason)
+                assert silence is not None and float(silence[1]) >= FAST.heartbeat_timeout, message.reason
                 await until(lambda: downs == [(2, message.reason)], "node 1 told")
                 assert await asyncio.wait_for(control.read_message(reader), T) is None
                 assert service.membership.alive == (1,)  # node 1 heartbeats, so it lives on
@@ -365,5 +370,146 @@ def test_a_busy_listen_port_is_a_clear_error() -> None:
             second = SchedulerService(RATES, (1, 2), FAST)
             with pytest.raises(ConfigError, match=rf"cannot listen on TCP 127\.0\.0\.1:{port}: .*in use"):
                 await second.serve("127.0.0.1", port)
+
+    run(main())
+
+
+def test_a_late_answer_to_a_timed_out_request_is_not_taken_for_the_next_ones() -> None:
+    """Replies pair with requests by order: the answer to a request that timed out must be dropped."""
+    async def late(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Acknowledges registration; answers the first layout check only after the second arrived."""
+        await control.read_message(reader)
+        writer.write(control.encode(control.RegisterAck({1: ("127.0.0.1", 7)}, {}, 0.0)))
+        checks: list[control.LayoutCheck] = []
+        while len(checks) < 2:  # heartbeats come in between
+            message = await control.read_message(reader)
+            if isinstance(message, control.LayoutCheck):
+                checks.append(message)
+            else:
+                assert isinstance(message, control.Heartbeat), message
+        first = checks[0]
+        writer.write(control.encode(control.Error(f"layout mismatch: answer to {first.layout_hash}")))
+        writer.write(control.encode(control.LayoutAck()))
+        while await control.read_message(reader) is not None:
+            pass
+
+    async def main() -> None:
+        server = await asyncio.start_server(late, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            client = await SchedulerClient.connect(address, 1, ("127.0.0.1", 7), timeout=T)
+            try:
+                with pytest.raises(control.ControlTimeout, match=r"layout check of node 1 within 0\.2 s"):
+                    await client.check_layout("slow", timeout=0.2)
+                await client.check_layout("second", timeout=T)  # its own answer, the LayoutAck
+                assert client.lost is None
+            finally:
+                await client.close()
+
+    run(main())
+
+
+def test_a_garbled_registration_answer_names_the_scheduler_and_closes_the_connection() -> None:
+    closed = asyncio.Event()
+
+    async def garbled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await control.read_message(reader)
+        writer.write(control.LENGTH.pack(5) + b"\xc1junk")
+        await reader.read()  # returns at the client's end of stream
+        closed.set()
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(garbled, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            with pytest.raises(ControlError, match=r"scheduler 127\.0\.0\.1:\d+: registration of node 3: "
+                                                   r"undecodable control frame"):
+                await SchedulerClient.connect(address, 3, ("127.0.0.1", 7), timeout=T)
+            async with asyncio.timeout(T):
+                await closed.wait()
+
+    run(main())
+
+
+def test_a_member_that_died_while_the_job_started_is_planned_out_without_awareness() -> None:
+    """The death's wake-up can reach the re-plan loop before the first policy exists; it must not be lost."""
+    async def main() -> None:
+        service = SchedulerService(RATES, (1, 2, 3, 4), FAST.replace(enable_awareness=False, update_time=0.05))
+        for n in (1, 2, 3, 4):
+            service.membership.register(n, ("127.0.0.1", 40000 + n), service.clock())
+        await service._start_job()  # plans over all four; no connections to tell
+        assert service.consistency.current_version == 0
+        assert service.membership.disconnected(4, service.clock()) is not None  # recorded, loop not woken
+        async with asyncio.TaskGroup() as tasks:
+            loop = tasks.create_task(service._replan_loop())
+            await until(lambda: service.consistency.current_version == 1, "re-planned without node 4")
+            loop.cancel()
+        policy = service.consistency.policy(1)
+        assert isinstance(policy, Policy) and set(policy.nodes) == {1, 2, 3}
+
+    run(main())
+
+
+def test_a_full_report_queue_drops_the_oldest_reports_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            try:
+                extra = 44
+                for i in range(REPORT_QUEUE + extra):  # no await in between: the sender cannot run
+                    clients[0].report_link(LinkReport(src=2, dst=1, mbit_s=float(i + 1), t=0.0, samples=4))
+                assert clients[0].dropped_reports == extra
+                newest = float(REPORT_QUEUE + extra)
+                await until(lambda: service.collector.state(2, 1).mbit_s == newest, "the newest report kept")
+            finally:
+                await close_all(clients)
+
+    with caplog.at_level("WARNING", logger="node.control_client"):
+        run(main())
+    drops = [r for r in caplog.records if "dropped the oldest" in r.getMessage()]
+    assert len(drops) == 1 and "(1 so far)" in drops[0].getMessage()
+
+
+def test_an_error_the_scheduler_sends_unasked_is_the_reason_the_connection_is_lost() -> None:
+    async def refusing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Acknowledges registration, then refuses the first heartbeat and hangs up, as for a dead node."""
+        await control.read_message(reader)
+        writer.write(control.encode(control.RegisterAck({1: ("127.0.0.1", 7)}, {}, 0.0)))
+        assert isinstance(await control.read_message(reader), control.Heartbeat)
+        writer.write(control.encode(control.Error("heartbeat from node 1, which was declared dead (silent)")))
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(refusing, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            client = await SchedulerClient.connect(address, 1, ("127.0.0.1", 7), timeout=T)
+            lost: list[ControlError] = []
+            client.on_lost(lost.append)
+            try:
+                await until(lambda: client.lost is not None, "connection lost")
+                assert re.fullmatch(r"scheduler 127\.0\.0\.1:\d+ refused node 1: heartbeat from node 1, which was "
+                                    r"declared dead \(silent\)", str(client.lost))
+                assert lost == [client.lost]
+            finally:
+                await client.close()
+
+    run(main())
+
+
+def test_an_admin_answer_cut_off_mid_frame_names_the_scheduler_and_the_request() -> None:
+    async def cut_off(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await control.read_message(reader)
+        writer.write(control.encode(control.LayoutAck())[:-1])
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(cut_off, "127.0.0.1", 0)
+        async with server:
+            address = server.sockets[0].getsockname()[:2]
+            with pytest.raises(ControlError, match=r"^scheduler 127\.0\.0\.1:\d+: status_request failed: "
+                                                   r"connection closed inside a \d+-byte control frame"):
+                await admin.status(address, timeout=T)
 
     run(main())

@@ -36,6 +36,8 @@ def test_rejections():
         "must be a map": packed([1]),
         "version 2": packed({"v": 2, "type": "push", "names": []}),
         "unknown message type 'reboot'": packed({"v": 1, "type": "reboot"}),
+        r"unknown message type \[1\]": packed({"v": 1, "type": [1]}),
+        "push: unknown field.s. force": packed({"v": 1, "type": "push", "names": [], "force": True}),
         "names must be a list of strings": packed({"v": 1, "type": "push", "names": [1]}),
         "field 'average' must be bool": packed({"v": 1, "type": "pull", "names": [], "average": 1}),
         "tensor entries are": packed({"v": 1, "type": "init", "tensors": [["w", [True], "float32"]], "shm": ""}),

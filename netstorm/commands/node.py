@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from netstorm import config as config_mod
-from netstorm.errors import ConfigError
+from netstorm.control import parse_address
 
 if TYPE_CHECKING:
     from bpf.gateway import EdgeOptions
@@ -19,13 +19,6 @@ NAME = "node"
 HELP = "run the general node of one DC: peers over TCP, trainers over a Unix socket (and TCP)"
 
 log = logging.getLogger("netstorm.node")
-
-
-def parse_address(text: str, what: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise ConfigError(f"{what}: expected HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

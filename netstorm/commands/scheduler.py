@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--bw-scale must be positive, got {args.bw_scale}")
     if args.roots is not None and args.roots < 0:
         raise ConfigError(f"--roots must be >= 0, got {args.roots}")
-    host, port = parse_address(args.listen)
+    host, port = parse_address(args.listen, "--listen")
     rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
     service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots)
 
