@@ -175,11 +175,12 @@ def test_loss_filter_drops_at_the_scenario_rate() -> None:
     n = 4000
     recv_code = (
         "import socket, sys\n"
-        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 5300)); s.settimeout(1.5)\n"
+        "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind((sys.argv[1], 5300)); s.settimeout(30)\n"
         "print('bound', flush=True); count = 0\n"
         "try:\n"
         "    while True:\n"
         "        s.recv(2048); count += 1\n"
+        "        s.settimeout(1.5)  # the stream has started: silence now means it ended\n"
         "except TimeoutError:\n"
         "    print(count, flush=True)\n"
     )
