@@ -17,7 +17,7 @@ from netstorm.emulation import netns
 from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.runner import with_lan_workers
-from netstorm.emulation.topology import IFNAMSIZ, build_plan
+from netstorm.emulation.topology import IFNAMSIZ, build_plan, run_of_namespace
 from netstorm.scenario import load
 from netstorm.trainers.synthetic import GradientPattern, coefficients, main
 
@@ -32,6 +32,8 @@ def test_every_lan_gets_its_own_namespaces_interfaces_and_subnet() -> None:
     names = list(plan.all_namespaces)
     assert len(names) == len(set(names)) == 1 + 4 + 4 * (1 + 3)
     assert all(n.startswith("nseab12-") and len(n) <= IFNAMSIZ for n in names)
+    # --cleanup finds a killed run's LAN namespaces by the same run-id prefix as its DC namespaces
+    assert {run_of_namespace(n) for n in names} == {"ab12"}
     ifaces = [name for lan in plan.lans.values()
               for name in (lan.bridge, lan.gateway_iface, lan.gateway_bridge_end, *lan.worker_ifaces,
                            *lan.worker_bridge_ends)]
