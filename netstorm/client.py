@@ -176,7 +176,7 @@ class Registry:
             np.copyto(self.shm[layout.key_slice(key)].reshape(array.shape), array, casting="same_kind")
         return names, b""
 
-    def results(self, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+    def results(self, names: Sequence[str], payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Fresh arrays of the registered shapes and dtypes from the node's reply."""
         layout = self._need_layout()
         flat = np.frombuffer(payload, dtype="<f4") if self.inline else None
@@ -196,7 +196,8 @@ class Registry:
             raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
         return out
 
-    def accept_init(self, reply: tw.Message, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+    def accept_init(self, reply: tw.Message, names: Sequence[str],
+                    payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Take the node's InitReply: who and where we are, and the agreed initial values."""
         assert isinstance(reply, tw.InitReply)
         self.num_workers = reply.num_workers
@@ -204,7 +205,8 @@ class Registry:
         self.iteration = reply.iteration
         return self.results(names, payload)
 
-    def accept_result(self, reply: tw.Message, names: Sequence[str], payload: bytes) -> dict[str, np.ndarray]:
+    def accept_result(self, reply: tw.Message, names: Sequence[str],
+                      payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Take a PullReply: the sums of ``names``, and how many contributed to them."""
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
@@ -241,21 +243,26 @@ class Client:
         self.timeout = timeout
         self.registry = Registry(inline=(kind == "tcp"))
         self._broken: str | None = None
+        sock: socket.socket | None = None
         try:
             if kind == "tcp":
                 assert isinstance(where, tuple)
-                self._sock = socket.create_connection(where, timeout=timeout)
-                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = socket.create_connection(where, timeout=timeout)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             else:
-                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._sock.settimeout(timeout)
-                self._sock.connect(str(where))
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.settimeout(timeout)
+                sock.connect(str(where))
         except OSError as exc:
+            if sock is not None:
+                sock.close()
             raise NodeGone(f"cannot reach the node at {where}: {exc}") from None
+        self._sock = sock
 
     # ---- I/O ----------------------------------------------------------------------------------------
 
-    def _recv_exactly(self, size: int, context: str) -> bytes:
+    def _recv_exactly(self, size: int, context: str) -> bytearray:
+        """``size`` bytes, received in place (a TCP result payload is the whole model: no second copy)."""
         buf = bytearray(size)
         view = memoryview(buf)
         got = 0
@@ -270,10 +277,10 @@ class Client:
             if n == 0:
                 raise NodeGone(f"{context}: the node at {self.address} closed the connection")
             got += n
-        return bytes(buf)
+        return buf
 
     def _call(self, request: tw.Message, payload: bytes, expected: type[tw.Message],
-              context: str) -> tuple[tw.Message, bytes]:
+              context: str) -> tuple[tw.Message, bytes | bytearray]:
         if self._broken is not None:
             raise NodeGone(f"{context}: this connection to the node at {self.address} is unusable after: "
                            f"{self._broken}")

@@ -46,6 +46,8 @@ class Config:
     """Offload chunks onto auxiliary paths when the primary path is busy."""
     update_rate: float = 0.0
     """Relative rate change that triggers a new policy; 0 refreshes on every update."""
+    tree_packing: bool = True
+    """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2."""
     # Runtime.
     iteration_timeout: float = 300.0
     """Seconds an iteration may take before every waiter fails with an error naming the iteration."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
@@ -52,8 +53,8 @@ def _int(where: str, value: Any) -> int:
 
 
 def _float(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ControlError(f"{where}: expected a number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ControlError(f"{where}: expected a finite number, got {value!r}")
     return float(value)
 
 

@@ -203,9 +203,10 @@ class LocalCluster:
                 if child.process.returncode is None:
                     with contextlib.suppress(ProcessLookupError):
                         child.process.send_signal(signal.SIGTERM)
+            deadline = asyncio.get_running_loop().time() + GRACE_S  # one grace period for the whole group
             for child in group:
                 try:
-                    async with asyncio.timeout(GRACE_S):
+                    async with asyncio.timeout_at(deadline):
                         await child.process.wait()
                 except TimeoutError:
                     log.warning("%s ignored SIGTERM for %s s: killing it", child.name, GRACE_S)

@@ -18,6 +18,7 @@ from netstorm.auxpath import auxiliary_paths
 from netstorm.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
 from netstorm.errors import PolicyError
 from netstorm.fapt import build_multi_root_fapt
+from netstorm.packing import pack_for_roots
 from netstorm.predict import routed_delay, routes_for
 from netstorm.rategraph import RateGraph
 from netstorm.scenario import Rates
@@ -217,6 +218,7 @@ def plan(
     hub: int | None = None,
     version: int = 0,
     aux: bool = True,
+    packing: bool = True,
 ) -> Policy:
     """A policy for the directed ``rates`` (Mbit/s for every overlay link).
 
@@ -225,6 +227,10 @@ def plan(
     ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
     Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
     a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
+
+    ``packing`` (Config.tree_packing) replaces ``fapt``'s shortest-path trees and quality-proportional
+    shares by the LP tree packing of ``netstorm.packing`` for the same roots (quality stays Algorithm
+    1's); off, ``fapt`` is the paper's Algorithm 2.
     """
     if topology not in TOPOLOGIES:
         raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
@@ -241,8 +247,11 @@ def plan(
         tree = _baseline_tree(graph, topology, hub, bkt_k)
         chosen, trees = (tree.root,), {tree.root: tree}
         quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
-    total_q = sum(quality[r] for r in chosen)
-    share = {r: quality[r] / total_q for r in chosen}
+    if topology == "fapt" and packing:
+        trees, share = pack_for_roots(graph, chosen, seeds=[trees[r] for r in chosen])
+    else:
+        total_q = sum(quality[r] for r in chosen)
+        share = {r: quality[r] / total_q for r in chosen}
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
     return Policy(version, topology, chosen, trees, share, quality, aux_paths)

@@ -192,7 +192,7 @@ def encode(message: Message, payload_len: int = 0) -> bytes:
     return PREFIX.pack(len(body), payload_len) + body
 
 
-def decode_prefix(data: bytes, *, max_payload: int) -> tuple[int, int]:
+def decode_prefix(data: bytes | bytearray, *, max_payload: int) -> tuple[int, int]:
     header_len, payload_len = PREFIX.unpack(data)
     if header_len > MAX_HEADER_BYTES:
         raise TrainerProtocolError(f"message header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
@@ -202,7 +202,7 @@ def decode_prefix(data: bytes, *, max_payload: int) -> tuple[int, int]:
     return header_len, payload_len
 
 
-def decode(data: bytes) -> Message:
+def decode(data: bytes | bytearray) -> Message:
     try:
         obj = msgpack.unpackb(data, raw=False)
     except Exception as exc:

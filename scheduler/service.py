@@ -89,6 +89,8 @@ class SchedulerService:
             raise ConfigError(str(exc)) from None
         self.address: tuple[str, int] | None = None
         self._connections: dict[int, _Connection] = {}
+        self._handlers: set[asyncio.Task[None]] = set()
+        """Connection handler tasks (asyncio.start_server starts them); serve ends them before it returns."""
         self._plan_lock = asyncio.Lock()
         self._replan_wanted = asyncio.Event()
         self._layout: tuple[str, int] | None = None
@@ -116,6 +118,10 @@ class SchedulerService:
             sntp.close()
             for conn in list(self._connections.values()):
                 conn.close()
+            handlers = list(self._handlers)
+            for handler in handlers:
+                handler.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
@@ -141,6 +147,10 @@ class SchedulerService:
     # --- connections -----------------------------------------------------------------------------
 
     async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handler = asyncio.current_task()
+        assert handler is not None
+        self._handlers.add(handler)
+        handler.add_done_callback(self._handlers.discard)
         conn = _Connection(writer)
         try:
             while True:

@@ -6,8 +6,10 @@ Three DCs each with a trainer of a different kind; every result is compared exac
 from __future__ import annotations
 
 import asyncio
+import gc
 import glob
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,6 +140,15 @@ def test_bad_requests_get_clear_errors_and_the_connection_stays_usable(tmp_path:
         await asyncio.gather(*(asyncio.to_thread(trainer, addresses[i], i) for i in (1, 2, 3)))
 
     run_cluster(tmp_path, body)
+
+
+def test_a_failed_connect_closes_its_socket(tmp_path: Path):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        with pytest.raises(NodeGone, match="cannot reach the node"):
+            netstorm.connect(str(tmp_path / "nobody.sock"), timeout=2)
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 def test_timeouts_and_missing_nodes(tmp_path: Path):

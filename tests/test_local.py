@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from netstorm.local import RUN_DIR_ENV, LocalCluster, LocalError
+from netstorm.local import RUN_DIR_ENV, Child, LocalCluster, LocalError
 
 STARTUP = 120.0  # seconds; nine Python processes on a loaded 2-core machine
 
@@ -130,3 +130,31 @@ def test_a_run_dir_too_long_for_unix_sockets_is_refused_before_anything_starts(t
         asyncio.run(cluster.start())
     assert cluster.children == []
     assert not run_dir.exists()
+
+
+def test_children_ignoring_sigterm_share_one_grace_period_before_sigkill(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import netstorm.local
+
+    grace, stubborn = 1.0, 4
+    monkeypatch.setattr(netstorm.local, "GRACE_S", grace)
+    ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ready', flush=True); " \
+             "time.sleep(60)"
+
+    async def main() -> float:
+        cluster = LocalCluster("internet2-9", [1, 2], tmp_path)
+        for i in range(stubborn):
+            process = await asyncio.create_subprocess_exec(sys.executable, "-c", ignore,
+                                                           stdout=asyncio.subprocess.PIPE)
+            cluster.children.append(Child(f"node-{i}", process, tmp_path / f"node-{i}.log"))
+            assert process.stdout is not None
+            async with asyncio.timeout(30):
+                assert await process.stdout.readline() == b"ready\n"  # SIGTERM is ignored from here on
+        started = asyncio.get_running_loop().time()
+        await cluster.stop()
+        assert all(c.process.returncode == -signal.SIGKILL for c in cluster.children)
+        return asyncio.get_running_loop().time() - started
+
+    took = asyncio.run(main())
+    # Waiting a fresh grace period per child would take stubborn * grace (4 s).
+    assert grace <= took < (stubborn - 1) * grace

@@ -24,7 +24,7 @@ def test_json_shape_for_internet2(capsys):
         assert tree[root] is None
     assert sum(out["chunk_share"].values()) == pytest.approx(1.0)
     assert all("->" in key and all(isinstance(p, list) for p in paths) for key, paths in out["aux_paths"].items())
-    assert set(out["predicted_sync_s"]) == set(TOPOLOGIES)
+    assert set(out["predicted_sync_s"]) == {*TOPOLOGIES, "fapt-paper"}
     assert out["limit_s"] == pytest.approx(61.1e6 * 8 / 21.5e6, rel=1e-3)
     assert all(t >= out["limit_s"] for t in out["predicted_sync_s"].values())
     assert sum(v["elements"] for v in out["chunks_per_root"].values()) == 15275210

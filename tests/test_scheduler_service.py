@@ -513,3 +513,23 @@ def test_an_admin_answer_cut_off_mid_frame_names_the_scheduler_and_the_request()
                 await admin.status(address, timeout=T)
 
     run(main())
+
+
+def test_no_connection_handler_outlives_serve() -> None:
+    def handlers() -> list[asyncio.Task[object]]:
+        return [t for t in asyncio.all_tasks() if "_serve_connection" in t.get_coro().__qualname__]  # type: ignore[union-attr]
+
+    async def main() -> None:
+        writers = []
+        async with scheduler(nodes=(1, 2, 3)) as service:
+            for n in (1, 2):
+                _reader, writer = await asyncio.open_connection(*addr(service))
+                writer.write(control.encode(control.Register(n, "127.0.0.1", 9)))
+                writers.append(writer)
+            await until(lambda: service.membership.registered == (1, 2), "two nodes registered")
+            assert len(handlers()) == 2
+        assert handlers() == []  # serve returned: its connections' handlers are over too
+        for writer in writers:
+            writer.close()
+
+    run(main())

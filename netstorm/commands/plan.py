@@ -22,6 +22,8 @@ from netstorm.scenario import Rates
 NAME = "plan"
 HELP = "plan trees, chunk shares and auxiliary paths; predict every topology's synchronization time"
 
+PAPER_FAPT = "fapt-paper"
+"""Row of the predicted-times table: multi-root FAPT as the paper plans it (tree_packing off)."""
 _LINK_KEY = re.compile(r"\s*(-?[0-9]+)\s*->\s*(-?[0-9]+)\s*")
 
 
@@ -88,7 +90,9 @@ def run(args: argparse.Namespace) -> int:
     policies: dict[str, Policy] = {}
     for topology in TOPOLOGIES:
         policies[topology] = plan(rates, topology=topology, num_roots=num_roots, bkt_k=args.bkt_k, hub=args.hub,
-                                  aux=cfg.enable_aux_path and topology == args.topology)
+                                  aux=cfg.enable_aux_path and topology == args.topology, packing=cfg.tree_packing)
+    # The paper's Algorithm 2 beside the packed FAPT, for comparison (predicted times only).
+    policies[PAPER_FAPT] = plan(rates, topology="fapt", num_roots=num_roots, aux=False, packing=False)
     predictions = {t: predict(p, rates, model.bytes, chunk_bytes=chunk_bytes) for t, p in policies.items()}
     cut = min_cut(rates)
     limit = model.bytes * 8 / (cut.mbit * 1e6)
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     chunks = split_chunks(model.sizes, cfg.chunk_size)
     owners = allot_chunks(chunks, chosen.chunk_share)
     report = _report(name, args.bw_scale, model, cfg.chunk_size, chosen, chunks, owners, predictions, cut, limit)
+    report["tree_packing"] = cfg.tree_packing
     if args.json:
         print(json.dumps(report))
     else:
@@ -158,10 +163,11 @@ def _text(r: dict[str, Any]) -> str:
         lines.append("paths per directed pair (primary | auxiliary ...):")
         for pair, paths in r["aux_paths"].items():
             lines.append(f"  {pair}: " + " | ".join("-".join(map(str, p)) for p in paths))
-    lines.append("predicted synchronization time (pipelined fluid model):")
+    packing = "LP tree packing" if r["tree_packing"] else "paper's Algorithm 2"
+    lines.append(f"predicted synchronization time (pipelined fluid model; fapt: {packing}):")
     for topology, seconds in r["predicted_sync_s"].items():
         detail = r["predicted_detail"][topology]
-        lines.append(f"  {topology:<6} {seconds:9.1f} s  {r['ratio_to_limit'][topology]:6.2f} x limit  "
+        lines.append(f"  {topology:<10} {seconds:9.1f} s  {r['ratio_to_limit'][topology]:6.2f} x limit  "
                      f"(bottleneck {detail['bottleneck']}, fill {detail['fill_s']:.1f} s; "
                      f"push then pull: {detail['phased_s']:.1f} s)")
     sink = ",".join(map(str, r["min_cut_sink_side"]))
