@@ -60,7 +60,7 @@ def test_summary_reports_ratios_to_limit_star_and_gloo_and_warns_when_cpu_bound(
 
 def test_trainer_log_reads_only_complete_lines(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
-    tlog = TrainerLog(path, 3)
+    tlog = TrainerLog(path, "3")
     tlog.poll()
     path.write_text('{"iteration": 0, "seconds": 1.0, "exact": true}\n{"iteration": 1, "sec')
     tlog.poll()

@@ -2,7 +2,9 @@
 
 Rates x0.25 and a 5 MB model keep the run network-bound on a small host; the dynamics period is
 scaled to 18 s so the rates change several times while it runs. Everything else is ``netstorm
-emulate`` with these settings, so a larger run is that command with other flags.
+emulate`` with these settings, so a larger run is that command with other flags. ``--lan-workers N``
+puts N LAN workers behind every DC's gateway (aggregated in XDP where it loads); a scenario file with
+``lan_workers`` brings its own.
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="1.25M", help="parameters (default 1.25M = 5 MB of float32)")
     parser.add_argument("--bw-scale", type=float, default=0.25)
     parser.add_argument("--time-scale", type=float, default=0.1)
+    parser.add_argument("--lan-workers", type=int, default=None, metavar="N",
+                        help="LAN workers behind every DC's gateway (default: the scenario's, none in the "
+                             "built-in ones); each is one more trainer process, so keep N small on a small host")
+    parser.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
+                        help="how gateways aggregate their LAN workers (default auto: xdp where it loads)")
     parser.add_argument("--results", metavar="DIR", default=None,
                         help="instead: the committed results: static and dynamic internet2-9 with every system, "
                              "written to DIR (about half an hour)")
@@ -39,15 +46,27 @@ def run(args: argparse.Namespace) -> int:
 
     if args.results:
         return _results(args, Path(args.results))
-    systems = args.systems or ("netstorm,star,gloo" if importlib.util.find_spec("torch") else "netstorm,star")
-    out_dir = Path(args.out_dir)
-    argv = [args.scenario, "--system", systems, "--iterations", str(args.iterations), "--model", args.model,
-            "--bw-scale", str(args.bw_scale), "--time-scale", str(args.time_scale),
-            "--out", str(out_dir / "demo.json"), "--plots", str(out_dir)]
+    argv = emulate_argv(args)
     parser = argparse.ArgumentParser(prog="netstorm emulate")
     emulate.add_arguments(parser)
     print(f"netstorm demo: netstorm emulate {' '.join(argv)}", file=sys.stderr)
     return emulate.run(parser.parse_args(argv))
+
+
+def emulate_argv(args: argparse.Namespace) -> list[str]:
+    """The ``netstorm emulate`` arguments the demo runs."""
+    systems = args.systems or ("netstorm,star,gloo" if importlib.util.find_spec("torch") else "netstorm,star")
+    out_dir = Path(args.out_dir)
+    return [args.scenario, "--system", systems, "--iterations", str(args.iterations), "--model", args.model,
+            "--bw-scale", str(args.bw_scale), "--time-scale", str(args.time_scale),
+            "--out", str(out_dir / "demo.json"), "--plots", str(out_dir), *_lan_flags(args)]
+
+
+def _lan_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--edge-mode", args.edge_mode]
+    if args.lan_workers is not None:
+        flags += ["--lan-workers", str(args.lan_workers)]
+    return flags
 
 
 def _results(args: argparse.Namespace, out_dir: Path) -> int:
@@ -59,7 +78,7 @@ def _results(args: argparse.Namespace, out_dir: Path) -> int:
     for scenario in ("internet2-9", "internet2-9-dynamic"):
         argv = [scenario, "--system", systems, "--iterations", str(args.iterations), "--model", args.model,
                 "--bw-scale", str(args.bw_scale), "--time-scale", str(args.time_scale),
-                "--out", str(out_dir / f"{scenario}.json"), "--plots", str(out_dir)]
+                "--out", str(out_dir / f"{scenario}.json"), "--plots", str(out_dir), *_lan_flags(args)]
         parser = argparse.ArgumentParser(prog="netstorm emulate")
         emulate.add_arguments(parser)
         print(f"netstorm demo: netstorm emulate {' '.join(argv)}", file=sys.stderr)

@@ -81,15 +81,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _hold(args: argparse.Namespace) -> int:
     from netstorm.emulation.network import EmulatedNetwork
+    from netstorm.emulation.runner import with_lan_workers
     from netstorm.scenario import load
 
-    scenario = load(args.scenario)
+    scenario = with_lan_workers(load(args.scenario), args.lan_workers)
     with EmulatedNetwork(scenario, bw_scale=args.bw_scale, loss=not args.no_loss) as net:
         for line in net.features.lines():
             print(line)
         for dc in net.plan.node_ids:
             print(f"DC {dc}: namespace {net.namespace(dc)} node address {net.node_address(dc)} "
                   f"management {net.plan.mgmt_address(dc)}")
+        for dc, lan in sorted(net.plan.lans.items()):
+            workers = ", ".join(f"{ns} {addr}" for ns, addr in zip(lan.worker_namespaces, lan.worker_addresses,
+                                                                   strict=True))
+            print(f"DC {dc} LAN: gateway {lan.gateway_address} on {lan.gateway_iface}; workers {workers}")
         print(f"scheduler/management namespace {net.plan.mgmt_namespace} address {net.scheduler_host}")
         print(f"READY {net.run_id}", flush=True)
         stop = threading.Event()

@@ -96,6 +96,7 @@ class EmulatedNetwork:
                 netns.sysctl(name, _FORWARDING)
             self._build_links()
             self._build_mgmt()
+            self._build_lans()
             self._shape(self.scenario.rates())
             self.features = self._apply_impairments()
         except BaseException:
@@ -146,6 +147,26 @@ class EmulatedNetwork:
             netns.ip_batch([f"address add {port.address} dev {port.dc_end}", f"link set {port.dc_end} up"],
                            namespace=plan.namespaces[dc], what=f"management port of DC {dc}")
 
+    def _build_lans(self) -> None:
+        """Per DC with LAN workers: a bridge namespace, the gateway's veth into the DC, one veth per worker."""
+        for dc, lan in self.plan.lans.items():
+            create = [f"link add {lan.gateway_iface} netns {self.plan.namespaces[dc]} type veth "
+                      f"peer name {lan.gateway_bridge_end} netns {lan.bridge_namespace}"]
+            create += [f"link add {iface} netns {ns} type veth peer name {end} netns {lan.bridge_namespace}"
+                       for iface, ns, end in zip(lan.worker_ifaces, lan.worker_namespaces,
+                                                 lan.worker_bridge_ends, strict=True)]
+            netns.ip_batch(create, what=f"create the LAN veth pairs of DC {dc}")
+            lines = ["link set lo up", f"link add {lan.bridge} type bridge", f"link set {lan.bridge} up"]
+            for end in (lan.gateway_bridge_end, *lan.worker_bridge_ends):
+                lines += [f"link set {end} master {lan.bridge}", f"link set {end} up"]
+            netns.ip_batch(lines, namespace=lan.bridge_namespace, what=f"build the LAN bridge of DC {dc}")
+            netns.ip_batch([f"address add {lan.gateway_address}/24 dev {lan.gateway_iface}",
+                            f"link set {lan.gateway_iface} up"],
+                           namespace=self.plan.namespaces[dc], what=f"gateway interface of DC {dc}")
+            for i, (ns, iface) in enumerate(zip(lan.worker_namespaces, lan.worker_ifaces, strict=True)):
+                netns.ip_batch(["link set lo up", f"address add {lan.worker_addresses[i]}/24 dev {iface}",
+                                f"link set {iface} up"], namespace=ns, what=f"LAN worker {i} of DC {dc}")
+
     def _shape(self, rates: Rates) -> None:
         per_ns: dict[str, list[str]] = {}
         for direction, iface in self.plan.interfaces.items():
@@ -157,6 +178,9 @@ class EmulatedNetwork:
 
     def _apply_impairments(self) -> Features:
         applied = ["per-direction HTB rates", "shortest-hop static routes", "unshaped management network"]
+        if self.plan.lans:
+            workers = ", ".join(f"DC {dc}: {lan.workers}" for dc, lan in sorted(self.plan.lans.items()))
+            applied.append(f"LAN workers behind the DC gateway ({workers}) on an unshaped bridge")
         not_applied: dict[str, str] = {}
         latency = {lk.latency_ms for lk in self.scenario.links if lk.latency_ms > 0}
         losses = {(lk.a, lk.b): lk.loss for lk in self.scenario.links if lk.loss > 0}
@@ -218,11 +242,15 @@ class EmulatedNetwork:
             netns.tc_batch(lines, namespace=ns, what=f"re-shape the links of {ns}")
         self.rates = dict(rates)
 
-    def spawn(self, where: int | str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-              stdout: IO[bytes] | int | None = None,
+    def spawn(self, where: int | str | tuple[int, int], argv: Sequence[str], *,
+              env: Mapping[str, str] | None = None, stdout: IO[bytes] | int | None = None,
               stderr: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
-        """Start ``argv`` in DC ``where``'s namespace (or ``"mgmt"``); it is killed on close()."""
-        ns = self.plan.mgmt_namespace if where == "mgmt" else self.plan.namespaces[int(where)]
+        """Start ``argv`` in DC ``where``'s namespace (``"mgmt"``, or ``(dc, i)`` for LAN worker i of DC
+        dc); it is killed on close()."""
+        if isinstance(where, tuple):
+            ns = self.plan.lans[where[0]].worker_namespaces[where[1]]
+        else:
+            ns = self.plan.mgmt_namespace if where == "mgmt" else self.plan.namespaces[int(where)]
         proc = netns.spawn(ns, argv, env=env, stdout=stdout, stderr=stderr)
         self._processes.append(proc)
         return proc

@@ -158,6 +158,12 @@ def summary(result: dict[str, Any]) -> str:
     if feats:
         lines.append("applied: " + ", ".join(feats.get("applied", [])))
         lines += [f"NOT applied: {k}: {v}" for k, v in feats.get("not_applied", {}).items()]
+    if feats.get("lan_workers"):
+        modes = {name: m for name, m in feats.get("edge_mode", {}).items() if isinstance(m, dict)}
+        lines.append("LAN workers per DC: " + ", ".join(f"DC {dc}: {n}" for dc, n in feats["lan_workers"].items())
+                     + "; gateway aggregation: " + ("; ".join(
+                         f"{name} " + ", ".join(f"DC {dc} {mode}" for dc, mode in m.items())
+                         for name, m in modes.items()) or "none ran"))
     star = stats.get("star", {}).get("mean_s")
     gloo = stats.get("gloo", {}).get("mean_s")
     header = f"{'system':<10}{'iter s':>10}{'limit s':>10}{'x limit':>9}{'vs STAR':>9}{'vs gloo':>9}" \

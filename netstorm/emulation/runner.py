@@ -4,6 +4,11 @@ Each system starts from the scenario's initial rates with the dynamics clock res
 the same seeded rate sequence. NetStorm systems run the scheduler in the management namespace and node
 i plus the synthetic trainer i in DC i's namespace; gloo runs one process per DC namespace. Trainers
 write one JSON line per iteration, which the runner follows for its progress display and its result.
+
+A DC with LAN workers (the scenario's ``lan_workers``, or ``--lan-workers N`` for every DC) runs its node
+in the gateway role on its LAN interface, and one synthetic trainer in edge mode per LAN worker in that
+worker's namespace, beside the DC's own trainer; every contributor checks the whole job's sum exactly
+(``contributors``). gloo has no LAN tier: it runs one rank per DC and the result says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from netstorm.emulation import netns, results, systems
+from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
 from netstorm.emulation.errors import EmulationError
@@ -35,6 +41,8 @@ log = logging.getLogger(__name__)
 
 SCHEDULER_PORT = 7000
 DATA_PORT = 7100
+EDGE_PORT = 9700
+EDGE_MODES = ("auto", "xdp", "userspace")
 GLOO_STORE_PORT = 29500
 CHUNKS_PER_MODEL = 60
 """Chunks a model is cut into when the user does not set CHUNK_SIZE: the paper's AlexNet (61 M
@@ -58,6 +66,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds a system may take in all (default: from the min-cut limit)")
     parser.add_argument("--out", metavar="FILE", help="write the result JSON here")
     parser.add_argument("--plots", metavar="DIR", help="write PNG plots here")
+    parser.add_argument("--lan-workers", type=int, default=None, metavar="N",
+                        help="LAN workers behind every DC's gateway (default: the scenario's lan_workers)")
+    parser.add_argument("--edge-mode", choices=EDGE_MODES, default="auto",
+                        help="LAN aggregation at the gateways: xdp, the userspace fallback, or auto (xdp where "
+                             "it loads; default)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
     config.add_arguments(parser)
@@ -78,6 +91,8 @@ class Options:
     config_flags: list[str] = dataclasses.field(default_factory=list)
     run_dir: str | None = None
     stream: IO[str] = sys.stderr
+    lan_workers: int | None = None
+    edge_mode: str = "auto"
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -138,15 +153,27 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
     flags = _config_flags(args) + chunk_flags(model_parameters(args.model), _given_options(args))
+    lan_workers = getattr(args, "lan_workers", None)
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
-                   flags, args.run_dir)
+                   flags, args.run_dir, lan_workers=lan_workers,
+                   edge_mode=getattr(args, "edge_mode", "auto"))
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
     if seed is None or scenario.dynamics is None:
         return scenario
     return dataclasses.replace(scenario, dynamics=dataclasses.replace(scenario.dynamics, seed=seed))
+
+
+def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
+    """``scenario`` with ``workers`` LAN workers behind every DC (None keeps the scenario's own)."""
+    if workers is None:
+        return scenario
+    if workers < 0:
+        raise EmulationError(f"--lan-workers must be >= 0, got {workers}")
+    nodes = tuple(dataclasses.replace(dc, lan_workers=workers) for dc in scenario.nodes)
+    return dataclasses.replace(scenario, nodes=nodes)
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -169,9 +196,9 @@ def run_from_args(args: argparse.Namespace) -> int:
 class TrainerLog:
     """Follows one trainer's JSON-lines output file."""
 
-    def __init__(self, path: Path, dc: int) -> None:
+    def __init__(self, path: Path, who: str) -> None:
         self.path = path
-        self.dc = dc
+        self.who = who
         self.records: list[dict[str, Any]] = []
         self._offset = 0
         self._partial = b""
@@ -190,7 +217,7 @@ class TrainerLog:
                 try:
                     self.records.append(json.loads(line))
                 except ValueError:
-                    self.records.append({"dc": self.dc, "exact": False, "error": f"unreadable line {line[:80]!r}"})
+                    self.records.append({"who": self.who, "exact": False, "error": f"unreadable line {line[:80]!r}"})
 
 
 class SystemRun:
@@ -206,8 +233,11 @@ class SystemRun:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.model_bytes = model_bytes
         self.limit_for = limit_for
-        self.logs = {dc: TrainerLog(self.dir / f"trainer-{dc}.jsonl", dc) for dc in net.plan.node_ids}
-        self.trainers: dict[int, subprocess.Popen[bytes]] = {}
+        self.contributors = [c for c in contributors(net.plan) if system.kind == "netstorm" or c.worker is None]
+        self.logs = {c.label: TrainerLog(self.dir / f"trainer-{c.label}.jsonl", c.label) for c in self.contributors}
+        for tlog in self.logs.values():  # a reused --run-dir must not feed a previous run's lines in
+            tlog.path.unlink(missing_ok=True)
+        self.trainers: dict[str, subprocess.Popen[bytes]] = {}
         self.services: dict[str, subprocess.Popen[bytes]] = {}
         self._files: list[IO[bytes]] = []
         self.completed_at: list[float] = []
@@ -235,10 +265,12 @@ class SystemRun:
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
         for dc in net.plan.node_ids:
             out = self._logfile(f"node-{dc}")
+            gateway = self._gateway_flags(dc)
+            # -v: the log names each link's load per iteration and, on a gateway, the aggregation mode
             self.services[f"node-{dc}"] = net.spawn(dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
-                *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
+                *gateway, *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
         for dc in net.plan.node_ids:
             sock = self.dir / f"node-{dc}.sock"
             while not sock.exists():
@@ -246,23 +278,53 @@ class SystemRun:
                 if time.monotonic() > deadline:
                     raise EmulationError(f"node {dc} did not open its trainer socket {sock} in time")
                 time.sleep(0.1)
-        for dc in net.plan.node_ids:
-            self.trainers[dc] = net.spawn(dc, self._python(
-                "-m", "netstorm.trainers.synthetic", "--socket", str(self.dir / f"node-{dc}.sock"),
-                "--dc", str(dc), "--model", opts.model, "--iterations", str(opts.iterations),
-                "--compute-s", str(opts.compute_s), "--out", str(self.logs[dc].path)),
-                stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
+        # With LAN workers nobody sees the whole job, so every contributor is told its size and id sum.
+        job = ["--contributors", str(len(self.contributors)),
+               "--contributor-sum", str(sum(c.id for c in self.contributors))] if net.plan.lans else []
+        for c in self.contributors:
+            if c.worker is None:
+                where: int | tuple[int, int] = c.dc
+                endpoint = ["--socket", str(self.dir / f"node-{c.dc}.sock")]
+            else:
+                where = (c.dc, c.worker)
+                address = net.plan.lans[c.dc].gateway_address
+                endpoint = ["--edge", f"edge://{address}:{EDGE_PORT}?worker={c.worker}"]
+            self.trainers[c.label] = net.spawn(where, self._python(
+                "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
+                "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
+                "--out", str(self.logs[c.label].path)),
+                stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{c.label}"))
+
+    def _gateway_flags(self, dc: int) -> list[str]:
+        """The gateway role's flags of DC ``dc``'s node; [] for a DC without LAN workers."""
+        lan = self.net.plan.lans.get(dc)
+        if lan is None:
+            return []
+        lan_ids = [c.id for c in self.contributors if c.dc == dc and c.worker is not None]
+        return ["--edge-workers", str(lan.workers), "--edge-listen", f"{lan.gateway_address}:{EDGE_PORT}",
+                "--edge-interface", lan.gateway_iface, "--edge-mode", self.opts.edge_mode,
+                "--edge-scale", str(edge_scale(lan_ids))]
+
+    def edge_modes(self) -> dict[str, str]:
+        """How each gateway aggregated its LAN (``xdp (native)``, ``xdp (generic)``, ``userspace``), from
+        its node's log; ``"not started"`` when the node never served its LAN."""
+        out: dict[str, str] = {}
+        for dc in self.net.plan.lans:
+            path = self.dir / f"node-{dc}.log"
+            out[str(dc)] = edge_mode_of(path.read_text(errors="replace") if path.exists() else "")
+        return out
 
     def _start_gloo(self) -> None:
         net, opts = self.net, self.opts
         ids = net.plan.node_ids
         store = f"{net.plan.mgmt_address(ids[0])}:{GLOO_STORE_PORT}"
         for rank, dc in enumerate(ids):
-            self.trainers[dc] = net.spawn(dc, self._python(
+            self.trainers[str(dc)] = net.spawn(dc, self._python(
                 "-m", "netstorm.emulation.gloo_trainer", "--rank", str(rank), "--world", str(len(ids)),
                 "--dc", str(dc), "--store", store, "--address", net.node_address(dc), "--model", opts.model,
                 "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
-                "--out", str(self.logs[dc].path)), stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
+                "--out", str(self.logs[str(dc)].path)),
+                stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
 
     def _check_services(self) -> None:
         for name, proc in self.services.items():
@@ -351,16 +413,17 @@ class SystemRun:
     def _collect(self, wall_s: float) -> dict[str, Any]:
         iterations: list[float] = []
         sync: list[float] = []
-        per_dc: dict[str, list[float]] = {str(dc): [] for dc in self.logs}
+        per_dc: dict[str, list[float]] = {c.label: [] for c in self.contributors if c.worker is None}
+        per_lan: dict[str, list[float]] = {c.label: [] for c in self.contributors if c.worker is not None}
         exact = True
         errors: list[str] = []
         for tl in self.logs.values():
             for r in tl.records:
                 if "iteration" in r:
-                    per_dc[str(tl.dc)].append(float(r["seconds"]))
+                    (per_lan if tl.who in per_lan else per_dc)[tl.who].append(float(r["seconds"]))
                 exact &= bool(r.get("exact", False))
                 if r.get("error"):
-                    errors.append(f"DC {tl.dc}: {r['error']}")
+                    errors.append(f"{'DC ' if tl.who in per_dc else 'LAN worker '}{tl.who}: {r['error']}")
         done = self._complete()
         for k in range(done):
             recs = [r for tl in self.logs.values() for r in tl.records if r.get("iteration") == k]
@@ -373,6 +436,14 @@ class SystemRun:
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions())
+        if self.net.plan.lans:
+            out["lan_workers"] = {str(dc): len([c for c in self.contributors if c.dc == dc and c.worker is not None])
+                                  for dc in self.net.plan.lans}
+            if per_lan:
+                out["per_lan_worker_iteration_s"] = per_lan
+                out["edge_mode"] = self.edge_modes()
+            else:
+                out["lan_note"] = "gloo has no LAN tier: one rank per DC, the LAN workers did not take part"
         if errors:
             out["trainer_errors"] = errors[:20]
         return out
@@ -380,6 +451,16 @@ class SystemRun:
 
 _BOUND_RE = re.compile(r"iteration (\d+) bound to policy version (\d+)")
 _POLICY_RE = re.compile(r"policy version (\d+) \((.*?)\): roots (\[.*?\])")
+_EDGE_MODE_RE = re.compile(r"edge: gateway for \d+ LAN workers on \S+ (.+?) aggregation")
+_EDGE_FALLBACK_RE = re.compile(r"edge: XDP unavailable \((.{0,400}?)\); aggregating in userspace", re.S)
+
+
+def edge_mode_of(node_log: str) -> str:
+    """A gateway node's aggregation mode from its log, with the reason when XDP fell back to userspace."""
+    m = _EDGE_MODE_RE.search(node_log)
+    mode = m.group(1) if m else "not started"
+    why = _EDGE_FALLBACK_RE.search(node_log)
+    return f"{mode} (XDP unavailable: {' '.join(why.group(1).split())})" if why else mode
 
 
 class Progress:
@@ -412,7 +493,7 @@ def run(opts: Options) -> dict[str, Any]:
     """Build the network, run every system, return the result document (see ``results``)."""
     from netstorm.emulation.gloo_trainer import model_parameters
 
-    scenario = with_seed(load(opts.scenario), opts.seed)
+    scenario = with_lan_workers(with_seed(load(opts.scenario), opts.seed), opts.lan_workers)
     parameters = model_parameters(opts.model)
     model_bytes = 4 * parameters
     bounds = results.Bounds(model_bytes, opts.bw_scale)
@@ -427,6 +508,9 @@ def run(opts: Options) -> dict[str, Any]:
         net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
+        if net.plan.lans:
+            result["features"]["lan_workers"] = {str(dc): lan.workers for dc, lan in sorted(net.plan.lans.items())}
+            result["features"]["edge_mode"] = {"requested": opts.edge_mode}
         for line in net.features.lines():
             progress.line(line)
         for system in opts.systems:
@@ -450,6 +534,10 @@ def run(opts: Options) -> dict[str, Any]:
             if system.kind == "netstorm":
                 outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
             result["systems"][system.name] = outcome
+            if "edge_mode" in outcome:
+                result["features"]["edge_mode"][system.name] = outcome["edge_mode"]
+                progress.line(f"[{system.name}] LAN aggregation: " + ", ".join(
+                    f"DC {dc} {mode}" for dc, mode in outcome["edge_mode"].items()))
             _warn_cpu(outcome, progress, system.name)
     return result
 

@@ -9,6 +9,10 @@ Addressing (namespaces isolate addresses, so every run may use the same ones):
 - Overlay link number l (file order): a /30 in 10.101.0.0/16; the a-side gets .1, the b-side .2.
 - Management network: a bridge in its own namespace at 10.102.0.1/24 (the scheduler's address);
   DC k's management interface has 10.102.0.(k+2)/24. It is not shaped.
+- LAN of the DC at index k (scenario ``lan_workers`` > 0): 10.103.k.0/24 on a bridge in its own
+  namespace beside the DC's; the DC's gateway-facing interface (the one the XDP aggregator attaches to)
+  has 10.103.k.1, LAN worker i (one namespace each) 10.103.k.(10+i). The LAN is not shaped and not routed
+  onto the overlay: LAN workers talk to their gateway only.
 Routes: in DC s, the node address of every other DC d goes via the next hop of
 ``netstorm.routing.shortest_hop_routes`` with ``src`` set to s's node address, so replies come back to
 the node address and any pair, adjacent or not, talks over the overlay as plain IP would.
@@ -32,6 +36,8 @@ MAX_DCS = 250
 MAX_NODE_ID = 999
 IFNAMSIZ = 15
 MGMT_HOST = "10.102.0.1"
+MAX_LAN_WORKERS = 64
+"""The edge wire's worker bitmap holds 64 workers per gateway."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +74,33 @@ class MgmtPort:
 
 
 @dataclasses.dataclass(frozen=True)
+class LanPlan:
+    """One DC's LAN: a bridge namespace, the gateway-facing interface in the DC namespace, the workers."""
+
+    dc: int
+    bridge_namespace: str
+    bridge: str
+    gateway_iface: str
+    """In the DC namespace; the XDP aggregator attaches here."""
+    gateway_bridge_end: str
+    gateway_address: str
+    """Without prefix length (the LAN is a /24)."""
+    worker_namespaces: tuple[str, ...]
+    worker_ifaces: tuple[str, ...]
+    """Inside each worker's namespace."""
+    worker_bridge_ends: tuple[str, ...]
+    worker_addresses: tuple[str, ...]
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.bridge_namespace, *self.worker_namespaces]
+
+    @property
+    def workers(self) -> int:
+        return len(self.worker_namespaces)
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     run_id: str
     node_ids: tuple[int, ...]
@@ -80,17 +113,23 @@ class Plan:
     mgmt_namespace: str
     bridge: str
     mgmt_ports: dict[int, MgmtPort]
+    lans: dict[int, LanPlan] = dataclasses.field(default_factory=dict)
+    """Keyed by DC, only for DCs with LAN workers."""
 
     @property
     def all_namespaces(self) -> list[str]:
-        return [self.mgmt_namespace, *self.namespaces.values()]
+        return [self.mgmt_namespace, *self.namespaces.values(),
+                *(ns for lan in self.lans.values() for ns in lan.namespaces)]
 
     def mgmt_address(self, dc: int) -> str:
         return self.mgmt_ports[dc].address.split("/")[0]
 
 
 def namespace_name(run_id: str, suffix: str) -> str:
-    return f"{NAMESPACE_PREFIX}{run_id}-{suffix}"
+    name = f"{NAMESPACE_PREFIX}{run_id}-{suffix}"
+    if len(name) > IFNAMSIZ:
+        raise EmulationError(f"namespace name {name!r} is longer than {IFNAMSIZ} characters")
+    return name
 
 
 def run_of_namespace(name: str) -> str | None:
@@ -141,5 +180,25 @@ def build_plan(scenario: Scenario, run_id: str) -> Plan:
         dc: MgmtPort(dc, _ifname(run_id, f"m{dc}"), _ifname(run_id, f"b{dc}"), f"10.102.0.{k + 2}/24")
         for k, dc in enumerate(ids)
     }
+    lans = {dc: _lan_plan(run_id, dc, k, scenario.node(dc).lan_workers) for k, dc in enumerate(ids)
+            if scenario.node(dc).lan_workers > 0}
     return Plan(run_id, ids, namespaces, node_addresses, interfaces, tuple(routes), paths,
-                namespace_name(run_id, "mgmt"), _ifname(run_id, "br"), mgmt_ports)
+                namespace_name(run_id, "mgmt"), _ifname(run_id, "br"), mgmt_ports, lans)
+
+
+def _lan_plan(run_id: str, dc: int, index: int, workers: int) -> LanPlan:
+    if workers > MAX_LAN_WORKERS:
+        raise EmulationError(f"DC {dc}: at most {MAX_LAN_WORKERS} LAN workers per gateway, got {workers}")
+    subnet = f"10.103.{index}"
+    return LanPlan(
+        dc=dc,
+        bridge_namespace=namespace_name(run_id, f"{dc}l"),
+        bridge=_ifname(run_id, f"l{dc}"),
+        gateway_iface=_ifname(run_id, f"g{dc}"),
+        gateway_bridge_end=_ifname(run_id, f"h{dc}"),
+        gateway_address=f"{subnet}.1",
+        worker_namespaces=tuple(namespace_name(run_id, f"{dc}w{i}") for i in range(workers)),
+        worker_ifaces=tuple(_ifname(run_id, f"w{dc}-{i}") for i in range(workers)),
+        worker_bridge_ends=tuple(_ifname(run_id, f"v{dc}-{i}") for i in range(workers)),
+        worker_addresses=tuple(f"{subnet}.{10 + i}" for i in range(workers)),
+    )

@@ -1,6 +1,8 @@
 """A trainer that pushes model-shaped, integer-valued gradients and checks every sum exactly.
 
 ``python -m netstorm.trainers.synthetic --socket PATH --model alexnet|resnet50|SIZE --iterations N``
+``python -m netstorm.trainers.synthetic --edge edge://GATEWAY:PORT?worker=I --dc ID --contributors N ...``
+(a LAN worker behind a DC gateway, in edge mode)
 
 Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
 gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
@@ -21,6 +23,12 @@ the ``n`` contributing DCs is ``A * c1(k) * n + B * (S + n * c2(k))`` with ``S``
 ``A`` is 0 and ``B`` is 1 at the first element, so that element reveals ``S`` and the rest is checked
 against it (and ``S`` against its first value). A missing or doubled contribution, a stale iteration or
 a chunk written to the wrong place changes the result, and float32 holds these integers exactly.
+
+With LAN workers the contributors are the DCs' own trainers and every LAN worker, each with its own id
+(``--dc``; the emulator numbers LAN workers after the highest DC id). A contributor does not see how many
+there are (a node counts DCs, a LAN worker its gateway's LAN), so ``--contributors N`` gives ``n`` and
+``--contributor-sum S`` gives ``S``: every contributor then computes the exact expected sum itself, and a
+LAN worker missing from its gateway's sum is caught from the first iteration.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import socket
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -46,7 +55,10 @@ Layers = list[tuple[str, tuple[int, ...]]]
 # differ by a multiple of both (about 4.3e9 elements, beyond any model here).
 _PERIOD_A = 65521
 _PERIOD_B = 65519
-_BLOCK = 1 << 20  # elements per numpy pass: bounds temporaries, stays in cache-friendly sizes
+_A_MAX = 8
+_B_MAX = 5
+_BLOCK = 1 << 20
+_MIN_EDGE_RCVBUF = 4 << 20  # elements per numpy pass: bounds temporaries, stays in cache-friendly sizes
 
 
 def model_layers(spec: str) -> Layers:
@@ -60,6 +72,13 @@ def model_layers(spec: str) -> Layers:
 def coefficients(iteration: int) -> tuple[int, int]:
     """(c1, c2) of iteration ``k``: they vary with k, so a result of another iteration is caught."""
     return 1 + iteration % 5, iteration % 3
+
+
+def sum_bound(ids: Sequence[int]) -> int:
+    """An upper bound of |any element| of the sum of the gradients of contributors ``ids``, any iteration
+    (what a fixed-point edge sum of them must hold without overflow)."""
+    c1_max, c2_max = 5, 2
+    return sum(_A_MAX * c1_max + _B_MAX * (abs(i) + c2_max) for i in ids)
 
 
 def _blocks(size: int) -> Iterator[slice]:
@@ -90,8 +109,8 @@ class GradientPattern:
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
         total = int(self.offsets[-1])
         rng = np.random.default_rng(20240229)
-        self.a = np.resize(rng.integers(-8, 9, _PERIOD_A, dtype=np.int8), total)
-        self.b = np.resize(rng.integers(-5, 6, _PERIOD_B, dtype=np.int8), total)
+        self.a = np.resize(rng.integers(-_A_MAX, _A_MAX + 1, _PERIOD_A, dtype=np.int8), total)
+        self.b = np.resize(rng.integers(-_B_MAX, _B_MAX + 1, _PERIOD_B, dtype=np.int8), total)
         self.a[0] = 0
         self.b[0] = 1
 
@@ -173,8 +192,11 @@ class GradientPattern:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--socket", required=True,
-                        help="the node's trainer endpoint: a unix socket path or tcp://host:port")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="the node's trainer endpoint: a unix socket path or tcp://host:port")
+    where.add_argument("--edge", metavar="ADDRESS",
+                       help="edge mode, a LAN worker of a DC gateway: edge://GATEWAY:PORT?worker=I "
+                            "(needs --dc and --contributors)")
     parser.add_argument("--model", default="alexnet",
                         help="alexnet, resnet50 or a parameter count (25000000, 25M); default alexnet")
     parser.add_argument("--iterations", type=int, default=10, help="iterations to run (default 10)")
@@ -182,12 +204,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds of stand-in compute per iteration before the push (default 0)")
     parser.add_argument("--dc", type=int, default=None,
                         help="this DC's id in the gradients (default: the node's id)")
+    parser.add_argument("--contributors", type=int, default=None,
+                        help="contributors to every sum, LAN workers included (default: the node's DC count)")
+    parser.add_argument("--contributor-sum", type=int, default=None,
+                        help="the sum of every contributor's --dc id (default: read from the first result)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
     parser.add_argument("--max-failures", type=int, default=10,
                         help="consecutive failed iterations after which the trainer stops (default 10)")
     parser.add_argument("--retry-s", type=float, default=1.0,
                         help="seconds to wait after a failed iteration before the next one (default 1)")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
+
+
+def _connect_edge(address: str, parameters: int, *, timeout: float) -> Any:
+    """An edge-mode client whose socket can queue a whole model of results: the gateway sends them in one
+    burst, and a default-sized buffer (about 200 KB) would drop most of them and leave the worker pulling
+    the rest back in rounds. The kernel caps the request at net.core.rmem_max."""
+    from bpf.trainer import connect_edge
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_EDGE_RCVBUF, 2 * 4 * parameters))
+        return connect_edge(address, timeout=timeout, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _emit(stream: IO[str], record: dict[str, Any]) -> None:
@@ -204,6 +245,13 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         print("synthetic trainer: --iterations, --compute-s and --retry-s must be >= 0, --max-failures >= 1",
               file=sys.stderr)
         return 2
+    if args.edge is not None and (args.dc is None or args.contributors is None):
+        print("synthetic trainer: --edge needs --dc (this worker's id) and --contributors (all of the job's)",
+              file=sys.stderr)
+        return 2
+    if args.contributors is not None and args.contributors < 1:
+        print(f"synthetic trainer: --contributors must be >= 1, got {args.contributors}", file=sys.stderr)
+        return 2
     try:
         pattern = GradientPattern(model_layers(args.model))
     except ValueError as exc:
@@ -213,12 +261,14 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     all_exact = True
     dc = args.dc
     try:
-        kv = netstorm.connect(args.socket, timeout=args.timeout)
+        kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout) if args.edge is not None
+                   else netstorm.connect(args.socket, timeout=args.timeout))
         try:
             kv.init(grads)
-            workers = kv.num_workers
+            fixed = args.contributors is not None
+            workers = args.contributors if fixed else kv.num_workers
             dc = kv.node_id if dc is None else dc
-            members_sum: float | None = None
+            members_sum: float | None = None if args.contributor_sum is None else float(args.contributor_sum)
             failures = 0
             for k in range(args.iterations):
                 start = time.perf_counter()
@@ -243,7 +293,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                     continue
                 failures = 0
                 end = time.perf_counter()
-                if kv.num_workers != workers:  # membership changed: S is read afresh
+                if not fixed and kv.num_workers != workers:  # membership changed: S is read afresh
                     workers, members_sum = kv.num_workers, None
                 verdict = pattern.check(k, workers, result, members_sum)
                 members_sum = verdict.members_sum if verdict.exact else members_sum
