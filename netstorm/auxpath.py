@@ -5,21 +5,26 @@ unreachable. Entry 0 is the primary path; each later path is at least as slow as
 because removing edges never shortens a shortest path. Paths of one pair share no directed link, so a
 chunk offloaded onto an auxiliary path never queues behind the primary's traffic on a common link.
 
-A policy needs this for hundreds of pairs every few seconds, so all pairs are searched together: one
-A* search per pair, advanced in lockstep with numpy (every step pops one node in every pair's search).
-The A* bound is the full graph's cheapest way into dst over an in-link the pair has not used yet
+A policy needs this for hundreds of pairs every few seconds: one A* search per pair and round. The A*
+bound is the full graph's cheapest way into dst over an in-link the pair has not used yet
 (``_EntryBound``): removed edges only lengthen paths, so it never overestimates and each search still
 finds a shortest path of its residual graph, yet it steers the later rounds around the links already
 taken. A pair is done when src has no unused out-link, dst no unused in-link, or its search runs dry.
-The last few pairs, whose searches run longest, finish one by one with scipy's Dijkstra instead of
-holding the lockstep.
+
+The searches are defined as a lockstep over all pairs (every step pops one node in every pair's
+search; the last TAIL_ROWS pairs still searching finish one by one with scipy's Dijkstra), which fixes
+which of several equally fast paths is returned. They run as one compiled loop over the pairs
+(``_search_rows``, numba): a pair's search never looks at another's, so running the pairs one after
+another and counting each one's steps gives the lockstep's paths exactly, at a fraction of the numpy
+lockstep's cost (whose per-step array passes over every pair dominated a plan).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from functools import cached_property
+from functools import cache, cached_property
+from typing import Any
 
 import numpy as np
 from scipy.sparse import csr_matrix
@@ -34,46 +39,140 @@ Path = tuple[int, ...]
 TAIL_ROWS = 8
 """Searches left when the lockstep stops and the rest finish one at a time."""
 BATCH_PAIRS = 4096
-"""Pairs searched in one lockstep; more run in batches, keeping the state arrays to tens of MB."""
+"""Pairs searched in one lockstep; more run in batches, each with its own tail."""
 
 
-class _Searches:
-    """Lockstep A* state, one row per pair still looking for paths.
+def _search_rows(first_edge: np.ndarray, head: np.ndarray, tail: np.ndarray, weight: np.ndarray,
+                 s: np.ndarray, t: np.ndarray, direct: np.ndarray, out_left0: np.ndarray,
+                 in_left0: np.ndarray, via: np.ndarray, in_link: np.ndarray, first: np.ndarray,
+                 count: np.ndarray, position: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Every pair's rounds of A*, pair after pair, as the lockstep would run them (compiled by numba).
 
-    Arrays are (rows, n) for nodes and (rows, edges) for each row's residual edge weights (removed
-    edges weigh inf). The loop indexes them flat: row r's node v sits at r * n + v, its edge e at
-    r * edges + e.
+    Per step a search pops its open node of smallest key (g + h, the smallest index on ties; inf: the
+    search ran dry), or on popping t records the path, removes its edges and restarts from s with the
+    bound over t's remaining in-links. Returns each row's finishing step, and per path its row, the
+    step it was found at, the end of its edges in ``edges`` (edge ids, src first) and the path count.
     """
+    inf = np.inf
+    rows = s.shape[0]
+    n = first_edge.shape[0] - 1
+    finish = np.empty(rows, np.int64)
+    path_cap = 4 * rows + 16
+    path_row = np.empty(path_cap, np.int64)
+    path_step = np.empty(path_cap, np.int64)
+    path_end = np.empty(path_cap, np.int64)
+    edge_cap = 16 * rows + 4 * n
+    edges = np.empty(edge_cap, np.int64)
+    paths = 0
+    filled = 0
+    w = np.empty(weight.shape[0])
+    g = np.empty(n)
+    key = np.empty(n)
+    h = np.empty(n)
+    pred = np.full(n, -1, np.int64)
+    back = np.empty(n, np.int64)
+    used = np.zeros(count.max() + 1 if rows else 1, np.bool_)
+    for r in range(rows):
+        src = s[r]
+        dst = t[r]
+        start = first[r]
+        links = count[r]
+        w[:] = weight
+        used[:] = False
+        out_left = out_left0[r]
+        in_left = in_left0[r]
+        d = direct[r]
+        if d >= 0:
+            w[d] = inf
+            out_left -= 1
+            in_left -= 1
+            used[position[d]] = True
+        restart = True
+        step = 0
+        while True:
+            if restart:
+                restart = False
+                h[:] = inf
+                for i in range(links):
+                    if not used[i]:
+                        row = in_link[start + i]
+                        for v in range(n):
+                            if via[row, v] < h[v]:
+                                h[v] = via[row, v]
+                h[dst] = 0.0
+                g[:] = inf
+                key[:] = inf
+                g[src] = 0.0
+                key[src] = h[src]
+            u = 0
+            best = key[0]
+            for v in range(1, n):
+                if key[v] < best:
+                    best = key[v]
+                    u = v
+            if best == inf:
+                break
+            if u == dst:
+                hops = 0
+                v = dst
+                while v != src:
+                    e = pred[v]
+                    back[hops] = e
+                    hops += 1
+                    v = tail[e]
+                if filled + hops > edge_cap:
+                    edge_cap = 2 * edge_cap + hops
+                    grown = np.empty(edge_cap, np.int64)
+                    grown[:filled] = edges[:filled]
+                    edges = grown
+                if paths == path_cap:
+                    path_cap *= 2
+                    grown_row = np.empty(path_cap, np.int64)
+                    grown_step = np.empty(path_cap, np.int64)
+                    grown_end = np.empty(path_cap, np.int64)
+                    grown_row[:paths] = path_row[:paths]
+                    grown_step[:paths] = path_step[:paths]
+                    grown_end[:paths] = path_end[:paths]
+                    path_row, path_step, path_end = grown_row, grown_step, grown_end
+                for i in range(hops):
+                    e = back[hops - 1 - i]
+                    edges[filled + i] = e
+                    w[e] = inf
+                filled += hops
+                path_row[paths] = r
+                path_step[paths] = step
+                path_end[paths] = filled
+                paths += 1
+                out_left -= 1
+                in_left -= 1
+                if out_left == 0 or in_left == 0:
+                    break
+                used[position[back[0]]] = True
+                restart = True
+                step += 1
+                continue
+            key[u] = inf
+            gu = g[u]
+            for e in range(first_edge[u], first_edge[u + 1]):
+                v = head[e]
+                cand = gu + w[e]
+                if cand < g[v]:
+                    g[v] = cand
+                    key[v] = cand + h[v]
+                    pred[v] = e
+            step += 1
+        finish[r] = step
+    return finish, path_row[:paths], path_step[:paths], path_end[:paths], edges[:filled], paths
 
-    def __init__(self, graph: RateGraph, s: np.ndarray, t: np.ndarray) -> None:
-        n, rows = graph.n, len(s)
-        self.n = n
-        self.pair = np.arange(rows)
-        self.s, self.t = s, t
-        self.h = np.zeros((rows, n))  # A* bounds, set by the caller before the first restart
-        self.g = np.full((rows, n), np.inf)
-        self.key = np.full((rows, n), np.inf)  # g + h for open nodes, inf otherwise
-        self.pred = np.full((rows, n), -1, dtype=np.int64)  # edge that reached the node
-        self.w = np.tile(graph.weight, (rows, 1))
-        self.out_left = np.bincount(graph.src, minlength=n)[s].astype(np.int64)
-        self.in_left = np.bincount(graph.dst, minlength=n)[t].astype(np.int64)
 
-    def restart(self, rows: np.ndarray) -> None:
-        """Begin a fresh search from each row's source."""
-        self.g[rows] = np.inf
-        self.key[rows] = np.inf
-        self.g[rows, self.s[rows]] = 0.0
-        self.key[rows, self.s[rows]] = self.h[rows, self.s[rows]]
+@cache
+def _compiled() -> Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]:
+    """``_search_rows`` compiled on first use (cached on disk by numba, so later processes skip it)."""
+    import numba  # imported here: only planning needs it, and it takes a moment to load
 
-    def stop(self, rows: np.ndarray) -> None:
-        """Make rows inert: nothing open, nothing reached."""
-        self.g[rows] = np.inf
-        self.key[rows] = np.inf
-
-    def keep(self, mask: np.ndarray) -> None:
-        """Drop the rows whose pairs have all their paths."""
-        for name in ("pair", "s", "t", "h", "g", "key", "pred", "w", "out_left", "in_left"):
-            setattr(self, name, getattr(self, name)[mask])
+    compiled: Any = numba.njit(cache=True, nogil=True)(_search_rows)
+    return compiled
 
 
 def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = None, *,
@@ -94,97 +193,61 @@ def auxiliary_paths(graph: RateGraph, pairs: Iterable[tuple[int, int]] | None = 
                 raise PolicyError(f"node {node} of pair {a}->{b} is not in the overlay")
     if not wanted:
         return {}
-    if len(wanted) > BATCH_PAIRS:
-        merged: dict[tuple[int, int], tuple[Path, ...]] = {}
-        for start in range(0, len(wanted), BATCH_PAIRS):
-            merged.update(auxiliary_paths(graph, wanted[start:start + BATCH_PAIRS], without_direct=without_direct))
-        return merged
-    found: list[list[Path]] = [[] for _ in wanted]
+    names = _PathNames(graph)
+    merged: dict[tuple[int, int], tuple[Path, ...]] = {}
+    for begin in range(0, len(wanted), BATCH_PAIRS):
+        batch = wanted[begin:begin + BATCH_PAIRS]
+        for pair, paths in zip(batch, _batch_paths(graph, batch, without_direct, names), strict=True):
+            merged[pair] = tuple(paths)
+    return merged
+
+
+def _kernel_inputs(graph: RateGraph, wanted: Sequence[tuple[int, int]], without_direct: bool,
+                   names: _PathNames) -> tuple[np.ndarray, ...]:
+    """``_search_rows``'s arguments for the pairs ``wanted``."""
     s = np.array([graph.index[a] for a, _ in wanted], dtype=np.int64)
     t = np.array([graph.index[b] for _, b in wanted], dtype=np.int64)
+    n = graph.n
     bounds = _EntryBound(graph, t)
-    run = _Searches(graph, s, t)
+    direct = np.full(len(wanted), -1, dtype=np.int64)
     if without_direct:
-        codes = graph.src * graph.n + graph.dst  # ascending: edges are sorted by (src, dst)
-        at = np.minimum(np.searchsorted(codes, s * graph.n + t), len(codes) - 1)
-        direct = np.flatnonzero(codes[at] == s * graph.n + t)
-        run.w[direct, at[direct]] = np.inf
-        run.out_left[direct] -= 1
-        run.in_left[direct] -= 1
-        bounds.remove(direct, at[direct])
-    run.h = bounds.bounds(run.pair, t)
-    run.restart(run.pair)
-    names = _PathNames(graph)
+        codes = graph.src * n + graph.dst  # ascending: edges are sorted by (src, dst)
+        at = np.minimum(np.searchsorted(codes, s * n + t), len(codes) - 1)
+        has = codes[at] == s * n + t
+        direct[has] = at[has]
+    out_left = np.bincount(graph.src, minlength=n)[s].astype(np.int64)
+    in_left = np.bincount(graph.dst, minlength=n)[t].astype(np.int64)
+    return (names.first_edge, graph.dst, graph.src, graph.weight, s, t, direct, out_left, in_left,
+            bounds.via, bounds.in_link, bounds.first, bounds.count, bounds.position)
 
-    out_degree = np.bincount(graph.src, minlength=graph.n)
-    first_edge = np.concatenate(([0], np.cumsum(out_degree)[:-1]))
-    head = graph.dst
-    n, width = graph.n, len(graph.src)
-    alive = np.ones(len(run.pair), dtype=bool)
-    rows = -1
-    while True:
-        left = int(alive.sum())
-        if left <= TAIL_ROWS:
-            # A few long searches remain: finish them one by one rather than paying a lockstep step each.
-            for r in np.flatnonzero(alive).tolist():
-                _finish_alone(graph, run, r, found, names)
-            break
-        if left * 2 < len(alive):  # compact once half the rows are finished
-            run.keep(alive)
-            alive = np.ones(len(run.pair), dtype=bool)
-        if rows != len(alive):  # flat views and row offsets, renewed after each compaction
-            rows = len(alive)
-            row_ids = np.arange(rows)
-            node_base, edge_base = row_ids * n, row_ids * width
-            g, key, pred = run.g.ravel(), run.key.ravel(), run.pred.ravel()
-            weights, heuristic = run.w.ravel(), run.h.ravel()
-        u = np.argmin(run.key, axis=1)
-        at_u = node_base + u
-        best = key[at_u]
-        dead = alive & (best == np.inf)
-        if dead.any():
-            alive &= ~dead
-            run.stop(np.flatnonzero(dead))
-        arrived = alive & (u == run.t)
-        if arrived.any():
-            done = np.flatnonzero(arrived)
-            marked: list[int] = []  # every found path's edges, path after path
-            hops: list[int] = []
-            step_back = pred.item  # predecessor edge of (row, node) at row * n + node
-            for r, pair, src, dst in zip(done.tolist(), run.pair[done].tolist(), run.s[done].tolist(),
-                                         run.t[done].tolist(), strict=True):
-                edges = names.walk_back(step_back, r * n, src, dst)
-                found[pair].append(names.path(edges))
-                marked += edges
-                hops.append(len(edges))
-            ends = np.cumsum(hops)
-            last = np.array(marked)[ends - 1]
-            weights[np.repeat(done * width, hops) + marked] = np.inf
-            run.out_left[done] -= 1
-            run.in_left[done] -= 1
-            complete = (run.out_left[done] == 0) | (run.in_left[done] == 0)
-            alive[done[complete]] = False
-            run.stop(done[complete])
-            again = done[~complete]
-            bounds.remove(run.pair[again], last[~complete])
-            run.h[again] = bounds.bounds(run.pair[again], run.t[again])
-            run.restart(again)
-        # Every row pops u; rows just restarted or stopped have g[u] = inf and relax nothing.
-        key[at_u] = np.inf
-        # The popped nodes' out-edges, flattened: edge k belongs to row owner[k].
-        degree = out_degree[u]
-        owner = np.repeat(row_ids, degree)
-        ends = np.cumsum(degree)
-        out = np.arange(int(ends[-1])) + np.repeat(first_edge[u] - ends + degree, degree)
-        at_v = node_base[owner] + head[out]
-        cand = g[at_u][owner] + weights[edge_base[owner] + out]
-        better = cand < g[at_v]
-        hit = at_v[better]
-        cand = cand[better]
-        g[hit] = cand
-        key[hit] = cand + heuristic[hit]
-        pred[hit] = out[better]
-    return {pair: tuple(paths) for pair, paths in zip(wanted, found, strict=True)}
+
+def _batch_paths(graph: RateGraph, wanted: Sequence[tuple[int, int]], without_direct: bool,
+                 names: _PathNames) -> list[list[Path]]:
+    """One lockstep's paths for ``wanted``, in its order."""
+    inputs = _kernel_inputs(graph, wanted, without_direct, names)
+    s, t, direct, out_left, in_left = inputs[4:9]
+    finish, path_row, path_step, path_end, edges, _ = _compiled()(*inputs)
+    # The lockstep stops at the first step with at most TAIL_ROWS searches left; those finish alone
+    # from the paths they had found before it.
+    cutoff = 0 if len(wanted) <= TAIL_ROWS else int(-np.partition(-finish, TAIL_ROWS)[TAIL_ROWS]) + 1
+    tail_rows = np.flatnonzero(finish >= cutoff)
+    keep = path_step < cutoff  # every path of a row that finished before the cutoff, too
+    found: list[list[Path]] = [[] for _ in wanted]
+    begins = np.concatenate(([0], path_end[:-1]))
+    kept = np.flatnonzero(keep)
+    for row, path in zip(path_row[kept].tolist(), names.paths(edges, begins[kept], path_end[kept]), strict=True):
+        found[row].append(path)
+    for r in tail_rows.tolist():
+        w = graph.weight.copy()
+        mine = np.flatnonzero((path_row == r) & keep)
+        for p in mine.tolist():
+            w[edges[begins[p]:path_end[p]]] = np.inf
+        lost = len(mine)
+        if direct[r] >= 0:
+            w[direct[r]] = np.inf
+            lost += 1
+        _finish_alone(names, int(s[r]), int(t[r]), w, int(out_left[r]) - lost, int(in_left[r]) - lost, found[r])
+    return found
 
 
 class _PathNames:
@@ -192,39 +255,32 @@ class _PathNames:
 
     def __init__(self, graph: RateGraph) -> None:
         self.graph = graph
-        self.nodes = graph.nodes
-        self.tail = graph.src.tolist()
-        self.head = graph.dst.tolist()
-        self.tail_id = [graph.nodes[i] for i in self.tail]
-        self.head_id = [graph.nodes[i] for i in self.head]
+        self.tail_id = np.array(graph.nodes)[graph.src]
+        self.head_id = np.array(graph.nodes)[graph.dst]
+
+    @cached_property
+    def first_edge(self) -> np.ndarray:
+        """CSR row pointers: node i's out-links are edges first_edge[i]:first_edge[i + 1]."""
+        result: np.ndarray = np.searchsorted(self.graph.src, np.arange(self.graph.n + 1)).astype(np.int64)
+        return result
 
     @cached_property
     def matrix(self) -> csr_matrix:
         """The graph as CSR with data in edge order, for the searches that finish alone."""
         graph = self.graph
-        indptr = np.searchsorted(graph.src, np.arange(graph.n + 1))
-        return csr_matrix((graph.weight.copy(), graph.dst, indptr), shape=(graph.n, graph.n))
+        return csr_matrix((graph.weight.copy(), graph.dst, self.first_edge), shape=(graph.n, graph.n))
 
     @cached_property
     def edge_of(self) -> dict[tuple[int, int], int]:
         """Edge id of each (tail index, head index)."""
-        return {pair: e for e, pair in enumerate(zip(self.tail, self.head, strict=True))}
+        pairs = zip(self.graph.src.tolist(), self.graph.dst.tolist(), strict=True)
+        return {pair: e for e, pair in enumerate(pairs)}
 
-    def walk_back(self, pred: Callable[[int], int], base: int, src: int, dst: int) -> list[int]:
-        """Edge ids from ``src`` to ``dst``, following the predecessor edges ``pred(base + node)`` back."""
-        edges = []
-        node = dst
-        tail = self.tail
-        while node != src:
-            edge = pred(base + node)
-            edges.append(edge)
-            node = tail[edge]
-        edges.reverse()
-        return edges
-
-    def path(self, edges: list[int]) -> Path:
-        """Node ids along ``edges``."""
-        return (self.tail_id[edges[0]], *map(self.head_id.__getitem__, edges))
+    def paths(self, edges: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> list[Path]:
+        """Node ids along each stretch ``edges[begins[i]:ends[i]]`` of edge ids."""
+        tails = self.tail_id[edges].tolist()
+        heads = self.head_id[edges[ends - 1]].tolist() if len(ends) else []
+        return [(*tails[b:e], last) for b, e, last in zip(begins.tolist(), ends.tolist(), heads, strict=True)]
 
 
 def _distances_to(graph: RateGraph, targets: np.ndarray) -> np.ndarray:
@@ -285,17 +341,17 @@ class _EntryBound:
         return bound
 
 
-def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Path]], names: _PathNames) -> None:
-    """Complete row ``r``'s remaining rounds with one C Dijkstra per round on its residual graph.
+def _finish_alone(names: _PathNames, s: int, t: int, weight: np.ndarray, out_left: int, in_left: int,
+                  found: list[Path]) -> None:
+    """Complete one search's remaining rounds with one C Dijkstra per round on its residual graph.
 
     Removed edges stay in the matrix with an infinite weight: dijkstra then never reaches through them.
     """
-    s, t = int(run.s[r]), int(run.t[r])
     matrix = names.matrix  # shared by the rows finishing alone, one after another
-    weight = matrix.data  # in edge order: the edges are sorted by (src, dst)
-    weight[:] = run.w[r]
-    out_left, in_left = int(run.out_left[r]), int(run.in_left[r])
-    while out_left and in_left:
+    weights = matrix.data  # in edge order: the edges are sorted by (src, dst)
+    weights[:] = weight
+    nodes = names.graph.nodes
+    while out_left > 0 and in_left > 0:
         dist, pred = dijkstra(matrix, directed=True, indices=s, return_predecessors=True)
         if not np.isfinite(dist[t]):
             return
@@ -303,9 +359,8 @@ def _finish_alone(graph: RateGraph, run: _Searches, r: int, found: list[list[Pat
         while hops[-1] != s:
             hops.append(int(pred[hops[-1]]))
         hops.reverse()
-        edges = [names.edge_of[pair] for pair in itertools.pairwise(hops)]
-        found[int(run.pair[r])].append(names.path(edges))
-        weight[edges] = np.inf
+        weights[[names.edge_of[pair] for pair in itertools.pairwise(hops)]] = np.inf
+        found.append(tuple(nodes[i] for i in hops))
         out_left -= 1
         in_left -= 1
 

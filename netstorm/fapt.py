@@ -120,13 +120,14 @@ def fapt_trees(graph: RateGraph, dist: np.ndarray, roots: Sequence[int]) -> dict
     if orphan.any():
         k, i = np.argwhere(orphan)[0]
         raise PolicyError(f"node {graph.nodes[int(i)]} has no path to root {roots[int(k)]}")
-    depths = tree_depths(parents)
-    ids = np.array(graph.nodes)
+    depth_rows = tree_depths(parents).tolist()
+    parent_rows = np.array(graph.nodes)[parents].tolist()  # one conversion for all roots
+    nodes = graph.nodes
     trees: dict[int, Tree] = {}
-    for k, root in enumerate(roots):
-        parent: dict[int, int | None] = dict(zip(graph.nodes, ids[parents[k]].tolist(), strict=True))
+    for root, parent_ids, depths in zip(roots, parent_rows, depth_rows, strict=True):
+        parent: dict[int, int | None] = dict(zip(nodes, parent_ids, strict=True))
         parent[root] = None
-        trees[root] = Tree.from_parents(root, parent, dict(zip(graph.nodes, depths[k].tolist(), strict=True)))
+        trees[root] = Tree.from_parents(root, parent, dict(zip(nodes, depths, strict=True)))
     return trees
 
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import highspy
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import dijkstra
+from scipy.sparse.csgraph import breadth_first_order, dijkstra
 
 from netstorm.errors import PolicyError
 from netstorm.rategraph import RateGraph
@@ -116,10 +117,18 @@ class PackingGraph:
                     break
         return tuple(sorted(chosen))
 
+    @cached_property
+    def _edge_index(self) -> dict[tuple[int, int], int]:
+        return {(a, b): e for e, (a, b) in enumerate(zip(self.u.tolist(), self.v.tolist(), strict=True))}
+
+    @cached_property
+    def position(self) -> dict[int, int]:
+        """Node id -> index."""
+        return {node: i for i, node in enumerate(self.nodes)}
+
     def edge_set(self, tree: Tree) -> EdgeSet | None:
         """``tree``'s edges as an EdgeSet, or None when one of them is not linked both ways."""
-        index = {(int(a), int(b)): e for e, (a, b) in enumerate(zip(self.u.tolist(), self.v.tolist(), strict=True))}
-        position = {node: i for i, node in enumerate(self.nodes)}
+        index, position = self._edge_index, self.position
         edges = []
         for child, parent in tree.edges():
             a, b = sorted((position[child], position[parent]))
@@ -131,25 +140,20 @@ class PackingGraph:
 
     def rooted(self, edges: EdgeSet, root: int) -> Tree:
         """The tree with undirected ``edges`` oriented towards node id ``root``."""
-        adjacency: list[list[int]] = [[] for _ in range(self.n)]
-        for e in edges:
-            a, b = int(self.u[e]), int(self.v[e])
-            adjacency[a].append(b)
-            adjacency[b].append(a)
-        start = self.nodes.index(root)
-        parent: dict[int, int | None] = {root: None}
-        frontier = [start]
-        while frontier:
-            following = []
-            for i in frontier:
-                for j in sorted(adjacency[i]):
-                    if self.nodes[j] not in parent:
-                        parent[self.nodes[j]] = self.nodes[i]
-                        following.append(j)
-            frontier = following
-        if len(parent) != self.n:
-            raise PolicyError(f"edge set {list(edges)} does not span the overlay")
-        return Tree(root, parent)
+        idx = np.asarray(edges, dtype=np.int64)
+        matrix = csr_matrix((np.ones(len(idx)), (self.u[idx], self.v[idx])), shape=(self.n, self.n))
+        start = self.position[root]
+        order, pred = breadth_first_order(matrix, start, directed=False, return_predecessors=True)
+        if len(order) != self.n or len(idx) != self.n - 1:
+            raise PolicyError(f"edge set {list(edges)} is not a spanning tree of the overlay")
+        depth = [0] * self.n
+        for i, up in zip(order[1:].tolist(), pred[order[1:]].tolist(), strict=True):
+            depth[i] = depth[up] + 1  # BFS order: a parent's depth is known before its children's
+        ids = self.nodes
+        parent: dict[int, int | None] = {ids[i]: ids[up] for i, up in enumerate(pred.tolist()) if i != start}
+        parent[root] = None
+        # A BFS of a spanning tree proves the shape: every node reaches the root, depths are exact.
+        return Tree.from_parents(root, parent, dict(zip(ids, depth, strict=True)))
 
     def delays_to(self, edges: EdgeSet, roots: np.ndarray) -> np.ndarray:
         """Theorem-1 delay of the tree ``edges`` rooted at each node index in ``roots``.
@@ -347,8 +351,7 @@ def assign_roots(graph: PackingGraph, packing: Packing, roots: Sequence[int]
     """
     if len(packing.trees) > len(roots):
         raise PolicyError(f"{len(packing.trees)} trees for {len(roots)} roots: cut the packing to max_trees first")
-    position = {node: i for i, node in enumerate(graph.nodes)}
-    root_index = np.array([position[r] for r in roots], dtype=np.int64)
+    root_index = np.array([graph.position[r] for r in roots], dtype=np.int64)
     delay = np.array([graph.delays_to(edges, root_index) for edges in packing.trees])
     tree_rows, root_cols = linear_sum_assignment(delay)
     owner = {int(c): int(r) for r, c in zip(tree_rows.tolist(), root_cols.tolist(), strict=True)}

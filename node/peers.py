@@ -7,18 +7,29 @@ oversized or unexpected frame gets an Error frame back and the connection is clo
 on serving every other peer.
 
 Sending: one ``PeerLink`` per peer with its own task and queue. A frame is stamped (t_send) when its
-first byte is handed to the socket, written, and the next one waits while the transport is paused
-(``pause_writing``/``resume_writing``), so a slow link slows its sender and the waiting happens in the
-link's queue, visible as ``queued_bytes``, never in an unbounded socket buffer. The queue itself holds
-views of the iteration's buffers: with synchronous iterations its size is bounded by the model.
+first byte is handed to the socket, written, and the next one waits until the transport has handed all
+of it to the kernel (``pause_writing``/``resume_writing`` with a zero high-water mark), while the kernel
+holds at most ``SEND_LOWAT`` unsent bytes (``TCP_NOTSENT_LOWAT``). So a slow link slows its sender and
+the waiting happens in the link's queue, visible as ``queued_bytes``, not in a socket buffer that
+autotuning grows to megabytes: there, seconds of one kind of traffic would sit in FIFO order ahead of
+everything queued after it, and the auxiliary path scheduler would see nothing in flight. The queue
+itself holds views of the iteration's buffers: with synchronous iterations its size is bounded by the
+model.
+
+The queue is ordered, not FIFO: the oldest iteration first, and within it full sums going down before
+partial sums going up. A link carries both (it is a child's edge in one root's tree and a parent's in
+another's); leaves have every partial sum ready at once, so in FIFO order a link's results waited
+behind a whole iteration's worth of other roots' pushes, and the subtrees below it idled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
+import heapq
+import itertools
 import logging
+import socket
 from collections.abc import Callable
 from typing import cast
 
@@ -31,16 +42,21 @@ from netstorm.frames import (
     ErrorFrame,
     Hello,
     Kind,
+    Phase,
     Prefix,
     decode_header,
     decode_prefix,
 )
+from node import linkstats
 
 log = logging.getLogger("netstorm.node.peers")
 
 STAGING_BYTES = 64 * 1024
-WRITE_HIGH_WATER = 1 << 20
-"""Bytes the transport may hold before it pauses the sender; the rest waits in the link's queue."""
+WRITE_HIGH_WATER = 0
+"""Bytes the transport may hold before it pauses the sender: none, the next frame waits in the queue."""
+SEND_LOWAT = 128 * 1024
+"""Unsent bytes the kernel may hold per connection (TCP_NOTSENT_LOWAT): enough to keep a fast link busy
+while the event loop comes round, little enough that the queue's order decides what goes next."""
 
 
 class PeerError(NetStormError):
@@ -189,6 +205,13 @@ class OutboundProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
         self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        sock = transport.get_extra_info("socket")
+        lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+        if sock is not None and lowat is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, lowat, SEND_LOWAT)
+            except OSError as exc:  # not fatal: the link still works, with the kernel's deeper buffer
+                log.warning("connection to node %d: cannot limit unsent bytes: %s", self.peer_id, exc)
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -244,6 +267,25 @@ class Outgoing:
     on_sent: Callable[[], None] | None = None
 
 
+class SendQueue:
+    """A link's waiting frames: oldest iteration first, then DOWN before UP, then arrival order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, Outgoing]] = []
+        self._seq = itertools.count()
+
+    def push(self, item: Outgoing) -> None:
+        header = item.header
+        rank = 0 if header.phase is Phase.DOWN else 1
+        heapq.heappush(self._heap, (header.iteration, rank, next(self._seq), item))
+
+    def pop(self) -> Outgoing:
+        return heapq.heappop(self._heap)[3]
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+
 class PeerLink:
     """The sending half towards one peer: a queue and the task that drains it."""
 
@@ -255,7 +297,7 @@ class PeerLink:
         self._clock = clock
         self._connect_timeout = connect_timeout
         self._stall_timeout = stall_timeout
-        self._queue: collections.deque[Outgoing] = collections.deque()
+        self._queue = SendQueue()
         self._wakeup = asyncio.Event()
         self._closing = False
         self.queued_bytes = 0
@@ -263,8 +305,15 @@ class PeerLink:
         self.sent_bytes = 0
         self.protocol: OutboundProtocol | None = None
 
+    def counters(self) -> linkstats.LinkCounters | None:
+        """The kernel's cumulative counters of this link's connection (None before it is open)."""
+        transport = self.protocol.transport if self.protocol is not None else None
+        if transport is None:
+            return None
+        return linkstats.read(transport.get_extra_info("socket"))
+
     def enqueue(self, item: Outgoing) -> None:
-        self._queue.append(item)
+        self._queue.push(item)
         self.queued_bytes += item.payload.nbytes
         self._wakeup.set()
 
@@ -297,7 +346,7 @@ class PeerLink:
                     await self._wakeup.wait()
                 if self.protocol is None:
                     self.protocol = await self._connect()
-                item = self._queue.popleft()
+                item = self._queue.pop()
                 protocol = self.protocol
                 transport = protocol.transport
                 assert transport is not None

@@ -31,6 +31,7 @@ from netstorm.sendsched import PathScheduler
 from node.chunks import Action, ChunkCore, IterationDone, KeyDone, Send
 from node.chunks import IterationFailed as FailedAction
 from node.forwarding import Forwarding
+from node.linkstats import LinkCounters
 from node.peers import InboundProtocol, Outgoing, PeerError, PeerLink
 
 log = logging.getLogger("netstorm.node")
@@ -115,6 +116,7 @@ class GeneralNode:
         self._key_next: np.ndarray = np.zeros(0, dtype=np.int64)
         self._key_pull: np.ndarray = np.zeros(0, dtype=np.int64)
         self._probes: dict[tuple[int, int], ProbeEstimator] = {}
+        self._link_marks: dict[int, LinkCounters] = {}
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
@@ -452,8 +454,8 @@ class GeneralNode:
                 version = waiter.result().version if waiter is not None and waiter.done() and \
                     waiter.exception() is None else "?"
                 log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on "
-                         "auxiliary paths so far)", self.node_id, action.iteration, time.monotonic() - tracker.started,
-                         version, self.forwarding.aux_chunks)
+                         "auxiliary paths so far); links %s", self.node_id, action.iteration,
+                         time.monotonic() - tracker.started, version, self.forwarding.aux_chunks, self._link_usage())
             elif isinstance(action, FailedAction):
                 tracker = self._tracker(action.iteration)
                 tracker.failed = action.reason
@@ -461,6 +463,20 @@ class GeneralNode:
                 tracker.changed.set()
                 self._skip(action.iteration)
                 log.error("node %d: %s", self.node_id, action.reason)
+
+    def _link_usage(self) -> str:
+        """Bytes each outgoing link carried and how long it was busy since the last call (kernel counters)."""
+        parts = []
+        for peer, link in sorted(self.links.items()):
+            now = link.counters()
+            if now is None:
+                continue
+            delta = now.minus(self._link_marks.get(peer, LinkCounters()))
+            self._link_marks[peer] = now
+            if delta.acked_bytes > 1:
+                parts.append(f"->{peer} {delta.acked_bytes / 1e6:.2f} MB busy {delta.busy_s:.2f} s "
+                             f"(sndbuf-limited {delta.sndbuf_limited_s:.2f} s)")
+        return ", ".join(parts) or "idle"
 
     def _send(self, send: Send) -> None:
         header = send.header

@@ -34,8 +34,10 @@ def restrict(rates: Rates, nodes: Collection[int]) -> Rates:
 
 class Planner:
     def __init__(self, *, topology: str, num_roots: int, update_rate: float,
-                 relative_change: Callable[[Rates, Rates], float]) -> None:
+                 relative_change: Callable[[Rates, Rates], float], packing: bool = True) -> None:
         self.topology = topology
+        self.packing = packing
+        """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.num_roots = 1 if topology == "fapt1" else num_roots
         self.update_rate = update_rate
         self._relative_change = relative_change
@@ -77,9 +79,10 @@ class Planner:
         """Rooted topologies keep their root set; baselines keep their hub (the root of the first plan)."""
         try:
             if roots is None:
-                return plan(rates, topology=self.topology, num_roots=self.num_roots)
+                return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing)
             if self.topology in ROOTED_TOPOLOGIES:
-                return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots)
+                return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots,
+                            packing=self.packing)
             return plan(rates, topology=self.topology, hub=roots[0])
         except NetStormError as exc:
             raise PlanningError(f"cannot plan a {self.topology} policy: {exc}") from exc

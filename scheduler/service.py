@@ -81,10 +81,12 @@ class SchedulerService:
         self.collector = LinkCollector(restrict(rates, nodes), now=clock())
         self.planner = Planner(topology=topology,
                                num_roots=config.num_root_servers if num_roots is None else num_roots,
-                               update_rate=config.update_rate, relative_change=self.collector.relative_change)
+                               update_rate=config.update_rate, relative_change=self.collector.relative_change,
+                               packing=config.tree_packing)
         try:  # fail at startup, not when the last node registers, if these nodes cannot form a job
-            Planner(topology=topology, num_roots=self.planner.num_roots, update_rate=0.0,
-                    relative_change=self.collector.relative_change).first(rates, self.membership.expected)
+            probe = Planner(topology=topology, num_roots=self.planner.num_roots, update_rate=0.0,
+                            relative_change=self.collector.relative_change, packing=config.tree_packing)
+            probe.first(rates, self.membership.expected)
         except PlanningError as exc:
             raise ConfigError(str(exc)) from None
         self.address: tuple[str, int] | None = None

@@ -117,3 +117,27 @@ def test_entry_bound_never_overestimates_and_is_consistent():
         for (x, y), r in rates.items():  # consistency on every link the search may use
             if (x, y) != (a, b):
                 assert h[k, graph.index[x]] <= 1 / r + h[k, graph.index[y]] + 1e-12
+
+
+def test_compiled_search_matches_its_python_source():
+    """The numba build of the search loop returns exactly what the same code interpreted does, on a graph
+    full of ties (every rate equal), where any difference in pop order or comparison would show."""
+    rates = {link: 50.0 for link in random_overlay(12, 4, seed=5)}
+    graph = RateGraph.from_rates(rates)
+    wanted = sorted(rates)
+    names = auxpath._PathNames(graph)
+    inputs = auxpath._kernel_inputs(graph, wanted, True, names)
+    compiled = auxpath._compiled()(*inputs)
+    interpreted = auxpath._search_rows(*inputs)
+    assert compiled[5] == interpreted[5] > len(wanted) // 2
+    for got, expected in zip(compiled[:5], interpreted[:5], strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_equal_paths_come_in_pop_order(monkeypatch):
+    """Two equally fast paths 1->4: the search pops the smaller index first among equal keys, so the
+    path through 2 is found before the one through 3 (searches finishing alone in scipy's Dijkstra may
+    order ties otherwise, hence no tail here)."""
+    monkeypatch.setattr(auxpath, "TAIL_ROWS", 0)
+    rates = {(1, 2): 10.0, (2, 4): 10.0, (1, 3): 10.0, (3, 4): 10.0, (4, 1): 10.0}
+    assert edge_disjoint_paths(RateGraph.from_rates(rates), 1, 4) == ((1, 2, 4), (1, 3, 4))

@@ -65,6 +65,23 @@ def _bulk_mbit(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2.5) -
     return float(result["wire_mbit"])
 
 
+def _bulk_both_ways(net: EmulatedNetwork, a: int, b: int, seconds: float = 2.5) -> tuple[float, float]:
+    """Wire-rate Mbit/s of simultaneous bulk transfers a->b and b->a (one link loaded both ways)."""
+    servers = {}
+    for src, dst, port in ((a, b, PORT), (b, a, PORT + 1)):
+        servers[(src, dst)] = net.spawn(dst, [sys.executable, "-m", "netstorm.emulation.bulk", "serve",
+                                              net.node_address(dst), str(port), "--warmup", "0.5", "--timeout", "30"],
+                                        stdout=subprocess.PIPE)
+        assert _readline(servers[(src, dst)], 20).strip() == "LISTENING"
+    senders = [net.spawn(src, [sys.executable, "-m", "netstorm.emulation.bulk", "send", net.node_address(dst),
+                               str(port), str(seconds), "--source", net.node_address(src)])
+               for src, dst, port in ((a, b, PORT), (b, a, PORT + 1))]
+    rates = [float(json.loads(_readline(servers[d], seconds + 30))["wire_mbit"]) for d in ((a, b), (b, a))]
+    for proc in [*senders, *servers.values()]:
+        assert proc.wait(30) == 0
+    return rates[0], rates[1]
+
+
 def _leftovers(run_id: str) -> list[str]:
     found = [n for n in netns.list_namespaces() if run_id in n]
     links = netns.run(["ip", "-o", "link", "show"], what="list links")
@@ -87,6 +104,11 @@ def test_rates_routes_dynamics_and_teardown() -> None:
         # (via 3 it would be 20): the rate proves the path.
         assert _bulk_mbit(net, 1, 4) == pytest.approx(12.0, rel=0.10)
         assert net.plan.paths[(1, 4)] == (1, 2, 4)
+        # Loaded both ways at once, each direction still gets its own rate: pure ACKs do not queue
+        # behind the other direction's data (in one FIFO class the 20 Mbit/s side fell to 0.6-0.9).
+        forward, backward = _bulk_both_ways(net, 1, 2)
+        assert forward == pytest.approx(20.0, rel=0.10)
+        assert backward == pytest.approx(40.0, rel=0.10)
 
         changes = schedule(scenario, time_scale=0.001, horizon_s=0.07)
         assert [c.epoch for c in changes] == [1]

@@ -58,16 +58,23 @@ def test_bad_run_ids_are_rejected(run_id: str) -> None:
         build_plan(load(DATA / "emu-4.toml"), run_id)
 
 
-def test_tc_lines_use_exact_kbit_and_put_netem_under_the_htb_class() -> None:
+def test_tc_lines_use_exact_kbit_put_acks_first_and_netem_under_both_leaves() -> None:
     from netstorm.emulation import shaping
 
-    assert shaping.setup_lines("x", 13.5) == [
-        "qdisc add dev x root handle 1: htb default 1",
-        "class add dev x parent 1: classid 1:1 htb rate 13500kbit ceil 13500kbit",
-    ]
-    assert shaping.change_line("x", 0.25 * 155) == (
+    lines = shaping.setup_lines("x", 13.5)
+    assert lines[0] == "qdisc add dev x root handle 1: htb default 20"
+    assert lines[1] == "class add dev x parent 1: classid 1:1 htb rate 13500kbit ceil 13500kbit"
+    # 5 % of 13500 kbit guaranteed to pure ACKs at priority 0, the rest to data; both may use the whole link
+    assert lines[2] == "class add dev x parent 1:1 classid 1:10 htb rate 675kbit ceil 13500kbit prio 0"
+    assert lines[3] == "class add dev x parent 1:1 classid 1:20 htb rate 12825kbit ceil 13500kbit prio 1"
+    assert lines[4].startswith("filter add dev x parent 1: protocol ip prio 1 u32 match ip protocol 6 0xff")
+    assert lines[4].endswith("flowid 1:10")
+    assert shaping.change_lines("x", 0.25 * 155)[0] == (
         "class change dev x parent 1: classid 1:1 htb rate 38750kbit ceil 38750kbit")
-    assert shaping.netem_line("x", 30.0, 0.0002) == (
-        "qdisc add dev x parent 1:1 handle 10: netem limit 100000 delay 30ms loss 0.02%")
+    assert [line.split(" classid ")[1].split(" prio")[0] for line in shaping.change_lines("x", 0.25 * 155)[1:]] == [
+        "1:10 htb rate 1938kbit ceil 38750kbit", "1:20 htb rate 36812kbit ceil 38750kbit"]
+    assert shaping.netem_lines("x", 30.0, 0.0002) == [
+        "qdisc add dev x parent 1:10 handle 10: netem limit 100000 delay 30ms loss 0.02%",
+        "qdisc add dev x parent 1:20 handle 20: netem limit 100000 delay 30ms loss 0.02%"]
     with pytest.raises(EmulationError):
         shaping.kbit(0)

@@ -21,6 +21,7 @@ from netstorm.policy import plan
 from netstorm.predict import predict
 from netstorm.rategraph import RateGraph
 from netstorm.scenario import Rates
+from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
 
 ALEXNET_BYTES = 61_100_840 * 4
@@ -189,7 +190,10 @@ def test_delays_match_theorem1_of_the_rooted_tree():
     for edges in packing.trees:
         delays = graph.delays_to(edges, np.arange(graph.n))
         for i, root in enumerate(graph.nodes):
-            assert delays[i] == pytest.approx(theorem1_delay(graph.rooted(edges, root), rates), rel=1e-12)
+            tree = graph.rooted(edges, root)
+            checked = Tree(root, dict(tree.parent))  # the validating constructor agrees on shape and depths
+            assert checked.depth() == tree.depth() and graph.edge_set(checked) == edges
+            assert delays[i] == pytest.approx(theorem1_delay(tree, rates), rel=1e-12)
 
 
 def test_links_one_way_only_are_rejected_with_a_clear_error():

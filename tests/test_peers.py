@@ -296,3 +296,73 @@ def test_the_receiver_reassembles_frames_split_at_any_byte():
         assert [h for h, _ in received] == headers
         for (_, got), want in zip(received, payloads, strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_send_queue_puts_older_iterations_then_results_first():
+    from node.peers import SendQueue
+
+    def item(iteration: int, phase: Phase, chunk: int) -> Outgoing:
+        header = ChunkHeader(iteration, chunk, 2, phase, 1, 2, 1, 2, 0, 0.0, False, (1, 2), 1)
+        return Outgoing(header, np.zeros(1, np.float32))
+
+    queue = SendQueue()
+    pushed = [(1, Phase.UP, 0), (0, Phase.UP, 1), (0, Phase.UP, 2), (1, Phase.DOWN, 3), (0, Phase.DOWN, 4),
+              (0, Phase.UP, 5), (0, Phase.DOWN, 6)]
+    for p in pushed:
+        queue.push(item(*p))
+    order = []
+    while queue:
+        h = queue.pop().header
+        order.append((h.iteration, h.phase, h.chunk))
+    assert order == [(0, Phase.DOWN, 4), (0, Phase.DOWN, 6), (0, Phase.UP, 1), (0, Phase.UP, 2), (0, Phase.UP, 5),
+                     (1, Phase.DOWN, 3), (1, Phase.UP, 0)]
+
+
+def test_a_result_overtakes_partial_sums_still_waiting_on_a_busy_link():
+    """Only SEND_LOWAT unsent bytes and the frame being written sit below the queue, so a DOWN frame
+    queued behind many UP frames goes out right after the one in progress, not after all of them."""
+    from netstorm.frames import decode_header, decode_prefix
+
+    async def main() -> list[Phase]:
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        link = PeerLink(peer_id=2, address=("127.0.0.1", port), hello=lambda: Hello(1, ""), clock=lambda: 0.0,
+                        connect_timeout=5.0)
+        payload = np.zeros(1 << 18, np.float32)  # 1 MiB per frame
+
+        def frame(phase: Phase, chunk: int) -> Outgoing:
+            return Outgoing(ChunkHeader(0, chunk, 2, phase, 1, 2, 1, 2, 0, 0.0, False, (1, 2), payload.size),
+                            payload)
+
+        ups = 16
+        for chunk in range(ups):
+            link.enqueue(frame(Phase.UP, chunk))
+        phases: list[Phase] = []
+        async with asyncio.TaskGroup() as tg:
+            sending = tg.create_task(link.run())
+            loop = asyncio.get_running_loop()
+            conn, _ = await loop.sock_accept(server)
+            async with asyncio.timeout(10):
+                while link.protocol is None or not link.protocol._paused:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            assert link.queued_bytes >= (ups - 4) * payload.nbytes
+            link.enqueue(frame(Phase.DOWN, ups))
+            link.close()
+            reader, writer = await asyncio.open_connection(sock=conn)
+            async with asyncio.timeout(20):
+                while len(phases) < ups + 1:
+                    prefix = decode_prefix(await reader.readexactly(PREFIX_SIZE), max_frame_bytes=1 << 22)
+                    header = decode_header(prefix, await reader.readexactly(prefix.header_len))
+                    if isinstance(header, ChunkHeader):
+                        await reader.readexactly(header.count * 4)
+                        phases.append(header.phase)
+                await sending
+            writer.close()
+        server.close()
+        return phases
+
+    phases = uvloop.run(main())
+    assert sorted(phases) == [Phase.UP] * 16 + [Phase.DOWN]
+    # the DOWN frame left after at most the UP frames already below the queue (kernel and transport)
+    assert phases.index(Phase.DOWN) <= 3

@@ -30,6 +30,9 @@ _FORWARDING = {
     "net.ipv4.ip_forward": "1",
     "net.ipv4.conf.all.rp_filter": "0",
     "net.ipv4.conf.default.rp_filter": "0",
+    # A tree edge idles between its chunks; restarting from the initial window after every gap would
+    # charge each chunk a slow start that a long-lived WAN transfer does not pay.
+    "net.ipv4.tcp_slow_start_after_idle": "0",
 }
 GSO_MAX_SIZE = 1500
 """Shaped ends send wire-sized packets, so HTB meters what the link would carry."""
@@ -222,8 +225,8 @@ class EmulatedNetwork:
         per_ns: dict[str, list[str]] = {}
         for (src, dst), iface in self.plan.interfaces.items():
             link = self.scenario.link(src, dst)
-            per_ns.setdefault(iface.namespace, []).append(
-                shaping.netem_line(iface.name, link.latency_ms, link.loss if self._want_loss else 0.0))
+            per_ns.setdefault(iface.namespace, []).extend(
+                shaping.netem_lines(iface.name, link.latency_ms, link.loss if self._want_loss else 0.0))
         for ns, lines in per_ns.items():
             netns.tc_batch(lines, namespace=ns, what=f"add netem latency/loss in {ns}")
 
@@ -233,8 +236,8 @@ class EmulatedNetwork:
         """Re-shape every direction to ``rates`` (scenario Mbit/s, scaled by bw_scale) in place."""
         per_ns: dict[str, list[str]] = {}
         for direction, iface in self.plan.interfaces.items():
-            per_ns.setdefault(iface.namespace, []).append(
-                shaping.change_line(iface.name, rates[direction] * self.bw_scale))
+            per_ns.setdefault(iface.namespace, []).extend(
+                shaping.change_lines(iface.name, rates[direction] * self.bw_scale))
         for ns, lines in per_ns.items():
             netns.tc_batch(lines, namespace=ns, what=f"re-shape the links of {ns}")
         self.rates = dict(rates)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -43,6 +44,10 @@ DATA_PORT = 7100
 EDGE_PORT = 9700
 EDGE_MODES = ("auto", "xdp", "userspace")
 GLOO_STORE_PORT = 29500
+CHUNKS_PER_MODEL = 60
+"""Chunks a model is cut into when the user does not set CHUNK_SIZE: the paper's AlexNet (61 M
+parameters, CHUNK_SIZE 1 M) had about 61, enough for every root to own several and for chunks to
+pipeline down the trees. A model scaled down for emulation keeps that count rather than the size."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,15 +109,54 @@ def _config_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+def chunk_flags(parameters: int, given: Mapping[str, Any]) -> list[str]:
+    """CHUNK_SIZE (and PROBE_CHUNK_SIZE with it) for a model of ``parameters``, unless the user set them.
+
+    The defaults are sized for AlexNet; a 2.5 M-parameter model at CHUNK_SIZE 1 M has 3 chunks, so 9
+    roots cannot share it and nothing pipelines. The chunk keeps CHUNKS_PER_MODEL chunks (never above
+    the default size), and the probe threshold keeps the default's ratio to the chunk (half a chunk's
+    bytes), or no chunk would ever be large enough to be a throughput sample; it follows a CHUNK_SIZE
+    the user gave too.
+    """
+    from netstorm.config import Config
+
+    default = Config()
+    flags: list[str] = []
+    chunk = int(given.get("chunk_size", default.chunk_size))
+    if "chunk_size" not in given:
+        chunk = max(1, min(default.chunk_size, -(-parameters // CHUNKS_PER_MODEL)))
+        flags += ["--chunk-size", str(chunk)]
+    if "probe_chunk_size" not in given:
+        ratio = default.probe_chunk_size / (4 * default.chunk_size)
+        flags += ["--probe-chunk-size", str(max(1, min(default.probe_chunk_size, round(4 * chunk * ratio))))]
+    return flags
+
+
+def _given_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Options the user set by config file, NETSTORM_<NAME> variable or flag (later ones win)."""
+    import os
+
+    from netstorm.config import FIELDS, load_env, load_file
+
+    given: dict[str, Any] = dict(load_file(args.config)) if getattr(args, "config", None) else {}
+    given.update(load_env(os.environ))
+    given.update({name: getattr(args, f"opt_{name}") for name in FIELDS
+                  if getattr(args, f"opt_{name}", None) is not None})
+    return given
+
+
 def options_from_args(args: argparse.Namespace) -> Options:
+    from netstorm.emulation.gloo_trainer import model_parameters
+
     if args.iterations < 1:
         raise EmulationError(f"--iterations must be at least 1, got {args.iterations}")
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
+    flags = _config_flags(args) + chunk_flags(model_parameters(args.model), _given_options(args))
     lan_workers = getattr(args, "lan_workers", None)
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
-                   _config_flags(args), args.run_dir, lan_workers=lan_workers,
+                   flags, args.run_dir, lan_workers=lan_workers,
                    edge_mode=getattr(args, "edge_mode", "auto"))
 
 
@@ -222,9 +266,9 @@ class SystemRun:
         for dc in net.plan.node_ids:
             out = self._logfile(f"node-{dc}")
             gateway = self._gateway_flags(dc)
-            # -v on a gateway: its log then names the aggregation mode the result records
+            # -v: the log names each link's load per iteration and, on a gateway, the aggregation mode
             self.services[f"node-{dc}"] = net.spawn(dc, self._python(
-                "-m", "netstorm.cli", *(["-v"] if gateway else []), "node", "--id", str(dc), "--scheduler", scheduler,
+                "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
                 *gateway, *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
         for dc in net.plan.node_ids:
