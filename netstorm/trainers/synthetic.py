@@ -8,7 +8,7 @@ Each iteration sleeps the compute time (the stand-in for a forward and backward 
 gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
 ``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
-``workers`` (DCs that contributed) and ``cpu_s`` (this process's CPU time so far).
+``workers`` (contributors to the sum: DCs, or ``--contributors``) and ``cpu_s`` (this process's CPU time so far).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
