@@ -100,18 +100,27 @@ class XdpAggregator:
         frame = bytearray(udp_frame(Header(Kind.DATA, 0, 0, 0, 0, 0, 0, 0, 0).encode(), dport=int(cfg.port)))
         frame[42 + 3] = TIMER_INIT_KIND
         failed: list[tuple[int, int]] = []
-        for index in range(self.layout.num_slots):
-            frame[42 + 20: 42 + 24] = index.to_bytes(4, "little")
-            # the kernel serves timer allocations from a per-CPU cache refilled asynchronously: after a
-            # burst of about a hundred it answers ENOMEM until the refill ran, so back off briefly and retry
-            for attempt in range(200):
-                verdict, out = self.test_run(bytes(frame))
-                code = int.from_bytes(out[42 + 28: 42 + 32], "little")
-                if verdict == XDP_DROP or code != errno.ENOMEM:
-                    break
-                time.sleep(0.0005 * (attempt + 1))
-            if verdict != XDP_DROP:
-                failed.append((index, code))
+        pending = list(range(self.layout.num_slots))
+        # A loaded host can leave the refill pending for long: slots still refused after one pass get
+        # further passes after longer pauses before the loader gives up.
+        for rest in (0.0, 0.5, 1.0, 2.0, 4.0):
+            time.sleep(rest)
+            failed = []
+            for index in pending:
+                frame[42 + 20: 42 + 24] = index.to_bytes(4, "little")
+                # the kernel serves timer allocations from a per-CPU cache refilled asynchronously: after
+                # a burst of about a hundred it answers ENOMEM until the refill ran, so back off and retry
+                for attempt in range(200 if rest == 0.0 else 20):
+                    verdict, out = self.test_run(bytes(frame))
+                    code = int.from_bytes(out[42 + 28: 42 + 32], "little")
+                    if verdict == XDP_DROP or code != errno.ENOMEM:
+                        break
+                    time.sleep(0.0005 * (attempt + 1))
+                if verdict != XDP_DROP:
+                    failed.append((index, code))
+            if not failed or any(code != errno.ENOMEM for _, code in failed):
+                break
+            pending = [index for index, _ in failed]
         if failed:
             index, code = failed[0]
             raise LoaderError(f"initialising the bpf_timer of {len(failed)} of {self.layout.num_slots} slots failed "
