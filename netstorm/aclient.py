@@ -14,11 +14,11 @@ from collections.abc import Mapping
 import numpy as np
 
 from netstorm import trainer_wire as tw
-from netstorm.client import DEFAULT_TIMEOUT, Registry, raise_for, release_init, resolve_address
+from netstorm.client import DEFAULT_TIMEOUT, Registry, RegistryView, raise_for, release_init, resolve_address
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout
 
 
-class AsyncClient:
+class AsyncClient(RegistryView):
     """An asyncio connection to this DC's general node; create with ``aconnect``."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool,
@@ -74,18 +74,6 @@ class AsyncClient:
         finally:
             release_init(path)
         return self.registry.accept_init(reply, list(tensors), data)
-
-    @property
-    def num_workers(self) -> int:
-        return self.registry.num_workers
-
-    @property
-    def node_id(self) -> int:
-        return self.registry.node_id
-
-    @property
-    def iteration(self) -> int:
-        return self.registry.iteration
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         names, payload = self.registry.prepare_push(tensors)

@@ -234,7 +234,27 @@ def raise_for(reply: tw.Message, expected: type[tw.Message], context: str) -> No
         raise TrainerProtocolError(f"{context}: node answered {reply.TYPE!r}, expected {expected.TYPE!r}")
 
 
-class Client:
+class RegistryView:
+    """What both clients report from their Registry (the blocking and the asyncio one share it)."""
+
+    registry: Registry
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (DCs) in the latest iteration."""
+        return self.registry.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.registry.node_id
+
+    @property
+    def iteration(self) -> int:
+        """The newest iteration the node has reported (-1 before init)."""
+        return self.registry.iteration
+
+
+class Client(RegistryView):
     """A blocking connection to the general node of this DC."""
 
     def __init__(self, address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
@@ -318,20 +338,6 @@ class Client:
         finally:
             release_init(path)
         return self.registry.accept_init(reply, list(tensors), data)
-
-    @property
-    def num_workers(self) -> int:
-        """Contributors to each sum (DCs) in the latest iteration."""
-        return self.registry.num_workers
-
-    @property
-    def node_id(self) -> int:
-        return self.registry.node_id
-
-    @property
-    def iteration(self) -> int:
-        """The newest iteration the node has reported (-1 before init)."""
-        return self.registry.iteration
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         """One synchronous iteration: the sum (or mean) over DCs of every tensor given."""
