@@ -21,6 +21,7 @@ import numpy as np
 from bpf import timer_link
 from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
+from bpf.timer_memory import SlabRoom
 from bpf.wire import Kind
 
 HERE = Path(__file__).resolve().parent
@@ -33,6 +34,8 @@ EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])
 _instances = itertools.count()
+#: tries per slot before the loader gives up on its timer (each ENOMEM is followed by making room)
+PRIME_ATTEMPTS = 32
 
 
 @dataclass(frozen=True)
@@ -92,39 +95,38 @@ class XdpAggregator:
 
     def prime_timers(self) -> None:
         """Initialise every slot's bpf_timer from process context (BPF_PROG_TEST_RUN with the loader-only
-        TIMER_INIT kind): in NAPI context the timer's allocation can fail under load, leaving a slot that
-        would never report. The data path then only starts and cancels timers."""
+        TIMER_INIT kind), so the data path only starts and cancels timers and never meets a failed
+        allocation. The kernel allocates each timer without locks, from objects already free in its slab
+        class; when none is left, bpf/timer_memory.py frees some on this CPU and the slot is tried again."""
         from bpf.wire import Header
 
         cfg = self._module[b"ns_cfg"][self._module[b"ns_cfg"].Key(0)]
         frame = bytearray(udp_frame(Header(Kind.DATA, 0, 0, 0, 0, 0, 0, 0, 0).encode(), dport=int(cfg.port)))
         frame[42 + 3] = TIMER_INIT_KIND
-        failed: list[tuple[int, int]] = []
-        pending = list(range(self.layout.num_slots))
-        # A loaded host can leave the refill pending for long: slots still refused after one pass get
-        # further passes after longer pauses before the loader gives up.
-        for rest in (0.0, 0.5, 1.0, 2.0, 4.0):
-            time.sleep(rest)
-            failed = []
-            for index in pending:
+        with SlabRoom() as room:
+            for index in range(self.layout.num_slots):
                 frame[42 + 20: 42 + 24] = index.to_bytes(4, "little")
-                # the kernel serves timer allocations from a per-CPU cache refilled asynchronously: after
-                # a burst of about a hundred it answers ENOMEM until the refill ran, so back off and retry
-                for attempt in range(200 if rest == 0.0 else 20):
+                for attempt in range(PRIME_ATTEMPTS):
                     verdict, out = self.test_run(bytes(frame))
                     code = int.from_bytes(out[42 + 28: 42 + 32], "little")
                     if verdict == XDP_DROP or code != errno.ENOMEM:
                         break
-                    time.sleep(0.0005 * (attempt + 1))
+                    if not room.make():
+                        # no way to make room on this kernel: give an asynchronous refill a moment
+                        time.sleep(0.001 * (attempt + 1))
                 if verdict != XDP_DROP:
-                    failed.append((index, code))
-            if not failed or any(code != errno.ENOMEM for _, code in failed):
-                break
-            pending = [index for index, _ in failed]
-        if failed:
-            index, code = failed[0]
-            raise LoaderError(f"initialising the bpf_timer of {len(failed)} of {self.layout.num_slots} slots failed "
-                              f"(slot {index}: {os.strerror(code) if code else 'unknown error'})")
+                    raise LoaderError(self._prime_failure(index, code, room))
+
+    def _prime_failure(self, index: int, code: int, room: SlabRoom) -> str:
+        reason = os.strerror(code) if code else "unknown error"
+        text = (f"initialising the bpf_timer of slot {index} of {self.layout.num_slots} failed ({reason}, "
+                f"{PRIME_ATTEMPTS} attempts)")
+        if code == errno.ENOMEM and not room.usable:
+            text += ("; the kernel allocates timers without locks from free slab objects only, and this kernel's "
+                     "BTF does not show pipes sharing the timer's size class, so the loader cannot make room")
+        elif code == errno.ENOMEM:
+            text += f" although {room.rounds} rounds of freed slab objects were offered"
+        return text
 
     def configure(self, *, job: int, port: int, expected: int, timeout: float, max_nacks: int) -> None:
         """Install the control side's view: which workers contribute, the timer period, job and port."""

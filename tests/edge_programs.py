@@ -1,7 +1,7 @@
 """One compiled XDP aggregator shared by the edge test modules of a pytest run (compiling costs seconds).
 
-Tensors 0-2 serve the slot-semantics tests; tensor 3 (500 single-lane-width chunks, more than the kernel's
-burst of timer allocations) serves the timer link test."""
+Tensors 0-2 serve the slot-semantics tests; tensor 3 (2000 chunks of one slot each, far more timers than a
+quiet host's slab holds free, see bpf/timer_memory.py) serves the timer link test."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from bpf.maps import EdgeLayout
 
-LAYOUT = EdgeLayout((1000, 360, 7, 360 * 500), (12, 12, 12, 0), lanes=360)
+LAYOUT = EdgeLayout((1000, 360, 7, 360 * 2000), (12, 12, 12, 0), lanes=360)
 SLOT_TENSORS = (0, 1, 2)
 TIMER_TENSOR = 3
 JOB = 3

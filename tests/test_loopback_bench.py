@@ -120,5 +120,8 @@ def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
     assert all(s <= t for s, t in zip(result["sync_s"], result["iteration_s"], strict=True))
     assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
     assert 0 < result["sync_vs_memcpy"] < 1
-    assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + 0.05 <= 1.05
+    # the cluster's share of the host cannot exceed the host's busy share, up to /proc's tick resolution
+    slack = result["cpu_share_resolution"]
+    assert 0 < slack < 1
+    assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + slack
     assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout

@@ -173,6 +173,10 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
     host_busy = (end.host[0] - first.host[0]) / max(end.host[1] - first.host[1], 1)
     cpus = os.cpu_count() or 1
     cluster_share = (sum(node_cpu.values()) + sum(trainer_cpu)) * measured / (window * cpus)
+    # /proc counts CPU time in clock ticks: each process's and each CPU's figure may be off by a tick at
+    # either end, which on a short window is a visible share
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    share_resolution = 2 * tick * (len(node_cpu) + len(trainer_cpu) + cpus) / (window * cpus)
     mb = model_bytes / 1e6
     target = TARGET_CPU_S_PER_100MB * mb / 100
     return {
@@ -195,6 +199,7 @@ def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, record
         "cpus": cpus,
         "host_cpu_busy": host_busy,
         "cluster_cpu_share": cluster_share,
+        "cpu_share_resolution": share_resolution,
     }
 
 
