@@ -107,21 +107,22 @@ def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     run = subprocess.run(
         [sys.executable, "-m", "netstorm.cli", "bench", "loopback", "--nodes", "3", "--model-mb", "0.4",
-         "--iterations", "3", "--chunk-size", "30000", "--run-dir", str(tmp_path / "run"), "--timeout", "60",
+         "--iterations", "40", "--chunk-size", "30000", "--run-dir", str(tmp_path / "run"), "--timeout", "60",
          "--json", str(out)],
         capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())
     assert result["exact"] is True
     assert result["model_bytes"] == 400_000
-    assert len(result["iteration_s"]) == 3
+    assert len(result["iteration_s"]) == 40
     assert sorted(result["node_cpu_s_per_iteration"]) == ["1", "2", "3"]
-    assert result["sync_bytes_per_s"] == pytest.approx(400_000 / ((result["sync_s"][1] + result["sync_s"][2]) / 2))
+    assert result["sync_bytes_per_s"] == pytest.approx(400_000 / (sum(result["sync_s"][1:]) / 39))
     assert all(s <= t for s, t in zip(result["sync_s"], result["iteration_s"], strict=True))
     assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
     assert 0 < result["sync_vs_memcpy"] < 1
     # the cluster's share of the host cannot exceed the host's busy share, up to /proc's tick resolution
+    # (40 iterations make the window long enough for that resolution to say something)
     slack = result["cpu_share_resolution"]
-    assert 0 < slack < 1
+    assert 0 < slack < 0.5
     assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + slack
     assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout
