@@ -42,8 +42,16 @@ class Tree:
         return tuple(sorted(self.parent))
 
     def children(self, node: int) -> tuple[int, ...]:
-        """Direct children of ``node``, ascending."""
-        return tuple(sorted(n for n, up in self.parent.items() if up == node))
+        """Direct children of ``node``, ascending (looked up per chunk on the data path, so built once)."""
+        return self._children.get(node, ())
+
+    @cached_property
+    def _children(self) -> dict[int, tuple[int, ...]]:
+        below: dict[int, list[int]] = {}
+        for n, up in sorted(self.parent.items()):
+            if up is not None:
+                below.setdefault(up, []).append(n)
+        return {up: tuple(kids) for up, kids in below.items()}
 
     def path_to_root(self, node: int) -> tuple[int, ...]:
         """``node``, its parent, ..., the root."""

@@ -166,6 +166,9 @@ def test_tree_accessors():
     tree = Tree(1, {1: None, 2: 1, 3: 1, 4: 2, 5: 4})
     assert tree.children(1) == (2, 3)
     assert tree.children(5) == ()
+    assert tree.children(2) == (4,)
+    assert tree.children(99) == ()
+    assert Tree(1, {1: None, 5: 1, 3: 1, 4: 3}).children(1) == (3, 5)   # ascending, whatever the dict order
     assert tree.path_to_root(5) == (5, 4, 2, 1)
     order = tree.bottom_up()
     assert sorted(order) == [1, 2, 3, 4, 5]
