@@ -26,7 +26,7 @@
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
-    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, NS_NSTATS
+    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, NS_NSTATS
 };
 
 struct ns_hdr {
@@ -110,8 +110,18 @@ int ns_timer_cb(void *map)
     if (report) {
         ev.expected = expected;
         ev.job = cfg->job;
-        ns_events.ringbuf_output(&ev, sizeof(ev), 0);
-        bump(ST_TIMER_EVENTS);
+        if (ns_events.ringbuf_output(&ev, sizeof(ev), 0)) {
+            /* ring full (the agent is behind): the report is lost, so it must not use up one of the slot's
+             * max_nacks reports; the timer tries again next period */
+            bump(ST_REPORT_LOST);
+            bpf_spin_lock(&slot->lock);
+            if (slot->busy && slot->iteration == ev.iteration && slot->nacks == ev.nacks)
+                slot->nacks -= 1;
+            bpf_spin_unlock(&slot->lock);
+            rearm = 1;
+        } else {
+            bump(ST_TIMER_EVENTS);
+        }
         if (rearm)
             bpf_timer_start(&slot->timer, cfg->timeout_ns, 0);
     }

@@ -29,7 +29,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost")
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])

@@ -60,6 +60,8 @@ def test_missing_mark_and_torn_instructions_are_errors() -> None:
 def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
     """Every one of 2000 slots (ten times what a quiet host's slab holds free for timers) reports,
     re-arming itself until max_nacks: the timers were all initialised at load time."""
+    import time
+
     import numpy as np
 
     from bpf.packets import data_packets
@@ -69,7 +71,7 @@ def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
     slots = LAYOUT.chunks[TIMER_TENSOR]
     assert slots == 2000
     agg = shared_program()
-    agg.configure(job=1, port=PORT, expected=0b11, timeout=0.05, max_nacks=3)
+    agg.configure(job=1, port=PORT, expected=0b11, timeout=0.1, max_nacks=3)
     before = agg.stats()
     agg.drain_events()
     rows = data_packets(LAYOUT, job=1, worker=1, iteration=5, tensor=TIMER_TENSOR,
@@ -78,7 +80,9 @@ def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
         verdict, _ = agg.test_run(udp_frame(bytes(row), dport=PORT))
         assert verdict == XDP_DROP
     seen: dict[int, list[int]] = {}
-    for _ in range(200):
+    # each poll returns as soon as any report is in, so bound the wait by a deadline, not by a poll count
+    deadline = time.monotonic() + 30.0
+    while time.monotonic() < deadline:
         for event in agg.poll_events(50):
             if event.tensor != TIMER_TENSOR or event.iteration != 5:
                 continue   # a report left over from another test's slot on the shared program
@@ -88,5 +92,8 @@ def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
             break
     # armed by the first packet, re-armed by the callback itself until max_nacks reports
     assert sorted(seen) == list(range(slots))
-    assert all(nacks == [1, 2, 3] for nacks in seen.values())
+    wrong = {chunk: nacks for chunk, nacks in seen.items() if nacks != [1, 2, 3]}
+    assert not wrong, (len(wrong), agg.stats())
     assert agg.stats()["timer_fail"] == before["timer_fail"] == 0
+    # a report the full ring buffer refused was retried, not charged to max_nacks (so the lists above hold)
+    assert agg.stats()["timer_events"] - before["timer_events"] == 3 * slots
