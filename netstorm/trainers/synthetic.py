@@ -9,7 +9,8 @@ gradients counts towards it), push_pulls one gradient per layer and checks the r
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
 ``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
 ``workers`` (contributors to the sum: every DC's trainer and LAN workers, as the node or gateway reports
-them, or ``--contributors``) and ``cpu_s`` (this process's CPU time so far).
+them, or ``--contributors``, which the reported count must then equal) and ``cpu_s`` (this process's CPU
+time so far).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
@@ -298,6 +299,10 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 if not fixed and kv.num_workers != workers:  # membership changed: S is read afresh
                     workers, members_sum = kv.num_workers, None
                 verdict = pattern.check(k, workers, result, members_sum)
+                if fixed and kv.num_workers != workers:  # the count average=True would divide by is wrong
+                    miscount = f"the sum holds {workers} workers' gradients, the node or gateway says {kv.num_workers}"
+                    verdict = dataclasses.replace(verdict, exact=False,
+                                                  error="; ".join(e for e in (verdict.error, miscount) if e))
                 members_sum = verdict.members_sum if verdict.exact else members_sum
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
