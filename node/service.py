@@ -187,7 +187,7 @@ class GeneralNode:
     @property
     def num_workers(self) -> int:
         """Workers of the job's live members (each DC's trainer and LAN workers)."""
-        return sum(self.workers.get(n, 1) for n in self.members)
+        return sum(self.workers.get(n, 1) for n in self.members if n not in self.down)
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
