@@ -204,10 +204,12 @@ class EdgeGateway:
             for old in [k for k in self._finished if k < iteration - 4]:
                 del self._finished[old]
 
-    async def send_results(self, iteration: int, results: Sequence[np.ndarray]) -> None:
-        """Send every worker the float32 result of each chunk; kept for PULLs until 4 iterations later."""
+    async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int) -> None:
+        """Send every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
+        contributor count); kept for PULLs until 4 iterations later."""
         rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
-                                              values=np.asarray(r, np.float32)) for t, r in enumerate(results)])
+                                              values=np.asarray(r, np.float32), total=total)
+                               for t, r in enumerate(results)])
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]

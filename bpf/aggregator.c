@@ -43,7 +43,7 @@ struct ns_hdr {
     u16 count;
     s8 scale;
     s8 need;
-    u32 reserved;
+    u32 reserved;               /* "total" of RESULT (bpf/wire.py), never read here; TIMER_INIT returns its errno in it */
 } __attribute__((packed));
 
 struct ns_cfg {

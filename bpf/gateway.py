@@ -3,9 +3,11 @@ goes back to them.
 
 The node calls ``combine(iteration, key, values)`` while its own trainer contributes tensor ``key``
 (that is how the gateway's own trainer is included: explicitly, since its packets to its own address
-would never cross the NIC's XDP hook), and ``released(iteration, result)`` once the iteration's result
-has been read. The first iteration (the trainer's ``init``) carries no LAN sum: its result, the values
-every DC agrees on, is what the LAN workers' ``init`` returns.
+would never cross the NIC's XDP hook), and ``released(iteration, result, workers)`` once the iteration's
+result has been read; ``workers`` (how many workers' gradients the result sums, over every DC) goes to the
+LAN workers with it, so they can average exactly as a trainer at a node does. The first iteration (the
+trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
+workers' ``init`` returns.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class EdgeOptions:
     """``netstorm node --edge-*``: where the LAN workers send and how to aggregate them."""
 
     workers: int
+    """LAN workers (the DC then contributes ``1 + workers`` workers' gradients, its own trainer's too)."""
     listen: tuple[str, int]
     interface: str | None = None
     mode: str = "auto"
@@ -62,7 +65,7 @@ class EdgeRole:
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
         self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout]] = {}
-        self._results: asyncio.Queue[tuple[int, list[np.ndarray]]] = asyncio.Queue(maxsize=4)
+        self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
 
     def _start(self, sizes: list[int]) -> EdgeGateway:
@@ -152,20 +155,21 @@ class EdgeRole:
             log.error("edge: %s", exc)
             return exc
 
-    def released(self, iteration: int, per_key: list[np.ndarray]) -> None:
-        """The iteration's result (one flat float32 array per tensor) goes back to the LAN workers."""
+    def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None:
+        """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes
+        back to the LAN workers."""
         try:
-            self._results.put_nowait((iteration, per_key))
+            self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:
             log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
 
     async def _broadcast(self) -> None:
         assert self.gateway is not None
         while True:
-            iteration, per_key = await self._results.get()
+            iteration, per_key, workers = await self._results.get()
             try:
                 if iteration == self.init_iteration:
                     await self.gateway.wait_workers(self.iteration_timeout)
-                await self.gateway.send_results(iteration, per_key)
+                await self.gateway.send_results(iteration, per_key, total=workers)
             except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
                 log.error("edge: results of iteration %d: %s", iteration, exc)

@@ -67,12 +67,15 @@ def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, t
     return _assemble(rows, scaled.astype("<i4"))
 
 
-def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int, values: np.ndarray,
+def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int, values: np.ndarray, total: int,
                    chunks: np.ndarray | None = None) -> np.ndarray:
-    """RESULT datagrams carrying float32 lanes of one tensor's result."""
+    """RESULT datagrams carrying float32 lanes of one tensor's result, a sum over ``total`` workers."""
+    if not 0 < total <= 0xFFFFFFFF:
+        raise WireError(f"a RESULT sums at least one worker and at most 2**32-1, got total {total}")
     matrix = chunk_matrix(layout, tensor, values)
     index = np.arange(layout.chunks[tensor]) if chunks is None else np.asarray(chunks, np.int64)
     rows = header_rows(len(index), kind=Kind.RESULT, job=job, worker=0, iteration=iteration)
+    rows["total"] = total
     rows["tensor"] = tensor
     rows["chunk"] = index
     rows["slot"] = layout.first_slot[tensor] + index

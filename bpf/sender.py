@@ -1,5 +1,6 @@
 """The LAN worker's side: send a gradient as fixed-point DATA datagrams to the gateway, answer NACKs from
-what it kept, and receive the float32 result (PULLing chunks whose RESULT was lost)."""
+what it kept, and receive the float32 result (PULLing chunks whose RESULT was lost) with the number of
+workers it sums, which every RESULT datagram carries (``Header.total``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ class EdgeWorker:
         self.duplicate = 0.0
         """Fraction of first transmissions sent twice (duplicate injection)."""
         self._queued: list[bytes] = []
+        self._total = 0
+        """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
 
     async def hello(self, *, timeout: float) -> Header:  # noqa: ASYNC109
         """Announce this worker until the gateway answers (it learns our address from it). The answer
@@ -60,8 +63,10 @@ class EdgeWorker:
 
     async def push_pull(
         self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float  # noqa: ASYNC109
-    ) -> list[np.ndarray]:
-        """Contribute ``tensors`` to ``iteration`` and return the result the gateway sends back."""
+    ) -> tuple[list[np.ndarray], int]:
+        """Contribute ``tensors`` to ``iteration``; the result the gateway sends back, and how many workers'
+        gradients it sums (0 from a gateway that does not say)."""
+        self._total = 0
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
                                             tensor=t, values=v) for t, v in enumerate(values)])
@@ -78,15 +83,17 @@ class EdgeWorker:
             if i % 64 == 63:
                 self._serve_pending(iteration, keep, values, results, missing)
         await self._gather(iteration, keep, values, results, missing, timeout)
-        return results
+        return results, self._total
 
-    async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray]]:  # noqa: ASYNC109
-        """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``)."""
+    async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray], int]:  # noqa: ASYNC109
+        """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``):
+        its iteration, the result, and how many workers' gradients it sums."""
+        self._total = 0
         results = [np.zeros(size, np.float32) for size in self.layout.sizes]
         missing = np.ones(self.layout.num_slots, bool)
         keep = np.zeros((0, 0), np.uint8)
         iteration = await self._gather(None, keep, [], results, missing, timeout)
-        return iteration, results
+        return iteration, results, self._total
 
     async def _gather(self, iteration: int | None, keep: np.ndarray, values: list[np.ndarray],
                       results: list[np.ndarray], missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
@@ -139,6 +146,10 @@ class EdgeWorker:
         if head.job != self.job or head.iteration != iteration & 0xFFFFFFFF:
             return
         if head.kind == Kind.RESULT:
+            if self._total and head.total != self._total:
+                raise WireError(f"edge worker {self.worker}: iteration {iteration}'s RESULT datagrams disagree on "
+                                f"how many workers they sum ({self._total}, then {head.total})")
+            self._total = head.total
             index = self.layout.slot(head.tensor, head.chunk)
             if missing[index]:
                 start, stop = self.layout.bounds(head.tensor, head.chunk)

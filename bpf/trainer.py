@@ -6,6 +6,10 @@ datagrams, and the WAN result comes back the same way.
 the asyncio ``AsyncEdgeClient``. ``init`` registers nothing itself: the gateway's own trainer registers
 the model at the node, and every LAN worker receives the values the DCs agreed on, exactly like a trainer
 at the node. Tensors are ordered by name, as the node's layout orders them.
+
+Every result comes with the number of workers whose gradients it sums (every contributing DC's trainer
+and LAN workers), the count the node's trainers see too: ``num_workers`` reports it and ``average=True``
+divides the float32 sum by it, so a LAN worker's mean equals the node trainers' bit for bit.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import numpy as np
 
 from bpf.maps import EdgeLayout
 from bpf.sender import EdgeWorker
-from bpf.wire import EdgeTimeout
+from bpf.wire import EdgeTimeout, WireError
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
 from netstorm.layout import DTYPES
 
@@ -64,7 +68,8 @@ class AsyncEdgeClient:
 
     @property
     def num_workers(self) -> int:
-        """LAN workers aggregated at this gateway (the gateway's own trainer not counted)."""
+        """Workers whose gradients make up each sum in the latest iteration: every contributing DC's own
+        trainer and LAN workers (0 if the gateway does not say)."""
         return self._workers
 
     async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -87,21 +92,22 @@ class AsyncEdgeClient:
         if reply.tensor != len(sizes) or reply.slot != layout.num_slots:
             raise WrongShape(f"edge worker {self.worker_id}: the gateway's model has {reply.tensor} tensors in "
                              f"{reply.slot} slots, this worker's has {len(sizes)} in {layout.num_slots}")
-        self._workers = reply.chunk
         self._worker = EdgeWorker(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job)
         try:
-            self.iteration, flat = await self._worker.receive_first(timeout=self.timeout)
+            self.iteration, flat, self._workers = await self._worker.receive_first(timeout=self.timeout)
         except EdgeTimeout as exc:
             raise TrainerTimeout(str(exc)) from None
+        except WireError as exc:
+            raise TrainerError(str(exc)) from None
         return self._shape(flat)
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         """One synchronous iteration: every registered tensor, in any order."""
         if self._worker is None:
             raise TrainerError("push_pull before init")
-        if average:
-            raise TrainerError("average=True is not available in edge mode: a LAN worker does not know how many "
-                               "workers the other DCs have; divide the sum by your job's total")
+        if average and self._workers < 1:
+            raise TrainerError(f"edge worker {self.worker_id}: average=True needs the number of workers each sum "
+                               f"holds, and gateway {self.gateway}'s results do not carry it (an older gateway)")
         unknown = sorted(set(tensors) - set(self.names))
         if unknown:
             raise UnknownTensor(f"unknown tensor(s) {unknown}; registered: {list(self.names)}")
@@ -118,10 +124,21 @@ class AsyncEdgeClient:
             values.append(value.astype(np.float32).reshape(-1))
         iteration = self.iteration + 1
         try:
-            flat = await self._worker.push_pull(iteration, values, timeout=self.timeout)
+            flat, total = await self._worker.push_pull(iteration, values, timeout=self.timeout)
         except EdgeTimeout as exc:
             raise TrainerTimeout(str(exc)) from None
+        except WireError as exc:
+            raise TrainerError(str(exc)) from None
         self.iteration = iteration
+        self._workers = total
+        if average:
+            if total < 1:
+                raise TrainerError(f"edge worker {self.worker_id}: iteration {iteration}: the gateway's results do "
+                                   f"not say how many workers they sum (a gateway older than this worker); "
+                                   f"average=True needs that count")
+            scale = np.float32(total)
+            for f in flat:  # float32 sum / count, exactly what a trainer at the node gets
+                np.divide(f, scale, out=f)
         return self._shape(flat)
 
     async def push(self, name: str, value: np.ndarray) -> None:

@@ -18,13 +18,18 @@ offset size   field        meaning
 24     u16    count        lanes in this datagram, <= MAX_LANES
 26     i8     scale        lanes hold round(x * 2**scale) (DATA/AGG) or float32 values (RESULT)
 27     i8     need         largest scale at which the sender's values fit int32 (AGG: min over workers)
-28     u32    reserved     zero
+28     u32    total        RESULT: workers whose gradients the result sums (every DC's trainer and
+                           LAN workers, what ``average=True`` divides by; 0 from a gateway that
+                           predates the field); zero in every other kind
 ====== ====== ============ =====================================================================
 
 DATA and AGG carry int32 fixed-point lanes; RESULT carries float32 lanes. DATA is always padded with zero
 lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in linear
 time); ``count`` says how many lanes matter. 32 + 360*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
 headers is exactly a 1500-byte MTU.
+
+The XDP program (bpf/aggregator.c) never reads ``total``: DATA carries zero there and AGG keeps it. Only the
+loader's own TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ HEADER_DTYPE: Final = np.dtype(
     [
         ("magic", "<u2"), ("version", "u1"), ("kind", "u1"), ("job", "<u2"), ("worker", "u1"), ("flags", "u1"),
         ("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"), ("count", "<u2"),
-        ("scale", "i1"), ("need", "i1"), ("reserved", "<u4"),
+        ("scale", "i1"), ("need", "i1"), ("total", "<u4"),
     ]
 )
 HEADER_STRUCT: Final = struct.Struct("<HBBHBBIIIIHbbI")
@@ -106,11 +111,13 @@ class Header:
     scale: int
     need: int = NEED_NONE
     flags: Flag = Flag.NONE
+    total: int = 0
+    """RESULT only: workers whose gradients the result sums."""
 
     def encode(self) -> bytes:
         return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
                                   self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
-                                  self.need, 0)
+                                  self.need, self.total)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Header:
@@ -118,7 +125,7 @@ class Header:
         if len(data) < HEADER_BYTES:
             raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
         (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
-         _reserved) = HEADER_STRUCT.unpack_from(data)
+         total) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC:
             raise WireError(f"bad magic 0x{magic:04x}")
         if version != VERSION:
@@ -140,8 +147,10 @@ class Header:
         flag = _FLAGS.get(flags)
         if flag is None:
             raise WireError(f"unknown flags 0x{flags:02x}")
+        if total and kind != Kind.RESULT:
+            raise WireError(f"{kind.name} datagram with total {total}: only RESULT carries one")
         return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
-                   count=count, scale=scale, need=need, flags=flag)
+                   count=count, scale=scale, need=need, flags=flag, total=total)
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:

@@ -241,7 +241,8 @@ class RegistryView:
 
     @property
     def num_workers(self) -> int:
-        """Contributors to each sum (DCs) in the latest iteration."""
+        """Workers whose gradients make up each sum in the latest iteration: every contributing DC's own
+        trainer and the LAN workers its gateway aggregates (what ``average=True`` divides by)."""
         return self.registry.num_workers
 
     @property
@@ -340,7 +341,7 @@ class Client(RegistryView):
         return self.registry.accept_init(reply, list(tensors), data)
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        """One synchronous iteration: the sum (or mean) over DCs of every tensor given."""
+        """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given."""
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)

@@ -121,6 +121,27 @@ def _pairs(where: str, value: Any) -> tuple[tuple[int, int], ...]:
     return tuple((_int(where, a), _int(where, b)) for a, b in value)
 
 
+def _workers(where: str, value: Any) -> int:
+    count = _int(where, value)
+    if count < 1:
+        raise ControlError(f"{where}: a DC contributes at least its own trainer (1 worker), got {count}")
+    return count
+
+
+def _worker_counts(where: str, value: Any) -> dict[int, int]:
+    if not isinstance(value, list):
+        raise ControlError(f"{where}: expected a list of [id, workers], got {type(value).__name__}")
+    out: dict[int, int] = {}
+    for entry in value:
+        if not isinstance(entry, list) or len(entry) != 2:
+            raise ControlError(f"{where}: expected [id, workers], got {entry!r}")
+        node_id = _int(where, entry[0])
+        if node_id in out:
+            raise ControlError(f"{where}: node {node_id} listed twice")
+        out[node_id] = _workers(f"{where}[{node_id}]", entry[1])
+    return out
+
+
 def _ids(where: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ControlError(f"{where}: expected a list of node ids, got {type(value).__name__}")
@@ -132,27 +153,48 @@ def _ids(where: str, value: Any) -> tuple[int, ...]:
 
 @dataclasses.dataclass(frozen=True)
 class Message:
-    """Base of every control message; subclasses set TYPE and FIELDS (name -> checker)."""
+    """Base of every control message; subclasses set TYPE and FIELDS (name -> checker).
+
+    A field named in OPTIONAL may be absent from a frame (the dataclass default applies): fields added
+    after a message was first defined are optional, and are left out of the frame while they hold their
+    default, so peers that predate them still decode what a newer peer sends when the feature is unused.
+    """
 
     TYPE: ClassVar[str] = ""
     FIELDS: ClassVar[Mapping[str, Checker]] = {}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
     def to_fields(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.FIELDS}
 
     @classmethod
     def from_fields(cls, data: Mapping[str, Any]) -> Message:
-        values = {name: check(f"{cls.TYPE}.{name}", data[name]) for name, check in cls.FIELDS.items()}
+        values = {name: check(f"{cls.TYPE}.{name}", data[name]) for name, check in cls.FIELDS.items()
+                  if name in data or name not in cls.OPTIONAL}
         return cls(**values)
 
 
 @dataclasses.dataclass(frozen=True)
 class Register(Message):
     TYPE: ClassVar[str] = "register"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "data_host": _str, "data_port": _port}
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "data_host": _str, "data_port": _port,
+                                                "workers": _workers}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"workers"})
     node_id: int
     data_host: str
     data_port: int
+    workers: int = 1
+    """Workers whose gradients this DC's contribution sums: its own trainer and the LAN workers its
+    gateway aggregates (``netstorm node --edge-workers``)."""
+
+    def __post_init__(self) -> None:
+        _workers(f"{self.TYPE}.workers", self.workers)
+
+    def to_fields(self) -> dict[str, Any]:
+        fields = super().to_fields()
+        if self.workers == 1:
+            del fields["workers"]
+        return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,14 +202,33 @@ class RegisterAck(Message):
     """Sent to every node once all expected nodes have registered."""
 
     TYPE: ClassVar[str] = "register_ack"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"members": _members, "config": _dict, "scheduler_time": _float}
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"members": _members, "config": _dict, "scheduler_time": _float,
+                                                "workers": _worker_counts}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"workers"})
     members: Mapping[int, tuple[str, int]]
     config: Mapping[str, Any]
     scheduler_time: float
+    workers: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
+    1, so an ack naming every member with 1 equals one naming none; ``workers_of`` reads it."""
+
+    def __post_init__(self) -> None:
+        strangers = sorted(set(self.workers) - set(self.members))
+        if strangers:
+            raise ControlError(f"{self.TYPE}.workers: node(s) {strangers} are not members")
+        counts = {n: _workers(f"{self.TYPE}.workers[{n}]", w) for n, w in sorted(self.workers.items())}
+        object.__setattr__(self, "workers", {n: w for n, w in counts.items() if w != 1})
+
+    def workers_of(self, node_id: int) -> int:
+        return self.workers.get(node_id, 1)
 
     def to_fields(self) -> dict[str, Any]:
         members = [[node_id, host, port] for node_id, (host, port) in sorted(self.members.items())]
-        return {"members": members, "config": dict(self.config), "scheduler_time": self.scheduler_time}
+        fields: dict[str, Any] = {"members": members, "config": dict(self.config),
+                                  "scheduler_time": self.scheduler_time}
+        if self.workers:
+            fields["workers"] = [[node_id, n] for node_id, n in sorted(self.workers.items())]
+        return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +396,7 @@ def decode(body: bytes) -> Message:
     if cls is None:
         raise ControlError(f"unknown control message type {kind!r}")
     expected = set(cls.FIELDS) | {"v", "type"}
-    missing = sorted(set(cls.FIELDS) - set(data))
+    missing = sorted(set(cls.FIELDS) - cls.OPTIONAL - set(data))
     extra = sorted(str(k) for k in set(data) - expected)
     if missing:
         raise ControlError(f"{kind}: missing field(s) {', '.join(missing)}")

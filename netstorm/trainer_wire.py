@@ -66,6 +66,7 @@ class InitReply:
     node_id: int
     iteration: int
     num_workers: int
+    """Workers whose gradients make up each sum (every DC's trainer and LAN workers)."""
     layout_hash: str
 
     def fields(self) -> dict[str, Any]:
@@ -146,7 +147,8 @@ class PullReply:
     iteration: int
     names: tuple[str, ...]
     workers: int
-    """DCs whose contributions make up these sums (fewer than the job's after a DC died)."""
+    """Workers whose gradients make up these sums: over the iteration's contributing DCs (fewer than the
+    job's after a DC died), each DC's trainer and its gateway's LAN workers."""
 
     def fields(self) -> dict[str, Any]:
         return {"iteration": self.iteration, "names": list(self.names), "workers": self.workers}

@@ -57,6 +57,8 @@ class SchedulerClient:
         self.address = address
         self.node_id = node_id
         self.members: Mapping[int, tuple[str, int]] = dict(ack.members)
+        self.workers: Mapping[int, int] = {n: ack.workers_of(n) for n in ack.members}
+        """Member -> workers whose gradients its contribution sums (its trainer and LAN workers)."""
         self.config = config
         self.scheduler_time = ack.scheduler_time
         self._name = f"scheduler {control.format_address(address)}"
@@ -80,14 +82,17 @@ class SchedulerClient:
 
     @classmethod
     async def connect(cls, address: tuple[str, int], node_id: int, data_address: tuple[str, int], *,
-                      timeout: float) -> SchedulerClient:  # noqa: ASYNC109 (the contract's per-call deadline)
-        """Register node ``node_id``; returns once every expected node has registered."""
+                      timeout: float,  # noqa: ASYNC109 (the contract's per-call deadline)
+                      workers: int = 1) -> SchedulerClient:
+        """Register node ``node_id``, whose contributions sum ``workers`` workers' gradients (1 + the LAN
+        workers of its gateway); returns once every expected node has registered."""
         name = f"scheduler {control.format_address(address)}"
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
                 reader, writer = await asyncio.open_connection(*address)
-                writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1])))
+                writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1],
+                                                             workers=workers)))
                 await writer.drain()
                 reply = await control.read_message(reader)
         except BaseException as exc:  # the connection must not outlive a failed registration

@@ -43,6 +43,8 @@ class Control(Protocol):
     @property
     def members(self) -> Mapping[int, tuple[str, int]]: ...
     @property
+    def workers(self) -> Mapping[int, int]: ...
+    @property
     def config(self) -> Config: ...
     @property
     def node_id(self) -> int: ...
@@ -58,7 +60,7 @@ class EdgeHook(Protocol):
 
     async def combine(self, iteration: int, key: int, values: np.ndarray | None,
                       sizes: list[int]) -> np.ndarray | None: ...
-    def released(self, iteration: int, per_key: list[np.ndarray]) -> None: ...
+    def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None: ...
 
 
 class IterationTimeout(IterationFailed):
@@ -105,6 +107,8 @@ class GeneralNode:
         self.layout: Layout | None = None
         self.control: Control | None = None
         self.members: dict[int, tuple[str, int]] = {}
+        self.workers: dict[int, int] = {}
+        """Member -> workers whose gradients its contribution sums (from the scheduler; 1 when absent)."""
         self.links: dict[int, PeerLink] = {}
         self.down: dict[int, str] = {}
         self.forwarding = Forwarding(node_id, config)
@@ -139,6 +143,7 @@ class GeneralNode:
         self.config = control.config
         self.forwarding = Forwarding(self.node_id, self.config)
         self.members = dict(control.members)
+        self.workers = dict(control.workers)
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job")
@@ -181,7 +186,8 @@ class GeneralNode:
 
     @property
     def num_workers(self) -> int:
-        return len(self.members)
+        """Workers of the job's live members (each DC's trainer and LAN workers)."""
+        return sum(self.workers.get(n, 1) for n in self.members if n not in self.down)
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
@@ -268,7 +274,8 @@ class GeneralNode:
         if len(tracker.pulled) == len(self.layout.tensors):
             if self.edge is not None:
                 self.edge.released(iteration, [result[self.layout.key_slice(k)].copy()
-                                               for k in range(len(self.layout.tensors))])
+                                               for k in range(len(self.layout.tensors))],
+                                   self.contributor_count(iteration))
             self.core.release(iteration)
             del self._trackers[iteration]
             log.debug("node %d: iteration %d released", self.node_id, iteration)
@@ -430,6 +437,11 @@ class GeneralNode:
         if waiter is None or not waiter.done() or waiter.exception() is not None:
             return sorted(self.members)
         return sorted(waiter.result().nodes)
+
+    def contributor_count(self, iteration: int) -> int:
+        """Workers whose gradients make up ``iteration``'s sums: over its contributing DCs, each DC's own
+        trainer and its gateway's LAN workers (what ``average=True`` divides by)."""
+        return sum(self.workers.get(n, 1) for n in self.contributors(iteration))
 
     def _tracker(self, iteration: int) -> _Tracker:
         tracker = self._trackers.get(iteration)

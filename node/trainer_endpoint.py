@@ -235,7 +235,7 @@ class TrainerEndpoint:
                 out = ordered.tobytes()
             log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
                      node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
-            return tw.InitReply(node.node_id, iteration, len(policy.nodes), layout.hash), out
+            return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash), out
         layout = self._layout()
         if isinstance(request, tw.PushRequest | tw.PushPullRequest):
             keys = session.keys(layout, request.names)
@@ -243,12 +243,12 @@ class TrainerEndpoint:
             if isinstance(request, tw.PushRequest):
                 return tw.PushReply(iteration), b""
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
+            return tw.PullReply(iteration, request.names, node.contributor_count(iteration)), out
         if isinstance(request, tw.PullRequest):
             keys = session.keys(layout, request.names)
             iteration = node.pull_iteration(keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names, len(node.contributors(iteration))), out
+            return tw.PullReply(iteration, request.names, node.contributor_count(iteration)), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
     async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
@@ -284,7 +284,8 @@ class TrainerEndpoint:
             target = session.shm
 
         iteration = self.node.pull_iteration(keys[0]) if keys else -1
-        scale = np.float32(len(self.node.contributors(iteration)))
+        # every DC's trainer and its gateway's LAN workers contributed: the mean is over all of them
+        scale = np.float32(self.node.contributor_count(iteration))
 
         def sink(key: int, values: np.ndarray) -> None:
             start = position[key]

@@ -1,7 +1,8 @@
 """Registration, heartbeats and liveness of the job's nodes, as a sans-I/O core with an injected clock.
 
 The expected node ids are fixed when the job starts (the scenario's DCs or ``--nodes``). A node
-registers once with its data-plane address; when the last expected node has registered the membership
+registers once with its data-plane address and how many workers its contributions sum (its own trainer
+and its gateway's LAN workers: what an average divides by); when the last expected node has registered the membership
 is complete and every node learns the full member list. From then on each node must heartbeat at
 least every ``heartbeat_timeout`` seconds; a silent node, or one whose control connection drops, is
 declared dead once, and the shell tells every survivor and re-plans without it. A node that drops
@@ -37,6 +38,7 @@ class Membership:
             raise MembershipError(f"heartbeat_timeout must be positive, got {heartbeat_timeout}")
         self._timeout = heartbeat_timeout
         self._addresses: dict[int, tuple[str, int]] = {}
+        self._workers: dict[int, int] = {}
         self._last_seen: dict[int, float] = {}
         self._dead: dict[int, str] = {}
         self.complete = False
@@ -57,8 +59,14 @@ class Membership:
         """Live members and their data-plane addresses."""
         return {n: self._addresses[n] for n in self.alive}
 
-    def register(self, node_id: int, address: tuple[str, int], now: float) -> bool:
+    def workers(self) -> dict[int, int]:
+        """Live members and the workers each one's contribution sums."""
+        return {n: self._workers[n] for n in self.alive}
+
+    def register(self, node_id: int, address: tuple[str, int], now: float, *, workers: int = 1) -> bool:
         """Record a registration; True when it completes the membership."""
+        if workers < 1:
+            raise MembershipError(f"node {node_id} registers {workers} workers; a DC has at least its own trainer")
         if node_id not in self.expected:
             raise MembershipError(
                 f"unknown node id {node_id}: this job expects nodes {', '.join(map(str, self.expected))}")
@@ -70,6 +78,7 @@ class Membership:
         if self.complete:
             raise MembershipError(f"node {node_id} registers after the membership was complete")
         self._addresses[node_id] = address
+        self._workers[node_id] = workers
         self._last_seen[node_id] = now
         if len(self._addresses) == len(self.expected):
             self.complete = True
@@ -91,6 +100,7 @@ class Membership:
             return None
         if not self.complete:
             del self._addresses[node_id]
+            del self._workers[node_id]
             del self._last_seen[node_id]
             return None
         return self._declare(node_id, "its control connection to the scheduler closed")

@@ -218,15 +218,15 @@ class SchedulerService:
             return True
         try:
             completes = self.membership.register(message.node_id, (message.data_host, message.data_port),
-                                                 self.clock())
+                                                 self.clock(), workers=message.workers)
         except MembershipError as exc:
             log.warning("registration from %s refused: %s", conn.peer, exc)
             await conn.send(control.Error(str(exc)))
             return False
         conn.node_id = message.node_id
         self._connections[message.node_id] = conn
-        log.info("node %d registered from %s with data address %s:%d (%d of %d)", message.node_id, conn.peer,
-                 message.data_host, message.data_port, len(self.membership.registered),
+        log.info("node %d registered from %s with data address %s:%d, %d worker(s) (%d of %d)", message.node_id,
+                 conn.peer, message.data_host, message.data_port, message.workers, len(self.membership.registered),
                  len(self.membership.expected))
         if completes:
             await self._start_job()
@@ -244,7 +244,7 @@ class SchedulerService:
                 return
             self._publish(policy, "first plan")
         ack = control.RegisterAck(members=self.membership.members(), config=dataclasses.asdict(self.config),
-                                  scheduler_time=self.clock())
+                                  scheduler_time=self.clock(), workers=self.membership.workers())
         await self._broadcast(ack)
         self.complete.set()
         log.info("membership complete: nodes %s; policy %d is current", list(nodes),

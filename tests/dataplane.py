@@ -21,9 +21,10 @@ class FixedControl:
     """Membership and policies decided by the test; records link reports."""
 
     def __init__(self, node_id: int, members: Mapping[int, tuple[str, int]], config: Config,
-                 policies: Callable[[int], Policy]) -> None:
+                 policies: Callable[[int], Policy], workers: Mapping[int, int] | None = None) -> None:
         self.node_id = node_id
         self.members = dict(members)
+        self.workers = {n: (workers or {}).get(n, 1) for n in members}
         self.config = config
         self._policies = policies
         self.reports: list[LinkReport] = []
@@ -44,14 +45,15 @@ class FixedControl:
 
 
 @contextlib.asynccontextmanager
-async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy]
-                  ) -> AsyncIterator[dict[int, GeneralNode]]:
-    """Nodes ``ids`` serving on loopback, each running in this scope; stopped on exit."""
+async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy],
+                  workers: Mapping[int, int] | None = None) -> AsyncIterator[dict[int, GeneralNode]]:
+    """Nodes ``ids`` serving on loopback, each running in this scope; stopped on exit. ``workers``: how
+    many workers a node's contributions sum (1 unless given), as its Register says."""
     nodes = {i: GeneralNode(i, config) for i in ids}
     members = {i: await n.serve_data("127.0.0.1", 0) for i, n in nodes.items()}
     async with asyncio.TaskGroup() as tg:
         for i, n in nodes.items():
-            tg.create_task(n.run(FixedControl(i, members, config, policies)))
+            tg.create_task(n.run(FixedControl(i, members, config, policies, workers)))
         for n in nodes.values():
             await n.wait_ready()
         try:

@@ -46,9 +46,10 @@ def shm_files() -> set[str]:
     return set(glob.glob(f"/dev/shm/netstorm-{os.getpid()}-*"))
 
 
-def run_cluster(tmp_path: Path, body: Callable[[dict[int, str]], object], config: Config = CONFIG) -> None:
+def run_cluster(tmp_path: Path, body: Callable[[dict[int, str]], object], config: Config = CONFIG,
+                workers: dict[int, int] | None = None) -> None:
     async def main() -> None:
-        async with cluster([1, 2, 3], config, policy) as nodes:
+        async with cluster([1, 2, 3], config, policy, workers) as nodes:
             endpoints = {i: TrainerEndpoint(n) for i, n in nodes.items()}
             addresses = {}
             for i, endpoint in endpoints.items():
@@ -113,6 +114,35 @@ def test_three_kinds_of_trainers_agree_exactly(tmp_path: Path):
         assert shm_files() == before  # the shared-memory files were unlinked once mapped
 
     run_cluster(tmp_path, body)
+
+
+def test_the_mean_is_over_every_worker_when_dcs_sum_lan_workers(tmp_path: Path):
+    """DC 1 registered 3 workers (its trainer and 2 LAN workers), DC 3 registered 2: every sum then holds
+    6 workers' gradients, and the mean divides the float32 sum by 6, not by the 3 DCs."""
+    workers = {1: 3, 2: 1, 3: 2}
+    steps = [{i: model(20 * k + i) for i in (1, 2, 3)} for k in range(2)]
+
+    async def trainer(address: str, dc: int) -> list[tuple[int, dict[str, np.ndarray]]]:
+        kv = await netstorm.aconnect(address, timeout=30)
+        async with kv:
+            await kv.init(model(dc))
+            out = [(kv.num_workers, await kv.push_pull(steps[0][dc], average=True))]
+            for name, value in steps[1][dc].items():
+                await kv.push(name, value)
+            out.append((kv.num_workers, {name: await kv.pull(name, average=True) for name in steps[1][dc]}))
+            return out
+
+    async def body(addresses: dict[int, str]) -> None:
+        results = await asyncio.gather(*(trainer(addresses[i], i) for i in (1, 2, 3)))
+        for dc_results in results:
+            for k, (num_workers, averaged) in enumerate(dc_results):
+                assert num_workers == 6
+                for name in steps[k][1]:
+                    total = np.sum([steps[k][i][name].astype(np.float32) for i in (1, 2, 3)], axis=0)
+                    mean = (total / np.float32(6)).astype(steps[k][1][name].dtype)
+                    np.testing.assert_array_equal(averaged[name], mean, err_msg=f"{name}, step {k}")
+
+    run_cluster(tmp_path, body, workers=workers)
 
 
 def test_bad_requests_get_clear_errors_and_the_connection_stays_usable(tmp_path: Path):

@@ -31,8 +31,11 @@ from netstorm.control import (
 
 SAMPLES: list[control.Message] = [
     Register(node_id=3, data_host="127.0.0.1", data_port=40003),
+    Register(node_id=3, data_host="127.0.0.1", data_port=40003, workers=5),
     RegisterAck(members={1: ("127.0.0.1", 4001), 2: ("10.0.0.2", 4002)}, config={"chunk_size": 7},
                 scheduler_time=1234.5),
+    RegisterAck(members={1: ("127.0.0.1", 4001), 2: ("10.0.0.2", 4002)}, config={}, scheduler_time=1.0,
+                workers={2: 3}),
     LayoutCheck(node_id=2, layout_hash="ab12"),
     LayoutAck(),
     Heartbeat(node_id=1, t=99.25),
@@ -91,6 +94,18 @@ def raw(data: object) -> bytes:
          "expected [id, host, port]"),
         ({"v": 1, "type": "register_ack", "members": [[1, "h", 5], [1, "h", 6]], "config": {},
           "scheduler_time": 0}, "listed twice"),
+        ({"v": 1, "type": "register", "node_id": 1, "data_host": "h", "data_port": 7, "workers": 0},
+         "register.workers: a DC contributes at least its own trainer (1 worker), got 0"),
+        ({"v": 1, "type": "register", "node_id": 1, "data_host": "h", "data_port": 7, "workers": 2.0},
+         "register.workers: expected an integer"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h", 5]], "config": {}, "scheduler_time": 0,
+          "workers": [[1, -2]]}, "register_ack.workers[1]: a DC contributes at least its own trainer"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h", 5]], "config": {}, "scheduler_time": 0,
+          "workers": [[1, 2], [1, 3]]}, "node 1 listed twice"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h", 5]], "config": {}, "scheduler_time": 0,
+          "workers": [[4, 2]]}, "node(s) [4] are not members"),
+        ({"v": 1, "type": "register_ack", "members": [[1, "h", 5]], "config": {}, "scheduler_time": 0,
+          "workers": {"1": 2}}, "expected a list of [id, workers]"),
         ({"v": 1, "type": "policy_reply", "iteration": 1, "version": 1, "policy": [1]}, "expected a map"),
         ({"v": 1, "type": "policy_override", "rates": [[1, 2, -3.0]]}, "must be positive"),
         ({"v": 1, "type": "policy_override", "rates": [[1, 2, float("inf")]]}, "expected a finite number"),
@@ -107,6 +122,31 @@ def test_malformed_messages_are_rejected_with_a_reason(data: object, needle: str
     with pytest.raises(ControlError) as info:
         decode(raw(data))
     assert needle in str(info.value)
+
+
+def test_workers_default_to_one_and_stay_off_the_wire_at_their_default() -> None:
+    """A peer that predates ``workers`` neither sends it nor accepts it: frames without it decode as one
+    worker per DC, and a message at that default is encoded exactly as before."""
+    old_register = {"v": 1, "type": "register", "node_id": 2, "data_host": "h", "data_port": 7}
+    assert decode(raw(old_register)) == Register(2, "h", 7, workers=1)
+    assert msgpack.unpackb(body(encode(Register(2, "h", 7)))) == old_register
+    assert msgpack.unpackb(body(encode(Register(2, "h", 7, workers=4))))["workers"] == 4
+    members = {1: ("h", 5), 2: ("h", 6), 3: ("h", 7)}
+    old_ack = {"v": 1, "type": "register_ack", "members": [[1, "h", 5], [2, "h", 6], [3, "h", 7]], "config": {},
+               "scheduler_time": 0.5}
+    ack = decode(raw(old_ack))
+    assert isinstance(ack, RegisterAck) and [ack.workers_of(n) for n in (1, 2, 3)] == [1, 1, 1]
+    explicit = RegisterAck(members, {}, 0.5, workers={1: 1, 2: 4, 3: 1})
+    assert explicit == RegisterAck(members, {}, 0.5, workers={2: 4})
+    assert [explicit.workers_of(n) for n in (1, 2, 3)] == [1, 4, 1]
+    assert msgpack.unpackb(body(encode(explicit)))["workers"] == [[2, 4]]
+    assert msgpack.unpackb(body(encode(RegisterAck(members, {}, 0.5, workers={1: 1})))) == old_ack
+
+
+@pytest.mark.parametrize("workers", [0, -1])
+def test_a_register_with_no_worker_is_refused_when_built(workers: int) -> None:
+    with pytest.raises(ControlError, match=f"at least its own trainer .*got {workers}"):
+        Register(1, "h", 7, workers=workers)
 
 
 def test_garbage_bytes_are_rejected() -> None:

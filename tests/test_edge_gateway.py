@@ -1,6 +1,7 @@
 """The gateway role end to end: a scheduler and two DC nodes (node 1 a gateway for two LAN workers on a
 bridge), the gateway's own trainer, DC 2's trainer and both LAN workers in edge mode. Every participant
-gets the same init values and the same exact sums; the LAN workers' push_pull is plain edge mode."""
+gets the same init values, the same exact sums and the same means over all four workers (the LAN
+workers' push_pull is plain edge mode)."""
 
 from __future__ import annotations
 
@@ -101,16 +102,21 @@ async def _drive(tmp_path: Path, workers: list[AsyncEdgeClient]) -> None:
         for got in inits:  # everyone starts from DC 1's values (the lowest id)
             for name, value in model(1, 0).items():
                 np.testing.assert_array_equal(got[name], value)
-        assert all(w.num_workers == 2 for w in workers)
-        for step in (1, 2, 3):
+        # every sum holds 4 workers' gradients: DC 1's trainer and its 2 LAN workers, and DC 2's trainer
+        everyone: list[netstorm.AsyncClient | AsyncEdgeClient] = [gw, dc2, *workers]
+        assert [kv.num_workers for kv in everyone] == [4, 4, 4, 4]
+        for step in (1, 2, 3, 4, 5):
+            average = step > 3
             inputs = [model(1, step), model(2, step), *(model(10 + w.worker_id, step) for w in workers)]
-            outs = await asyncio.gather(gw.push_pull(inputs[0]), dc2.push_pull(inputs[1]),
-                                        *(w.push_pull(inputs[2 + i]) for i, w in enumerate(workers)))
+            outs = await asyncio.gather(*(kv.push_pull(x, average=average) for kv, x in zip(everyone, inputs,
+                                                                                            strict=True)))
             for name in inputs[0]:
-                want = np.sum([x[name].astype(np.float32) for x in inputs], axis=0).astype(inputs[0][name].dtype)
+                total = np.sum([x[name].astype(np.float32) for x in inputs], axis=0)
+                want = (total / np.float32(4) if average else total).astype(inputs[0][name].dtype)
                 for who, out in enumerate(outs):
                     assert out[name].dtype == want.dtype and out[name].shape == want.shape
                     np.testing.assert_array_equal(out[name], want, err_msg=f"participant {who}, {name}, step {step}")
+            assert [kv.num_workers for kv in everyone] == [4, 4, 4, 4]
     finally:
         await gw.close()
         await dc2.close()

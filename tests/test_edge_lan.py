@@ -114,9 +114,12 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                         expected = reference(contribs, workers)
                         for got, want in zip(sums, expected, strict=True):
                             assert np.array_equal(got, want)
-                        await gateway.send_results(iteration, sums)
+                        total = workers + 1 + k   # what the node would say: this LAN, its trainer, other DCs
+                        await gateway.send_results(iteration, sums, total=total)
                         for task in pushes:
-                            for got, want in zip(await task, expected, strict=True):
+                            got_sums, got_total = await task
+                            assert got_total == total
+                            for got, want in zip(got_sums, expected, strict=True):
                                 assert np.array_equal(got, want)
                         checked += 1
                 finally:

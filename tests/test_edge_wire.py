@@ -44,12 +44,28 @@ def test_header_round_trip_and_field_offsets() -> None:
     (lambda b: b[:7] + b"\x80" + b[8:], "unknown flags"),
     (lambda b: b[:-1], "payload bytes"),
     (lambda b: b[:6] + b"\x40" + b[7:], "worker 64"),
+    (lambda b: b[:28] + b"\x05\x00\x00\x00" + b[32:], "DATA datagram with total 5: only RESULT carries one"),
 ])
 def test_malformed_datagrams_are_rejected_with_a_reason(mutate: object, message: str) -> None:
     good = bytes(data_packets(LAYOUT, job=1, worker=2, iteration=3, tensor=1, values=np.ones(7))[0])
     Header.decode(good)
     with pytest.raises(WireError, match=message):
         Header.decode(mutate(good))  # type: ignore[operator]
+
+
+def test_result_total_round_trips_at_offset_28() -> None:
+    """A RESULT says how many workers' gradients it sums, in the header word other kinds keep zero."""
+    head = Header(Kind.RESULT, job=1, worker=0, iteration=7, tensor=1, chunk=0, slot=3, count=7, scale=0,
+                  total=2**32 - 1)
+    raw = head.encode()
+    assert int.from_bytes(raw[28:32], "little") == 2**32 - 1
+    assert Header.decode(raw + bytes(4 * 7)) == head
+    res = result_packets(LAYOUT, job=1, iteration=7, tensor=0, values=np.ones(1000), total=13)
+    assert [Header.decode(bytes(r)).total for r in res] == [13, 13, 13]
+    assert Header.decode(bytes(data_packets(LAYOUT, job=1, worker=0, iteration=7, tensor=0,
+                                            values=np.ones(1000))[0])).total == 0
+    with pytest.raises(WireError, match="at least one worker"):
+        result_packets(LAYOUT, job=1, iteration=7, tensor=0, values=np.ones(1000), total=0)
 
 
 def test_control_datagrams_carry_no_payload() -> None:
@@ -92,7 +108,7 @@ def test_data_packets_split_pad_and_address_slots() -> None:
     assert [h.slot for h in heads] == [0, 1, 2] and LAYOUT.slot(1, 0) == 3
     got = np.concatenate([lanes_of(bytes(r))[: h.count] for r, h in zip(rows, heads, strict=True)])
     assert np.array_equal(got, values * 2**10) and not lanes_of(bytes(rows[2]))[280:].any()
-    res = result_packets(LAYOUT, job=1, iteration=9, tensor=0, values=values)
+    res = result_packets(LAYOUT, job=1, iteration=9, tensor=0, values=values, total=3)
     assert np.array_equal(lanes_of(bytes(res[1]), "<f4")[:360], values[360:720])
 
 

@@ -85,7 +85,7 @@ def test_the_edge_scale_holds_every_lan_sum_exactly_and_shrinks_for_big_lans() -
     assert coefficients(0) == (1, 0)
 
 
-def test_an_edge_trainer_needs_its_id_and_the_job_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_edge_trainer_needs_its_id_and_a_valid_job_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "t.jsonl"
     assert main(["--edge", "edge://10.0.0.1:9700?worker=0", "--model", "1000", "--out", str(out)]) == 2
     assert "--edge needs --dc" in capsys.readouterr().err

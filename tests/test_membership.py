@@ -45,6 +45,20 @@ def test_drop_before_completion_unregisters_so_a_restart_can_register() -> None:
     assert m.register(2, ADDR, now=2.0) is True
 
 
+def test_each_member_keeps_the_workers_it_registered_until_it_dies() -> None:
+    m = Membership([1, 2, 3], heartbeat_timeout=5.0)
+    m.register(1, ADDR, now=0.0, workers=4)
+    m.disconnected(1, now=0.5)  # a restarted node 1 registers afresh, with another LAN
+    m.register(1, ADDR, now=1.0, workers=3)
+    m.register(2, ADDR, now=1.0)
+    with pytest.raises(MembershipError, match="node 3 registers 0 workers"):
+        m.register(3, ADDR, now=1.0, workers=0)
+    assert m.register(3, ADDR, now=1.0, workers=2) is True
+    assert m.workers() == {1: 3, 2: 1, 3: 2}
+    m.disconnected(1, now=2.0)
+    assert m.workers() == {2: 1, 3: 2}
+
+
 def test_silence_longer_than_the_timeout_is_death_reported_once() -> None:
     m = full(timeout=5.0)  # complete at t=1.0: every node counts as seen then
     m.heartbeat(1, now=4.0)

@@ -61,9 +61,11 @@ def addr(service: SchedulerService) -> tuple[str, int]:
     return service.address
 
 
-async def connect_all(service: SchedulerService, nodes: Sequence[int] = (1, 2, 3, 4)) -> list[SchedulerClient]:
+async def connect_all(service: SchedulerService, nodes: Sequence[int] = (1, 2, 3, 4),
+                      workers: dict[int, int] | None = None) -> list[SchedulerClient]:
     return list(await asyncio.gather(*(
-        SchedulerClient.connect(addr(service), n, ("127.0.0.1", 40000 + n), timeout=T) for n in nodes)))
+        SchedulerClient.connect(addr(service), n, ("127.0.0.1", 40000 + n), timeout=T,
+                                workers=(workers or {}).get(n, 1)) for n in nodes)))
 
 
 async def close_all(clients: Sequence[SchedulerClient]) -> None:
@@ -79,6 +81,20 @@ async def until(condition: Callable[[], bool], what: str) -> None:
     assert condition(), what
 
 
+def test_every_node_learns_how_many_workers_each_member_contributes() -> None:
+    """Nodes 2 and 4 are gateways (their trainer and 3, resp. 1 LAN workers); the others register nothing
+    about workers, as a node predating the field would, and count as one."""
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service, workers={2: 4, 4: 2})
+            try:
+                assert all(client.workers == {1: 1, 2: 4, 3: 1, 4: 2} for client in clients)
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
 def test_registration_completes_with_members_and_the_schedulers_config() -> None:
     async def main() -> None:
         config = FAST.replace(chunk_size=1234, num_root_servers=2)
@@ -87,6 +103,7 @@ def test_registration_completes_with_members_and_the_schedulers_config() -> None
             try:
                 for client in clients:
                     assert client.members == {n: ("127.0.0.1", 40000 + n) for n in (1, 2, 3, 4)}
+                    assert client.workers == {1: 1, 2: 1, 3: 1, 4: 1}
                     assert client.config == config
                 status = await admin.status(addr(service), timeout=T)
                 assert status.complete and status.alive == (1, 2, 3, 4) and status.version == 0

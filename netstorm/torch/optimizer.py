@@ -44,12 +44,14 @@ class KeyValueStore(Protocol):
 
 
 class DistributedOptimizer:
-    """Wraps ``optimizer``: ``step()`` first replaces every gradient by its sum (or mean) over the DCs.
+    """Wraps ``optimizer``: ``step()`` first replaces every gradient by its sum (or mean) over the workers.
 
     The constructor registers the parameters with the node (``kv.init``) and copies the values every
     DC agreed on into them, so all DCs start from the same model. Parameters without a gradient in a
-    step contribute zeros. ``average=True`` (the default) divides by ``kv.num_workers``: with equal
-    batches per DC, that is the gradient of the mean loss over the union of the batches. LR schedulers
+    step contribute zeros. ``average=True`` (the default) divides by ``kv.num_workers``, the workers
+    whose gradients each sum holds (every DC's trainer and its gateway's LAN workers; ``kv`` may be a LAN
+    worker's edge client too): with equal batches per worker, that is the gradient of the mean loss over
+    the union of the batches. LR schedulers
     take ``wrapper.optimizer``.
 
     ``overlap=True`` pushes each gradient to the node as soon as backward has accumulated it (as DDP
@@ -116,7 +118,7 @@ class DistributedOptimizer:
         return self.optimizer.state
 
     def synchronize(self) -> None:
-        """Replace every parameter's gradient by the sum (or mean) over the DCs.
+        """Replace every parameter's gradient by the sum (or mean) over the workers.
 
         One push_pull; with ``overlap``, the pushes backward has not made yet, then one pull per parameter.
         """

@@ -1,14 +1,16 @@
 """A trainer that pushes model-shaped, integer-valued gradients and checks every sum exactly.
 
 ``python -m netstorm.trainers.synthetic --socket PATH --model alexnet|resnet50|SIZE --iterations N``
-``python -m netstorm.trainers.synthetic --edge edge://GATEWAY:PORT?worker=I --dc ID --contributors N ...``
+``python -m netstorm.trainers.synthetic --edge edge://GATEWAY:PORT?worker=I --dc ID ...``
 (a LAN worker behind a DC gateway, in edge mode)
 
 Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
 gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
 ``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
-``workers`` (contributors to the sum: DCs, or ``--contributors``) and ``cpu_s`` (this process's CPU time so far).
+``workers`` (contributors to the sum: every DC's trainer and LAN workers, as the node or gateway reports
+them, or ``--contributors``, which the reported count must then equal) and ``cpu_s`` (this process's CPU
+time so far).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
@@ -25,10 +27,11 @@ against it (and ``S`` against its first value). A missing or doubled contributio
 a chunk written to the wrong place changes the result, and float32 holds these integers exactly.
 
 With LAN workers the contributors are the DCs' own trainers and every LAN worker, each with its own id
-(``--dc``; the emulator numbers LAN workers after the highest DC id). A contributor does not see how many
-there are (a node counts DCs, a LAN worker its gateway's LAN), so ``--contributors N`` gives ``n`` and
-``--contributor-sum S`` gives ``S``: every contributor then computes the exact expected sum itself, and a
-LAN worker missing from its gateway's sum is caught from the first iteration.
+(``--dc``; the emulator numbers LAN workers after the highest DC id). Every contributor is told ``n``
+with each result (``num_workers``: the DCs register their LAN workers with the scheduler, and a gateway
+passes the count on to its LAN), but not ``S``: ``--contributor-sum S`` gives it (and ``--contributors N``
+pins ``n``), so every contributor computes the exact expected sum itself instead of reading ``S`` from
+its first result.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--socket", help="the node's trainer endpoint: a unix socket path or tcp://host:port")
     where.add_argument("--edge", metavar="ADDRESS",
                        help="edge mode, a LAN worker of a DC gateway: edge://GATEWAY:PORT?worker=I "
-                            "(needs --dc and --contributors)")
+                            "(needs --dc)")
     parser.add_argument("--model", default="alexnet",
                         help="alexnet, resnet50 or a parameter count (25000000, 25M); default alexnet")
     parser.add_argument("--iterations", type=int, default=10, help="iterations to run (default 10)")
@@ -205,7 +208,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dc", type=int, default=None,
                         help="this DC's id in the gradients (default: the node's id)")
     parser.add_argument("--contributors", type=int, default=None,
-                        help="contributors to every sum, LAN workers included (default: the node's DC count)")
+                        help="contributors to every sum, LAN workers included (default: the count the node or "
+                             "gateway reports with each result)")
     parser.add_argument("--contributor-sum", type=int, default=None,
                         help="the sum of every contributor's --dc id (default: read from the first result)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
@@ -245,9 +249,8 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         print("synthetic trainer: --iterations, --compute-s and --retry-s must be >= 0, --max-failures >= 1",
               file=sys.stderr)
         return 2
-    if args.edge is not None and (args.dc is None or args.contributors is None):
-        print("synthetic trainer: --edge needs --dc (this worker's id) and --contributors (all of the job's)",
-              file=sys.stderr)
+    if args.edge is not None and args.dc is None:
+        print("synthetic trainer: --edge needs --dc (this worker's id)", file=sys.stderr)
         return 2
     if args.contributors is not None and args.contributors < 1:
         print(f"synthetic trainer: --contributors must be >= 1, got {args.contributors}", file=sys.stderr)
@@ -296,6 +299,10 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 if not fixed and kv.num_workers != workers:  # membership changed: S is read afresh
                     workers, members_sum = kv.num_workers, None
                 verdict = pattern.check(k, workers, result, members_sum)
+                if fixed and kv.num_workers != workers:  # the count average=True would divide by is wrong
+                    miscount = f"the sum holds {workers} workers' gradients, the node or gateway says {kv.num_workers}"
+                    verdict = dataclasses.replace(verdict, exact=False,
+                                                  error="; ".join(e for e in (verdict.error, miscount) if e))
                 members_sum = verdict.members_sum if verdict.exact else members_sum
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
