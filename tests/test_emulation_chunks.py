@@ -41,3 +41,12 @@ def test_options_the_user_set_are_left_alone() -> None:
     assert chunk_flags(model_parameters("2.5M"), {"chunk_size": 5000, "probe_chunk_size": 7}) == []
     # only the chunk given: the probe threshold follows it (half its 20 000 bytes)
     assert _flags(chunk_flags(model_parameters("2.5M"), {"chunk_size": 5000})) == {"--probe-chunk-size": 10_000}
+
+
+def test_a_larger_overlay_gives_every_root_eight_chunks() -> None:
+    parameters = model_parameters("1M")
+    nine = _flags(chunk_flags(parameters, {}, roots=9))["--chunk-size"]
+    fifteen = _flags(chunk_flags(parameters, {}, roots=15))["--chunk-size"]
+    assert nine == -(-parameters // 72)        # 8 x 9 roots beats the 60-chunk floor
+    assert fifteen == -(-parameters // 120)
+    assert _flags(chunk_flags(parameters, {}, roots=5))["--chunk-size"] == -(-parameters // 60)
