@@ -86,10 +86,15 @@ def test_scaling_efficiency_is_the_ratio_of_iteration_times() -> None:
     small, big = _result(), _result()
     small["nodes"], big["nodes"] = [1, 2, 3, 4, 5], list(range(1, 16))
     small["scenario"], big["scenario"] = "scale-5", "scale-15"
+    # equal-capacity overlays: every DC has 4 links in at 10 Mbit/s
+    small["initial_rates_mbit"] = {f"{i}->{j}": 10.0 for i in range(1, 6) for j in range(4)}
+    big["initial_rates_mbit"] = {f"{i}->{j}": 10.0 for i in range(1, 16) for j in range(4)}
     big["systems"]["netstorm"]["iteration_s"] = [9.0, 2.0, 2.0]
     big["systems"]["netstorm"]["limit_s"] = [1.25] * 3
     lines = results.scaling([big, small])
     line = next(x for x in lines if x.startswith("netstorm:"))
     # 5 DCs at 1.5 s, 15 DCs at 2.0 s: samples/s x(15/2)/(5/1.5) = 2.25 for 3x the DCs -> 0.75; the
     # limits (1.0 s and 1.25 s) allow at most 0.80.
-    assert "x2.25 for x3.00" in line and "efficiency 0.75 (a system at the limit: 0.80," in line
+    assert "x2.25 for x3.00" in line and "efficiency 0.75; at the min-cut limit M/λ it would be 0.80" in line
+    # 2(n-1)·32 Mbit over 200 and 600 Mbit/s in: 1.28 s and 1.49 s, so no system beats (8/5)/(28/15) = 0.86
+    assert "(1.28 s -> 1.49 s) 0.86" in line
