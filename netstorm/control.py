@@ -17,11 +17,13 @@ import dataclasses
 import math
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
 from netstorm.errors import NetStormError
+
+T = TypeVar("T")
 
 VERSION = 1
 LENGTH = struct.Struct("<I")
@@ -87,27 +89,35 @@ def _opt_dict(where: str, value: Any) -> dict[str, Any] | None:
     return None if value is None else _dict(where, value)
 
 
-def _members(where: str, value: Any) -> dict[int, tuple[str, int]]:
+def _rows(where: str, value: Any, shape: str) -> list[list[Any]]:
+    """``value`` as a list of lists with as many fields as ``shape`` (such as "[id, host, port]") names."""
     if not isinstance(value, list):
-        raise ControlError(f"{where}: expected a list of [id, host, port], got {type(value).__name__}")
-    out: dict[int, tuple[str, int]] = {}
+        raise ControlError(f"{where}: expected a list of {shape}, got {type(value).__name__}")
+    width = shape.count(",") + 1
     for entry in value:
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise ControlError(f"{where}: expected [id, host, port], got {entry!r}")
+        if not isinstance(entry, list) or len(entry) != width:
+            raise ControlError(f"{where}: expected {shape}, got {entry!r}")
+    return value
+
+
+def _by_node(where: str, value: Any, shape: str, convert: Callable[[int, list[Any]], T]) -> dict[int, T]:
+    """Rows keyed by their first field, a node id that may appear once; ``convert`` takes the rest."""
+    out: dict[int, T] = {}
+    for entry in _rows(where, value, shape):
         node_id = _int(where, entry[0])
         if node_id in out:
             raise ControlError(f"{where}: node {node_id} listed twice")
-        out[node_id] = (_str(where, entry[1]), _port(where, entry[2]))
+        out[node_id] = convert(node_id, entry[1:])
     return out
 
 
+def _members(where: str, value: Any) -> dict[int, tuple[str, int]]:
+    return _by_node(where, value, "[id, host, port]", lambda _, rest: (_str(where, rest[0]), _port(where, rest[1])))
+
+
 def _rates(where: str, value: Any) -> dict[tuple[int, int], float]:
-    if not isinstance(value, list):
-        raise ControlError(f"{where}: expected a list of [src, dst, mbit_s], got {type(value).__name__}")
     out: dict[tuple[int, int], float] = {}
-    for entry in value:
-        if not isinstance(entry, list) or len(entry) != 3:
-            raise ControlError(f"{where}: expected [src, dst, mbit_s], got {entry!r}")
+    for entry in _rows(where, value, "[src, dst, mbit_s]"):
         rate = _float(where, entry[2])
         if not rate > 0:
             raise ControlError(f"{where}: rate of {entry[0]}->{entry[1]} must be positive, got {rate}")
@@ -129,17 +139,7 @@ def _workers(where: str, value: Any) -> int:
 
 
 def _worker_counts(where: str, value: Any) -> dict[int, int]:
-    if not isinstance(value, list):
-        raise ControlError(f"{where}: expected a list of [id, workers], got {type(value).__name__}")
-    out: dict[int, int] = {}
-    for entry in value:
-        if not isinstance(entry, list) or len(entry) != 2:
-            raise ControlError(f"{where}: expected [id, workers], got {entry!r}")
-        node_id = _int(where, entry[0])
-        if node_id in out:
-            raise ControlError(f"{where}: node {node_id} listed twice")
-        out[node_id] = _workers(f"{where}[{node_id}]", entry[1])
-    return out
+    return _by_node(where, value, "[id, workers]", lambda node_id, rest: _workers(f"{where}[{node_id}]", rest[0]))
 
 
 def _ids(where: str, value: Any) -> tuple[int, ...]:
