@@ -89,14 +89,15 @@ def _die_with_parent() -> None:
 
 
 def spawn(namespace: str, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-          stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+          stdout: IO[bytes] | int | None = None, stderr: IO[bytes] | int | None = None,
+          stdin: IO[bytes] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
     """Start ``argv`` inside ``namespace`` in its own process group (``ip netns exec`` execs it, same pid)."""
     full_env = dict(os.environ)
     if env:
         full_env.update(env)
     try:
         return subprocess.Popen(["ip", "netns", "exec", namespace, *argv], env=full_env, stdout=stdout,
-                                stderr=stderr, stdin=subprocess.DEVNULL, start_new_session=True,
+                                stderr=stderr, stdin=stdin, start_new_session=True,
                                 preexec_fn=_die_with_parent)
     except OSError as exc:
         raise EmulationError(f"start {argv[0]} in {namespace}: {exc}") from None

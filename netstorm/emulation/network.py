@@ -244,14 +244,15 @@ class EmulatedNetwork:
 
     def spawn(self, where: int | str | tuple[int, int], argv: Sequence[str], *,
               env: Mapping[str, str] | None = None, stdout: IO[bytes] | int | None = None,
-              stderr: IO[bytes] | int | None = None) -> subprocess.Popen[bytes]:
+              stderr: IO[bytes] | int | None = None,
+              stdin: IO[bytes] | int | None = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
         """Start ``argv`` in DC ``where``'s namespace (``"mgmt"``, or ``(dc, i)`` for LAN worker i of DC
         dc); it is killed on close()."""
         if isinstance(where, tuple):
             ns = self.plan.lans[where[0]].worker_namespaces[where[1]]
         else:
             ns = self.plan.mgmt_namespace if where == "mgmt" else self.plan.namespaces[int(where)]
-        proc = netns.spawn(ns, argv, env=env, stdout=stdout, stderr=stderr)
+        proc = netns.spawn(ns, argv, env=env, stdout=stdout, stderr=stderr, stdin=stdin)
         self._processes.append(proc)
         return proc
 
