@@ -46,6 +46,12 @@ class Config:
     """Offload chunks onto auxiliary paths when the primary path is busy."""
     update_rate: float = 0.0
     """Relative rate change that triggers a new policy; 0 refreshes on every update."""
+    react_change: float = 0.3
+    """Relative change of one link's reported rate, against the rate the current policy was planned
+    with, that re-plans at once instead of at the next UPDATE_TIME; 0 waits for UPDATE_TIME."""
+    react_interval: float = 1.0
+    """Shortest time in seconds between two re-plans started by rate changes (a burst of reports
+    after one change re-plans once)."""
     tree_packing: bool = True
     """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2."""
     # Runtime.
@@ -79,8 +85,9 @@ class Config:
                      "heartbeat_timeout", "clock_sync_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
-        if self.update_rate < 0:
-            raise ConfigError(f"update_rate must be >= 0, got {self.update_rate}")
+        for name in ("update_rate", "react_change", "react_interval"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")

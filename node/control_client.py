@@ -173,8 +173,17 @@ class SchedulerClient:
         if not isinstance(reply, control.LayoutAck):
             raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
 
+    def prefetch(self, iteration: int) -> None:
+        """Ask for ``iteration``'s policy in the background, so a later ``policy_for`` finds it answered.
+
+        Whoever asks first binds the iteration to the scheduler's current version, so the node asks for
+        k+1 when k completes here, not when k starts: a policy published while k runs then applies to
+        k+1 rather than k+2, and the round trip still overlaps the trainer's compute.
+        """
+        self._policy_future(iteration)
+
     async def policy_for(self, iteration: int, *, timeout: float) -> Policy:  # noqa: ASYNC109 (the contract's per-call deadline)
-        """The policy bound to ``iteration`` (cached); asks for ``iteration + 1`` in the background."""
+        """The policy bound to ``iteration`` (cached, or asked for now)."""
         answer = self._policy_future(iteration)
         try:
             async with asyncio.timeout(timeout):
@@ -185,7 +194,6 @@ class SchedulerClient:
             if self._policy_answers.get(iteration) is answer and self._lost is None:
                 del self._policy_answers[iteration]  # a later call asks again
             raise
-        self._policy_future(iteration + 1)
         for old in [k for k in self._policy_answers if k < iteration - KEEP_ITERATIONS]:
             del self._policy_answers[old]
         return policy

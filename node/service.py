@@ -51,6 +51,7 @@ class Control(Protocol):
 
     async def check_layout(self, layout_hash: str, *, timeout: float) -> None: ...  # noqa: ASYNC109
     async def policy_for(self, iteration: int, *, timeout: float) -> Policy: ...  # noqa: ASYNC109
+    def prefetch(self, iteration: int) -> None: ...
     def report_link(self, report: LinkReport) -> None: ...
     def on_member_down(self, cb: Callable[[int, str], None]) -> None: ...
 
@@ -462,6 +463,8 @@ class GeneralNode:
                 tracker = self._tracker(action.iteration)
                 tracker.done = True
                 tracker.changed.set()
+                if self.control is not None:  # bind the next iteration now, to the newest policy
+                    self.control.prefetch(action.iteration + 1)
                 waiter = self._policy_waits.get(action.iteration)
                 version = waiter.result().version if waiter is not None and waiter.done() and \
                     waiter.exception() is None else "?"

@@ -23,6 +23,7 @@ from netstorm.errors import ConfigError
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates
+from scheduler.cadence import Cadence, Reason, shifted
 from scheduler.collector import LinkCollector
 from scheduler.consistency import Consistency, ConsistencyError
 from scheduler.membership import Down, Membership, MembershipError
@@ -94,7 +95,10 @@ class SchedulerService:
         self._handlers: set[asyncio.Task[None]] = set()
         """Connection handler tasks (asyncio.start_server starts them); serve ends them before it returns."""
         self._plan_lock = asyncio.Lock()
-        self._replan_wanted = asyncio.Event()
+        self._replan_wake = asyncio.Event()
+        """Set when the cadence may have an earlier re-plan due (a member down, a measured rate shift)."""
+        self.cadence: Cadence | None = None
+        """Created when the re-plan loop starts (it runs on the event loop's clock)."""
         self._layout: tuple[str, int] | None = None
         self._ignored_links: set[tuple[int, int]] = set()
         self.complete = asyncio.Event()
@@ -306,6 +310,11 @@ class SchedulerService:
             return
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
                   message.samples)
+        if (self.config.enable_awareness and self.cadence is not None
+                and shifted(self.planner.planned_rates, (message.src, message.dst), message.mbit_s,
+                            self.config.react_change)):
+            self.cadence.shift()
+            self._replan_wake.set()
 
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
         if not self.complete.is_set():
@@ -357,7 +366,9 @@ class SchedulerService:
         conn = self._connections.pop(down.node_id, None)
         if conn is not None:
             conn.close()
-        self._replan_wanted.set()
+        if self.cadence is not None:
+            self.cadence.member_down()
+        self._replan_wake.set()
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -368,19 +379,26 @@ class SchedulerService:
                 await self._member_down(down)
 
     async def _replan_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        cadence = self.cadence = Cadence(update_time=self.config.update_time,
+                                         react_interval=self.config.react_interval, now=loop.time())
         while True:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.config.update_time):
-                    await self._replan_wanted.wait()
-            woken = self._replan_wanted.is_set()
-            self._replan_wanted.clear()
+            self._replan_wake.clear()
+            wait = cadence.due() - loop.time()
+            if wait > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(wait):
+                        await self._replan_wake.wait()
+                continue  # woken or due: look again at what is due now
+            reason = cadence.start(loop.time())
             self.cycles += 1
             if not self.complete.is_set():
                 continue
             # Derived, not only signalled: a member that died while the job was starting woke this loop
             # before there was a policy to change, and that wake-up is gone.
-            membership_change = woken or self._policy_has_dead_members()
-            if not membership_change and not self.config.enable_awareness:
+            if reason is not Reason.MEMBERSHIP and self._policy_has_dead_members():
+                reason = Reason.MEMBERSHIP
+            if reason is not Reason.MEMBERSHIP and not self.config.enable_awareness:
                 continue
             if len(self.membership.alive) < 2:
                 log.info("fewer than two live nodes (%s): no job left to plan for", list(self.membership.alive))
@@ -388,7 +406,7 @@ class SchedulerService:
             rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
                 else self.planner.planned_rates or self.initial_rates
             try:
-                await self.replan(rates, force=False, reason="node down" if membership_change else "periodic update")
+                await self.replan(rates, force=False, reason=reason.value)
             except PlanningError as exc:
                 log.error("re-plan failed, keeping policy %s: %s", self.consistency.current_version, exc)
 

@@ -28,6 +28,7 @@ class FixedControl:
         self.config = config
         self._policies = policies
         self.reports: list[LinkReport] = []
+        self.prefetched: list[int] = []
         self.layouts: list[str] = []
         self._down: list[Callable[[int, str], None]] = []
 
@@ -36,6 +37,9 @@ class FixedControl:
 
     async def policy_for(self, iteration: int, *, timeout: float) -> Policy:  # noqa: ASYNC109
         return self._policies(iteration)
+
+    def prefetch(self, iteration: int) -> None:
+        self.prefetched.append(iteration)
 
     def report_link(self, report: LinkReport) -> None:
         self.reports.append(report)

@@ -22,7 +22,7 @@ from netstorm.layout import TensorSpec
 from netstorm.policy import Policy, plan
 from node.peers import Outgoing, PeerError, PeerLink
 from node.service import GeneralNode, IterationTimeout, PeerGone
-from tests.dataplane import cluster
+from tests.dataplane import FixedControl, cluster
 
 RATES = {(1, 2): 50.0, (2, 1): 40.0, (2, 3): 80.0, (3, 2): 60.0, (3, 4): 30.0, (4, 3): 35.0,
          (4, 1): 90.0, (1, 4): 70.0, (1, 3): 20.0, (3, 1): 25.0}
@@ -72,6 +72,11 @@ def test_exact_sums_over_several_iterations_and_policy_changes():
                 for out in results.values():
                     np.testing.assert_array_equal(out, expected)
             assert all(n.core.live_iterations() == [] for n in nodes.values())
+            # Each node asked for iteration k+1's policy when k completed there, and only then (binding
+            # k+1 as late as possible, to the newest policy).
+            for node in nodes.values():
+                assert isinstance(node.control, FixedControl)
+                assert node.control.prefetched == [1, 2, 3, 4]
     uvloop.run(main())
 
 

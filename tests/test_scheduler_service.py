@@ -18,6 +18,7 @@ from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from node.control_client import REPORT_QUEUE, SchedulerClient
 from scheduler import admin
+from scheduler.cadence import Reason
 from scheduler.service import SchedulerService
 
 SCENARIO = scenario.parse({
@@ -137,7 +138,8 @@ def test_every_node_gets_the_same_version_per_iteration_across_a_policy_change()
             try:
                 zero = await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients))
                 assert {p.version for p in zero} == {0}
-                # Every node has now asked for iteration 1 in the background (the prefetch), binding it.
+                for c in clients:  # what a node does when iteration 0 completes there
+                    c.prefetch(1)
                 await until(lambda: 1 in service.consistency.bindings, "iteration 1 prefetched")
                 slow = {**RATES, (1, 2): 1.0, (2, 1): 1.0}
                 version = await admin.override_policy(addr(service), slow, timeout=T)
@@ -275,6 +277,45 @@ def test_link_reports_reach_the_collector_and_awareness_replans() -> None:
                 changed = await clients[0].policy_for(9, timeout=T)
                 assert changed.version == 1 and changed.roots == first.roots, "roots never move"
                 assert changed.trees != first.trees
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_a_report_far_from_the_planned_rate_replans_before_the_period() -> None:
+    async def main() -> None:
+        config = FAST.replace(react_change=0.3, react_interval=0.0)  # update_time 60 s: never due in this test
+        async with scheduler(config, nodes=(1, 2, 3, 4)) as service:
+            clients = await connect_all(service)
+            try:
+                await clients[0].policy_for(0, timeout=T)
+                assert service.cadence is not None
+                planned = RATES[(1, 2)]
+                clients[1].report_link(LinkReport(src=1, dst=2, mbit_s=planned * 1.2, t=0.0, samples=4))
+                await until(lambda: service.collector.state(1, 2).measured, "near report collected")
+                assert service.cadence.reason() is Reason.PERIODIC, "20 % is within react_change"
+                assert service.consistency.current_version == 0
+                clients[1].report_link(LinkReport(src=1, dst=2, mbit_s=planned * 0.2, t=0.0, samples=4))
+                await until(lambda: service.consistency.current_version == 1, "re-planned early")
+                assert service.planner.planned_rates is not None
+                assert service.planner.planned_rates[(1, 2)] == planned * 0.2
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_react_change_zero_waits_for_the_period() -> None:
+    async def main() -> None:
+        async with scheduler(FAST.replace(react_change=0.0), nodes=(1, 2)) as service:
+            clients = await connect_all(service, (1, 2))
+            try:
+                await clients[0].policy_for(0, timeout=T)
+                clients[0].report_link(LinkReport(src=1, dst=2, mbit_s=1.0, t=0.0, samples=4))
+                await until(lambda: service.collector.state(1, 2).measured, "report collected")
+                assert service.cadence is not None and service.cadence.reason() is Reason.PERIODIC
+                assert service.consistency.current_version == 0
             finally:
                 await close_all(clients)
 

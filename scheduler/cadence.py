@@ -1,0 +1,74 @@
+"""When the scheduler re-plans, as a sans-I/O core: the service feeds it events and times.
+
+Three reasons, most urgent first:
+
+* a member went down: at once (iterations bound to a policy naming it can only fail);
+* a link report moved far from the rate the current policy was planned with (more than
+  ``react_change`` relative): early, but at most once per ``react_interval``, so a burst of reports
+  after one rate change re-plans once and the later reports wait for the next cycle;
+* otherwise every ``update_time`` since the last re-plan (the paper's UPDATE_TIME).
+
+Re-planning early matters because a new policy binds only from the next iteration nobody has asked for:
+waiting for the period adds up to ``update_time`` to every reaction, which against rates that change
+every few tens of seconds is a large share of each period spent on a stale plan.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from netstorm.scenario import Rates
+
+
+class Reason(enum.Enum):
+    MEMBERSHIP = "node down"
+    SHIFT = "measured rate shift"
+    PERIODIC = "periodic update"
+
+
+def shifted(planned: Rates | None, link: tuple[int, int], mbit_s: float, react_change: float) -> bool:
+    """Whether a report of ``mbit_s`` on ``link`` is far enough from the planned rate to re-plan early."""
+    if react_change <= 0 or planned is None or link not in planned:
+        return False
+    before = planned[link]
+    return abs(mbit_s - before) > react_change * before
+
+
+class Cadence:
+    """The next re-plan's time and reason; ``start`` records that one began."""
+
+    def __init__(self, *, update_time: float, react_interval: float, now: float) -> None:
+        if update_time <= 0 or react_interval < 0:
+            raise ValueError(f"update_time ({update_time}) must be positive and react_interval "
+                             f"({react_interval}) >= 0")
+        self.update_time = update_time
+        self.react_interval = react_interval
+        self._last = now
+        self._membership = False
+        self._shift = False
+
+    def member_down(self) -> None:
+        self._membership = True
+
+    def shift(self) -> None:
+        self._shift = True
+
+    def due(self) -> float:
+        """The time the next re-plan should start (may be in the past: start now)."""
+        if self._membership:
+            return self._last
+        if self._shift:
+            return min(self._last + self.react_interval, self._last + self.update_time)
+        return self._last + self.update_time
+
+    def reason(self) -> Reason:
+        if self._membership:
+            return Reason.MEMBERSHIP
+        return Reason.SHIFT if self._shift else Reason.PERIODIC
+
+    def start(self, now: float) -> Reason:
+        """A re-plan starts at ``now``: its reason; pending signals are consumed."""
+        reason = self.reason()
+        self._last = now
+        self._membership = self._shift = False
+        return reason
