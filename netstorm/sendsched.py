@@ -3,8 +3,14 @@
 One ``PathScheduler`` per tree edge ``src -> dst``. Paths are node-id tuples from ``src`` to ``dst``:
 the primary (the tree edge itself, or its route) and the auxiliary paths of Algorithm 3, fastest
 first. A new chunk goes to the primary unless more than ``busy_bound`` chunks are already in flight
-on it; then to the first auxiliary path with fewer than ``aux_queue_length`` chunks in flight; when
-every auxiliary path is full too, to the primary again (its queue is where waiting is cheapest).
+on it; then to the first auxiliary path with fewer than ``aux_queue_length`` chunks in flight whose
+first hop is idle; when no auxiliary path qualifies, to the primary again (its queue is where waiting
+is cheapest).
+
+"Idle first hop" is the caller's judgement (the node: nothing queued for that neighbour). The paper
+offloads onto idle links; counting only this edge's own auxiliary chunks would also offload onto a
+link that is saturated by other trees, and when the trees are packed onto every link's capacity (LP
+tree packing) that slows the very links the plan relies on.
 
 "In flight" means chosen and not yet handed off the first hop's socket: the node calls ``done``
 when the chunk's last byte has left (it then counts against the link, not against this queue).
@@ -13,7 +19,7 @@ The scheduler never blocks: back-pressure is the per-neighbour send queue's job.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 Path = tuple[int, ...]
 
@@ -49,17 +55,18 @@ class PathScheduler:
         """Chunks chosen and not yet done, per path (a copy)."""
         return dict(self._in_flight)
 
-    def choose(self) -> Path:
-        """The path for the next chunk; counts it as in flight on that path."""
-        path = self._pick()
+    def choose(self, idle: Callable[[int], bool] | None = None) -> Path:
+        """The path for the next chunk; counts it as in flight on that path. ``idle(neighbour)``: whether
+        the link to that neighbour has nothing waiting (None: every link counts as idle)."""
+        path = self._pick(idle)
         self._in_flight[path] += 1
         return path
 
-    def _pick(self) -> Path:
+    def _pick(self, idle: Callable[[int], bool] | None) -> Path:
         if not self.enabled or self._in_flight[self.primary] <= self.busy_bound:
             return self.primary
         for path in self.aux:
-            if self._in_flight[path] < self.aux_queue_length:
+            if self._in_flight[path] < self.aux_queue_length and (idle is None or idle(path[1])):
                 return path
         return self.primary
 

@@ -8,6 +8,8 @@ that is stale for an intermediate node's own policy still arrives.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from netstorm.config import Config
 from netstorm.policy import Policy
 from netstorm.sendsched import PathScheduler
@@ -40,10 +42,12 @@ class Forwarding:
             self._schedulers[key] = scheduler
         return scheduler
 
-    def choose(self, policy: Policy, dst: int) -> tuple[Path, PathScheduler]:
-        """The path for the next chunk over the tree edge to ``dst``; counts it as in flight."""
+    def choose(self, policy: Policy, dst: int,
+               idle: Callable[[int], bool] | None = None) -> tuple[Path, PathScheduler]:
+        """The path for the next chunk over the tree edge to ``dst``; counts it as in flight.
+        ``idle(neighbour)``: whether an auxiliary path may start on that link now."""
         scheduler = self._scheduler(policy, dst)
-        path = scheduler.choose()
+        path = scheduler.choose(idle)
         if len(path) > 2:
             self.aux_chunks += 1
         else:

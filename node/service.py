@@ -493,13 +493,18 @@ class GeneralNode:
                              f"(sndbuf-limited {delta.sndbuf_limited_s:.2f} s)")
         return ", ".join(parts) or "idle"
 
+    def _link_idle(self, peer: int) -> bool:
+        """Nothing waits in the queue to ``peer``: an auxiliary chunk there takes no tree's capacity."""
+        link = self.links.get(peer)
+        return link is not None and link.idle
+
     def _send(self, send: Send) -> None:
         header = send.header
         on_sent: Callable[[], None] | None = None
         if header.origin == self.node_id and not header.is_aux:
             state_policy = self._policy_waits.get(header.iteration)
             if state_policy is not None and state_policy.done() and not state_policy.exception():
-                path, scheduler = self.forwarding.choose(state_policy.result(), header.final)
+                path, scheduler = self.forwarding.choose(state_policy.result(), header.final, self._link_idle)
                 on_sent = _done_callback(scheduler, path)
                 if len(path) > 2:
                     header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)

@@ -7,9 +7,11 @@ moment: that is why it dropped out), it would never be chosen again even after i
 and the trees would shrink onto fewer and fewer links. Auxiliary paths measure some idle links; for
 the rest, optimism under uncertainty:
 
-* Fresh information is believed as is: a link's last report, or the scenario's initial rate for a link
-  never measured, for ``stale_after`` seconds after it was made (since the collector started, for the
-  initial rates).
+* Fresh information is believed: the median of a link's last three reports (fewer while it has fewer),
+  or the scenario's initial rate for a link never measured, for ``stale_after`` seconds after the last
+  report (since the collector started, for the initial rates). The median drops a lone outlier (a
+  receiver descheduled for a moment makes one report read far too fast or too slow, and a plan built on
+  it overloads the link) and still follows a real change from its second report on.
 * After that the estimate decays exponentially, with ``half_life``, from that value toward an
   optimistic target: the largest rate currently believed for any link. A stale slow link therefore
   becomes attractive after a while, gets a tree edge or an auxiliary path, is measured, and its real
@@ -28,11 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 
 from netstorm.probe import LinkReport
 from netstorm.scenario import Rates
 
 DEFAULT_STALE_AFTER = 30.0
+RECENT = 3
+"""Reports per link whose median is believed."""
 DEFAULT_HALF_LIFE = 60.0
 
 
@@ -41,10 +46,18 @@ class LinkState:
     """What the collector knows about one directed link."""
 
     mbit_s: float
+    """What the collector believes now: the median of ``recent`` (or the initial rate)."""
     since: float
     """Scheduler time the value was made (report received, or collector start for initial rates)."""
     measured: bool
     samples: int = 0
+    recent: tuple[float, ...] = ()
+    """The last ``RECENT`` reports, oldest first."""
+
+    @property
+    def latest(self) -> float:
+        """The newest report as it came (the initial rate before any)."""
+        return self.recent[-1] if self.recent else self.mbit_s
 
 
 class LinkCollector:
@@ -71,7 +84,11 @@ class LinkCollector:
         if link not in self._links:
             raise ValueError(f"report for unknown link {report.src}->{report.dst}")
         _check_rate(link, report.mbit_s)
-        self._links[link] = LinkState(float(report.mbit_s), now, measured=True, samples=report.samples)
+        before = self._links[link]
+        kept = before.recent if now - before.since <= self.stale_after else ()  # stale reports say nothing now
+        recent = (*kept, float(report.mbit_s))[-RECENT:]
+        self._links[link] = LinkState(statistics.median(recent), now, measured=True, samples=report.samples,
+                                      recent=recent)
 
     def state(self, src: int, dst: int) -> LinkState:
         """The stored state of link ``src -> dst``."""

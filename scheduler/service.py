@@ -311,8 +311,8 @@ class SchedulerService:
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
                   message.samples)
         if (self.config.enable_awareness and self.cadence is not None
-                and shifted(self.planner.planned_rates, (message.src, message.dst), message.mbit_s,
-                            self.config.react_change)):
+                and shifted(self.planner.planned_rates, (message.src, message.dst),
+                            self.collector.state(message.src, message.dst).mbit_s, self.config.react_change)):
             self.cadence.shift()
             self._replan_wake.set()
 

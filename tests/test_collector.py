@@ -22,6 +22,28 @@ def test_fresh_values_are_believed_as_they_are():
     assert not c.state(1, 2).measured
 
 
+def test_a_lone_outlier_is_dropped_and_a_real_change_followed_from_its_second_report():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
+    for t, rate in ((1.0, 50.0), (2.0, 52.0), (3.0, 51.0)):
+        c.add(LinkReport(1, 2, rate, t, 4), now=t)
+    assert c.state(1, 2).mbit_s == 51.0
+    c.add(LinkReport(1, 2, 140.0, 4.0, 4), now=4.0)  # one report far too fast
+    assert c.state(1, 2).mbit_s == 52.0 and c.state(1, 2).latest == 140.0
+    c.add(LinkReport(1, 2, 20.0, 5.0, 4), now=5.0)  # the rate really drops...
+    assert c.state(1, 2).mbit_s == 51.0
+    c.add(LinkReport(1, 2, 21.0, 6.0, 4), now=6.0)  # ...and the second report carries it
+    assert c.state(1, 2).mbit_s == 21.0
+    assert c.state(1, 2).recent == (140.0, 20.0, 21.0)
+
+
+def test_reports_older_than_stale_after_are_not_in_the_median():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
+    c.add(LinkReport(2, 3, 20.0, 1.0, 4), now=1.0)
+    c.add(LinkReport(2, 3, 21.0, 2.0, 4), now=2.0)
+    c.add(LinkReport(2, 3, 90.0, 100.0, 4), now=100.0)
+    assert c.state(2, 3).mbit_s == 90.0 and c.state(2, 3).recent == (90.0,)
+
+
 def test_stale_link_decays_halfway_to_the_best_rate_per_half_life():
     c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
     c.add(LinkReport(1, 2, 100.0, 89.0, 4), now=89.0)  # keeps (1, 2) fresh; target = 100

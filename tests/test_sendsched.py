@@ -21,6 +21,15 @@ def test_primary_until_more_than_busy_bound_then_fastest_aux_then_primary():
     assert s.in_flight == {PRIMARY: 5, AUX[0]: 1, AUX[1]: 1}
 
 
+def test_an_auxiliary_path_starts_only_on_an_idle_first_hop():
+    s = PathScheduler(PRIMARY, AUX, busy_bound=0, aux_queue_length=1, enabled=True)
+    assert s.choose(lambda hop: False) == PRIMARY
+    assert s.choose(lambda hop: hop == 4) == AUX[1], "the fastest path's first hop (3) is busy"
+    assert s.choose(lambda hop: hop == 4) == PRIMARY, "the idle path is full, the other's hop busy"
+    assert s.choose(lambda hop: True) == AUX[0]
+    assert s.in_flight == {PRIMARY: 2, AUX[0]: 1, AUX[1]: 1}
+
+
 def test_done_frees_the_auxiliary_slot():
     s = PathScheduler(PRIMARY, AUX, busy_bound=0, aux_queue_length=2, enabled=True)
     assert s.choose() == PRIMARY
