@@ -44,8 +44,9 @@ class Config:
     """Re-plan from measured rates; false keeps the first policy for the whole run."""
     enable_aux_path: bool = True
     """Offload chunks onto auxiliary paths when the primary path is busy."""
-    update_rate: float = 0.0
-    """Relative rate change that triggers a new policy; 0 refreshes on every update."""
+    update_rate: float = 0.2
+    """Relative rate change (largest over the links) that triggers a new policy; 0 refreshes on every
+    update. Reports carry a few % of noise, and trees re-planned onto noise run slower than the old ones."""
     react_change: float = 0.3
     """Relative change of one link's reported rate, against the rate the current policy was planned
     with, that re-plans at once instead of at the next UPDATE_TIME; 0 waits for UPDATE_TIME."""

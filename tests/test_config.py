@@ -11,7 +11,7 @@ from netstorm.errors import ConfigError
 def test_paper_defaults() -> None:
     c = config.Config()
     assert (c.chunk_size, c.primary_busy_bound, c.auxiliary_queue_length) == (1_000_000, 2, 1)
-    assert (c.probe_chunk_num, c.update_time, c.update_rate) == (4, 5.0, 0.0)
+    assert (c.probe_chunk_num, c.update_time, c.update_rate) == (4, 5.0, 0.2)
     assert c.enable_awareness and c.enable_aux_path
 
 
