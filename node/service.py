@@ -1,8 +1,8 @@
 """The general node: the asyncio shell around ``ChunkCore`` that moves chunks between peers.
 
 It owns the data-plane server, one ``PeerLink`` per member, the policy binding per iteration (asked
-from the control plane before this DC's contribution enters the core; the control client prefetches
-k+1 while k runs), the auxiliary path choice per tree edge, the passive probes on every received hop,
+from the control plane before this DC's contribution enters the core; the node asks for k+1 when k
+completes here), the auxiliary path choice per tree edge, the passive probes on every received hop,
 and the completion signals the trainer endpoint (or the LAN edge aggregator) waits on.
 
 The DC's contribution stream is ``contribute(key, values)`` / ``collect(keys)``: the n-th contribution
