@@ -16,10 +16,11 @@ everything queued after it, and the auxiliary path scheduler would see nothing i
 itself holds views of the iteration's buffers: with synchronous iterations its size is bounded by the
 model.
 
-The queue is ordered, not FIFO: the oldest iteration first, and within it full sums going down before
-partial sums going up. A link carries both (it is a child's edge in one root's tree and a parent's in
-another's); leaves have every partial sum ready at once, so in FIFO order a link's results waited
-behind a whole iteration's worth of other roots' pushes, and the subtrees below it idled.
+The queue is ordered, not FIFO: the oldest iteration first, and within it the lowest chunk number
+(see ``SendQueue``). A link carries both full sums going down and partial sums going up (it is a
+child's edge in one root's tree and a parent's in another's); leaves have every partial sum ready at
+once, so in FIFO order a link's results waited behind a whole iteration's worth of other roots'
+pushes, and the subtrees below it idled.
 """
 
 from __future__ import annotations
@@ -268,7 +269,15 @@ class Outgoing:
 
 
 class SendQueue:
-    """A link's waiting frames: oldest iteration first, then DOWN before UP, then arrival order."""
+    """A link's waiting frames: oldest iteration first, then lowest chunk number (DOWN before UP for the
+    same chunk), then arrival order.
+
+    Chunk numbers interleave the roots in proportion to their shares (``allot_chunks``), so serving
+    every link lowest chunk first moves all trees' pipelines forward together: a result waits only
+    behind partial sums of earlier chunks, and a partial sum behind results of earlier chunks. Serving
+    every result first instead (the earlier order) starved the up-trees while results queued, and
+    static internet2-9 ran at 1.55x the limit instead of 1.37x.
+    """
 
     def __init__(self) -> None:
         self._heap: list[tuple[int, int, int, Outgoing]] = []
@@ -277,7 +286,7 @@ class SendQueue:
     def push(self, item: Outgoing) -> None:
         header = item.header
         rank = 0 if header.phase is Phase.DOWN else 1
-        heapq.heappush(self._heap, (header.iteration, rank, next(self._seq), item))
+        heapq.heappush(self._heap, (header.iteration, 2 * header.chunk + rank, next(self._seq), item))
 
     def pop(self) -> Outgoing:
         return heapq.heappop(self._heap)[3]

@@ -303,7 +303,7 @@ def test_the_receiver_reassembles_frames_split_at_any_byte():
             np.testing.assert_array_equal(got, want)
 
 
-def test_send_queue_puts_older_iterations_then_results_first():
+def test_send_queue_puts_older_iterations_then_earlier_chunks_first():
     from node.peers import SendQueue
 
     def item(iteration: int, phase: Phase, chunk: int) -> Outgoing:
@@ -319,13 +319,17 @@ def test_send_queue_puts_older_iterations_then_results_first():
     while queue:
         h = queue.pop().header
         order.append((h.iteration, h.phase, h.chunk))
-    assert order == [(0, Phase.DOWN, 4), (0, Phase.DOWN, 6), (0, Phase.UP, 1), (0, Phase.UP, 2), (0, Phase.UP, 5),
-                     (1, Phase.DOWN, 3), (1, Phase.UP, 0)]
+    assert order == [(0, Phase.UP, 1), (0, Phase.UP, 2), (0, Phase.DOWN, 4), (0, Phase.UP, 5), (0, Phase.DOWN, 6),
+                     (1, Phase.UP, 0), (1, Phase.DOWN, 3)]
+    queue.push(item(0, Phase.UP, 7))
+    queue.push(item(0, Phase.DOWN, 7))  # the same chunk both ways (an auxiliary hop): the result first
+    assert [queue.pop().header.phase for _ in range(2)] == [Phase.DOWN, Phase.UP]
 
 
 def test_a_result_overtakes_partial_sums_still_waiting_on_a_busy_link():
-    """Only SEND_LOWAT unsent bytes and the frame being written sit below the queue, so a DOWN frame
-    queued behind many UP frames goes out right after the one in progress, not after all of them."""
+    """Only SEND_LOWAT unsent bytes and the frame being written sit below the queue, so a DOWN frame of
+    an earlier chunk, queued behind many UP frames, goes out right after the one in progress, not after
+    all of them."""
     from netstorm.frames import decode_header, decode_prefix
 
     async def main() -> list[Phase]:
@@ -352,7 +356,7 @@ def test_a_result_overtakes_partial_sums_still_waiting_on_a_busy_link():
                 while link.protocol is None or not link.protocol._paused:  # noqa: ASYNC110
                     await asyncio.sleep(0.01)
             assert link.queued_bytes >= (ups - 4) * payload.nbytes
-            link.enqueue(frame(Phase.DOWN, ups))
+            link.enqueue(frame(Phase.DOWN, 0))
             link.close()
             reader, writer = await asyncio.open_connection(sock=conn)
             async with asyncio.timeout(20):
