@@ -58,7 +58,7 @@ class Cadence:
         if self._membership:
             return self._last
         if self._shift:
-            return min(self._last + self.react_interval, self._last + self.update_time)
+            return self._last + min(self.react_interval, self.update_time)
         return self._last + self.update_time
 
     def reason(self) -> Reason:

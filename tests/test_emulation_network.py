@@ -221,7 +221,9 @@ def test_loss_filter_drops_at_the_scenario_rate() -> None:
         "    count += got[0] == b'x' * 100\n"
         "print(count, flush=True)\n"
     )
-    # The end of the stream is said explicitly, 50 times (the filter drops each with probability 0.3).
+    # The end of the stream is said explicitly, 50 times (the filter drops each with probability 0.3). The
+    # sender's sleeps only pace it (no queue overflows on a loaded host); the rate is judged from the
+    # kernel's counters, and the receiver's count only has to fall between bounds.
     send_code = (
         "import socket, sys, time\n"
         "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(0.05); warm = 0\n"
