@@ -217,7 +217,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--config", metavar="FILE", help="TOML file with options")
     for name, field in FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        doc = DOCS.get(name, "")
+        doc = DOCS.get(name, "").replace("%", "%%")  # argparse formats help with %
         kind = type(field.default)
         if kind is bool:
             group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,
