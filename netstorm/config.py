@@ -44,6 +44,10 @@ class Config:
     """Re-plan from measured rates; false keeps the first policy for the whole run."""
     enable_aux_path: bool = True
     """Offload chunks onto auxiliary paths when the primary path is busy."""
+    aux_slowdown: float = 0.3
+    """Auxiliary paths carry a tree edge's chunks only while that link sends more than this fraction
+    below the rate its policy was planned with (a stale plan); 0 offloads whenever the primary is busy,
+    the paper's rule."""
     update_rate: float = 0.2
     """Relative rate change (largest over the links) that triggers a new policy; 0 refreshes on every
     update. Reports carry a few % of noise, and trees re-planned onto noise run slower than the old ones."""
@@ -89,6 +93,8 @@ class Config:
         for name in ("update_rate", "react_change", "react_interval"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.aux_slowdown < 1:
+            raise ConfigError(f"aux_slowdown must be in [0, 1), got {self.aux_slowdown!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")

@@ -29,6 +29,7 @@ __all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "allot
 WIRE_VERSION = 1
 TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
 _WIRE_KEYS = {"wire", "version", "topology", "roots", "trees", "chunk_share", "quality", "aux_paths"}
+_OPTIONAL_WIRE_KEYS = {"rates"}
 _INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
 _PAIR_TEXT = re.compile(r"(-?(?:0|[1-9][0-9]*))->(-?(?:0|[1-9][0-9]*))")
 
@@ -47,6 +48,9 @@ class Policy:
     """q_i = 1 / w(T_i) for the roots (for every node on a first FAPT decision)."""
     aux_paths: Mapping[tuple[int, int], tuple[tuple[int, ...], ...]]
     """(src, dst) -> Algorithm 3's paths, [0] the primary."""
+    rates: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
+    """Directed link -> the rate (Mbit/s) this policy was planned with: a sender compares what its
+    links deliver against it to tell when the plan no longer holds (empty: unknown)."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -90,6 +94,10 @@ class Policy:
                     raise PolicyError(f"auxiliary path {list(path)} is not a simple path {src}->{dst}")
                 if any(n not in nodes for n in path):
                     raise PolicyError(f"auxiliary path {list(path)} leaves the tree's nodes")
+        for (src, dst), rate in self.rates.items():
+            if src == dst or not (isinstance(rate, float) and math.isfinite(rate) and rate > 0):
+                raise PolicyError(f"planned rate of link {src}->{dst} must be a positive float "
+                                  f"between two nodes, got {rate!r}")
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (string keys, node ids as decimal strings); exact round trip."""
@@ -102,6 +110,8 @@ class Policy:
             "chunk_share": {str(r): self.chunk_share[r] for r in self.roots},
             "quality": {str(n): q for n, q in sorted(self.quality.items())},
             "aux_paths": {f"{s}->{d}": [list(p) for p in paths] for (s, d), paths in sorted(self.aux_paths.items())},
+            # Optional: left off when empty, so builds that predate it read this policy.
+            **({"rates": {f"{s}->{d}": r for (s, d), r in sorted(self.rates.items())}} if self.rates else {}),
         }
 
     @classmethod
@@ -110,8 +120,8 @@ class Policy:
         if not isinstance(data, Mapping):
             raise PolicyError(f"policy must be a mapping, got {type(data).__name__}")
         keys = set(data)
-        if keys != _WIRE_KEYS:
-            missing, extra = sorted(_WIRE_KEYS - keys), sorted(map(str, keys - _WIRE_KEYS))
+        if not _WIRE_KEYS <= keys <= _WIRE_KEYS | _OPTIONAL_WIRE_KEYS:
+            missing, extra = sorted(_WIRE_KEYS - keys), sorted(map(str, keys - _WIRE_KEYS - _OPTIONAL_WIRE_KEYS))
             raise PolicyError(f"policy keys: missing {missing}, unknown {extra}")
         if data["wire"] != WIRE_VERSION or isinstance(data["wire"], bool):
             raise PolicyError(f"unsupported policy wire version {data['wire']!r} (this build reads {WIRE_VERSION})")
@@ -135,9 +145,7 @@ class Policy:
                    for k, v in _wire_mapping(data["quality"], "quality").items()}
         aux: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
         for key, raw_paths in _wire_mapping(data["aux_paths"], "aux_paths").items():
-            match = _PAIR_TEXT.fullmatch(key) if isinstance(key, str) else None
-            if match is None:
-                raise PolicyError(f"aux_paths key {key!r} is not '<src>-><dst>'")
+            pair = _pair(key, "aux_paths")
             if not isinstance(raw_paths, list | tuple):
                 raise PolicyError(f"aux_paths[{key}] must be a list of paths")
             paths = []
@@ -145,8 +153,10 @@ class Policy:
                 if not isinstance(raw_path, list | tuple):
                     raise PolicyError(f"aux_paths[{key}]: a path must be a list of node ids")
                 paths.append(tuple(_wire_int(n, "path node") for n in raw_path))
-            aux[(int(match[1]), int(match[2]))] = tuple(paths)
-        policy = cls(version, topology, roots, trees, share, quality, aux)
+            aux[pair] = tuple(paths)
+        rates = {_pair(key, "rates"): _wire_float(value, "planned rate")
+                 for key, value in _wire_mapping(data.get("rates", {}), "rates").items()}
+        policy = cls(version, topology, roots, trees, share, quality, aux, rates)
         policy.validate()
         return policy
 
@@ -167,6 +177,13 @@ def _wire_mapping(value: Any, what: str) -> Mapping[Any, Any]:
     if not isinstance(value, Mapping):
         raise PolicyError(f"{what} must be a mapping, got {type(value).__name__}")
     return value
+
+
+def _pair(key: Any, what: str) -> tuple[int, int]:
+    match = _PAIR_TEXT.fullmatch(key) if isinstance(key, str) else None
+    if match is None:
+        raise PolicyError(f"{what} key {key!r} is not '<src>-><dst>'")
+    return int(match[1]), int(match[2])
 
 
 def _node_key(key: Any, what: str) -> int:
@@ -254,4 +271,5 @@ def plan(
         share = {r: quality[r] / total_q for r in chosen}
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
-    return Policy(version, topology, chosen, trees, share, quality, aux_paths)
+    planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned)

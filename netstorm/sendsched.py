@@ -1,16 +1,22 @@
-"""The sender's communication scheduler (paper Fig. 7): primary path first, idle auxiliary paths next.
+"""The sender's communication scheduler (paper Fig. 7): primary path first, auxiliary paths when it lags.
 
 One ``PathScheduler`` per tree edge ``src -> dst``. Paths are node-id tuples from ``src`` to ``dst``:
 the primary (the tree edge itself, or its route) and the auxiliary paths of Algorithm 3, fastest
 first. A new chunk goes to the primary unless more than ``busy_bound`` chunks are already in flight
-on it; then to the first auxiliary path with fewer than ``aux_queue_length`` chunks in flight whose
-first hop is idle; when no auxiliary path qualifies, to the primary again (its queue is where waiting
-is cheapest).
+on it; then (the paper's rule) to the first auxiliary path with fewer than ``aux_queue_length`` chunks
+in flight; when none qualifies, to the primary again (its queue is where waiting is cheapest).
 
-"Idle first hop" is the caller's judgement (the node: nothing queued for that neighbour). The paper
-offloads onto idle links; counting only this edge's own auxiliary chunks would also offload onto a
-link that is saturated by other trees, and when the trees are packed onto every link's capacity (LP
-tree packing) that slows the very links the plan relies on.
+Given a view of the links (``LinkView``: the bytes waiting for each neighbour and the rate it sends
+at, measured by the node), two refinements keep auxiliary chunks off capacity the plan counts on:
+
+- *Only from a lagging edge.* With ``slowdown`` > 0 the primary must be sending more than that
+  fraction below the rate its policy was planned with. The policy's trees are packed onto every link's
+  planned capacity, so while the plan holds an auxiliary chunk only takes capacity some other tree
+  planned for; when a link falls behind its plan (the WAN changed and the plan is stale), its chunks
+  are what holds the iteration up, and moving them is the gain.
+- *Earliest delivery.* Among the auxiliary paths with room, the one whose estimated delivery is
+  earliest, if earlier than the primary's: the first hop's waiting bytes plus the chunk at its measured
+  rate, and the chunk at the planned rate of every later hop (whose queues the sender cannot see).
 
 "In flight" means chosen and not yet handed off the first hop's socket: the node calls ``done``
 when the chunk's last byte has left (it then counts against the link, not against this queue).
@@ -19,22 +25,38 @@ The scheduler never blocks: back-pressure is the per-neighbour send queue's job.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 Path = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkView:
+    """What a sender knows about its link to one neighbour right now."""
+
+    backlog_bytes: int
+    """Bytes waiting to be sent on the link (queued by the node and unsent in the kernel)."""
+    rate_bps: float | None
+    """Bytes per second the link sent at while backlogged, recently; None before it has a measurement."""
 
 
 class PathScheduler:
     """Chooses the path of each chunk on one tree edge and counts chunks in flight per path."""
 
     def __init__(self, primary: Path, aux: Sequence[Path], *, busy_bound: int, aux_queue_length: int,
-                 enabled: bool) -> None:
+                 enabled: bool, planned_bps: Mapping[tuple[int, int], float] | None = None,
+                 slowdown: float = 0.0) -> None:
         primary = tuple(primary)
         if len(primary) < 2 or len(set(primary)) != len(primary):
             raise ValueError(f"primary path {primary} must join two distinct nodes without repeats")
         if busy_bound < 0 or aux_queue_length < 0:
             raise ValueError(f"busy_bound ({busy_bound}) and aux_queue_length ({aux_queue_length}) "
                              f"must be >= 0")
+        if not 0 <= slowdown < 1:
+            raise ValueError(f"slowdown must be in [0, 1), got {slowdown}")
         aux_paths: list[Path] = []
         for path in aux:
             path = tuple(path)
@@ -48,6 +70,9 @@ class PathScheduler:
         self.busy_bound = busy_bound
         self.aux_queue_length = aux_queue_length
         self.enabled = enabled
+        self.planned_bps = dict(planned_bps or {})
+        """Directed link -> the rate (bytes/s) the policy was planned with."""
+        self.slowdown = slowdown
         self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux}}
 
     @property
@@ -55,20 +80,50 @@ class PathScheduler:
         """Chunks chosen and not yet done, per path (a copy)."""
         return dict(self._in_flight)
 
-    def choose(self, idle: Callable[[int], bool] | None = None) -> Path:
-        """The path for the next chunk; counts it as in flight on that path. ``idle(neighbour)``: whether
-        the link to that neighbour has nothing waiting (None: every link counts as idle)."""
-        path = self._pick(idle)
+    def choose(self, view: Callable[[int], LinkView] | None = None, size: int = 0) -> Path:
+        """The path for the next chunk of ``size`` bytes; counts it as in flight on that path.
+        ``view(neighbour)``: the sender's link to that neighbour (None: the paper's rule alone)."""
+        path = self._pick(view, size)
         self._in_flight[path] += 1
         return path
 
-    def _pick(self, idle: Callable[[int], bool] | None) -> Path:
+    def lagging(self, view: LinkView) -> bool:
+        """Whether the primary sends more than ``slowdown`` below its planned rate (always, at 0)."""
+        if self.slowdown == 0:
+            return True
+        planned = self.planned_bps.get((self.primary[0], self.primary[1]))
+        if view.rate_bps is None or planned is None:
+            return False
+        return view.rate_bps < planned * (1 - self.slowdown)
+
+    def _pick(self, view: Callable[[int], LinkView] | None, size: int) -> Path:
         if not self.enabled or self._in_flight[self.primary] <= self.busy_bound:
             return self.primary
-        for path in self.aux:
-            if self._in_flight[path] < self.aux_queue_length and (idle is None or idle(path[1])):
-                return path
-        return self.primary
+        room = [p for p in self.aux if self._in_flight[p] < self.aux_queue_length]
+        if view is None:
+            return room[0] if room else self.primary
+        primary = view(self.primary[1])
+        if not self.lagging(primary):
+            return self.primary
+        best, best_s = self.primary, self._delivery_s(self.primary, primary, size)
+        for path in room:
+            estimate = self._delivery_s(path, view(path[1]), size)
+            if estimate < best_s:
+                best, best_s = path, estimate
+        return best
+
+    def _delivery_s(self, path: Path, first: LinkView, size: int) -> float:
+        """Seconds until a chunk sent on ``path`` now would arrive, as far as the sender can tell."""
+        rate = first.rate_bps if first.rate_bps is not None else self.planned_bps.get((path[0], path[1]))
+        if not rate:
+            return math.inf
+        total = (first.backlog_bytes + size) / rate
+        for hop in itertools.pairwise(path[1:]):
+            planned = self.planned_bps.get(hop)
+            if not planned:
+                return math.inf
+            total += size / planned
+        return total
 
     def done(self, path: Path) -> None:
         """A chunk sent on ``path`` has left the first hop's socket."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from netstorm.config import Config
 from netstorm.policy import Policy
-from netstorm.sendsched import PathScheduler
+from netstorm.sendsched import LinkView, PathScheduler
 
 Path = tuple[int, ...]
 
@@ -35,19 +35,21 @@ class Forwarding:
             primary: Path = (self.node_id, dst)
             aux = [p for p in paths[1:] if len(p) >= 2 and p[0] == self.node_id and p[-1] == dst
                    and len(set(p)) == len(p)]
+            planned = {pair: mbit * 1e6 / 8 for pair, mbit in policy.rates.items()}
             scheduler = PathScheduler(primary, aux, busy_bound=self.config.primary_busy_bound,
                                       aux_queue_length=self.config.auxiliary_queue_length,
-                                      enabled=self.config.enable_aux_path and bool(aux))
+                                      enabled=self.config.enable_aux_path and bool(aux),
+                                      planned_bps=planned, slowdown=self.config.aux_slowdown)
             # Schedulers of older versions keep their in-flight counts until their chunks left.
             self._schedulers[key] = scheduler
         return scheduler
 
-    def choose(self, policy: Policy, dst: int,
-               idle: Callable[[int], bool] | None = None) -> tuple[Path, PathScheduler]:
-        """The path for the next chunk over the tree edge to ``dst``; counts it as in flight.
-        ``idle(neighbour)``: whether an auxiliary path may start on that link now."""
+    def choose(self, policy: Policy, dst: int, view: Callable[[int], LinkView] | None = None,
+               size: int = 0) -> tuple[Path, PathScheduler]:
+        """The path for the next chunk (``size`` bytes) over the tree edge to ``dst``; counts it as in
+        flight. ``view(neighbour)``: this node's link to that neighbour now."""
         scheduler = self._scheduler(policy, dst)
-        path = scheduler.choose(idle)
+        path = scheduler.choose(view, size)
         if len(path) > 2:
             self.aux_chunks += 1
         else:

@@ -9,6 +9,7 @@ buffer); ``acked`` the payload bytes the peer acknowledged. Both are cumulative;
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import socket
 import struct
@@ -56,3 +57,51 @@ def read(sock: Any) -> LinkCounters | None:
         return parse_tcp_info(raw)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+class RateMeter:
+    """A link's sending rate while it was backlogged, over its last ``window_s`` seconds of busy time.
+
+    The sender samples the kernel's counters each time a frame has left. A step between two samples
+    counts only when frames were waiting at the first of them, so the link was fed the whole step and
+    its throughput is the link's, not the sender's: an application-limited step (one chunk, then a
+    wait for the next) would otherwise read as a slow link wherever the round trip is long. Busy time
+    stops while the link idles, so the window reaches back across the gaps between iterations.
+    """
+
+    def __init__(self, window_s: float = 0.5, min_s: float = 0.05) -> None:
+        self.window_s = window_s
+        self.min_s = min_s
+        self._steps: collections.deque[tuple[float, int]] = collections.deque()
+        self._busy_s = 0.0
+        self._bytes = 0
+        self._last: LinkCounters | None = None
+        self._fed = False
+
+    def sample(self, counters: LinkCounters, waiting: bool) -> None:
+        """The link's counters now; ``waiting``: more frames wait to be sent after this one."""
+        last, fed = self._last, self._fed
+        self._last, self._fed = counters, waiting
+        if last is None or not fed:
+            return
+        busy = counters.busy_s - last.busy_s
+        acked = counters.acked_bytes - last.acked_bytes
+        if busy <= 0 or acked < 0:  # no time passed in the kernel's clock, or a new connection
+            return
+        self._steps.append((busy, acked))
+        self._busy_s += busy
+        self._bytes += acked
+        while len(self._steps) > 1 and self._busy_s - self._steps[0][0] >= self.window_s:
+            old_busy, old_bytes = self._steps.popleft()
+            self._busy_s -= old_busy
+            self._bytes -= old_bytes
+
+    @property
+    def rate_bps(self) -> float | None:
+        """Bytes per second over the window; None until it holds ``min_s`` of backlogged sending."""
+        return self._bytes / self._busy_s if self._busy_s >= self.min_s else None
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes the kernel held unsent at the last sample."""
+        return self._last.notsent_bytes if self._last is not None else 0

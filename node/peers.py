@@ -315,6 +315,8 @@ class PeerLink:
         self.sent_frames = 0
         self.sent_bytes = 0
         self.protocol: OutboundProtocol | None = None
+        self.meter = linkstats.RateMeter()
+        """The rate this link sends at while frames wait (what auxiliary path decisions compare)."""
 
     def counters(self) -> linkstats.LinkCounters | None:
         """The kernel's cumulative counters of this link's connection (None before it is open)."""
@@ -327,6 +329,11 @@ class PeerLink:
     def idle(self) -> bool:
         """Nothing queued and nothing being written: the link waits for work."""
         return not self.sending and self.queued_bytes == 0
+
+    @property
+    def backlog_bytes(self) -> int:
+        """Bytes waiting for this link: queued here and unsent in the kernel at the last sample."""
+        return self.queued_bytes + self.meter.unsent_bytes
 
     def enqueue(self, item: Outgoing) -> None:
         self._queue.push(item)
@@ -382,6 +389,9 @@ class PeerLink:
                     raise PeerError(f"node {self.peer_id} accepted no data for {self._stall_timeout:g} s (sending "
                                     f"chunk {header.chunk} of iteration {header.iteration})") from None
                 self.sending = False
+                counters = linkstats.read(transport.get_extra_info("socket"))
+                if counters is not None:
+                    self.meter.sample(counters, waiting=bool(self._queue))
                 if item.on_sent is not None:
                     item.on_sent()
         finally:

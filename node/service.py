@@ -27,7 +27,7 @@ from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport, ProbeEstimator
-from netstorm.sendsched import PathScheduler
+from netstorm.sendsched import LinkView, PathScheduler
 from node.chunks import Action, ChunkCore, IterationDone, KeyDone, Send
 from node.chunks import IterationFailed as FailedAction
 from node.forwarding import Forwarding
@@ -493,10 +493,12 @@ class GeneralNode:
                              f"(sndbuf-limited {delta.sndbuf_limited_s:.2f} s)")
         return ", ".join(parts) or "idle"
 
-    def _link_idle(self, peer: int) -> bool:
-        """Nothing waits in the queue to ``peer``: an auxiliary chunk there takes no tree's capacity."""
+    def _link_view(self, peer: int) -> LinkView:
+        """This node's link to ``peer`` as the path scheduler weighs it: backlog and measured rate."""
         link = self.links.get(peer)
-        return link is not None and link.idle
+        if link is None:
+            return LinkView(backlog_bytes=0, rate_bps=0.0)  # no link: no path starts there
+        return LinkView(backlog_bytes=link.backlog_bytes, rate_bps=link.meter.rate_bps)
 
     def _send(self, send: Send) -> None:
         header = send.header
@@ -504,7 +506,8 @@ class GeneralNode:
         if header.origin == self.node_id and not header.is_aux:
             state_policy = self._policy_waits.get(header.iteration)
             if state_policy is not None and state_policy.done() and not state_policy.exception():
-                path, scheduler = self.forwarding.choose(state_policy.result(), header.final, self._link_idle)
+                path, scheduler = self.forwarding.choose(state_policy.result(), header.final, self._link_view,
+                                                         send.payload.nbytes)
                 on_sent = _done_callback(scheduler, path)
                 if len(path) > 2:
                     header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)

@@ -298,8 +298,12 @@ def test_policy_changes_with_auxiliary_chunks_in_flight_lose_and_duplicate_nothi
                     probe_chunk_size=200_000, probe_chunk_num=2, iteration_timeout=STEP, connect_timeout=STEP)
     specs = [TensorSpec("w", (600_000,), "float32"), TensorSpec("b", (10,), "float32")]
 
-    def policies(iteration: int) -> Policy:  # a new version, and a different tree shape, every iteration
-        return plan(MESH_RATES, topology=TOPOLOGIES[iteration % len(TOPOLOGIES)], version=iteration)
+    # A new version, and a different tree shape, every iteration. The plans believe every link three times
+    # faster than its shaping lets it run, so every primary lags its plan and auxiliary paths carry chunks.
+    believed = {pair: 3 * rate for pair, rate in MESH_RATES.items()}
+
+    def policies(iteration: int) -> Policy:
+        return plan(believed, topology=TOPOLOGIES[iteration % len(TOPOLOGIES)], version=iteration)
 
     assert any(len(paths) > 1 for paths in policies(0).aux_paths.values())
     links = [LinkSpec(0, 1, MESH_RATES[(1, 2)], MESH_RATES[(2, 1)]), LinkSpec(1, 2, MESH_RATES[(2, 3)],

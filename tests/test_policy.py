@@ -46,6 +46,18 @@ def test_wire_round_trip_is_exact_through_json_and_msgpack():
     assert policy.with_version(8).trees == policy.trees
 
 
+def test_a_policy_carries_the_rates_it_was_planned_with_and_reads_without_them():
+    rates = internet2(0.25)
+    policy = plan(rates)
+    assert policy.rates == {pair: pytest.approx(r) for pair, r in rates.items()}
+    older = policy.to_wire()
+    del older["rates"]  # a build before planned rates
+    decoded = Policy.from_wire(older)
+    assert decoded.rates == {}
+    assert decoded.trees == policy.trees and decoded.aux_paths == policy.aux_paths
+    assert "rates" not in decoded.to_wire()
+
+
 def _corrupt(wire: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
     data = json.loads(json.dumps(wire))
     target = data
@@ -77,6 +89,11 @@ def _corrupt(wire: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any
     (["aux_paths", "1-2"], [[1, 2]], "not '<src>-><dst>'"),
     (["extra"], 1, "unknown"),
     (["aux_paths"], KeyError, "missing"),
+    (["rates", "1->2"], -1.0, "planned rate"),
+    (["rates", "1->2"], "fast", "number"),
+    (["rates", "1-2"], 3.0, "not '<src>-><dst>'"),
+    (["rates", "1->1"], 3.0, "planned rate"),
+    (["rates"], [1], "rates must be a mapping"),
 ])
 def test_from_wire_rejects_malformed_input(path, value, message):
     wire = plan(internet2(0.25)).to_wire()

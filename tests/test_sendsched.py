@@ -1,4 +1,5 @@
-"""PathScheduler follows the paper's Fig. 7 rule, checked by hand and against a direct restatement."""
+"""PathScheduler follows the paper's Fig. 7 rule, checked by hand and against a direct restatement; with a
+view of the links, it offloads only from a lagging primary, onto the path that delivers first."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import random
 
 import pytest
 
-from netstorm.sendsched import PathScheduler
+from netstorm.sendsched import LinkView, PathScheduler
 
 PRIMARY = (1, 2)
 AUX = [(1, 3, 2), (1, 4, 5, 2)]
+MB = 1_000_000
+PLANNED = {(1, 2): 4 * MB, (1, 3): 4 * MB, (3, 2): 4 * MB, (1, 4): 4 * MB, (4, 5): 4 * MB, (5, 2): 4 * MB}
 
 
 def test_primary_until_more_than_busy_bound_then_fastest_aux_then_primary():
@@ -21,13 +24,60 @@ def test_primary_until_more_than_busy_bound_then_fastest_aux_then_primary():
     assert s.in_flight == {PRIMARY: 5, AUX[0]: 1, AUX[1]: 1}
 
 
-def test_an_auxiliary_path_starts_only_on_an_idle_first_hop():
-    s = PathScheduler(PRIMARY, AUX, busy_bound=0, aux_queue_length=1, enabled=True)
-    assert s.choose(lambda hop: False) == PRIMARY
-    assert s.choose(lambda hop: hop == 4) == AUX[1], "the fastest path's first hop (3) is busy"
-    assert s.choose(lambda hop: hop == 4) == PRIMARY, "the idle path is full, the other's hop busy"
-    assert s.choose(lambda hop: True) == AUX[0]
-    assert s.in_flight == {PRIMARY: 2, AUX[0]: 1, AUX[1]: 1}
+def _lagging(**changes: object) -> PathScheduler:
+    args: dict = {"busy_bound": 0, "aux_queue_length": 1, "enabled": True, "planned_bps": PLANNED, "slowdown": 0.3}
+    args.update(changes)
+    return PathScheduler(PRIMARY, AUX, **args)
+
+
+def test_a_primary_at_its_planned_rate_keeps_its_chunks_however_busy() -> None:
+    s = _lagging()
+    view = {2: LinkView(50 * MB, 3.0 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    # 3 MB/s is 25 % below the plan's 4 MB/s: within the 30 % the plan may be off.
+    assert [s.choose(view.__getitem__, MB) for _ in range(5)] == [PRIMARY] * 5
+
+
+def test_a_lagging_primary_offloads_onto_the_path_that_delivers_first() -> None:
+    s = _lagging(aux_queue_length=2)
+    view = {2: LinkView(8 * MB, 2 * MB), 3: LinkView(6 * MB, 4 * MB), 4: LinkView(0, 4 * MB)}
+    assert s.choose(view.__getitem__, MB) == PRIMARY, "nothing in flight on the primary yet"
+    # Primary: (8 + 1) MB at 2 MB/s = 4.5 s. Via 3: (6 + 1) / 4 + 1 / 4 = 2.0 s.
+    # Via 4, 5: 1 / 4 + 1 / 4 + 1 / 4 = 0.75 s, the earliest though the slowest by the plan.
+    assert s.choose(view.__getitem__, MB) == AUX[1]
+    assert s.choose(view.__getitem__, MB) == AUX[1]
+    assert s.choose(view.__getitem__, MB) == AUX[0], "the other path is full"
+    view[3] = LinkView(20 * MB, 4 * MB)  # via 3 now takes 5.5 s, later than the primary's 4.5 s
+    assert s.choose(view.__getitem__, MB) == PRIMARY
+    assert s.in_flight == {PRIMARY: 2, AUX[0]: 1, AUX[1]: 2}
+
+
+def test_an_unmeasured_primary_or_an_unplanned_link_keeps_the_chunk() -> None:
+    view = {2: LinkView(8 * MB, None), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    s = _lagging()
+    assert {s.choose(view.__getitem__, MB) for _ in range(3)} == {PRIMARY}, "no rate measured yet"
+    s = _lagging(planned_bps={k: v for k, v in PLANNED.items() if k != (1, 2)})
+    view[2] = LinkView(8 * MB, 0.5 * MB)
+    assert {s.choose(view.__getitem__, MB) for _ in range(3)} == {PRIMARY}, "no planned rate to lag behind"
+
+
+def test_a_path_through_a_link_without_a_planned_rate_or_a_dead_first_hop_is_never_chosen() -> None:
+    s = _lagging(planned_bps={k: v for k, v in PLANNED.items() if k != (3, 2)})
+    view = {2: LinkView(8 * MB, 0.5 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 0.0)}
+    assert [s.choose(view.__getitem__, MB) for _ in range(3)] == [PRIMARY] * 3
+
+
+def test_an_unmeasured_first_hop_is_judged_at_its_planned_rate() -> None:
+    s = _lagging()
+    view = {2: LinkView(8 * MB, 2 * MB), 3: LinkView(0, None), 4: LinkView(0, 1 * MB)}
+    s.choose(view.__getitem__, MB)
+    # Via 3: 1 / 4 (planned) + 1 / 4 = 0.5 s; via 4, 5: 1 / 1 + 0.5 = 1.5 s.
+    assert s.choose(view.__getitem__, MB) == AUX[0]
+
+
+def test_slowdown_zero_offloads_whenever_the_primary_is_busy() -> None:
+    s = _lagging(slowdown=0.0)
+    view = {2: LinkView(8 * MB, 4 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    assert [s.choose(view.__getitem__, MB) for _ in range(3)] == [PRIMARY, AUX[0], AUX[1]]
 
 
 def test_done_frees_the_auxiliary_slot():
@@ -92,3 +142,9 @@ def test_done_on_an_unknown_or_idle_path_is_an_error():
 def test_rejects_malformed_paths(primary, aux):
     with pytest.raises(ValueError):
         PathScheduler(primary, aux, busy_bound=2, aux_queue_length=1, enabled=True)
+
+
+def test_rejects_a_slowdown_outside_zero_to_one() -> None:
+    for slowdown in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="slowdown"):
+            PathScheduler(PRIMARY, AUX, busy_bound=2, aux_queue_length=1, enabled=True, slowdown=slowdown)
