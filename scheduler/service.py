@@ -310,9 +310,14 @@ class SchedulerService:
             return
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
                   message.samples)
+        link = (message.src, message.dst)
+        believed = self.collector.state(*link).mbit_s
+        planned = self.planner.planned_rates
         if (self.config.enable_awareness and self.cadence is not None
-                and shifted(self.planner.planned_rates, (message.src, message.dst),
-                            self.collector.state(message.src, message.dst).mbit_s, self.config.react_change)):
+                and shifted(planned, link, believed, self.config.react_change)):
+            assert planned is not None
+            log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f: re-planning early", *link,
+                     believed, planned[link])
             self.cadence.shift()
             self._replan_wake.set()
 
