@@ -37,6 +37,10 @@ class Config:
     """Smallest chunk, in bytes, whose one-way delay counts as a throughput sample."""
     probe_chunk_num: int = 4
     """Samples per throughput report."""
+    probe_window: float = 0.25
+    """Shortest time in seconds a throughput report's samples span; a window of PROBE_CHUNK_NUM samples
+    grows until it does, so millisecond stamp jitter stays small against it (it changes nothing for
+    chunks of megabytes)."""
     update_time: float = 5.0
     """Seconds between the scheduler's re-plans."""
     # Paper, Table I.
@@ -90,7 +94,7 @@ class Config:
                      "heartbeat_timeout", "clock_sync_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
-        for name in ("update_rate", "react_change", "react_interval"):
+        for name in ("update_rate", "react_change", "react_interval", "probe_window"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not 0 <= self.aux_slowdown < 1:

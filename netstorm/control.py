@@ -289,12 +289,15 @@ class LinkReport(Message):
 
     TYPE: ClassVar[str] = "link_report"
     FIELDS: ClassVar[Mapping[str, Checker]] = {"src": _int, "dst": _int, "mbit_s": _float, "t": _float,
-                                                "samples": _int}
+                                                "samples": _int, "warm": _bool}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"warm"})
     src: int
     dst: int
     mbit_s: float
     t: float
     samples: int
+    warm: bool = True
+    """From warm samples (the receiver's clock alone); False: cold samples only."""
 
 
 @dataclasses.dataclass(frozen=True)

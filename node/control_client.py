@@ -45,6 +45,8 @@ class LinkSample(Protocol):
     def t(self) -> float: ...
     @property
     def samples(self) -> int: ...
+    @property
+    def warm(self) -> bool: ...
 
 
 class _Lost(Exception):
@@ -205,7 +207,8 @@ class SchedulerClient:
                 log.warning("node %d: %s is not taking link reports fast enough; dropped the oldest "
                             "(%d so far)", self.node_id, self._name, self.dropped_reports + 1)
             self.dropped_reports += 1
-        self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples))
+        self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples,
+                                                report.warm))
         self._reports_ready.set()
 
     def _policy_future(self, iteration: int) -> asyncio.Future[Policy]:

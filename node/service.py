@@ -410,7 +410,8 @@ class GeneralNode:
         estimator = self._probes.get(link)
         if estimator is None:
             estimator = ProbeEstimator(header.src, self.node_id, probe_chunk_bytes=self.config.probe_chunk_size,
-                                       probe_chunk_num=self.config.probe_chunk_num)
+                                       probe_chunk_num=self.config.probe_chunk_num,
+                                       min_window_s=self.config.probe_window)
             self._probes[link] = estimator
         try:
             report = estimator.on_chunk(nbytes, header.t_send, t_last_byte)

@@ -299,7 +299,7 @@ class SchedulerService:
                         conn.name())
             return
         report = ProbeReport(src=message.src, dst=message.dst, mbit_s=message.mbit_s, t=message.t,
-                             samples=message.samples)
+                             samples=message.samples, warm=message.warm)
         try:
             self.collector.add(report, self.clock())
         except ValueError as exc:
@@ -308,8 +308,8 @@ class SchedulerService:
                 self._ignored_links.add((message.src, message.dst))
                 log.warning("link reports %d->%d ignored (said once): %s", message.src, message.dst, exc)
             return
-        log.debug("link %d->%d measured %.1f Mbit/s (%d samples)", message.src, message.dst, message.mbit_s,
-                  message.samples)
+        log.debug("link %d->%d measured %.1f Mbit/s (%d samples, %s)", message.src, message.dst, message.mbit_s,
+                  message.samples, "warm" if message.warm else "cold")
         link = (message.src, message.dst)
         believed = self.collector.state(*link).mbit_s
         planned = self.planner.planned_rates

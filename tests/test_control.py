@@ -44,6 +44,7 @@ SAMPLES: list[control.Message] = [
     PolicyReply(iteration=17, version=2, policy={"version": 2, "roots": [1, 2]}),
     PolicyReply(iteration=18, version=2, policy=None),
     LinkReport(src=1, dst=2, mbit_s=37.5, t=10.0, samples=4),
+    LinkReport(src=1, dst=2, mbit_s=3.5, t=11.0, samples=4, warm=False),
     Error(message="unknown node 12"),
     PolicyOverride(rates={(1, 2): 10.0, (2, 1): 20.5}),
     PolicyOverrideAck(version=5),

@@ -40,7 +40,7 @@ def test_idle_chunks_give_bytes_over_one_way_time():
     assert len(reports) == 1
     expected = 8 * 8 * MB / (0.5 + 1.5 + 0.25 + 2.0) / 1e6
     assert reports[0].mbit_s == pytest.approx(expected)
-    assert reports[0] == LinkReport(1, 2, reports[0].mbit_s, 32.0, 4)
+    assert reports[0] == LinkReport(1, 2, reports[0].mbit_s, 32.0, 4, warm=False)
 
 
 def test_back_to_back_chunks_are_not_charged_for_queueing():
@@ -69,6 +69,32 @@ def test_only_cold_samples_when_nothing_is_warm():
     rep = est.on_chunk(MB, 5.0, 6.1)
     assert rep is not None
     assert rep.mbit_s == pytest.approx(16 / 2.2)
+
+
+def test_a_window_grows_until_its_samples_span_the_shortest_window():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=1000, probe_chunk_num=2, min_window_s=0.1)
+    t, reports = 0.0, []
+    for _ in range(7):  # 1000-byte chunks back to back, 30 ms each; one stamp arrives 9 ms late
+        t += 0.03
+        reports.append(est.on_chunk(1000, 0.0, t + (0.009 if len(reports) == 2 else 0.0)))
+    # The first sample is cold, so the warm ones count alone: two of them span 60 ms, not yet; the fifth
+    # chunk makes four warm samples over 120 ms (the late stamp cancels out), and the window starts over.
+    assert [r is not None for r in reports] == [False, False, False, False, True, False, False]
+    report = reports[4]
+    assert report is not None and report.samples == 5 and report.warm
+    assert report.mbit_s == pytest.approx(4000 * 8 / 0.12 / 1e6)
+    with pytest.raises(ValueError, match="min_window_s"):
+        ProbeEstimator(1, 2, probe_chunk_bytes=1000, probe_chunk_num=2, min_window_s=-1.0)
+
+
+def test_cold_and_warm_reports_are_flagged():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=2)
+    assert est.on_chunk(MB, 0.0, 1.1) is None
+    cold = est.on_chunk(MB, 5.0, 6.1)  # sent after the first had arrived: the link was idle
+    assert cold is not None and not cold.warm
+    assert est.on_chunk(MB, 6.0, 7.1) is None  # sent while the one before was arriving
+    warm = est.on_chunk(MB, 7.0, 8.1)
+    assert warm is not None and warm.warm
 
 
 @pytest.mark.parametrize("seed", range(5))
