@@ -73,7 +73,8 @@ def test_only_cold_samples_when_nothing_is_warm():
 
 def test_a_window_grows_until_its_samples_span_the_shortest_window():
     est = ProbeEstimator(1, 2, probe_chunk_bytes=1000, probe_chunk_num=2, min_window_s=0.1)
-    t, reports = 0.0, []
+    t = 0.0
+    reports: list[LinkReport | None] = []
     for _ in range(7):  # 1000-byte chunks back to back, 30 ms each; one stamp arrives 9 ms late
         t += 0.03
         reports.append(est.on_chunk(1000, 0.0, t + (0.009 if len(reports) == 2 else 0.0)))
