@@ -57,7 +57,8 @@ class Config:
     update. Reports carry a few % of noise, and trees re-planned onto noise run slower than the old ones."""
     react_change: float = 0.3
     """Relative change of one link's reported rate, against the rate the current policy was planned
-    with, that re-plans at once instead of at the next UPDATE_TIME; 0 waits for UPDATE_TIME."""
+    with, that re-plans at once instead of at the next UPDATE_TIME, when it also makes the policy's
+    busiest link that much slower; 0 waits for UPDATE_TIME."""
     react_interval: float = 1.0
     """Shortest time in seconds between two re-plans started by rate changes (a burst of reports
     after one change re-plans once)."""

@@ -23,7 +23,7 @@ from netstorm.errors import ConfigError
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates
-from scheduler.cadence import Cadence, Reason, shifted
+from scheduler.cadence import Cadence, Reason, shifted, slows
 from scheduler.collector import LinkCollector
 from scheduler.consistency import Consistency, ConsistencyError
 from scheduler.membership import Down, Membership, MembershipError
@@ -313,13 +313,15 @@ class SchedulerService:
         link = (message.src, message.dst)
         believed = self.collector.state(*link).mbit_s
         planned = self.planner.planned_rates
-        if (self.config.enable_awareness and self.cadence is not None
-                and shifted(planned, link, believed, self.config.react_change)):
-            assert planned is not None
-            log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f: re-planning early", *link,
-                     believed, planned[link])
-            self.cadence.shift()
-            self._replan_wake.set()
+        current = self.consistency.current_version
+        if (self.config.enable_awareness and self.cadence is not None and planned is not None
+                and current is not None and shifted(planned, link, believed, self.config.react_change)):
+            policy: Any = self.consistency.policy(current)
+            if slows(policy, planned, self.collector.estimate(self.clock()), self.config.react_change):
+                log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f, slows policy %d: "
+                          "re-planning early", *link, believed, planned[link], current)
+                self.cadence.shift()
+                self._replan_wake.set()
 
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
         if not self.complete.is_set():

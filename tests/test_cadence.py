@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.cadence import Cadence, Reason, shifted
+from netstorm.policy import plan
+from scheduler.cadence import Cadence, Reason, shifted, slows
 
 PLANNED = {(1, 2): 100.0, (2, 1): 50.0}
 
@@ -18,6 +19,19 @@ def test_shift_is_relative_to_the_planned_rate_of_that_link() -> None:
     assert not shifted(PLANNED, (1, 2), 1000.0, 0.0), "0 turns early re-plans off"
     assert not shifted(None, (1, 2), 1000.0, 0.3), "nothing planned yet"
     assert not shifted(PLANNED, (1, 3), 1000.0, 0.3), "a link the plan does not have"
+
+
+def test_a_shift_slows_the_policy_only_where_it_lengthens_its_busiest_link() -> None:
+    # STAR at hub 1 over the links 1-2 and 1-3: every link carries the model once, so the busiest
+    # links are 1-3's two directions at 50 Mbit/s; 1-2's run at 100 and have room.
+    rates = {(1, 2): 100.0, (2, 1): 100.0, (1, 3): 50.0, (3, 1): 50.0}
+    policy = plan(rates, topology="star", hub=1)
+    assert not slows(policy, rates, {**rates, (1, 2): 60.0}, 0.3), "a 40 % drop with room to spare"
+    assert not slows(policy, rates, {**rates, (3, 1): 40.0}, 0.3), "the busiest link, 25 % longer"
+    assert slows(policy, rates, {**rates, (3, 1): 35.0}, 0.3), "the busiest link, 43 % longer"
+    assert slows(policy, rates, {(2, 1): 30.0}, 0.3), "1-2 becomes the busiest, at 1.67x the old time"
+    assert not slows(policy, rates, {**rates, (1, 3): 500.0, (3, 1): 500.0}, 0.3), "faster links wait"
+    assert not slows(policy, rates, {**rates, (5, 6): 1.0}, 0.3), "links the plan does not have are ignored"
 
 
 def test_quiet_cadence_is_the_update_period() -> None:
