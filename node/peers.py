@@ -310,8 +310,6 @@ class PeerLink:
         self._wakeup = asyncio.Event()
         self._closing = False
         self.queued_bytes = 0
-        self.sending = False
-        """A frame is being handed to the kernel (written, not yet drained)."""
         self.sent_frames = 0
         self.sent_bytes = 0
         self.protocol: OutboundProtocol | None = None
@@ -324,11 +322,6 @@ class PeerLink:
         if transport is None:
             return None
         return linkstats.read(transport.get_extra_info("socket"))
-
-    @property
-    def idle(self) -> bool:
-        """Nothing queued and nothing being written: the link waits for work."""
-        return not self.sending and self.queued_bytes == 0
 
     @property
     def backlog_bytes(self) -> int:
@@ -376,7 +369,6 @@ class PeerLink:
                 if protocol.closed.done():
                     raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
                 header = item.header.hop(item.header.src, item.header.dst, self._clock())
-                self.sending = True
                 transport.write(header.encode())
                 transport.write(item.payload.data.cast("B"))
                 self.queued_bytes -= item.payload.nbytes
@@ -388,7 +380,6 @@ class PeerLink:
                 except TimeoutError:
                     raise PeerError(f"node {self.peer_id} accepted no data for {self._stall_timeout:g} s (sending "
                                     f"chunk {header.chunk} of iteration {header.iteration})") from None
-                self.sending = False
                 counters = linkstats.read(transport.get_extra_info("socket"))
                 if counters is not None:
                     self.meter.sample(counters, waiting=bool(self._queue))

@@ -210,9 +210,11 @@ def test_auxiliary_paths_carry_chunks_exactly_once_and_hops_are_measured():
         return plan(shifted, topology="fapt", num_roots=2, version=iteration // 2)
 
     # Loopback runs far faster than any plan, so no link lags its plan: aux_slowdown 0 (the paper's rule)
-    # offloads whenever a primary is busy.
+    # offloads whenever a primary is busy. Its tiny chunks never fill a 0.25 s probe window: probe_window 0
+    # reports every two samples.
     config = CONFIG.replace(enable_aux_path=True, primary_busy_bound=1, auxiliary_queue_length=3,
-                            probe_chunk_size=1000, probe_chunk_num=2, chunk_size=400, aux_slowdown=0.0)
+                            probe_chunk_size=1000, probe_chunk_num=2, chunk_size=400, aux_slowdown=0.0,
+                            probe_window=0.0)
     iterations = 5
     rng = np.random.default_rng(5)
     total = sum(spec.size for spec in SPECS)
