@@ -147,14 +147,18 @@ def run_case(case: Case) -> tuple[Received, float]:
 
 
 def assert_tracks(values: list[float], rate: float) -> None:
-    """Reports track the shaped rate: their median within 10 %, and none more than 10 % above it.
+    """Reports track the shaped rate: their median within 10 % of the payload it can carry, and none
+    more than 10 % above the shaped rate itself.
 
-    A median, because a report is the goodput the link achieved: on this shared 2-core host a stall of
-    a few hundred milliseconds (the process not scheduled) slows the window it falls in, which is the
-    host's doing, not the link's; one such window in a run must not decide the verdict.
+    The shaper counts Ethernet frames, a report counts TCP payload, so the reference is GOODPUT of the
+    shaped rate (the physical limit of what a report can see). A median, because a report is the
+    goodput the link achieved: on this shared 2-core host a stall (the process not scheduled, TCP
+    recovering a loss in the shaper's queue) slows the window it falls in, which is the host's doing,
+    not the probe's; one such window in a run must not decide the verdict. At 155 Mbit/s the link itself
+    delivers 0.88-0.95 of the shaped rate from run to run here.
     """
     assert values
-    assert float(np.median(values)) == pytest.approx(rate, rel=0.10), values
+    assert float(np.median(values)) == pytest.approx(rate * GOODPUT, rel=0.10), values
     assert max(values) <= rate * 1.10, values
 
 
