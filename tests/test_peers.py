@@ -8,6 +8,7 @@ back-pressure keeps a slow link's bytes in its queue.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import struct
 from collections.abc import Callable
@@ -305,6 +306,18 @@ def test_the_receiver_reassembles_frames_split_at_any_byte():
         assert [h for h, _ in received] == headers
         for (_, got), want in zip(received, payloads, strict=True):
             np.testing.assert_array_equal(got, want)
+
+
+def test_a_links_backlog_is_what_waits_in_its_queue_before_it_connects():
+    async def main() -> None:
+        link = PeerLink(peer_id=2, address=("127.0.0.1", 9), hello=lambda: Hello(1, "h"), clock=lambda: 0.0,
+                        connect_timeout=1.0)
+        assert link.backlog_bytes == 0
+        header = ChunkHeader(0, 3, 2, Phase.UP, 1, 2, 1, 2, 0, 0.0, False, (1, 2), 250)
+        link.enqueue(Outgoing(header, np.zeros(250, np.float32)))
+        link.enqueue(Outgoing(dataclasses.replace(header, chunk=4), np.zeros(100, np.float32)))
+        assert link.backlog_bytes == 1400  # no connection yet, so nothing in a kernel buffer
+    asyncio.run(main())
 
 
 def test_send_queue_puts_older_iterations_then_earlier_chunks_first():
