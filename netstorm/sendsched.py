@@ -7,10 +7,11 @@ on it; then (the paper's rule) to the first auxiliary path with fewer than ``aux
 in flight; when none qualifies, to the primary again (its queue is where waiting is cheapest).
 
 Given a view of the links (``LinkView``: the bytes waiting for each neighbour and the rate it sends
-at, measured by the node), two refinements keep auxiliary chunks off capacity the plan counts on:
+at, measured by the node) and a ``slowdown`` above 0, two refinements keep auxiliary chunks off
+capacity the plan counts on:
 
-- *Only from a lagging edge.* With ``slowdown`` > 0 the primary must be sending more than that
-  fraction below the rate its policy was planned with. The policy's trees are packed onto every link's
+- *Only from a lagging edge.* The primary must be sending more than ``slowdown`` (a
+  fraction) below the rate its policy was planned with. The policy's trees are packed onto every link's
   planned capacity, so while the plan holds an auxiliary chunk only takes capacity some other tree
   planned for; when a link falls behind its plan (the WAN changed and the plan is stale), its chunks
   are what holds the iteration up, and moving them is the gain.
@@ -88,9 +89,7 @@ class PathScheduler:
         return path
 
     def lagging(self, view: LinkView) -> bool:
-        """Whether the primary sends more than ``slowdown`` below its planned rate (always, at 0)."""
-        if self.slowdown == 0:
-            return True
+        """Whether the primary sends more than ``slowdown`` below its planned rate."""
         planned = self.planned_bps.get((self.primary[0], self.primary[1]))
         if view.rate_bps is None or planned is None:
             return False
@@ -100,7 +99,7 @@ class PathScheduler:
         if not self.enabled or self._in_flight[self.primary] <= self.busy_bound:
             return self.primary
         room = [p for p in self.aux if self._in_flight[p] < self.aux_queue_length]
-        if view is None:
+        if view is None or self.slowdown == 0:  # the paper's rule: the fastest path with room
             return room[0] if room else self.primary
         primary = view(self.primary[1])
         if not self.lagging(primary):
