@@ -100,3 +100,8 @@ class RateMeter:
     def rate_bps(self) -> float | None:
         """Bytes per second over the window; None until it holds ``min_s`` of backlogged sending."""
         return self._bytes / self._busy_s if self._busy_s >= self.min_s else None
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes the kernel held unsent at the last sample."""
+        return self._last.notsent_bytes if self._last is not None else 0

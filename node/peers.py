@@ -325,11 +325,8 @@ class PeerLink:
 
     @property
     def backlog_bytes(self) -> int:
-        """Bytes waiting for this link: queued here and unsent in the kernel now (read from TCP_INFO: the
-        meter's last sample is as old as the last frame, and a link that has gone quiet since has sent
-        what it then held)."""
-        counters = self.counters()
-        return self.queued_bytes + (counters.notsent_bytes if counters is not None else 0)
+        """Bytes waiting for this link: queued here and unsent in the kernel at the last sample."""
+        return self.queued_bytes + self.meter.unsent_bytes
 
     def enqueue(self, item: Outgoing) -> None:
         self._queue.push(item)

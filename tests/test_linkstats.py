@@ -70,6 +70,7 @@ def test_the_rate_meter_counts_only_steps_the_link_was_fed() -> None:
     assert meter.rate_bps == pytest.approx(4e6)
     meter.sample(_counters(0.4, 600_000, notsent=9000), waiting=True)  # fed: 1 MB/s
     assert meter.rate_bps == pytest.approx(500_000 / 0.2)
+    assert meter.unsent_bytes == 9000
 
 
 def test_the_rate_meter_forgets_steps_older_than_its_window() -> None:
