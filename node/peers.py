@@ -380,7 +380,7 @@ class PeerLink:
                 except TimeoutError:
                     raise PeerError(f"node {self.peer_id} accepted no data for {self._stall_timeout:g} s (sending "
                                     f"chunk {header.chunk} of iteration {header.iteration})") from None
-                counters = linkstats.read(transport.get_extra_info("socket"))
+                counters = self.counters()
                 if counters is not None:
                     self.meter.sample(counters, waiting=bool(self._queue))
                 if item.on_sent is not None:

@@ -315,7 +315,8 @@ class SchedulerService:
         planned = self.planner.planned_rates
         current = self.consistency.current_version
         if (self.config.enable_awareness and self.cadence is not None and planned is not None
-                and current is not None and shifted(planned, link, believed, self.config.react_change)):
+                and current is not None and self.cadence.reason() is Reason.PERIODIC  # else one is due early
+                and shifted(planned, link, believed, self.config.react_change)):
             policy: Any = self.consistency.policy(current)
             if slows(policy, planned, self.collector.estimate(self.clock()), self.config.react_change):
                 log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f, slows policy %d: "
