@@ -40,7 +40,7 @@ from netstorm.errors import PolicyError
 from netstorm.rategraph import RateGraph
 from netstorm.tree import Tree
 
-__all__ = ["EdgeSet", "Packing", "PackingGraph", "assign_roots", "pack_for_roots", "pack_trees"]
+__all__ = ["EdgeSet", "Packing", "PackingGraph", "assign_roots", "pack_trees", "rounded_shares", "solve_with_duals"]
 
 SHARE_DECIMALS = 9
 """Shares are rounded to 1e-9: bytes-for-bytes the same policy whatever the LP solver's last bits."""
@@ -240,7 +240,7 @@ class _Master:
         return x[1:], float(x[0]), np.maximum(-dual[:self.rows], 0.0), float(dual[self.rows])
 
 
-def _rounded(shares: np.ndarray) -> np.ndarray:
+def rounded_shares(shares: np.ndarray) -> np.ndarray:
     """Shares rounded to SHARE_DECIMALS, the remainder of 1 given to the heaviest."""
     out = np.round(np.maximum(shares, 0.0), SHARE_DECIMALS)
     out[int(np.argmax(out))] += 1.0 - float(out.sum())
@@ -249,7 +249,7 @@ def _rounded(shares: np.ndarray) -> np.ndarray:
 
 def _packing(graph: PackingGraph, trees: list[EdgeSet], shares: np.ndarray, rounds: int,
              optimal: bool) -> Packing:
-    rounded = _rounded(shares)
+    rounded = rounded_shares(shares)
     kept = [(float(s), t) for s, t in zip(rounded.tolist(), trees, strict=True) if s > 0]
     kept.sort(key=lambda item: (-item[0], item[1]))
     final_trees = tuple(t for _, t in kept)
@@ -258,12 +258,17 @@ def _packing(graph: PackingGraph, trees: list[EdgeSet], shares: np.ndarray, roun
     return Packing(final_trees, tuple(final_shares.tolist()), busiest, rounds, optimal)
 
 
-def _solve_subset(graph: PackingGraph, trees: Sequence[EdgeSet]) -> tuple[np.ndarray, float]:
-    """Optimal shares over just ``trees`` and the busiest link's seconds per Mbit."""
+def solve_with_duals(graph: PackingGraph, trees: Sequence[EdgeSet]) -> tuple[np.ndarray, float, np.ndarray, float]:
+    """Optimal shares over just ``trees``, the busiest link's seconds per Mbit, link duals and μ."""
     master = _Master(2 * graph.m)
     for column in graph.load_columns(trees).T:
         master.add(column)
-    shares, t_value, _, _ = master.solve()
+    return master.solve()
+
+
+def _solve_subset(graph: PackingGraph, trees: Sequence[EdgeSet]) -> tuple[np.ndarray, float]:
+    """Optimal shares over just ``trees`` and the busiest link's seconds per Mbit."""
+    shares, t_value, _, _ = solve_with_duals(graph, trees)
     return shares, t_value
 
 
@@ -362,12 +367,3 @@ def assign_roots(graph: PackingGraph, packing: Packing, roots: Sequence[int]
     trees = {root: graph.rooted(packing.trees[owner[c]], root) for c, root in enumerate(roots)}
     share = {root: packing.shares[owner[c]] / holders[owner[c]] for c, root in enumerate(roots)}
     return trees, share
-
-
-def pack_for_roots(graph: RateGraph, roots: Sequence[int], seeds: Iterable[Tree] = ()
-                   ) -> tuple[dict[int, Tree], dict[int, float]]:
-    """Packed trees and shares for the fixed ``roots``: at most one tree per root, seeded by ``seeds``."""
-    packing_graph = PackingGraph.from_graph(graph)
-    seed_sets = [s for s in (packing_graph.edge_set(t) for t in seeds) if s is not None]
-    packing = pack_trees(packing_graph, seeds=seed_sets, max_trees=len(roots))
-    return assign_roots(packing_graph, packing, roots)

@@ -18,9 +18,9 @@ from netstorm.auxpath import auxiliary_paths
 from netstorm.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
 from netstorm.errors import PolicyError
 from netstorm.fapt import build_multi_root_fapt
-from netstorm.packing import pack_for_roots
 from netstorm.predict import routed_delay, routes_for
 from netstorm.rategraph import RateGraph
+from netstorm.rootpacking import pack_for_roots
 from netstorm.scenario import Rates
 from netstorm.tree import Tree
 

@@ -16,10 +16,11 @@ from scipy.optimize import linprog
 from netstorm import scenario
 from netstorm.errors import PolicyError
 from netstorm.limit import limit_s, min_cut
-from netstorm.packing import PackingGraph, pack_for_roots, pack_trees
+from netstorm.packing import PackingGraph, pack_trees
 from netstorm.policy import plan
 from netstorm.predict import predict
 from netstorm.rategraph import RateGraph
+from netstorm.rootpacking import pack_for_roots
 from netstorm.scenario import Rates
 from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
