@@ -15,19 +15,16 @@ Two starts are searched, the packing's trees and every root's shallowest tree, a
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import shortest_path
 
 from netstorm.packing import EdgeSet, PackingGraph, assign_roots, pack_trees, rounded_shares, solve_with_duals
 from netstorm.rategraph import RateGraph
 from netstorm.tree import Tree
 
-__all__ = ["SWEEPS", "Search", "pack_for_roots", "refine_roots", "shallow_tree"]
+__all__ = ["SWEEPS", "Overlay", "Search", "pack_for_roots", "refine_roots"]
 
 SWEEPS = 8
 """Passes over all roots before the search stops (it stops earlier once a pass changes nothing)."""
@@ -36,22 +33,103 @@ SLACKS = (0, 1)
 """Depth bounds tried for the Prim candidates: each node at most this many hops below its BFS depth."""
 
 
+class Overlay:
+    """What the search asks of a PackingGraph again and again, kept in plain lists: adjacency, BFS
+    depths per root and tree delays (memoised: a sweep re-reads the same trees many times)."""
+
+    def __init__(self, graph: PackingGraph) -> None:
+        self.graph = graph
+        self.adjacency: list[list[tuple[int, int]]] = [[] for _ in range(graph.n)]
+        for e, (a, b) in enumerate(zip(graph.u.tolist(), graph.v.tolist(), strict=True)):
+            self.adjacency[a].append((b, e))
+            self.adjacency[b].append((a, e))
+        self.speed = (graph.up + graph.down).tolist()
+        self._up, self._down = graph.up.tolist(), graph.down.tolist()
+        self._u = graph.u.tolist()
+        self._hops: dict[int, list[int]] = {}
+        self._delays: dict[tuple[int, EdgeSet], float] = {}
+
+    def hops(self, root: int) -> list[int]:
+        """BFS depth of every node from ``root``."""
+        if root not in self._hops:
+            depth = [-1] * self.graph.n
+            depth[root] = 0
+            frontier = [root]
+            while frontier:
+                nxt = []
+                for x in frontier:
+                    for y, _ in self.adjacency[x]:
+                        if depth[y] < 0:
+                            depth[y] = depth[x] + 1
+                            nxt.append(y)
+                frontier = nxt
+            self._hops[root] = depth
+        return self._hops[root]
+
+    def delay(self, root: int, edges: EdgeSet) -> float:
+        """Seconds per Mbit of ``edges`` rooted at ``root`` up and back down: Theorem 1's push delay
+        plus the results' delay, one chunk's trip through the pipeline."""
+        key = (root, edges)
+        if key not in self._delays:
+            members = set(edges)
+            up_cost, down_cost = {root: 0.0}, {root: 0.0}
+            frontier = [root]
+            while frontier:
+                nxt = []
+                for x in frontier:
+                    for y, e in self.adjacency[x]:
+                        if e in members and y not in up_cost:
+                            towards_root = self._up[e] if self._u[e] == y else self._down[e]
+                            away = self._down[e] if self._u[e] == y else self._up[e]
+                            up_cost[y] = up_cost[x] + towards_root
+                            down_cost[y] = down_cost[x] + away
+                            nxt.append(y)
+                frontier = nxt
+            self._delays[key] = max(up_cost.values()) + max(down_cost.values())
+        return self._delays[key]
+
+    def shallow_tree(self, root: int, weight: np.ndarray, slack: int = 0) -> EdgeSet:
+        """Prim's tree from node index ``root`` under ``weight``, no node more than ``slack`` hops deeper
+        than its BFS depth; ties go to the shallower join, then the faster edge, then the node ids.
+
+        Always spanning: a node's BFS predecessor sits at most ``slack`` below its own BFS depth, so it
+        is a parent the bound admits.
+        """
+        bound = [h + slack for h in self.hops(root)]
+        cost = np.round(weight, 12).tolist()
+        depth = {root: 0}
+        chosen: list[int] = []
+        heap: list[tuple[float, int, float, int, int, int]] = []
+
+        def offer(x: int) -> None:
+            for y, e in self.adjacency[x]:
+                if y not in depth and depth[x] + 1 <= bound[y]:
+                    heapq.heappush(heap, (cost[e], depth[x] + 1, self.speed[e], x, y, e))
+
+        offer(root)
+        while heap and len(depth) < self.graph.n:
+            _, d, _, _, y, e = heapq.heappop(heap)
+            if y in depth:
+                continue
+            depth[y] = d
+            chosen.append(e)
+            offer(y)
+        return tuple(sorted(chosen))
+
+
 class Search:
     """One tree per root (node indices of a PackingGraph) and what the LP makes of them."""
 
-    def __init__(self, graph: PackingGraph, roots: Sequence[int], trees: Sequence[EdgeSet]) -> None:
-        self.graph = graph
+    def __init__(self, overlay: Overlay, roots: Sequence[int], trees: Sequence[EdgeSet]) -> None:
+        self.overlay = overlay
+        self.graph = overlay.graph
         self.roots = list(roots)
         self.trees = list(trees)
-        self.shares, self.t_value, _, _ = solve_with_duals(graph, self.trees)
-        self._reversed = dataclasses.replace(graph, up=graph.down, down=graph.up)
+        self.shares, self.t_value, _, _ = solve_with_duals(self.graph, self.trees)
 
     def delay(self, k: int, edges: EdgeSet | None = None) -> float:
-        """Seconds per Mbit of root k's tree (or ``edges`` rooted there) up and back down: Theorem 1's
-        push delay plus the results' delay, one chunk's trip through the pipeline."""
-        tree = self.trees[k] if edges is None else edges
-        root = np.array([self.roots[k]])
-        return float(self.graph.delays_to(tree, root)[0] + self._reversed.delays_to(tree, root)[0])
+        """Root k's tree (or ``edges`` rooted there): seconds per Mbit up and back down."""
+        return self.overlay.delay(self.roots[k], self.trees[k] if edges is None else edges)
 
     def slowest(self) -> float:
         return max(self.delay(k) for k in range(len(self.roots)))
@@ -68,7 +146,7 @@ class Search:
                 continue
             _, _, y, _ = solve_with_duals(self.graph, others)
             weight = y[0::2] * self.graph.up + y[1::2] * self.graph.down
-            candidates = [shallow_tree(self.graph, self.roots[k], weight, slack) for slack in SLACKS]
+            candidates = [self.overlay.shallow_tree(self.roots[k], weight, slack) for slack in SLACKS]
             for candidate in dict.fromkeys(candidates):
                 if candidate == self.trees[k]:
                     continue
@@ -83,51 +161,14 @@ class Search:
         return changed
 
 
-def shallow_tree(graph: PackingGraph, root: int, weight: np.ndarray, slack: int = 0) -> EdgeSet:
-    """Prim's tree from node index ``root`` under ``weight``, no node more than ``slack`` hops deeper
-    than its BFS depth; ties go to the shallower join, then the faster edge, then the node ids.
-
-    Always spanning: a node's BFS predecessor sits at most ``slack`` below its own BFS depth, so it is
-    a parent the bound admits.
-    """
-    n = graph.n
-    u, v = graph.u.tolist(), graph.v.tolist()
-    adjacency: list[list[tuple[int, int]]] = [[] for _ in range(n)]
-    for e, (a, b) in enumerate(zip(u, v, strict=True)):
-        adjacency[a].append((b, e))
-        adjacency[b].append((a, e))
-    hops = shortest_path(csr_matrix((np.ones(graph.m), (graph.u, graph.v)), shape=(n, n)), directed=False,
-                         unweighted=True, indices=root)
-    bound = [int(h) + slack for h in hops.tolist()]
-    speed = (graph.up + graph.down).tolist()
-    cost = np.round(weight, 12).tolist()
-    depth = {root: 0}
-    chosen: list[int] = []
-    heap: list[tuple[float, int, float, int, int, int]] = []
-
-    def offer(x: int) -> None:
-        for y, e in adjacency[x]:
-            if y not in depth and depth[x] + 1 <= bound[y]:
-                heapq.heappush(heap, (cost[e], depth[x] + 1, speed[e], x, y, e))
-
-    offer(root)
-    while heap and len(depth) < n:
-        _, d, _, _, y, e = heapq.heappop(heap)
-        if y in depth:
-            continue
-        depth[y] = d
-        chosen.append(e)
-        offer(y)
-    return tuple(sorted(chosen))
-
-
 def refine_roots(graph: PackingGraph, roots: Sequence[int], trees: Sequence[EdgeSet], *,
                  sweeps: int = SWEEPS) -> Search:
     """The better of the searches from ``trees`` and from every root's shallowest tree."""
+    overlay = Overlay(graph)
     zero = np.zeros(graph.m)
     best: Search | None = None
-    for start in (list(trees), [shallow_tree(graph, r, zero) for r in roots]):
-        search = Search(graph, roots, start)
+    for start in (list(trees), [overlay.shallow_tree(r, zero) for r in roots]):
+        search = Search(overlay, roots, start)
         for _ in range(sweeps):
             if not search.sweep():
                 break
@@ -150,7 +191,7 @@ def pack_for_roots(graph: RateGraph, roots: Sequence[int], seeds: Iterable[Tree]
     packing = pack_trees(packing_graph, seeds=seed_sets, max_trees=len(roots))
     trees, share = assign_roots(packing_graph, packing, roots)
     index = [packing_graph.position[r] for r in roots]
-    assigned = Search(packing_graph, index, [_edges(packing_graph, trees[r]) for r in roots])
+    assigned = Search(Overlay(packing_graph), index, [_edges(packing_graph, trees[r]) for r in roots])
     search = refine_roots(packing_graph, index, assigned.trees)
     if not _beats(search.key(), assigned.key()):
         return trees, share

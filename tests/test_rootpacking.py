@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 
 import numpy as np
@@ -13,7 +15,7 @@ from netstorm import scenario
 from netstorm.packing import PackingGraph, pack_trees, solve_with_duals
 from netstorm.policy import plan
 from netstorm.rategraph import RateGraph
-from netstorm.rootpacking import pack_for_roots, shallow_tree
+from netstorm.rootpacking import Overlay, pack_for_roots
 from netstorm.scenario import Rates
 from tests.policy_graphs import internet2, random_overlay
 
@@ -48,7 +50,7 @@ def test_shallow_tree_spans_within_its_depth_bound(slack):
     rng = np.random.default_rng(slack)
     for root in range(graph.n):
         weight = rng.random(graph.m) if root % 2 else np.zeros(graph.m)
-        edges = shallow_tree(graph, root, weight, slack)
+        edges = Overlay(graph).shallow_tree(root, weight, slack)
         tree = graph.rooted(edges, graph.nodes[root])  # raises unless the edges span
         hops = _hops(graph, root)
         depth = tree.depth()
@@ -56,6 +58,25 @@ def test_shallow_tree_spans_within_its_depth_bound(slack):
             assert hops[i] <= depth[node] <= hops[i] + slack
         if slack == 0:
             assert max(depth.values()) == 4  # C15(1, 2): ring distance 7 takes 4 hops of at most 2
+
+
+def test_tree_delay_is_the_push_and_result_trips_of_theorem_1():
+    rates = random_overlay(9, 3, seed=11)
+    graph = PackingGraph.from_graph(RateGraph.from_rates(rates))
+    reversed_graph = dataclasses.replace(graph, up=graph.down, down=graph.up)
+    overlay = Overlay(graph)
+    rng = np.random.default_rng(2)
+    for root in range(graph.n):
+        edges = overlay.shallow_tree(root, rng.random(graph.m), slack=1)
+        expected = graph.delays_to(edges, np.array([root]))[0] + reversed_graph.delays_to(edges, np.array([root]))[0]
+        assert overlay.delay(root, edges) == pytest.approx(expected, rel=1e-12)
+        # By hand from the rooted tree: the slowest path up plus the slowest path down.
+        tree = graph.rooted(edges, graph.nodes[root])
+        up = {n: sum(1 / rates[(a, b)] for a, b in itertools.pairwise(tree.path_to_root(n)))
+              for n in tree.nodes}
+        down = {n: sum(1 / rates[(b, a)] for a, b in itertools.pairwise(tree.path_to_root(n)))
+                for n in tree.nodes}
+        assert overlay.delay(root, edges) == pytest.approx(max(up.values()) + max(down.values()), rel=1e-9)
 
 
 def test_circulant_reaches_near_the_optimum_with_shallow_trees():
