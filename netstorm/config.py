@@ -62,6 +62,12 @@ class Config:
     react_interval: float = 1.0
     """Shortest time in seconds between two re-plans started by rate changes (a burst of reports
     after one change re-plans once)."""
+    stale_after: float = 30.0
+    """Seconds a link's measured rate is believed as it is; after that, unless measured again, it decays
+    toward the fastest rate believed for any link, so a link the trees dropped is tried again instead of
+    being written off for good (the avalanche effect)."""
+    stale_half_life: float = 60.0
+    """Half-life in seconds of that decay."""
     tree_packing: bool = True
     """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2."""
     # Runtime.
@@ -95,9 +101,11 @@ class Config:
                      "heartbeat_timeout", "clock_sync_interval"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
-        for name in ("update_rate", "react_change", "react_interval", "probe_window"):
+        for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.stale_half_life <= 0:
+            raise ConfigError(f"stale_half_life must be positive seconds, got {self.stale_half_life!r}")
         if not 0 <= self.aux_slowdown < 1:
             raise ConfigError(f"aux_slowdown must be in [0, 1), got {self.aux_slowdown!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:

@@ -32,13 +32,14 @@ import dataclasses
 import math
 import statistics
 
+from netstorm.config import Config
 from netstorm.probe import LinkReport
 from netstorm.scenario import Rates
 
-DEFAULT_STALE_AFTER = 30.0
+DEFAULT_STALE_AFTER = Config.stale_after
 RECENT = 3
 """Reports per link whose median is believed."""
-DEFAULT_HALF_LIFE = 60.0
+DEFAULT_HALF_LIFE = Config.stale_half_life
 
 
 @dataclasses.dataclass(frozen=True)

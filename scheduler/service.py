@@ -79,7 +79,8 @@ class SchedulerService:
             raise ConfigError(f"a job needs at least two DCs joined by overlay links, got nodes "
                               f"{list(self.membership.expected)}")
         self.consistency = Consistency()
-        self.collector = LinkCollector(restrict(rates, nodes), now=clock())
+        self.collector = LinkCollector(restrict(rates, nodes), now=clock(), stale_after=config.stale_after,
+                                       half_life=config.stale_half_life)
         self.planner = Planner(topology=topology,
                                num_roots=config.num_root_servers if num_roots is None else num_roots,
                                update_rate=config.update_rate, relative_change=self.collector.relative_change,

@@ -613,3 +613,30 @@ def test_tree_packing_option_reaches_the_planner() -> None:
         assert first == plan(rates, packing=packing).with_version(first.version)
     # the two planners really differ on this overlay, so the check above could fail
     assert plan(rates, packing=True).chunk_share != plan(rates, packing=False).chunk_share
+
+
+def test_stale_options_reach_the_collector() -> None:
+    from netstorm import scenario
+    from netstorm.config import Config
+    from scheduler.service import SchedulerService
+
+    rates = scenario.load("internet2-9").rates()
+    nodes = sorted({a for a, _ in rates})
+    clock = iter([100.0])
+    service = SchedulerService(rates, nodes, Config(stale_after=2.0, stale_half_life=4.0), clock=lambda: next(clock))
+    assert (service.collector.stale_after, service.collector.half_life) == (2.0, 4.0)
+    # Never measured since the start at t=100: believed as given for 2 s, then halfway to the fastest
+    # link's rate after one half-life more.
+    slow = min(rates, key=lambda link: rates[link])
+    top = max(rates.values())
+    assert service.collector.estimate(101.9)[slow] == rates[slow]
+    assert service.collector.estimate(106.0)[slow] == pytest.approx((rates[slow] + top) / 2)
+
+
+def test_stale_options_are_validated() -> None:
+    from netstorm.config import Config
+
+    with pytest.raises(ConfigError, match="stale_half_life"):
+        Config().replace(stale_half_life=0.0)
+    with pytest.raises(ConfigError, match="stale_after"):
+        Config().replace(stale_after=-1.0)
