@@ -15,7 +15,8 @@ those edge weights. When no tree prices out the master's optimum is the optimum 
 tree. The master lives in one HiGHS model (highspy) so each round re-solves from the previous basis.
 
 The runtime wants one tree per root, so an optimum using more trees than there are roots is cut down
-to the best of a few candidate subsets (``pack_trees``), each with re-optimised shares.
+to the best of a few candidate subsets (``pack_trees``), each with re-optimised shares;
+``netstorm.rootpacking`` then improves the cut tree by tree.
 
 The paper's multi-root FAPT (shortest-path trees, shares proportional to quality) loads the links
 around the fastest nodes and lands about 2x above the physical limit M/λ on internet2-9; the packing

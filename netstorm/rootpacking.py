@@ -24,10 +24,14 @@ from netstorm.packing import EdgeSet, PackingGraph, assign_roots, pack_trees, ro
 from netstorm.rategraph import RateGraph
 from netstorm.tree import Tree
 
-__all__ = ["SWEEPS", "Overlay", "Search", "pack_for_roots", "refine_roots"]
+__all__ = ["MAX_SEARCH_WORK", "SWEEPS", "Overlay", "Search", "pack_for_roots", "refine_roots"]
 
 SWEEPS = 8
 """Passes over all roots before the search stops (it stops earlier once a pass changes nothing)."""
+MAX_SEARCH_WORK = 2000
+"""Largest overlay the search runs on, as roots x links: each LP solve costs about that much, and a sweep
+solves a few per root (15 DCs on 30 links: 450, about 1 s; 100 DCs on 300 links would take minutes,
+and there the packing needs fewer trees than roots anyway, so the cut is already optimal)."""
 RTOL = 1e-9
 SLACKS = (0, 1)
 """Depth bounds tried for the Prim candidates: each node at most this many hops below its BFS depth."""
@@ -183,13 +187,15 @@ def pack_for_roots(graph: RateGraph, roots: Sequence[int], seeds: Iterable[Tree]
     """Packed trees and shares for the fixed ``roots``, one tree per root, seeded by ``seeds``.
 
     The packing cut to one tree per root (``pack_trees``, ``assign_roots``) stands unless the local
-    search beats it. Roots left with the same tree split its share equally (the loads are the same),
-    so every root keeps aggregating a part of the model.
+    search beats it (on overlays up to ``MAX_SEARCH_WORK``). Roots left with the same tree split its
+    share equally (the loads are the same), so every root keeps aggregating a part of the model.
     """
     packing_graph = PackingGraph.from_graph(graph)
     seed_sets = [s for s in (packing_graph.edge_set(t) for t in seeds) if s is not None]
     packing = pack_trees(packing_graph, seeds=seed_sets, max_trees=len(roots))
     trees, share = assign_roots(packing_graph, packing, roots)
+    if len(roots) * packing_graph.m > MAX_SEARCH_WORK:
+        return trees, share
     index = [packing_graph.position[r] for r in roots]
     assigned = Search(Overlay(packing_graph), index, [_edges(packing_graph, trees[r]) for r in roots])
     search = refine_roots(packing_graph, index, assigned.trees)

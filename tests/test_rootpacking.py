@@ -12,10 +12,10 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
 from netstorm import scenario
-from netstorm.packing import PackingGraph, pack_trees, solve_with_duals
+from netstorm.packing import PackingGraph, assign_roots, pack_trees, solve_with_duals
 from netstorm.policy import plan
 from netstorm.rategraph import RateGraph
-from netstorm.rootpacking import Overlay, pack_for_roots
+from netstorm.rootpacking import MAX_SEARCH_WORK, Overlay, pack_for_roots
 from netstorm.scenario import Rates
 from tests.policy_graphs import internet2, random_overlay
 
@@ -126,3 +126,16 @@ def test_plan_carries_the_refined_trees():
     policy = plan(rates)
     assert _busiest(graph, dict(policy.trees), dict(policy.chunk_share)) < (
         pack_trees(graph, max_trees=15).seconds_per_mbit * 0.97)
+
+
+def test_large_overlays_keep_the_cut():
+    # 40 DCs on ~120 links is past MAX_SEARCH_WORK: the answer is exactly the packing's cut, assigned.
+    rates = random_overlay(40, 6, seed=7)
+    rate_graph = RateGraph.from_rates(rates)
+    graph = PackingGraph.from_graph(rate_graph)
+    roots = list(rate_graph.nodes)
+    assert len(roots) * graph.m > MAX_SEARCH_WORK
+    trees, share = pack_for_roots(rate_graph, roots)
+    cut_trees, cut_share = assign_roots(graph, pack_trees(graph, max_trees=len(roots)), roots)
+    assert share == cut_share
+    assert {r: dict(t.parent) for r, t in trees.items()} == {r: dict(t.parent) for r, t in cut_trees.items()}
