@@ -77,3 +77,33 @@ def test_player_stops_at_once_and_reports_a_failed_reshape() -> None:
     idle.start(scenario.rates())
     idle.stop()  # returns without waiting 60 s for the first epoch
     assert len(idle.log) == 1
+
+
+def test_anchored_player_waits_for_its_anchor_and_logs_from_start() -> None:
+    scenario = load(DATA / "emu-4.toml")
+    changes = schedule(scenario, time_scale=1e-4, horizon_s=0.03)
+    target = _Recorder(len(changes))
+    player = DynamicsPlayer(target, changes)
+    player.start(scenario.rates(), anchored=True)
+    # The whole schedule spans 0.024 s: ten times that without an anchor applies nothing.
+    assert not target.done.wait(0.25)
+    assert target.applied == [] and [e["epoch"] for e in player.log] == [0] and player.origin_s is None
+    player.anchor()
+    assert target.done.wait(10)
+    player.anchor()  # a second anchor moves nothing
+    player.stop()
+    assert target.applied == [c.rates for c in changes]
+    assert player.origin_s is not None and player.origin_s >= 0.25
+    for entry, change in zip(player.log[1:], changes, strict=True):
+        assert entry["t"] >= player.origin_s + change.t - 1e-3
+
+
+def test_stopping_an_unanchored_player_applies_nothing() -> None:
+    scenario = load(DATA / "emu-4.toml")
+    target = _Recorder(1)
+    player = DynamicsPlayer(target, schedule(scenario, time_scale=1e-4, horizon_s=0.03))
+    player.start(scenario.rates(), anchored=True)
+    player.stop()
+    assert player.join(5)
+    player.anchor()
+    assert target.applied == [] and player.origin_s is None

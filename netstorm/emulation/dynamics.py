@@ -66,16 +66,35 @@ class DynamicsPlayer:
         self._clock = clock
         self._on_change = on_change
         self._stop = threading.Event()
+        self._anchored = threading.Event()
         self._thread: threading.Thread | None = None
         self._start = 0.0
+        self._origin = 0.0
+        self.origin_s: float | None = None
+        """When the schedule's clock started, in seconds after ``start`` (None until it has)."""
         self.log: list[dict[str, Any]] = []
         self.error: BaseException | None = None
 
-    def start(self, initial: Rates) -> None:
+    def start(self, initial: Rates, *, anchored: bool = False) -> None:
+        """Log ``initial`` and play the schedule from now, or, when ``anchored``, from ``anchor()`` on.
+
+        Log times are seconds after this call either way.
+        """
         self._start = self._clock()
         self._record(0.0, 0, initial)
+        if not anchored:
+            self.anchor()
         self._thread = threading.Thread(target=self._run, name="netstorm-dynamics", daemon=True)
         self._thread.start()
+
+    def anchor(self) -> None:
+        """Start the schedule's clock now: the change at ``t`` comes ``t`` seconds later. Once only, and
+        not after ``stop``."""
+        if self._anchored.is_set():
+            return
+        self._origin = self._clock()
+        self.origin_s = round(self._origin - self._start, 3)
+        self._anchored.set()
 
     def _record(self, t: float, epoch: int, rates: Rates) -> None:
         entry = rate_log_entry(t, epoch, rates, self._network.bw_scale)
@@ -85,8 +104,11 @@ class DynamicsPlayer:
 
     def _run(self) -> None:
         try:
+            self._anchored.wait()  # stop() sets it too
+            if self._stop.is_set():
+                return
             for change in self._changes:
-                delay = self._start + change.t - self._clock()
+                delay = self._origin + change.t - self._clock()
                 if self._stop.wait(max(0.0, delay)):
                     return
                 self._network.set_rates(change.rates)
@@ -105,6 +127,7 @@ class DynamicsPlayer:
     def stop(self) -> None:
         """Stop applying changes; re-raises a failure the thread hit."""
         self._stop.set()
+        self._anchored.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
         if self.error is not None:

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -248,6 +248,8 @@ class SystemRun:
         self.services: dict[str, subprocess.Popen[bytes]] = {}
         self._files: list[IO[bytes]] = []
         self.completed_at: list[float] = []
+        self.on_first_iteration: Callable[[], None] | None = None
+        """Called once, when every trainer has completed its first iteration (the dynamics start)."""
         self.current_rates: Rates = scenario.rates()
         self.epoch = 0
 
@@ -406,6 +408,8 @@ class SystemRun:
         while len(self.completed_at) < done:
             k = len(self.completed_at)
             self.completed_at.append(elapsed)
+            if k == 0 and self.on_first_iteration is not None:
+                self.on_first_iteration()
             secs = max(r["seconds"] for tl in self.logs.values() for r in tl.records if r.get("iteration") == k)
             rates = " ".join(f"{a}>{b}:{r * self.net.bw_scale:.0f}" for (a, b), r in sorted(self.net.rates.items()))
             version = ""
@@ -531,12 +535,17 @@ def run(opts: Options) -> dict[str, Any]:
 
             player = DynamicsPlayer(net, schedule(scenario, time_scale=opts.time_scale), on_change=on_change)
             progress.line(f"[{system.name}] starting ({system.kind})")
-            player.start(scenario.rates())
+            # The schedule starts with training, when the first iteration (which also sets up every
+            # connection) completes: start-up takes 12-27 s here, and timing the schedule from the
+            # launch gave each system a different number of iterations on each epoch's rates.
+            runner.on_first_iteration = player.anchor
+            player.start(scenario.rates(), anchored=True)
             try:
                 outcome = runner.run(budget, progress)
             finally:
                 player.stop()
             outcome["link_rate_log"] = player.log
+            outcome["dynamics_origin_s"] = player.origin_s
             outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
             if system.kind == "netstorm":
                 outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
