@@ -55,6 +55,10 @@ class Config:
     update_rate: float = 0.2
     """Relative rate change (largest over the links) that triggers a new policy; 0 refreshes on every
     update. Reports carry a few % of noise, and trees re-planned onto noise run slower than the old ones."""
+    replan_gain: float = 0.1
+    """A re-plan (on a rate change, not a membership change) replaces the current policy only when, at the
+    rates it was made from, the fluid model predicts it at least this fraction faster; 0 takes every
+    re-plan."""
     react_change: float = 0.3
     """Relative change of one link's reported rate, against the rate the current policy was planned
     with, that re-plans at once instead of at the next UPDATE_TIME, when it also makes the policy's
@@ -104,6 +108,8 @@ class Config:
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.replan_gain < 1:
+            raise ConfigError(f"replan_gain must be in [0, 1), got {self.replan_gain!r}")
         if self.stale_half_life <= 0:
             raise ConfigError(f"stale_half_life must be positive seconds, got {self.stale_half_life!r}")
         if not 0 <= self.aux_slowdown < 1:

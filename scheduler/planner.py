@@ -3,7 +3,10 @@
 The first decision picks the roots (top-N quality scores); every later plan passes them back as
 ``roots=`` so they never move (paper Algorithm 1), minus any root that has died. A re-plan is skipped
 when the rates changed by no more than UPDATE_RATE since the last plan (0 refreshes every time), and a
-plan whose trees, shares and paths equal the current policy's is not worth a new version.
+plan whose trees, shares and paths equal the current policy's is not worth a new version; nor is one
+that, at the very rates it was made from, the fluid model does not predict at least REPLAN_GAIN faster
+than the current policy: reports carry noise, and a plan fitted to it is no better on the real links,
+while every new version moves chunks onto links whose queues and rates nobody has seen yet.
 Plans are pure CPU work: the service runs them in a thread so heartbeats never stall.
 """
 
@@ -14,6 +17,7 @@ from collections.abc import Callable, Collection
 
 from netstorm.errors import NetStormError
 from netstorm.policy import Policy, plan
+from netstorm.predict import predict
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)
@@ -34,12 +38,14 @@ def restrict(rates: Rates, nodes: Collection[int]) -> Rates:
 
 class Planner:
     def __init__(self, *, topology: str, num_roots: int, update_rate: float,
-                 relative_change: Callable[[Rates, Rates], float], packing: bool = True) -> None:
+                 relative_change: Callable[[Rates, Rates], float], packing: bool = True,
+                 replan_gain: float = 0.0) -> None:
         self.topology = topology
         self.packing = packing
         """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.num_roots = 1 if topology == "fapt1" else num_roots
         self.update_rate = update_rate
+        self.replan_gain = replan_gain
         self._relative_change = relative_change
         self.roots: tuple[int, ...] | None = None
         self.planned_rates: Rates | None = None
@@ -66,10 +72,19 @@ class Planner:
                           current.version)
                 return None
         roots = tuple(r for r in self.roots if r in alive)
-        policy = self._plan(restrict(rates, alive), roots=roots or None)
+        live_rates = restrict(rates, alive)
+        policy = self._plan(live_rates, roots=roots or None)
         if not roots:
             self.roots = tuple(policy.roots)
             log.warning("every root died: new roots %s", list(self.roots))
+        if not (force or membership_changed) and self.replan_gain > 0:
+            kept_s = predict(current, live_rates, 1.0).bulk_s
+            new_s = predict(policy, live_rates, 1.0).bulk_s
+            if new_s > kept_s * (1 - self.replan_gain):
+                log.debug("new plan only %.1f %% faster than policy %d at the measured rates "
+                          "(REPLAN_GAIN %.0f %%): keep it", 100 * (1 - new_s / kept_s), current.version,
+                          100 * self.replan_gain)
+                return None
         self.planned_rates = dict(rates)
         if not force and not membership_changed and policy.with_version(current.version) == current:
             return None
