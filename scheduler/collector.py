@@ -12,6 +12,10 @@ the rest, optimism under uncertainty:
   report (since the collector started, for the initial rates). The median drops a lone outlier (a
   receiver descheduled for a moment makes one report read far too fast or too slow, and a plan built on
   it overloads the link) and still follows a real change from its second report on.
+* The initial rate counts as the first report, if the real first comes within ``stale_after``: a
+  connection's first report reads low while TCP's windows open, and on a loaded host, alone, it
+  re-planned runs whose initial rates were exact a few seconds after the start. Now the first report
+  moves the belief halfway (the median of two is their mean) and the second decides.
 * After that the estimate decays exponentially, with ``half_life``, from that value toward an
   optimistic target: the largest rate currently believed for any link. A stale slow link therefore
   becomes attractive after a while, gets a tree edge or an auxiliary path, is measured, and its real
@@ -53,7 +57,7 @@ class LinkState:
     measured: bool
     samples: int = 0
     recent: tuple[float, ...] = ()
-    """The last ``RECENT`` reports, oldest first."""
+    """The last ``RECENT`` reports, oldest first (the initial rate first, until it ages out)."""
 
     @property
     def latest(self) -> float:
@@ -75,7 +79,7 @@ class LinkCollector:
         self.stale_after = stale_after
         self.half_life = half_life
         self._links: dict[tuple[int, int], LinkState] = {
-            link: LinkState(float(rate), now, measured=False) for link, rate in initial.items()
+            link: LinkState(float(rate), now, measured=False, recent=(float(rate),)) for link, rate in initial.items()
         }
 
     def add(self, report: LinkReport, now: float) -> None:

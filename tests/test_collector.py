@@ -17,9 +17,19 @@ def test_fresh_values_are_believed_as_they_are():
     c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
     assert c.estimate(10.0) == INITIAL
     c.add(LinkReport(2, 3, 55.5, 12.0, 4), now=12.0)
+    # The initial rate is the first vote: one report moves the belief halfway, the second decides.
+    assert c.estimate(13.0) == {**INITIAL, (2, 3): (20.0 + 55.5) / 2}
+    c.add(LinkReport(2, 3, 55.5, 14.0, 4), now=14.0)
     assert c.estimate(20.0) == {**INITIAL, (2, 3): 55.5}
     assert c.state(2, 3).measured and c.state(2, 3).samples == 4
+    assert c.state(2, 3).recent == (20.0, 55.5, 55.5)
     assert not c.state(1, 2).measured
+
+
+def test_the_initial_rate_ages_out_like_a_report():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0, half_life=60.0)
+    c.add(LinkReport(2, 3, 55.5, 31.0, 4), now=31.0)  # later than stale_after: the prior says nothing now
+    assert c.state(2, 3).mbit_s == 55.5 and c.state(2, 3).recent == (55.5,)
 
 
 def test_a_lone_outlier_is_dropped_and_a_real_change_followed_from_its_second_report():
