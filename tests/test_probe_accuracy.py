@@ -146,7 +146,7 @@ def run_case(case: Case) -> tuple[Received, float]:
         return received, sender_error[0]
 
 
-def assert_tracks(values: list[float], rate: float) -> None:
+def assert_tracks(values: list[float], rate: float, delivered: float | None = None) -> None:
     """Reports track the shaped rate: their median within 10 % of the payload it can carry, and none
     more than 10 % above the shaped rate itself.
 
@@ -155,11 +155,29 @@ def assert_tracks(values: list[float], rate: float) -> None:
     goodput the link achieved: on this shared 2-core host a stall (the process not scheduled, TCP
     recovering a loss in the shaper's queue) slows the window it falls in, which is the host's doing,
     not the probe's; one such window in a run must not decide the verdict. At 155 Mbit/s the link itself
-    delivers 0.88-0.95 of the shaped rate from run to run here.
+    delivers 0.81-0.95 of the shaped rate from run to run here. ``delivered`` is what the link carried
+    over the same chunks, from the receiver's arrival stamps alone (no send stamps, no clocks): when the
+    host demonstrably did not carry the payload limit (below 90 % of it, and never below 75 %), the
+    reports must be within 10 % of what it did carry.
     """
     assert values
-    assert float(np.median(values)) == pytest.approx(rate * GOODPUT, rel=0.10), values
+    median = float(np.median(values))
+    limit = rate * GOODPUT
+    if delivered is not None and delivered < 0.9 * limit:
+        print(f"  the link carried {delivered:.1f} Mbit/s, {delivered / limit:.2f} of its payload limit: "
+              f"reports judged against that")
+        assert delivered >= 0.75 * limit, (delivered, values)
+        assert median == pytest.approx(delivered, rel=0.10), (delivered, values)
+    else:
+        assert median == pytest.approx(limit, rel=0.10), values
     assert max(values) <= rate * 1.10, values
+
+
+def delivered_mbit(samples: list[tuple[int, float, float]]) -> float:
+    """Mbit/s the link carried over ``samples``: the bytes after the first chunk's last byte over the
+    time until the last chunk's last byte, from the receiver's stamps alone."""
+    assert len(samples) >= 2
+    return sum(n for n, _, _ in samples[1:]) * 8 / 1e6 / (samples[-1][2] - samples[0][2])
 
 
 def in_flight(samples: list[tuple[int, float, float]]) -> np.ndarray:
@@ -195,7 +213,8 @@ def test_streaming_reports_within_ten_percent(rate, chunk_mb):
     assert in_flight(received.samples)[2:].min() >= 1  # the sender really was ahead of the wire
     # The first window also holds the new connection's ramp-up (TCP growing its windows while the
     # shaper's queue fills), a real effect measured as it is; the steady state follows.
-    assert_tracks([r.mbit_s for r in received.reports[1:]], rate)
+    window = received.samples[PROBE_NUM - 1:]  # the windows judged: from the first report's last chunk on
+    assert_tracks([r.mbit_s for r in received.reports[1:]], rate, delivered_mbit(window))
 
 
 def test_one_chunk_at_a_time_needs_and_gets_the_clock_correction():
@@ -229,7 +248,8 @@ def test_reports_follow_a_rate_change(rate, new_rate):
         if settled is None and abs(r.mbit_s / new_rate - 1) <= 0.10 and r.t > received.t_change:
             settled = r.t - received.t_change
     assert len(after) >= 3
-    assert_tracks(before, rate)
-    assert_tracks(after, new_rate)
+    changed = next(i for i, sample in enumerate(received.samples) if sample[2] >= received.t_change)
+    assert_tracks(before, rate, delivered_mbit(received.samples[:changed]))
+    assert_tracks(after, new_rate, delivered_mbit(received.samples[changed + PROBE_NUM:]))
     assert settled is not None
     print(f"  first report within 10 % of {new_rate} Mbit/s: {settled:.2f} s after the change")
