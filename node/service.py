@@ -404,7 +404,10 @@ class GeneralNode:
             self.member_down(peer, f"its connection to node {self.node_id} closed ({reason})")
 
     def _probe(self, header: ChunkHeader, nbytes: int, t_last_byte: float) -> None:
-        if not self.config.enable_awareness or self.control is None:
+        """Feed the hop's estimator. Not in this node's first iteration: its connections are new, TCP's
+        windows are still opening and reports read low; alone, such reports re-planned runs whose rates
+        were exact by the end of the first iteration."""
+        if not self.config.enable_awareness or self.control is None or header.iteration <= self.first_iteration:
             return
         link = (header.src, self.node_id)
         estimator = self._probes.get(link)
