@@ -52,7 +52,7 @@ def _readline(proc: subprocess.Popen[bytes], timeout: float) -> str:
         raise AssertionError(f"no output from pid {proc.pid} within {timeout} s") from None
 
 
-def _bulk_mbit(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2.5) -> float:
+def _bulk_mbit(net: EmulatedNetwork, src: int, dst: int, seconds: float = 4.0) -> float:
     """Wire-rate Mbit/s of a TCP bulk transfer from DC src's node address to DC dst's."""
     server = net.spawn(dst, [sys.executable, "-m", "netstorm.emulation.bulk", "serve", net.node_address(dst),
                              str(PORT), "--warmup", "0.5", "--timeout", "30"], stdout=subprocess.PIPE)
@@ -65,7 +65,7 @@ def _bulk_mbit(net: EmulatedNetwork, src: int, dst: int, seconds: float = 2.5) -
     return float(result["wire_mbit"])
 
 
-def _bulk_both_ways(net: EmulatedNetwork, a: int, b: int, seconds: float = 2.5) -> tuple[float, float]:
+def _bulk_both_ways(net: EmulatedNetwork, a: int, b: int, seconds: float = 4.0) -> tuple[float, float]:
     """Wire-rate Mbit/s of simultaneous bulk transfers a->b and b->a (one link loaded both ways)."""
     servers = {}
     for src, dst, port in ((a, b, PORT), (b, a, PORT + 1)):
