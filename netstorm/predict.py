@@ -119,6 +119,13 @@ def predict(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes:
     return Prediction(bulk + fill, bulk, fill, bottleneck, push_s + result_s + fill)
 
 
+def busiest_link_s(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes: float = 1.0) -> float:
+    """Seconds the busiest link needs for ``policy`` at ``rates`` (the bulk term alone): what the
+    scheduler compares when it asks whether rates or a new plan change the policy's pace."""
+    graph = RateGraph.from_rates(rates)
+    return _busiest(link_loads(policy, graph, model_bytes, routes_for(graph)), graph)[0]
+
+
 def predict_sync_s(policy: Policy, rates: Mapping[tuple[int, int], float], model_bytes: float, *,
                    chunk_bytes: float = 4_000_000) -> float:
     """Predicted seconds for one synchronization (see ``predict``)."""

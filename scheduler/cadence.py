@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 
 from netstorm.policy import Policy
-from netstorm.predict import predict
+from netstorm.predict import busiest_link_s
 from netstorm.scenario import Rates
 
 
@@ -45,7 +45,7 @@ def slows(policy: Policy, planned: Rates, believed: Rates, react_change: float) 
     """Whether the ``believed`` rates make ``policy``'s busiest link take more than ``react_change``
     longer than at the ``planned`` rates it was made for (links ``believed`` lacks keep their plan)."""
     now = {link: believed.get(link, rate) for link, rate in planned.items()}
-    return predict(policy, now, 1.0).bulk_s > (1 + react_change) * predict(policy, planned, 1.0).bulk_s
+    return busiest_link_s(policy, now) > (1 + react_change) * busiest_link_s(policy, planned)
 
 
 class Cadence:

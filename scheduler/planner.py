@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection
 
 from netstorm.errors import NetStormError
 from netstorm.policy import Policy, plan
-from netstorm.predict import predict
+from netstorm.predict import busiest_link_s
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)
@@ -78,8 +78,8 @@ class Planner:
             self.roots = tuple(policy.roots)
             log.warning("every root died: new roots %s", list(self.roots))
         if not (force or membership_changed) and self.replan_gain > 0:
-            kept_s = predict(current, live_rates, 1.0).bulk_s
-            new_s = predict(policy, live_rates, 1.0).bulk_s
+            kept_s = busiest_link_s(current, live_rates)
+            new_s = busiest_link_s(policy, live_rates)
             if new_s > kept_s * (1 - self.replan_gain):
                 log.debug("new plan only %.1f %% faster than policy %d at the measured rates "
                           "(REPLAN_GAIN %.0f %%): keep it", 100 * (1 - new_s / kept_s), current.version,

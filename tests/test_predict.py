@@ -9,7 +9,7 @@ import pytest
 from netstorm.errors import PolicyError
 from netstorm.limit import limit_s
 from netstorm.policy import TOPOLOGIES, plan
-from netstorm.predict import link_loads, predict, routes_for
+from netstorm.predict import busiest_link_s, link_loads, predict, routes_for
 from netstorm.rategraph import RateGraph
 from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
@@ -100,3 +100,14 @@ def test_mst_minimises_the_bulk_term_among_single_trees(seed):
     fapt1 = predict(plan(rates, topology="fapt1", aux=False), rates, model)
     assert mst.bulk_s == pytest.approx(best)
     assert fapt1.bulk_s >= best * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_busiest_link_is_the_bulk_term_of_the_prediction(topology):
+    rates = internet2(0.25)
+    policy = plan(rates, topology=topology, aux=False)
+    model = 4e6
+    assert busiest_link_s(policy, rates, model) == pytest.approx(predict(policy, rates, model).bulk_s, rel=1e-12)
+    # Linear in the model size and in 1/rate: half the rates, twice the seconds.
+    slower = {link: r / 2 for link, r in rates.items()}
+    assert busiest_link_s(policy, slower) == pytest.approx(2 * busiest_link_s(policy, rates), rel=1e-12)
