@@ -4,10 +4,10 @@
 and cutting the mix down to that many trees can leave the busiest link well above the optimum (on a
 15-node circulant, 7.6 % above it, although a rotation of one well-chosen tree reaches it exactly).
 This search takes each root in turn, solves the LP over the other roots' trees, and offers that root
-the trees that would relieve the others' busiest links most: a minimum spanning tree under their
-link duals (the LP's own pricing step) and depth-bounded Prim trees grown from the root under the
-same weights, which stay shallow so a chunk's trip up and down does not grow. A swap stands when the
-busiest link gets lighter, or stays as light and the root's tree gets faster (Theorem-1 delay).
+Prim trees grown from it under the link duals of that LP (the weights the LP's own pricing step uses),
+no node more than 0 or 1 hop below its BFS depth, so a chunk's trip up and down does not grow (the
+unbounded minimum spanning tree lightened the busiest link as much but deepened the trees). A swap
+stands when the busiest link gets lighter, or stays as light and the root's tree gets faster.
 
 Two starts are searched, the packing's trees and every root's shallowest tree, and the better end
 (busiest link, then the slowest tree's delay) is kept. Everything is deterministic.
@@ -124,12 +124,19 @@ class Overlay:
 class Search:
     """One tree per root (node indices of a PackingGraph) and what the LP makes of them."""
 
-    def __init__(self, overlay: Overlay, roots: Sequence[int], trees: Sequence[EdgeSet]) -> None:
+    def __init__(self, overlay: Overlay, roots: Sequence[int], trees: Sequence[EdgeSet], *,
+                 solved: Search | None = None) -> None:
+        """``solved``: a search over the same trees whose LP answer is taken instead of solving again."""
         self.overlay = overlay
         self.graph = overlay.graph
         self.roots = list(roots)
         self.trees = list(trees)
-        self.shares, self.t_value, _, _ = solve_with_duals(self.graph, self.trees)
+        self.shares: np.ndarray
+        self.t_value: float
+        if solved is not None and solved.trees == self.trees:
+            self.shares, self.t_value = solved.shares, solved.t_value
+        else:
+            self.shares, self.t_value, _, _ = solve_with_duals(self.graph, self.trees)
 
     def delay(self, k: int, edges: EdgeSet | None = None) -> float:
         """Root k's tree (or ``edges`` rooted there): seconds per Mbit up and back down."""
@@ -165,14 +172,14 @@ class Search:
         return changed
 
 
-def refine_roots(graph: PackingGraph, roots: Sequence[int], trees: Sequence[EdgeSet], *,
-                 sweeps: int = SWEEPS) -> Search:
-    """The better of the searches from ``trees`` and from every root's shallowest tree."""
-    overlay = Overlay(graph)
-    zero = np.zeros(graph.m)
+def refine_roots(start: Search, *, sweeps: int = SWEEPS) -> Search:
+    """The better of the searches from ``start``'s trees and from every root's shallowest tree
+    (``start`` itself is left as it is)."""
+    overlay = start.overlay
+    zero = np.zeros(overlay.graph.m)
+    shallow = [overlay.shallow_tree(r, zero) for r in start.roots]
     best: Search | None = None
-    for start in (list(trees), [overlay.shallow_tree(r, zero) for r in roots]):
-        search = Search(overlay, roots, start)
+    for search in (Search(overlay, start.roots, start.trees, solved=start), Search(overlay, start.roots, shallow)):
         for _ in range(sweeps):
             if not search.sweep():
                 break
@@ -187,8 +194,9 @@ def pack_for_roots(graph: RateGraph, roots: Sequence[int], seeds: Iterable[Tree]
     """Packed trees and shares for the fixed ``roots``, one tree per root, seeded by ``seeds``.
 
     The packing cut to one tree per root (``pack_trees``, ``assign_roots``) stands unless the local
-    search beats it (on overlays up to ``MAX_SEARCH_WORK``). Roots left with the same tree split its
-    share equally (the loads are the same), so every root keeps aggregating a part of the model.
+    search beats it (on overlays up to ``MAX_SEARCH_WORK``). The search's shares are the LP's for its
+    trees; roots left with the same tree split that tree's share equally (the loads are the same), and
+    a root whose own tree the LP does not need aggregates nothing.
     """
     packing_graph = PackingGraph.from_graph(graph)
     seed_sets = [s for s in (packing_graph.edge_set(t) for t in seeds) if s is not None]
@@ -198,7 +206,7 @@ def pack_for_roots(graph: RateGraph, roots: Sequence[int], seeds: Iterable[Tree]
         return trees, share
     index = [packing_graph.position[r] for r in roots]
     assigned = Search(Overlay(packing_graph), index, [_edges(packing_graph, trees[r]) for r in roots])
-    search = refine_roots(packing_graph, index, assigned.trees)
+    search = refine_roots(assigned)
     if not _beats(search.key(), assigned.key()):
         return trees, share
     shares = rounded_shares(search.shares)
