@@ -3,13 +3,14 @@
 Three reasons, most urgent first:
 
 * a member went down: at once (iterations bound to a policy naming it can only fail);
-* a link report moved far from the rate the current policy was planned with (more than
-  ``react_change`` relative) and that slows the current policy: its busiest link, at the believed
-  rates, takes more than ``react_change`` longer than planned (``slows``). Early, but at most once per
-  ``react_interval``, so a burst of reports after one rate change re-plans once and the later reports
-  wait for the next cycle. A link the policy barely loads, or a report that only says a link got
-  faster, waits for the periodic update: probe reports carry noise, and re-planning on every link
-  that strays re-planned about once a second on the dynamic internet2-9 run, each plan fitted to
+* the collector marked a network change (several links' reports far from their plan at once), or
+  one link's belief and its last two reports moved far from the rate the current policy was planned
+  with (more than ``react_change`` relative) and that slows the current policy: its busiest link, at
+  the believed rates, takes more than ``react_change`` longer than planned (``slows``). Early, but at
+  most once per ``react_interval``, so a burst of reports after one rate change re-plans once and the
+  later reports wait for the next cycle. A link the policy barely loads, or a report that only says a
+  link got faster, waits for the periodic update: probe reports carry noise, and re-planning on every
+  link that strays re-planned about once a second on the dynamic internet2-9 run, each plan fitted to
   that noise;
 * otherwise every ``update_time`` since the last re-plan (the paper's UPDATE_TIME).
 

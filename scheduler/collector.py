@@ -25,6 +25,22 @@ the rest, optimism under uncertainty:
 
 ``stale_after=math.inf`` turns the decay off (every link keeps its last value).
 
+Change points. When, within a second, the newest reports of several links are far from the rates the
+current policy was planned with, and at least one of those links has sent two such reports
+(``change_seen``), the network changed at the first of them, and every older report of every link
+describes the old network.
+``note_change`` marks that moment: a link's belief is then the median of its reports since (the first
+of them alone at first), and a link with no report since is believed halfway between its old value and
+the median of the links already measured since: it is as likely to have changed as those. On the
+dynamic scenario's rate re-draws, replaying the logged reports of three runs, their re-plans (nearly
+all in the seconds after a re-draw) averaged 1.37-1.58x the limit instead of 1.70-1.74x (plans from the
+true rates: 1.24-1.33x): the median of three kept believing the old rate on links whose new reports
+came one at a time, and links whose rate fell while no tree used them lured the plans. Live runs
+showed what must not mark a change: the first reports of every link at once (TCP still opening its
+windows), and one link's shift alone in a static period; each re-planned exact rates from single
+reports. A host stall skews one report per link, not two. Marks within ``change_gap`` of the last
+belong to the same change.
+
 Relative change. ``relative_change(old, new)`` is the largest relative change of any link,
 ``max |new - old| / old``: one link whose rate halves can reshape the trees, however many others are
 steady, so it must not be averaged away. A link present in only one of the two counts as infinite.
@@ -44,6 +60,11 @@ DEFAULT_STALE_AFTER = Config.stale_after
 RECENT = 3
 """Reports per link whose median is believed."""
 DEFAULT_HALF_LIFE = Config.stale_half_life
+CHANGE_WINDOW_S = 1.0
+"""Seconds of reports ``change_seen`` weighs: a re-draw of the dynamic scenario shows on several links
+within a second."""
+CHANGE_MIN_LINKS = 3
+"""Links that must have moved for ``change_seen``: one or two are a noisy report or one link's own change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +79,12 @@ class LinkState:
     samples: int = 0
     recent: tuple[float, ...] = ()
     """The last ``RECENT`` reports, oldest first (the initial rate first, until it ages out)."""
+    recent_at: tuple[float, ...] = ()
+    """When each of ``recent`` was received (the collector's start for the initial rate)."""
+    unconfirmed: bool = False
+    """Not measured since the last change point: believed halfway toward the links that were."""
+    first_at: float = math.inf
+    """When the link's first report came (inf before any)."""
 
     @property
     def latest(self) -> float:
@@ -79,8 +106,12 @@ class LinkCollector:
         self.stale_after = stale_after
         self.half_life = half_life
         self._links: dict[tuple[int, int], LinkState] = {
-            link: LinkState(float(rate), now, measured=False, recent=(float(rate),)) for link, rate in initial.items()
+            link: LinkState(float(rate), now, measured=False, recent=(float(rate),), recent_at=(now,))
+            for link, rate in initial.items()
         }
+        self.started = now
+        self.change_at: float | None = None
+        """The latest change point (see ``note_change``), or None."""
 
     def add(self, report: LinkReport, now: float) -> None:
         """Take ``report`` as the link's latest value. Unknown links and impossible rates raise
@@ -90,10 +121,66 @@ class LinkCollector:
             raise ValueError(f"report for unknown link {report.src}->{report.dst}")
         _check_rate(link, report.mbit_s)
         before = self._links[link]
-        kept = before.recent if now - before.since <= self.stale_after else ()  # stale reports say nothing now
-        recent = (*kept, float(report.mbit_s))[-RECENT:]
-        self._links[link] = LinkState(statistics.median(recent), now, measured=True, samples=report.samples,
-                                      recent=recent)
+        # Stale reports say nothing now; those before a change point describe the old network.
+        since = -math.inf if self.change_at is None else self.change_at
+        if now - before.since > self.stale_after:
+            since = math.inf
+        kept = tuple((t, v) for t, v in zip(before.recent_at, before.recent, strict=True) if t >= since)
+        recent = (*kept, (now, float(report.mbit_s)))[-RECENT:]
+        values = tuple(v for _, v in recent)
+        self._links[link] = LinkState(statistics.median(values), now, measured=True, samples=report.samples,
+                                      recent=values, recent_at=tuple(t for t, _ in recent),
+                                      first_at=min(before.first_at, now))
+
+    def moved(self, link: tuple[int, int], planned: float, threshold: float) -> int:
+        """+1 or -1 when the link's last two reports, its first excluded (TCP still opening its windows),
+        are both more than ``threshold`` (relative) above or below ``planned``; 0 otherwise. A host stall
+        skews one report, not two."""
+        s = self._links[link]
+        real = [v for t, v in zip(s.recent_at, s.recent, strict=True) if t > s.first_at][-2:]
+        sides = {0 if abs(v - planned) <= threshold * planned else (1 if v > planned else -1) for v in real}
+        return sides.pop() if len(real) == 2 and len(sides) == 1 else 0
+
+    def change_seen(self, planned: Rates, threshold: float, *, now: float, window: float = CHANGE_WINDOW_S,
+                    min_links: int = CHANGE_MIN_LINKS) -> float | None:
+        """When the network changed, if the links reported in the last ``window`` seconds say it did: the
+        newest report of at least ``min_links`` of them more than ``threshold`` (relative) from the plan,
+        of at least half as many as stayed within it (a re-draw leaves many links there), and at least one
+        of them ``moved`` (two reports on the same side: a host stall skews one report per link, not
+        two). A link's first report counts for nothing. The change began at the first report away."""
+        away = stayed = anchors = 0
+        first = math.inf
+        for link, s in self._links.items():
+            if link not in planned or s.since < now - window or s.since <= s.first_at:
+                continue
+            rate = planned[link]
+            if abs(s.latest - rate) <= threshold * rate:
+                stayed += 1
+                continue
+            away += 1
+            if self.moved(link, rate, threshold):
+                anchors += 1
+                first = min(first, s.recent_at[-2])
+            else:
+                first = min(first, s.since)
+        return first if anchors and away >= min_links and 2 * away >= stayed else None
+
+    def note_change(self, at: float, *, change_gap: float) -> bool:
+        """Mark a change of the network at ``at``, unless one was marked less than ``change_gap`` before
+        it (the same change, seen on another link); True if marked. Reports received before ``at`` stop
+        counting, and links with none since are ``unconfirmed``."""
+        if self.change_at is not None and at - self.change_at < change_gap:
+            return False
+        self.change_at = at
+        for link, s in self._links.items():
+            kept = [(t, v) for t, v in zip(s.recent_at, s.recent, strict=True) if t >= at]
+            if kept:
+                values = tuple(v for _, v in kept)
+                self._links[link] = dataclasses.replace(s, mbit_s=statistics.median(values), recent=values,
+                                                        recent_at=tuple(t for t, _ in kept), unconfirmed=False)
+            else:
+                self._links[link] = dataclasses.replace(s, unconfirmed=True)
+        return True
 
     def state(self, src: int, dst: int) -> LinkState:
         """The stored state of link ``src -> dst``."""
@@ -110,6 +197,12 @@ class LinkCollector:
             else:
                 keep = 0.5 ** (age / self.half_life)
                 out[link] = target - (target - s.mbit_s) * keep
+        confirmed = [out[link] for link, s in self._links.items() if not s.unconfirmed]
+        if self.change_at is not None and confirmed:
+            typical = statistics.median(confirmed)
+            for link, s in self._links.items():
+                if s.unconfirmed:
+                    out[link] = (out[link] + typical) / 2
         return out
 
     @staticmethod

@@ -35,6 +35,8 @@ STATUS_BINDINGS = 64
 """Most recent iteration -> version bindings a status answer carries."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
+STOP_GRACE_S = 1.0
+"""Seconds a stopping scheduler waits for its closed connections' handlers to end before cancelling them."""
 
 
 class _Connection:
@@ -94,6 +96,8 @@ class SchedulerService:
         self.address: tuple[str, int] | None = None
         self._connections: dict[int, _Connection] = {}
         self._handlers: set[asyncio.Task[None]] = set()
+        self._stopping = False
+        """Set when ``serve`` ends: closing connections are then no member going down."""
         """Connection handler tasks (asyncio.start_server starts them); serve ends them before it returns."""
         self._plan_lock = asyncio.Lock()
         self._replan_wake = asyncio.Event()
@@ -122,13 +126,19 @@ class SchedulerService:
                     ready(address)
                 await server.serve_forever()
         finally:
+            self._stopping = True
             sntp.close()
             for conn in list(self._connections.values()):
                 conn.close()
+            # A closed connection ends its handler at end of stream; only a handler that does not is
+            # cancelled (and then returns quietly: Python 3.11's stream protocol logs a cancelled
+            # connection handler as an "Exception in callback").
             handlers = list(self._handlers)
-            for handler in handlers:
-                handler.cancel()
-            await asyncio.gather(*handlers, return_exceptions=True)
+            if handlers:
+                _, pending = await asyncio.wait(handlers, timeout=STOP_GRACE_S)
+                for handler in pending:
+                    handler.cancel()
+                await asyncio.gather(*handlers, return_exceptions=True)
 
     async def _bind(self, host: str, port: int) -> tuple[asyncio.Server, asyncio.DatagramTransport, tuple[str, int]]:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
@@ -178,11 +188,14 @@ class SchedulerService:
                 await conn.send(control.Error(f"bad control message: {exc}"))
         except ConnectionError as exc:
             log.warning("control connection to %s failed: %s", conn.name(), exc)
+        except asyncio.CancelledError:
+            if not self._stopping:
+                raise
         finally:
             conn.close()
             if conn.node_id is not None and self._connections.get(conn.node_id) is conn:
                 del self._connections[conn.node_id]
-                down = self.membership.disconnected(conn.node_id, self.clock())
+                down = None if self._stopping else self.membership.disconnected(conn.node_id, self.clock())
                 if down is not None:
                     await self._member_down(down)
 
@@ -312,12 +325,22 @@ class SchedulerService:
         log.debug("link %d->%d measured %.1f Mbit/s (%d samples, %s)", message.src, message.dst, message.mbit_s,
                   message.samples, "warm" if message.warm else "cold")
         link = (message.src, message.dst)
-        believed = self.collector.state(*link).mbit_s
         planned = self.planner.planned_rates
+        if self.config.enable_awareness and planned is not None:
+            now = self.clock()
+            at = self.collector.change_seen(planned, self.config.react_change, now=now)
+            if at is not None and self.collector.note_change(at, change_gap=self.config.update_time):
+                log.info("network change %.2f s ago, seen on several links: reports before it stop counting",
+                         now - at)
+                if self.cadence is not None:
+                    self.cadence.shift()  # the plans since were made from the old reports
+                    self._replan_wake.set()
+        believed = self.collector.state(*link).mbit_s
         current = self.consistency.current_version
         if (self.config.enable_awareness and self.cadence is not None and planned is not None
                 and current is not None and self.cadence.reason() is Reason.PERIODIC  # else one is due early
-                and shifted(planned, link, believed, self.config.react_change)):
+                and shifted(planned, link, believed, self.config.react_change)
+                and self.collector.moved(link, planned[link], self.config.react_change)):
             policy: Any = self.consistency.policy(current)
             if slows(policy, planned, self.collector.estimate(self.clock()), self.config.react_change):
                 log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f, slows policy %d: "

@@ -46,6 +46,73 @@ def test_a_lone_outlier_is_dropped_and_a_real_change_followed_from_its_second_re
     assert c.state(1, 2).recent == (140.0, 20.0, 21.0)
 
 
+WIDE = {(a, b): 50.0 for a in range(1, 6) for b in range(1, 6) if a != b}
+
+
+def test_a_change_is_seen_when_several_links_leave_their_plan_and_one_of_them_twice():
+    c = LinkCollector(WIDE, now=0.0, stale_after=30.0)
+    steady = [(1, 2), (2, 1), (3, 4), (4, 3), (2, 5), (5, 2), (1, 5)]
+    for t in (1.0, 5.0):  # first reports count for nothing; then every link near its plan
+        for link in [*steady, (4, 5), (5, 4), (1, 3), (3, 1)]:
+            c.add(LinkReport(*link, 55.0, t, 4), now=t)
+    # A host stall skews one report of four links: none left its plan twice, so no change.
+    for i, link in enumerate([(4, 5), (5, 4), (1, 3), (3, 1)]):
+        c.add(LinkReport(*link, 10.0, 5.2 + i / 100, 4), now=5.2 + i / 100)
+    assert c.change_seen(WIDE, 0.3, now=5.3) is None
+    for i, link in enumerate([(4, 5), (5, 4), (1, 3), (3, 1)]):  # and back
+        c.add(LinkReport(*link, 50.0, 5.4 + i / 100, 4), now=5.4 + i / 100)
+    assert c.change_seen(WIDE, 0.3, now=5.5) is None
+    for link in steady:
+        c.add(LinkReport(*link, 56.0, 6.05, 4), now=6.05)
+    # A real change: 4->5 twice below its plan...
+    for t in (6.1, 6.3):
+        c.add(LinkReport(4, 5, 20.0, t, 4), now=t)
+    assert c.moved((4, 5), 50.0, 0.3) == -1 and c.moved((1, 2), 50.0, 0.3) == 0
+    assert c.change_seen(WIDE, 0.3, now=6.3) is None, "one link: its own change, not the network's"
+    c.add(LinkReport(5, 4, 90.0, 6.35, 4), now=6.35)
+    c.add(LinkReport(1, 3, 10.0, 6.4, 4), now=6.4)
+    assert c.change_seen(WIDE, 0.3, now=6.4) is None, "three links away, fewer than half of the seven near"
+    c.add(LinkReport(1, 2, 5.0, 6.5, 4), now=6.5)
+    assert c.change_seen(WIDE, 0.3, now=6.5) == 6.1, "four away against six near: it began at 6.1 s"
+    assert c.change_seen(WIDE, 0.3, now=8.0) is None, "the window is past"
+
+
+def test_a_change_point_drops_older_reports_and_pulls_unmeasured_links_halfway_to_the_measured():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
+    for t, rate in ((1.0, 100.0), (2.0, 101.0), (3.0, 99.0)):
+        c.add(LinkReport(1, 2, rate, t, 4), now=t)
+    c.add(LinkReport(2, 1, 80.0, 3.5, 4), now=3.5)
+    # The network changes at 4 s: 1->2 reports 30 twice; the median of three still says 99 after the first.
+    c.add(LinkReport(1, 2, 30.0, 4.2, 4), now=4.2)
+    assert c.state(1, 2).mbit_s == 99.0
+    c.add(LinkReport(2, 3, 60.0, 4.4, 4), now=4.4)
+    c.add(LinkReport(1, 2, 31.0, 4.6, 4), now=4.6)
+    assert c.note_change(4.2, change_gap=5.0)
+    assert c.change_at == 4.2
+    assert c.state(1, 2).recent == (30.0, 31.0) and c.state(1, 2).mbit_s == 30.5
+    assert c.state(2, 3).recent == (60.0,) and c.state(2, 3).mbit_s == 60.0  # its first report alone decides
+    assert c.state(2, 1).unconfirmed and c.state(3, 2).unconfirmed and not c.state(2, 3).unconfirmed
+    typical = (30.5 + 60.0) / 2  # the median of the links measured since the change
+    est = c.estimate(5.0)
+    assert est[(1, 2)] == 30.5 and est[(2, 3)] == 60.0
+    assert est[(2, 1)] == pytest.approx((80.0 + typical) / 2)
+    assert est[(3, 2)] == pytest.approx((40.0 + typical) / 2)
+    # A mark within change_gap is the same change, seen later on other links.
+    assert not c.note_change(6.0, change_gap=5.0) and c.change_at == 4.2
+    # Measured again, a link is believed as measured: its reports from before the change are gone.
+    c.add(LinkReport(2, 1, 20.0, 7.0, 4), now=7.0)
+    assert not c.state(2, 1).unconfirmed and c.estimate(7.0)[(2, 1)] == 20.0
+    assert c.note_change(9.5, change_gap=5.0) and c.change_at == 9.5
+
+
+def test_a_change_point_with_nothing_measured_since_changes_no_estimate():
+    c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
+    c.add(LinkReport(1, 2, 50.0, 1.0, 4), now=1.0)
+    assert c.note_change(2.0, change_gap=5.0)
+    assert all(c.state(*link).unconfirmed for link in INITIAL)
+    assert c.estimate(3.0) == {**INITIAL, (1, 2): 75.0}
+
+
 def test_reports_older_than_stale_after_are_not_in_the_median():
     c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
     c.add(LinkReport(2, 3, 20.0, 1.0, 4), now=1.0)

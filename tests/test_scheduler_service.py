@@ -273,7 +273,8 @@ def test_link_reports_reach_the_collector_and_awareness_replans() -> None:
                 # The scenario's rate is the first vote: two reports carry the link's new rate.
                 for t in (0.0, 0.1):
                     clients[1].report_link(LinkReport(src=1, dst=2, mbit_s=2.0, t=t, samples=4))
-                await until(lambda: len(service.collector.state(1, 2).recent) == 3, "reports collected")
+                await until(lambda: service.collector.state(1, 2).samples == 4 and
+                            service.collector.state(1, 2).recent[-2:] == (2.0, 2.0), "reports collected")
                 assert service.collector.state(1, 2).mbit_s == 2.0
                 await until(lambda: service.consistency.current_version == 1, "re-planned from the report")
                 changed = await clients[0].policy_for(9, timeout=T)
@@ -308,6 +309,35 @@ def test_a_report_far_from_the_planned_rate_replans_before_the_period() -> None:
                 await until(lambda: service.consistency.current_version == 1, "re-planned early")
                 assert service.planner.planned_rates is not None
                 assert service.planner.planned_rates[(1, 2)] == planned * 0.2
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> None:
+    async def main() -> None:
+        config = FAST.replace(react_change=0.3, react_interval=0.0, replan_gain=0.0)  # never periodic here
+        async with scheduler(config, nodes=(1, 2, 3, 4)) as service:
+            clients = await connect_all(service)
+            try:
+                await clients[0].policy_for(0, timeout=T)
+                links = [link for link in sorted(RATES) if max(link) <= 4][:3]
+                assert len(links) == 3
+                # Faster links never slow the policy: only the change point can re-plan early here.
+                for rates in (1.0, 3.0, 3.0):  # first reports count for nothing; then twice three times faster
+                    for src, dst in links:
+                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * rates,
+                                                                t=0.0, samples=4))
+                    await until(functools.partial(
+                        lambda r: all(service.collector.state(*link).latest == RATES[link] * r for link in links),
+                        rates), "reports collected")
+                    if rates == 1.0:
+                        assert service.collector.change_at is None
+                await until(lambda: service.collector.change_at is not None, "change marked")
+                await until(lambda: service.consistency.current_version == 1, "re-planned at once")
+                assert service.planner.planned_rates is not None
+                assert all(service.planner.planned_rates[link] == RATES[link] * 3.0 for link in links)
             finally:
                 await close_all(clients)
 
