@@ -253,6 +253,17 @@ class Heartbeat(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class Leave(Message):
+    """A node stopping on purpose says so before it closes its connection: the scheduler then logs a
+    departure, not a failure (the survivors still get ``MemberDown`` and a policy without it)."""
+
+    TYPE: ClassVar[str] = "leave"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "reason": _str}
+    node_id: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
 class MemberDown(Message):
     """Pushed to every node when a member is declared dead (or to a node declared dead itself)."""
 
@@ -366,7 +377,7 @@ class PolicyFetch(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, MemberDown, PolicyRequest,
+    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PolicyRequest,
                 PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
                 PolicyFetch)
 }

@@ -125,6 +125,16 @@ class SchedulerClient:
         log.info("node %d registered with %s; members %s", node_id, name, sorted(client.members))
         return client
 
+    async def leave(self, reason: str) -> None:
+        """Tell the scheduler this node is stopping on purpose (best effort, within heartbeat_timeout),
+        then ``close``."""
+        if self._runner is not None and not self._runner.done() and not self._writer.is_closing():
+            try:
+                await self._send(control.Leave(self.node_id, reason))
+            except (OSError, TimeoutError) as exc:
+                log.info("node %d: could not tell %s it leaves: %s", self.node_id, self._name, exc)
+        await self.close()
+
     async def close(self) -> None:
         """Stop background work and close the connection; pending requests fail."""
         if self._runner is not None:

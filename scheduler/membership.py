@@ -27,6 +27,8 @@ class Down:
 
     node_id: int
     reason: str
+    left: bool = False
+    """It said it was leaving (a planned stop, not a failure)."""
 
 
 class Membership:
@@ -94,8 +96,9 @@ class Membership:
             raise MembershipError(f"heartbeat from node {node_id}, which was declared dead ({self._dead[node_id]})")
         self._last_seen[node_id] = max(self._last_seen[node_id], now)
 
-    def disconnected(self, node_id: int, now: float) -> Down | None:
-        """The node's control connection closed: unregister it before completion, declare it dead after."""
+    def disconnected(self, node_id: int, now: float, *, leaving: str | None = None) -> Down | None:
+        """The node's control connection closed (after a ``Leave`` saying ``leaving``, if it sent one):
+        unregister it before completion, declare it gone after."""
         if node_id not in self._addresses or node_id in self._dead:
             return None
         if not self.complete:
@@ -103,6 +106,8 @@ class Membership:
             del self._workers[node_id]
             del self._last_seen[node_id]
             return None
+        if leaving is not None:
+            return dataclasses.replace(self._declare(node_id, f"it left ({leaving})"), left=True)
         return self._declare(node_id, "its control connection to the scheduler closed")
 
     def check(self, now: float) -> list[Down]:

@@ -47,6 +47,8 @@ class _Connection:
         peer = writer.get_extra_info("peername")
         self.peer = control.format_address(peer[:2]) if isinstance(peer, tuple) else str(peer)
         self.node_id: int | None = None
+        self.leaving: str | None = None
+        """Why the node said it leaves (``Leave``), before it closed the connection."""
         self._lock = asyncio.Lock()
 
     def name(self) -> str:
@@ -195,7 +197,8 @@ class SchedulerService:
             conn.close()
             if conn.node_id is not None and self._connections.get(conn.node_id) is conn:
                 del self._connections[conn.node_id]
-                down = None if self._stopping else self.membership.disconnected(conn.node_id, self.clock())
+                down = None if self._stopping else self.membership.disconnected(conn.node_id, self.clock(),
+                                                                                 leaving=conn.leaving)
                 if down is not None:
                     await self._member_down(down)
 
@@ -206,6 +209,14 @@ class SchedulerService:
                 return await self._register(conn, message)
             case control.Heartbeat():
                 return await self._heartbeat(conn, message)
+            case control.Leave():
+                if conn.node_id is None or message.node_id != conn.node_id:
+                    log.warning("leave for node %d from %s ignored: not that node's connection", message.node_id,
+                                conn.name())
+                    return True
+                conn.leaving = message.reason
+                log.info("node %d leaves: %s", message.node_id, message.reason)
+                return False
             case control.PolicyRequest():
                 await self._policy_request(conn, message)
             case control.LayoutCheck():
@@ -393,7 +404,8 @@ class SchedulerService:
                 tasks.create_task(one(conn))
 
     async def _member_down(self, down: Down) -> None:
-        log.warning("node %d is down: %s; re-planning without it", down.node_id, down.reason)
+        log.log(logging.INFO if down.left else logging.WARNING, "node %d is down: %s; re-planning without it",
+                down.node_id, down.reason)
         await self._broadcast(control.MemberDown(down.node_id, down.reason))
         conn = self._connections.pop(down.node_id, None)
         if conn is not None:

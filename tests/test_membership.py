@@ -77,6 +77,14 @@ def test_silence_longer_than_the_timeout_is_death_reported_once() -> None:
     assert m.next_deadline() is None
 
 
+def test_a_node_that_said_it_leaves_is_gone_but_not_failed() -> None:
+    m = full()
+    down = m.disconnected(2, now=3.0, leaving="stopped")
+    assert down is not None and down.node_id == 2 and down.left and "left (stopped)" in down.reason
+    assert m.members().keys() == {1, 3}
+    assert not m.disconnected(3, now=3.0).left  # type: ignore[union-attr]
+
+
 def test_no_deaths_before_completion() -> None:
     m = Membership([1, 2], heartbeat_timeout=1.0)
     m.register(1, ADDR, now=0.0)

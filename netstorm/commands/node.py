@@ -123,6 +123,6 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
                 edge_task.cancel()
     finally:
         endpoint.close()
-        await control.close()
+        await control.leave("stopped")
         await asyncio.to_thread(socket_path.unlink, missing_ok=True)
     return 0
