@@ -183,7 +183,12 @@ def record(into: list[tuple[int, int, str]], me: int, node: int, reason: str) ->
     into.append((me, node, reason))
 
 
-def test_a_node_that_leaves_is_logged_as_leaving_and_planned_out(caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize(("leaves", "reason", "level"), [
+    (False, "its control connection to the scheduler closed", "WARNING"),  # a crash
+    (True, "it left (training done)", "INFO"),  # a planned stop: no failure
+])
+def test_a_node_gone_is_announced_and_the_next_policy_excludes_it(
+        leaves: bool, reason: str, level: str, caplog: pytest.LogCaptureFixture) -> None:
     async def main() -> None:
         async with scheduler() as service:
             clients = await connect_all(service)
@@ -192,41 +197,21 @@ def test_a_node_that_leaves_is_logged_as_leaving_and_planned_out(caplog: pytest.
                 c.on_member_down(functools.partial(record, downs, c.node_id))
             try:
                 await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients[:3]))
-                await clients[3].leave("training done")
-                await until(lambda: len(downs) == 3, "every survivor told")
-                assert all(node == 4 and "left (training done)" in reason for _, node, reason in downs)
-                await until(lambda: service.consistency.current_version == 1, "re-planned without node 4")
-                assert 4 not in (await clients[0].policy_for(5, timeout=T)).nodes
-            finally:
-                await close_all(clients[:3])
-
-    with caplog.at_level("INFO", logger="scheduler.service"):
-        run(main())
-    gone = [r for r in caplog.records if "node 4 is down" in r.getMessage()]
-    assert [r.levelname for r in gone] == ["INFO"], "a planned stop is no failure"
-    assert any("node 4 leaves: training done" in r.getMessage() for r in caplog.records)
-
-
-def test_closed_connection_is_death_and_the_next_policy_excludes_the_node() -> None:
-    async def main() -> None:
-        async with scheduler() as service:
-            clients = await connect_all(service)
-            downs: list[tuple[int, int, str]] = []
-            for c in clients:
-                c.on_member_down(functools.partial(record, downs, c.node_id))
-            try:
-                await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients[:3]))
-                await clients[3].close()
+                await (clients[3].leave("training done") if leaves else clients[3].close())
                 await until(lambda: len(downs) == 3, "every survivor told")
                 assert sorted(me for me, _, _ in downs) == [1, 2, 3]
-                assert all(node == 4 and "control connection" in reason for _, node, reason in downs)
+                assert all(node == 4 and why == reason for _, node, why in downs)
                 await until(lambda: service.consistency.current_version == 1, "re-planned without node 4")
                 later = await clients[0].policy_for(5, timeout=T)
                 assert later.version == 1 and set(later.nodes) == {1, 2, 3}
             finally:
                 await close_all(clients[:3])
 
-    run(main())
+    with caplog.at_level("INFO", logger="scheduler.service"):
+        run(main())
+    gone = [r.levelname for r in caplog.records if r.getMessage().startswith("node 4 is down")]
+    assert gone == [level]
+    assert any(r.getMessage() == "node 4 leaves: training done" for r in caplog.records) == leaves
 
 
 def test_silent_member_is_declared_dead_after_the_heartbeat_timeout() -> None:
