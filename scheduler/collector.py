@@ -64,7 +64,8 @@ CHANGE_WINDOW_S = 1.0
 """Seconds of reports ``change_seen`` weighs: a re-draw of the dynamic scenario shows on several links
 within a second."""
 CHANGE_MIN_LINKS = 3
-"""Links that must have moved for ``change_seen``: one or two are a noisy report or one link's own change."""
+"""Links whose newest report must be away from their plan for ``change_seen``: one or two are noise or
+one link's own change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,6 @@ class LinkCollector:
             link: LinkState(float(rate), now, measured=False, recent=(float(rate),), recent_at=(now,))
             for link, rate in initial.items()
         }
-        self.started = now
         self.change_at: float | None = None
         """The latest change point (see ``note_change``), or None."""
 

@@ -98,9 +98,9 @@ class SchedulerService:
         self.address: tuple[str, int] | None = None
         self._connections: dict[int, _Connection] = {}
         self._handlers: set[asyncio.Task[None]] = set()
+        """Connection handler tasks (asyncio.start_server starts them); serve ends them before it returns."""
         self._stopping = False
         """Set when ``serve`` ends: closing connections are then no member going down."""
-        """Connection handler tasks (asyncio.start_server starts them); serve ends them before it returns."""
         self._plan_lock = asyncio.Lock()
         self._replan_wake = asyncio.Event()
         """Set when the cadence may have an earlier re-plan due (a member down, a measured rate shift)."""

@@ -214,6 +214,23 @@ def test_a_node_gone_is_announced_and_the_next_policy_excludes_it(
     assert any(r.getMessage() == "node 4 leaves: training done" for r in caplog.records) == leaves
 
 
+def test_a_leave_for_another_node_is_ignored(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service)
+            try:
+                await clients[0]._send(control.Leave(node_id=2, reason="not yours to say"))
+                await until(lambda: any("leave for node 2" in r.getMessage() for r in caplog.records),
+                            "leave refused")
+                assert (await clients[0].policy_for(0, timeout=T)).version == 0  # node 1 still served
+                assert service.membership.alive == (1, 2, 3, 4), "node 2 is still a member"
+            finally:
+                await close_all(clients)
+
+    with caplog.at_level("INFO", logger="scheduler.service"):
+        run(main())
+
+
 def test_silent_member_is_declared_dead_after_the_heartbeat_timeout() -> None:
     async def main() -> None:
         async with scheduler(nodes=(1, 2)) as service:
