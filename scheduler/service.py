@@ -401,7 +401,8 @@ class SchedulerService:
 
         async with asyncio.TaskGroup() as tasks:
             for conn in list(self._connections.values()):
-                tasks.create_task(one(conn))
+                if conn.leaving is None and not conn.writer.is_closing():  # else it is gone or going
+                    tasks.create_task(one(conn))
 
     async def _member_down(self, down: Down) -> None:
         log.log(logging.INFO if down.left else logging.WARNING, "node %d is down: %s; re-planning without it",
