@@ -60,9 +60,10 @@ class Config:
     rates it was made from, the fluid model predicts it at least this fraction faster; 0 takes every
     re-plan."""
     react_change: float = 0.3
-    """Relative change of one link's reported rate, against the rate the current policy was planned
-    with, that re-plans at once instead of at the next UPDATE_TIME, when it also makes the policy's
-    busiest link that much slower; 0 waits for UPDATE_TIME."""
+    """Relative change of one link's reported rate (its belief and last two reports), against the rate
+    the current policy was planned with, that re-plans at once instead of at the next UPDATE_TIME, when
+    it also makes the policy's busiest link that much slower; the same threshold on three or more links
+    at once marks a network change, after which older reports stop counting; 0 waits for UPDATE_TIME."""
     react_interval: float = 1.0
     """Shortest time in seconds between two re-plans started by rate changes (a burst of reports
     after one change re-plans once)."""

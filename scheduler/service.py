@@ -337,7 +337,7 @@ class SchedulerService:
                   message.samples, "warm" if message.warm else "cold")
         link = (message.src, message.dst)
         planned = self.planner.planned_rates
-        if self.config.enable_awareness and planned is not None:
+        if self.config.enable_awareness and planned is not None and self.config.react_change > 0:
             now = self.clock()
             at = self.collector.change_seen(planned, self.config.react_change, now=now)
             if at is not None and self.collector.note_change(at, change_gap=self.config.update_time):

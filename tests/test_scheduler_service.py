@@ -372,13 +372,19 @@ def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> Non
 
 def test_react_change_zero_waits_for_the_period() -> None:
     async def main() -> None:
-        async with scheduler(FAST.replace(react_change=0.0), nodes=(1, 2)) as service:
-            clients = await connect_all(service, (1, 2))
+        async with scheduler(FAST.replace(react_change=0.0), nodes=(1, 2, 3, 4)) as service:
+            clients = await connect_all(service)
             try:
                 await clients[0].policy_for(0, timeout=T)
-                clients[0].report_link(LinkReport(src=1, dst=2, mbit_s=1.0, t=0.0, samples=4))
-                await until(lambda: service.collector.state(1, 2).measured, "report collected")
+                links = [link for link in sorted(RATES) if max(link) <= 4][:3]
+                for rate in (1.0, 1.1, 1.2):  # three links far off their plan, three times: no re-plan, no change
+                    for src, dst in links:
+                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=rate, t=0.0, samples=4))
+                    await until(functools.partial(
+                        lambda r: all(service.collector.state(*link).latest == r for link in links), rate),
+                        "reports collected")
                 assert service.cadence is not None and service.cadence.reason() is Reason.PERIODIC
+                assert service.collector.change_at is None
                 assert service.consistency.current_version == 0
             finally:
                 await close_all(clients)
