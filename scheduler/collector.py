@@ -37,8 +37,9 @@ all in the seconds after a re-draw) averaged 1.37-1.58x the limit instead of 1.7
 true rates: 1.24-1.33x): the median of three kept believing the old rate on links whose new reports
 came one at a time, and links whose rate fell while no tree used them lured the plans. Live runs
 showed what must not mark a change: the first reports of every link at once (TCP still opening its
-windows), and one link's shift alone in a static period; each re-planned exact rates from single
-reports. A host stall skews one report per link, not two. Marks within ``change_gap`` of the last
+windows), one link's shift alone in a static period, and a busy host whose receivers all read 0.4-0.8
+of their rates for a second; each re-planned exact rates from single reports. A host stall skews one
+report per link, not two, and slows every link, not some. Marks within ``change_gap`` of the last
 belong to the same change.
 
 Relative change. ``relative_change(old, new)`` is the largest relative change of any link,
@@ -145,11 +146,13 @@ class LinkCollector:
                     min_links: int = CHANGE_MIN_LINKS) -> float | None:
         """When the network changed, if the links reported in the last ``window`` seconds say it did: the
         newest report of at least ``min_links`` of them more than ``threshold`` (relative) from the plan,
-        of at least half as many as stayed within it (a re-draw leaves many links there), and at least one
-        of them ``moved`` (two reports on the same side: a host stall skews one report per link, not
+        of at least half as many as stayed within it (a re-draw leaves many links there), some above the
+        plan and some below (a host too busy to read its sockets slows every link at once), and at least
+        one of them ``moved`` (two reports on the same side: a host stall skews one report per link, not
         two). A link's first report counts for nothing. The change began at the first report away."""
         away = stayed = anchors = 0
         first = math.inf
+        sides: set[bool] = set()
         for link, s in self._links.items():
             if link not in planned or s.since < now - window or s.since <= s.first_at:
                 continue
@@ -158,12 +161,13 @@ class LinkCollector:
                 stayed += 1
                 continue
             away += 1
+            sides.add(s.latest > rate)
             if self.moved(link, rate, threshold):
                 anchors += 1
                 first = min(first, s.recent_at[-2])
             else:
                 first = min(first, s.since)
-        return first if anchors and away >= min_links and 2 * away >= stayed else None
+        return first if anchors and away >= min_links and 2 * away >= stayed and len(sides) == 2 else None
 
     def note_change(self, at: float, *, change_gap: float) -> bool:
         """Mark a change of the network at ``at``, unless one was marked less than ``change_gap`` before

@@ -77,6 +77,18 @@ def test_a_change_is_seen_when_several_links_leave_their_plan_and_one_of_them_tw
     assert c.change_seen(WIDE, 0.3, now=8.0) is None, "the window is past"
 
 
+def test_every_link_slower_at_once_is_a_busy_host_not_a_network_change():
+    c = LinkCollector(WIDE, now=0.0, stale_after=30.0)
+    links = sorted(WIDE)[:6]
+    for t, rate in ((1.0, 50.0), (2.0, 25.0), (2.1, 24.0)):  # first reports, then all read half, twice
+        for link in links:
+            c.add(LinkReport(*link, rate, t, 4), now=t)
+    assert all(c.moved(link, 50.0, 0.3) == -1 for link in links)
+    assert c.change_seen(WIDE, 0.3, now=2.2) is None
+    c.add(LinkReport(*links[0], 90.0, 2.2, 4), now=2.2)  # one link faster: rates really moved both ways
+    assert c.change_seen(WIDE, 0.3, now=2.3) == 2.0
+
+
 def test_a_change_point_drops_older_reports_and_pulls_unmeasured_links_halfway_to_the_measured():
     c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
     for t, rate in ((1.0, 100.0), (2.0, 101.0), (3.0, 99.0)):

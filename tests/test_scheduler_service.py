@@ -348,22 +348,28 @@ def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> Non
             clients = await connect_all(service)
             try:
                 await clients[0].policy_for(0, timeout=T)
-                links = [link for link in sorted(RATES) if max(link) <= 4][:3]
-                assert len(links) == 3
-                # Faster links never slow the policy: only the change point can re-plan early here.
-                for rates in (1.0, 3.0, 3.0):  # first reports count for nothing; then twice three times faster
-                    for src, dst in links:
-                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * rates,
+                up, down = [(2, 3), (3, 4), (1, 4)], (2, 1)
+                # Faster links never slow the policy, and one report below its plan moves no belief: only
+                # the change point can re-plan early here.
+                for scale, down_scale in ((1.0, 1.0), (3.0, None), (3.0, 0.5)):  # first reports count for nothing
+                    for src, dst in up:
+                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * scale,
                                                                 t=0.0, samples=4))
-                    await until(functools.partial(
-                        lambda r: all(service.collector.state(*link).latest == RATES[link] * r for link in links),
-                        rates), "reports collected")
-                    if rates == 1.0:
-                        assert service.collector.change_at is None
+                    if down_scale is not None:
+                        clients[1].report_link(LinkReport(src=2, dst=1, mbit_s=RATES[down] * down_scale, t=0.0,
+                                                          samples=4))
+                    if scale == 1.0:
+                        await until(lambda: all(service.collector.state(*link).measured for link in [*up, down]),
+                                    "first reports collected")
+                    elif down_scale is None:
+                        await until(lambda: all(len(service.collector.state(*link).recent) == 3 for link in up),
+                                    "second reports collected")
+                        assert service.collector.change_at is None, "every link that moved moved up"
                 await until(lambda: service.collector.change_at is not None, "change marked")
                 await until(lambda: service.consistency.current_version == 1, "re-planned at once")
                 assert service.planner.planned_rates is not None
-                assert all(service.planner.planned_rates[link] == RATES[link] * 3.0 for link in links)
+                assert all(service.planner.planned_rates[link] == RATES[link] * 3.0 for link in up)
+                assert service.planner.planned_rates[down] == RATES[down] * 0.5, "its report since the change alone"
             finally:
                 await close_all(clients)
 
