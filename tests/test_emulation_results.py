@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from netstorm.emulation import results, systems
+from netstorm.emulation.cpu import parse_stat
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.runner import TrainerLog
 from netstorm.scenario import load
@@ -56,6 +57,21 @@ def test_summary_reports_ratios_to_limit_star_and_gloo_and_warns_when_cpu_bound(
     assert "1.50" in row and "4.00x" in row and "3.00x" in row
     assert "beat STAR by at most 4.00x" in text
     assert "WARNING: gloo" in text and "WARNING: netstorm" not in text
+
+
+def test_summary_warns_when_the_hypervisor_took_cpu_time() -> None:
+    result = _result()
+    result["systems"]["netstorm"]["cpu"]["steal_pct"] = 6.5
+    result["systems"]["star"]["cpu"]["steal_pct"] = 1.0
+    text = results.summary(result)
+    assert "WARNING: netstorm: the hypervisor took 6.5% of the host's CPU (steal time)" in text
+    assert "WARNING: star" not in text
+
+
+def test_proc_stat_totals_count_steal_apart() -> None:
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    assert parse_stat("cpu  100 5 50 800 20 3 7 15 0 0\ncpu0 1 2 3\n") == (1000, 820, 15)
+    assert parse_stat("cpu  100 0 50 850\n") == (1000, 850, 0)  # an old kernel without the later fields
 
 
 def test_trainer_log_reads_only_complete_lines(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import platform
 import time
 from typing import Any
 
-from netstorm.emulation.cpu import CPU_BOUND_PCT
+from netstorm.emulation.cpu import CPU_BOUND_PCT, STEAL_WARN_PCT
 from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Rates, Scenario
 
@@ -192,6 +192,10 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(f"WARNING: {name}: host CPU averaged {s['cpu']['mean_pct']:.0f}% (this run's own processes "
                          f"{s['cpu'].get('run_pct', float('nan')):.0f}%): CPU-bound, its ratios are not network "
                          "results (scale --bw-scale and --model down together)")
+        if s["cpu"].get("steal_pct", 0.0) >= STEAL_WARN_PCT:
+            lines.append(f"WARNING: {name}: the hypervisor took {s['cpu']['steal_pct']:.1f}% of the host's CPU "
+                         "(steal time) during its run: its iterations carry that noise; compare it with runs "
+                         "at none")
     return "\n".join(lines)
 
 
