@@ -82,8 +82,6 @@ class LinkState:
     """The last ``RECENT`` reports, oldest first (the initial rate first, until it ages out)."""
     recent_at: tuple[float, ...] = ()
     """When each of ``recent`` was received (the collector's start for the initial rate)."""
-    unconfirmed: bool = False
-    """Not measured since the last change point: believed halfway toward the links that were."""
     first_at: float = math.inf
     """When the link's first report came (inf before any)."""
 
@@ -125,7 +123,7 @@ class LinkCollector:
         since = -math.inf if self.change_at is None else self.change_at
         if now - before.since > self.stale_after:
             since = math.inf
-        kept = tuple((t, v) for t, v in zip(before.recent_at, before.recent, strict=True) if t >= since)
+        kept = _reports_since(before, since)
         recent = (*kept, (now, float(report.mbit_s)))[-RECENT:]
         values = tuple(v for _, v in recent)
         self._links[link] = LinkState(statistics.median(values), now, measured=True, samples=report.samples,
@@ -176,14 +174,16 @@ class LinkCollector:
             return False
         self.change_at = at
         for link, s in self._links.items():
-            kept = [(t, v) for t, v in zip(s.recent_at, s.recent, strict=True) if t >= at]
+            kept = _reports_since(s, at)
             if kept:
                 values = tuple(v for _, v in kept)
                 self._links[link] = dataclasses.replace(s, mbit_s=statistics.median(values), recent=values,
-                                                        recent_at=tuple(t for t, _ in kept), unconfirmed=False)
-            else:
-                self._links[link] = dataclasses.replace(s, unconfirmed=True)
+                                                        recent_at=tuple(t for t, _ in kept))
         return True
+
+    def unconfirmed(self, src: int, dst: int) -> bool:
+        """Not measured since the last change point: believed halfway toward the links that were."""
+        return self.change_at is not None and self._links[(src, dst)].since < self.change_at
 
     def state(self, src: int, dst: int) -> LinkState:
         """The stored state of link ``src -> dst``."""
@@ -200,12 +200,12 @@ class LinkCollector:
             else:
                 keep = 0.5 ** (age / self.half_life)
                 out[link] = target - (target - s.mbit_s) * keep
-        confirmed = [out[link] for link, s in self._links.items() if not s.unconfirmed]
-        if self.change_at is not None and confirmed:
+        unconfirmed = {link for link in self._links if self.unconfirmed(*link)}
+        confirmed = [rate for link, rate in out.items() if link not in unconfirmed]
+        if unconfirmed and confirmed:
             typical = statistics.median(confirmed)
-            for link, s in self._links.items():
-                if s.unconfirmed:
-                    out[link] = (out[link] + typical) / 2
+            for link in unconfirmed:
+                out[link] = (out[link] + typical) / 2
         return out
 
     @staticmethod
@@ -219,3 +219,8 @@ class LinkCollector:
 def _check_rate(link: tuple[int, int], rate: float) -> None:
     if isinstance(rate, bool) or not isinstance(rate, int | float) or not math.isfinite(rate) or rate <= 0:
         raise ValueError(f"link {link[0]}->{link[1]}: rate must be a positive finite Mbit/s, got {rate!r}")
+
+
+def _reports_since(s: LinkState, t: float) -> tuple[tuple[float, float], ...]:
+    """(time, rate) of the link's recent reports received at ``t`` or later."""
+    return tuple((at, v) for at, v in zip(s.recent_at, s.recent, strict=True) if at >= t)

@@ -103,7 +103,7 @@ def test_a_change_point_drops_older_reports_and_pulls_unmeasured_links_halfway_t
     assert c.change_at == 4.2
     assert c.state(1, 2).recent == (30.0, 31.0) and c.state(1, 2).mbit_s == 30.5
     assert c.state(2, 3).recent == (60.0,) and c.state(2, 3).mbit_s == 60.0  # its first report alone decides
-    assert c.state(2, 1).unconfirmed and c.state(3, 2).unconfirmed and not c.state(2, 3).unconfirmed
+    assert c.unconfirmed(2, 1) and c.unconfirmed(3, 2) and not c.unconfirmed(2, 3)
     typical = (30.5 + 60.0) / 2  # the median of the links measured since the change
     est = c.estimate(5.0)
     assert est[(1, 2)] == 30.5 and est[(2, 3)] == 60.0
@@ -113,7 +113,7 @@ def test_a_change_point_drops_older_reports_and_pulls_unmeasured_links_halfway_t
     assert not c.note_change(6.0, change_gap=5.0) and c.change_at == 4.2
     # Measured again, a link is believed as measured: its reports from before the change are gone.
     c.add(LinkReport(2, 1, 20.0, 7.0, 4), now=7.0)
-    assert not c.state(2, 1).unconfirmed and c.estimate(7.0)[(2, 1)] == 20.0
+    assert not c.unconfirmed(2, 1) and c.estimate(7.0)[(2, 1)] == 20.0
     assert c.note_change(9.5, change_gap=5.0) and c.change_at == 9.5
 
 
@@ -121,7 +121,7 @@ def test_a_change_point_with_nothing_measured_since_changes_no_estimate():
     c = LinkCollector(INITIAL, now=0.0, stale_after=30.0)
     c.add(LinkReport(1, 2, 50.0, 1.0, 4), now=1.0)
     assert c.note_change(2.0, change_gap=5.0)
-    assert all(c.state(*link).unconfirmed for link in INITIAL)
+    assert all(c.unconfirmed(*link) for link in INITIAL)
     assert c.estimate(3.0) == {**INITIAL, (1, 2): 75.0}
 
 
