@@ -156,7 +156,7 @@ class SchedulerClient:
                 tasks.create_task(self._report_loop())
                 self._started.set()
         except* _Lost:
-            pass
+            pass  # whichever task saw the loss reported it (_connection_lost) before raising _Lost
         finally:
             self._tasks = None
             self._started.set()
