@@ -93,16 +93,28 @@ _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
 
 
 def layout(spec: str) -> ModelLayout:
-    """``alexnet``, ``resnet50``, or a parameter count (``15275210``, ``1e6``, ``61.1M``) as one tensor."""
+    """``alexnet``, ``resnet50``, or a parameter count (``15275210``, ``1e6``, ``61.1M``) as one tensor;
+    ``COUNT/LAYERS`` (``0.5M/8``) splits the count into that many near-equal layers, which is what lets a
+    trainer overlap a plain-size model's synchronization with its backward pass."""
     key = spec.strip().lower()
     if key == "alexnet":
         return alexnet()
     if key == "resnet50":
         return resnet50()
-    match = _SIZE.fullmatch(spec.strip())
+    size, slash, layers_text = spec.strip().partition("/")
+    match = _SIZE.fullmatch(size.strip())
     if match is None:
-        raise PolicyError(f"unknown model {spec!r}: give {', '.join(MODELS)} or a parameter count such as 1e6")
+        raise PolicyError(f"unknown model {spec!r}: give {', '.join(MODELS)}, a parameter count such as 1e6, "
+                          f"or a count and a layer count such as 1e6/8")
     count = float(match["number"]) * _SUFFIX[match["suffix"].lower()]
     if not count.is_integer() or count < 1:
         raise PolicyError(f"model size {spec!r} is not a whole, positive number of parameters")
-    return ModelLayout(f"{int(count)} params", (("params", (int(count),)),))
+    total = int(count)
+    if not slash:
+        return ModelLayout(f"{total} params", (("params", (total,)),))
+    if not layers_text.strip().isdigit() or not 1 <= int(layers_text) <= total:
+        raise PolicyError(f"model {spec!r}: the layer count after '/' must be a whole number from 1 to {total}")
+    layers = int(layers_text)
+    base, extra = divmod(total, layers)
+    return ModelLayout(f"{total} params in {layers} layers",
+                       tuple((f"layer{i}", (base + (i < extra),)) for i in range(layers)))

@@ -34,7 +34,16 @@ def test_plain_sizes(spec, params):
     assert model.sizes == [params]
 
 
-@pytest.mark.parametrize("spec", ["vgg", "0", "1.5", "-3", ""])
+@pytest.mark.parametrize(("spec", "sizes"), [("10/3", [4, 3, 3]), ("1e6/4", [250_000] * 4), ("2k/1", [2000]),
+                                              ("5/5", [1] * 5)])
+def test_sizes_split_into_layers(spec, sizes):
+    model = layout(spec)
+    assert model.sizes == sizes
+    assert [name for name, _ in model.tensors] == [f"layer{i}" for i in range(len(sizes))]
+
+
+@pytest.mark.parametrize("spec", ["vgg", "0", "1.5", "-3", "", "10/0", "10/11", "10/x", "10/", "10/2.5", "/4",
+                                  "alexnet/2"])
 def test_bad_models_are_rejected(spec):
     with pytest.raises(PolicyError):
         layout(spec)
