@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 
 from netstorm.bench.loopback import node_processes
 from netstorm.trainers.launch import Trainers, local_cluster
-from netstorm.trainers.synthetic import GradientPattern, main, model_layers
+from netstorm.trainers.synthetic import GradientPattern, _Clock, _overlapped_iteration, main, model_layers
 
 # Layers straddling the pattern periods (65521 / 65519) and a scalar-like one.
 LAYERS = [("conv.weight", (3, 5, 7)), ("fc.weight", (70_000,)), ("fc.bias", (1,)), ("head", (257, 300))]
@@ -159,3 +160,66 @@ def test_trainers_check_every_sum_exactly_and_stop_when_their_node_dies(tmp_path
         # Then three failed iterations in a row, each naming its error, and the trainer stops.
         assert [(r["iteration"], r.get("failed")) for r in got[2:]] == [(2, True), (3, True), (4, True)], got
         assert all(r["exact"] is False and r["error"] for r in got[2:]), got
+
+
+class _RecordingStore:
+    """A stand-in for the node's client that records when each verb is called (the overlap's schedule is
+    what is under test here; the real node's sums are checked by the cluster test below)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, float]] = []
+        self.pushed: dict[str, np.ndarray] = {}
+
+    def push(self, name: str, value: np.ndarray) -> None:
+        self.calls.append(("push", name, time.perf_counter()))
+        self.pushed[name] = value.copy()
+
+    def pull(self, name: str, average: bool = False) -> np.ndarray:
+        self.calls.append(("pull", name, time.perf_counter()))
+        return self.pushed[name]
+
+
+def test_overlap_pushes_each_layer_during_backward_last_layer_first() -> None:
+    layers = [("a", (100,)), ("b", (300,)), ("c", (600,))]
+    pattern = GradientPattern(layers)
+    grads = pattern.allocate()
+    store = _RecordingStore()
+    compute_s = 0.6
+    clock = _Clock(time.perf_counter())
+    result = _overlapped_iteration(store, pattern, grads, 3, 2, compute_s, clock)
+    pushes = [(name, t - clock.start) for verb, name, t in store.calls if verb == "push"]
+    pulls = [name for verb, name, _ in store.calls if verb == "pull"]
+    assert [name for name, _ in pushes] == ["c", "b", "a"]
+    assert pulls == ["a", "b", "c"] and store.calls[3][0] == "pull"
+    # Forward is a third (0.2 s); backward's 0.4 s is shared by size, last layer first: c after 0.24 s of
+    # it, b after 0.36 s, a at the end. No push comes before its share has passed.
+    for (_, at), due in zip(pushes, [0.2 + 0.4 * 0.6, 0.2 + 0.4 * 0.9, 0.6], strict=True):
+        assert at >= due - 1e-3
+    assert pushes[0][1] < compute_s  # the first push is well inside the compute time
+    expected = pattern.allocate()
+    pattern.fill(3, 2, expected)
+    assert all(np.array_equal(result[name], expected[name]) for name, _ in layers)
+    assert 0 <= clock.blocked < time.perf_counter() - clock.start
+
+
+@pytest.mark.slow
+def test_overlapped_trainers_sum_exactly_through_real_nodes(tmp_path: Path) -> None:
+    iterations = 4
+    with local_cluster(3, tmp_path / "run", flags=["--chunk-size", "40000"], ready_timeout=90) as cluster:
+        argvs = [[sys.executable, "-m", "netstorm.trainers.synthetic", "--socket", cluster.socket(node),
+                  "--model", "150k/6", "--overlap", "--iterations", str(iterations), "--compute-s", "0.3",
+                  "--timeout", "60", "--max-failures", "1"] for node in cluster.node_ids]
+        records: dict[int, list[dict[str, Any]]] = {n: [] for n in cluster.node_ids}
+        codes: dict[int, int | None] = {}
+        with Trainers(argvs, tmp_path) as trainers:
+            while len(codes) < 3:
+                line = trainers.next_line(timeout=90)
+                node = cluster.node_ids[line.index]
+                if line.record is None:
+                    codes[node] = line.returncode
+                else:
+                    records[node].append(line.record)
+    assert codes == {n: 0 for n in cluster.node_ids}
+    for node, got in records.items():
+        assert [(r["iteration"], r["exact"], r["workers"]) for r in got] == [(k, True, 3) for k in range(iterations)]
+        assert all(r["dc"] == node and r["seconds"] >= 0.3 and 0 <= r["sync_s"] <= r["seconds"] for r in got), got

@@ -5,12 +5,14 @@
 (a LAN worker behind a DC gateway, in edge mode)
 
 Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
-gradients counts towards it), push_pulls one gradient per layer and checks the result exactly. One
+gradients counts towards it), push_pulls one gradient per layer and checks the result exactly; with
+``--overlap`` it pushes each layer during the backward part of the compute time instead, then pulls
+them all (DDP's overlap, what ``DistributedOptimizer(overlap=True)`` does with a real model). One
 JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
-``sync_s`` (the push_pull alone), ``check_s`` (the exact check, outside ``seconds``), ``exact``,
-``workers`` (contributors to the sum: every DC's trainer and LAN workers, as the node or gateway reports
-them, or ``--contributors``, which the reported count must then equal) and ``cpu_s`` (this process's CPU
-time so far).
+``sync_s`` (the time blocked on the node: the push_pull, or the pushes and pulls), ``check_s`` (the
+exact check, outside ``seconds``), ``exact``, ``workers`` (contributors to the sum: every DC's trainer
+and LAN workers, as the node or gateway reports them, or ``--contributors``, which the reported count
+must then equal) and ``cpu_s`` (this process's CPU time so far).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
@@ -205,6 +207,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=10, help="iterations to run (default 10)")
     parser.add_argument("--compute-s", type=float, default=0.0,
                         help="seconds of stand-in compute per iteration before the push (default 0)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="overlap synchronization with the backward pass: push each layer as soon as its share "
+                             "of the compute time (a forward third, then a backward two thirds by layer size, last "
+                             "layer first) has passed, then pull every layer")
     parser.add_argument("--dc", type=int, default=None,
                         help="this DC's id in the gradients (default: the node's id)")
     parser.add_argument("--contributors", type=int, default=None,
@@ -238,6 +244,61 @@ def _connect_edge(address: str, parameters: int, *, timeout: float) -> Any:
 def _emit(stream: IO[str], record: dict[str, Any]) -> None:
     stream.write(json.dumps(record) + "\n")
     stream.flush()
+
+
+@dataclasses.dataclass
+class _Clock:
+    """One iteration's start, and the time its trainer spent blocked on the node (``sync_s``)."""
+
+    start: float
+    blocked: float = 0.0
+    _since: float | None = None
+
+    def block(self) -> None:
+        self._since = time.perf_counter()
+
+    def unblock(self) -> None:
+        if self._since is not None:
+            self.blocked += time.perf_counter() - self._since
+            self._since = None
+
+
+def _sleep_until(deadline: float) -> None:
+    time.sleep(max(0.0, deadline - time.perf_counter()))
+
+
+def _serial_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np.ndarray], dc: int, k: int,
+                      compute_s: float, clock: _Clock) -> dict[str, np.ndarray]:
+    """Compute, then one push_pull of every layer."""
+    pattern.fill(dc, k, grads)
+    _sleep_until(clock.start + compute_s)
+    clock.block()
+    result: dict[str, np.ndarray] = kv.push_pull(grads, average=False)
+    clock.unblock()
+    return result
+
+
+def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np.ndarray], dc: int, k: int,
+                          compute_s: float, clock: _Clock) -> dict[str, np.ndarray]:
+    """A forward third of the compute time, then a backward two thirds that yields the layers last first,
+    each after its share by size and pushed at once (as DDP launches a bucket's all-reduce the moment
+    backward fills it); then one pull per layer. Only the pushes and the pulls count as blocked."""
+    pattern.fill(dc, k, grads)
+    forward_end = clock.start + compute_s / 3
+    backward_s = compute_s - compute_s / 3
+    _sleep_until(forward_end)
+    done = 0
+    for i in reversed(range(len(pattern.layers))):
+        done += pattern.sizes[i]
+        _sleep_until(forward_end + backward_s * done / pattern.parameters)
+        name = pattern.layers[i][0]
+        clock.block()
+        kv.push(name, grads[name])
+        clock.unblock()
+    clock.block()
+    result = {name: kv.pull(name, average=False) for name, _ in pattern.layers}
+    clock.unblock()
+    return result
 
 
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
@@ -274,20 +335,22 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
             members_sum: float | None = None if args.contributor_sum is None else float(args.contributor_sum)
             failures = 0
             for k in range(args.iterations):
-                start = time.perf_counter()
-                pattern.fill(dc, k, grads)
-                time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
-                sync_start = time.perf_counter()
+                clock = _Clock(time.perf_counter())
                 try:
-                    result = kv.push_pull(grads, average=False)
+                    if args.overlap:
+                        result = _overlapped_iteration(kv, pattern, grads, dc, k, args.compute_s, clock)
+                    else:
+                        result = _serial_iteration(kv, pattern, grads, dc, k, args.compute_s, clock)
                 except (IterationError, NodeGone) as exc:
                     # A DC died: this iteration is lost everywhere; the survivors carry on without it once
                     # the scheduler has re-planned. If failures persist (this DC's own node is gone), stop.
                     all_exact = False
                     failures += 1
+                    clock.unblock()
                     end = time.perf_counter()
-                    _emit(stream, {"iteration": k, "seconds": end - start, "sync_s": end - sync_start, "exact": False,
-                                   "failed": True, "dc": dc, "error": f"{type(exc).__name__}: {exc}"})
+                    _emit(stream, {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
+                                   "exact": False, "failed": True, "dc": dc,
+                                   "error": f"{type(exc).__name__}: {exc}"})
                     if failures >= args.max_failures:
                         print(f"synthetic trainer (DC {dc}): giving up after {failures} failed iterations: {exc}",
                               file=sys.stderr)
@@ -305,7 +368,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                                                   error="; ".join(e for e in (verdict.error, miscount) if e))
                 members_sum = verdict.members_sum if verdict.exact else members_sum
                 all_exact &= verdict.exact
-                record: dict[str, Any] = {"iteration": k, "seconds": end - start, "sync_s": end - sync_start,
+                record: dict[str, Any] = {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
                                           "workers": workers, "cpu_s": time.process_time()}
                 if verdict.error:
