@@ -1,14 +1,15 @@
 """The gloo baseline: PyTorch's all_reduce (gloo backend) of a model-sized tensor, one process per DC.
 
 ``python -m netstorm.emulation.gloo_trainer --rank R --world N --store HOST:PORT --address ADDR
---model alexnet|resnet50|SIZE --iterations K [--compute-s S] [--out FILE]``
+--model alexnet|resnet50|SIZE --iterations K [--compute-s S] [--overlap] [--out FILE]``
 
 The process group is built directly so gloo's data connections bind to ``--address`` (the DC's node
 address, reached over the shaped overlay) while the rendezvous store runs on the unshaped management
 network. The whole model is one flat float32 tensor, the most favourable case for gloo (one ring
-all-reduce rather than one per layer). Rank r contributes ``P * (r + 1) + k`` for a fixed integer pattern
-``P``; the sum is checked exactly. Output: one JSON line per iteration in the synthetic trainer's format
-(iteration, seconds, sync_s, exact, dc).
+all-reduce rather than one per layer); with ``--overlap``, as DDP does, each layer's all-reduce starts when
+the backward part of the compute time yields it, and the iteration waits for them all. Rank r
+contributes ``P * (r + 1) + k`` for a fixed integer pattern ``P``; the sum is checked exactly. Output:
+one JSON line per iteration in the synthetic trainer's format (iteration, seconds, sync_s, exact, dc).
 """
 
 from __future__ import annotations
@@ -25,11 +26,16 @@ from typing import IO, Any
 import numpy as np
 
 
-def model_parameters(spec: str) -> int:
-    """Parameters of a model spec, as the synthetic trainer lays it out."""
+def layer_sizes(spec: str) -> list[int]:
+    """Elements per layer of a model spec, as the synthetic trainer lays it out."""
     from netstorm.trainers.synthetic import model_layers
 
-    return sum(int(np.prod(shape, dtype=np.int64)) for _, shape in model_layers(spec))
+    return [int(np.prod(shape, dtype=np.int64)) for _, shape in model_layers(spec)]
+
+
+def model_parameters(spec: str) -> int:
+    """Parameters of a model spec."""
+    return sum(layer_sizes(spec))
 
 
 def _pattern(size: int) -> np.ndarray:
@@ -56,13 +62,29 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     tensor = torch.from_numpy(buffer)
     ranks_sum = args.world * (args.world + 1) // 2
     all_exact = True
+    # With --overlap, one all-reduce per layer, launched as backward yields it (last layer first).
+    bounds = np.concatenate([[0], np.cumsum(layer_sizes(args.model))]).astype(np.int64)
+    layers = [tensor[int(bounds[i]):int(bounds[i + 1])] for i in range(len(bounds) - 1)]
     for k in range(args.iterations):
         start = time.perf_counter()
         np.multiply(pattern, np.float32(args.rank + 1), out=buffer)
         buffer += np.float32(k)
-        time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
-        sync_start = time.perf_counter()
-        group.allreduce([tensor]).wait()
+        if args.overlap:
+            forward_end = start + args.compute_s / 3
+            backward_s = args.compute_s - args.compute_s / 3
+            time.sleep(max(0.0, forward_end - time.perf_counter()))
+            works = []
+            for i in reversed(range(len(layers))):
+                due = forward_end + backward_s * float(size - bounds[i]) / size
+                time.sleep(max(0.0, due - time.perf_counter()))
+                works.append(group.allreduce([layers[i]]))
+            sync_start = time.perf_counter()
+            for work in works:
+                work.wait()
+        else:
+            time.sleep(max(0.0, args.compute_s - (time.perf_counter() - start)))
+            sync_start = time.perf_counter()
+            group.allreduce([tensor]).wait()
         sync_s = time.perf_counter() - sync_start
         expected = pattern * np.float32(ranks_sum) + np.float32(args.world * k)
         exact = bool(np.array_equal(buffer, expected))
@@ -87,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", default="alexnet")
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--compute-s", type=float, default=0.0)
+    parser.add_argument("--overlap", action="store_true",
+                        help="one all-reduce per layer, each launched as soon as the backward part of the compute "
+                             "time (two thirds, shared by layer size, last layer first) yields it")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any collective may take")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
     args = parser.parse_args(argv)
