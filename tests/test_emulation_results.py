@@ -108,9 +108,54 @@ def test_scaling_efficiency_is_the_ratio_of_iteration_times() -> None:
     big["systems"]["netstorm"]["iteration_s"] = [9.0, 2.0, 2.0]
     big["systems"]["netstorm"]["limit_s"] = [1.25] * 3
     lines = results.scaling([big, small])
-    line = next(x for x in lines if x.startswith("netstorm:"))
+    line = next(x for x in lines if x.startswith("netstorm (model 1M, synchronization only):"))
     # 5 DCs at 1.5 s, 15 DCs at 2.0 s: samples/s x(15/2)/(5/1.5) = 2.25 for 3x the DCs -> 0.75; the
     # limits (1.0 s and 1.25 s) allow at most 0.80.
     assert "x2.25 for x3.00" in line and "efficiency 0.75; at the min-cut limit M/λ it would be 0.80" in line
     # 2(n-1)·32 Mbit over 200 and 600 Mbit/s in: 1.28 s and 1.49 s, so no system beats (8/5)/(28/15) = 0.86
     assert "(1.28 s -> 1.49 s) 0.86" in line
+
+
+def test_compute_time_enters_the_limit_serially_or_overlapped() -> None:
+    result = _result()
+    result["compute_s"] = 3.0
+    assert results.with_compute(1.0, result) == 4.0
+    result["overlap"] = True
+    # forward (1 s) cannot overlap; backward (2 s) hides a shorter synchronization, not a longer one
+    assert results.with_compute(1.0, result) == 3.0
+    assert results.with_compute(2.5, result) == 3.5
+    row = next(line for line in results.summary(result).splitlines() if line.startswith("netstorm "))
+    assert row.split()[1:4] == ["1.50", "3.00", "0.50"]  # 1.5 s steady against a 3 s limit
+    assert "compute 3.0 s overlapped with synchronization" in results.summary(result)
+
+
+def test_scaling_compares_only_runs_with_the_same_training_setup() -> None:
+    runs = []
+    for n, times, compute in ((5, [9.0, 4.0, 4.0], 3.0), (15, [9.0, 4.4, 4.4], 3.0), (15, [9.0, 2.0, 2.0], 0.0)):
+        r = _result()
+        r["nodes"], r["scenario"], r["compute_s"], r["overlap"] = list(range(1, n + 1)), f"scale-{n}", compute, True
+        r["initial_rates_mbit"] = {f"{i}->{j}": 10.0 for i in range(1, n + 1) for j in range(4)}
+        r["systems"] = {"netstorm": {**r["systems"]["netstorm"], "iteration_s": times}}
+        runs.append(r)
+    [line] = results.scaling(runs)  # the 15-DC run without compute has no 5-DC partner
+    assert line.startswith("netstorm (model 1M, 3 s compute overlapped): 5 DCs (scale-5) 4.00 s/iteration -> "
+                           "15 DCs (scale-15) 4.40 s/iteration")
+    # limits 1 s + 2 s of backward hiding it: 3 s both; the all-reduce bounds 1.28 and 1.49 s hide too
+    assert "efficiency 0.91; at the min-cut limit M/λ it would be 1.00" in line
+    assert "(3.00 s -> 3.00 s) 1.00, which no system can beat with that compute time" in line
+
+
+def test_overlap_is_passed_on_and_refused_for_a_one_tensor_model() -> None:
+    import argparse
+
+    from netstorm.commands import emulate
+    from netstorm.emulation.runner import options_from_args
+
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    scenario = str(DATA / "emu-4.toml")
+    opts = options_from_args(parser.parse_args([scenario, "--model", "1M/8", "--compute-s", "2", "--overlap"]))
+    assert (opts.overlap, opts.compute_s, opts.model) == (True, 2.0, "1M/8")
+    assert options_from_args(parser.parse_args([scenario, "--model", "alexnet"])).overlap is False
+    with pytest.raises(EmulationError, match="--overlap needs a model of several layers .* '1M' is one tensor"):
+        options_from_args(parser.parse_args([scenario, "--model", "1M", "--overlap"]))

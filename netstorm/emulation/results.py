@@ -92,6 +92,7 @@ def new_result(scenario: Scenario, opts: Any, parameters: int, bounds: Bounds) -
         "model": {"spec": opts.model, "parameters": parameters, "bytes": 4 * parameters},
         "iterations": opts.iterations,
         "compute_s": opts.compute_s,
+        "overlap": opts.overlap,
         "config_flags": list(opts.config_flags),
         "host": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
         "limit_s": bounds.limit_s(scenario.rates()),
@@ -132,14 +133,25 @@ def mean(values: list[float]) -> float:
     return math.fsum(values) / len(values) if values else float("nan")
 
 
+def with_compute(sync_s: float, result: dict[str, Any]) -> float:
+    """The fastest an iteration can be when its synchronization alone needs ``sync_s``: plus the compute
+    time, or, with ``--overlap``, the forward third of it plus the longer of the backward two thirds and
+    the synchronization (it starts no earlier than backward and ends no earlier than ``sync_s`` after)."""
+    compute = float(result.get("compute_s", 0.0))
+    if not result.get("overlap"):
+        return compute + sync_s
+    return compute / 3 + max(compute - compute / 3, sync_s)
+
+
 def system_stats(result: dict[str, Any]) -> dict[str, dict[str, float]]:
-    """Per system: mean steady iteration time, mean limit over the same iterations, their ratio."""
+    """Per system: mean steady iteration time, mean limit over the same iterations (compute included),
+    their ratio."""
     out: dict[str, dict[str, float]] = {}
     for name, s in result["systems"].items():
         times = steady(s["iteration_s"])
         limits = steady(s.get("limit_s") or [])
         t = mean(times)
-        lim = mean(limits) if limits else result["limit_s"]
+        lim = with_compute(mean(limits) if limits else result["limit_s"], result)
         out[name] = {"mean_s": t, "limit_s": lim, "x_limit": t / lim if times else float("nan")}
     return out
 
@@ -152,7 +164,8 @@ def summary(result: dict[str, Any]) -> str:
         f"scenario {result['scenario']} ({'dynamic' if result['dynamic'] else 'static'}), seed {result['seed']}, "
         f"rates x{result['bw_scale']}, time x{result['time_scale']}, model {model['spec']} "
         f"({model['parameters'] / 1e6:.2f} M parameters, {model['bytes'] / 1e6:.1f} MB), "
-        f"{result['iterations']} iteration(s), compute {result['compute_s']} s",
+        f"{result['iterations']} iteration(s), compute {result['compute_s']} s"
+        + (" overlapped with synchronization" if result.get("overlap") else ""),
     ]
     feats = result.get("features", {})
     if feats:
@@ -178,7 +191,8 @@ def summary(result: dict[str, Any]) -> str:
                      f"{s['iterations_completed']:>4}/{result['iterations']}")
     lines.append("")
     lines.append(f"iteration times are means over iterations 2..N (the first also sets connections up); "
-                 f"limit = M/lambda, the directed min cut (initial: {result['limit_s']:.2f} s)")
+                 f"limit = M/lambda, the directed min cut (initial: {result['limit_s']:.2f} s)"
+                 + (", with the compute time (see with_compute)" if result.get("compute_s") else ""))
     star_bound = result["star_bound_s"]
     lines.append(f"STAR's physical bound: {star_bound:.2f} s at hub {result['star_bound_hub']} (every spoke's M in and "
                  f"out over the static routes, busiest link); a system at the limit can beat STAR by at most "
@@ -210,27 +224,36 @@ def allreduce_bound_s(result: dict[str, Any]) -> float:
 
 
 def scaling(results_list: list[dict[str, Any]]) -> list[str]:
-    """Scaling efficiency between the smallest and the largest run of each system.
+    """Scaling efficiency between the smallest and the largest run of each system and training setup
+    (model, compute time, overlap: runs that differ in these are not compared).
 
     Every DC runs the same trainer, so samples/s grows with n / t(n); the efficiency from n1 to n2 DCs is
     (n2 / t2) / (n1 / t1) / (n2 / n1) = t1 / t2 (1.0: adding DCs costs no time per iteration).
     """
-    by_system: dict[str, list[tuple[int, float, float, float, str]]] = {}
+    by_setup: dict[tuple[str, str, float, bool], list[tuple[int, float, float, float, str]]] = {}
     for result in results_list:
         stats = system_stats(result)
+        setup = (str(result["model"]["spec"]), float(result.get("compute_s", 0.0)), bool(result.get("overlap")))
         for name, st in stats.items():
             if result["systems"][name]["iteration_s"]:
-                by_system.setdefault(name, []).append(
-                    (len(result["nodes"]), st["mean_s"], st["limit_s"], allreduce_bound_s(result), result["scenario"]))
+                by_setup.setdefault((name, *setup), []).append(
+                    (len(result["nodes"]), st["mean_s"], st["limit_s"],
+                     with_compute(allreduce_bound_s(result), result), result["scenario"]))
     lines: list[str] = []
-    for name, runs in by_system.items():
+    for (name, model, compute, overlap), runs in by_setup.items():
         sizes = sorted(runs)
         (n1, t1, lim1, ar1, s1), (n2, t2, lim2, ar2, s2) = sizes[0], sizes[-1]
         if n1 == n2:
             continue
-        lines.append(f"{name}: {n1} DCs ({s1}) {t1:.2f} s/iteration -> {n2} DCs ({s2}) {t2:.2f} s/iteration: "
-                     f"samples/s x{(n2 / t2) / (n1 / t1):.2f} for x{n2 / n1:.2f} the DCs, scaling efficiency "
-                     f"{t1 / t2:.2f}; at the min-cut limit M/λ it would be {lim1 / lim2:.2f}, at the all-reduce "
-                     f"bound 2(n-1)M/ΣC_in ({ar1:.2f} s -> {ar2:.2f} s) {ar1 / ar2:.2f}, which no system can beat "
-                     f"without compute time to hide the synchronization behind")
+        if compute:
+            training = f"model {model}, {compute:g} s compute{' overlapped' if overlap else ''}"
+            caveat = " with that compute time"
+        else:
+            training = f"model {model}, synchronization only"
+            caveat = " without compute time to hide the synchronization behind"
+        lines.append(f"{name} ({training}): {n1} DCs ({s1}) {t1:.2f} s/iteration -> {n2} DCs ({s2}) {t2:.2f} "
+                     f"s/iteration: samples/s x{(n2 / t2) / (n1 / t1):.2f} for x{n2 / n1:.2f} the DCs, scaling "
+                     f"efficiency {t1 / t2:.2f}; at the min-cut limit M/λ it would be {lim1 / lim2:.2f}, at the "
+                     f"all-reduce bound 2(n-1)M/ΣC_in ({ar1:.2f} s -> {ar2:.2f} s) {ar1 / ar2:.2f}, which no "
+                     f"system can beat{caveat}")
     return lines

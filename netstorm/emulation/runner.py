@@ -63,6 +63,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="alexnet", help="alexnet, resnet50 or a parameter count (25M)")
     parser.add_argument("--seed", type=int, default=None, help="dynamics seed (default: the scenario's)")
     parser.add_argument("--compute-s", type=float, default=0.0, help="trainer compute time per iteration")
+    parser.add_argument("--overlap", action="store_true",
+                        help="trainers overlap synchronization with the backward part of the compute time, as DDP "
+                             "does (each layer pushed as backward yields it; use a layered model: alexnet, "
+                             "resnet50 or COUNT/LAYERS)")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply the scenario's dynamics period (0.1 = rates change 10x as often)")
     parser.add_argument("--timeout", type=float, default=None,
@@ -96,6 +100,7 @@ class Options:
     stream: IO[str] = sys.stderr
     lan_workers: int | None = None
     edge_mode: str = "auto"
+    overlap: bool = False
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -152,11 +157,15 @@ def _given_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def options_from_args(args: argparse.Namespace) -> Options:
     from netstorm.emulation.gloo_trainer import model_parameters
+    from netstorm.trainers.synthetic import model_layers
 
     if args.iterations < 1:
         raise EmulationError(f"--iterations must be at least 1, got {args.iterations}")
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
+    if getattr(args, "overlap", False) and len(model_layers(args.model)) < 2:
+        raise EmulationError(f"--overlap needs a model of several layers (alexnet, resnet50 or COUNT/LAYERS such as "
+                             f"{args.model}/8): {args.model!r} is one tensor, there is nothing to overlap")
     given = _given_options(args)
     roots = int(given.get("num_root_servers", 0)) or len(load(args.scenario).nodes)
     flags = _config_flags(args) + chunk_flags(model_parameters(args.model), given, roots=roots)
@@ -164,7 +173,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
-                   edge_mode=getattr(args, "edge_mode", "auto"))
+                   edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)))
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -301,7 +310,7 @@ class SystemRun:
             self.trainers[c.label] = net.spawn(where, self._python(
                 "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
                 "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
-                "--out", str(self.logs[c.label].path)),
+                *(["--overlap"] if opts.overlap else []), "--out", str(self.logs[c.label].path)),
                 stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{c.label}"))
 
     def _gateway_flags(self, dc: int) -> list[str]:
@@ -332,7 +341,7 @@ class SystemRun:
                 "-m", "netstorm.emulation.gloo_trainer", "--rank", str(rank), "--world", str(len(ids)),
                 "--dc", str(dc), "--store", store, "--address", net.node_address(dc), "--model", opts.model,
                 "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
-                "--out", str(self.logs[str(dc)].path)),
+                *(["--overlap"] if opts.overlap else []), "--out", str(self.logs[str(dc)].path)),
                 stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
 
     def _check_services(self) -> None:
