@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             print()
         print(results.summary(result))
         if not args.no_plots:
-            for plot in plots.draw_all(result, Path(args.plots) if args.plots else path.parent):
+            for plot in plots.draw_all(result, Path(args.plots) if args.plots else path.parent, path.stem):
                 print(f"plot: {plot}", file=sys.stderr)
     lines = results.scaling([r for _, r in loaded])
     if lines:

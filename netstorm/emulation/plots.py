@@ -19,9 +19,11 @@ def _pyplot() -> Any:
     return plt
 
 
-def draw_all(result: dict[str, Any], directory: Path) -> list[Path]:
+def draw_all(result: dict[str, Any], directory: Path, stem: str | None = None) -> list[Path]:
+    """Every plot of ``result`` as ``DIRECTORY/STEM-<kind>.png``; the stem is the result file's name (so
+    several runs of one scenario can share a directory), else the scenario's."""
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"{result['scenario']}"
+    stem = stem or str(result["scenario"])
     out = [iteration_times(result, directory / f"{stem}-iterations.png"),
            link_rates(result, directory / f"{stem}-rates.png")]
     if any(s.get("trees") for s in result["systems"].values()):

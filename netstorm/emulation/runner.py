@@ -203,7 +203,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.plots:
         from netstorm.emulation import plots
 
-        for path in plots.draw_all(result, Path(args.plots)):
+        for path in plots.draw_all(result, Path(args.plots), Path(args.out).stem if args.out else None):
             print(f"plot: {path}", file=sys.stderr)
     failed = [name for name, s in result["systems"].items() if s.get("error")]
     return 1 if failed else 0
