@@ -157,5 +157,5 @@ def test_overlap_is_passed_on_and_refused_for_a_one_tensor_model() -> None:
     opts = options_from_args(parser.parse_args([scenario, "--model", "1M/8", "--compute-s", "2", "--overlap"]))
     assert (opts.overlap, opts.compute_s, opts.model) == (True, 2.0, "1M/8")
     assert options_from_args(parser.parse_args([scenario, "--model", "alexnet"])).overlap is False
-    with pytest.raises(EmulationError, match="--overlap needs a model of several layers .* '1M' is one tensor"):
+    with pytest.raises(EmulationError, match=r"--overlap needs a model of several layers .* '1M' is one tensor"):
         options_from_args(parser.parse_args([scenario, "--model", "1M", "--overlap"]))
