@@ -52,6 +52,10 @@ class Config:
     """Auxiliary paths carry a tree edge's chunks only while that link sends more than this fraction
     below the rate its policy was planned with (a stale plan); 0 offloads whenever the primary is busy,
     the paper's rule."""
+    aux_reroute: float = 0.5
+    """A chunk already queued on a tree edge moves to an auxiliary path through an idle link (when that
+    delivers it sooner) while the edge sends below this fraction of its planned rate; 0 never moves
+    queued chunks. Only with auxiliary paths on and ``aux_slowdown`` above 0."""
     update_rate: float = 0.2
     """Relative rate change (largest over the links) that triggers a new policy; 0 refreshes on every
     update. Reports carry a few % of noise, and trees re-planned onto noise run slower than the old ones."""
@@ -115,6 +119,8 @@ class Config:
             raise ConfigError(f"stale_half_life must be positive seconds, got {self.stale_half_life!r}")
         if not 0 <= self.aux_slowdown < 1:
             raise ConfigError(f"aux_slowdown must be in [0, 1), got {self.aux_slowdown!r}")
+        if not 0 <= self.aux_reroute <= 1:
+            raise ConfigError(f"aux_reroute must be in [0, 1], got {self.aux_reroute!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")

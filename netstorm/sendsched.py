@@ -49,7 +49,7 @@ class PathScheduler:
 
     def __init__(self, primary: Path, aux: Sequence[Path], *, busy_bound: int, aux_queue_length: int,
                  enabled: bool, planned_bps: Mapping[tuple[int, int], float] | None = None,
-                 slowdown: float = 0.0) -> None:
+                 slowdown: float = 0.0, reroute_below: float = 0.0) -> None:
         primary = tuple(primary)
         if len(primary) < 2 or len(set(primary)) != len(primary):
             raise ValueError(f"primary path {primary} must join two distinct nodes without repeats")
@@ -58,6 +58,8 @@ class PathScheduler:
                              f"must be >= 0")
         if not 0 <= slowdown < 1:
             raise ValueError(f"slowdown must be in [0, 1), got {slowdown}")
+        if not 0 <= reroute_below <= 1:
+            raise ValueError(f"reroute_below must be in [0, 1], got {reroute_below}")
         aux_paths: list[Path] = []
         for path in aux:
             path = tuple(path)
@@ -74,6 +76,8 @@ class PathScheduler:
         self.planned_bps = dict(planned_bps or {})
         """Directed link -> the rate (bytes/s) the policy was planned with."""
         self.slowdown = slowdown
+        self.reroute_below = reroute_below
+        """Queued chunks move (``reroute``) only while the primary sends below this fraction of its plan."""
         self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux}}
 
     @property
@@ -109,6 +113,37 @@ class PathScheduler:
             estimate = self._delivery_s(path, view(path[1]), size)
             if estimate < best_s:
                 best, best_s = path, estimate
+        return best
+
+    def reroute(self, view: Callable[[int], LinkView], size: int, first_hop: int) -> Path | None:
+        """For a chunk of ``size`` bytes already queued last on the primary: the auxiliary path through
+        neighbour ``first_hop`` that delivers it sooner than the primary's backlog would, while the
+        primary sends below ``reroute_below`` of its planned rate; None otherwise. The path is counted as
+        in flight and the primary's count released (``done`` follows once the chunk left, on that path).
+
+        A chunk's path is chosen when it is queued, and a leaf queues all its chunks when its trainer
+        pushes: a link that slows down afterwards keeps every chunk it was given. Choosing again for
+        the chunk that would leave last, when a link it could go through has nothing to send, lets the
+        iteration the WAN changes under finish on the links that still have capacity. The bar is lower
+        than ``slowdown``'s because moved chunks are many: right after a re-plan, links run 30 % off
+        plans made from a few reports, and moving their chunks then took capacity the new plan counted on.
+        """
+        if not self.enabled or self.slowdown == 0 or self.reroute_below == 0 or self._in_flight[self.primary] == 0:
+            return None
+        primary = view(self.primary[1])
+        planned = self.planned_bps.get((self.primary[0], self.primary[1]))
+        if not primary.rate_bps or not planned or primary.rate_bps >= planned * self.reroute_below:
+            return None
+        best, best_s = None, primary.backlog_bytes / primary.rate_bps
+        for path in self.aux:
+            if path[1] != first_hop or self._in_flight[path] >= self.aux_queue_length:
+                continue
+            estimate = self._delivery_s(path, view(first_hop), size)
+            if estimate < best_s:
+                best, best_s = path, estimate
+        if best is not None:
+            self._in_flight[self.primary] -= 1
+            self._in_flight[best] += 1
         return best
 
     def _delivery_s(self, path: Path, first: LinkView, size: int) -> float:

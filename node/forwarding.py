@@ -26,6 +26,8 @@ class Forwarding:
         self._schedulers: dict[tuple[int, int], PathScheduler] = {}
         self.aux_chunks = 0
         self.primary_chunks = 0
+        self.moved_chunks = 0
+        """Chunks queued on a tree edge and moved to an auxiliary path later (``PathScheduler.reroute``)."""
 
     def _scheduler(self, policy: Policy, dst: int) -> PathScheduler:
         key = (policy.version, dst)
@@ -39,7 +41,8 @@ class Forwarding:
             scheduler = PathScheduler(primary, aux, busy_bound=self.config.primary_busy_bound,
                                       aux_queue_length=self.config.auxiliary_queue_length,
                                       enabled=self.config.enable_aux_path and bool(aux),
-                                      planned_bps=planned, slowdown=self.config.aux_slowdown)
+                                      planned_bps=planned, slowdown=self.config.aux_slowdown,
+                                      reroute_below=self.config.aux_reroute)
             # Schedulers of older versions keep their in-flight counts until their chunks left.
             self._schedulers[key] = scheduler
         return scheduler

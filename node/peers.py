@@ -48,6 +48,7 @@ from netstorm.frames import (
     decode_header,
     decode_prefix,
 )
+from netstorm.sendsched import PathScheduler
 from node import linkstats
 
 log = logging.getLogger("netstorm.node.peers")
@@ -266,6 +267,8 @@ class Outgoing:
     header: ChunkHeader
     payload: np.ndarray
     on_sent: Callable[[], None] | None = None
+    scheduler: PathScheduler | None = None
+    """The path scheduler that chose this link for a tree edge's chunk (None: forwarded, or no choice)."""
 
 
 class SendQueue:
@@ -291,6 +294,18 @@ class SendQueue:
     def pop(self) -> Outgoing:
         return heapq.heappop(self._heap)[3]
 
+    def last(self, wanted: Callable[[Outgoing], bool]) -> Outgoing | None:
+        """The frame that would leave last among those ``wanted`` accepts (still queued)."""
+        entries = [entry for entry in self._heap if wanted(entry[3])]
+        return max(entries, key=lambda entry: entry[:3])[3] if entries else None
+
+    def remove(self, item: Outgoing) -> None:
+        """Take ``item`` out of the queue (linear: queues hold tens of frames)."""
+        index = next(i for i, entry in enumerate(self._heap) if entry[3] is item)
+        self._heap[index] = self._heap[-1]
+        self._heap.pop()
+        heapq.heapify(self._heap)
+
     def __len__(self) -> int:
         return len(self._heap)
 
@@ -299,8 +314,11 @@ class PeerLink:
     """The sending half towards one peer: a queue and the task that drains it."""
 
     def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
-                 clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0) -> None:
+                 clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0,
+                 on_progress: Callable[[int], None] | None = None) -> None:
         self.peer_id = peer_id
+        self._on_progress = on_progress
+        """Called with ``peer_id`` after each frame left and whenever the queue runs empty."""
         self.address = address
         self._hello = hello
         self._clock = clock
@@ -333,6 +351,20 @@ class PeerLink:
         self.queued_bytes += item.payload.nbytes
         self._wakeup.set()
 
+    def last(self, wanted: Callable[[Outgoing], bool]) -> Outgoing | None:
+        """The queued frame that would leave last among those ``wanted`` accepts."""
+        return self._queue.last(wanted)
+
+    def take_back(self, item: Outgoing) -> None:
+        """Remove a frame ``last`` returned; it will not be sent on this link."""
+        self._queue.remove(item)
+        self.queued_bytes -= item.payload.nbytes
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued here (the kernel may still hold the last frame's bytes)."""
+        return not self._queue
+
     def close(self) -> None:
         """Stop after the queue is empty."""
         self._closing = True
@@ -355,6 +387,8 @@ class PeerLink:
         """Send queued frames until closed; raises PeerError when the peer cannot be reached."""
         try:
             while True:
+                if not self._queue and self._on_progress is not None:
+                    self._on_progress(self.peer_id)  # may hand this idle link a frame
                 while not self._queue:
                     if self._closing:
                         return
@@ -385,6 +419,8 @@ class PeerLink:
                     self.meter.sample(counters, waiting=bool(self._queue))
                 if item.on_sent is not None:
                     item.on_sent()
+                if self._queue and self._on_progress is not None:
+                    self._on_progress(self.peer_id)  # this link's rate and backlog just changed
         finally:
             if self.protocol is not None and self.protocol.transport is not None:
                 self.protocol.transport.close()

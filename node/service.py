@@ -157,7 +157,7 @@ class GeneralNode:
                         continue
                     link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
                                     connect_timeout=self.config.connect_timeout,
-                                    stall_timeout=self.config.iteration_timeout)
+                                    stall_timeout=self.config.iteration_timeout, on_progress=self._rebalance)
                     self.links[peer] = link
                     tg.create_task(self._run_link(link))
                 self._ready.set()
@@ -473,8 +473,10 @@ class GeneralNode:
                 version = waiter.result().version if waiter is not None and waiter.done() and \
                     waiter.exception() is None else "?"
                 log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on "
-                         "auxiliary paths so far); links %s", self.node_id, action.iteration,
-                         time.monotonic() - tracker.started, version, self.forwarding.aux_chunks, self._link_usage())
+                         "auxiliary paths so far, %d of them moved from a queue); links %s", self.node_id,
+                         action.iteration, time.monotonic() - tracker.started, version,
+                         self.forwarding.aux_chunks + self.forwarding.moved_chunks, self.forwarding.moved_chunks,
+                         self._link_usage())
             elif isinstance(action, FailedAction):
                 tracker = self._tracker(action.iteration)
                 tracker.failed = action.reason
@@ -507,6 +509,7 @@ class GeneralNode:
     def _send(self, send: Send) -> None:
         header = send.header
         on_sent: Callable[[], None] | None = None
+        chosen_by: PathScheduler | None = None
         if header.origin == self.node_id and not header.is_aux:
             state_policy = self._policy_waits.get(header.iteration)
             if state_policy is not None and state_policy.done() and not state_policy.exception():
@@ -515,6 +518,8 @@ class GeneralNode:
                 on_sent = _done_callback(scheduler, path)
                 if len(path) > 2:
                     header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)
+                else:
+                    chosen_by = scheduler
         link = self.links.get(header.dst)
         if link is None:
             raise ChunkError(f"node {self.node_id} has no link to node {header.dst}")
@@ -522,7 +527,37 @@ class GeneralNode:
             self._apply(self.core.fail(header.iteration, f"iteration {header.iteration}: cannot send to "
                                                          f"{self.down[header.dst]}", "gone"))
             return
-        link.enqueue(Outgoing(header, send.payload, on_sent))
+        link.enqueue(Outgoing(header, send.payload, on_sent, chosen_by))
+
+    def _rebalance(self, peer: int) -> None:
+        """Link ``peer`` ran empty, or sent a frame with more waiting: move one queued tree-edge chunk
+        from a lagging link onto an idle one whose auxiliary path delivers it sooner
+        (``PathScheduler.reroute``). Paths are chosen when chunks are queued; this lets chunks queued
+        before a link slowed down leave it."""
+        if not self.config.enable_aux_path or self.config.aux_slowdown == 0 or self.config.aux_reroute == 0:
+            return
+        link = self.links[peer]
+        if link.idle:
+            pairs = [(other, peer) for other, busy in self.links.items() if other != peer and not busy.idle]
+        else:
+            pairs = [(peer, other) for other, idle in self.links.items() if other != peer and idle.idle]
+        for source, target in pairs:
+            if self._move_last(self.links[source], target):
+                return
+
+    def _move_last(self, source: PeerLink, target: int) -> bool:
+        item = source.last(lambda o: o.scheduler is not None and o.header.dst == source.peer_id
+                           and not o.header.is_aux)
+        if item is None or item.scheduler is None or target in self.down:
+            return False
+        path = item.scheduler.reroute(self._link_view, item.payload.nbytes, target)
+        if path is None:
+            return False
+        source.take_back(item)
+        self.forwarding.moved_chunks += 1
+        header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
+        self.links[target].enqueue(Outgoing(header, item.payload, _done_callback(item.scheduler, path)))
+        return True
 
 
 def _done_callback(scheduler: PathScheduler, path: tuple[int, ...]) -> Callable[[], None]:

@@ -21,6 +21,7 @@ from netstorm.config import Config
 from netstorm.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, ChunkHeader, ErrorFrame, Hello, Kind, Phase
 from netstorm.layout import TensorSpec
 from netstorm.policy import Policy, plan
+from netstorm.sendsched import LinkView
 from node.peers import Outgoing, PeerError, PeerLink
 from node.service import GeneralNode, IterationTimeout, PeerGone
 from tests.dataplane import FixedControl, cluster
@@ -392,3 +393,41 @@ def test_a_result_overtakes_partial_sums_still_waiting_on_a_busy_link():
     assert sorted(phases) == [Phase.UP] * 16 + [Phase.DOWN]
     # the DOWN frame left after at most the UP frames already below the queue (kernel and transport)
     assert phases.index(Phase.DOWN) <= 3
+
+
+@pytest.mark.parametrize("reroute", [1.0, 0.0])
+def test_chunks_queued_on_a_lagging_edge_move_to_idle_links_exactly_once(reroute: float) -> None:
+    """Every node sees its links crawl at 1 byte/s against the plan (loopback is too fast to lag
+    anything), so with ``aux_reroute`` on, chunks queued on a busy tree edge move to idle links'
+    auxiliary paths (none is offloaded when queued: the busy bound is out of reach). Sums stay exact;
+    with ``aux_reroute`` 0 nothing moves."""
+    mesh = [1, 2, 3, 4]
+    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
+    policy = plan(rates, topology="fapt", num_roots=2, version=0)
+    config = CONFIG.replace(enable_aux_path=True, primary_busy_bound=10_000, auxiliary_queue_length=2,
+                            chunk_size=400, aux_slowdown=0.3, aux_reroute=reroute)
+    iterations = 3
+    rng = np.random.default_rng(11)
+    total = sum(spec.size for spec in SPECS)
+    values = [{i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh} for _ in range(iterations)]
+
+    async def main() -> None:
+        async with cluster(mesh, config, lambda _: policy) as nodes:
+            assert any(len(p) > 1 for p in policy.aux_paths.values())
+            for node in nodes.values():
+                await node.register(SPECS)
+
+                def crawling(peer: int, node: GeneralNode = node) -> LinkView:
+                    return LinkView(node.links[peer].backlog_bytes, 1.0)
+                node._link_view = crawling  # type: ignore[method-assign]
+            for k in range(iterations):
+                results = await one_iteration(nodes, values[k])
+                for out in results.values():
+                    np.testing.assert_array_equal(out, np.sum(list(values[k].values()), axis=0))
+            moved = sum(n.forwarding.moved_chunks for n in nodes.values())
+            assert sum(n.forwarding.aux_chunks for n in nodes.values()) == 0
+            assert (moved > 0) == (reroute > 0), moved
+            for node in nodes.values():  # every moved chunk left: no path still counts one in flight
+                for scheduler in node.forwarding._schedulers.values():
+                    assert all(count == 0 for count in scheduler.in_flight.values()), scheduler.in_flight
+    uvloop.run(main())

@@ -148,3 +148,40 @@ def test_rejects_a_slowdown_outside_zero_to_one() -> None:
     for slowdown in (-0.1, 1.0):
         with pytest.raises(ValueError, match="slowdown"):
             PathScheduler(PRIMARY, AUX, busy_bound=2, aux_queue_length=1, enabled=True, slowdown=slowdown)
+
+
+def test_a_queued_chunk_moves_to_an_idle_first_hop_only_while_the_primary_lags() -> None:
+    s = _lagging(busy_bound=10, aux_queue_length=1, reroute_below=0.5)
+    # Queued while the primary kept its plan: every chunk on the primary.
+    fine = {2: LinkView(0, 4 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    assert [s.choose(fine.__getitem__, MB) for _ in range(6)] == [PRIMARY] * 6
+    assert s.reroute(fine.__getitem__, MB, 3) is None, "the primary keeps its plan"
+    # 40 % below the plan: lagging by aux_slowdown's 30 %, not below reroute_below's half.
+    off = {**fine, 2: LinkView(6 * MB, 2.4 * MB)}
+    assert s.lagging(off[2]) and s.reroute(off.__getitem__, MB, 3) is None
+    # The link slowed to 1 MB/s with 6 MB waiting: the last chunk leaves in 6 s. Via 3: 1 s + 0.25 s.
+    slow = {2: LinkView(6 * MB, 1 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    assert s.reroute(slow.__getitem__, MB, 3) == AUX[0]
+    assert s.in_flight == {PRIMARY: 5, AUX[0]: 1, AUX[1]: 0}
+    assert s.reroute(slow.__getitem__, MB, 3) is None, "the path via 3 has its one chunk in flight"
+    assert s.reroute(slow.__getitem__, MB, 5) is None, "no auxiliary path starts at 5"
+    assert s.reroute(slow.__getitem__, MB, 4) == AUX[1]
+    s.done(AUX[0])
+    # Via 3 is busy now (20 MB waiting: 5.25 s) but still before the primary's 6 s.
+    busy = {**slow, 3: LinkView(20 * MB, 4 * MB)}
+    assert s.reroute(busy.__getitem__, MB, 3) == AUX[0]
+    s.done(AUX[0])
+    late = {**slow, 3: LinkView(24 * MB, 4 * MB)}  # 6.25 s: the primary is sooner
+    assert s.reroute(late.__getitem__, MB, 3) is None
+    assert s.in_flight == {PRIMARY: 3, AUX[0]: 0, AUX[1]: 1}
+
+
+def test_reroute_follows_the_paper_rule_and_the_switches() -> None:
+    slow = {2: LinkView(6 * MB, 1 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    for s in (_lagging(slowdown=0.0, reroute_below=0.5), _lagging(enabled=False, reroute_below=0.5),
+              _lagging(reroute_below=0.0)):
+        s.choose(slow.__getitem__, MB)
+        assert s.reroute(slow.__getitem__, MB, 3) is None
+    assert _lagging(reroute_below=0.5).reroute(slow.__getitem__, MB, 3) is None, "nothing is queued on the primary"
+    with pytest.raises(ValueError, match="reroute_below"):
+        _lagging(reroute_below=1.5)
