@@ -180,7 +180,7 @@ class _RecordingStore:
 
 
 def test_overlap_pushes_each_layer_during_backward_last_layer_first() -> None:
-    layers = [("a", (100,)), ("b", (300,)), ("c", (600,))]
+    layers: list[tuple[str, tuple[int, ...]]] = [("a", (100,)), ("b", (300,)), ("c", (600,))]
     pattern = GradientPattern(layers)
     grads = pattern.allocate()
     store = _RecordingStore()
