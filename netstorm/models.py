@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from netstorm.errors import PolicyError
@@ -90,6 +91,26 @@ def resnet50() -> ModelLayout:
 
 _SIZE = re.compile(r"(?P<number>[0-9]+(?:\.[0-9]+)?(?:[eE][0-9]+)?)(?P<suffix>[kKmMgG]?)")
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+
+
+FORWARD_SHARE = 1 / 3
+"""The share of a training step's compute time spent in forward; backward takes the rest (it computes
+two gradients per layer to forward's one output, so it costs about twice as much)."""
+
+
+def backward_yields(sizes: Sequence[int], compute_s: float) -> list[tuple[int, float]]:
+    """When backward hands over each layer's gradient in a step of ``compute_s`` seconds: (layer index,
+    seconds from the step's start), last layer first. Forward takes FORWARD_SHARE of the time, and each
+    layer's share of backward is its share of the parameters."""
+    total = sum(sizes)
+    forward_s = compute_s * FORWARD_SHARE
+    backward_s = compute_s - forward_s
+    out: list[tuple[int, float]] = []
+    done = 0
+    for i in reversed(range(len(sizes))):
+        done += sizes[i]
+        out.append((i, forward_s + backward_s * done / total))
+    return out
 
 
 def layout(spec: str) -> ModelLayout:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from netstorm.errors import PolicyError
-from netstorm.models import layout
+from netstorm.models import backward_yields, layout
 
 
 def test_alexnet_matches_torchvision():
@@ -47,3 +47,11 @@ def test_sizes_split_into_layers(spec, sizes):
 def test_bad_models_are_rejected(spec):
     with pytest.raises(PolicyError):
         layout(spec)
+
+
+def test_backward_yields_the_last_layer_first_after_forward_by_size():
+    # 3 s of compute: forward 1 s, backward 2 s shared 1:3:6 by size, last layer first
+    yields = backward_yields([100, 300, 600], 3.0)
+    assert [i for i, _ in yields] == [2, 1, 0]
+    assert [t for _, t in yields] == pytest.approx([1 + 2 * 0.6, 1 + 2 * 0.9, 3.0])
+    assert backward_yields([5], 0.0) == [(0, 0.0)]

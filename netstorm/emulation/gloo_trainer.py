@@ -46,6 +46,8 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     import torch
     import torch.distributed as dist
 
+    from netstorm.models import backward_yields
+
     gloo: Any = dist.ProcessGroupGloo  # private options API: typed loosely on purpose
 
     host, _, port = args.store.rpartition(":")
@@ -56,27 +58,24 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     options._timeout = timeout
     group = gloo(store, args.rank, args.world, options)
 
-    size = model_parameters(args.model)
+    sizes = layer_sizes(args.model)
+    size = sum(sizes)
     pattern = _pattern(size)
     buffer = np.empty(size, dtype=np.float32)
     tensor = torch.from_numpy(buffer)
     ranks_sum = args.world * (args.world + 1) // 2
     all_exact = True
     # With --overlap, one all-reduce per layer, launched as backward yields it (last layer first).
-    bounds = np.concatenate([[0], np.cumsum(layer_sizes(args.model))]).astype(np.int64)
+    bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     layers = [tensor[int(bounds[i]):int(bounds[i + 1])] for i in range(len(bounds) - 1)]
     for k in range(args.iterations):
         start = time.perf_counter()
         np.multiply(pattern, np.float32(args.rank + 1), out=buffer)
         buffer += np.float32(k)
         if args.overlap:
-            forward_end = start + args.compute_s / 3
-            backward_s = args.compute_s - args.compute_s / 3
-            time.sleep(max(0.0, forward_end - time.perf_counter()))
             works = []
-            for i in reversed(range(len(layers))):
-                due = forward_end + backward_s * float(size - bounds[i]) / size
-                time.sleep(max(0.0, due - time.perf_counter()))
+            for i, due in backward_yields(sizes, args.compute_s):
+                time.sleep(max(0.0, start + due - time.perf_counter()))
                 works.append(group.allreduce([layers[i]]))
             sync_start = time.perf_counter()
             for work in works:

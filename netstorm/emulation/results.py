@@ -137,10 +137,13 @@ def with_compute(sync_s: float, result: dict[str, Any]) -> float:
     """The fastest an iteration can be when its synchronization alone needs ``sync_s``: plus the compute
     time, or, with ``--overlap``, the forward third of it plus the longer of the backward two thirds and
     the synchronization (it starts no earlier than backward and ends no earlier than ``sync_s`` after)."""
+    from netstorm.models import FORWARD_SHARE
+
     compute = float(result.get("compute_s", 0.0))
     if not result.get("overlap"):
         return compute + sync_s
-    return compute / 3 + max(compute - compute / 3, sync_s)
+    forward = compute * FORWARD_SHARE
+    return forward + max(compute - forward, sync_s)
 
 
 def system_stats(result: dict[str, Any]) -> dict[str, dict[str, float]]:

@@ -60,7 +60,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"comma-separated systems to run in order: {', '.join(systems.SYSTEMS)} or all "
                              "(default netstorm,star)")
     parser.add_argument("--iterations", type=int, default=5, help="synchronization iterations per system")
-    parser.add_argument("--model", default="alexnet", help="alexnet, resnet50 or a parameter count (25M)")
+    parser.add_argument("--model", default="alexnet",
+                        help="alexnet, resnet50, a parameter count (25M) or COUNT/LAYERS (0.5M/8: near-equal layers)")
     parser.add_argument("--seed", type=int, default=None, help="dynamics seed (default: the scenario's)")
     parser.add_argument("--compute-s", type=float, default=0.0, help="trainer compute time per iteration")
     parser.add_argument("--overlap", action="store_true",

@@ -284,13 +284,8 @@ def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np
     each after its share by size and pushed at once (as DDP launches a bucket's all-reduce the moment
     backward fills it); then one pull per layer. Only the pushes and the pulls count as blocked."""
     pattern.fill(dc, k, grads)
-    forward_end = clock.start + compute_s / 3
-    backward_s = compute_s - compute_s / 3
-    _sleep_until(forward_end)
-    done = 0
-    for i in reversed(range(len(pattern.layers))):
-        done += pattern.sizes[i]
-        _sleep_until(forward_end + backward_s * done / pattern.parameters)
+    for i, due in models.backward_yields(pattern.sizes, compute_s):
+        _sleep_until(clock.start + due)
         name = pattern.layers[i][0]
         clock.block()
         kv.push(name, grads[name])
