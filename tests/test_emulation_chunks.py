@@ -43,10 +43,10 @@ def test_options_the_user_set_are_left_alone() -> None:
     assert _flags(chunk_flags(model_parameters("2.5M"), {"chunk_size": 5000})) == {"--probe-chunk-size": 10_000}
 
 
-def test_a_larger_overlay_gives_every_root_eight_chunks() -> None:
+def test_a_larger_overlay_gives_every_root_sixteen_chunks() -> None:
     parameters = model_parameters("1M")
     nine = _flags(chunk_flags(parameters, {}, roots=9))["--chunk-size"]
     fifteen = _flags(chunk_flags(parameters, {}, roots=15))["--chunk-size"]
-    assert nine == -(-parameters // 72)        # 8 x 9 roots beats the 60-chunk floor
-    assert fifteen == -(-parameters // 120)
-    assert _flags(chunk_flags(parameters, {}, roots=5))["--chunk-size"] == -(-parameters // 60)
+    assert nine == -(-parameters // 144)       # 16 x 9 roots beats the 60-chunk floor
+    assert fifteen == -(-parameters // 240)
+    assert _flags(chunk_flags(parameters, {}, roots=3))["--chunk-size"] == -(-parameters // 60)

@@ -48,9 +48,12 @@ CHUNKS_PER_MODEL = 60
 """Chunks a model is cut into when the user does not set CHUNK_SIZE: the paper's AlexNet (61 M
 parameters, CHUNK_SIZE 1 M) had about 61, enough for every root to own several and for chunks to
 pipeline down the trees. A model scaled down for emulation keeps that count rather than the size."""
-CHUNKS_PER_ROOT = 8
+CHUNKS_PER_ROOT = 16
 """...and never fewer than this many chunks per tree root, so the trees of a larger overlay still
-pipeline: at 15 DCs, 60 chunks leave each root 4, and scale-15 ran 10 % slower than with 8 each."""
+pipeline: at 15 DCs, 60 chunks leave each root 4, and scale-15 ran 10 % slower than with 8 each.
+Filling and draining the pipeline costs one chunk's trip down the deepest tree and back, so smaller
+chunks shorten it: on static internet2-9 (1 M parameters), 8 per root ran 1.34x the limit, 16 per root
+1.25x (60 iterations, 1.24-1.30 each), 32 per root 1.37x with the 2-core host at 86 % CPU."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
