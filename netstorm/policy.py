@@ -29,7 +29,7 @@ __all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "allot
 WIRE_VERSION = 1
 TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
 _WIRE_KEYS = {"wire", "version", "topology", "roots", "trees", "chunk_share", "quality", "aux_paths"}
-_OPTIONAL_WIRE_KEYS = {"rates"}
+_OPTIONAL_WIRE_KEYS = {"rates", "explore"}
 _INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
 _PAIR_TEXT = re.compile(r"(-?(?:0|[1-9][0-9]*))->(-?(?:0|[1-9][0-9]*))")
 
@@ -51,10 +51,19 @@ class Policy:
     rates: Mapping[tuple[int, int], float] = dataclasses.field(default_factory=dict)
     """Directed link -> the rate (Mbit/s) this policy was planned with: a sender compares what its
     links deliver against it to tell when the plan no longer holds (empty: unknown)."""
+    explore: frozenset[tuple[int, int]] = frozenset()
+    """Directed links the scheduler has no measurement of since the network last changed and no tree
+    uses: their senders route a few chunks per iteration over auxiliary paths through them, so they are
+    measured (the trees alone would never measure them, and a plan keeps avoiding a link believed slow)."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
         return self.trees[self.roots[0]].nodes
+
+    def tree_links(self) -> frozenset[tuple[int, int]]:
+        """Directed links the trees send on: every edge, up (push) and down (result), of the trees whose
+        root has a share of the chunks (the tree of a root without one carries nothing)."""
+        return frozenset(_tree_pairs({r: t for r, t in self.trees.items() if self.chunk_share[r] > 0}))
 
     def with_version(self, version: int) -> Policy:
         return dataclasses.replace(self, version=version)
@@ -98,6 +107,9 @@ class Policy:
             if src == dst or not (isinstance(rate, float) and math.isfinite(rate) and rate > 0):
                 raise PolicyError(f"planned rate of link {src}->{dst} must be a positive float "
                                   f"between two nodes, got {rate!r}")
+        for src, dst in self.explore:
+            if src == dst or src not in nodes or dst not in nodes:
+                raise PolicyError(f"link {src}->{dst} to explore must join two distinct tree nodes")
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (string keys, node ids as decimal strings); exact round trip."""
@@ -112,6 +124,7 @@ class Policy:
             "aux_paths": {f"{s}->{d}": [list(p) for p in paths] for (s, d), paths in sorted(self.aux_paths.items())},
             # Optional: left off when empty, so builds that predate it read this policy.
             **({"rates": {f"{s}->{d}": r for (s, d), r in sorted(self.rates.items())}} if self.rates else {}),
+            **({"explore": [f"{s}->{d}" for s, d in sorted(self.explore)]} if self.explore else {}),
         }
 
     @classmethod
@@ -156,7 +169,11 @@ class Policy:
             aux[pair] = tuple(paths)
         rates = {_pair(key, "rates"): _wire_float(value, "planned rate")
                  for key, value in _wire_mapping(data.get("rates", {}), "rates").items()}
-        policy = cls(version, topology, roots, trees, share, quality, aux, rates)
+        raw_explore = data.get("explore", [])
+        if not isinstance(raw_explore, list | tuple):
+            raise PolicyError(f"explore must be a list of '<src>-><dst>' links, got {raw_explore!r}")
+        explore = frozenset(_pair(key, "explore") for key in raw_explore)
+        policy = cls(version, topology, roots, trees, share, quality, aux, rates, explore)
         policy.validate()
         return policy
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 Path = tuple[int, ...]
 
@@ -114,6 +114,18 @@ class PathScheduler:
             if estimate < best_s:
                 best, best_s = path, estimate
         return best
+
+    def explore(self, first_hops: Collection[int]) -> Path | None:
+        """The first (fastest) auxiliary path with room whose first hop is one of ``first_hops``, counted
+        as in flight; None if there is none. The scheduler asks for links it has no measurement of to be
+        explored: a chunk routed through one measures it, whatever the link's rate was believed to be."""
+        if not self.enabled:
+            return None
+        for path in self.aux:
+            if path[1] in first_hops and self._in_flight[path] < self.aux_queue_length:
+                self._in_flight[path] += 1
+                return path
+        return None
 
     def reroute(self, view: Callable[[int], LinkView], size: int, first_hop: int) -> Path | None:
         """For a chunk of ``size`` bytes already queued last on the primary: the auxiliary path through

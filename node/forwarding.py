@@ -4,6 +4,11 @@ Per tree edge (this node -> neighbour) and policy version, a ``PathScheduler`` (
 primary path or one of the policy's auxiliary paths for (src, dst). Auxiliary chunks carry ``is_aux``
 and the full path; nodes on the way forward them by the header (``ChunkCore._forward``), so a path
 that is stale for an intermediate node's own policy still arrives.
+
+Links the policy asks to ``explore`` (unmeasured since the network changed, on no tree) get
+``EXPLORE_CHUNKS`` chunks per iteration each, sent on auxiliary paths whose first hop they are, the
+first ones chosen in the iteration (the lowest chunks leave first, so they have the whole iteration to
+arrive). Over an iteration or two their samples make a throughput report.
 """
 
 from __future__ import annotations
@@ -15,6 +20,11 @@ from netstorm.policy import Policy
 from netstorm.sendsched import LinkView, PathScheduler
 
 Path = tuple[int, ...]
+
+EXPLORE_CHUNKS = 2
+"""Chunks per iteration routed through each link the policy asks to explore: a report needs
+PROBE_CHUNK_NUM samples spanning PROBE_WINDOW, so two per iteration give one within two or three
+iterations, while a link that really is slow delays only two small chunks of each iteration."""
 
 
 class Forwarding:
@@ -28,6 +38,11 @@ class Forwarding:
         self.primary_chunks = 0
         self.moved_chunks = 0
         """Chunks queued on a tree edge and moved to an auxiliary path later (``PathScheduler.reroute``)."""
+        self.explored_chunks = 0
+        """Chunks sent on an auxiliary path to measure a link the policy asked to explore."""
+        self._explore_iteration = -1
+        self._explored: dict[int, int] = {}
+        """First hop -> chunks sent through it in ``_explore_iteration``."""
 
     def _scheduler(self, policy: Policy, dst: int) -> PathScheduler:
         key = (policy.version, dst)
@@ -48,16 +63,29 @@ class Forwarding:
         return scheduler
 
     def choose(self, policy: Policy, dst: int, view: Callable[[int], LinkView] | None = None,
-               size: int = 0) -> tuple[Path, PathScheduler]:
-        """The path for the next chunk (``size`` bytes) over the tree edge to ``dst``; counts it as in
-        flight. ``view(neighbour)``: this node's link to that neighbour now."""
+               size: int = 0, iteration: int = 0) -> tuple[Path, PathScheduler]:
+        """The path for the next chunk (``size`` bytes) of ``iteration`` over the tree edge to ``dst``;
+        counts it as in flight. ``view(neighbour)``: this node's link to that neighbour now."""
         scheduler = self._scheduler(policy, dst)
-        path = scheduler.choose(view, size)
+        path = self._explore(policy, scheduler, iteration) or scheduler.choose(view, size)
         if len(path) > 2:
             self.aux_chunks += 1
         else:
             self.primary_chunks += 1
         return path, scheduler
+
+    def _explore(self, policy: Policy, scheduler: PathScheduler, iteration: int) -> Path | None:
+        if not policy.explore or iteration < self._explore_iteration:
+            return None
+        if iteration > self._explore_iteration:
+            self._explore_iteration, self._explored = iteration, {}
+        hops = {dst for src, dst in policy.explore
+                if src == self.node_id and self._explored.get(dst, 0) < EXPLORE_CHUNKS}
+        path = scheduler.explore(hops) if hops else None
+        if path is not None:
+            self._explored[path[1]] = self._explored.get(path[1], 0) + 1
+            self.explored_chunks += 1
+        return path
 
     def forget_before(self, version: int) -> None:
         """Drop schedulers of policy versions older than ``version`` (their chunks are gone)."""

@@ -473,10 +473,10 @@ class GeneralNode:
                 version = waiter.result().version if waiter is not None and waiter.done() and \
                     waiter.exception() is None else "?"
                 log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on "
-                         "auxiliary paths so far, %d of them moved from a queue); links %s", self.node_id,
-                         action.iteration, time.monotonic() - tracker.started, version,
+                         "auxiliary paths so far, %d of them moved from a queue, %d exploring); links %s",
+                         self.node_id, action.iteration, time.monotonic() - tracker.started, version,
                          self.forwarding.aux_chunks + self.forwarding.moved_chunks, self.forwarding.moved_chunks,
-                         self._link_usage())
+                         self.forwarding.explored_chunks, self._link_usage())
             elif isinstance(action, FailedAction):
                 tracker = self._tracker(action.iteration)
                 tracker.failed = action.reason
@@ -514,7 +514,7 @@ class GeneralNode:
             state_policy = self._policy_waits.get(header.iteration)
             if state_policy is not None and state_policy.done() and not state_policy.exception():
                 path, scheduler = self.forwarding.choose(state_policy.result(), header.final, self._link_view,
-                                                         send.payload.nbytes)
+                                                         send.payload.nbytes, header.iteration)
                 on_sent = _done_callback(scheduler, path)
                 if len(path) > 2:
                     header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)

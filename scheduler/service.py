@@ -326,6 +326,7 @@ class SchedulerService:
         report = ProbeReport(src=message.src, dst=message.dst, mbit_s=message.mbit_s, t=message.t,
                              samples=message.samples, warm=message.warm)
         try:
+            explored = self._exploring(message.src, message.dst)
             self.collector.add(report, self.clock())
         except ValueError as exc:
             # e.g. a STAR/BKT tree edge between non-adjacent DCs measures a route, not an overlay link
@@ -348,6 +349,14 @@ class SchedulerService:
                     self._replan_wake.set()
         believed = self.collector.state(*link).mbit_s
         current = self.consistency.current_version
+        if (explored and planned is not None and self.cadence is not None and link in planned
+                and self.cadence.reason() is Reason.PERIODIC
+                and believed > planned[link] * (1 + self.config.react_change)):
+            log.debug("explored link %d->%d measured at %.1f Mbit/s, planned at %.1f: re-planning early",
+                      *link, believed, planned[link])
+            self.cadence.shift()
+            self._replan_wake.set()
+            return
         if (self.config.enable_awareness and self.cadence is not None and planned is not None
                 and current is not None and self.cadence.reason() is Reason.PERIODIC  # else one is due early
                 and shifted(planned, link, believed, self.config.react_change)
@@ -369,6 +378,15 @@ class SchedulerService:
             await conn.send(control.Error(str(exc)))
             return
         await conn.send(control.PolicyOverrideAck(version))
+
+    def _exploring(self, src: int, dst: int) -> bool:
+        """Whether the current policy asks for link ``src -> dst`` to be explored and it has not been
+        measured since (its first report then may show a link the trees should use)."""
+        current = self.consistency.current_version
+        if current is None or not self.config.enable_awareness:
+            return False
+        policy: Any = self.consistency.policy(current)
+        return (src, dst) in policy.explore and self.collector.unconfirmed(src, dst)
 
     def status(self) -> control.Status:
         current = self.consistency.current_version
@@ -473,8 +491,19 @@ class SchedulerService:
             policy = await asyncio.to_thread(self.planner.replan, rates, self.membership.alive, current,
                                              force=force)
             if policy is not None:
-                self._publish(policy, reason)
+                self._publish(self._with_explore(policy), reason)
             return self.consistency.current_version or 0
+
+    def _with_explore(self, policy: Policy) -> Policy:
+        """``policy`` asking its senders to explore the links no tree uses and nobody measured since the
+        network last changed (with auxiliary paths on: they are what carries the exploring chunks)."""
+        if not (self.config.enable_aux_path and self.config.enable_awareness):
+            return policy
+        used = policy.tree_links()
+        nodes = set(policy.nodes)
+        explore = frozenset(link for link in policy.rates if link not in used and set(link) <= nodes
+                            and self.collector.unconfirmed(*link))
+        return dataclasses.replace(policy, explore=explore) if explore else policy
 
     def _publish(self, policy: Policy, reason: str) -> None:
         versioned = policy.with_version(self.consistency.next_version())

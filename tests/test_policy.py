@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -58,6 +59,29 @@ def test_a_policy_carries_the_rates_it_was_planned_with_and_reads_without_them()
     assert "rates" not in decoded.to_wire()
 
 
+def test_links_to_explore_round_trip_and_are_left_off_when_none():
+    policy = plan(internet2(0.25), num_roots=1)
+    assert "explore" not in policy.to_wire()
+    idle = sorted(set(policy.rates) - policy.tree_links())[:3]
+    assert idle, "this plan leaves some links off every tree"
+    asked = dataclasses.replace(policy, explore=frozenset(idle))
+    wire = asked.to_wire()
+    assert wire["explore"] == [f"{s}->{d}" for s, d in idle]
+    assert Policy.from_wire(json.loads(json.dumps(wire))) == asked
+    assert Policy.from_wire(msgpack.unpackb(msgpack.packb(wire), strict_map_key=False)).explore == frozenset(idle)
+
+
+def test_tree_links_are_every_edge_of_the_trees_with_a_share_in_both_directions():
+    policy = plan(internet2(0.25), num_roots=2)
+    root, other = policy.roots
+    edges = {r: {pair for child, parent in policy.trees[r].parent.items() if parent is not None
+                 for pair in ((child, parent), (parent, child))} for r in policy.roots}
+    assert policy.tree_links() == edges[root] | edges[other]
+    assert edges[other] - edges[root], "the second tree uses a link the first does not"
+    lone = dataclasses.replace(policy, chunk_share={root: 1.0, other: 0.0})
+    assert lone.tree_links() == edges[root]
+
+
 def _corrupt(wire: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
     data = json.loads(json.dumps(wire))
     target = data
@@ -94,6 +118,10 @@ def _corrupt(wire: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any
     (["rates", "1-2"], 3.0, "not '<src>-><dst>'"),
     (["rates", "1->1"], 3.0, "planned rate"),
     (["rates"], [1], "rates must be a mapping"),
+    (["explore"], ["1-2"], "not '<src>-><dst>'"),
+    (["explore"], ["1->1"], "explore must join"),
+    (["explore"], ["1->99"], "explore must join"),
+    (["explore"], {"1->2": 1}, "explore must be a list"),
 ])
 def test_from_wire_rejects_malformed_input(path, value, message):
     wire = plan(internet2(0.25)).to_wire()

@@ -376,6 +376,48 @@ def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> Non
     run(main())
 
 
+def test_after_a_change_policies_ask_to_explore_idle_links_and_their_news_replans() -> None:
+    async def main() -> None:
+        config = FAST.replace(react_change=0.3, react_interval=0.0, replan_gain=0.0, num_root_servers=1)
+        async with scheduler(config, nodes=(1, 2, 3, 4)) as service:
+            clients = await connect_all(service)
+            try:
+                first = await clients[0].policy_for(0, timeout=T)
+                assert first.explore == frozenset(), "nothing to explore before the network changed"
+                up, down = [(2, 3), (3, 4), (1, 4)], (2, 1)
+                for scale, down_scale in ((1.0, 1.0), (3.0, None), (3.0, 0.5)):
+                    for src, dst in up:
+                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * scale,
+                                                                t=0.0, samples=4))
+                    if down_scale is not None:
+                        clients[1].report_link(LinkReport(src=2, dst=1, mbit_s=RATES[down] * down_scale, t=0.0,
+                                                          samples=4))
+                    await until(functools.partial(lambda s: service.collector.state(2, 3).latest == s,
+                                                  RATES[(2, 3)] * scale), "reports collected")
+                await until(lambda: service.consistency.current_version == 1, "re-planned at once")
+                changed: Policy = service.consistency.policy(1)  # type: ignore[assignment]
+                measured = {*up, down}
+                idle = {link for link in RATES if link not in changed.tree_links() and link not in measured}
+                assert idle, "one tree over four nodes leaves links idle"
+                assert changed.explore == idle
+                planned = service.planner.planned_rates
+                assert planned is not None
+                steady, fast = sorted(idle)[:2]
+                cycles = service.cycles
+                clients[steady[0] - 1].report_link(LinkReport(src=steady[0], dst=steady[1],
+                                                              mbit_s=planned[steady], t=0.0, samples=4))
+                await until(lambda: service.collector.state(*steady).measured, "report collected")
+                assert service.cadence is not None and service.cadence.reason() is Reason.PERIODIC, \
+                    "an explored link at its believed rate changes nothing"
+                clients[fast[0] - 1].report_link(LinkReport(src=fast[0], dst=fast[1], mbit_s=planned[fast] * 3,
+                                                            t=0.0, samples=4))
+                await until(lambda: service.cycles > cycles, "an explored link much faster re-plans at once")
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
 def test_react_change_zero_waits_for_the_period() -> None:
     async def main() -> None:
         async with scheduler(FAST.replace(react_change=0.0), nodes=(1, 2, 3, 4)) as service:

@@ -185,3 +185,16 @@ def test_reroute_follows_the_paper_rule_and_the_switches() -> None:
     assert _lagging(reroute_below=0.5).reroute(slow.__getitem__, MB, 3) is None, "nothing is queued on the primary"
     with pytest.raises(ValueError, match="reroute_below"):
         _lagging(reroute_below=1.5)
+
+
+def test_explore_takes_the_fastest_auxiliary_path_through_the_asked_first_hop() -> None:
+    s = PathScheduler(PRIMARY, AUX, busy_bound=2, aux_queue_length=1, enabled=True)
+    assert s.explore({4}) == AUX[1]
+    assert s.in_flight == {PRIMARY: 0, AUX[0]: 0, AUX[1]: 1}
+    assert s.explore({4}) is None, "the path is full"
+    assert s.explore({2, 5}) is None, "no auxiliary path starts there"
+    assert s.explore({3, 4}) == AUX[0]
+    s.done(AUX[1])
+    assert s.explore({3, 4}) == AUX[1]
+    off = PathScheduler(PRIMARY, AUX, busy_bound=2, aux_queue_length=1, enabled=False)
+    assert off.explore({3, 4}) is None
