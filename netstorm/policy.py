@@ -18,6 +18,7 @@ from netstorm.auxpath import auxiliary_paths
 from netstorm.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
 from netstorm.errors import PolicyError
 from netstorm.fapt import build_multi_root_fapt
+from netstorm.offload import plan_offload
 from netstorm.predict import routed_delay, routes_for
 from netstorm.rategraph import RateGraph
 from netstorm.rootpacking import pack_for_roots
@@ -29,7 +30,7 @@ __all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "allot
 WIRE_VERSION = 1
 TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
 _WIRE_KEYS = {"wire", "version", "topology", "roots", "trees", "chunk_share", "quality", "aux_paths"}
-_OPTIONAL_WIRE_KEYS = {"rates", "explore"}
+_OPTIONAL_WIRE_KEYS = {"rates", "explore", "offload"}
 _INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
 _PAIR_TEXT = re.compile(r"(-?(?:0|[1-9][0-9]*))->(-?(?:0|[1-9][0-9]*))")
 
@@ -55,6 +56,10 @@ class Policy:
     """Directed links the scheduler has no measurement of since the network last changed and no tree
     uses: their senders route a few chunks per iteration over auxiliary paths through them, so they are
     measured (the trees alone would never measure them, and a plan keeps avoiding a link believed slow)."""
+    offload: Mapping[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = dataclasses.field(
+        default_factory=dict)
+    """Directed tree link -> (auxiliary path, fraction of the chunks it sends on that link), planned
+    (``netstorm.offload``): what the trees alone cannot balance."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -110,6 +115,16 @@ class Policy:
         for src, dst in self.explore:
             if src == dst or src not in nodes or dst not in nodes:
                 raise PolicyError(f"link {src}->{dst} to explore must join two distinct tree nodes")
+        for (src, dst), moves in self.offload.items():
+            for path, fraction in moves:
+                if (len(path) < 3 or path[0] != src or path[-1] != dst or len(set(path)) != len(path)
+                        or any(n not in nodes for n in path)):
+                    raise PolicyError(f"offload path {list(path)} of {src}->{dst} is not a simple detour "
+                                      f"between tree nodes")
+                if not (isinstance(fraction, float) and 0 < fraction <= 1):
+                    raise PolicyError(f"offload fraction of {src}->{dst} must be in (0, 1], got {fraction!r}")
+            if sum(f for _, f in moves) > 1 + 1e-9:
+                raise PolicyError(f"offload fractions of {src}->{dst} sum above 1")
 
     def to_wire(self) -> dict[str, Any]:
         """A msgpack/JSON-safe dict (string keys, node ids as decimal strings); exact round trip."""
@@ -125,6 +140,8 @@ class Policy:
             # Optional: left off when empty, so builds that predate it read this policy.
             **({"rates": {f"{s}->{d}": r for (s, d), r in sorted(self.rates.items())}} if self.rates else {}),
             **({"explore": [f"{s}->{d}" for s, d in sorted(self.explore)]} if self.explore else {}),
+            **({"offload": {f"{s}->{d}": [[list(p), f] for p, f in moves]
+                            for (s, d), moves in sorted(self.offload.items())}} if self.offload else {}),
         }
 
     @classmethod
@@ -173,7 +190,15 @@ class Policy:
         if not isinstance(raw_explore, list | tuple):
             raise PolicyError(f"explore must be a list of '<src>-><dst>' links, got {raw_explore!r}")
         explore = frozenset(_pair(key, "explore") for key in raw_explore)
-        policy = cls(version, topology, roots, trees, share, quality, aux, rates, explore)
+        offload: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
+        for key, raw_moves in _wire_mapping(data.get("offload", {}), "offload").items():
+            if not isinstance(raw_moves, list | tuple) or not all(
+                    isinstance(m, list | tuple) and len(m) == 2 and isinstance(m[0], list | tuple) for m in raw_moves):
+                raise PolicyError(f"offload[{key}] must be a list of [path, fraction]")
+            offload[_pair(key, "offload")] = tuple(
+                (tuple(_wire_int(n, "offload path node") for n in path), _wire_float(f, "offload fraction"))
+                for path, f in raw_moves)
+        policy = cls(version, topology, roots, trees, share, quality, aux, rates, explore, offload)
         policy.validate()
         return policy
 
@@ -253,6 +278,7 @@ def plan(
     version: int = 0,
     aux: bool = True,
     packing: bool = True,
+    offload: bool = False,
 ) -> Policy:
     """A policy for the directed ``rates`` (Mbit/s for every overlay link).
 
@@ -264,7 +290,9 @@ def plan(
 
     ``packing`` (Config.tree_packing) replaces ``fapt``'s shortest-path trees and quality-proportional
     shares by the LP tree packing of ``netstorm.packing`` for the same roots (quality stays Algorithm
-    1's); off, ``fapt`` is the paper's Algorithm 2.
+    1's); off, ``fapt`` is the paper's Algorithm 2. ``offload`` (with ``aux``, for packed ``fapt``) plans
+    the shares again together with the fractions of tree links' chunks their auxiliary paths carry
+    (``netstorm.offload``).
     """
     if topology not in TOPOLOGIES:
         raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
@@ -289,4 +317,7 @@ def plan(
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
     planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
-    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned)
+    moves: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
+    if offload and aux and topology == "fapt" and packing:
+        share, moves = plan_offload(planned, trees, share, aux_paths)
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned, offload=moves)

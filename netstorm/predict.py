@@ -63,17 +63,25 @@ def link_loads(policy: Policy, graph: RateGraph, model_bytes: float, routes: Rou
                push: bool = True, result: bool = True) -> dict[tuple[int, int], float]:
     """Bytes each directed overlay link carries in one synchronization of ``model_bytes``.
 
-    ``push`` counts the gradients going up, ``result`` the sums coming down.
+    ``push`` counts the gradients going up, ``result`` the sums coming down; a tree link's planned
+    offload (``Policy.offload``) loads its auxiliary paths' links instead of its own.
     """
     loads: dict[tuple[int, int], float] = {}
     for root in policy.roots:
         share_bytes = policy.chunk_share[root] * model_bytes
         for child, parent in policy.trees[root].edges():
-            links = (route_links(routes, child, parent) if push else []) + (
-                route_links(routes, parent, child) if result else [])
-            for a, b in links:
-                graph.rate_of(a, b)  # the link must exist in this direction
-                loads[(a, b)] = loads.get((a, b), 0.0) + share_bytes
+            for (a, b), counted in (((child, parent), push), ((parent, child), result)):
+                if not counted:
+                    continue
+                moves = policy.offload.get((a, b), ())
+                kept = share_bytes * (1.0 - sum(f for _, f in moves))
+                for hop in route_links(routes, a, b):
+                    graph.rate_of(*hop)  # the link must exist in this direction
+                    loads[hop] = loads.get(hop, 0.0) + kept
+                for path, fraction in moves:  # planned detours over auxiliary paths
+                    for hop in itertools.pairwise(path):
+                        graph.rate_of(*hop)
+                        loads[hop] = loads.get(hop, 0.0) + share_bytes * fraction
     return loads
 
 

@@ -19,6 +19,10 @@ capacity the plan counts on:
   earliest, if earlier than the primary's: the first hop's waiting bytes plus the chunk at its measured
   rate, and the chunk at the planned rate of every later hop (whose queues the sender cannot see).
 
+A planned ``offload`` ((path, fraction), ...; ``netstorm.offload``) comes first: each path gets its
+fraction of the edge's chunks, spread evenly by a credit per path (a chunk goes to the path whose
+credit reaches one first), whatever the primary's backlog, because the plan counted on it.
+
 "In flight" means chosen and not yet handed off the first hop's socket: the node calls ``done``
 when the chunk's last byte has left (it then counts against the link, not against this queue).
 The scheduler never blocks: back-pressure is the per-neighbour send queue's job.
@@ -49,7 +53,8 @@ class PathScheduler:
 
     def __init__(self, primary: Path, aux: Sequence[Path], *, busy_bound: int, aux_queue_length: int,
                  enabled: bool, planned_bps: Mapping[tuple[int, int], float] | None = None,
-                 slowdown: float = 0.0, reroute_below: float = 0.0) -> None:
+                 slowdown: float = 0.0, reroute_below: float = 0.0,
+                 offload: Sequence[tuple[Path, float]] = ()) -> None:
         primary = tuple(primary)
         if len(primary) < 2 or len(set(primary)) != len(primary):
             raise ValueError(f"primary path {primary} must join two distinct nodes without repeats")
@@ -78,7 +83,17 @@ class PathScheduler:
         self.slowdown = slowdown
         self.reroute_below = reroute_below
         """Queued chunks move (``reroute``) only while the primary sends below this fraction of its plan."""
-        self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux}}
+        self.offload: tuple[tuple[Path, float], ...] = tuple((tuple(p), float(f)) for p, f in offload)
+        """Planned (path, fraction of this edge's chunks) detours."""
+        for path, fraction in self.offload:
+            if path[:1] != primary[:1] or path[-1:] != primary[-1:] or len(path) < 3 or len(set(path)) != len(path):
+                raise ValueError(f"offload path {path} must be a detour from {primary[0]} to {primary[-1]}")
+            if not 0 < fraction <= 1:
+                raise ValueError(f"offload fraction of {path} must be in (0, 1], got {fraction}")
+        # Half a chunk of credit to start: the first detour goes as soon as its fraction rounds to one.
+        self._credit: dict[Path, float] = {path: 0.5 for path, _ in self.offload}
+        self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux},
+                                            **{p: 0 for p, _ in self.offload}}
 
     @property
     def in_flight(self) -> Mapping[Path, int]:
@@ -100,6 +115,13 @@ class PathScheduler:
         return view.rate_bps < planned * (1 - self.slowdown)
 
     def _pick(self, view: Callable[[int], LinkView] | None, size: int) -> Path:
+        if self.enabled and self.offload:
+            for path, fraction in self.offload:
+                self._credit[path] += fraction
+            path = max(self._credit, key=lambda p: self._credit[p])
+            if self._credit[path] >= 1.0:
+                self._credit[path] -= 1.0
+                return path
         if not self.enabled or self._in_flight[self.primary] <= self.busy_bound:
             return self.primary
         room = [p for p in self.aux if self._in_flight[p] < self.aux_queue_length]

@@ -57,7 +57,8 @@ class Forwarding:
                                       aux_queue_length=self.config.auxiliary_queue_length,
                                       enabled=self.config.enable_aux_path and bool(aux),
                                       planned_bps=planned, slowdown=self.config.aux_slowdown,
-                                      reroute_below=self.config.aux_reroute)
+                                      reroute_below=self.config.aux_reroute,
+                                      offload=policy.offload.get((self.node_id, dst), ()))
             # Schedulers of older versions keep their in-flight counts until their chunks left.
             self._schedulers[key] = scheduler
         return scheduler

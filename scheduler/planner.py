@@ -39,9 +39,11 @@ def restrict(rates: Rates, nodes: Collection[int]) -> Rates:
 class Planner:
     def __init__(self, *, topology: str, num_roots: int, update_rate: float,
                  relative_change: Callable[[Rates, Rates], float], packing: bool = True,
-                 replan_gain: float = 0.0) -> None:
+                 replan_gain: float = 0.0, offload: bool = False) -> None:
         self.topology = topology
         self.packing = packing
+        self.offload = offload
+        """Plan the auxiliary paths' share of bottleneck tree links (only with auxiliary paths on)."""
         """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.num_roots = 1 if topology == "fapt1" else num_roots
         self.update_rate = update_rate
@@ -94,10 +96,11 @@ class Planner:
         """Rooted topologies keep their root set; baselines keep their hub (the root of the first plan)."""
         try:
             if roots is None:
-                return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing)
+                return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing,
+                            offload=self.offload)
             if self.topology in ROOTED_TOPOLOGIES:
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots,
-                            packing=self.packing)
+                            packing=self.packing, offload=self.offload)
             return plan(rates, topology=self.topology, hub=roots[0])
         except NetStormError as exc:
             raise PlanningError(f"cannot plan a {self.topology} policy: {exc}") from exc

@@ -88,7 +88,8 @@ class SchedulerService:
         self.planner = Planner(topology=topology,
                                num_roots=config.num_root_servers if num_roots is None else num_roots,
                                update_rate=config.update_rate, relative_change=self.collector.relative_change,
-                               packing=config.tree_packing, replan_gain=config.replan_gain)
+                               packing=config.tree_packing, replan_gain=config.replan_gain,
+                               offload=config.enable_aux_path)
         try:  # fail at startup, not when the last node registers, if these nodes cannot form a job
             probe = Planner(topology=topology, num_roots=self.planner.num_roots, update_rate=0.0,
                             relative_change=self.collector.relative_change, packing=config.tree_packing)

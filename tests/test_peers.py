@@ -431,3 +431,35 @@ def test_chunks_queued_on_a_lagging_edge_move_to_idle_links_exactly_once(reroute
                 for scheduler in node.forwarding._schedulers.values():
                     assert all(count == 0 for count in scheduler.in_flight.values()), scheduler.in_flight
     uvloop.run(main())
+
+
+def test_planned_offload_sends_its_fraction_over_detours_and_sums_stay_exact():
+    """Every tree link sends half its chunks over a detour in even iterations' policy, none in odd ones'
+    (policy changes with detoured chunks in flight); only the plan moves chunks (no link lags on
+    loopback). Every sum is exact, and the detours carried chunks."""
+    mesh = [1, 2, 3, 4]
+    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
+    base = plan(rates, topology="fapt", num_roots=2)
+    offload = {link: ((paths[1], 0.5),) for link, paths in base.aux_paths.items()
+               if link in base.tree_links() and len(paths) > 1}
+    assert offload
+
+    def fixed(iteration: int) -> Policy:
+        return dataclasses.replace(base, version=iteration, offload=offload if iteration % 2 == 0 else {})
+
+    config = CONFIG.replace(enable_aux_path=True)
+    rng = np.random.default_rng(11)
+    total = sum(spec.size for spec in SPECS)
+
+    async def main() -> None:
+        async with cluster(mesh, config, fixed) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            for _ in range(4):
+                values = {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}
+                results = await one_iteration(nodes, values)
+                for out in results.values():
+                    np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
+            assert sum(n.forwarding.aux_chunks for n in nodes.values()) > 0
+            assert sum(n.forwarding.moved_chunks for n in nodes.values()) == 0
+    uvloop.run(main())

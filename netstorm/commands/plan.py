@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     policies: dict[str, Policy] = {}
     for topology in TOPOLOGIES:
         policies[topology] = plan(rates, topology=topology, num_roots=num_roots, bkt_k=args.bkt_k, hub=args.hub,
-                                  aux=cfg.enable_aux_path and topology == args.topology, packing=cfg.tree_packing)
+                                  aux=cfg.enable_aux_path and topology == args.topology, packing=cfg.tree_packing,
+                                  offload=cfg.enable_aux_path and topology == args.topology)
     # The paper's Algorithm 2 beside the packed FAPT, for comparison (predicted times only).
     policies[PAPER_FAPT] = plan(rates, topology="fapt", num_roots=num_roots, aux=False, packing=False)
     predictions = {t: predict(p, rates, model.bytes, chunk_bytes=chunk_bytes) for t, p in policies.items()}
@@ -127,6 +128,7 @@ def _report(name: str, scale: float, model: ModelLayout, chunk_size: int, policy
         "quality": wire["quality"],
         "chunks_per_root": per_root,
         "aux_paths": wire["aux_paths"],
+        "offload": wire.get("offload", {}),
         "predicted_sync_s": {t: p.total_s for t, p in predictions.items()},
         "predicted_detail": {t: {"bulk_s": p.bulk_s, "fill_s": p.fill_s, "bottleneck": _pair(p.bottleneck),
                                  "phased_s": p.phased_s}
@@ -163,6 +165,10 @@ def _text(r: dict[str, Any]) -> str:
         lines.append("paths per directed pair (primary | auxiliary ...):")
         for pair, paths in r["aux_paths"].items():
             lines.append(f"  {pair}: " + " | ".join("-".join(map(str, p)) for p in paths))
+    if r["offload"]:
+        lines.append("planned offload (tree link: detour fraction of its chunks ...):")
+        for pair, moves in r["offload"].items():
+            lines.append(f"  {pair}: " + ", ".join(f"{'-'.join(map(str, p))} {f:.2f}" for p, f in moves))
     packing = "LP tree packing" if r["tree_packing"] else "paper's Algorithm 2"
     lines.append(f"predicted synchronization time (pipelined fluid model; fapt: {packing}):")
     for topology, seconds in r["predicted_sync_s"].items():
