@@ -47,7 +47,8 @@ class Config:
     enable_awareness: bool = True
     """Re-plan from measured rates; false keeps the first policy for the whole run."""
     enable_aux_path: bool = True
-    """Offload chunks onto auxiliary paths when the primary path is busy."""
+    """Offload chunks onto auxiliary paths when the primary path is busy or lags its plan, and plan the
+    share of each tree link's chunks they carry where the trees alone leave a link the bottleneck."""
     aux_slowdown: float = 0.3
     """Auxiliary paths carry a tree edge's chunks only while that link sends more than this fraction
     below the rate its policy was planned with (a stale plan); 0 offloads whenever the primary is busy,
