@@ -341,6 +341,17 @@ def test_a_report_far_from_the_planned_rate_replans_before_the_period() -> None:
     run(main())
 
 
+def report_round(clients: list[SchedulerClient], up: list[tuple[int, int]], down: tuple[int, int],
+                 scale: float, down_scale: float | None) -> None:
+    """One report per ``up`` link at ``scale`` x its rate, and one for ``down`` unless ``down_scale`` is None."""
+    for src, dst in up:
+        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * scale, t=0.0,
+                                                samples=4))
+    if down_scale is not None:
+        clients[down[0] - 1].report_link(LinkReport(src=down[0], dst=down[1], mbit_s=RATES[down] * down_scale,
+                                                    t=0.0, samples=4))
+
+
 def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> None:
     async def main() -> None:
         config = FAST.replace(react_change=0.3, react_interval=0.0, replan_gain=0.0)  # never periodic here
@@ -352,12 +363,7 @@ def test_several_links_moving_together_mark_a_change_and_replan_at_once() -> Non
                 # Faster links never slow the policy, and one report below its plan moves no belief: only
                 # the change point can re-plan early here.
                 for scale, down_scale in ((1.0, 1.0), (3.0, None), (3.0, 0.5)):  # first reports count for nothing
-                    for src, dst in up:
-                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * scale,
-                                                                t=0.0, samples=4))
-                    if down_scale is not None:
-                        clients[1].report_link(LinkReport(src=2, dst=1, mbit_s=RATES[down] * down_scale, t=0.0,
-                                                          samples=4))
+                    report_round(clients, up, down, scale, down_scale)
                     if scale == 1.0:
                         await until(lambda: all(service.collector.state(*link).measured for link in [*up, down]),
                                     "first reports collected")
@@ -386,12 +392,7 @@ def test_after_a_change_policies_ask_to_explore_idle_links_and_their_news_replan
                 assert first.explore == frozenset(), "nothing to explore before the network changed"
                 up, down = [(2, 3), (3, 4), (1, 4)], (2, 1)
                 for scale, down_scale in ((1.0, 1.0), (3.0, None), (3.0, 0.5)):
-                    for src, dst in up:
-                        clients[src - 1].report_link(LinkReport(src=src, dst=dst, mbit_s=RATES[(src, dst)] * scale,
-                                                                t=0.0, samples=4))
-                    if down_scale is not None:
-                        clients[1].report_link(LinkReport(src=2, dst=1, mbit_s=RATES[down] * down_scale, t=0.0,
-                                                          samples=4))
+                    report_round(clients, up, down, scale, down_scale)
                     await until(functools.partial(lambda s: service.collector.state(2, 3).latest == s,
                                                   RATES[(2, 3)] * scale), "reports collected")
                 await until(lambda: service.consistency.current_version == 1, "re-planned at once")
