@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from netstorm import scenario
 from netstorm.cli import main
 from netstorm.policy import TOPOLOGIES, Policy
 
@@ -81,3 +82,32 @@ def test_needs_exactly_one_source(capsys, tmp_path):
     assert "exactly one" in capsys.readouterr().err
     assert main(["plan", "no-such-scenario"]) == 1
     assert "no-such-scenario" in capsys.readouterr().err
+
+
+def _redrawn_rates_file(tmp_path) -> str:
+    """The dynamic scenario's fifth rate draw (x0.25), where trees alone leave a link the bottleneck."""
+    _, rates = list(scenario.load("internet2-9-dynamic").rate_schedule(10 * 180.0))[4]
+    path = tmp_path / "redrawn.json"
+    path.write_text(json.dumps({f"{a}->{b}": rate * 0.25 for (a, b), rate in rates.items()}))
+    return str(path)
+
+
+def test_planned_offload_is_printed_decodes_and_follows_the_aux_flag(tmp_path, capsys):
+    rates = _redrawn_rates_file(tmp_path)
+    out = _json(capsys, "--rates", rates, "--model", "1M", "--chunk-size", "6945")
+    assert out["offload"], "these rates need detours"
+    wire = {"wire": 1, "version": 0, "topology": out["topology"], **{k: out[k] for k in
+            ("roots", "trees", "chunk_share", "quality", "aux_paths", "offload")}}
+    policy = Policy.from_wire(wire)
+    assert {f"{a}->{b}" for a, b in policy.offload} == set(out["offload"])
+    for (a, b), moves in policy.offload.items():
+        assert all(path[0] == a and path[-1] == b and len(path) > 2 for path, _ in moves)
+        assert 0 < sum(fraction for _, fraction in moves) <= 1
+    without = _json(capsys, "--rates", rates, "--model", "1M", "--chunk-size", "6945",
+                    "--enable-aux-path", "false")
+    assert without["offload"] == {}
+    assert out["predicted_sync_s"]["fapt"] < without["predicted_sync_s"]["fapt"]
+    assert main(["plan", "--rates", rates, "--model", "1M"]) == 0
+    text = capsys.readouterr().out
+    first = next(iter(out["offload"]))
+    assert "planned offload" in text and f"  {first}: " in text
