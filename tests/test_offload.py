@@ -9,7 +9,6 @@ import json
 
 import pytest
 
-from netstorm import scenario
 from netstorm.errors import PolicyError
 from netstorm.limit import limit_s
 from netstorm.offload import plan_offload, tree_loads
@@ -18,6 +17,7 @@ from netstorm.predict import link_loads, predict, routes_for
 from netstorm.rategraph import RateGraph
 from netstorm.sendsched import PathScheduler
 from netstorm.tree import Tree
+from tests.policy_graphs import internet2_redrawn
 
 # 2 -> 1 is ten times slower than every other direction.
 TRIANGLE = {(1, 2): 100.0, (2, 1): 10.0, (1, 3): 100.0, (3, 1): 100.0, (2, 3): 100.0, (3, 2): 100.0}
@@ -41,14 +41,8 @@ def test_nothing_moves_when_the_trees_are_balanced_or_no_detour_exists() -> None
     assert plan_offload(TRIANGLE, {1: STAR_AT_1}, {1: 1.0}, {(2, 1): ((2, 1),)}) == ({1: 1.0}, {})
 
 
-def _redrawn(epoch: int) -> dict[tuple[int, int], float]:
-    dynamic = scenario.load("internet2-9-dynamic")
-    _, rates = list(dynamic.rate_schedule(10 * 180.0))[epoch]
-    return {link: rate * 0.25 for link, rate in rates.items()}
-
-
 def test_on_a_redrawn_internet2_the_plan_with_offload_is_predicted_faster_and_exactly_as_solved() -> None:
-    rates, model = _redrawn(4), 4_000_000.0
+    rates, model = internet2_redrawn(4), 4_000_000.0
     trees_only, offloaded = plan(rates), plan(rates, offload=True)
     assert offloaded.offload and trees_only.offload == {}
     assert offloaded.trees == trees_only.trees and offloaded.roots == trees_only.roots
@@ -73,7 +67,7 @@ def test_on_a_redrawn_internet2_the_plan_with_offload_is_predicted_faster_and_ex
 
 
 def test_offload_round_trips_and_malformed_offload_is_refused() -> None:
-    policy = plan(_redrawn(4), offload=True)
+    policy = plan(internet2_redrawn(4), offload=True)
     wire = policy.to_wire()
     assert Policy.from_wire(json.loads(json.dumps(wire))) == policy
     link = next(iter(policy.offload))

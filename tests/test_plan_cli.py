@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from netstorm import scenario
 from netstorm.cli import main
 from netstorm.policy import TOPOLOGIES, Policy
+from tests.policy_graphs import internet2_redrawn
 
 
 def _json(capsys, *argv: str) -> dict:
@@ -86,9 +86,8 @@ def test_needs_exactly_one_source(capsys, tmp_path):
 
 def _redrawn_rates_file(tmp_path) -> str:
     """The dynamic scenario's fifth rate draw (x0.25), where trees alone leave a link the bottleneck."""
-    _, rates = list(scenario.load("internet2-9-dynamic").rate_schedule(10 * 180.0))[4]
     path = tmp_path / "redrawn.json"
-    path.write_text(json.dumps({f"{a}->{b}": rate * 0.25 for (a, b), rate in rates.items()}))
+    path.write_text(json.dumps({f"{a}->{b}": rate for (a, b), rate in internet2_redrawn(4).items()}))
     return str(path)
 
 
