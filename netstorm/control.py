@@ -125,6 +125,27 @@ def _rates(where: str, value: Any) -> dict[tuple[int, int], float]:
     return out
 
 
+def _moves(where: str, value: Any) -> dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]]:
+    """Planned offload rows [src, dst, path, fraction]: a simple detour from src to dst and the share
+    of the link's chunks it carries, at most 1 in all per link."""
+    out: dict[tuple[int, int], list[tuple[tuple[int, ...], float]]] = {}
+    for src, dst, path, fraction in _rows(where, value, "[src, dst, path, fraction]"):
+        link = (_int(where, src), _int(where, dst))
+        if not isinstance(path, list) or len(path) < 3:
+            raise ControlError(f"{where}: path of {link[0]}->{link[1]} must list at least three nodes, got {path!r}")
+        hops = tuple(_int(where, node) for node in path)
+        if hops[0] != link[0] or hops[-1] != link[1] or len(set(hops)) != len(hops):
+            raise ControlError(f"{where}: {list(hops)} is not a simple detour from {link[0]} to {link[1]}")
+        share = _float(where, fraction)
+        if not 0 < share <= 1:
+            raise ControlError(f"{where}: fraction of {list(hops)} must be in (0, 1], got {share}")
+        out.setdefault(link, []).append((hops, share))
+    for link, paths in out.items():
+        if sum(share for _, share in paths) > 1 + 1e-9:
+            raise ControlError(f"{where}: fractions of {link[0]}->{link[1]} sum above 1")
+    return {link: tuple(paths) for link, paths in out.items()}
+
+
 def _pairs(where: str, value: Any) -> tuple[tuple[int, int], ...]:
     if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
         raise ControlError(f"{where}: expected a list of [int, int] pairs, got {value!r}")
@@ -274,6 +295,39 @@ class MemberDown(Message):
 
 
 @dataclasses.dataclass(frozen=True)
+class LinkBeliefs(Message):
+    """Pushed to every node when policy ``version`` is published: the link rates it was planned from.
+
+    An iteration keeps the trees of the policy it is bound to, but its senders may still choose
+    auxiliary paths by what the scheduler now believes: a detour through a link that has fallen behind
+    the bound policy's plan only adds to that link's backlog."""
+
+    TYPE: ClassVar[str] = "link_beliefs"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int, "rates": _rates, "amends": _int,
+                                               "offload": _moves}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"amends", "offload"})
+    version: int
+    rates: Mapping[tuple[int, int], float]
+    """Directed link -> Mbit/s."""
+    amends: int = -1
+    """The older policy version ``offload`` is planned for (-1: none)."""
+    offload: Mapping[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = dataclasses.field(
+        default_factory=dict)
+    """Moves for the iterations bound to ``amends``: per directed tree link of its trees, (auxiliary
+    path, fraction of the link's chunks), planned for ``rates`` with that policy's shares."""
+
+    def to_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {
+            "version": self.version,
+            "rates": [[src, dst, float(r)] for (src, dst), r in sorted(self.rates.items())]}
+        if self.amends >= 0:
+            fields["amends"] = self.amends
+            fields["offload"] = [[src, dst, list(path), float(fraction)]
+                                 for (src, dst), moves in sorted(self.offload.items()) for path, fraction in moves]
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
 class PolicyRequest(Message):
     TYPE: ClassVar[str] = "policy_request"
     FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "iteration": _int, "known_version": _int}
@@ -377,7 +431,7 @@ class PolicyFetch(Message):
 
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
-    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PolicyRequest,
+    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, LinkBeliefs, PolicyRequest,
                 PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
                 PolicyFetch)
 }

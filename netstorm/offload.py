@@ -64,10 +64,15 @@ def busiest(loads: Mapping[Link, float], rates: Mapping[Link, float]) -> float:
 
 
 def plan_offload(rates: Mapping[Link, float], trees: Mapping[int, Tree], share: Mapping[int, float],
-                 aux_paths: Mapping[Link, tuple[Path, ...]], *,
-                 min_gain: float = OFFLOAD_MIN_GAIN) -> tuple[dict[int, float], Offload]:
+                 aux_paths: Mapping[Link, tuple[Path, ...]], *, min_gain: float = OFFLOAD_MIN_GAIN,
+                 fixed_shares: bool = False) -> tuple[dict[int, float], Offload]:
     """New shares for the roots and, per directed tree link, (auxiliary path, fraction of the link's
-    chunks); ``share`` and no moves when offloading does not gain ``min_gain``."""
+    chunks); ``share`` and no moves when offloading does not gain ``min_gain``.
+
+    ``fixed_shares`` keeps ``share`` and plans the moves alone: an iteration already bound to a policy
+    keeps its chunks' roots, but its senders can still follow moves planned for rates that changed under
+    it (on the dynamic scenario's re-draws, the old trees need 2.2-5.7x the new limit, and with moves
+    planned for the new rates 1.2-1.8x)."""
     unchanged: tuple[dict[int, float], Offload] = (dict(share), {})
     links = sorted(rates)
     index = {link: i for i, link in enumerate(links)}
@@ -103,12 +108,16 @@ def plan_offload(rates: Mapping[Link, float], trees: Mapping[int, Tree], share: 
         cost[j] = HOP_PENALTY * (len(path) - 1)
     a_eq = np.zeros((1, n))
     a_eq[0, 1:1 + n_s] = 1.0
+    bounds: list[tuple[float, float | None]] = [(0.0, None)] * n
+    if fixed_shares:
+        bounds[1:1 + n_s] = [(share[root], share[root]) for root in roots]
     result = linprog(cost, A_ub=a_ub, b_ub=np.zeros(len(a_ub)), A_eq=a_eq, b_eq=[1.0],
-                     bounds=[(0, None)] * n, method="highs")
+                     bounds=bounds, method="highs")
     if result.status != 0 or result.x[0] > 1 - min_gain:
         return unchanged
     raw = np.clip(result.x[1:1 + n_s], 0.0, None)
-    shares = {root: float(v) for root, v in zip(roots, raw / raw.sum(), strict=True)}
+    shares = dict(share) if fixed_shares else \
+        {root: float(v) for root, v in zip(roots, raw / raw.sum(), strict=True)}
     loads = tree_loads(trees, shares)
     moves: dict[Link, list[tuple[Path, float]]] = {}
     for (link, path), z in zip(columns, result.x[1 + n_s:], strict=True):

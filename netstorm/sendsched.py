@@ -17,7 +17,15 @@ capacity the plan counts on:
   are what holds the iteration up, and moving them is the gain.
 - *Earliest delivery.* Among the auxiliary paths with room, the one whose estimated delivery is
   earliest, if earlier than the primary's: the first hop's waiting bytes plus the chunk at its measured
-  rate, and the chunk at the planned rate of every later hop (whose queues the sender cannot see).
+  rate, and the chunk at the planned (or newer believed) rate of every later hop (whose queues the sender cannot
+  see).
+
+Once the scheduler has published a newer policy, ``believe`` hands the scheduler the rates it was
+planned from. The bound policy's trees stay, but a path with a later hop that runs more than
+``slowdown`` below the rate this policy planned for it is left out (planned offload, auxiliary choice,
+moves and exploring alike): that hop is already behind with the trees' own chunks, and a detour through
+it only lengthens its backlog. The sender cannot see that hop's queue; in the iteration a WAN change
+lands in, other nodes' detours through such a hop made it the iteration's bottleneck.
 
 A planned ``offload`` ((path, fraction), ...; ``netstorm.offload``) comes first: each path gets its
 fraction of the edge's chunks, spread evenly by a credit per path (a chunk goes to the path whose
@@ -94,6 +102,53 @@ class PathScheduler:
         self._credit: dict[Path, float] = {path: 0.5 for path, _ in self.offload}
         self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux},
                                             **{p: 0 for p, _ in self.offload}}
+        self.believed_bps: dict[tuple[int, int], float] = {}
+        """Directed link -> the rate (bytes/s) a newer policy was planned from (``believe``)."""
+        self._blocked: frozenset[Path] = frozenset()
+
+    def believe(self, rates_bps: Mapping[tuple[int, int], float]) -> None:
+        """The rates a newer policy was planned from: paths whose later hops fell behind this policy's
+        plan are left out from now on."""
+        self.believed_bps = dict(rates_bps)
+        if self.slowdown == 0:
+            return
+        self._blocked = frozenset(path for path in (*self.aux, *(p for p, _ in self.offload))
+                                  if any(self._behind(hop) for hop in itertools.pairwise(path[1:])))
+
+    def amend(self, offload: Sequence[tuple[Path, float]]) -> None:
+        """Replace the planned offload by one re-planned for newer rates (with this policy's trees and
+        shares); its paths are used whatever ``believe`` says of their hops, since the re-plan weighed them."""
+        moves = tuple((tuple(p), float(f)) for p, f in offload)
+        for path, fraction in moves:
+            if path[:1] != self.primary[:1] or path[-1:] != self.primary[-1:] or len(path) < 3 \
+                    or len(set(path)) != len(path):
+                raise ValueError(f"offload path {path} must be a detour from {self.primary[0]} to {self.primary[-1]}")
+            if not 0 < fraction <= 1:
+                raise ValueError(f"offload fraction of {path} must be in (0, 1], got {fraction}")
+        self.offload = moves
+        self._credit = {path: 0.5 for path, _ in moves}
+        for path, _ in moves:
+            self._in_flight.setdefault(path, 0)
+        self._blocked = self._blocked - {path for path, _ in moves}
+
+    def take(self, path: Path) -> None:
+        """A chunk counted on the primary moves to ``path`` (one of this scheduler's) before it left."""
+        path = tuple(path)
+        if path not in self._in_flight or path == self.primary:
+            raise ValueError(f"path {path} is not one of this scheduler's detours")
+        if self._in_flight[self.primary] == 0:
+            raise ValueError(f"the primary {self.primary} has no chunk in flight to move")
+        self._in_flight[self.primary] -= 1
+        self._in_flight[path] += 1
+
+    def _behind(self, hop: tuple[int, int]) -> bool:
+        believed, planned = self.believed_bps.get(hop), self.planned_bps.get(hop)
+        return believed is not None and planned is not None and believed < planned * (1 - self.slowdown)
+
+    @property
+    def blocked(self) -> frozenset[Path]:
+        """Paths left out because a later hop runs behind this policy's plan."""
+        return self._blocked
 
     @property
     def in_flight(self) -> Mapping[Path, int]:
@@ -117,14 +172,15 @@ class PathScheduler:
     def _pick(self, view: Callable[[int], LinkView] | None, size: int) -> Path:
         if self.enabled and self.offload:
             for path, fraction in self.offload:
-                self._credit[path] += fraction
+                if path not in self._blocked:
+                    self._credit[path] += fraction
             path = max(self._credit, key=lambda p: self._credit[p])
-            if self._credit[path] >= 1.0:
+            if self._credit[path] >= 1.0 and path not in self._blocked:
                 self._credit[path] -= 1.0
                 return path
         if not self.enabled or self._in_flight[self.primary] <= self.busy_bound:
             return self.primary
-        room = [p for p in self.aux if self._in_flight[p] < self.aux_queue_length]
+        room = [p for p in self.aux if self._in_flight[p] < self.aux_queue_length and p not in self._blocked]
         if view is None or self.slowdown == 0:  # the paper's rule: the fastest path with room
             return room[0] if room else self.primary
         primary = view(self.primary[1])
@@ -144,7 +200,7 @@ class PathScheduler:
         if not self.enabled:
             return None
         for path in self.aux:
-            if path[1] in first_hops and self._in_flight[path] < self.aux_queue_length:
+            if path[1] in first_hops and self._in_flight[path] < self.aux_queue_length and path not in self._blocked:
                 self._in_flight[path] += 1
                 return path
         return None
@@ -170,7 +226,7 @@ class PathScheduler:
             return None
         best, best_s = None, primary.backlog_bytes / primary.rate_bps
         for path in self.aux:
-            if path[1] != first_hop or self._in_flight[path] >= self.aux_queue_length:
+            if path[1] != first_hop or self._in_flight[path] >= self.aux_queue_length or path in self._blocked:
                 continue
             estimate = self._delivery_s(path, view(first_hop), size)
             if estimate < best_s:
@@ -187,10 +243,10 @@ class PathScheduler:
             return math.inf
         total = (first.backlog_bytes + size) / rate
         for hop in itertools.pairwise(path[1:]):
-            planned = self.planned_bps.get(hop)
-            if not planned:
+            hop_bps = self.believed_bps.get(hop) or self.planned_bps.get(hop)
+            if not hop_bps:
                 return math.inf
-            total += size / planned
+            total += size / hop_bps
         return total
 
     def done(self, path: Path) -> None:

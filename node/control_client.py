@@ -1,10 +1,10 @@
 """The node's side of the control plane: registration, heartbeats, per-iteration policies, link reports.
 
 One TCP connection to the scheduler. Requests (layout check, policy request) are answered in order, so
-each request owns one future in a FIFO; ``MemberDown`` is the only message the scheduler pushes on its
-own. Background work (reading, heartbeats, link reports, policy prefetches) runs in one TaskGroup owned
-by a single runner task that ``close`` cancels and awaits. Every wait has a deadline whose error names
-the scheduler's address and, for policies, the iteration.
+each request owns one future in a FIFO; ``MemberDown`` and ``LinkBeliefs`` are the messages the
+scheduler pushes on its own. Background work (reading, heartbeats, link reports, policy prefetches)
+runs in one TaskGroup owned by a single runner task that ``close`` cancels and awaits. Every wait has
+a deadline whose error names the scheduler's address and, for policies, the iteration.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class SchedulerClient:
         self._reports: collections.deque[control.LinkReport] = collections.deque(maxlen=REPORT_QUEUE)
         self._reports_ready = asyncio.Event()
         self._down_callbacks: list[Callable[[int, str], None]] = []
+        self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
         self._lost_callbacks: list[Callable[[ControlError], None]] = []
         self._lost: ControlError | None = None
         self._tasks: asyncio.TaskGroup | None = None
@@ -169,6 +170,11 @@ class SchedulerClient:
     def on_member_down(self, callback: Callable[[int, str], None]) -> None:
         """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
         self._down_callbacks.append(callback)
+
+    def on_beliefs(self, callback: Callable[[control.LinkBeliefs], None]) -> None:
+        """Call ``callback(beliefs)`` when a new policy is published: the rates it was planned from, and
+        moves re-planned for them for the iterations bound to an older one."""
+        self._beliefs_callbacks.append(callback)
 
     def on_lost(self, callback: Callable[[ControlError], None]) -> None:
         """Call ``callback(error)`` once if the connection to the scheduler is lost (not on ``close``)."""
@@ -304,6 +310,9 @@ class SchedulerClient:
                 if isinstance(message, control.MemberDown):
                     self._member_down(message)
                     continue
+                if isinstance(message, control.LinkBeliefs):
+                    self._beliefs(message)
+                    continue
                 if not self._pending:
                     if isinstance(message, control.Error):  # e.g. a refused heartbeat, before it hangs up
                         raise ControlError(f"{self._name} refused node {self.node_id}: {message.message}")
@@ -329,6 +338,13 @@ class SchedulerClient:
                 callback(message.node_id, message.reason)
             except Exception:
                 log.exception("member-down callback failed")
+
+    def _beliefs(self, message: control.LinkBeliefs) -> None:
+        for callback in list(self._beliefs_callbacks):
+            try:
+                callback(message)
+            except Exception:
+                log.exception("link-beliefs callback failed")
 
     def _connection_lost(self, error: ControlError) -> None:
         if self._lost is None:

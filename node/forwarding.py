@@ -13,11 +13,14 @@ arrive). Over an iteration or two their samples make a throughput report.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Mapping
 
 from netstorm.config import Config
 from netstorm.policy import Policy
 from netstorm.sendsched import LinkView, PathScheduler
+
+log = logging.getLogger("netstorm.node")
 
 Path = tuple[int, ...]
 
@@ -43,6 +46,10 @@ class Forwarding:
         self._explore_iteration = -1
         self._explored: dict[int, int] = {}
         """First hop -> chunks sent through it in ``_explore_iteration``."""
+        self._beliefs: tuple[int, dict[tuple[int, int], float]] = (-1, {})
+        """(policy version, link -> bytes/s it was planned from): the newest the scheduler pushed."""
+        self._amendment: tuple[int, Mapping[tuple[int, int], tuple[tuple[Path, float], ...]]] = (-1, {})
+        """(older policy version, its re-planned offload): the newest the scheduler pushed."""
 
     def _scheduler(self, policy: Policy, dst: int) -> PathScheduler:
         key = (policy.version, dst)
@@ -59,9 +66,40 @@ class Forwarding:
                                       planned_bps=planned, slowdown=self.config.aux_slowdown,
                                       reroute_below=self.config.aux_reroute,
                                       offload=policy.offload.get((self.node_id, dst), ()))
+            if self._beliefs[0] > policy.version:
+                scheduler.believe(self._beliefs[1])
+            if self._amendment[0] == policy.version and scheduler.enabled:
+                scheduler.amend(self._amendment[1].get((self.node_id, dst), ()))
             # Schedulers of older versions keep their in-flight counts until their chunks left.
             self._schedulers[key] = scheduler
         return scheduler
+
+    def believe(self, version: int, rates_mbit: Mapping[tuple[int, int], float], amends: int = -1,
+                offload: Mapping[tuple[int, int], tuple[tuple[Path, float], ...]] | None = None
+                ) -> list[PathScheduler]:
+        """The scheduler published policy ``version``, planned from ``rates_mbit``: iterations bound to
+        older versions keep their trees, and their path schedulers weigh detours by these rates. ``offload``
+        re-plans the moves of version ``amends`` for them. Returns the schedulers whose moves changed
+        (their queued chunks can follow the new moves)."""
+        if version <= self._beliefs[0]:
+            return []
+        self._beliefs = (version, {pair: mbit * 1e6 / 8 for pair, mbit in rates_mbit.items()})
+        if amends >= 0:
+            self._amendment = (amends, dict(offload or {}))
+        blocked = 0
+        amended: list[PathScheduler] = []
+        for (policy_version, dst), scheduler in self._schedulers.items():
+            if policy_version < version:
+                scheduler.believe(self._beliefs[1])
+            if policy_version == amends and scheduler.enabled:
+                scheduler.amend(self._amendment[1].get((self.node_id, dst), ()))
+                amended.append(scheduler)
+            if policy_version < version:
+                blocked += len(scheduler.blocked)
+        log.info("node %d: policy version %d published; %d auxiliary paths of older versions now avoided "
+                 "(a later hop behind its plan); moves of version %s re-planned on %d tree edges", self.node_id,
+                 version, blocked, amends if amends >= 0 else "-", sum(1 for s in amended if s.offload))
+        return amended
 
     def choose(self, policy: Policy, dst: int, view: Callable[[int], LinkView] | None = None,
                size: int = 0, iteration: int = 0) -> tuple[Path, PathScheduler]:

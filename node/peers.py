@@ -299,6 +299,10 @@ class SendQueue:
         entries = [entry for entry in self._heap if wanted(entry[3])]
         return max(entries, key=lambda entry: entry[:3])[3] if entries else None
 
+    def count(self, wanted: Callable[[Outgoing], bool]) -> int:
+        """How many queued frames ``wanted`` accepts."""
+        return sum(1 for entry in self._heap if wanted(entry[3]))
+
     def remove(self, item: Outgoing) -> None:
         """Take ``item`` out of the queue (linear: queues hold tens of frames)."""
         index = next(i for i, entry in enumerate(self._heap) if entry[3] is item)
@@ -354,6 +358,10 @@ class PeerLink:
     def last(self, wanted: Callable[[Outgoing], bool]) -> Outgoing | None:
         """The queued frame that would leave last among those ``wanted`` accepts."""
         return self._queue.last(wanted)
+
+    def count(self, wanted: Callable[[Outgoing], bool]) -> int:
+        """How many queued frames ``wanted`` accepts."""
+        return self._queue.count(wanted)
 
     def take_back(self, item: Outgoing) -> None:
         """Remove a frame ``last`` returned; it will not be sent on this link."""

@@ -22,6 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from netstorm.config import Config
+from netstorm.control import LinkBeliefs
 from netstorm.errors import ChunkError, FrameError, IterationFailed, LayoutError
 from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
@@ -54,6 +55,7 @@ class Control(Protocol):
     def prefetch(self, iteration: int) -> None: ...
     def report_link(self, report: LinkReport) -> None: ...
     def on_member_down(self, cb: Callable[[int, str], None]) -> None: ...
+    def on_beliefs(self, cb: Callable[[LinkBeliefs], None]) -> None: ...
 
 
 class EdgeHook(Protocol):
@@ -149,6 +151,7 @@ class GeneralNode:
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job")
         control.on_member_down(self.member_down)
+        control.on_beliefs(self._believe)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -528,6 +531,34 @@ class GeneralNode:
                                                          f"{self.down[header.dst]}", "gone"))
             return
         link.enqueue(Outgoing(header, send.payload, on_sent, chosen_by))
+
+    def _believe(self, beliefs: LinkBeliefs) -> None:
+        """A newer policy was published: detours of older ones follow its rates, and the queued chunks of
+        tree edges whose moves were re-planned leave on the new moves' paths in their planned fractions."""
+        for scheduler in self.forwarding.believe(beliefs.version, beliefs.rates, beliefs.amends, beliefs.offload):
+            self._move_planned(scheduler)
+
+    def _move_planned(self, scheduler: PathScheduler) -> None:
+        source = self.links.get(scheduler.primary[1])
+        if source is None:
+            return
+        def ours(item: Outgoing) -> bool:
+            return item.scheduler is scheduler and not item.header.is_aux
+
+        queued = source.count(ours)
+        for path, fraction in scheduler.offload:
+            target = self.links.get(path[1])
+            if target is None or path[1] in self.down:
+                continue
+            for _ in range(round(fraction * queued)):
+                item = source.last(ours)
+                if item is None:
+                    return
+                source.take_back(item)
+                scheduler.take(path)
+                self.forwarding.moved_chunks += 1
+                header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
+                target.enqueue(Outgoing(header, item.payload, _done_callback(scheduler, path)))
 
     def _rebalance(self, peer: int) -> None:
         """Link ``peer`` ran empty, or sent a frame with more waiting: move one queued tree-edge chunk

@@ -13,13 +13,14 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from netstorm import control
 from netstorm.clock import serve_sntp
 from netstorm.config import Config
 from netstorm.errors import ConfigError
+from netstorm.offload import plan_offload
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates
@@ -493,7 +494,37 @@ class SchedulerService:
                                              force=force)
             if policy is not None:
                 self._publish(self._with_explore(policy), reason)
-            return self.consistency.current_version or 0
+            version = self.consistency.current_version or 0
+            beliefs = None
+            if policy is not None and self.config.enable_aux_path:
+                beliefs = await self._beliefs(version, policy.rates)
+        if beliefs is not None:
+            await self._broadcast(beliefs)
+        return version
+
+    async def _beliefs(self, version: int, rates: Mapping[tuple[int, int], float]) -> control.LinkBeliefs:
+        """What senders of iterations bound before ``version`` should weigh detours by: its planning
+        rates, and moves planned for them with the trees and shares of the newest bound iteration's
+        policy (that iteration keeps its trees, not the rates they were planned for)."""
+        positive = {link: r for link, r in rates.items() if r > 0}
+        bindings = self.consistency.bindings
+        bound = bindings[max(bindings)] if bindings else None
+        if bound is None or bound >= version:
+            return control.LinkBeliefs(version, positive)
+        try:
+            old: Any = self.consistency.policy(bound)
+        except KeyError:
+            return control.LinkBeliefs(version, positive)
+        if not isinstance(old, Policy) or not old.aux_paths or set(old.nodes) - set(self.membership.alive) \
+                or any(link not in positive for link in old.tree_links()):
+            return control.LinkBeliefs(version, positive)
+        _, moves = await asyncio.to_thread(plan_offload, positive, old.trees, old.chunk_share, old.aux_paths,
+                                           fixed_shares=True)
+        if not moves:
+            return control.LinkBeliefs(version, positive)
+        log.info("policy version %d re-planned the moves of version %d, bound to iteration %d: %d tree links "
+                 "offload onto auxiliary paths", version, bound, max(bindings), len(moves))
+        return control.LinkBeliefs(version, positive, amends=bound, offload=moves)
 
     def _with_explore(self, policy: Policy) -> Policy:
         """``policy`` asking its senders to explore the links no tree uses and nobody measured since the
@@ -510,5 +541,6 @@ class SchedulerService:
         versioned = policy.with_version(self.consistency.next_version())
         self.consistency.publish(versioned)
         shares = ", ".join(f"{root}:{share:.2f}" for root, share in sorted(versioned.chunk_share.items()))
-        log.info("policy version %d (%s): roots %s, chunk shares %s; binds to the next iteration asked for",
-                 versioned.version, reason, list(versioned.roots), shares)
+        rates = " ".join(f"{src}>{dst}:{mbit:.1f}" for (src, dst), mbit in sorted(versioned.rates.items()))
+        log.info("policy version %d (%s): roots %s, chunk shares %s; binds to the next iteration asked for; "
+                 "planned from Mbit/s %s", versioned.version, reason, list(versioned.roots), shares, rates)

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 
 from netstorm.config import Config
+from netstorm.control import LinkBeliefs
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from node.service import GeneralNode
@@ -31,6 +32,7 @@ class FixedControl:
         self.prefetched: list[int] = []
         self.layouts: list[str] = []
         self._down: list[Callable[[int, str], None]] = []
+        self._beliefs: list[Callable[[LinkBeliefs], None]] = []
 
     async def check_layout(self, layout_hash: str, *, timeout: float) -> None:  # noqa: ASYNC109
         self.layouts.append(layout_hash)
@@ -46,6 +48,14 @@ class FixedControl:
 
     def on_member_down(self, cb: Callable[[int, str], None]) -> None:
         self._down.append(cb)
+
+    def on_beliefs(self, cb: Callable[[LinkBeliefs], None]) -> None:
+        self._beliefs.append(cb)
+
+    def push_beliefs(self, beliefs: LinkBeliefs) -> None:
+        """What the scheduler pushes when it publishes a policy version."""
+        for cb in self._beliefs:
+            cb(beliefs)
 
 
 @contextlib.asynccontextmanager

@@ -53,3 +53,28 @@ def test_nothing_is_explored_without_the_policy_asking_or_with_auxiliary_paths_o
     off = Forwarding(node, Config(enable_aux_path=False))
     assert _first_hops(off, policy, dst, 0, 5) == [dst] * 5
     assert off.explored_chunks == 0
+
+
+def test_beliefs_reach_older_versions_and_moves_the_version_they_amend() -> None:
+    node = 6
+    policy = plan(internet2(0.25), num_roots=1)
+    edges = sorted((src, dst) for (src, dst), paths in policy.aux_paths.items()
+                   if src == node and (src, dst) in policy.tree_links() and len(paths) > 1)
+    assert len(edges) >= 2, edges
+    (_, first), (_, second) = edges[:2]
+    detour = policy.aux_paths[(node, first)][1]
+    old, current = dataclasses.replace(policy, version=3), dataclasses.replace(policy, version=4)
+    forwarding = Forwarding(node, Config())
+    _, before = forwarding.choose(old, first, None, 1000, 0)
+    _, same = forwarding.choose(current, first, None, 1000, 1)
+    slow = {link: rate / 10 for link, rate in policy.rates.items()}  # every link ten times slower
+    other = policy.aux_paths[(node, second)][1]
+    amended = forwarding.believe(4, slow, amends=3,
+                                 offload={(node, first): ((detour, 0.5),), (node, second): ((other, 0.25),)})
+    assert amended == [before]
+    assert before.offload == ((detour, 0.5),) and before.believed_bps
+    assert not same.believed_bps and not same.offload, "version 4 was planned from these rates"
+    _, later = forwarding.choose(old, second, None, 1000, 0)  # first chosen after the amendment
+    assert later.offload == ((other, 0.25),) and later.believed_bps
+    assert forwarding.believe(4, policy.rates) == [], "an older or repeated push changes nothing"
+    assert before.offload == ((detour, 0.5),)

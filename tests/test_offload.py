@@ -35,6 +35,21 @@ def test_a_slow_push_detours_exactly_as_far_as_it_pays() -> None:
     assert fraction == pytest.approx(9 / 11, abs=1e-6)
 
 
+def test_fixed_shares_keep_the_roots_and_move_only_as_far_as_it_pays() -> None:
+    # Root 1's tree sends a = 0.5 on 2->1 (10) and 3->1; root 3's tree b = 0.5 on 3->1, 2->3 and back.
+    # 3->1 carries 1 already; moving z of 2->1 onto 2->3->1 balances (0.5 - z) / 10 = (1 + z) / 100 at
+    # z = 4/11: 8/11 of the link's chunks. Free shares would instead drop root 1's tree (T = 1/100).
+    trees = {1: STAR_AT_1, 3: Tree(3, {3: None, 1: 3, 2: 3})}
+    aux = {(2, 1): ((2, 1), (2, 3, 1))}
+    shares, moves = plan_offload(TRIANGLE, trees, {1: 0.5, 3: 0.5}, aux, fixed_shares=True)
+    assert shares == {1: 0.5, 3: 0.5}
+    ((path, fraction),) = moves[(2, 1)]
+    assert path == (2, 3, 1)
+    assert fraction == pytest.approx(8 / 11, abs=1e-6)
+    free, _ = plan_offload(TRIANGLE, trees, {1: 0.5, 3: 0.5}, aux)
+    assert free[1] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_nothing_moves_when_the_trees_are_balanced_or_no_detour_exists() -> None:
     even = {link: 100.0 for link in TRIANGLE}
     assert plan_offload(even, {1: STAR_AT_1}, {1: 1.0}, {(2, 1): ((2, 1), (2, 3, 1))}) == ({1: 1.0}, {})

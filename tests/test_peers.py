@@ -18,6 +18,7 @@ import pytest
 import uvloop
 
 from netstorm.config import Config
+from netstorm.control import LinkBeliefs
 from netstorm.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, ChunkHeader, ErrorFrame, Hello, Kind, Phase
 from netstorm.layout import TensorSpec
 from netstorm.policy import Policy, plan
@@ -462,4 +463,60 @@ def test_planned_offload_sends_its_fraction_over_detours_and_sums_stay_exact():
                     np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
             assert sum(n.forwarding.aux_chunks for n in nodes.values()) > 0
             assert sum(n.forwarding.moved_chunks for n in nodes.values()) == 0
+    uvloop.run(main())
+
+
+def test_moves_replanned_mid_iteration_move_queued_chunks_and_sums_stay_exact():
+    """A newer policy's beliefs re-plan the moves of the iteration running on an older one: right after
+    each node queued its contributions, every tree link's chunks are re-planned onto a detour (all of
+    them). The queued chunks leave over the detours, chunks chosen later follow the new moves too, the
+    next iteration (its own policy, no amendment) runs as planned, and every sum is exact."""
+    mesh = [1, 2, 3, 4]
+    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
+    base = plan(rates, topology="fapt", num_roots=2)
+    moves = {link: ((paths[1], 1.0),) for link, paths in base.aux_paths.items()
+             if link in base.tree_links() and len(paths) > 1}
+    assert moves
+    config = CONFIG.replace(enable_aux_path=True)
+    rng = np.random.default_rng(5)
+    total = sum(spec.size for spec in SPECS)
+
+    async def iteration(nodes: dict[int, GeneralNode], values: dict[int, np.ndarray],
+                        beliefs: LinkBeliefs | None) -> None:
+        async def run(node: GeneralNode) -> np.ndarray:
+            layout = node.layout
+            assert layout is not None and isinstance(node.control, FixedControl)
+            for key in range(len(layout.tensors)):
+                await node.contribute(key, values[node.node_id][layout.key_slice(key)])
+            if beliefs is not None:  # no link task ran since the contributions: their chunks are queued
+                movable = sum(link.count(lambda o: o.scheduler is not None and not o.header.is_aux
+                                         and (node.node_id, o.header.dst) in moves)
+                              for link in node.links.values())
+                before = node.forwarding.moved_chunks
+                node.control.push_beliefs(beliefs)
+                assert node.forwarding.moved_chunks - before == movable
+            out = np.full(layout.total, np.nan, dtype=np.float32)
+
+            def sink(key: int, result: np.ndarray) -> None:
+                out[layout.key_slice(key)] = result
+            await node.collect(list(range(len(layout.tensors))), sink)
+            return out
+
+        results = await asyncio.gather(*(run(n) for n in nodes.values()))
+        for out in results:
+            np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
+
+    async def main() -> None:
+        async with cluster(mesh, config, lambda k: dataclasses.replace(base, version=k)) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            amendment = LinkBeliefs(version=1, rates=rates, amends=0, offload=moves)
+            await iteration(nodes, {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}, amendment)
+            moved = sum(n.forwarding.moved_chunks for n in nodes.values())
+            assert moved > 0
+            await iteration(nodes, {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}, None)
+            assert sum(n.forwarding.moved_chunks for n in nodes.values()) == moved, "iteration 1 kept its plan"
+            for node in nodes.values():  # every moved chunk left: no path still counts one in flight
+                for scheduler in node.forwarding._schedulers.values():
+                    assert all(count == 0 for count in scheduler.in_flight.values()), scheduler.in_flight
     uvloop.run(main())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
@@ -157,6 +158,38 @@ def test_every_node_gets_the_same_version_per_iteration_across_a_policy_change()
                 assert await admin.fetch_policy(addr(service), 0, timeout=T) == zero[0]
                 with pytest.raises(ControlError, match="policy version 99 is not held"):
                     await admin.fetch_policy(addr(service), 99, timeout=T)
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+@pytest.mark.parametrize("aux", [True, False])
+def test_a_new_policy_pushes_its_rates_and_moves_replanned_for_the_running_iteration(aux: bool) -> None:
+    """Iteration 0 is bound to version 0 when link 1-2 collapses: version 1's rates reach every node,
+    with moves for version 0's trees that take 1-2's chunks round it (auxiliary paths on only)."""
+    async def main() -> None:
+        async with scheduler(FAST.replace(enable_aux_path=aux)) as service:
+            clients = await connect_all(service)
+            pushed: dict[int, list[control.LinkBeliefs]] = {c.node_id: [] for c in clients}
+            for c in clients:
+                c.on_beliefs(pushed[c.node_id].append)
+            try:
+                zero = (await asyncio.gather(*(c.policy_for(0, timeout=T) for c in clients)))[0]
+                slow = {**RATES, (1, 2): 1.0, (2, 1): 1.0}
+                assert await admin.override_policy(addr(service), slow, timeout=T) == 1
+                if not aux:
+                    await until(lambda: service.consistency.current_version == 1, "version 1 published")
+                    assert all(not got for got in pushed.values())
+                    return
+                await until(lambda: all(pushed.values()), "every node got version 1's beliefs")
+                one = pushed[1][0]
+                assert all(got == [one] for got in pushed.values())
+                assert one.version == 1 and one.rates == slow and one.amends == 0
+                assert set(one.offload) <= zero.tree_links() and {(1, 2), (2, 1)} & set(one.offload)
+                for link, moves in one.offload.items():
+                    assert {path for path, _ in moves} <= set(zero.aux_paths[link][1:])
+                    assert all({(1, 2), (2, 1)}.isdisjoint(itertools.pairwise(p)) for p, _ in moves)
             finally:
                 await close_all(clients)
 

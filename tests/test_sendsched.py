@@ -198,3 +198,41 @@ def test_explore_takes_the_fastest_auxiliary_path_through_the_asked_first_hop() 
     assert s.explore({3, 4}) == AUX[1]
     off = PathScheduler(PRIMARY, AUX, busy_bound=2, aux_queue_length=1, enabled=False)
     assert off.explore({3, 4}) is None
+
+
+def test_newer_beliefs_leave_out_paths_whose_later_hop_runs_behind_the_plan() -> None:
+    s = _lagging(aux_queue_length=2)
+    view = {2: LinkView(8 * MB, 1 * MB), 3: LinkView(0, 4 * MB), 4: LinkView(0, 4 * MB)}
+    s.choose(view.__getitem__, MB)
+    # 3 -> 2 is believed at 2.5 MB/s against the plan's 4: more than 30 % behind, so via 3 is out even
+    # though its own estimate (0.25 + 0.4 s) beats via 4, 5's (0.75 s); 4 -> 5 at 3 MB/s is within 30 %.
+    s.believe({(3, 2): 2.5 * MB, (4, 5): 3 * MB})
+    assert s.blocked == {AUX[0]}
+    assert s.choose(view.__getitem__, MB) == AUX[1]
+    assert s.choose(view.__getitem__, MB) == AUX[1]
+    assert s.choose(view.__getitem__, MB) == PRIMARY, "the only path left is full"
+    assert s.reroute(view.__getitem__, MB, 3) is None and s.explore({3}) is None
+    # Believed faster than planned, a later hop shortens the estimate: via 3 now 0.25 + 0.125 s.
+    s.believe({(3, 2): 8 * MB})
+    assert s.blocked == frozenset()
+    s.done(AUX[1])
+    assert s.choose(view.__getitem__, MB) == AUX[0]
+
+
+def test_replanned_moves_replace_the_planned_offload_and_ignore_what_they_weighed() -> None:
+    s = _lagging(busy_bound=100, offload=[(AUX[1], 0.5)])
+    s.believe({(3, 2): 1 * MB, (4, 5): 1 * MB})
+    assert s.blocked == {AUX[0], AUX[1]}
+    assert {s.choose() for _ in range(4)} == {PRIMARY}, "the planned detour runs through a hop behind"
+    s.amend([(AUX[0], 0.25)])
+    assert s.blocked == {AUX[1]}
+    chosen = [s.choose() for _ in range(8)]
+    assert chosen.count(AUX[0]) == 2 and AUX[1] not in chosen
+    s.take(AUX[0])
+    assert s.in_flight[AUX[0]] == 3 and s.in_flight[PRIMARY] == 4 + 6 - 1
+    with pytest.raises(ValueError, match="detours"):
+        s.take(PRIMARY)
+    with pytest.raises(ValueError, match="detour"):
+        s.amend([((1, 2), 0.5)])
+    with pytest.raises(ValueError, match="fraction"):
+        s.amend([(AUX[0], 1.5)])
