@@ -347,7 +347,7 @@ class SchedulerService:
                 log.info("network change %.2f s ago, seen on several links: reports before it stop counting",
                          now - at)
                 if self.cadence is not None:
-                    self.cadence.shift()  # the plans since were made from the old reports
+                    self.cadence.change()  # the plans since were made from the old reports
                     self._replan_wake.set()
         believed = self.collector.state(*link).mbit_s
         current = self.consistency.current_version

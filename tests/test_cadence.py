@@ -68,6 +68,18 @@ def test_membership_is_due_at_once_and_wins_over_a_shift() -> None:
     assert c.reason() is Reason.PERIODIC and c.due() == pytest.approx(105.3)
 
 
+def test_a_network_change_is_due_at_once_and_later_shifts_wait_react_interval() -> None:
+    c = Cadence(update_time=5.0, react_interval=1.0, now=100.0)
+    assert c.start(100.1) is Reason.PERIODIC  # a cycle that found nothing to change
+    c.change()
+    assert c.due() <= 100.2 and c.reason() is Reason.SHIFT
+    assert c.start(100.2) is Reason.SHIFT
+    c.shift()
+    assert c.due() == pytest.approx(101.2), "the next early re-plan waits react_interval"
+    c.member_down()
+    assert c.reason() is Reason.MEMBERSHIP
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="update_time"):
         Cadence(update_time=0.0, react_interval=1.0, now=0.0)
