@@ -36,6 +36,10 @@ def test_iteration_limits_follow_the_rates_in_force() -> None:
     # Initially the min cut is node 1's 20 Mbit/s out -> 1 s; after t=5 every link is 10 -> cut of
     # node 1 (one link) = 10 Mbit/s -> 2 s. Iterations start at 0, 4 and 7 s.
     assert results.iteration_limits(outcome, log, bounds, scenario) == [1.0, 1.0, 2.0]
+    # An iteration from 4.5 s: 0.5 s at the old rates moves 10 of the 20 Mbit across node 1's cut (its
+    # only link out, 20 Mbit/s, is the min cut), the rest at 10 Mbit/s takes 1 s more -> 1.5 s.
+    straddling = {"iteration_s": [3.0, 3.0], "completed_at_s": [4.5, 7.5]}
+    assert results.iteration_limits(straddling, log, bounds, scenario)[1] == pytest.approx(1.5, abs=1e-3)
 
 
 def _result() -> dict:

@@ -117,11 +117,46 @@ def _rates_at(rate_log: list[dict[str, Any]], t: float) -> Rates:
 
 def iteration_limits(outcome: dict[str, Any], rate_log: list[dict[str, Any]], bounds: Bounds,
                      scenario: Scenario) -> list[float]:
-    """M/λ at the rates in force when each completed iteration began (the previous one's end)."""
+    """The least time each completed iteration could have taken, from when it began (the previous one's
+    end), at the rates in force meanwhile: M/λ while they hold (``window_limit_s`` when they change)."""
     if not rate_log:
         return [bounds.limit_s(scenario.rates())] * len(outcome["iteration_s"])
     starts = [0.0, *outcome["completed_at_s"]][: len(outcome["iteration_s"])]
-    return [round(limit_of_scaled(bounds.model_bytes, _rates_at(rate_log, t)), 4) for t in starts]
+    return [round(window_limit_s(bounds.model_bytes, rate_log, t), 4) for t in starts]
+
+
+def window_limit_s(model_bytes: int, rate_log: list[dict[str, Any]], start: float) -> float:
+    """The least T in which M can leave every cut, from ``start`` on, at the logged rates.
+
+    A cut's capacity over [start, start + T] is the integral of its links' rates, so the bound is the
+    smallest T whose time-averaged rate graph, times T, has a directed min cut of M: M/λ while the rates
+    hold. An iteration a re-draw lands in is held neither to the old rates nor to the new ones alone.
+    """
+    from netstorm.limit import min_cut
+
+    first = limit_of_scaled(model_bytes, _rates_at(rate_log, start))
+    later = sorted((entry["t"], i) for i, entry in enumerate(rate_log) if entry["t"] > start)
+    if not later or later[0][0] >= start + first:
+        return first
+    segments = [(start, _rates_at(rate_log, start))] + [(t, _rates_at(rate_log, t)) for t, _ in later]
+    need = model_bytes * 8 / 1e6  # Mbit
+
+    def carried(window: float) -> float:
+        end = start + window
+        total: dict[tuple[int, int], float] = {}
+        for (begin, rates), (nxt, _) in zip(segments, [*segments[1:], (math.inf, {})], strict=True):
+            span = min(nxt, end) - begin
+            if span <= 0:
+                break
+            for link, mbit in rates.items():
+                total[link] = total.get(link, 0.0) + mbit * span
+        return min_cut(total).mbit
+
+    low, high = 0.0, max(limit_of_scaled(model_bytes, rates) for _, rates in segments)
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if carried(mid) < need else (low, mid)
+    return high
 
 
 def steady(values: list[float]) -> list[float]:
