@@ -32,6 +32,7 @@ RATES = {(1, 2): 50.0, (2, 1): 40.0, (2, 3): 80.0, (3, 2): 60.0, (3, 4): 30.0, (
 SPECS = [TensorSpec("conv", (40, 30), "float32"), TensorSpec("fc", (2500,), "float32"),
          TensorSpec("bias", (7,), "float32"), TensorSpec("scale", (1,), "float32")]
 CONFIG = Config(chunk_size=500, iteration_timeout=20.0, connect_timeout=5.0)
+MESH = [1, 2, 3, 4]
 
 
 def rollout(nodes: list[int]) -> Callable[[int], Policy]:
@@ -43,13 +44,18 @@ def rollout(nodes: list[int]) -> Callable[[int], Policy]:
     return policy
 
 
-async def one_iteration(nodes: dict[int, GeneralNode], values: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+async def one_iteration(nodes: dict[int, GeneralNode], values: dict[int, np.ndarray],
+                        pushed: Callable[[GeneralNode], None] | None = None) -> dict[int, np.ndarray]:
+    """One iteration on every node; ``pushed(node)`` runs right after the node's contributions, before
+    any of its link tasks ran (so their chunks are still queued)."""
     async def run(node: GeneralNode) -> np.ndarray:
         layout = node.layout
         assert layout is not None
         flat = values[node.node_id]
         for key in range(len(layout.tensors)):
             await node.contribute(key, flat[layout.key_slice(key)])
+        if pushed is not None:
+            pushed(node)
         out = np.full(layout.total, np.nan, dtype=np.float32)
 
         def sink(key: int, result: np.ndarray) -> None:
@@ -434,16 +440,23 @@ def test_chunks_queued_on_a_lagging_edge_move_to_idle_links_exactly_once(reroute
     uvloop.run(main())
 
 
+def _mesh_with_detours(fraction: float) -> tuple[dict[tuple[int, int], float], Policy, dict]:
+    """A 4-DC mesh's rates, its two-root plan, and a move of ``fraction`` of every tree link's chunks
+    onto its first detour."""
+    rates = {(a, b): 10.0 * (a + 2 * b) for a in MESH for b in MESH if a != b}
+    base = plan(rates, topology="fapt", num_roots=2)
+    moves = {link: ((paths[1], fraction),) for link, paths in base.aux_paths.items()
+             if link in base.tree_links() and len(paths) > 1}
+    assert moves
+    return rates, base, moves
+
+
 def test_planned_offload_sends_its_fraction_over_detours_and_sums_stay_exact():
     """Every tree link sends half its chunks over a detour in even iterations' policy, none in odd ones'
     (policy changes with detoured chunks in flight); only the plan moves chunks (no link lags on
     loopback). Every sum is exact, and the detours carried chunks."""
-    mesh = [1, 2, 3, 4]
-    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
-    base = plan(rates, topology="fapt", num_roots=2)
-    offload = {link: ((paths[1], 0.5),) for link, paths in base.aux_paths.items()
-               if link in base.tree_links() and len(paths) > 1}
-    assert offload
+    mesh = MESH
+    _, base, offload = _mesh_with_detours(0.5)
 
     def fixed(iteration: int) -> Policy:
         return dataclasses.replace(base, version=iteration, offload=offload if iteration % 2 == 0 else {})
@@ -471,50 +484,34 @@ def test_moves_replanned_mid_iteration_move_queued_chunks_and_sums_stay_exact():
     each node queued its contributions, every tree link's chunks are re-planned onto a detour (all of
     them). The queued chunks leave over the detours, chunks chosen later follow the new moves too, the
     next iteration (its own policy, no amendment) runs as planned, and every sum is exact."""
-    mesh = [1, 2, 3, 4]
-    rates = {(a, b): 10.0 * (a + 2 * b) for a in mesh for b in mesh if a != b}
-    base = plan(rates, topology="fapt", num_roots=2)
-    moves = {link: ((paths[1], 1.0),) for link, paths in base.aux_paths.items()
-             if link in base.tree_links() and len(paths) > 1}
-    assert moves
+    mesh = MESH
+    rates, base, moves = _mesh_with_detours(1.0)
     config = CONFIG.replace(enable_aux_path=True)
     rng = np.random.default_rng(5)
     total = sum(spec.size for spec in SPECS)
 
-    async def iteration(nodes: dict[int, GeneralNode], values: dict[int, np.ndarray],
-                        beliefs: LinkBeliefs | None) -> None:
-        async def run(node: GeneralNode) -> np.ndarray:
-            layout = node.layout
-            assert layout is not None and isinstance(node.control, FixedControl)
-            for key in range(len(layout.tensors)):
-                await node.contribute(key, values[node.node_id][layout.key_slice(key)])
-            if beliefs is not None:  # no link task ran since the contributions: their chunks are queued
-                movable = sum(link.count(lambda o: o.scheduler is not None and not o.header.is_aux
-                                         and (node.node_id, o.header.dst) in moves)
-                              for link in node.links.values())
-                before = node.forwarding.moved_chunks
-                node.control.push_beliefs(beliefs)
-                assert node.forwarding.moved_chunks - before == movable
-            out = np.full(layout.total, np.nan, dtype=np.float32)
+    def amend(node: GeneralNode) -> None:
+        assert isinstance(node.control, FixedControl)
+        movable = sum(link.count(lambda o: o.scheduler is not None and not o.header.is_aux
+                                 and (node.node_id, o.header.dst) in moves)
+                      for link in node.links.values())
+        before = node.forwarding.moved_chunks
+        node.control.push_beliefs(LinkBeliefs(version=1, rates=rates, amends=0, offload=moves))
+        assert node.forwarding.moved_chunks - before == movable
 
-            def sink(key: int, result: np.ndarray) -> None:
-                out[layout.key_slice(key)] = result
-            await node.collect(list(range(len(layout.tensors))), sink)
-            return out
-
-        results = await asyncio.gather(*(run(n) for n in nodes.values()))
-        for out in results:
+    async def iteration(nodes: dict[int, GeneralNode], pushed: Callable[[GeneralNode], None] | None) -> None:
+        values = {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}
+        for out in (await one_iteration(nodes, values, pushed)).values():
             np.testing.assert_array_equal(out, np.sum(list(values.values()), axis=0))
 
     async def main() -> None:
         async with cluster(mesh, config, lambda k: dataclasses.replace(base, version=k)) as nodes:
             for node in nodes.values():
                 await node.register(SPECS)
-            amendment = LinkBeliefs(version=1, rates=rates, amends=0, offload=moves)
-            await iteration(nodes, {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}, amendment)
+            await iteration(nodes, amend)
             moved = sum(n.forwarding.moved_chunks for n in nodes.values())
             assert moved > 0
-            await iteration(nodes, {i: rng.integers(-500, 500, total).astype(np.float32) for i in mesh}, None)
+            await iteration(nodes, None)
             assert sum(n.forwarding.moved_chunks for n in nodes.values()) == moved, "iteration 1 kept its plan"
             for node in nodes.values():  # every moved chunk left: no path still counts one in flight
                 for scheduler in node.forwarding._schedulers.values():
