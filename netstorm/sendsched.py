@@ -17,8 +17,8 @@ capacity the plan counts on:
   are what holds the iteration up, and moving them is the gain.
 - *Earliest delivery.* Among the auxiliary paths with room, the one whose estimated delivery is
   earliest, if earlier than the primary's: the first hop's waiting bytes plus the chunk at its measured
-  rate, and the chunk at the planned (or newer believed) rate of every later hop (whose queues the sender cannot
-  see).
+  rate, and the chunk at the planned (or newer believed) rate of every later hop (whose queues the
+  sender cannot see).
 
 Once the scheduler has published a newer policy, ``believe`` hands the scheduler the rates it was
 planned from. The bound policy's trees stay, but a path with a later hop that runs more than
@@ -93,11 +93,7 @@ class PathScheduler:
         """Queued chunks move (``reroute``) only while the primary sends below this fraction of its plan."""
         self.offload: tuple[tuple[Path, float], ...] = tuple((tuple(p), float(f)) for p, f in offload)
         """Planned (path, fraction of this edge's chunks) detours."""
-        for path, fraction in self.offload:
-            if path[:1] != primary[:1] or path[-1:] != primary[-1:] or len(path) < 3 or len(set(path)) != len(path):
-                raise ValueError(f"offload path {path} must be a detour from {primary[0]} to {primary[-1]}")
-            if not 0 < fraction <= 1:
-                raise ValueError(f"offload fraction of {path} must be in (0, 1], got {fraction}")
+        _check_offload(primary, self.offload)
         # Half a chunk of credit to start: the first detour goes as soon as its fraction rounds to one.
         self._credit: dict[Path, float] = {path: 0.5 for path, _ in self.offload}
         self._in_flight: dict[Path, int] = {primary: 0, **{p: 0 for p in self.aux},
@@ -119,12 +115,7 @@ class PathScheduler:
         """Replace the planned offload by one re-planned for newer rates (with this policy's trees and
         shares); its paths are used whatever ``believe`` says of their hops, since the re-plan weighed them."""
         moves = tuple((tuple(p), float(f)) for p, f in offload)
-        for path, fraction in moves:
-            if path[:1] != self.primary[:1] or path[-1:] != self.primary[-1:] or len(path) < 3 \
-                    or len(set(path)) != len(path):
-                raise ValueError(f"offload path {path} must be a detour from {self.primary[0]} to {self.primary[-1]}")
-            if not 0 < fraction <= 1:
-                raise ValueError(f"offload fraction of {path} must be in (0, 1], got {fraction}")
+        _check_offload(self.primary, moves)
         self.offload = moves
         self._credit = {path: 0.5 for path, _ in moves}
         for path, _ in moves:
@@ -259,3 +250,11 @@ class PathScheduler:
         if count == 0:
             raise ValueError(f"path {path} has no chunk in flight")
         self._in_flight[path] = count - 1
+
+
+def _check_offload(primary: Path, offload: Sequence[tuple[Path, float]]) -> None:
+    for path, fraction in offload:
+        if path[:1] != primary[:1] or path[-1:] != primary[-1:] or len(path) < 3 or len(set(path)) != len(path):
+            raise ValueError(f"offload path {path} must be a detour from {primary[0]} to {primary[-1]}")
+        if not 0 < fraction <= 1:
+            raise ValueError(f"offload fraction of {path} must be in (0, 1], got {fraction}")

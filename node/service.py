@@ -539,26 +539,31 @@ class GeneralNode:
             self._move_planned(scheduler)
 
     def _move_planned(self, scheduler: PathScheduler) -> None:
+        """Move each detour's fraction of the chunks queued on ``scheduler``'s tree edge, last first."""
         source = self.links.get(scheduler.primary[1])
         if source is None:
             return
+
         def ours(item: Outgoing) -> bool:
             return item.scheduler is scheduler and not item.header.is_aux
 
         queued = source.count(ours)
         for path, fraction in scheduler.offload:
-            target = self.links.get(path[1])
-            if target is None or path[1] in self.down:
+            if path[1] not in self.links or path[1] in self.down:
                 continue
             for _ in range(round(fraction * queued)):
                 item = source.last(ours)
                 if item is None:
                     return
-                source.take_back(item)
                 scheduler.take(path)
-                self.forwarding.moved_chunks += 1
-                header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
-                target.enqueue(Outgoing(header, item.payload, _done_callback(scheduler, path)))
+                self._detour(source, item, scheduler, path)
+
+    def _detour(self, source: PeerLink, item: Outgoing, scheduler: PathScheduler, path: tuple[int, ...]) -> None:
+        """Send ``item``, queued on ``source`` for its tree edge, over the auxiliary ``path`` instead."""
+        source.take_back(item)
+        self.forwarding.moved_chunks += 1
+        header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
+        self.links[path[1]].enqueue(Outgoing(header, item.payload, _done_callback(scheduler, path)))
 
     def _rebalance(self, peer: int) -> None:
         """Link ``peer`` ran empty, or sent a frame with more waiting: move one queued tree-edge chunk
@@ -584,10 +589,7 @@ class GeneralNode:
         path = item.scheduler.reroute(self._link_view, item.payload.nbytes, target)
         if path is None:
             return False
-        source.take_back(item)
-        self.forwarding.moved_chunks += 1
-        header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
-        self.links[target].enqueue(Outgoing(header, item.payload, _done_callback(item.scheduler, path)))
+        self._detour(source, item, item.scheduler, path)
         return True
 
 
