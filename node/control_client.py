@@ -333,18 +333,10 @@ class SchedulerClient:
             log.error("node %d: the scheduler declared this node dead: %s", self.node_id, message.reason)
         else:
             log.warning("node %d: member %d is down: %s", self.node_id, message.node_id, message.reason)
-        for callback in list(self._down_callbacks):
-            try:
-                callback(message.node_id, message.reason)
-            except Exception:
-                log.exception("member-down callback failed")
+        _notify(self._down_callbacks, "member-down", message.node_id, message.reason)
 
     def _beliefs(self, message: control.LinkBeliefs) -> None:
-        for callback in list(self._beliefs_callbacks):
-            try:
-                callback(message)
-            except Exception:
-                log.exception("link-beliefs callback failed")
+        _notify(self._beliefs_callbacks, "link-beliefs", message)
 
     def _connection_lost(self, error: ControlError) -> None:
         if self._lost is None:
@@ -394,6 +386,15 @@ class SchedulerClient:
 def ack_config(*, ack: control.RegisterAck) -> dict[str, object]:
     """The scheduler's config options, restricted to the ones this version knows (newer ones are ignored)."""
     return {k: v for k, v in ack.config.items() if k in config_module.FIELDS}
+
+
+def _notify(callbacks: list[Callable[..., None]], what: str, *args: object) -> None:
+    """Call every callback of a pushed message; one that fails is logged and the others still run."""
+    for callback in list(callbacks):
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("%s callback failed", what)
 
 
 def _consume(future: asyncio.Future[Policy]) -> None:
