@@ -13,15 +13,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from netstorm.allot import allot_chunks
-from netstorm.auxpath import auxiliary_paths
-from netstorm.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
 from netstorm.errors import PolicyError
-from netstorm.fapt import build_multi_root_fapt
-from netstorm.offload import plan_offload
-from netstorm.predict import routed_delay, routes_for
-from netstorm.rategraph import RateGraph
-from netstorm.rootpacking import pack_for_roots
+from netstorm.planning.allot import allot_chunks
+from netstorm.planning.auxpath import auxiliary_paths
+from netstorm.planning.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
+from netstorm.planning.fapt import build_multi_root_fapt
+from netstorm.planning.offload import plan_offload
+from netstorm.planning.predict import routed_delay, routes_for
+from netstorm.planning.rategraph import RateGraph
+from netstorm.planning.rootpacking import pack_for_roots
 from netstorm.scenario import Rates
 from netstorm.tree import Tree
 
@@ -59,7 +59,7 @@ class Policy:
     offload: Mapping[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = dataclasses.field(
         default_factory=dict)
     """Directed tree link -> (auxiliary path, fraction of the chunks it sends on that link), planned
-    (``netstorm.offload``): what the trees alone cannot balance."""
+    (``netstorm.planning.offload``): what the trees alone cannot balance."""
 
     @property
     def nodes(self) -> tuple[int, ...]:
@@ -289,10 +289,10 @@ def plan(
     a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
 
     ``packing`` (Config.tree_packing) replaces ``fapt``'s shortest-path trees and quality-proportional
-    shares by the LP tree packing of ``netstorm.packing`` for the same roots (quality stays Algorithm
+    shares by the LP tree packing of ``netstorm.planning.packing`` for the same roots (quality stays Algorithm
     1's); off, ``fapt`` is the paper's Algorithm 2. ``offload`` (with ``aux``, for packed ``fapt``) plans
     the shares again together with the fractions of tree links' chunks their auxiliary paths carry
-    (``netstorm.offload``).
+    (``netstorm.planning.offload``).
     """
     if topology not in TOPOLOGIES:
         raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")

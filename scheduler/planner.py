@@ -16,8 +16,8 @@ import logging
 from collections.abc import Callable, Collection
 
 from netstorm.errors import NetStormError
+from netstorm.planning.predict import busiest_link_s
 from netstorm.policy import Policy, plan
-from netstorm.predict import busiest_link_s
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)

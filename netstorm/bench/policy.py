@@ -6,7 +6,7 @@ same graphs: networkx's all-pairs Dijkstra (only Algorithm 1's path lengths, pur
 Algorithm 3 done the plain way (one networkx Dijkstra per path, edges removed in between).
 
 The target applies to the paper's planner (``plan(..., packing=False)``). The default ``fapt`` plan
-also solves the LP tree packing (``netstorm.packing``) and runs Algorithm 3 on the packed trees; it is
+also solves the LP tree packing (``netstorm.planning.packing``) and runs Algorithm 3 on the packed trees; it is
 timed separately in the "packed" columns.
 """
 

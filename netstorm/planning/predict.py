@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
 from netstorm.routing import shortest_hop_routes
 from netstorm.tree import Tree
 
