@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable, Collection
 
 from netstorm.errors import NetStormError
+from netstorm.planning.plan import plan
 from netstorm.planning.predict import busiest_link_s
-from netstorm.policy import Policy, plan
+from netstorm.policy import Policy
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import pytest
 from netstorm.errors import PolicyError
 from netstorm.planning.baselines import best_connected, bfs_order, bkt_tree
 from netstorm.planning.fapt import theorem1_delay
+from netstorm.planning.plan import plan
 from netstorm.planning.rategraph import RateGraph
-from netstorm.policy import plan
 from tests.policy_graphs import internet2, random_overlay
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from netstorm.errors import PolicyError
 from netstorm.planning.fapt import build_multi_root_fapt, theorem1_delay, top_roots
+from netstorm.planning.plan import plan
 from netstorm.planning.rategraph import RateGraph
-from netstorm.policy import plan
 from netstorm.tree import Tree
 from tests.policy_graphs import random_overlay
 

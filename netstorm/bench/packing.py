@@ -14,9 +14,9 @@ import time
 
 from netstorm.planning.limit import min_cut
 from netstorm.planning.packing import PackingGraph, pack_trees
+from netstorm.planning.plan import plan
 from netstorm.planning.predict import predict
 from netstorm.planning.rategraph import RateGraph
-from netstorm.policy import plan
 from netstorm.scenario import Rates
 
 HELP = "time the LP tree packing on random overlays of 50/100/200 nodes against Algorithm 2; bulk vs M/λ"

@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from netstorm.policy import plan
+from netstorm.planning.plan import plan
 from netstorm.scenario import Rates
 
 HELP = "time Algorithm 2 + 3 on random overlays of 50/100/200 nodes against networkx baselines"

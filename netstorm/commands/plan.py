@@ -15,8 +15,9 @@ from netstorm.errors import PolicyError
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
 from netstorm.planning.allot import allot_chunks, split_chunks
 from netstorm.planning.limit import MinCut, min_cut
+from netstorm.planning.plan import plan
 from netstorm.planning.predict import Prediction, predict
-from netstorm.policy import TOPOLOGIES, Policy, plan
+from netstorm.policy import TOPOLOGIES, Policy
 from netstorm.scenario import Rates
 
 NAME = "plan"
