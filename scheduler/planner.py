@@ -1,4 +1,4 @@
-"""Policy formulation: Algorithm 2 + 3 (netstorm.policy.plan) over the live nodes' link rates.
+"""Policy formulation: Algorithm 2 + 3 (netstorm.planning.plan) over the live nodes' link rates.
 
 The first decision picks the roots (top-N quality scores); every later plan passes them back as
 ``roots=`` so they never move (paper Algorithm 1), minus any root that has died. A re-plan is skipped
