@@ -27,7 +27,7 @@ moves and exploring alike): that hop is already behind with the trees' own chunk
 it only lengthens its backlog. The sender cannot see that hop's queue; in the iteration a WAN change
 lands in, other nodes' detours through such a hop made it the iteration's bottleneck.
 
-A planned ``offload`` ((path, fraction), ...; ``netstorm.offload``) comes first: each path gets its
+A planned ``offload`` ((path, fraction), ...; ``netstorm.planning.offload``) comes first: each path gets its
 fraction of the edge's chunks, spread evenly by a credit per path (a chunk goes to the path whose
 credit reaches one first), whatever the primary's backlog, because the plan counted on it.
 

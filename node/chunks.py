@@ -25,7 +25,8 @@ import numpy as np
 from netstorm.errors import ChunkError
 from netstorm.frames import ChunkHeader, Phase
 from netstorm.layout import Layout
-from netstorm.policy import Policy, allot_chunks
+from netstorm.planning.allot import allot_chunks
+from netstorm.policy import Policy
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import enum
 
+from netstorm.planning.predict import busiest_link_s
 from netstorm.policy import Policy
-from netstorm.predict import busiest_link_s
 from netstorm.scenario import Rates
 
 

@@ -1,4 +1,4 @@
-"""Policy formulation: Algorithm 2 + 3 (netstorm.policy.plan) over the live nodes' link rates.
+"""Policy formulation: Algorithm 2 + 3 (netstorm.planning.plan) over the live nodes' link rates.
 
 The first decision picks the roots (top-N quality scores); every later plan passes them back as
 ``roots=`` so they never move (paper Algorithm 1), minus any root that has died. A re-plan is skipped
@@ -16,8 +16,9 @@ import logging
 from collections.abc import Callable, Collection
 
 from netstorm.errors import NetStormError
-from netstorm.policy import Policy, plan
-from netstorm.predict import busiest_link_s
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import busiest_link_s
+from netstorm.policy import Policy
 from netstorm.scenario import Rates
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from netstorm import control
 from netstorm.clock import serve_sntp
 from netstorm.config import Config
 from netstorm.errors import ConfigError
-from netstorm.offload import plan_offload
+from netstorm.planning.offload import plan_offload
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates

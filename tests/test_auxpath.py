@@ -8,10 +8,10 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from netstorm import auxpath
-from netstorm.auxpath import auxiliary_paths, edge_disjoint_paths, path_cost
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning import auxpath
+from netstorm.planning.auxpath import auxiliary_paths, edge_disjoint_paths, path_cost
+from netstorm.planning.rategraph import RateGraph
 from tests.policy_graphs import internet2, random_overlay
 
 

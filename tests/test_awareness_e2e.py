@@ -31,7 +31,8 @@ from netstorm.config import Config
 from netstorm.frames import ChunkHeader
 from netstorm.layout import TensorSpec
 from netstorm.netns_testbed import LinkSpec, Testbed
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from node.service import GeneralNode
 from scheduler.collector import LinkCollector

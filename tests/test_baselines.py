@@ -5,11 +5,11 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from netstorm.baselines import best_connected, bfs_order, bkt_tree
 from netstorm.errors import PolicyError
-from netstorm.fapt import theorem1_delay
-from netstorm.policy import plan
-from netstorm.rategraph import RateGraph
+from netstorm.planning.baselines import best_connected, bfs_order, bkt_tree
+from netstorm.planning.fapt import theorem1_delay
+from netstorm.planning.plan import plan
+from netstorm.planning.rategraph import RateGraph
 from tests.policy_graphs import internet2, random_overlay
 
 

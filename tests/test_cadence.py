@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from netstorm.policy import plan
+from netstorm.planning.plan import plan
 from scheduler.cadence import Cadence, Reason, shifted, slows
 
 PLANNED = {(1, 2): 100.0, (2, 1): 50.0}

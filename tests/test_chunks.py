@@ -16,7 +16,8 @@ import pytest
 from netstorm.errors import ChunkError
 from netstorm.frames import Phase
 from netstorm.layout import Layout, TensorSpec
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from node.chunks import Action, ChunkCore, IterationDone, IterationFailed, KeyDone, Send
 
 RING5 = {(1, 2): 40.0, (2, 3): 90.0, (3, 4): 20.0, (4, 5): 70.0, (5, 1): 30.0, (2, 4): 55.0}

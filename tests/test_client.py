@@ -20,7 +20,8 @@ import uvloop
 import netstorm
 from netstorm.config import Config
 from netstorm.errors import NodeGone, TrainerProtocolError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from node.trainer_endpoint import TrainerEndpoint
 from tests.dataplane import cluster
 

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from netstorm import scenario
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from scheduler.consistency import Consistency, ConsistencyError
 
 RATES = scenario.load("internet2-9").rates()

@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from netstorm.errors import PolicyError
-from netstorm.fapt import build_multi_root_fapt, theorem1_delay, top_roots
-from netstorm.policy import plan
-from netstorm.rategraph import RateGraph
+from netstorm.planning.fapt import build_multi_root_fapt, theorem1_delay, top_roots
+from netstorm.planning.plan import plan
+from netstorm.planning.rategraph import RateGraph
 from netstorm.tree import Tree
 from tests.policy_graphs import random_overlay
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from netstorm.config import Config
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from node.forwarding import EXPLORE_CHUNKS, Forwarding
 from tests.policy_graphs import internet2
 

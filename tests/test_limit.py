@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from netstorm.errors import PolicyError
-from netstorm.limit import limit_s, min_cut
+from netstorm.planning.limit import limit_s, min_cut
 from tests.policy_graphs import internet2, random_overlay
 
 

@@ -10,11 +10,12 @@ import json
 import pytest
 
 from netstorm.errors import PolicyError
-from netstorm.limit import limit_s
-from netstorm.offload import plan_offload, tree_loads
-from netstorm.policy import Policy, plan
-from netstorm.predict import link_loads, predict, routes_for
-from netstorm.rategraph import RateGraph
+from netstorm.planning.limit import limit_s
+from netstorm.planning.offload import plan_offload, tree_loads
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import link_loads, predict, routes_for
+from netstorm.planning.rategraph import RateGraph
+from netstorm.policy import Policy
 from netstorm.sendsched import PathScheduler
 from netstorm.tree import Tree
 from tests.policy_graphs import internet2_redrawn

@@ -15,12 +15,12 @@ from scipy.optimize import linprog
 
 from netstorm import scenario
 from netstorm.errors import PolicyError
-from netstorm.limit import limit_s, min_cut
-from netstorm.packing import PackingGraph, pack_trees
-from netstorm.policy import plan
-from netstorm.predict import predict
-from netstorm.rategraph import RateGraph
-from netstorm.rootpacking import pack_for_roots
+from netstorm.planning.limit import limit_s, min_cut
+from netstorm.planning.packing import PackingGraph, pack_trees
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import predict
+from netstorm.planning.rategraph import RateGraph
+from netstorm.planning.rootpacking import pack_for_roots
 from netstorm.scenario import Rates
 from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
@@ -183,7 +183,7 @@ def test_trees_go_to_the_roots_where_they_are_fastest():
 
 
 def test_delays_match_theorem1_of_the_rooted_tree():
-    from netstorm.fapt import theorem1_delay
+    from netstorm.planning.fapt import theorem1_delay
 
     rates = random_overlay(15, 4, seed=9)
     graph = PackingGraph.from_graph(RateGraph.from_rates(rates))
@@ -206,7 +206,7 @@ def test_links_one_way_only_are_rejected_with_a_clear_error():
 
 _DETERMINISM = """
 import json, sys
-from netstorm.policy import plan
+from netstorm.planning.plan import plan
 from tests.policy_graphs import internet2, random_overlay
 out = [plan(internet2(0.25)).to_wire(), plan(random_overlay(40, 6, seed=5), num_roots=8, aux=False).to_wire()]
 sys.stdout.write(json.dumps(out))

@@ -21,7 +21,8 @@ from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, ChunkHeader, ErrorFrame, Hello, Kind, Phase
 from netstorm.layout import TensorSpec
-from netstorm.policy import Policy, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import Policy
 from netstorm.sendsched import LinkView
 from node.peers import Outgoing, PeerError, PeerLink
 from node.service import GeneralNode, IterationTimeout, PeerGone

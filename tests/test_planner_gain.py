@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from netstorm import scenario
-from netstorm.predict import predict
+from netstorm.planning.predict import predict
 from netstorm.scenario import Rates
 from scheduler.collector import LinkCollector
 from scheduler.planner import Planner

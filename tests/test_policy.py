@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netstorm.errors import PolicyError
-from netstorm.policy import TOPOLOGIES, Policy, Tree, plan
+from netstorm.planning.plan import plan
+from netstorm.policy import TOPOLOGIES, Policy, Tree
 from tests.policy_graphs import internet2, random_overlay
 
 
@@ -175,7 +176,7 @@ def test_aux_paths_cover_every_tree_edge_both_ways():
 
 _DUMP = """
 import json, random, sys
-from netstorm.policy import plan
+from netstorm.planning.plan import plan
 from tests.policy_graphs import random_overlay
 rates = random_overlay(25, 5, 5, low=20, high=24)   # few distinct rates: many exact ties
 items = list(rates.items())

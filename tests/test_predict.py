@@ -7,10 +7,11 @@ import itertools
 import pytest
 
 from netstorm.errors import PolicyError
-from netstorm.limit import limit_s
-from netstorm.policy import TOPOLOGIES, plan
-from netstorm.predict import busiest_link_s, link_loads, predict, routes_for
-from netstorm.rategraph import RateGraph
+from netstorm.planning.limit import limit_s
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import busiest_link_s, link_loads, predict, routes_for
+from netstorm.planning.rategraph import RateGraph
+from netstorm.policy import TOPOLOGIES
 from netstorm.tree import Tree
 from tests.policy_graphs import internet2, random_overlay
 

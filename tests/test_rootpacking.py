@@ -12,10 +12,10 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
 from netstorm import scenario
-from netstorm.packing import PackingGraph, assign_roots, pack_trees, solve_with_duals
-from netstorm.policy import plan
-from netstorm.rategraph import RateGraph
-from netstorm.rootpacking import MAX_SEARCH_WORK, Overlay, pack_for_roots
+from netstorm.planning.packing import PackingGraph, assign_roots, pack_trees, solve_with_duals
+from netstorm.planning.plan import plan
+from netstorm.planning.rategraph import RateGraph
+from netstorm.planning.rootpacking import MAX_SEARCH_WORK, Overlay, pack_for_roots
 from netstorm.scenario import Rates
 from tests.policy_graphs import internet2, random_overlay
 

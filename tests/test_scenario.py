@@ -6,7 +6,7 @@ import pytest
 
 from netstorm import scenario
 from netstorm.errors import ScenarioError
-from netstorm.limit import min_cut
+from netstorm.planning.limit import min_cut
 
 EDGES = [(1, 2), (1, 3), (2, 3), (2, 5), (3, 4), (4, 5), (4, 6), (5, 7), (6, 7), (6, 8), (6, 9), (7, 8), (8, 9)]
 

@@ -748,7 +748,7 @@ def test_no_connection_handler_outlives_serve() -> None:
 def test_tree_packing_option_reaches_the_planner() -> None:
     from netstorm import scenario
     from netstorm.config import Config
-    from netstorm.policy import plan
+    from netstorm.planning.plan import plan
     from scheduler.service import SchedulerService
 
     rates = scenario.load("internet2-9").rates()

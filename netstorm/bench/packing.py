@@ -12,11 +12,11 @@ import argparse
 import statistics
 import time
 
-from netstorm.limit import min_cut
-from netstorm.packing import PackingGraph, pack_trees
-from netstorm.policy import plan
-from netstorm.predict import predict
-from netstorm.rategraph import RateGraph
+from netstorm.planning.limit import min_cut
+from netstorm.planning.packing import PackingGraph, pack_trees
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import predict
+from netstorm.planning.rategraph import RateGraph
 from netstorm.scenario import Rates
 
 HELP = "time the LP tree packing on random overlays of 50/100/200 nodes against Algorithm 2; bulk vs M/λ"

@@ -6,7 +6,7 @@ same graphs: networkx's all-pairs Dijkstra (only Algorithm 1's path lengths, pur
 Algorithm 3 done the plain way (one networkx Dijkstra per path, edges removed in between).
 
 The target applies to the paper's planner (``plan(..., packing=False)``). The default ``fapt`` plan
-also solves the LP tree packing (``netstorm.packing``) and runs Algorithm 3 on the packed trees; it is
+also solves the LP tree packing (``netstorm.planning.packing``) and runs Algorithm 3 on the packed trees; it is
 timed separately in the "packed" columns.
 """
 
@@ -19,7 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from netstorm.policy import plan
+from netstorm.planning.plan import plan
 from netstorm.scenario import Rates
 
 HELP = "time Algorithm 2 + 3 on random overlays of 50/100/200 nodes against networkx baselines"

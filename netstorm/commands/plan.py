@@ -11,12 +11,13 @@ from typing import Any
 
 from netstorm import config as config_mod
 from netstorm import scenario as scenario_mod
-from netstorm.allot import allot_chunks, split_chunks
 from netstorm.errors import PolicyError
-from netstorm.limit import MinCut, min_cut
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
-from netstorm.policy import TOPOLOGIES, Policy, plan
-from netstorm.predict import Prediction, predict
+from netstorm.planning.allot import allot_chunks, split_chunks
+from netstorm.planning.limit import MinCut, min_cut
+from netstorm.planning.plan import plan
+from netstorm.planning.predict import Prediction, predict
+from netstorm.policy import TOPOLOGIES, Policy
 from netstorm.scenario import Rates
 
 NAME = "plan"

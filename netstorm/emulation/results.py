@@ -43,7 +43,7 @@ class Bounds:
 
 
 def limit_of_scaled(model_bytes: int, rates: Rates) -> float:
-    from netstorm.limit import limit_s
+    from netstorm.planning.limit import limit_s
 
     return float(limit_s(model_bytes, rates))
 
@@ -132,7 +132,7 @@ def window_limit_s(model_bytes: int, rate_log: list[dict[str, Any]], start: floa
     smallest T whose time-averaged rate graph, times T, has a directed min cut of M: M/λ while the rates
     hold. An iteration a re-draw lands in is held neither to the old rates nor to the new ones alone.
     """
-    from netstorm.limit import min_cut
+    from netstorm.planning.limit import min_cut
 
     first = limit_of_scaled(model_bytes, _rates_at(rate_log, start))
     later = sorted((entry["t"], i) for i, entry in enumerate(rate_log) if entry["t"] > start)

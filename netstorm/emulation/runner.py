@@ -573,7 +573,7 @@ def run(opts: Options) -> dict[str, Any]:
 
 def planned_trees(system: systems.System, rates: Rates) -> dict[str, dict[str, int | None]]:
     """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from)."""
-    from netstorm.policy import plan
+    from netstorm.planning.plan import plan
 
     policy = plan(rates, topology=system.topology, aux=False)
     return {str(root): {str(child): parent for child, parent in sorted(tree.parent.items())}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import networkx as nx
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
 
 
 @dataclass(frozen=True)

@@ -16,15 +16,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
+from netstorm.policy import Policy
 from netstorm.routing import shortest_hop_routes
 from netstorm.tree import Tree
-
-if TYPE_CHECKING:
-    from netstorm.policy import Policy
 
 Routes = dict[tuple[int, int], tuple[int, ...]]
 

@@ -16,7 +16,7 @@ import numpy as np
 from scipy.sparse.csgraph import dijkstra
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
 from netstorm.tree import Tree
 
 # Two path costs closer than this (relative) count as a tie, broken by the smaller node id, so results
@@ -28,7 +28,7 @@ def theorem1_delay(tree: Tree, rates: Mapping[tuple[int, int], float]) -> float:
     """Synchronization delay of ``tree``: max over nodes of the sum of 1/s(child->parent) up to the root.
 
     Every tree edge must be an overlay link; baselines whose edges ride IP routes use
-    ``netstorm.predict`` instead.
+    ``netstorm.planning.predict`` instead.
     """
     cost: dict[int, float] = {tree.root: 0.0}
     for node in reversed(tree.bottom_up()):  # parents before children

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from netstorm.packing import EdgeSet, PackingGraph, assign_roots, pack_trees, rounded_shares, solve_with_duals
-from netstorm.rategraph import RateGraph
+from netstorm.planning.packing import EdgeSet, PackingGraph, assign_roots, pack_trees, rounded_shares, solve_with_duals
+from netstorm.planning.rategraph import RateGraph
 from netstorm.tree import Tree
 
 __all__ = ["MAX_SEARCH_WORK", "SWEEPS", "Overlay", "Search", "pack_for_roots", "refine_roots"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
 from netstorm.tree import Tree
 
 

@@ -31,8 +31,8 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import dijkstra
 
 from netstorm.errors import PolicyError
-from netstorm.fapt import aggregation_distances
-from netstorm.rategraph import RateGraph
+from netstorm.planning.fapt import aggregation_distances
+from netstorm.planning.rategraph import RateGraph
 
 Path = tuple[int, ...]
 

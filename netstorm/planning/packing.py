@@ -16,7 +16,7 @@ tree. The master lives in one HiGHS model (highspy) so each round re-solves from
 
 The runtime wants one tree per root, so an optimum using more trees than there are roots is cut down
 to the best of a few candidate subsets (``pack_trees``), each with re-optimised shares;
-``netstorm.rootpacking`` then improves the cut tree by tree.
+``netstorm.planning.rootpacking`` then improves the cut tree by tree.
 
 The paper's multi-root FAPT (shortest-path trees, shares proportional to quality) loads the links
 around the fastest nodes and lands about 2x above the physical limit M/λ on internet2-9; the packing
@@ -38,7 +38,7 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import breadth_first_order, dijkstra
 
 from netstorm.errors import PolicyError
-from netstorm.rategraph import RateGraph
+from netstorm.planning.rategraph import RateGraph
 from netstorm.tree import Tree
 
 __all__ = ["EdgeSet", "Packing", "PackingGraph", "assign_roots", "pack_trees", "rounded_shares", "solve_with_duals"]

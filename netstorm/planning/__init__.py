@@ -1,0 +1,12 @@
+"""Planning: everything that turns measured link rates into a policy, or judges one.
+
+FAPT (``fapt``), the LP tree packing (``packing``, ``rootpacking``), auxiliary paths (``auxpath``),
+planned offload (``offload``), the baselines (``baselines``), the fluid-model prediction (``predict``),
+the min-cut limit (``limit``), chunk -> root allotment (``allot``), all over the rate graph
+(``rategraph``), and ``plan.plan``, which puts them together. The policy itself, data with its wire
+form, is ``netstorm.policy``.
+
+Nothing is imported here: the solvers behind most of these modules (HiGHS, scipy, networkx, numba) take
+a while to load, and a general node, which only allots chunks to roots, must not load them at all.
+Import the module you need.
+"""

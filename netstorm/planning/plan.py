@@ -1,0 +1,106 @@
+"""``plan``: a policy from measured rates, for NetStorm's multi-root FAPT or one of the baselines.
+
+Deterministic: the same rates give the same policy, byte for byte on the wire.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from netstorm.errors import PolicyError
+from netstorm.planning.auxpath import auxiliary_paths
+from netstorm.planning.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
+from netstorm.planning.fapt import build_multi_root_fapt
+from netstorm.planning.offload import plan_offload
+from netstorm.planning.predict import routed_delay, routes_for
+from netstorm.planning.rategraph import RateGraph
+from netstorm.planning.rootpacking import pack_for_roots
+from netstorm.policy import TOPOLOGIES, Policy
+from netstorm.policy import _tree_pairs as tree_pairs  # the pairs Policy.tree_links sends on, defined once
+from netstorm.scenario import Rates
+from netstorm.tree import Tree
+
+__all__ = ["plan"]
+
+
+def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
+    """For every directed pair the trees send on: the tree edge itself first, then Algorithm 3's paths
+    in the graph without that link, each no faster than the one before.
+
+    The tree edge leads because the runtime sends a chunk over it unless it is busy: a push child ->
+    parent is the first hop of the child's fastest path to the root anyway, and a result returns down
+    the same edge. An edge between DCs that share no link (STAR, BKT) is the IP route between them.
+    """
+    searched = auxiliary_paths(graph, tree_pairs(trees), without_direct=True)
+    return {pair: (pair, *paths) for pair, paths in searched.items()}
+
+
+def _baseline_tree(graph: RateGraph, topology: str, hub: int | None, bkt_k: int) -> Tree:
+    """STAR or BKT at ``hub`` (default the best-connected node); MST at ``hub`` or its fastest root."""
+    if hub is not None and hub not in graph.index:
+        raise PolicyError(f"hub {hub} is not a node of the overlay (nodes: {list(graph.nodes)})")
+    if topology == "mst":
+        edges = maximum_spanning_edges(graph)
+        if hub is not None:
+            return orient(graph.nodes, edges, hub)
+        routes = routes_for(graph)
+        options = [orient(graph.nodes, edges, r) for r in graph.nodes]
+        return min(options, key=lambda t: (routed_delay(t, graph, routes), t.root))
+    root = best_connected(graph) if hub is None else hub
+    return star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
+
+
+def plan(
+    rates: Rates,
+    *,
+    topology: str = "fapt",
+    num_roots: int = 0,
+    roots: Sequence[int] | None = None,
+    bkt_k: int = 2,
+    hub: int | None = None,
+    version: int = 0,
+    aux: bool = True,
+    packing: bool = True,
+    offload: bool = False,
+) -> Policy:
+    """A policy for the directed ``rates`` (Mbit/s for every overlay link).
+
+    ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
+    earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
+    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
+    Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
+    a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
+
+    ``packing`` (Config.tree_packing) replaces ``fapt``'s shortest-path trees and quality-proportional
+    shares by the LP tree packing of ``netstorm.planning.packing`` for the same roots (quality stays Algorithm
+    1's); off, ``fapt`` is the paper's Algorithm 2. ``offload`` (with ``aux``, for packed ``fapt``) plans
+    the shares again together with the fractions of tree links' chunks their auxiliary paths carry
+    (``netstorm.planning.offload``).
+    """
+    if topology not in TOPOLOGIES:
+        raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
+    graph = RateGraph.from_rates(rates)
+    trees: dict[int, Tree]
+    if topology in ("fapt", "fapt1"):
+        if topology == "fapt1":
+            if roots is not None and len(roots) != 1:
+                raise PolicyError(f"single-root FAPT takes one root, got {list(roots)}")
+            num_roots = 1
+        result = build_multi_root_fapt(graph, num_roots, roots)
+        chosen, trees, quality = result.roots, result.trees, result.quality
+    else:
+        tree = _baseline_tree(graph, topology, hub, bkt_k)
+        chosen, trees = (tree.root,), {tree.root: tree}
+        quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
+    if topology == "fapt" and packing:
+        trees, share = pack_for_roots(graph, chosen, seeds=[trees[r] for r in chosen])
+    else:
+        total_q = sum(quality[r] for r in chosen)
+        share = {r: quality[r] / total_q for r in chosen}
+    aux_paths = _tree_edge_paths(graph, trees) if aux else {}
+    # Built from validated rates by construction; from_wire is where untrusted policies are checked.
+    planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
+    moves: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
+    if offload and aux and topology == "fapt" and packing:
+        share, moves = plan_offload(planned, trees, share, aux_paths)
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned, offload=moves)
