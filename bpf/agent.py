@@ -19,12 +19,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf import udp
 from bpf.fallback import UserspaceAggregator
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, result_packets
-from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of, rescale_for
 from bpf.xdp import SlotEvent, XdpAggregator
+from netstorm.lan import udp
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    MAX_LANES,
+    EdgeTimeout,
+    Flag,
+    Header,
+    Kind,
+    WireError,
+    lanes_of,
+    rescale_for,
+)
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, result_packets
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]

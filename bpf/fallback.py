@@ -13,9 +13,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.maps import EdgeLayout
-from bpf.wire import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, INT32_MAX, MAGIC, VERSION, Flag, Kind, WireError
 from bpf.xdp import STATS, SlotEvent
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    HEADER_STRUCT,
+    INT32_MAX,
+    MAGIC,
+    VERSION,
+    Flag,
+    Kind,
+    WireError,
+)
+from netstorm.lan.layout import EdgeLayout
 
 
 @dataclass

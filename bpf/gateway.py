@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from bpf.agent import EdgeGateway
-from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
-from bpf.wire import EdgeTimeout
 from netstorm.errors import ConfigError
+from netstorm.lan.header import EdgeTimeout
+from netstorm.lan.layout import EdgeLayout
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from bpf import timer_link
-from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
 from bpf.timer_memory import SlabRoom
-from bpf.wire import Kind
+from netstorm.lan.header import Kind
+from netstorm.lan.layout import EdgeLayout
 
 HERE = Path(__file__).resolve().parent
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1
@@ -98,7 +98,7 @@ class XdpAggregator:
         TIMER_INIT kind), so the data path only starts and cancels timers and never meets a failed
         allocation. The kernel allocates each timer without locks, from objects already free in its slab
         class; when none is left, bpf/timer_memory.py frees some on this CPU and the slot is tried again."""
-        from bpf.wire import Header
+        from netstorm.lan.header import Header
 
         cfg = self._module[b"ns_cfg"][self._module[b"ns_cfg"].Key(0)]
         frame = bytearray(udp_frame(Header(Kind.DATA, 0, 0, 0, 0, 0, 0, 0, 0).encode(), dport=int(cfg.port)))

@@ -18,7 +18,7 @@ import pytest
 
 import netstorm
 from bpf.netns import GATEWAY_IP, Lan
-from bpf.trainer import AsyncEdgeClient
+from netstorm.lan.client import AsyncEdgeClient
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bpf.maps import EdgeLayout
-from bpf.wire import EdgeTimeout, rescale_for
+from netstorm.lan.header import EdgeTimeout, rescale_for
+from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
             total = np.sum([quantised(p, scale) for p in parts], axis=0)
             if np.any(np.abs(total) > 2**31 - 1) or any(np.any(np.abs(quantised(p, scale)) > 2**31 - 1)
                                                          for p in parts):
-                from bpf.packets import fit_scales
+                from netstorm.lan.packets import fit_scales
 
                 need = min(int(fit_scales(p.reshape(1, -1).astype(np.float64))[0]) for p in parts)
                 scale = rescale_for(need, workers)
@@ -69,7 +69,7 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                   timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
     from bpf.agent import EdgeGateway
     from bpf.netns import GATEWAY_IP, Lan, run_in
-    from bpf.sender import EdgeWorker
+    from netstorm.lan.sender import EdgeWorker
 
     rng = np.random.default_rng(workers * 7 + iterations)
     with Lan(workers) as lan:
@@ -93,9 +93,9 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await gateway.wait_workers(timeout=10)
                     # garbage and a foreign job's datagram: rejected with a logged reason, nothing else lost
-                    from bpf.packets import control_packet
-                    from bpf.udp import sendto
-                    from bpf.wire import Kind
+                    from netstorm.lan.header import Kind
+                    from netstorm.lan.packets import control_packet
+                    from netstorm.lan.udp import sendto
 
                     await sendto(nodes[0].sock, b"not an edge datagram", (GATEWAY_IP, PORT))
                     await sendto(nodes[0].sock, control_packet(Kind.PULL, job=JOB + 1, worker=0), (GATEWAY_IP, PORT))

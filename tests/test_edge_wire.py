@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from bpf.agent import IterationSums
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, data_packets, fit_scales, result_packets
-from bpf.wire import (
+from bpf.xdp import SlotEvent
+from netstorm.lan.header import (
     HEADER_BYTES,
     INT32_MAX,
     NEED_NONE,
@@ -21,7 +20,8 @@ from bpf.wire import (
     quantize,
     rescale_for,
 )
-from bpf.xdp import SlotEvent
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, data_packets, fit_scales, result_packets
 
 LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=360)
 

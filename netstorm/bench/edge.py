@@ -82,10 +82,10 @@ def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, time
 
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.agent import EdgeGateway
-    from bpf.maps import EdgeLayout
     from bpf.netns import GATEWAY_IP, Lan, run_in
-    from bpf.sender import EdgeWorker
     from bpf.xdp import XdpAggregator
+    from netstorm.lan.layout import EdgeLayout
+    from netstorm.lan.sender import EdgeWorker
 
     lanes = 360
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bpf import udp
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, data_packets
-from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of
+from netstorm.lan import udp
+from netstorm.lan.header import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, data_packets
 
 Address = tuple[str, int]
 

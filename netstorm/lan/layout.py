@@ -17,7 +17,7 @@ from functools import cached_property
 
 import numpy as np
 
-from bpf.wire import MAX_LANES, WireError
+from netstorm.lan.header import MAX_LANES, WireError
 
 SLOT_OVERHEAD_BYTES = 64
 """Bytes of a slot besides its lanes (lock, key, bitmaps, flags, struct bpf_timer), rounded up."""

@@ -21,10 +21,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bpf.maps import EdgeLayout
-from bpf.sender import EdgeWorker
-from bpf.wire import EdgeTimeout, WireError
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
+from netstorm.lan.header import EdgeTimeout, WireError
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.sender import EdgeWorker
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
