@@ -22,17 +22,9 @@ import numpy as np
 from bpf.fallback import UserspaceAggregator
 from bpf.xdp import SlotEvent, XdpAggregator
 from netstorm.lan import udp
-from netstorm.lan.header import (
-    HEADER_BYTES,
-    MAX_LANES,
-    EdgeTimeout,
-    Flag,
-    Header,
-    Kind,
-    WireError,
-    lanes_of,
-    rescale_for,
-)
+from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, result_packets
 
@@ -296,7 +288,7 @@ class EdgeGateway:
         self._on_events(self.xdp.drain_events())
 
     def _handle(self, data: bytes, address: Address) -> None:
-        kind = data[3] if len(data) >= HEADER_BYTES else 0
+        kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0
         if kind == Kind.AGG:
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:

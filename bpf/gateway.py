@@ -22,7 +22,7 @@ import numpy as np
 from bpf.agent import EdgeGateway
 from bpf.timer_link import LoaderError
 from netstorm.errors import ConfigError
-from netstorm.lan.header import EdgeTimeout
+from netstorm.lan.errors import EdgeTimeout
 from netstorm.lan.layout import EdgeLayout
 
 log = logging.getLogger("netstorm.edge")

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from netstorm.lan.header import EdgeTimeout, rescale_for
+from netstorm.lan.errors import EdgeTimeout
+from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

@@ -14,7 +14,8 @@ import pytest
 
 from bpf.fallback import UserspaceAggregator
 from bpf.xdp import SlotEvent
-from netstorm.lan.header import Flag, Header, Kind, lanes_of, rescale_for
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.header import Flag, Header, Kind, lanes_of
 from netstorm.lan.packets import data_packets
 from tests.edge_programs import JOB, LAYOUT, PORT, SLOT_TENSORS, shared_program
 

@@ -17,7 +17,7 @@ from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.runner import with_lan_workers
 from netstorm.emulation.topology import IFNAMSIZ, build_plan, run_of_namespace
-from netstorm.lan.header import quantize
+from netstorm.lan.fixedpoint import quantize
 from netstorm.scenario import load
 from netstorm.trainers.synthetic import GradientPattern, coefficients, main
 

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
-from netstorm.lan.header import EdgeTimeout, WireError
+from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.sender import EdgeWorker
 from netstorm.layout import DTYPES

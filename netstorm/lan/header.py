@@ -1,65 +1,86 @@
 """The LAN edge wire format: one UDP datagram = a 32-byte header + up to ``MAX_LANES`` 4-byte lanes.
 
-All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps):
+The header has a fixed binary layout that two sides parse: this module (workers, the gateway's agent and
+its userspace aggregator) and the XDP program in C (bpf/aggregator.c). ``FIELDS`` is the one definition:
+the numpy dtype and ``struct`` format used here are derived from it, and so is the C text
+(``c_definitions``: ``struct ns_hdr``, the NS_* constants and static asserts of every offset) that the
+loader puts in front of the program before bcc compiles it. A field added or moved here moves in C too.
 
-====== ====== ============ =====================================================================
-offset size   field        meaning
-====== ====== ============ =====================================================================
-0      u16    magic        0x534E ("NS")
-2      u8     version      1
-3      u8     kind         DATA, AGG, NACK, RESULT, PULL, HELLO (see ``Kind``)
-4      u16    job          training job; the gateway ignores other jobs' packets
-6      u8     worker       LAN worker id, 0..63 (bit in the contributor bitmap)
-7      u8     flags        OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)
-8      u32    iteration    synchronous iteration number (wraps; compared as a signed difference)
-12     u32    tensor       tensor index in the job's layout
-16     u32    chunk        packet-sized chunk of that tensor
-20     u32    slot         aggregation slot chosen by the layout, < the slot map's size
-24     u16    count        lanes in this datagram, <= MAX_LANES
-26     i8     scale        lanes hold round(x * 2**scale) (DATA/AGG) or float32 values (RESULT)
-27     i8     need         largest scale at which the sender's values fit int32 (AGG: min over workers)
-28     u32    total        RESULT: workers whose gradients the result sums (every DC's trainer and
-                           LAN workers, what ``average=True`` divides by; 0 from a gateway that
-                           predates the field); zero in every other kind
-====== ====== ============ =====================================================================
-
+All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
 DATA and AGG carry int32 fixed-point lanes; RESULT carries float32 lanes. DATA is always padded with zero
 lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in linear
 time); ``count`` says how many lanes matter. 32 + 360*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
 headers is exactly a 1500-byte MTU.
 
-The XDP program (bpf/aggregator.c) never reads ``total``: DATA carries zero there and AGG keeps it. Only the
-loader's own TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
+The XDP program never reads ``total``: DATA carries zero there and AGG keeps it. Only the loader's own
+TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
 """
 
 from __future__ import annotations
 
 import enum
-import math
+import itertools
 import struct
 from dataclasses import dataclass
 from typing import Final
 
 import numpy as np
 
-from netstorm.errors import NetStormError
+from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
+"""``"NS"`` in the first two bytes."""
 VERSION: Final = 1
 HEADER_BYTES: Final = 32
 MAX_LANES: Final = 360
 MAX_WORKERS: Final = 64
-INT32_MAX: Final = 2**31 - 1
+"""Worker ids are bits of a 64-bit contributor bitmap."""
 NEED_NONE: Final = 127
 """``need`` of an all-zero chunk: it fits at any scale."""
 
 
-class WireError(NetStormError):
-    """A datagram is not a valid edge packet; the message says which field is wrong."""
+@dataclass(frozen=True)
+class Field:
+    """One header field: its name (the same in Python and C), C type and meaning."""
+
+    name: str
+    ctype: str
+    meaning: str
 
 
-class EdgeTimeout(NetStormError):
-    """A slot or an iteration did not complete in time; the message names the workers that were missing."""
+FIELDS: Final = (
+    Field("magic", "u16", "0x534E (MAGIC)"),
+    Field("version", "u8", "VERSION"),
+    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO (see Kind)"),
+    Field("job", "u16", "training job; the gateway ignores other jobs' packets"),
+    Field("worker", "u8", "LAN worker id, 0..63 (bit in the contributor bitmap)"),
+    Field("flags", "u8", "OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)"),
+    Field("iteration", "u32", "synchronous iteration number (wraps; compared as a signed difference)"),
+    Field("tensor", "u32", "tensor index in the job's layout"),
+    Field("chunk", "u32", "packet-sized chunk of that tensor"),
+    Field("slot", "u32", "aggregation slot chosen by the layout, < the slot map's size"),
+    Field("count", "u16", "lanes in this datagram, <= MAX_LANES"),
+    Field("scale", "s8", "lanes hold round(x * 2**scale) (DATA/AGG) or float32 values (RESULT)"),
+    Field("need", "s8", "largest scale at which the sender's values fit int32 (AGG: min over workers)"),
+    Field("total", "u32", "RESULT: workers whose gradients the result sums (every DC's trainer and LAN "
+          "workers, what average=True divides by; 0 from a gateway that predates the field); zero in "
+          "every other kind"),
+)
+"""The header, field by field in wire order, without padding."""
+
+_CODES: Final = {"u8": ("B", "u1"), "s8": ("b", "i1"), "u16": ("H", "<u2"), "u32": ("I", "<u4")}
+"""C type -> (struct code, numpy dtype), all little-endian."""
+
+HEADER_STRUCT: Final = struct.Struct("<" + "".join(_CODES[f.ctype][0] for f in FIELDS))
+HEADER_DTYPE: Final = np.dtype([(f.name, _CODES[f.ctype][1]) for f in FIELDS])
+OFFSETS: Final = dict(zip((f.name for f in FIELDS),
+                           itertools.accumulate((struct.calcsize(_CODES[f.ctype][0]) for f in FIELDS), initial=0),
+                           strict=False))
+"""Byte offset of every field (what the C struct's offsetof must say)."""
+KIND_AT: Final = OFFSETS["kind"]
+"""Where a receiver peeks at the kind before decoding the whole header."""
+assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
+assert all(HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields[n][1] == at for n, at in OFFSETS.items())
 
 
 class Kind(enum.IntEnum):
@@ -86,16 +107,6 @@ class Flag(enum.IntFlag):
 _KINDS: Final = {int(k): k for k in Kind}
 _FLAGS: Final = {int(f): Flag(f) for f in range(4)}
 """Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
-
-HEADER_DTYPE: Final = np.dtype(
-    [
-        ("magic", "<u2"), ("version", "u1"), ("kind", "u1"), ("job", "<u2"), ("worker", "u1"), ("flags", "u1"),
-        ("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"), ("count", "<u2"),
-        ("scale", "i1"), ("need", "i1"), ("total", "<u4"),
-    ]
-)
-HEADER_STRUCT: Final = struct.Struct("<HBBHBBIIIIHbbI")
-assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,34 +169,26 @@ def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.nda
     return np.frombuffer(data, dtype, offset=HEADER_BYTES)
 
 
-def fit_scale(values: np.ndarray) -> int:
-    """The largest power-of-two scale at which every value rounds into int32 (NEED_NONE for all zeros)."""
-    peak = float(np.max(np.abs(values), initial=0.0))
-    if peak == 0.0:
-        return NEED_NONE
-    if not math.isfinite(peak):
-        raise WireError("gradient contains inf or nan; it cannot be aggregated in fixed point")
-    # round(peak * 2**s) <= INT32_MAX  <=  peak * 2**s <= 2**31 - 1
-    scale = math.floor(math.log2(INT32_MAX / peak))
-    while scale > -128 and np.rint(peak * 2.0**scale) > INT32_MAX:
-        scale -= 1
-    return max(-128, min(NEED_NONE - 1, scale))
-
-
-def quantize(values: np.ndarray, scale: int) -> tuple[np.ndarray, bool]:
-    """``values`` as int32 lanes ``rint(x * 2**scale)`` and whether any value fell outside int32 (clipped)."""
-    scaled = np.rint(np.asarray(values, np.float64) * 2.0**scale)
-    overflow = bool(np.any(np.abs(scaled) > INT32_MAX))
-    if overflow:
-        np.clip(scaled, -INT32_MAX, INT32_MAX, out=scaled)
-    return scaled.astype("<i4"), overflow
-
-
-def dequantize(sums: np.ndarray, scale: int) -> np.ndarray:
-    """Fixed-point sums back to float32: exact int64 sum times 2**-scale, rounded once."""
-    return (np.asarray(sums, np.float64) * 2.0**-scale).astype(np.float32)
-
-
-def rescale_for(need: int, workers: int) -> int:
-    """A scale at which ``workers`` values that each fit at ``need`` cannot overflow when summed."""
-    return need - max(0, math.ceil(math.log2(max(1, workers))))
+def c_definitions() -> str:
+    """The header for C: ``struct ns_hdr`` (packed, fields as in ``FIELDS``), the NS_* constants and
+    static asserts that every field sits at the offset this module uses. The loader puts this text in
+    front of bpf/aggregator.c, so the program parses exactly the layout defined here."""
+    declarations = [f"__{f.ctype} {f.name};" for f in FIELDS]
+    width = max(map(len, declarations)) + 1
+    lines = ["/* Generated from netstorm/lan/header.py (FIELDS): the LAN edge datagram header. */",
+             "#include <linux/types.h>",
+             f"#define NS_MAGIC 0x{MAGIC:04X}",
+             f"#define NS_VERSION {VERSION}",
+             f"#define NS_HEADER_BYTES {HEADER_BYTES}",
+             f"#define NS_MAX_LANES {MAX_LANES}",
+             f"#define NS_MAX_WORKERS {MAX_WORKERS}",
+             f"#define NS_NEED_NONE {NEED_NONE}"]
+    lines += [f"#define NS_KIND_{k.name} {int(k)}" for k in Kind]
+    lines += [f"#define NS_FLAG_{f.name} {int(f)}" for f in Flag if f.name and f is not Flag.NONE]
+    lines.append("struct ns_hdr {")
+    lines += [f"    {d.ljust(width)}/* {f.meaning} */" for d, f in zip(declarations, FIELDS, strict=True)]
+    lines.append("} __attribute__((packed));")
+    lines.append(f'_Static_assert(sizeof(struct ns_hdr) == {HEADER_BYTES}, "ns_hdr size");')
+    lines += [f'_Static_assert(__builtin_offsetof(struct ns_hdr, {name}) == {offset}, "ns_hdr.{name}");'
+              for name, offset in OFFSETS.items()]
+    return "\n".join(lines) + "\n"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, INT32_MAX, MAGIC, NEED_NONE, VERSION, Flag, Kind, WireError
+from netstorm.lan.errors import WireError
+from netstorm.lan.fixedpoint import INT32_MAX
+from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAGIC, NEED_NONE, VERSION, Flag, Kind
 from netstorm.lan.layout import EdgeLayout
 
 
