@@ -2,7 +2,7 @@
 recovers overflow by re-quantisation, and hands results back to the workers.
 
 ``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
-``EdgeGateway`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
+``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
 AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
 ``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers.
 """
@@ -108,8 +108,9 @@ class IterationSums:
         return "; ".join(parts) + more
 
 
-class EdgeGateway:
-    """The asyncio agent on the gateway's UDP port."""
+class EdgeAgent:
+    """The asyncio agent on the gateway's UDP port: drives the XDP aggregator (its ring buffer) or the
+    userspace one (fed DATA here), and answers the LAN workers."""
 
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
                  xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20) -> None:

@@ -68,9 +68,9 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
 async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
-    from bpf.agent import EdgeGateway
+    from bpf.agent import EdgeAgent
     from bpf.netns import GATEWAY_IP, Lan, run_in
-    from netstorm.lan.sender import EdgeWorker
+    from netstorm.lan.sender import EdgeSender
 
     rng = np.random.default_rng(workers * 7 + iterations)
     with Lan(workers) as lan:
@@ -81,18 +81,18 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
             ifindex = lan.gateway_ifindex()
             attached = run_in(lan.gateway, lambda: xdp.attach(ifindex))
         try:
-            gateway = EdgeGateway(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
-                                  job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1)
-            nodes = [EdgeWorker(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
+                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
                                 job=JOB, loss=loss, seed=3) for i, ns in enumerate(lan.workers)]
             for node in nodes:
                 node.duplicate = duplicate
             checked = 0
             async with asyncio.TaskGroup() as tg:
-                serving = tg.create_task(gateway.run())
+                serving = tg.create_task(agent.run())
                 try:
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
-                    await gateway.wait_workers(timeout=10)
+                    await agent.wait_workers(timeout=10)
                     # garbage and a foreign job's datagram: rejected with a logged reason, nothing else lost
                     from netstorm.lan.header import Kind
                     from netstorm.lan.packets import control_packet
@@ -111,12 +111,12 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                         active = [n for n in nodes if n.worker != silent]
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in active]
-                        sums = await gateway.collect(iteration, timeout=timeout)
+                        sums = await agent.collect(iteration, timeout=timeout)
                         expected = reference(contribs, workers)
                         for got, want in zip(sums, expected, strict=True):
                             assert np.array_equal(got, want)
                         total = workers + 1 + k   # what the node would say: this LAN, its trainer, other DCs
-                        await gateway.send_results(iteration, sums, total=total)
+                        await agent.send_results(iteration, sums, total=total)
                         for task in pushes:
                             got_sums, got_total = await task
                             assert got_total == total
@@ -124,10 +124,10 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                                 assert np.array_equal(got, want)
                         checked += 1
                 finally:
-                    gateway.close()
+                    agent.close()
                     await serving
-            stats = xdp.stats() if xdp is not None else dict(gateway.fallback.counters)  # type: ignore[union-attr]
-            return {"checked": checked, "stats": stats, "rejected": gateway.errors,
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            return {"checked": checked, "stats": stats, "rejected": agent.errors,
                     "dropped": sum(n.dropped for n in nodes),
                     "retransmitted": sum(n.retransmitted for n in nodes),
                     "rescaled": sum(n.rescaled for n in nodes), "mode": attached if xdp is not None else "userspace"}

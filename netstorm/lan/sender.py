@@ -21,8 +21,8 @@ from netstorm.lan.packets import control_packet, data_packets
 Address = tuple[str, int]
 
 
-class EdgeWorker:
-    """One LAN worker. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
+class EdgeSender:
+    """One LAN worker's sender. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
                  loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5) -> None:
