@@ -28,9 +28,9 @@ import pytest
 
 import netstorm
 from netstorm.config import Config
+from netstorm.emulation.shaped_links import LinkSpec, Testbed
 from netstorm.frames import ChunkHeader
 from netstorm.layout import TensorSpec
-from netstorm.netns_testbed import LinkSpec, Testbed
 from netstorm.policy import Policy, plan
 from netstorm.probe import LinkReport
 from node.service import GeneralNode

@@ -69,7 +69,8 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
     from bpf.agent import EdgeAgent
-    from bpf.netns import GATEWAY_IP, Lan, run_in
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
     from netstorm.lan.sender import EdgeSender
 
     rng = np.random.default_rng(workers * 7 + iterations)

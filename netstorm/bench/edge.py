@@ -82,8 +82,9 @@ def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, time
 
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
-    from bpf.netns import GATEWAY_IP, Lan, run_in
     from bpf.xdp import XdpAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
