@@ -19,9 +19,12 @@ from netstorm.lan.fixedpoint import INT32_MAX, quantize, rescale_for
 from netstorm.lan.header import (
     FIELDS,
     HEADER_BYTES,
+    HEADER_DTYPE,
     HEADER_STRUCT,
+    MAGIC,
     NEED_NONE,
     OFFSETS,
+    VERSION,
     Flag,
     Header,
     Kind,
@@ -97,6 +100,18 @@ def test_header_round_trip_and_field_offsets() -> None:
     assert raw[:4] == bytes([0x4E, 0x53, 1, 1])           # magic "NS" little-endian, version, kind
     assert int.from_bytes(raw[8:12], "little") == 2**32 - 1
     assert Header.decode(raw + bytes(4 * 360)) == head
+
+
+def test_the_header_codec_follows_the_field_table() -> None:
+    """Header.encode and decode put every field where FIELDS (hence the C struct) says it is."""
+    head = Header(Kind.RESULT, job=0x0102, worker=3, iteration=0x04050607, tensor=0x08090A0B, chunk=0x0C0D0E0F,
+                  slot=0x10111213, count=0x0115, scale=-22, need=23, flags=Flag.RESCALE, total=0x18191A1B)
+    raw = head.encode()
+    row = np.frombuffer(raw, HEADER_DTYPE)[0]
+    assert (int(row["magic"]), int(row["version"])) == (MAGIC, VERSION)
+    for field in FIELDS[2:]:
+        assert int(row[field.name]) == int(getattr(head, field.name)), field.name
+    assert Header.decode(raw + bytes(4 * head.count)) == head
 
 
 @pytest.mark.parametrize(("mutate", "message"), [
