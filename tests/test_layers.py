@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("netstorm", "node", "scheduler", "bpf")
-SERVICES = ("node", "scheduler", "bpf")
+SERVICES = frozenset({"node", "scheduler", "bpf"})
 TOP_LAYER = ("netstorm.commands", "netstorm.emulation", "netstorm.bench", "netstorm.trainers", "netstorm.local",
              "netstorm.cli")
 TOP = "top layer"
@@ -159,6 +159,12 @@ def test_the_library_imports_no_service_anywhere() -> None:
     wrong = [f"{names_file(i.importer)}:{i.line} imports {i.imported}" for i in imports()
              if layer(i.importer) == LIBRARY and layer(i.imported) in SERVICES]
     assert not wrong, "the library must not import node/, scheduler/ or bpf/:\n" + "\n".join(wrong)
+
+
+def test_services_build_on_the_library_not_on_each_other() -> None:
+    wrong = [f"{names_file(i.importer)}:{i.line} imports {i.imported}" for i in imports()
+             if layer(i.importer) in SERVICES and layer(i.imported) in SERVICES - {layer(i.importer)}]
+    assert not wrong, "node/, scheduler/ and bpf/ meet only through the library and the top layer:\n" + "\n".join(wrong)
 
 
 def test_only_the_top_layer_imports_the_top_layer() -> None:
