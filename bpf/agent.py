@@ -2,7 +2,7 @@
 recovers overflow by re-quantisation, and hands results back to the workers.
 
 ``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
-``EdgeGateway`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
+``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
 AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
 ``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers.
 """
@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf import udp
 from bpf.fallback import UserspaceAggregator
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, result_packets
-from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of, rescale_for
 from bpf.xdp import SlotEvent, XdpAggregator
+from netstorm.lan import udp
+from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, result_packets
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
@@ -106,8 +108,9 @@ class IterationSums:
         return "; ".join(parts) + more
 
 
-class EdgeGateway:
-    """The asyncio agent on the gateway's UDP port."""
+class EdgeAgent:
+    """The asyncio agent on the gateway's UDP port: drives the XDP aggregator (its ring buffer) or the
+    userspace one (fed DATA here), and answers the LAN workers."""
 
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
                  xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20) -> None:
@@ -286,7 +289,7 @@ class EdgeGateway:
         self._on_events(self.xdp.drain_events())
 
     def _handle(self, data: bytes, address: Address) -> None:
-        kind = data[3] if len(data) >= HEADER_BYTES else 0
+        kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0
         if kind == Kind.AGG:
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:

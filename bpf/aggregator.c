@@ -1,4 +1,4 @@
-/* XDP aggregation of LAN workers' fixed-point gradients at the DC gateway (wire format: bpf/wire.py).
+/* XDP aggregation of LAN workers' fixed-point gradients at the DC gateway.
  *
  * A DATA packet for (iteration, tensor, chunk) is added into its slot under the slot's bpf_spin_lock, so
  * packets of one slot arriving on several receive queues (CPUs) at once serialise per slot while other
@@ -8,43 +8,26 @@
  * bpf_timer; on expiry the callback reports the slot and its bitmap through the ring buffer (it cannot
  * send packets) and re-arms itself up to max_nacks times, so the agent NACKs the missing workers.
  *
- * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP (replaced by the shared table's name), TIMER_MAP_FD,
- * TIMER_CB_MARK (64-bit constant the loader turns into a BPF_PSEUDO_FUNC reference to ns_timer_cb). */
+ * The datagram header (struct ns_hdr) and the NS_MAGIC, NS_VERSION, NS_KIND_*, NS_FLAG_* and NS_MAX_WORKERS
+ * constants are not written here: the loader puts the text netstorm/lan/header.py generates from its
+ * field table (c_definitions) in front of this file, so Python and C share one definition of the layout.
+ *
+ * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP
+ * (replaced by the shared table's name), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
+ * timer, see prime_timers), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
+ * BPF_PSEUDO_FUNC reference to ns_timer_cb). */
 #include <linux/if_ether.h>
 #include <linux/in.h>
 #include <linux/ip.h>
 #include <linux/udp.h>
 #include "slot.h"
 
-#define NS_MAGIC 0x534E
-#define NS_VERSION 1
-#define NS_KIND_DATA 1
-#define NS_KIND_AGG 2
-#define NS_KIND_TIMER_INIT 0x7f    /* loader-only: initialise one slot's timer (see prime_timers) */
-#define NS_FLAG_OVERFLOW 1
 #define NS_CLOCK_MONOTONIC 1
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
     ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, NS_NSTATS
 };
-
-struct ns_hdr {
-    u16 magic;
-    u8 version;
-    u8 kind;
-    u16 job;
-    u8 worker;
-    u8 flags;
-    u32 iteration;
-    u32 tensor;
-    u32 chunk;
-    u32 slot;
-    u16 count;
-    s8 scale;
-    s8 need;
-    u32 reserved;               /* "total" of RESULT (bpf/wire.py), never read here; TIMER_INIT returns its errno in it */
-} __attribute__((packed));
 
 struct ns_cfg {
     u64 expected;               /* contributor mask installed by the agent */
@@ -158,7 +141,7 @@ int ns_aggregate(struct xdp_md *ctx)
         long err = bpf_timer_init(&slot->timer, (void *)bpf_pseudo_fd(1, TIMER_MAP_FD), NS_CLOCK_MONOTONIC);
         if (!err || err == -16)
             err = bpf_timer_set_callback(&slot->timer, (void *)TIMER_CB_MARK);
-        h->reserved = (u32)-err;    /* the loader reads the errno back from the frame */
+        h->total = (u32)-err;       /* the loader reads the errno back from the frame's total */
         return err ? XDP_ABORTED : XDP_DROP;
     }
     /* Anything but our job's DATA goes to the agent, which answers malformed input with a clear error. */
@@ -169,7 +152,7 @@ int ns_aggregate(struct xdp_md *ctx)
     u32 worker = h->worker;
     /* DATA always carries NS_LANES lanes (zero beyond count): fixed-trip loops keep the verifier linear. */
     s32 *in = (s32 *)(h + 1);
-    if (count == 0 || count > NS_LANES || worker >= 64 || (h->flags & ~NS_FLAG_OVERFLOW) ||
+    if (count == 0 || count > NS_LANES || worker >= NS_MAX_WORKERS || (h->flags & ~NS_FLAG_OVERFLOW) ||
         (void *)(in + NS_LANES) > end) {
         bump(ST_BAD);
         return XDP_PASS;

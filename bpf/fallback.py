@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.maps import EdgeLayout
-from bpf.wire import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, INT32_MAX, MAGIC, VERSION, Flag, Kind, WireError
 from bpf.xdp import STATS, SlotEvent
+from netstorm.lan.errors import WireError
+from netstorm.lan.fixedpoint import INT32_MAX
+from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, MAGIC, VERSION, Flag, Kind
+from netstorm.lan.layout import EdgeLayout
 
 
 @dataclass

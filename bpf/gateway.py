@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bpf.agent import EdgeGateway
-from bpf.maps import EdgeLayout
+from bpf.agent import EdgeAgent
 from bpf.timer_link import LoaderError
-from bpf.wire import EdgeTimeout
 from netstorm.errors import ConfigError
+from netstorm.lan.errors import EdgeTimeout
+from netstorm.lan.layout import EdgeLayout
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
@@ -52,13 +52,14 @@ class EdgeOptions:
             raise ConfigError(f"--edge-mode {self.mode} needs --edge-interface (the LAN-facing interface)")
 
 
-class EdgeRole:
-    """Owns the EdgeGateway (created once the node knows its layout) and the result broadcast."""
+class GatewayRole:
+    """The node's gateway role: owns the EdgeAgent (created once the node knows its layout) that drives
+    the XDP or userspace aggregator, and broadcasts the WAN results to the LAN workers."""
 
     def __init__(self, options: EdgeOptions, *, iteration_timeout: float) -> None:
         self.options = options
         self.iteration_timeout = iteration_timeout
-        self.gateway: EdgeGateway | None = None
+        self.agent: EdgeAgent | None = None
         self.mode = "not started"
         self.init_iteration: int | None = None
         self._xdp: object | None = None
@@ -68,7 +69,7 @@ class EdgeRole:
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
 
-    def _start(self, sizes: list[int]) -> EdgeGateway:
+    def _start(self, sizes: list[int]) -> EdgeAgent:
         opts = self.options
         layout = EdgeLayout.uniform(sizes, scale=opts.scale)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -96,27 +97,26 @@ class EdgeRole:
                 log.warning("edge: XDP unavailable (%s); aggregating in userspace", exc)
         self._xdp = xdp
         self.mode = mode
-        gateway = EdgeGateway(sock, layout, workers=opts.workers, job=opts.job,
-                              mode="xdp" if xdp is not None else "userspace", xdp=xdp,
-                              slot_timeout=opts.slot_timeout)
+        agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
+                          mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout)
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB)",
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6)
-        return gateway
+        return agent
 
     async def run(self) -> None:
         """Serve the LAN until cancelled (started by ``netstorm node`` beside the node)."""
         try:
             await self._started.wait()
-            assert self.gateway is not None
+            assert self.agent is not None
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                tg.create_task(self.gateway.run())
+                tg.create_task(self.agent.run())
                 tg.create_task(self._broadcast())
         finally:
             self._tg = None
-            if self.gateway is not None:
-                self.gateway.close()
-                self.gateway.sock.close()
+            if self.agent is not None:
+                self.agent.close()
+                self.agent.sock.close()
             if self._xdp is not None:
                 self._xdp.close()  # type: ignore[attr-defined]
 
@@ -124,9 +124,9 @@ class EdgeRole:
                       sizes: list[int]) -> np.ndarray | None:
         """This DC's contribution of tensor ``key``: the gateway trainer's values plus the LAN sum."""
         async with self._starting:
-            if self.gateway is None:
+            if self.agent is None:
                 # compiling and loading the XDP program takes seconds: keep the node's loop (heartbeats) free
-                self.gateway = await asyncio.to_thread(self._start, sizes)
+                self.agent = await asyncio.to_thread(self._start, sizes)
                 self._started.set()
         if self.init_iteration is None:
             self.init_iteration = iteration
@@ -135,7 +135,7 @@ class EdgeRole:
         task = self._lan.get(iteration)
         if task is None:
             if self._tg is None:
-                raise RuntimeError("edge: combine before EdgeRole.run started serving the LAN")
+                raise RuntimeError("edge: combine before GatewayRole.run started serving the LAN")
             task = self._tg.create_task(self._collect(iteration))
             self._lan[iteration] = task
             for old in [k for k in self._lan if k < iteration - 2]:
@@ -148,9 +148,9 @@ class EdgeRole:
 
     async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout:
         """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
-        assert self.gateway is not None
+        assert self.agent is not None
         try:
-            return await self.gateway.collect(iteration, timeout=self.iteration_timeout)
+            return await self.agent.collect(iteration, timeout=self.iteration_timeout)
         except EdgeTimeout as exc:
             log.error("edge: %s", exc)
             return exc
@@ -164,12 +164,12 @@ class EdgeRole:
             log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
 
     async def _broadcast(self) -> None:
-        assert self.gateway is not None
+        assert self.agent is not None
         while True:
             iteration, per_key, workers = await self._results.get()
             try:
                 if iteration == self.init_iteration:
-                    await self.gateway.wait_workers(self.iteration_timeout)
-                await self.gateway.send_results(iteration, per_key, total=workers)
+                    await self.agent.wait_workers(self.iteration_timeout)
+                await self.agent.send_results(iteration, per_key, total=workers)
             except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
                 log.error("edge: results of iteration %d: %s", iteration, exc)

@@ -1,4 +1,4 @@
-/* One aggregation slot of the LAN edge data plane (see bpf/wire.py for the packet it aggregates).
+/* One aggregation slot of the LAN edge data plane (see netstorm/lan/header.py for the packet it aggregates).
  * NS_LANES and NS_SLOTS come from the loader as -D flags; it also replaces the
  * token NS_SLOT_MAP by a per-instance name (bcc's shared tables are process-global). */
 #ifndef NS_SLOT_H

@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 
 from bpf import timer_link
-from bpf.maps import EdgeLayout
 from bpf.timer_link import LoaderError
 from bpf.timer_memory import SlabRoom
-from bpf.wire import Kind
+from netstorm.lan.header import OFFSETS, Header, Kind, c_definitions
+from netstorm.lan.layout import EdgeLayout
 
 HERE = Path(__file__).resolve().parent
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1
@@ -78,9 +78,10 @@ class XdpAggregator:
         # the ring buffer holds one report from every slot at once (power-of-two pages, at least 16)
         pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 64 / 4096)))
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
-                  f"-DNS_RING_PAGES={pages}"]
+                  f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]
         owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
-        prog = (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
+        # the datagram header comes from the one definition of its layout, shared with the workers
+        prog = c_definitions() + (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
         self._owner, self._module, self.fd = timer_link.compile_and_load(
             owner, prog, prog_name="ns_aggregate", callback_name="ns_timer_cb", timer_map=name, cflags=cflags)
         self._lib = timer_link.libbpf()
@@ -98,17 +99,16 @@ class XdpAggregator:
         TIMER_INIT kind), so the data path only starts and cancels timers and never meets a failed
         allocation. The kernel allocates each timer without locks, from objects already free in its slab
         class; when none is left, bpf/timer_memory.py frees some on this CPU and the slot is tried again."""
-        from bpf.wire import Header
-
         cfg = self._module[b"ns_cfg"][self._module[b"ns_cfg"].Key(0)]
         frame = bytearray(udp_frame(Header(Kind.DATA, 0, 0, 0, 0, 0, 0, 0, 0).encode(), dport=int(cfg.port)))
-        frame[42 + 3] = TIMER_INIT_KIND
+        frame[UDP_PAYLOAD + OFFSETS["kind"]] = TIMER_INIT_KIND
+        slot, total = UDP_PAYLOAD + OFFSETS["slot"], UDP_PAYLOAD + OFFSETS["total"]
         with SlabRoom() as room:
             for index in range(self.layout.num_slots):
-                frame[42 + 20: 42 + 24] = index.to_bytes(4, "little")
+                frame[slot: slot + 4] = index.to_bytes(4, "little")
                 for attempt in range(PRIME_ATTEMPTS):
                     verdict, out = self.test_run(bytes(frame))
-                    code = int.from_bytes(out[42 + 28: 42 + 32], "little")
+                    code = int.from_bytes(out[total: total + 4], "little")
                     if verdict == XDP_DROP or code != errno.ENOMEM:
                         break
                     if not room.make():
@@ -226,6 +226,9 @@ class XdpAggregator:
 
 XDP_DROP, XDP_PASS = 1, 2
 TIMER_INIT_KIND = 0x7F
+"""The loader's own kind (never on the wire): initialise the timer of the slot the frame names."""
+UDP_PAYLOAD = 14 + 20 + 8
+"""Where the datagram starts in the Ethernet/IPv4/UDP frames ``udp_frame`` builds."""
 
 
 def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",

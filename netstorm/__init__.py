@@ -15,20 +15,20 @@ from netstorm.client import Client, connect
 
 def connect_edge(address: str, *, timeout: float = 300.0) -> EdgeClient:
     """Edge mode: a LAN worker's client of its DC gateway, ``edge://GATEWAY:PORT?worker=I``."""
-    from bpf.trainer import connect_edge as make
+    from netstorm.lan.client import connect_edge as make
 
     return make(address, timeout=timeout)
 
 
 async def aconnect_edge(address: str, *, timeout: float = 300.0) -> AsyncEdgeClient:  # noqa: ASYNC109
     """Edge mode, asyncio."""
-    from bpf.trainer import aconnect_edge as make
+    from netstorm.lan.client import aconnect_edge as make
 
     return await make(address, timeout=timeout)
 
 
 if TYPE_CHECKING:
-    from bpf.trainer import AsyncEdgeClient, EdgeClient
+    from netstorm.lan.client import AsyncEdgeClient, EdgeClient
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ import atexit
 from functools import cache
 from typing import Any
 
-from bpf.maps import EdgeLayout
+from netstorm.lan.layout import EdgeLayout
 
 LAYOUT = EdgeLayout((1000, 360, 7, 360 * 2000), (12, 12, 12, 0), lanes=360)
 SLOT_TENSORS = (0, 1, 2)

@@ -28,9 +28,9 @@ import pytest
 
 import netstorm
 from netstorm.config import Config
+from netstorm.emulation.shaped_links import LinkSpec, Testbed
 from netstorm.frames import ChunkHeader
 from netstorm.layout import TensorSpec
-from netstorm.netns_testbed import LinkSpec, Testbed
 from netstorm.planning.plan import plan
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport

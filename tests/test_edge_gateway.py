@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import netstorm
-from bpf.netns import GATEWAY_IP, Lan
-from bpf.trainer import AsyncEdgeClient
+from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+from netstorm.lan.client import AsyncEdgeClient
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bpf.maps import EdgeLayout
-from bpf.wire import EdgeTimeout, rescale_for
+from netstorm.lan.errors import EdgeTimeout
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -54,7 +55,7 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
             total = np.sum([quantised(p, scale) for p in parts], axis=0)
             if np.any(np.abs(total) > 2**31 - 1) or any(np.any(np.abs(quantised(p, scale)) > 2**31 - 1)
                                                          for p in parts):
-                from bpf.packets import fit_scales
+                from netstorm.lan.packets import fit_scales
 
                 need = min(int(fit_scales(p.reshape(1, -1).astype(np.float64))[0]) for p in parts)
                 scale = rescale_for(need, workers)
@@ -67,9 +68,10 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
 async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
-    from bpf.agent import EdgeGateway
-    from bpf.netns import GATEWAY_IP, Lan, run_in
-    from bpf.sender import EdgeWorker
+    from bpf.agent import EdgeAgent
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
 
     rng = np.random.default_rng(workers * 7 + iterations)
     with Lan(workers) as lan:
@@ -80,22 +82,22 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
             ifindex = lan.gateway_ifindex()
             attached = run_in(lan.gateway, lambda: xdp.attach(ifindex))
         try:
-            gateway = EdgeGateway(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
-                                  job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1)
-            nodes = [EdgeWorker(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
+                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
                                 job=JOB, loss=loss, seed=3) for i, ns in enumerate(lan.workers)]
             for node in nodes:
                 node.duplicate = duplicate
             checked = 0
             async with asyncio.TaskGroup() as tg:
-                serving = tg.create_task(gateway.run())
+                serving = tg.create_task(agent.run())
                 try:
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
-                    await gateway.wait_workers(timeout=10)
+                    await agent.wait_workers(timeout=10)
                     # garbage and a foreign job's datagram: rejected with a logged reason, nothing else lost
-                    from bpf.packets import control_packet
-                    from bpf.udp import sendto
-                    from bpf.wire import Kind
+                    from netstorm.lan.header import Kind
+                    from netstorm.lan.packets import control_packet
+                    from netstorm.lan.udp import sendto
 
                     await sendto(nodes[0].sock, b"not an edge datagram", (GATEWAY_IP, PORT))
                     await sendto(nodes[0].sock, control_packet(Kind.PULL, job=JOB + 1, worker=0), (GATEWAY_IP, PORT))
@@ -110,12 +112,12 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                         active = [n for n in nodes if n.worker != silent]
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in active]
-                        sums = await gateway.collect(iteration, timeout=timeout)
+                        sums = await agent.collect(iteration, timeout=timeout)
                         expected = reference(contribs, workers)
                         for got, want in zip(sums, expected, strict=True):
                             assert np.array_equal(got, want)
                         total = workers + 1 + k   # what the node would say: this LAN, its trainer, other DCs
-                        await gateway.send_results(iteration, sums, total=total)
+                        await agent.send_results(iteration, sums, total=total)
                         for task in pushes:
                             got_sums, got_total = await task
                             assert got_total == total
@@ -123,10 +125,10 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                                 assert np.array_equal(got, want)
                         checked += 1
                 finally:
-                    gateway.close()
+                    agent.close()
                     await serving
-            stats = xdp.stats() if xdp is not None else dict(gateway.fallback.counters)  # type: ignore[union-attr]
-            return {"checked": checked, "stats": stats, "rejected": gateway.errors,
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            return {"checked": checked, "stats": stats, "rejected": agent.errors,
                     "dropped": sum(n.dropped for n in nodes),
                     "retransmitted": sum(n.retransmitted for n in nodes),
                     "rescaled": sum(n.rescaled for n in nodes), "mode": attached if xdp is not None else "userspace"}

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from bpf.fallback import UserspaceAggregator
-from bpf.packets import data_packets
-from bpf.wire import Flag, Header, Kind, lanes_of, rescale_for
 from bpf.xdp import SlotEvent
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.header import Flag, Header, Kind, lanes_of
+from netstorm.lan.packets import data_packets
 from tests.edge_programs import JOB, LAYOUT, PORT, SLOT_TENSORS, shared_program
 
 SLOT_CHUNKS = sum(LAYOUT.chunks[t] for t in SLOT_TENSORS)

@@ -3,27 +3,93 @@ against numpy, and rejection of malformed input with a typed error."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from bpf.agent import IterationSums
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, data_packets, fit_scales, result_packets
-from bpf.wire import (
+from bpf.xdp import SlotEvent
+from netstorm.lan.errors import WireError
+from netstorm.lan.fixedpoint import INT32_MAX, quantize, rescale_for
+from netstorm.lan.header import (
+    FIELDS,
     HEADER_BYTES,
-    INT32_MAX,
+    HEADER_DTYPE,
+    HEADER_STRUCT,
+    MAGIC,
     NEED_NONE,
+    OFFSETS,
+    VERSION,
     Flag,
     Header,
     Kind,
-    WireError,
+    c_definitions,
     lanes_of,
-    quantize,
-    rescale_for,
 )
-from bpf.xdp import SlotEvent
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, data_packets, fit_scales, result_packets
 
 LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=360)
+BPF = Path(__file__).resolve().parent.parent / "bpf"
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+
+def compile_and_run(tmp_path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "layout.c").write_text(source)
+    built = subprocess.run(["cc", "-std=c11", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")],
+                           capture_output=True, text=True, timeout=60, check=False)
+    if built.returncode != 0:
+        return built
+    return subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, timeout=10, check=False)
+
+
+@needs_cc
+def test_the_c_header_has_the_python_layout(tmp_path: Path) -> None:
+    """The C text generated from FIELDS, compiled by a C compiler, puts every field where the Python side
+    packs and unpacks it (the struct format and the numpy dtype)."""
+    prints = "".join(f'    printf("{f.name} %zu %zu\\n", offsetof(struct ns_hdr, {f.name}), '
+                     f"sizeof(((struct ns_hdr *)0)->{f.name}));\n" for f in FIELDS)
+    run = compile_and_run(tmp_path, "#include <stddef.h>\n#include <stdio.h>\n" + c_definitions()
+                          + 'int main(void) {\n    printf("size %zu 0\\n", sizeof(struct ns_hdr));\n' + prints
+                          + "    return 0;\n}\n")
+    assert run.returncode == 0, run.stderr
+    seen = {name: (int(offset), int(size)) for name, offset, size in map(str.split, run.stdout.splitlines())}
+    assert seen.pop("size") == (HEADER_BYTES, 0) and HEADER_STRUCT.size == HEADER_BYTES
+    offset = 0
+    for field, code in zip(FIELDS, HEADER_STRUCT.format[1:], strict=True):  # the format after "<"
+        assert seen[field.name] == (OFFSETS[field.name], struct.calcsize("<" + code))
+        assert OFFSETS[field.name] == offset
+        offset += seen[field.name][1]
+    assert list(seen) == [f.name for f in FIELDS]
+
+
+@needs_cc
+def test_a_c_header_out_of_step_with_python_does_not_compile(tmp_path: Path) -> None:
+    """The generated text asserts every offset, so a C struct that drifted from FIELDS fails to build."""
+    text = c_definitions()
+    drifted = re.sub(r"(    __u8 version;[^\n]*\n)(    __u8 kind;[^\n]*\n)", r"\2\1", text)  # swap two fields
+    assert drifted != text
+    assert compile_and_run(tmp_path, c_definitions() + "int main(void) { return 0; }\n").returncode == 0
+    failed = compile_and_run(tmp_path, drifted + "int main(void) { return 0; }\n")
+    assert failed.returncode != 0 and "ns_hdr.version" in failed.stderr
+
+
+def test_the_xdp_program_does_not_define_the_header_itself() -> None:
+    """bpf/aggregator.c and slot.h take the header and its constants from the generated text only."""
+    for name in ("aggregator.c", "slot.h", "slots.c"):
+        source = (BPF / name).read_text()
+        assert not re.search(r"struct ns_hdr\s*\{", source), name
+        assert not re.search(r"#define\s+NS_(MAGIC|VERSION|KIND_(?!TIMER_INIT)|FLAG_|MAX_WORKERS)", source), name
+    generated = c_definitions()
+    program = (BPF / "aggregator.c").read_text()
+    used = set(re.findall(r"\bNS_(?:MAGIC|VERSION|KIND_[A-Z_]+|FLAG_[A-Z]+|MAX_WORKERS)\b", program))
+    assert used - {"NS_KIND_TIMER_INIT"} <= set(re.findall(r"#define (NS_\w+)", generated))
+    assert {"NS_MAGIC", "NS_VERSION", "NS_KIND_DATA", "NS_KIND_AGG", "NS_FLAG_OVERFLOW", "NS_MAX_WORKERS"} <= used
 
 
 def test_header_round_trip_and_field_offsets() -> None:
@@ -34,6 +100,18 @@ def test_header_round_trip_and_field_offsets() -> None:
     assert raw[:4] == bytes([0x4E, 0x53, 1, 1])           # magic "NS" little-endian, version, kind
     assert int.from_bytes(raw[8:12], "little") == 2**32 - 1
     assert Header.decode(raw + bytes(4 * 360)) == head
+
+
+def test_the_header_codec_follows_the_field_table() -> None:
+    """Header.encode and decode put every field where FIELDS (hence the C struct) says it is."""
+    head = Header(Kind.RESULT, job=0x0102, worker=3, iteration=0x04050607, tensor=0x08090A0B, chunk=0x0C0D0E0F,
+                  slot=0x10111213, count=0x0115, scale=-22, need=23, flags=Flag.RESCALE, total=0x18191A1B)
+    raw = head.encode()
+    row = np.frombuffer(raw, HEADER_DTYPE)[0]
+    assert (int(row["magic"]), int(row["version"])) == (MAGIC, VERSION)
+    for field in FIELDS[2:]:
+        assert int(row[field.name]) == int(getattr(head, field.name)), field.name
+    assert Header.decode(raw + bytes(4 * head.count)) == head
 
 
 @pytest.mark.parametrize(("mutate", "message"), [

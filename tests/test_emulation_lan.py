@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bpf.wire import quantize
 from netstorm.emulation import netns
 from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.runner import with_lan_workers
 from netstorm.emulation.topology import IFNAMSIZ, build_plan, run_of_namespace
+from netstorm.lan.fixedpoint import quantize
 from netstorm.scenario import load
 from netstorm.trainers.synthetic import GradientPattern, coefficients, main
 

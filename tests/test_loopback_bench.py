@@ -120,9 +120,9 @@ def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
     assert all(s <= t for s, t in zip(result["sync_s"], result["iteration_s"], strict=True))
     assert result["node_cpu_s_per_mb"] == pytest.approx(result["node_cpu_s_per_iteration_mean"] / 0.4)
     assert 0 < result["sync_vs_memcpy"] < 1
-    # the cluster's share of the host cannot exceed the host's busy share, up to /proc's tick resolution
-    # (40 iterations make the window long enough for that resolution to say something)
+    # the cluster's share of the host cannot exceed the host's busy share, up to /proc's tick resolution,
+    # which depends on the machine (tick rate, CPUs, the window's length): a figure the benchmark reports
     slack = result["cpu_share_resolution"]
-    assert 0 < slack < 0.5
     assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + slack
+    assert f"+/- {slack:.1%}: /proc's tick resolution" in run.stdout
     assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout

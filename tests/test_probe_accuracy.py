@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from netstorm.clock import Clock, serve_sntp
-from netstorm.netns_testbed import LinkSpec, Testbed
+from netstorm.emulation.shaped_links import LinkSpec, Testbed
 from netstorm.probe import LinkReport, ProbeEstimator
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]

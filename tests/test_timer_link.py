@@ -64,8 +64,8 @@ def test_linked_callback_really_fires_through_the_ring_buffer() -> None:
 
     import numpy as np
 
-    from bpf.packets import data_packets
     from bpf.xdp import XDP_DROP, udp_frame
+    from netstorm.lan.packets import data_packets
     from tests.edge_programs import LAYOUT, PORT, TIMER_TENSOR, shared_program
 
     slots = LAYOUT.chunks[TIMER_TENSOR]

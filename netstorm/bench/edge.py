@@ -81,11 +81,12 @@ def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, time
 
 
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
-    from bpf.agent import EdgeGateway
-    from bpf.maps import EdgeLayout
-    from bpf.netns import GATEWAY_IP, Lan, run_in
-    from bpf.sender import EdgeWorker
+    from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.layout import EdgeLayout
+    from netstorm.lan.sender import EdgeSender
 
     lanes = 360
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
@@ -109,11 +110,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 mode = run_in(lan.gateway, lambda: xdp.attach(ifindex))
                 stats_fd = _enable_bpf_stats()
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
-            gateway = EdgeGateway(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
-                                  slot_timeout=args.slot_timeout, max_nacks=50)
-            nodes = [EdgeWorker(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
+            agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
+                              slot_timeout=args.slot_timeout, max_nacks=50)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
                                 job=JOB, loss=args.loss, seed=7) for i, ns in enumerate(lan.workers)]
-            result = asyncio.run(_drive(gateway, nodes, contribs, expected, xdp))
+            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp))
         finally:
             if stats_fd >= 0:
                 os.close(stats_fd)
@@ -123,30 +124,30 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-async def _drive(gateway: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
+async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
                  expected: list[np.ndarray], xdp: Any) -> dict[str, Any]:
     timeout = 60.0
     exact = True
     errors: list[BaseException] = []
     async with asyncio.TaskGroup() as tg:
-        serving = tg.create_task(gateway.run())
+        serving = tg.create_task(agent.run())
         try:
             await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
-            await gateway.wait_workers(timeout=10)
+            await agent.wait_workers(timeout=10)
             # the workers' sockets now move to their own threads and loops
             first = 1
             threads = [threading.Thread(target=_worker_thread,
                                         args=(n, [c[n.worker] for c in contribs], first, timeout, errors))
                        for n in nodes]
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
-            cpu0, delivery0 = gateway.receive_cpu, gateway.delivery_cpu
+            cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
             wall0 = time.perf_counter()
             for t in threads:
                 t.start()
             for k in range(len(contribs)):
-                sums = await gateway.collect(first + k, timeout=timeout)
+                sums = await agent.collect(first + k, timeout=timeout)
                 exact &= bool(np.array_equal(sums[0], expected[k]))
-                await gateway.send_results(first + k, sums, total=len(nodes))  # this LAN alone
+                await agent.send_results(first + k, sums, total=len(nodes))  # this LAN alone
             def join_all() -> None:
                 for t in threads:
                     t.join()
@@ -154,10 +155,10 @@ async def _drive(gateway: Any, nodes: list[Any], contribs: list[list[list[np.nda
             await asyncio.to_thread(join_all)
             wall = time.perf_counter() - wall0
             prog1 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
-            agent_cpu = gateway.receive_cpu - cpu0
-            delivery_cpu = gateway.delivery_cpu - delivery0
+            agent_cpu = agent.receive_cpu - cpu0
+            delivery_cpu = agent.delivery_cpu - delivery0
         finally:
-            gateway.close()
+            agent.close()
             await serving
     if errors:
         raise errors[0]
@@ -168,12 +169,12 @@ async def _drive(gateway: Any, nodes: list[Any], contribs: list[list[list[np.nda
         if prog1[1] - prog0[1] <= 0:
             raise RuntimeError("the XDP program never ran: was it attached to the gateway's interface?")
     else:
-        stats = dict(gateway.fallback.counters)
+        stats = dict(agent.fallback.counters)
         packets = stats["rx"]
         prog_cpu = 0.0
     cpu = prog_cpu if xdp is not None else agent_cpu - delivery_cpu
     gateway_cpu = prog_cpu + agent_cpu
-    lanes_bytes = gateway.layout.lanes * 4
+    lanes_bytes = agent.layout.lanes * 4
     aggregated_gb = packets * lanes_bytes / 1e9
     return {
         "packets": packets,

@@ -217,7 +217,8 @@ def print_result(r: dict[str, Any]) -> None:
     print(f"trainer CPU      {r['trainer_cpu_s_per_iteration_mean']:10.3f} s per iteration (gradient fill + "
           f"exact check, not the runtime's)")
     print(f"host CPU         {r['host_cpu_busy']:10.0%} busy during the measured iterations, "
-          f"this cluster's nodes and trainers {r['cluster_cpu_share']:.0%} of its {r['cpus']} CPUs")
+          f"this cluster's nodes and trainers {r['cluster_cpu_share']:.0%} of its {r['cpus']} CPUs "
+          f"(either share +/- {r['cpu_share_resolution']:.1%}: /proc's tick resolution over this window)")
     print(f"results exact:   {r['exact']}")
     if r["host_cpu_busy"] > 0.9:
         print("note: the host was CPU-bound: iteration times and throughput measure CPU contention, not the "

@@ -107,9 +107,9 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
             tg.create_task(node.run(control))
             edge_task = None
             if edge is not None:
-                from bpf.gateway import EdgeRole
+                from bpf.gateway import GatewayRole
 
-                role = EdgeRole(edge, iteration_timeout=control.config.iteration_timeout)
+                role = GatewayRole(edge, iteration_timeout=control.config.iteration_timeout)
                 node.edge = role
                 edge_task = tg.create_task(role.run())
                 print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"

@@ -2,5 +2,7 @@
 
 Needs root (CAP_NET_ADMIN). Pure planning (``topology``, ``dynamics``) imports nothing privileged, so it
 is testable anywhere; the modules that touch the kernel are ``netns``, ``shaping``, ``lossfilter``,
-``network`` and ``teardown``.
+``network`` and ``teardown``, and the two small testbeds built from the same pieces: ``bridge_lan`` (a
+gateway and LAN workers, for the edge benchmark and tests) and ``shaped_links`` (shaped point-to-point
+links, for the probe-accuracy tests).
 """

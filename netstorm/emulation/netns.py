@@ -1,23 +1,35 @@
-"""Thin wrappers around ``ip`` and ``tc``: namespaces, batches of commands, processes inside namespaces.
+"""The one helper around ``ip netns`` and ``tc``: namespaces, batches of commands, processes inside
+namespaces, and threads that enter a namespace.
 
 Every failure raises EmulationError naming the step and quoting the tool's own message.
+
+Code can also run "inside" a namespace without a process of its own: ``setns(2)`` moves only the calling
+thread, and every socket (and thread) it creates afterwards lives in that namespace. ``run_in`` runs a
+function on such a thread and returns its result; ``run_async_in`` runs a coroutine's own event loop
+there, like a process on its own host, and hands the result back as a future.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Any, TypeVar
 
 from netstorm.emulation.errors import EmulationError
 
 _PR_SET_PDEATHSIG = 1
+_CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")
+T = TypeVar("T")
 
 
 def run(argv: Sequence[str], *, what: str, stdin: str | None = None, check: bool = True) -> str:
@@ -55,7 +67,7 @@ def list_namespaces() -> list[str]:
 
 
 def namespace_exists(name: str) -> bool:
-    return Path("/run/netns", name).exists()
+    return (NETNS_DIR / name).exists()
 
 
 def add_namespace(name: str) -> None:
@@ -139,3 +151,52 @@ def process_start_time(pid: int) -> int | None:
     except (FileNotFoundError, ProcessLookupError):
         return None
     return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread into network namespace ``namespace``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    try:
+        fd = os.open(NETNS_DIR / namespace, os.O_RDONLY)
+    except OSError as exc:
+        raise EmulationError(f"enter namespace {namespace}: {exc.strerror}") from None
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            raise EmulationError(f"enter namespace {namespace}: setns: {os.strerror(ctypes.get_errno())}")
+    finally:
+        os.close(fd)
+
+
+def run_in(namespace: str, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on a thread that has entered ``namespace``; returns its result (or raises its error)."""
+    box: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            enter(namespace)
+            box["value"] = fn()
+        except BaseException as exc:
+            box["error"] = exc
+
+    thread = threading.Thread(target=body, name=f"netns-{namespace}")
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
+
+
+def run_async_in(namespace: str, main: Callable[[], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
+    """Run ``asyncio.run(main())`` on a new thread inside ``namespace``; its result comes as a future."""
+    future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            enter(namespace)
+            future.set_result(asyncio.run(main()))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=target, name=f"netns-{namespace}", daemon=True).start()
+    return future

@@ -34,8 +34,6 @@ _FORWARDING = {
     # charge each chunk a slow start that a long-lived WAN transfer does not pay.
     "net.ipv4.tcp_slow_start_after_idle": "0",
 }
-GSO_MAX_SIZE = 1500
-"""Shaped ends send wire-sized packets, so HTB meters what the link would carry."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +121,7 @@ class EmulatedNetwork:
         for iface in plan.interfaces.values():
             per_ns[iface.namespace] += [
                 f"address add {iface.address} dev {iface.name}",
-                f"link set dev {iface.name} gso_max_size {GSO_MAX_SIZE}",
+                f"link set dev {iface.name} gso_max_size {shaping.GSO_MAX_SIZE}",
                 f"link set dev {iface.name} up",
             ]
         for route in plan.routes:

@@ -34,6 +34,9 @@ ACK_FILTER = ("match ip protocol 6 0xff"  # TCP
               " match u8 0x05 0x0f at 0"  # IPv4 header without options
               " match u16 0x0000 0xffc0 at 2"  # total length below 64 bytes: no payload
               " match u8 0x10 0xff at 33")  # TCP flags: ACK alone
+GSO_MAX_SIZE = 1500
+"""Shaped ends send wire-sized packets (``ip link set DEV gso_max_size``), so HTB meters what the link
+would carry."""
 LEAVES = ("1:10", "1:20")
 """The ACK class and the data (default) class, both under the link's class 1:1."""
 

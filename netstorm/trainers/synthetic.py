@@ -230,7 +230,7 @@ def _connect_edge(address: str, parameters: int, *, timeout: float) -> Any:
     """An edge-mode client whose socket can queue a whole model of results: the gateway sends them in one
     burst, and a default-sized buffer (about 200 KB) would drop most of them and leave the worker pulling
     the rest back in rounds. The kernel caps the request at net.core.rmem_max."""
-    from bpf.trainer import connect_edge
+    from netstorm.lan.client import connect_edge
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:

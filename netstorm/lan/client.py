@@ -21,10 +21,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from bpf.maps import EdgeLayout
-from bpf.sender import EdgeWorker
-from bpf.wire import EdgeTimeout, WireError
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
+from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.sender import EdgeSender
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
@@ -61,7 +61,7 @@ class AsyncEdgeClient:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
         self.iteration = -1
-        self._worker: EdgeWorker | None = None
+        self._worker: EdgeSender | None = None
         self._pushed: dict[str, np.ndarray] = {}
         self._pulled: dict[str, np.ndarray] = {}
         self._workers = 0
@@ -82,7 +82,7 @@ class AsyncEdgeClient:
         self.shapes = {n: tuple(np.shape(tensors[n])) for n in self.names}
         self.dtypes = {n: np.asarray(tensors[n]).dtype for n in self.names}
         sizes = [max(1, int(np.prod(self.shapes[n], dtype=np.int64))) for n in self.names]
-        probe = EdgeWorker(self.sock, self.gateway, worker=self.worker_id,
+        probe = EdgeSender(self.sock, self.gateway, worker=self.worker_id,
                            layout=EdgeLayout.uniform(sizes, scale=0), job=self.job)
         try:
             reply = await probe.hello(timeout=self.timeout)
@@ -92,7 +92,7 @@ class AsyncEdgeClient:
         if reply.tensor != len(sizes) or reply.slot != layout.num_slots:
             raise WrongShape(f"edge worker {self.worker_id}: the gateway's model has {reply.tensor} tensors in "
                              f"{reply.slot} slots, this worker's has {len(sizes)} in {layout.num_slots}")
-        self._worker = EdgeWorker(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job)
+        self._worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job)
         try:
             self.iteration, flat, self._workers = await self._worker.receive_first(timeout=self.timeout)
         except EdgeTimeout as exc:

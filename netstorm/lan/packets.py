@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from bpf.maps import EdgeLayout
-from bpf.wire import HEADER_BYTES, HEADER_DTYPE, INT32_MAX, MAGIC, NEED_NONE, VERSION, Flag, Kind, WireError
+from netstorm.lan.errors import WireError
+from netstorm.lan.fixedpoint import INT32_MAX
+from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAGIC, NEED_NONE, VERSION, Flag, Kind
+from netstorm.lan.layout import EdgeLayout
 
 
 def chunk_matrix(layout: EdgeLayout, tensor: int, values: np.ndarray) -> np.ndarray:

@@ -12,16 +12,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from bpf import udp
-from bpf.maps import EdgeLayout
-from bpf.packets import control_packet, data_packets
-from bpf.wire import HEADER_BYTES, MAX_LANES, EdgeTimeout, Flag, Header, Kind, WireError, lanes_of
+from netstorm.lan import udp
+from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, data_packets
 
 Address = tuple[str, int]
 
 
-class EdgeWorker:
-    """One LAN worker. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
+class EdgeSender:
+    """One LAN worker's sender. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
                  loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5) -> None:
@@ -54,7 +55,7 @@ class EdgeWorker:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(0.2):
                             n, _ = await udp.recvfrom_into(self.sock, buf)
-                            if n >= HEADER_BYTES and buf[3] == Kind.HELLO:
+                            if n >= HEADER_BYTES and buf[KIND_AT] == Kind.HELLO:
                                 with contextlib.suppress(WireError):
                                     return Header.decode(bytes(buf[:n]))
         except TimeoutError:
@@ -114,7 +115,7 @@ class EdgeWorker:
                     await self._pull(iteration, missing)
                 continue
             data = bytes(buf[:n])
-            if iteration is None and n >= HEADER_BYTES and data[3] == Kind.RESULT:
+            if iteration is None and n >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
                 try:
                     iteration = Header.decode(data).iteration
                 except WireError:

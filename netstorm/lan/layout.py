@@ -17,7 +17,8 @@ from functools import cached_property
 
 import numpy as np
 
-from bpf.wire import MAX_LANES, WireError
+from netstorm.lan.errors import WireError
+from netstorm.lan.header import MAX_LANES
 
 SLOT_OVERHEAD_BYTES = 64
 """Bytes of a slot besides its lanes (lock, key, bitmaps, flags, struct bpf_timer), rounded up."""

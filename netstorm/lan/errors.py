@@ -1,0 +1,13 @@
+"""Errors of the LAN edge tier, raised on both sides of the wire (worker and gateway)."""
+
+from __future__ import annotations
+
+from netstorm.errors import NetStormError
+
+
+class WireError(NetStormError):
+    """A datagram is not a valid edge packet; the message says which field is wrong."""
+
+
+class EdgeTimeout(NetStormError):
+    """A slot or an iteration did not complete in time; the message names the workers that were missing."""

@@ -1,0 +1,194 @@
+"""The LAN edge wire format: one UDP datagram = a 32-byte header + up to ``MAX_LANES`` 4-byte lanes.
+
+The header has a fixed binary layout that two sides parse: this module (workers, the gateway's agent and
+its userspace aggregator) and the XDP program in C (bpf/aggregator.c). ``FIELDS`` is the one definition:
+the numpy dtype and ``struct`` format used here are derived from it, and so is the C text
+(``c_definitions``: ``struct ns_hdr``, the NS_* constants and static asserts of every offset) that the
+loader puts in front of the program before bcc compiles it. A field added or moved here moves in C too.
+
+All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
+DATA and AGG carry int32 fixed-point lanes; RESULT carries float32 lanes. DATA is always padded with zero
+lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in linear
+time); ``count`` says how many lanes matter. 32 + 360*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
+headers is exactly a 1500-byte MTU.
+
+The XDP program never reads ``total``: DATA carries zero there and AGG keeps it. Only the loader's own
+TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import struct
+from dataclasses import dataclass
+from typing import Final
+
+import numpy as np
+
+from netstorm.lan.errors import WireError
+
+MAGIC: Final = 0x534E
+"""``"NS"`` in the first two bytes."""
+VERSION: Final = 1
+HEADER_BYTES: Final = 32
+MAX_LANES: Final = 360
+MAX_WORKERS: Final = 64
+"""Worker ids are bits of a 64-bit contributor bitmap."""
+NEED_NONE: Final = 127
+"""``need`` of an all-zero chunk: it fits at any scale."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """One header field: its name (the same in Python and C), C type and meaning."""
+
+    name: str
+    ctype: str
+    meaning: str
+
+
+FIELDS: Final = (
+    Field("magic", "u16", "0x534E (MAGIC)"),
+    Field("version", "u8", "VERSION"),
+    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO (see Kind)"),
+    Field("job", "u16", "training job; the gateway ignores other jobs' packets"),
+    Field("worker", "u8", "LAN worker id, 0..63 (bit in the contributor bitmap)"),
+    Field("flags", "u8", "OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)"),
+    Field("iteration", "u32", "synchronous iteration number (wraps; compared as a signed difference)"),
+    Field("tensor", "u32", "tensor index in the job's layout"),
+    Field("chunk", "u32", "packet-sized chunk of that tensor"),
+    Field("slot", "u32", "aggregation slot chosen by the layout, < the slot map's size"),
+    Field("count", "u16", "lanes in this datagram, <= MAX_LANES"),
+    Field("scale", "s8", "lanes hold round(x * 2**scale) (DATA/AGG) or float32 values (RESULT)"),
+    Field("need", "s8", "largest scale at which the sender's values fit int32 (AGG: min over workers)"),
+    Field("total", "u32", "RESULT: workers whose gradients the result sums (every DC's trainer and LAN "
+          "workers, what average=True divides by; 0 from a gateway that predates the field); zero in "
+          "every other kind"),
+)
+"""The header, field by field in wire order, without padding."""
+
+_CODES: Final = {"u8": ("B", "u1"), "s8": ("b", "i1"), "u16": ("H", "<u2"), "u32": ("I", "<u4")}
+"""C type -> (struct code, numpy dtype), all little-endian."""
+
+HEADER_STRUCT: Final = struct.Struct("<" + "".join(_CODES[f.ctype][0] for f in FIELDS))
+HEADER_DTYPE: Final = np.dtype([(f.name, _CODES[f.ctype][1]) for f in FIELDS])
+OFFSETS: Final = dict(zip((f.name for f in FIELDS),
+                           itertools.accumulate((struct.calcsize(_CODES[f.ctype][0]) for f in FIELDS), initial=0),
+                           strict=False))
+"""Byte offset of every field (what the C struct's offsetof must say)."""
+KIND_AT: Final = OFFSETS["kind"]
+"""Where a receiver peeks at the kind before decoding the whole header."""
+assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
+assert all(HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields[n][1] == at for n, at in OFFSETS.items())
+
+
+class Kind(enum.IntEnum):
+    DATA = 1
+    """worker -> gateway: fixed-point contribution."""
+    AGG = 2
+    """gateway data plane -> gateway agent: the completed fixed-point sum of a slot."""
+    NACK = 3
+    """agent -> worker: resend (iteration, tensor, chunk); with RESCALE, re-quantise at ``scale`` first."""
+    RESULT = 4
+    """agent -> worker: float32 result of the WAN step for one chunk."""
+    PULL = 5
+    """worker -> agent: resend the RESULT of (iteration, tensor, chunk)."""
+    HELLO = 6
+    """worker -> agent: announces the worker's address; the agent answers with a HELLO."""
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    OVERFLOW = 1
+    RESCALE = 2
+
+
+_KINDS: Final = {int(k): k for k in Kind}
+_FLAGS: Final = {int(f): Flag(f) for f in range(4)}
+"""Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: Kind
+    job: int
+    worker: int
+    iteration: int
+    tensor: int
+    chunk: int
+    slot: int
+    count: int
+    scale: int
+    need: int = NEED_NONE
+    flags: Flag = Flag.NONE
+    total: int = 0
+    """RESULT only: workers whose gradients the result sums."""
+
+    def encode(self) -> bytes:
+        return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
+                                  self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
+                                  self.need, self.total)
+
+    @classmethod
+    def decode(cls, data: bytes | bytearray | memoryview) -> Header:
+        """The header of ``data``; raises WireError for a short, foreign or inconsistent datagram."""
+        if len(data) < HEADER_BYTES:
+            raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
+        (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
+         total) = HEADER_STRUCT.unpack_from(data)
+        if magic != MAGIC:
+            raise WireError(f"bad magic 0x{magic:04x}")
+        if version != VERSION:
+            raise WireError(f"unsupported version {version} (this side speaks {VERSION})")
+        kind = _KINDS.get(kind_code)
+        if kind is None:
+            raise WireError(f"unknown kind {kind_code}")
+        if count > MAX_LANES:
+            raise WireError(f"count {count} exceeds {MAX_LANES} lanes")
+        if worker >= MAX_WORKERS:
+            raise WireError(f"worker {worker} out of range 0..{MAX_WORKERS - 1}")
+        payload = len(data) - HEADER_BYTES
+        if kind in (Kind.DATA, Kind.AGG, Kind.RESULT):
+            # lanes may be padded (with zeros) up to the layout's lane width; count says how many matter
+            if payload % 4 or not 4 * count <= payload <= 4 * MAX_LANES:
+                raise WireError(f"{kind.name} datagram with {payload} payload bytes cannot hold {count} lanes")
+        elif payload:
+            raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
+        flag = _FLAGS.get(flags)
+        if flag is None:
+            raise WireError(f"unknown flags 0x{flags:02x}")
+        if total and kind != Kind.RESULT:
+            raise WireError(f"{kind.name} datagram with total {total}: only RESULT carries one")
+        return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
+                   count=count, scale=scale, need=need, flags=flag, total=total)
+
+
+def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:
+    """The payload lanes of a datagram as a read-only view (int32 for DATA/AGG, float32 for RESULT)."""
+    return np.frombuffer(data, dtype, offset=HEADER_BYTES)
+
+
+def c_definitions() -> str:
+    """The header for C: ``struct ns_hdr`` (packed, fields as in ``FIELDS``), the NS_* constants and
+    static asserts that every field sits at the offset this module uses. The loader puts this text in
+    front of bpf/aggregator.c, so the program parses exactly the layout defined here."""
+    declarations = [f"__{f.ctype} {f.name};" for f in FIELDS]
+    width = max(map(len, declarations)) + 1
+    lines = ["/* Generated from netstorm/lan/header.py (FIELDS): the LAN edge datagram header. */",
+             "#include <linux/types.h>",
+             f"#define NS_MAGIC 0x{MAGIC:04X}",
+             f"#define NS_VERSION {VERSION}",
+             f"#define NS_HEADER_BYTES {HEADER_BYTES}",
+             f"#define NS_MAX_LANES {MAX_LANES}",
+             f"#define NS_MAX_WORKERS {MAX_WORKERS}",
+             f"#define NS_NEED_NONE {NEED_NONE}"]
+    lines += [f"#define NS_KIND_{k.name} {int(k)}" for k in Kind]
+    lines += [f"#define NS_FLAG_{f.name} {int(f)}" for f in Flag if f.name and f is not Flag.NONE]
+    lines.append("struct ns_hdr {")
+    lines += [f"    {d.ljust(width)}/* {f.meaning} */" for d, f in zip(declarations, FIELDS, strict=True)]
+    lines.append("} __attribute__((packed));")
+    lines.append(f'_Static_assert(sizeof(struct ns_hdr) == {HEADER_BYTES}, "ns_hdr size");')
+    lines += [f'_Static_assert(__builtin_offsetof(struct ns_hdr, {name}) == {offset}, "ns_hdr.{name}");'
+              for name, offset in OFFSETS.items()]
+    return "\n".join(lines) + "\n"
