@@ -36,6 +36,12 @@ log = logging.getLogger(__name__)
 
 STATUS_BINDINGS = 64
 """Most recent iteration -> version bindings a status answer carries."""
+HISTORY_BINDINGS = 1024
+"""Bindings one history answer carries at most (a page)."""
+HISTORY_POLICIES = 16
+"""Published policy versions one history answer carries at most (a page)."""
+POLICY_RECORDS = 256
+"""Published policy versions the history remembers (roots, trees and why each was planned)."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
 STOP_GRACE_S = 1.0
@@ -111,6 +117,9 @@ class SchedulerService:
         self._replan_wake = asyncio.Event()
         """Set when the re-plan core's deadline may have moved earlier (a member down, a report)."""
         self._layout: tuple[str, int] | None = None
+        self._edge: dict[int, tuple[str, str]] = {}
+        """Gateway node -> (LAN aggregation mode, why XDP fell back), from its EdgeReport."""
+        self._published: collections.deque[control.PolicyRecord] = collections.deque(maxlen=POLICY_RECORDS)
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
 
@@ -242,12 +251,16 @@ class SchedulerService:
                 await self._layout_check(conn, message)
             case control.LinkReport():
                 self._link_report(conn, message)
+            case control.EdgeReport():
+                self._edge_report(conn, message)
             case control.PolicyOverride():
                 await self._override(conn, message)
             case control.StatusRequest():
                 await conn.send(self.status())
             case control.PolicyFetch():
                 await conn.send(self._policy_fetch(message.version))
+            case control.HistoryRequest():
+                await conn.send(self.history(message.since_iteration, message.since_version))
             case _:
                 await conn.send(control.Error(f"the scheduler does not accept {message.TYPE} messages"))
         return True
@@ -349,6 +362,15 @@ class SchedulerService:
         if self.replanner.next_deadline() < due:
             self._replan_wake.set()
 
+    def _edge_report(self, conn: _Connection, message: control.EdgeReport) -> None:
+        problem = self._member(conn, message.node_id, "edge report")
+        if problem is not None:
+            log.warning("%s: ignored", problem)
+            return
+        self._edge[message.node_id] = (message.mode, message.fallback)
+        log.info("node %d aggregates its LAN in %s%s", message.node_id, message.mode,
+                 f" (XDP unavailable: {message.fallback})" if message.fallback else "")
+
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
         if not self.complete.is_set():
             await conn.send(control.Error("policy override before the first policy exists"))
@@ -365,7 +387,15 @@ class SchedulerService:
         bindings = sorted(self.consistency.bindings.items())[-STATUS_BINDINGS:]
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
-                              version=-1 if current is None else current, bindings=tuple(bindings))
+                              version=-1 if current is None else current, bindings=tuple(bindings),
+                              edge=dict(self._edge))
+
+    def history(self, since_iteration: int, since_version: int) -> control.History:
+        """A page of the bindings from ``since_iteration`` on and of the published versions from
+        ``since_version`` on (what a tool following the run has not seen yet)."""
+        bindings = sorted((k, v) for k, v in self.consistency.bindings.items() if k >= since_iteration)
+        policies = [record for record in self._published if record.version >= since_version]
+        return control.History(tuple(bindings[:HISTORY_BINDINGS]), tuple(policies[:HISTORY_POLICIES]))
 
     def _policy_fetch(self, version: int) -> control.Message:
         current = self.consistency.current_version
@@ -468,6 +498,9 @@ class SchedulerService:
 
     def _publish(self, policy: Policy, reason: str) -> None:
         self.consistency.publish(policy)
+        self._published.append(control.PolicyRecord(
+            policy.version, reason, tuple(policy.roots),
+            tuple((root, child, parent) for root in policy.roots for child, parent in policy.trees[root].edges())))
         shares = ", ".join(f"{root}:{share:.2f}" for root, share in sorted(policy.chunk_share.items()))
         rates = " ".join(f"{src}>{dst}:{mbit:.1f}" for (src, dst), mbit in sorted(policy.rates.items()))
         log.info("policy version %d (%s): roots %s, chunk shares %s; binds to the next iteration asked for; "
