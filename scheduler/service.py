@@ -295,7 +295,7 @@ class SchedulerService:
 
     async def _start_job(self) -> None:
         """Every node is here: plan the first policy, then tell everyone the membership and config."""
-        nodes = self.membership.alive
+        nodes = self.membership.alive  # nothing else plans before the job is complete: no lock to wait for
         try:
             await self._carry_out(lambda: [self.replanner.first_plan(nodes)])
         except PlanningError as exc:
@@ -460,13 +460,13 @@ class SchedulerService:
 
     async def replan(self, rates: Rates, *, force: bool, reason: str) -> int:
         """Plan from ``rates`` over the live nodes and publish it if it is new; the current version after."""
-        await self._carry_out(lambda: [self.replanner.plan(rates, self.membership.alive, force=force,
-                                                           reason=reason)])
-        return self.consistency.current_version or 0
+        return await self._carry_out(lambda: [self.replanner.plan(rates, self.membership.alive, force=force,
+                                                                  reason=reason)])
 
-    async def _carry_out(self, decide: Callable[[], list[Action]]) -> None:
+    async def _carry_out(self, decide: Callable[[], list[Action]]) -> int:
         """Carry out the re-plan core's actions, from ``decide`` and from the results it is fed, in order;
-        plans and moves run in a worker thread. ``LinkBeliefs`` go out once the plan lock is released."""
+        plans and moves run in a worker thread. ``LinkBeliefs`` go out once the plan lock is released.
+        Returns the version current when the actions were done."""
         beliefs: list[control.LinkBeliefs] = []
         async with self._plan_lock:
             actions = collections.deque(decide())
@@ -487,8 +487,10 @@ class SchedulerService:
                         beliefs.append(action.beliefs)
                     case Log():
                         log.log(action.level, action.message, *action.args)
+            version = self.consistency.current_version or 0
         for message in beliefs:
             await self._broadcast(message)
+        return version
 
     def _run_plan(self, plan: Plan) -> Policy | None:
         """A ``Plan`` action's work (in a worker thread)."""
