@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +62,10 @@ class GatewayRole:
         self.iteration_timeout = iteration_timeout
         self.agent: EdgeAgent | None = None
         self.mode = "not started"
+        self.fallback = ""
+        """Why XDP could not load, when ``mode`` fell back to userspace."""
+        self.on_started: Callable[[str, str], None] | None = None
+        """Called with ``mode`` and ``fallback`` once the gateway serves its LAN (the node tells the scheduler)."""
         self.init_iteration: int | None = None
         self._xdp: object | None = None
         self._started = asyncio.Event()
@@ -95,6 +100,7 @@ class GatewayRole:
                     sock.close()
                     raise
                 log.warning("edge: XDP unavailable (%s); aggregating in userspace", exc)
+                self.fallback = str(exc)
         self._xdp = xdp
         self.mode = mode
         agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
@@ -128,6 +134,8 @@ class GatewayRole:
                 # compiling and loading the XDP program takes seconds: keep the node's loop (heartbeats) free
                 self.agent = await asyncio.to_thread(self._start, sizes)
                 self._started.set()
+                if self.on_started is not None:
+                    self.on_started(self.mode, self.fallback)
         if self.init_iteration is None:
             self.init_iteration = iteration
         if iteration == self.init_iteration:

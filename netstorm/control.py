@@ -163,6 +163,21 @@ def _worker_counts(where: str, value: Any) -> dict[int, int]:
     return _by_node(where, value, "[id, workers]", lambda node_id, rest: _workers(f"{where}[{node_id}]", rest[0]))
 
 
+def _edge_modes(where: str, value: Any) -> dict[int, tuple[str, str]]:
+    return _by_node(where, value, "[id, mode, fallback]", lambda _, rest: (_str(where, rest[0]), _str(where, rest[1])))
+
+
+def _policy_records(where: str, value: Any) -> tuple[PolicyRecord, ...]:
+    """Rows [version, reason, roots, edges], each edge [root, child, parent]."""
+    out: list[PolicyRecord] = []
+    for version, reason, roots, edges in _rows(where, value, "[version, reason, roots, edges]"):
+        if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 3 for e in edges):
+            raise ControlError(f"{where}: edges of version {version!r} must be [root, child, parent] rows")
+        out.append(PolicyRecord(_int(where, version), _str(where, reason), _ids(where, roots),
+                                tuple((_int(where, r), _int(where, c), _int(where, p)) for r, c, p in edges)))
+    return tuple(out)
+
+
 def _ids(where: str, value: Any) -> tuple[int, ...]:
     if not isinstance(value, list):
         raise ControlError(f"{where}: expected a list of node ids, got {type(value).__name__}")
@@ -402,7 +417,9 @@ class StatusRequest(Message):
 class Status(Message):
     TYPE: ClassVar[str] = "status"
     FIELDS: ClassVar[Mapping[str, Checker]] = {"expected": _ids, "registered": _ids, "alive": _ids,
-                                                "complete": _bool, "version": _int, "bindings": _pairs}
+                                                "complete": _bool, "version": _int, "bindings": _pairs,
+                                                "edge": _edge_modes}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"edge"})
     expected: tuple[int, ...]
     registered: tuple[int, ...]
     alive: tuple[int, ...]
@@ -412,11 +429,17 @@ class Status(Message):
     """The current policy version (-1 before the first plan)."""
     bindings: tuple[tuple[int, int], ...] = ()
     """(iteration, version) of the most recent bound iterations, oldest first."""
+    edge: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    """Gateway node -> (how it aggregates its LAN, why XDP fell back or ""), as its ``EdgeReport`` said;
+    a gateway that has not served its LAN yet is absent."""
 
     def to_fields(self) -> dict[str, Any]:
-        return {"expected": list(self.expected), "registered": list(self.registered), "alive": list(self.alive),
-                "complete": self.complete, "version": self.version,
-                "bindings": [[k, v] for k, v in self.bindings]}
+        fields: dict[str, Any] = {"expected": list(self.expected), "registered": list(self.registered),
+                                  "alive": list(self.alive), "complete": self.complete, "version": self.version,
+                                  "bindings": [[k, v] for k, v in self.bindings]}
+        if self.edge:
+            fields["edge"] = [[node_id, mode, fallback] for node_id, (mode, fallback) in sorted(self.edge.items())]
+        return fields
 
 
 @dataclasses.dataclass(frozen=True)
@@ -429,11 +452,81 @@ class PolicyFetch(Message):
     version: int
 
 
+@dataclasses.dataclass(frozen=True)
+class EdgeReport(Message):
+    """A gateway node says how it aggregates its LAN workers, once that is decided (no reply): the
+    emulator and operators read it back from ``Status.edge`` instead of from the node's log."""
+
+    TYPE: ClassVar[str] = "edge_report"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "mode": _str, "fallback": _str}
+    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"fallback"})
+    node_id: int
+    mode: str
+    """``xdp (native)``, ``xdp (generic)`` or ``userspace``."""
+    fallback: str = ""
+    """Why XDP could not load, when the gateway fell back to userspace ("" when it did not)."""
+
+    def to_fields(self) -> dict[str, Any]:
+        fields = super().to_fields()
+        if not self.fallback:
+            del fields["fallback"]
+        return fields
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyRecord:
+    """What a run's record keeps of one published policy version (not a message: a row of ``History``)."""
+
+    version: int
+    reason: str
+    """Why it was planned (``first plan``, ``periodic update``, ``node down``, an override...)."""
+    roots: tuple[int, ...]
+    edges: tuple[tuple[int, int, int], ...]
+    """(root, child, parent) of every tree edge."""
+
+    def trees(self) -> dict[int, dict[int, int]]:
+        """Root -> child -> parent."""
+        out: dict[int, dict[int, int]] = {root: {} for root in self.roots}
+        for root, child, parent in self.edges:
+            out.setdefault(root, {})[child] = parent
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryRequest(Message):
+    """Admin: the run's record from iteration ``since_iteration`` and version ``since_version`` on, one
+    page of each (``History``); a tool that follows a run asks again from past the newest it got."""
+
+    TYPE: ClassVar[str] = "history_request"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"since_iteration": _int, "since_version": _int}
+    since_iteration: int = 0
+    since_version: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class History(Message):
+    """The answer to a ``HistoryRequest``: a page of bindings and of published policy versions. A page
+    shorter than the scheduler's page size is the last; bindings and versions older than what the
+    scheduler remembers are gone (it keeps a bounded window of each)."""
+
+    TYPE: ClassVar[str] = "history"
+    FIELDS: ClassVar[Mapping[str, Checker]] = {"bindings": _pairs, "policies": _policy_records}
+    bindings: tuple[tuple[int, int], ...]
+    """(iteration, version) bound, by iteration."""
+    policies: tuple[PolicyRecord, ...]
+    """Published versions, oldest first."""
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"bindings": [[k, v] for k, v in self.bindings],
+                "policies": [[r.version, r.reason, list(r.roots), [list(e) for e in r.edges]]
+                             for r in self.policies]}
+
+
 MESSAGES: dict[str, type[Message]] = {
     cls.TYPE: cls
     for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, LinkBeliefs, PolicyRequest,
                 PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
-                PolicyFetch)
+                PolicyFetch, EdgeReport, HistoryRequest, History)
 }
 
 

@@ -30,6 +30,8 @@ REPORT_QUEUE = 256
 """Link reports waiting to be sent; beyond this the oldest are dropped (newer ones supersede them)."""
 KEEP_ITERATIONS = 8
 """Policy answers remembered behind the newest iteration asked for."""
+EDGE_REASON = 400
+"""Characters of an XDP fallback's reason an edge report carries (a loader's message can be long)."""
 
 
 class LinkSample(Protocol):
@@ -226,6 +228,20 @@ class SchedulerClient:
         self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples,
                                                 report.warm))
         self._reports_ready.set()
+
+    def report_edge(self, mode: str, fallback: str = "") -> None:
+        """Tell the scheduler how this gateway aggregates its LAN (``mode``) and why XDP fell back, if it
+        did (sent in the background; a failure is logged, the connection's loss is seen elsewhere)."""
+        if self._tasks is None:
+            log.warning("node %d: edge mode %s not reported: the client is closed", self.node_id, mode)
+            return
+        self._tasks.create_task(self._report_edge(control.EdgeReport(self.node_id, mode, fallback[:EDGE_REASON])))
+
+    async def _report_edge(self, message: control.EdgeReport) -> None:
+        try:
+            await self._send(message)
+        except (TimeoutError, ConnectionError, OSError) as exc:
+            log.warning("node %d: edge mode not reported to %s: %s", self.node_id, self._name, exc)
 
     def _policy_future(self, iteration: int) -> asyncio.Future[Policy]:
         answer = self._policy_answers.get(iteration)

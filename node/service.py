@@ -59,7 +59,7 @@ class Control(Protocol):
 
 
 class EdgeHook(Protocol):
-    """What the node needs from the LAN edge aggregation of a gateway (bpf/gateway.EdgeRole)."""
+    """What the node needs from the LAN edge aggregation of a gateway (bpf.gateway.GatewayRole)."""
 
     async def combine(self, iteration: int, key: int, values: np.ndarray | None,
                       sizes: list[int]) -> np.ndarray | None: ...
@@ -129,7 +129,7 @@ class GeneralNode:
         self._tg: asyncio.TaskGroup | None = None
         self.first_iteration = 0
         self.edge: EdgeHook | None = None
-        """The gateway role (bpf/gateway.EdgeRole): LAN workers' sums join this DC's contribution."""
+        """The gateway role (bpf.gateway.GatewayRole): LAN workers' sums join this DC's contribution."""
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 

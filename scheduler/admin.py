@@ -1,7 +1,10 @@
-"""One-shot admin requests to a running scheduler: its status, its policies, forcing a new policy version.
+"""One-shot admin requests to a running scheduler: its status, its policies, its history, forcing a new
+policy version.
 
 ``netstorm local`` waits on ``status`` for every node to register; tests and operators use
-``override_policy`` to roll out a policy planned from given rates (a policy change between iterations).
+``override_policy`` to roll out a policy planned from given rates (a policy change between iterations);
+the emulator follows a run with ``history`` (bindings and published versions) and ``status`` (each
+gateway's LAN aggregation mode) while it goes, since the scheduler keeps a bounded window of each.
 """
 
 from __future__ import annotations
@@ -63,3 +66,14 @@ async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: 
         return Policy.from_wire(reply.policy)
     except NetStormError as exc:
         raise ControlError(f"scheduler {control.format_address(address)} sent a malformed policy: {exc}") from None
+
+
+async def history(address: tuple[str, int], since_iteration: int = 0, since_version: int = 0, *,
+                  timeout: float) -> control.History:  # noqa: ASYNC109 (the contract's per-call deadline)
+    """One page of the bindings from ``since_iteration`` on and of the versions published from
+    ``since_version`` on."""
+    reply = await request(address, control.HistoryRequest(since_iteration, since_version), timeout=timeout)
+    if not isinstance(reply, control.History):
+        raise ControlError(f"scheduler {control.format_address(address)} answered a history request with "
+                           f"{reply.TYPE}")
+    return reply

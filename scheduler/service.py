@@ -1,20 +1,21 @@
 """The scheduler's asyncio shell: control TCP, SNTP on the same port, heartbeat timer, re-planning.
 
-Protocol decisions live in the sans-I/O cores (membership.py, consistency.py); this module moves
-frames, runs timers and hands planning to a thread (asyncio.to_thread) so a slow plan never delays a
-heartbeat or a policy reply. Each connection is served by one task that answers every request before
-reading the next, so replies come back in request order.
+Protocol decisions live in the sans-I/O cores (membership.py, consistency.py, replan.py); this module
+moves frames, runs the timers and carries out the re-plan core's actions, handing planning to a thread
+(asyncio.to_thread) so a slow plan never delays a heartbeat or a policy reply. Each connection is
+served by one task that answers every request before reading the next, so replies come back in request
+order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from collections.abc import Callable, Collection
 
 from netstorm import control
 from netstorm.clock import serve_sntp
@@ -24,16 +25,23 @@ from netstorm.planning.offload import plan_offload
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates
-from scheduler.cadence import Cadence, Reason, shifted, slows
+from scheduler.cadence import Cadence
 from scheduler.collector import LinkCollector
 from scheduler.consistency import Consistency, ConsistencyError
 from scheduler.membership import Down, Membership, MembershipError
 from scheduler.planner import Planner, PlanningError, restrict
+from scheduler.replan import Action, Log, Plan, PlanMoves, Publish, PushBeliefs, Replanner
 
 log = logging.getLogger(__name__)
 
 STATUS_BINDINGS = 64
 """Most recent iteration -> version bindings a status answer carries."""
+HISTORY_BINDINGS = 1024
+"""Bindings one history answer carries at most (a page)."""
+HISTORY_POLICIES = 16
+"""Published policy versions one history answer carries at most (a page)."""
+POLICY_RECORDS = 256
+"""Published policy versions the history remembers (roots, trees and why each was planned)."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
 STOP_GRACE_S = 1.0
@@ -84,16 +92,16 @@ class SchedulerService:
             raise ConfigError(f"a job needs at least two DCs joined by overlay links, got nodes "
                               f"{list(self.membership.expected)}")
         self.consistency = Consistency()
-        self.collector = LinkCollector(restrict(rates, nodes), now=clock(), stale_after=config.stale_after,
-                                       half_life=config.stale_half_life)
         self.planner = Planner(topology=topology,
                                num_roots=config.num_root_servers if num_roots is None else num_roots,
-                               update_rate=config.update_rate, relative_change=self.collector.relative_change,
+                               update_rate=config.update_rate, relative_change=LinkCollector.relative_change,
                                packing=config.tree_packing, replan_gain=config.replan_gain,
                                offload=config.enable_aux_path)
+        self.replanner = Replanner(config, rates, nodes, planner=self.planner, consistency=self.consistency,
+                                   now=clock())
         try:  # fail at startup, not when the last node registers, if these nodes cannot form a job
             probe = Planner(topology=topology, num_roots=self.planner.num_roots, update_rate=0.0,
-                            relative_change=self.collector.relative_change, packing=config.tree_packing)
+                            relative_change=LinkCollector.relative_change, packing=config.tree_packing)
             probe.first(rates, self.membership.expected)
         except PlanningError as exc:
             raise ConfigError(str(exc)) from None
@@ -104,16 +112,34 @@ class SchedulerService:
         self._stopping = False
         """Set when ``serve`` ends: closing connections are then no member going down."""
         self._plan_lock = asyncio.Lock()
+        """Held from a ``Plan`` action's making to its results' publication: one plan at a time, each
+        against the policy current when it was made."""
         self._replan_wake = asyncio.Event()
-        """Set when the cadence may have an earlier re-plan due (a member down, a measured rate shift)."""
-        self.cadence: Cadence | None = None
-        """Created when the re-plan loop starts (it runs on the event loop's clock)."""
+        """Set when the re-plan core's deadline may have moved earlier (a member down, a report)."""
         self._layout: tuple[str, int] | None = None
-        self._ignored_links: set[tuple[int, int]] = set()
+        self._edge: dict[int, tuple[str, str]] = {}
+        """Gateway node -> (LAN aggregation mode, why XDP fell back), from its EdgeReport."""
+        self._published: collections.deque[control.PolicyRecord] = collections.deque(maxlen=POLICY_RECORDS)
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
-        self.cycles = 0
+
+    @property
+    def collector(self) -> LinkCollector:
+        """The link beliefs (the re-plan core's)."""
+        return self.replanner.collector
+
+    @collector.setter
+    def collector(self, collector: LinkCollector) -> None:
+        self.replanner.collector = collector
+
+    @property
+    def cadence(self) -> Cadence:
+        return self.replanner.cadence
+
+    @property
+    def cycles(self) -> int:
         """Re-plan cycles run so far (tests wait on it instead of sleeping)."""
+        return self.replanner.cycles
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -225,12 +251,16 @@ class SchedulerService:
                 await self._layout_check(conn, message)
             case control.LinkReport():
                 self._link_report(conn, message)
+            case control.EdgeReport():
+                self._edge_report(conn, message)
             case control.PolicyOverride():
                 await self._override(conn, message)
             case control.StatusRequest():
                 await conn.send(self.status())
             case control.PolicyFetch():
                 await conn.send(self._policy_fetch(message.version))
+            case control.HistoryRequest():
+                await conn.send(self.history(message.since_iteration, message.since_version))
             case _:
                 await conn.send(control.Error(f"the scheduler does not accept {message.TYPE} messages"))
         return True
@@ -265,15 +295,13 @@ class SchedulerService:
 
     async def _start_job(self) -> None:
         """Every node is here: plan the first policy, then tell everyone the membership and config."""
-        async with self._plan_lock:
-            nodes = self.membership.alive
-            try:
-                policy = await asyncio.to_thread(self.planner.first, self.initial_rates, nodes)
-            except PlanningError as exc:
-                log.error("%s", exc)
-                await self._broadcast(control.Error(f"the scheduler cannot start the job: {exc}"))
-                return
-            self._publish(policy, "first plan")
+        nodes = self.membership.alive  # nothing else plans before the job is complete: no lock to wait for
+        try:
+            await self._carry_out(lambda: [self.replanner.first_plan(nodes)])
+        except PlanningError as exc:
+            log.error("%s", exc)
+            await self._broadcast(control.Error(f"the scheduler cannot start the job: {exc}"))
+            return
         ack = control.RegisterAck(members=self.membership.members(), config=dataclasses.asdict(self.config),
                                   scheduler_time=self.clock(), workers=self.membership.workers())
         await self._broadcast(ack)
@@ -327,48 +355,21 @@ class SchedulerService:
             return
         report = ProbeReport(src=message.src, dst=message.dst, mbit_s=message.mbit_s, t=message.t,
                              samples=message.samples, warm=message.warm)
-        try:
-            explored = self._exploring(message.src, message.dst)
-            self.collector.add(report, self.clock())
-        except ValueError as exc:
-            # e.g. a STAR/BKT tree edge between non-adjacent DCs measures a route, not an overlay link
-            if (message.src, message.dst) not in self._ignored_links:
-                self._ignored_links.add((message.src, message.dst))
-                log.warning("link reports %d->%d ignored (said once): %s", message.src, message.dst, exc)
-            return
-        log.debug("link %d->%d measured %.1f Mbit/s (%d samples, %s)", message.src, message.dst, message.mbit_s,
-                  message.samples, "warm" if message.warm else "cold")
-        link = (message.src, message.dst)
-        planned = self.planner.planned_rates
-        if self.config.enable_awareness and planned is not None and self.config.react_change > 0:
-            now = self.clock()
-            at = self.collector.change_seen(planned, self.config.react_change, now=now)
-            if at is not None and self.collector.note_change(at, change_gap=self.config.update_time):
-                log.info("network change %.2f s ago, seen on several links: reports before it stop counting",
-                         now - at)
-                if self.cadence is not None:
-                    self.cadence.change()  # the plans since were made from the old reports
-                    self._replan_wake.set()
-        believed = self.collector.state(*link).mbit_s
-        current = self.consistency.current_version
-        if (explored and planned is not None and self.cadence is not None and link in planned
-                and self.cadence.reason() is Reason.PERIODIC
-                and believed > planned[link] * (1 + self.config.react_change)):
-            log.debug("explored link %d->%d measured at %.1f Mbit/s, planned at %.1f: re-planning early",
-                      *link, believed, planned[link])
-            self.cadence.shift()
+        due = self.replanner.next_deadline()
+        for action in self.replanner.link_report(report, self.clock()):
+            assert isinstance(action, Log), action
+            log.log(action.level, action.message, *action.args)
+        if self.replanner.next_deadline() < due:
             self._replan_wake.set()
+
+    def _edge_report(self, conn: _Connection, message: control.EdgeReport) -> None:
+        problem = self._member(conn, message.node_id, "edge report")
+        if problem is not None:
+            log.warning("%s: ignored", problem)
             return
-        if (self.config.enable_awareness and self.cadence is not None and planned is not None
-                and current is not None and self.cadence.reason() is Reason.PERIODIC  # else one is due early
-                and shifted(planned, link, believed, self.config.react_change)
-                and self.collector.moved(link, planned[link], self.config.react_change)):
-            policy: Any = self.consistency.policy(current)
-            if slows(policy, planned, self.collector.estimate(self.clock()), self.config.react_change):
-                log.debug("link %d->%d now believed at %.1f Mbit/s, planned at %.1f, slows policy %d: "
-                          "re-planning early", *link, believed, planned[link], current)
-                self.cadence.shift()
-                self._replan_wake.set()
+        self._edge[message.node_id] = (message.mode, message.fallback)
+        log.info("node %d aggregates its LAN in %s%s", message.node_id, message.mode,
+                 f" (XDP unavailable: {message.fallback})" if message.fallback else "")
 
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
         if not self.complete.is_set():
@@ -381,21 +382,20 @@ class SchedulerService:
             return
         await conn.send(control.PolicyOverrideAck(version))
 
-    def _exploring(self, src: int, dst: int) -> bool:
-        """Whether the current policy asks for link ``src -> dst`` to be explored and it has not been
-        measured since (its first report then may show a link the trees should use)."""
-        current = self.consistency.current_version
-        if current is None or not self.config.enable_awareness:
-            return False
-        policy: Any = self.consistency.policy(current)
-        return (src, dst) in policy.explore and self.collector.unconfirmed(src, dst)
-
     def status(self) -> control.Status:
         current = self.consistency.current_version
         bindings = sorted(self.consistency.bindings.items())[-STATUS_BINDINGS:]
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
-                              version=-1 if current is None else current, bindings=tuple(bindings))
+                              version=-1 if current is None else current, bindings=tuple(bindings),
+                              edge=dict(self._edge))
+
+    def history(self, since_iteration: int, since_version: int) -> control.History:
+        """A page of the bindings from ``since_iteration`` on and of the published versions from
+        ``since_version`` on (what a tool following the run has not seen yet)."""
+        bindings = sorted((k, v) for k, v in self.consistency.bindings.items() if k >= since_iteration)
+        policies = [record for record in self._published if record.version >= since_version]
+        return control.History(tuple(bindings[:HISTORY_BINDINGS]), tuple(policies[:HISTORY_POLICIES]))
 
     def _policy_fetch(self, version: int) -> control.Message:
         current = self.consistency.current_version
@@ -431,8 +431,7 @@ class SchedulerService:
         conn = self._connections.pop(down.node_id, None)
         if conn is not None:
             conn.close()
-        if self.cadence is not None:
-            self.cadence.member_down()
+        self.replanner.member_down()
         self._replan_wake.set()
 
     async def _liveness_loop(self) -> None:
@@ -444,103 +443,67 @@ class SchedulerService:
                 await self._member_down(down)
 
     async def _replan_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        cadence = self.cadence = Cadence(update_time=self.config.update_time,
-                                         react_interval=self.config.react_interval, now=loop.time())
+        self.replanner.start_timer(self.clock())
         while True:
             self._replan_wake.clear()
-            wait = cadence.due() - loop.time()
+            wait = self.replanner.next_deadline() - self.clock()
             if wait > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(wait):
                         await self._replan_wake.wait()
                 continue  # woken or due: look again at what is due now
-            reason = cadence.start(loop.time())
-            self.cycles += 1
-            if not self.complete.is_set():
-                continue
-            # Derived, not only signalled: a member that died while the job was starting woke this loop
-            # before there was a policy to change, and that wake-up is gone.
-            if reason is not Reason.MEMBERSHIP and self._policy_has_dead_members():
-                reason = Reason.MEMBERSHIP
-            if reason is not Reason.MEMBERSHIP and not self.config.enable_awareness:
-                continue
-            if len(self.membership.alive) < 2:
-                log.info("fewer than two live nodes (%s): no job left to plan for", list(self.membership.alive))
-                continue
-            rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
-                else self.planner.planned_rates or self.initial_rates
             try:
-                await self.replan(rates, force=False, reason=reason.value)
+                await self._carry_out(lambda: self.replanner.timer(self.clock(), alive=self.membership.alive,
+                                                                   complete=self.complete.is_set()))
             except PlanningError as exc:
                 log.error("re-plan failed, keeping policy %s: %s", self.consistency.current_version, exc)
 
-    def _policy_has_dead_members(self) -> bool:
-        current = self.consistency.current_version
-        if current is None:
-            return False
-        policy: Any = self.consistency.policy(current)
-        return not set(self.membership.alive).issuperset(policy.nodes)
-
     async def replan(self, rates: Rates, *, force: bool, reason: str) -> int:
         """Plan from ``rates`` over the live nodes and publish it if it is new; the current version after."""
+        return await self._carry_out(lambda: [self.replanner.plan(rates, self.membership.alive, force=force,
+                                                                  reason=reason)])
+
+    async def _carry_out(self, decide: Callable[[], list[Action]]) -> int:
+        """Carry out the re-plan core's actions, from ``decide`` and from the results it is fed, in order;
+        plans and moves run in a worker thread. ``LinkBeliefs`` go out once the plan lock is released.
+        Returns the version current when the actions were done."""
+        beliefs: list[control.LinkBeliefs] = []
         async with self._plan_lock:
-            current_version = self.consistency.current_version
-            if current_version is None:
-                raise PlanningError("no first policy yet")
-            current: Any = self.consistency.policy(current_version)
-            assert isinstance(current, Policy)
-            policy = await asyncio.to_thread(self.planner.replan, rates, self.membership.alive, current,
-                                             force=force)
-            if policy is not None:
-                self._publish(self._with_explore(policy), reason)
+            actions = collections.deque(decide())
+            while actions:
+                action = actions.popleft()
+                match action:
+                    case Plan():
+                        policy = await asyncio.to_thread(self._run_plan, action)
+                        actions.extend(self.replanner.planned(action, policy, alive=self.membership.alive))
+                    case Publish():
+                        self._publish(action.policy, action.reason)
+                    case PlanMoves():
+                        old = action.old
+                        _, moves = await asyncio.to_thread(plan_offload, action.beliefs.rates, old.trees,
+                                                           old.chunk_share, old.aux_paths, fixed_shares=True)
+                        actions.extend(self.replanner.moves_planned(action, moves))
+                    case PushBeliefs():
+                        beliefs.append(action.beliefs)
+                    case Log():
+                        log.log(action.level, action.message, *action.args)
             version = self.consistency.current_version or 0
-            beliefs = None
-            if policy is not None and self.config.enable_aux_path:
-                beliefs = await self._beliefs(version, policy.rates)
-        if beliefs is not None:
-            await self._broadcast(beliefs)
+        for message in beliefs:
+            await self._broadcast(message)
         return version
 
-    async def _beliefs(self, version: int, rates: Mapping[tuple[int, int], float]) -> control.LinkBeliefs:
-        """What senders of iterations bound before ``version`` should weigh detours by: its planning
-        rates, and moves planned for them with the trees and shares of the newest bound iteration's
-        policy (that iteration keeps its trees, not the rates they were planned for)."""
-        positive = {link: r for link, r in rates.items() if r > 0}
-        bindings = self.consistency.bindings
-        bound = bindings[max(bindings)] if bindings else None
-        if bound is None or bound >= version:
-            return control.LinkBeliefs(version, positive)
-        try:
-            old: Any = self.consistency.policy(bound)
-        except KeyError:
-            return control.LinkBeliefs(version, positive)
-        if not isinstance(old, Policy) or not old.aux_paths or set(old.nodes) - set(self.membership.alive) \
-                or any(link not in positive for link in old.tree_links()):
-            return control.LinkBeliefs(version, positive)
-        _, moves = await asyncio.to_thread(plan_offload, positive, old.trees, old.chunk_share, old.aux_paths,
-                                           fixed_shares=True)
-        if not moves:
-            return control.LinkBeliefs(version, positive)
-        log.info("policy version %d re-planned the moves of version %d, bound to iteration %d: %d tree links "
-                 "offload onto auxiliary paths", version, bound, max(bindings), len(moves))
-        return control.LinkBeliefs(version, positive, amends=bound, offload=moves)
-
-    def _with_explore(self, policy: Policy) -> Policy:
-        """``policy`` asking its senders to explore the links no tree uses and nobody measured since the
-        network last changed (with auxiliary paths on: they are what carries the exploring chunks)."""
-        if not (self.config.enable_aux_path and self.config.enable_awareness):
-            return policy
-        used = policy.tree_links()
-        nodes = set(policy.nodes)
-        explore = frozenset(link for link in policy.rates if link not in used and set(link) <= nodes
-                            and self.collector.unconfirmed(*link))
-        return dataclasses.replace(policy, explore=explore) if explore else policy
+    def _run_plan(self, plan: Plan) -> Policy | None:
+        """A ``Plan`` action's work (in a worker thread)."""
+        if plan.current is None:
+            return self.planner.first(plan.rates, plan.nodes)
+        return self.planner.replan(plan.rates, plan.nodes, plan.current, force=plan.force)
 
     def _publish(self, policy: Policy, reason: str) -> None:
-        versioned = policy.with_version(self.consistency.next_version())
-        self.consistency.publish(versioned)
-        shares = ", ".join(f"{root}:{share:.2f}" for root, share in sorted(versioned.chunk_share.items()))
-        rates = " ".join(f"{src}>{dst}:{mbit:.1f}" for (src, dst), mbit in sorted(versioned.rates.items()))
+        self.consistency.publish(policy)
+        self._published.append(control.PolicyRecord(
+            policy.version, reason, tuple(policy.roots),
+            tuple((root, child, parent) for root in policy.roots for child, parent in policy.trees[root].edges())))
+        shares = ", ".join(f"{root}:{share:.2f}" for root, share in sorted(policy.chunk_share.items()))
+        rates = " ".join(f"{src}>{dst}:{mbit:.1f}" for (src, dst), mbit in sorted(policy.rates.items()))
         log.info("policy version %d (%s): roots %s, chunk shares %s; binds to the next iteration asked for; "
-                 "planned from Mbit/s %s", versioned.version, reason, list(versioned.roots), shares, rates)
+                 "planned from Mbit/s %s", policy.version, reason, list(policy.roots), shares, rates)

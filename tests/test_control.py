@@ -10,8 +10,11 @@ import pytest
 from netstorm import control
 from netstorm.control import (
     ControlError,
+    EdgeReport,
     Error,
     Heartbeat,
+    History,
+    HistoryRequest,
     LayoutAck,
     LayoutCheck,
     Leave,
@@ -21,6 +24,7 @@ from netstorm.control import (
     PolicyFetch,
     PolicyOverride,
     PolicyOverrideAck,
+    PolicyRecord,
     PolicyReply,
     PolicyRequest,
     Register,
@@ -58,6 +62,14 @@ SAMPLES: list[control.Message] = [
     Status(expected=(1, 2, 3), registered=(1, 3), alive=(1, 3), complete=False, version=-1),
     Status(expected=(1, 2), registered=(1, 2), alive=(2,), complete=True, version=3, bindings=((7, 2), (8, 3))),
     PolicyFetch(version=-1),
+    Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0,
+           edge={2: ("userspace", "cannot load: EPERM"), 1: ("xdp (native)", "")}),
+    EdgeReport(node_id=2, mode="xdp (generic)"),
+    EdgeReport(node_id=2, mode="userspace", fallback="cannot load: bpf_prog_load EPERM"),
+    HistoryRequest(since_iteration=12, since_version=3),
+    History(bindings=((0, 0), (1, 0), (2, 1)),
+            policies=(PolicyRecord(0, "first plan", (1,), ((1, 2, 1), (1, 3, 2))),
+                      PolicyRecord(1, "node down", (2, 1), ()))),
 ]
 
 
@@ -130,6 +142,16 @@ def raw(data: object) -> bytes:
           "version": 0, "bindings": []}, "expected true or false"),
         ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": True,
           "version": 0, "bindings": [[1, 2, 3]]}, "[int, int] pairs"),
+        ({"v": 1, "type": "status", "expected": [], "registered": [], "alive": [], "complete": True,
+          "version": 0, "bindings": [], "edge": [[2, "userspace"]]}, "expected [id, mode, fallback]"),
+        ({"v": 1, "type": "edge_report", "node_id": 2, "mode": 3}, "edge_report.mode: expected a string"),
+        ({"v": 1, "type": "history_request", "since_iteration": 0}, "missing field(s) since_version"),
+        ({"v": 1, "type": "history", "bindings": [], "policies": [[0, "first plan", [1]]]},
+         "expected [version, reason, roots, edges]"),
+        ({"v": 1, "type": "history", "bindings": [], "policies": [[0, "first plan", [1], [[1, 2]]]]},
+         "edges of version 0 must be [root, child, parent] rows"),
+        ({"v": 1, "type": "history", "bindings": [], "policies": [[0, 7, [1], []]]},
+         "history.policies: expected a string"),
         ([1, 2, 3], "not a map"),
     ],
 )
@@ -156,6 +178,16 @@ def test_workers_default_to_one_and_stay_off_the_wire_at_their_default() -> None
     assert [explicit.workers_of(n) for n in (1, 2, 3)] == [1, 4, 1]
     assert msgpack.unpackb(body(encode(explicit)))["workers"] == [[2, 4]]
     assert msgpack.unpackb(body(encode(RegisterAck(members, {}, 0.5, workers={1: 1})))) == old_ack
+
+
+def test_new_optional_fields_stay_off_the_wire_at_their_default() -> None:
+    """A status without gateways and an edge report without a fallback are encoded as a peer that
+    predates those fields sends them."""
+    status = Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0)
+    assert "edge" not in msgpack.unpackb(body(encode(status)))
+    assert "fallback" not in msgpack.unpackb(body(encode(EdgeReport(node_id=1, mode="xdp (native)"))))
+    record = PolicyRecord(3, "periodic update", (2, 1), ((2, 1, 2), (2, 3, 1), (1, 2, 1)))
+    assert record.trees() == {2: {1: 2, 3: 1}, 1: {2: 1}}
 
 
 @pytest.mark.parametrize("workers", [0, -1])

@@ -18,7 +18,9 @@ import pytest
 
 import netstorm
 from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+from netstorm.emulation.netns import run_in
 from netstorm.lan.client import AsyncEdgeClient
+from scheduler import admin
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -74,6 +76,11 @@ def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> N
             asyncio.run(_drive(tmp_path, workers))
             node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")
             assert "gateway: 2 LAN workers" in node_log
+            # the gateway told the scheduler how it aggregates, and the admin interface says so
+            status = run_in(lan.gateway, lambda: asyncio.run(admin.status(("127.0.0.1", sched_port), timeout=TIMEOUT)))
+            assert set(status.edge) == {1}
+            assert status.edge[1] == ("userspace", "") if mode == "userspace" else \
+                status.edge[1] in (("xdp (native)", ""), ("xdp (generic)", ""))
         except BaseException:
             for name in ("scheduler", "node1", "node2"):
                 text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")

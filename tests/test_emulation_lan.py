@@ -160,13 +160,19 @@ def test_demo_lan_workers_reach_every_dc_of_the_emulated_scenario() -> None:
         with_lan_workers(scenario, -1)
 
 
-def test_the_gateway_mode_and_the_reason_for_a_fallback_come_from_the_node_log() -> None:
-    from netstorm.emulation.runner import edge_mode_of
+def test_the_gateway_mode_and_the_reason_for_a_fallback_come_from_the_schedulers_status() -> None:
+    from netstorm import control
+    from netstorm.emulation.schedrecord import SchedulerRecord
 
-    xdp = ("2026 INFO netstorm.edge: edge: gateway for 2 LAN workers on 10.103.1.1:9700, xdp (native) "
-           "aggregation, 556 slots (0.8 MB)\n")
-    assert edge_mode_of("node 2 serving\n" + xdp) == "xdp (native)"
-    fallback = ("2026 WARNING netstorm.edge: edge: XDP unavailable (cannot load: bpf_prog_load\n  EPERM); "
-                "aggregating in userspace\n" + xdp.replace("xdp (native)", "userspace"))
-    assert edge_mode_of(fallback) == "userspace (XDP unavailable: cannot load: bpf_prog_load EPERM)"
-    assert edge_mode_of("node 2 serving\n") == "not started"
+    def status(edge: dict[int, tuple[str, str]]) -> control.Status:
+        return control.Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0, edge=edge)
+
+    record = SchedulerRecord()
+    assert record.edge_modes([2]) == {"2": "not started"}
+    record.add_status(status({2: ("xdp (native)", "")}))
+    assert record.edge_modes([2]) == {"2": "xdp (native)"}
+    record.add_status(status({2: ("userspace", "cannot load: bpf_prog_load\n  EPERM")}))
+    assert record.edge_modes([2]) == {"2": "userspace (XDP unavailable: cannot load: bpf_prog_load EPERM)"}
+    record.add_status(status({}))
+    assert record.edge_modes([1, 2]) == {"1": "not started",
+                                         "2": "userspace (XDP unavailable: cannot load: bpf_prog_load EPERM)"}

@@ -17,8 +17,9 @@ from netstorm.control import ControlError, LayoutMismatch
 from netstorm.errors import ConfigError
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
-from node.control_client import REPORT_QUEUE, SchedulerClient
+from node.control_client import EDGE_REASON, REPORT_QUEUE, SchedulerClient
 from scheduler import admin
+from scheduler import service as service_module
 from scheduler.cadence import Reason
 from scheduler.service import SchedulerService
 
@@ -786,3 +787,71 @@ def test_stale_options_are_validated() -> None:
         Config().replace(stale_half_life=0.0)
     with pytest.raises(ConfigError, match="stale_after"):
         Config().replace(stale_after=-1.0)
+
+
+def test_history_pages_bindings_and_published_policies_over_the_admin_interface(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service)
+            try:
+                for k in (0, 1, 2):
+                    await asyncio.gather(*(c.policy_for(k, timeout=T) for c in clients))
+                slow = {**RATES, (1, 2): 1.0, (2, 1): 1.0}
+                assert await admin.override_policy(addr(service), slow, timeout=T) == 1
+                await clients[0].policy_for(3, timeout=T)
+                history = await admin.history(addr(service), timeout=T)
+                assert history.bindings == ((0, 0), (1, 0), (2, 0), (3, 1))
+                assert [r.version for r in history.policies] == [0, 1]
+                assert history.policies[0].reason == "first plan"
+                assert re.fullmatch(r"override from 127\.0\.0\.1:\d+", history.policies[1].reason)
+                for record in history.policies:
+                    policy = service.consistency.policy(record.version)
+                    assert isinstance(policy, Policy)
+                    assert record.roots == policy.roots
+                    assert record.trees() == {root: {child: parent for child, parent in policy.trees[root].edges()}
+                                              for root in policy.roots}
+                later = await admin.history(addr(service), 3, 1, timeout=T)
+                assert later.bindings == ((3, 1),) and [r.version for r in later.policies] == [1]
+                assert await admin.history(addr(service), 4, 2, timeout=T) == control.History((), ())
+                monkeypatch.setattr(service_module, "HISTORY_BINDINGS", 2)
+                monkeypatch.setattr(service_module, "HISTORY_POLICIES", 1)
+                page = await admin.history(addr(service), 1, 0, timeout=T)
+                assert page.bindings == ((1, 0), (2, 0)) and [r.version for r in page.policies] == [0]
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
+def test_status_names_each_gateways_lan_aggregation_mode(caplog: pytest.LogCaptureFixture) -> None:
+    async def main() -> None:
+        async with scheduler(nodes=(1, 2, 3)) as service:
+            clients = await connect_all(service, (1, 2, 3), workers={2: 3, 3: 2})
+            try:
+                assert (await admin.status(addr(service), timeout=T)).edge == {}
+                clients[1].report_edge("xdp (native)")
+                clients[2].report_edge("userspace", "cannot load: bpf_prog_load EPERM " + "x" * 1000)
+                await clients[0]._send(control.EdgeReport(3, "xdp (generic)"))  # not node 3's connection
+
+                async def reported() -> control.Status:
+                    while True:
+                        status = await admin.status(addr(service), timeout=T)
+                        if len(status.edge) == 2:
+                            return status
+                        await asyncio.sleep(0.01)  # the reports travel on other connections
+
+                async with asyncio.timeout(T):
+                    status = await reported()
+                assert status.edge[2] == ("xdp (native)", "")
+                mode, fallback = status.edge[3]
+                assert mode == "userspace" and fallback.startswith("cannot load: bpf_prog_load EPERM x")
+                assert len(fallback) == EDGE_REASON, "a long reason is cut, the report stays small"
+                await until(lambda: any("edge report names node 3" in r.getMessage() for r in caplog.records),
+                            "a report for another node refused")
+                assert (await admin.status(addr(service), timeout=T)).edge[3][0] == "userspace"
+            finally:
+                await close_all(clients)
+
+    with caplog.at_level("INFO", logger="scheduler.service"):
+        run(main())

@@ -110,6 +110,7 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
                 from bpf.gateway import GatewayRole
 
                 role = GatewayRole(edge, iteration_timeout=control.config.iteration_timeout)
+                role.on_started = control.report_edge  # the emulator reads the mode back from the scheduler
                 node.edge = role
                 edge_task = tg.create_task(role.run())
                 print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"

@@ -18,7 +18,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import re
 import resource
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.network import EmulatedNetwork
+from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.scenario import Rates, Scenario, load
 
 log = logging.getLogger(__name__)
@@ -265,6 +265,9 @@ class SystemRun:
         """Called once, when every trainer has completed its first iteration (the dynamics start)."""
         self.current_rates: Rates = scenario.rates()
         self.epoch = 0
+        self.record = SchedulerRecord()
+        """Bindings, policy versions and gateway modes, from the scheduler's admin interface."""
+        self.watch: SchedulerWatch | None = None
 
     def _logfile(self, name: str) -> IO[bytes]:
         fh = (self.dir / f"{name}.log").open("wb")
@@ -285,10 +288,13 @@ class SystemRun:
             "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags),
             stdout=out, stderr=subprocess.STDOUT)
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
+        self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
+                                    namespace=net.plan.mgmt_namespace)
+        self.watch.start()
         for dc in net.plan.node_ids:
             out = self._logfile(f"node-{dc}")
             gateway = self._gateway_flags(dc)
-            # -v: the log names each link's load per iteration and, on a gateway, the aggregation mode
+            # -v: the log names each link's load per iteration
             self.services[f"node-{dc}"] = net.spawn(dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
@@ -328,13 +334,9 @@ class SystemRun:
                 "--edge-scale", str(edge_scale(lan_ids))]
 
     def edge_modes(self) -> dict[str, str]:
-        """How each gateway aggregated its LAN (``xdp (native)``, ``xdp (generic)``, ``userspace``), from
-        its node's log; ``"not started"`` when the node never served its LAN."""
-        out: dict[str, str] = {}
-        for dc in self.net.plan.lans:
-            path = self.dir / f"node-{dc}.log"
-            out[str(dc)] = edge_mode_of(path.read_text(errors="replace") if path.exists() else "")
-        return out
+        """How each gateway aggregated its LAN (``xdp (native)``, ``xdp (generic)``, ``userspace``), as its
+        node told the scheduler; ``"not started"`` when the node never served its LAN."""
+        return self.record.edge_modes(self.net.plan.lans)
 
     def _start_gloo(self) -> None:
         net, opts = self.net, self.opts
@@ -357,15 +359,11 @@ class SystemRun:
     def policy_versions(self) -> dict[str, Any]:
         """The policy version the scheduler bound each of its iterations to, and every version it published.
 
-        Read from the scheduler's log; iteration numbers are the scheduler's (the runtime's own count,
-        which need not equal the trainer's), so the result keeps them as they are.
+        Followed on the scheduler's admin interface while the run goes; iteration numbers are the
+        scheduler's (the runtime's own count, which need not equal the trainer's), so the result keeps
+        them as they are.
         """
-        path = self.dir / "scheduler.log"
-        text = path.read_text(errors="replace") if path.exists() else ""
-        bound = {str(m.group(1)): int(m.group(2)) for m in _BOUND_RE.finditer(text)}
-        policies = [{"version": int(m.group(1)), "reason": m.group(2), "roots": m.group(3)}
-                    for m in _POLICY_RE.finditer(text)]
-        return {"bound": bound, "policies": policies}
+        return self.record.policy_versions()
 
     def on_rates(self, entry: dict[str, Any]) -> None:
         self.epoch = int(entry["epoch"])
@@ -398,6 +396,10 @@ class SystemRun:
             error = str(exc)
             progress.line(f"[{self.system.name}] FAILED: {error}")
         finally:
+            if self.watch is not None:
+                self.watch.stop()  # its last poll, while the scheduler still runs
+                if self.watch.error:
+                    progress.line(f"[{self.system.name}] the scheduler's admin interface: {self.watch.error}")
             self.net.stop_processes()
             for fh in self._files:
                 fh.close()
@@ -471,20 +473,6 @@ class SystemRun:
         if errors:
             out["trainer_errors"] = errors[:20]
         return out
-
-
-_BOUND_RE = re.compile(r"iteration (\d+) bound to policy version (\d+)")
-_POLICY_RE = re.compile(r"policy version (\d+) \((.*?)\): roots (\[.*?\])")
-_EDGE_MODE_RE = re.compile(r"edge: gateway for \d+ LAN workers on \S+ (.+?) aggregation")
-_EDGE_FALLBACK_RE = re.compile(r"edge: XDP unavailable \((.{0,400}?)\); aggregating in userspace", re.S)
-
-
-def edge_mode_of(node_log: str) -> str:
-    """A gateway node's aggregation mode from its log, with the reason when XDP fell back to userspace."""
-    m = _EDGE_MODE_RE.search(node_log)
-    mode = m.group(1) if m else "not started"
-    why = _EDGE_FALLBACK_RE.search(node_log)
-    return f"{mode} (XDP unavailable: {' '.join(why.group(1).split())})" if why else mode
 
 
 class Progress:
