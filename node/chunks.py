@@ -19,6 +19,7 @@ nothing is dropped. A contribution that arrives twice is rejected.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
@@ -49,12 +50,22 @@ class IterationDone:
     iteration: int
 
 
+class Cause(enum.StrEnum):
+    """Why an iteration failed; each cause is an exception class of its own for the waiters."""
+
+    FAILED = "failed"
+    """Invalid data, or a policy this node cannot hold."""
+    GONE = "gone"
+    """A peer the iteration needs died."""
+    TIMEOUT = "timeout"
+    """The iteration ran past ``iteration_timeout``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class IterationFailed:
     iteration: int
     reason: str
-    cause: str = "failed"
-    """"failed" (invalid data), "gone" (a peer died) or "timeout"."""
+    cause: Cause = Cause.FAILED
 
 
 Action = Send | KeyDone | IterationDone | IterationFailed
@@ -208,7 +219,7 @@ class ChunkCore:
             return []
         return self._deliver(state, header, payload)
 
-    def fail(self, iteration: int, reason: str, cause: str = "failed") -> list[Action]:
+    def fail(self, iteration: int, reason: str, cause: Cause = Cause.FAILED) -> list[Action]:
         """Give up on ``iteration`` (dead peer, timeout, invalid data); later chunks for it are ignored."""
         if self._closed.get(iteration) is not None:
             return []
