@@ -3,8 +3,8 @@
 It is fed the layout, the policy bound to each iteration, this DC's contribution per tensor and the
 chunks peers send, and answers with actions: chunks to send over a tree edge (or onward along an
 auxiliary path), tensors whose sums are complete, iterations that completed or failed. No sockets and
-no clock: the asyncio shell in ``node/service.py`` moves the bytes, and tests wire several cores
-together with plain calls.
+no clock: ``NodeCore`` (``node/core.py``) wraps it with the rest of the node's protocol, and tests wire
+several cores together with plain calls.
 
 Per chunk and iteration the rule is the paper's aggregate-forward: once this DC's contribution and
 every child's partial sum (in the tree of the chunk's root) are in, send the partial sum to the parent;
