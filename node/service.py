@@ -31,7 +31,18 @@ from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from netstorm.sendsched import LinkView
 from node import actions as act
-from node.actions import Action, AskPolicy, Cause, KeyDone, MoveFrame, Prefetch, Released, ReportLink, SendFrame
+from node.actions import (
+    Action,
+    AskPolicy,
+    Cause,
+    IterationDone,
+    KeyDone,
+    MoveFrame,
+    Prefetch,
+    Released,
+    ReportLink,
+    SendFrame,
+)
 from node.core import LinkState, NodeCore
 from node.forwarding import Forwarding
 from node.linkstats import LinkCounters
@@ -101,6 +112,7 @@ class GeneralNode:
         self._inbound_by_peer: dict[int, InboundProtocol] = {}
         self._server: asyncio.Server | None = None
         self._policy_waits: dict[int, asyncio.Future[Policy]] = {}
+        """Iteration -> the future its policy's waiters share while the control plane is asked."""
         self._fetches: set[asyncio.Task[None]] = set()
         self._waiters: dict[int, list[asyncio.Future[None]]] = {}
         self._timer: asyncio.TimerHandle | None = None
@@ -279,6 +291,9 @@ class GeneralNode:
 
     async def ensure_policy(self, iteration: int) -> Policy:
         """The policy bound to ``iteration``, asked once from the control plane and bound in the core."""
+        policy = self.core.policy(iteration)
+        if policy is not None:
+            return policy
         waiter = self._policy_waits.get(iteration)
         if waiter is None:
             waiter = asyncio.get_running_loop().create_future()
@@ -299,14 +314,12 @@ class GeneralNode:
             self._policy_unavailable(iteration, waiter, NetStormError(
                 f"node {self.node_id} stopped before the policy of iteration {iteration} arrived"))
             raise
+        del self._policy_waits[iteration]
         waiter.set_result(policy)
-        for old in [k for k in self._policy_waits if k < iteration - 2]:
-            del self._policy_waits[old]
         self._apply(self.core.policy_received(iteration, policy, self._links(), self._now()))
 
     def _policy_unavailable(self, iteration: int, waiter: asyncio.Future[Policy], exc: BaseException) -> None:
-        if self._policy_waits.get(iteration) is waiter:
-            del self._policy_waits[iteration]
+        del self._policy_waits[iteration]
         self.core.policy_unavailable(iteration)
         waiter.set_exception(exc)
         waiter.exception()  # retrieved: every waiter re-raises it itself
@@ -418,7 +431,7 @@ class GeneralNode:
                 self.links[action.target].enqueue(Outgoing(action.header, item.payload, action.ticket))
             elif isinstance(action, KeyDone):
                 self._wake(action.iteration)
-            elif isinstance(action, act.IterationDone):
+            elif isinstance(action, IterationDone):
                 self._wake(action.iteration)
                 self._log_done(action.iteration)
             elif isinstance(action, act.IterationFailed):
@@ -432,7 +445,7 @@ class GeneralNode:
             elif isinstance(action, ReportLink):
                 if self.control is not None:
                     self.control.report_link(action.report)
-            else:
+            elif isinstance(action, Released):
                 self._release(action)
         self._rearm()
 
