@@ -3,8 +3,8 @@
 It is fed the layout, the policy bound to each iteration, this DC's contribution per tensor and the
 chunks peers send, and answers with actions: chunks to send over a tree edge (or onward along an
 auxiliary path), tensors whose sums are complete, iterations that completed or failed. No sockets and
-no clock: the asyncio shell in ``node/service.py`` moves the bytes, and tests wire several cores
-together with plain calls.
+no clock: ``NodeCore`` (``node/core.py``) wraps it with the rest of the node's protocol, and tests wire
+several cores together with plain calls.
 
 Per chunk and iteration the rule is the paper's aggregate-forward: once this DC's contribution and
 every child's partial sum (in the tree of the chunk's root) are in, send the partial sum to the parent;
@@ -19,6 +19,7 @@ nothing is dropped. A contribution that arrives twice is rejected.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
@@ -50,12 +51,22 @@ class IterationDone:
     iteration: int
 
 
+class Cause(enum.StrEnum):
+    """Why an iteration failed; each cause is an exception class of its own for the waiters."""
+
+    FAILED = "failed"
+    """Invalid data, or a policy this node cannot hold."""
+    GONE = "gone"
+    """A peer the iteration needs died."""
+    TIMEOUT = "timeout"
+    """The iteration ran past ``iteration_timeout``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class IterationFailed:
     iteration: int
     reason: str
-    cause: str = "failed"
-    """"failed" (invalid data), "gone" (a peer died) or "timeout"."""
+    cause: Cause = Cause.FAILED
 
 
 Action = Send | KeyDone | IterationDone | IterationFailed
@@ -209,7 +220,7 @@ class ChunkCore:
             return []
         return self._deliver(state, header, payload)
 
-    def fail(self, iteration: int, reason: str, cause: str = "failed") -> list[Action]:
+    def fail(self, iteration: int, reason: str, cause: Cause = Cause.FAILED) -> list[Action]:
         """Give up on ``iteration`` (dead peer, timeout, invalid data); later chunks for it are ignored."""
         if self._closed.get(iteration) is not None:
             return []

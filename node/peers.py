@@ -17,7 +17,7 @@ itself holds views of the iteration's buffers: with synchronous iterations its s
 model.
 
 The queue is ordered, not FIFO: the oldest iteration first, and within it the lowest chunk number
-(see ``SendQueue``). A link carries both full sums going down and partial sums going up (it is a
+(see ``node/sendqueue.py``). A link carries both full sums going down and partial sums going up (it is a
 child's edge in one root's tree and a parent's in another's); leaves have every partial sum ready at
 once, so in FIFO order a link's results waited behind a whole iteration's worth of other roots'
 pushes, and the subtrees below it idled.
@@ -26,9 +26,6 @@ pushes, and the subtrees below it idled.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import heapq
-import itertools
 import logging
 import socket
 from collections.abc import Callable
@@ -43,13 +40,12 @@ from netstorm.frames import (
     ErrorFrame,
     Hello,
     Kind,
-    Phase,
     Prefix,
     decode_header,
     decode_prefix,
 )
-from netstorm.sendsched import PathScheduler
 from node import linkstats
+from node.sendqueue import Outgoing, SendQueue
 
 log = logging.getLogger("netstorm.node.peers")
 
@@ -260,75 +256,24 @@ class OutboundProtocol(asyncio.Protocol):
             self._drain.set_result(None)
 
 
-@dataclasses.dataclass
-class Outgoing:
-    """One frame waiting in a link's queue; ``on_sent`` runs once it left for the socket."""
-
-    header: ChunkHeader
-    payload: np.ndarray
-    on_sent: Callable[[], None] | None = None
-    scheduler: PathScheduler | None = None
-    """The path scheduler that chose this link for a tree edge's chunk (None: forwarded, or no choice)."""
-
-
-class SendQueue:
-    """A link's waiting frames: oldest iteration first, then lowest chunk number (DOWN before UP for the
-    same chunk), then arrival order.
-
-    Chunk numbers interleave the roots in proportion to their shares (``allot_chunks``), so serving
-    every link lowest chunk first moves all trees' pipelines forward together: a result waits only
-    behind partial sums of earlier chunks, and a partial sum behind results of earlier chunks. Serving
-    every result first instead (the earlier order) starved the up-trees while results queued, and
-    static internet2-9 ran at 1.55x the limit instead of 1.37x.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Outgoing]] = []
-        self._seq = itertools.count()
-
-    def push(self, item: Outgoing) -> None:
-        header = item.header
-        rank = 0 if header.phase is Phase.DOWN else 1
-        heapq.heappush(self._heap, (header.iteration, 2 * header.chunk + rank, next(self._seq), item))
-
-    def pop(self) -> Outgoing:
-        return heapq.heappop(self._heap)[3]
-
-    def last(self, wanted: Callable[[Outgoing], bool]) -> Outgoing | None:
-        """The frame that would leave last among those ``wanted`` accepts (still queued)."""
-        entries = [entry for entry in self._heap if wanted(entry[3])]
-        return max(entries, key=lambda entry: entry[:3])[3] if entries else None
-
-    def count(self, wanted: Callable[[Outgoing], bool]) -> int:
-        """How many queued frames ``wanted`` accepts."""
-        return sum(1 for entry in self._heap if wanted(entry[3]))
-
-    def remove(self, item: Outgoing) -> None:
-        """Take ``item`` out of the queue (linear: queues hold tens of frames)."""
-        index = next(i for i, entry in enumerate(self._heap) if entry[3] is item)
-        self._heap[index] = self._heap[-1]
-        self._heap.pop()
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-
 class PeerLink:
     """The sending half towards one peer: a queue and the task that drains it."""
 
     def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
                  clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0,
-                 on_progress: Callable[[int], None] | None = None) -> None:
+                 on_progress: Callable[[int, Outgoing | None], None] | None = None) -> None:
         self.peer_id = peer_id
         self._on_progress = on_progress
-        """Called with ``peer_id`` after each frame left and whenever the queue runs empty."""
+        """Called with ``peer_id`` and the frame after each frame left (the queue may have run empty), and
+        with None when the link starts with nothing to send: an event for the node's shell, which may
+        queue frames here in answer."""
         self.address = address
         self._hello = hello
         self._clock = clock
         self._connect_timeout = connect_timeout
         self._stall_timeout = stall_timeout
         self._queue = SendQueue()
+        self._tickets: dict[int, Outgoing] = {}
         self._wakeup = asyncio.Event()
         self._closing = False
         self.queued_bytes = 0
@@ -353,7 +298,13 @@ class PeerLink:
     def enqueue(self, item: Outgoing) -> None:
         self._queue.push(item)
         self.queued_bytes += item.payload.nbytes
+        if item.ticket is not None:
+            self._tickets[item.ticket] = item
         self._wakeup.set()
+
+    def tickets(self) -> tuple[int, ...]:
+        """The tickets of the frames still queued here (not yet handed to the socket)."""
+        return tuple(self._tickets)
 
     def last(self, wanted: Callable[[Outgoing], bool]) -> Outgoing | None:
         """The queued frame that would leave last among those ``wanted`` accepts."""
@@ -363,10 +314,12 @@ class PeerLink:
         """How many queued frames ``wanted`` accepts."""
         return self._queue.count(wanted)
 
-    def take_back(self, item: Outgoing) -> None:
-        """Remove a frame ``last`` returned; it will not be sent on this link."""
+    def take_back(self, ticket: int) -> Outgoing:
+        """Remove the queued frame named ``ticket``; it will not be sent on this link."""
+        item = self._tickets.pop(ticket)
         self._queue.remove(item)
         self.queued_bytes -= item.payload.nbytes
+        return item
 
     @property
     def idle(self) -> bool:
@@ -394,9 +347,9 @@ class PeerLink:
     async def run(self) -> None:
         """Send queued frames until closed; raises PeerError when the peer cannot be reached."""
         try:
+            if not self._queue and self._on_progress is not None:
+                self._on_progress(self.peer_id, None)  # may hand this idle link a frame
             while True:
-                if not self._queue and self._on_progress is not None:
-                    self._on_progress(self.peer_id)  # may hand this idle link a frame
                 while not self._queue:
                     if self._closing:
                         return
@@ -405,6 +358,8 @@ class PeerLink:
                 if self.protocol is None:
                     self.protocol = await self._connect()
                 item = self._queue.pop()
+                if item.ticket is not None:
+                    del self._tickets[item.ticket]
                 protocol = self.protocol
                 transport = protocol.transport
                 assert transport is not None
@@ -425,10 +380,8 @@ class PeerLink:
                 counters = self.counters()
                 if counters is not None:
                     self.meter.sample(counters, waiting=bool(self._queue))
-                if item.on_sent is not None:
-                    item.on_sent()
-                if self._queue and self._on_progress is not None:
-                    self._on_progress(self.peer_id)  # this link's rate and backlog just changed
+                if self._on_progress is not None:
+                    self._on_progress(self.peer_id, item)  # its rate and backlog changed, or it ran empty
         finally:
             if self.protocol is not None and self.protocol.transport is not None:
                 self.protocol.transport.close()

@@ -1,9 +1,11 @@
-"""The general node: the asyncio shell around ``ChunkCore`` that moves chunks between peers.
+"""The general node: the asyncio shell around ``NodeCore`` (``node/core.py``), which holds the protocol.
 
-It owns the data-plane server, one ``PeerLink`` per member, the policy binding per iteration (asked
-from the control plane before this DC's contribution enters the core; the node asks for k+1 when k
-completes here), the auxiliary path choice per tree edge, the passive probes on every received hop,
-and the completion signals the trainer endpoint (or the LAN edge aggregator) waits on.
+The shell moves bytes and time: it owns the data-plane server and one ``PeerLink`` per member, feeds
+the core every event (a registered layout, a contribution, a policy from the control plane, a received
+chunk, a dead member, a link that sent a frame, new link beliefs) with a snapshot of the links and the
+event loop's clock, carries out the core's actions (queue or move frames, ask the control plane for a
+policy, report a link), runs the core's one timer (``loop.call_at`` re-armed from ``next_timer``), and
+resolves the futures the trainer endpoint and the LAN gateway role wait on.
 
 The DC's contribution stream is ``contribute(key, values)`` / ``collect(keys)``: the n-th contribution
 of a tensor belongs to its n-th iteration, so a trainer that pushes tensors one by one (as gradient
@@ -13,7 +15,6 @@ hooks do) overlaps its backward pass with the WAN.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -23,17 +24,30 @@ import numpy as np
 
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
-from netstorm.errors import ChunkError, FrameError, IterationFailed, LayoutError
+from netstorm.errors import FrameError, IterationFailed, LayoutError, NetStormError
 from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
-from netstorm.probe import LinkReport, ProbeEstimator
-from netstorm.sendsched import LinkView, PathScheduler
-from node.chunks import Action, ChunkCore, IterationDone, KeyDone, Send
-from node.chunks import IterationFailed as FailedAction
+from netstorm.probe import LinkReport
+from netstorm.sendsched import LinkView
+from node import actions as act
+from node.actions import (
+    Action,
+    AskPolicy,
+    Cause,
+    IterationDone,
+    KeyDone,
+    MoveFrame,
+    Prefetch,
+    Released,
+    ReportLink,
+    SendFrame,
+)
+from node.core import LinkState, NodeCore
 from node.forwarding import Forwarding
 from node.linkstats import LinkCounters
-from node.peers import InboundProtocol, Outgoing, PeerError, PeerLink
+from node.peers import InboundProtocol, PeerError, PeerLink
+from node.sendqueue import Outgoing
 
 log = logging.getLogger("netstorm.node")
 
@@ -74,62 +88,67 @@ class PeerGone(IterationFailed):
     """A peer died while the iteration needed it."""
 
 
-def _failure(cause: str, reason: str) -> IterationFailed:
-    if cause == "gone":
-        return PeerGone(reason)
-    if cause == "timeout":
-        return IterationTimeout(reason)
-    return IterationFailed(reason)
-
-
-@dataclasses.dataclass
-class _Tracker:
-    """Completion state of one iteration, for the waiters at this node."""
-
-    started: float
-    changed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
-    keys_done: set[int] = dataclasses.field(default_factory=set)
-    pulled: set[int] = dataclasses.field(default_factory=set)
-    done: bool = False
-    failed: str | None = None
-    cause: str = "failed"
-
-    def check(self) -> None:
-        if self.failed is not None:
-            raise _failure(self.cause, self.failed)
+_RAISES: dict[Cause, type[IterationFailed]] = {Cause.FAILED: IterationFailed, Cause.GONE: PeerGone,
+                                               Cause.TIMEOUT: IterationTimeout}
+"""The exception a waiter raises for each cause of an iteration's failure."""
 
 
 class GeneralNode:
-    """One DC's node. ``serve_data`` first (so its port can be advertised), then ``run(control)``."""
+    """One DC's node. ``serve_data`` first (so its port can be advertised), then ``run(control)``.
+
+    The protocol is ``self.core`` (``NodeCore``); this class feeds it events, carries out its actions
+    and runs its one timer on the event loop's clock."""
 
     def __init__(self, node_id: int, config: Config, *, clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.config = config
         self.clock = clock
-        self.core = ChunkCore(node_id)
-        self.layout: Layout | None = None
+        """The (synced) wall clock links stamp t_send with and the receiver reads t_last_byte from."""
+        self.core = NodeCore(node_id, config)
         self.control: Control | None = None
         self.members: dict[int, tuple[str, int]] = {}
-        self.workers: dict[int, int] = {}
-        """Member -> workers whose gradients its contribution sums (from the scheduler; 1 when absent)."""
         self.links: dict[int, PeerLink] = {}
-        self.down: dict[int, str] = {}
-        self.forwarding = Forwarding(node_id, config)
         self._inbound: set[InboundProtocol] = set()
         self._inbound_by_peer: dict[int, InboundProtocol] = {}
         self._server: asyncio.Server | None = None
-        self._trackers: dict[int, _Tracker] = {}
         self._policy_waits: dict[int, asyncio.Future[Policy]] = {}
-        self._key_next: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._key_pull: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._probes: dict[tuple[int, int], ProbeEstimator] = {}
+        """Iteration -> the future its policy's waiters share while the control plane is asked."""
+        self._fetches: set[asyncio.Task[None]] = set()
+        self._waiters: dict[int, list[asyncio.Future[None]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
         self._link_marks: dict[int, LinkCounters] = {}
         self._stopping = asyncio.Event()
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
-        self.first_iteration = 0
         self.edge: EdgeHook | None = None
         """The gateway role (bpf.gateway.GatewayRole): LAN workers' sums join this DC's contribution."""
+
+    @property
+    def layout(self) -> Layout | None:
+        return self.core.layout
+
+    @property
+    def workers(self) -> dict[int, int]:
+        """Member -> workers whose gradients its contribution sums (from the scheduler; 1 when absent)."""
+        return self.core.workers
+
+    @property
+    def down(self) -> dict[int, str]:
+        """Members that are gone, and why."""
+        return self.core.down
+
+    @property
+    def forwarding(self) -> Forwarding:
+        return self.core.forwarding
+
+    @property
+    def first_iteration(self) -> int:
+        return self.core.first_iteration
+
+    @first_iteration.setter
+    def first_iteration(self, iteration: int) -> None:
+        self.core.first_iteration = iteration
 
     # ---- lifecycle ----------------------------------------------------------------------------------
 
@@ -141,12 +160,11 @@ class GeneralNode:
         return str(bound[0]), int(bound[1])
 
     async def run(self, control: Control) -> None:
-        """Serve until ``stop``; peer links run in this scope and end with it."""
+        """Serve until ``stop``; peer links and policy requests run in this scope and end with it."""
         self.control = control
         self.config = control.config
-        self.forwarding = Forwarding(self.node_id, self.config)
         self.members = dict(control.members)
-        self.workers = dict(control.workers)
+        self.core.join(control.config, self.members, control.workers)
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job")
@@ -160,13 +178,15 @@ class GeneralNode:
                         continue
                     link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
                                     connect_timeout=self.config.connect_timeout,
-                                    stall_timeout=self.config.iteration_timeout, on_progress=self._rebalance)
+                                    stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress)
                     self.links[peer] = link
                     tg.create_task(self._run_link(link))
                 self._ready.set()
                 await self._stopping.wait()
                 for link in self.links.values():
                     link.close()
+                for fetch in self._fetches:
+                    fetch.cancel()
         finally:
             self._tg = None
             if self._server is not None:
@@ -191,7 +211,7 @@ class GeneralNode:
     @property
     def num_workers(self) -> int:
         """Workers of the job's live members (each DC's trainer and LAN workers)."""
-        return sum(self.workers.get(n, 1) for n in self.members if n not in self.down)
+        return self.core.num_workers
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
@@ -207,11 +227,7 @@ class GeneralNode:
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
             return await self.register(specs)
-        self.layout = layout
-        self._key_next = np.full(len(layout.tensors), self.first_iteration, dtype=np.int64)
-        self._key_pull = self._key_next.copy()
-        self.core.horizon = self.first_iteration + 1
-        self._apply(self.core.set_layout(layout))
+        self._apply(self.core.register(layout, self._links(), self._now()))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
         log.info("node %d: layout %s, %d tensors, %d chunks, %d elements", self.node_id, layout.hash,
@@ -220,142 +236,116 @@ class GeneralNode:
 
     def next_iteration(self) -> int:
         """The iteration the next contribution of every tensor belongs to; error if they diverge."""
-        if self.layout is None:
-            raise LayoutError("no tensors registered")
-        low, high = int(self._key_next.min()), int(self._key_next.max())
-        if low != high:
-            behind = [self.layout.tensors[i].name for i in np.flatnonzero(self._key_next == low)[:5]]
-            raise ChunkError(f"tensors are at different iterations ({low}..{high}); not yet pushed for "
-                             f"iteration {low}: {', '.join(behind)}")
-        return low
+        return self.core.next_iteration()
 
     def pull_iteration(self, key: int) -> int:
         """The iteration the next ``collect`` of tensor ``key`` returns."""
-        return int(self._key_pull[key])
+        return self.core.pull_iteration(key)
 
     async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None) -> int:
         """This DC's values for tensor ``key`` in its next iteration (None contributes zeros).
 
         This is the hook for any source of the DC's contribution (the trainer endpoint, or the LAN edge
-        aggregator): ``iteration``, when given, must be the tensor's next one.
+        aggregator): ``iteration``, when given, must be the tensor's next one. The iteration's policy
+        is bound before the contribution enters the core.
         """
-        if self.layout is None:
-            raise LayoutError("no tensors registered")
-        if iteration is not None and iteration != int(self._key_next[key]):
-            raise ChunkError(f"tensor {self.layout.tensors[key].name!r}: contribution for iteration {iteration}, "
-                             f"but its next iteration is {int(self._key_next[key])}")
-        iteration = int(self._key_next[key])
-        tracker = self._tracker(iteration)
-        tracker.check()
+        iteration = self.core.open_contribution(key, iteration, self._now())
+        self._rearm()
+        self._check(iteration)
         await self.ensure_policy(iteration)
-        tracker.check()
+        self._check(iteration)
         if self.edge is not None:
+            assert self.layout is not None
             values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
-            tracker.check()
-        self._key_next[key] += 1
-        self.core.horizon = max(self.core.horizon, iteration + 1)
-        self._apply(self.core.push_local(iteration, key, values))
+            self._check(iteration)
+        self._apply(self.core.contribute(key, iteration, values, self._links(), self._now()))
         return iteration
 
     async def collect(self, keys: Sequence[int], sink: Callable[[int, np.ndarray], None]) -> int:
         """Wait for the oldest unpulled iteration of ``keys``; ``sink(key, flat float32 sum)`` reads each."""
-        assert self.layout is not None
-        iterations = {int(self._key_pull[k]) for k in keys}
-        if len(iterations) != 1:
-            raise ChunkError(f"tensors pulled together are at different iterations {sorted(iterations)}")
-        iteration = iterations.pop()
-        for key in keys:
-            if self._key_pull[key] >= self._key_next[key]:
-                raise ChunkError(f"tensor {self.layout.tensors[key].name!r} pulled before it was pushed "
-                                 f"(iteration {iteration})")
+        layout = self.layout
+        assert layout is not None
+        iteration = self.core.collect_iteration(keys)
         await self.wait_keys(iteration, keys)
-        tracker = self._trackers[iteration]
         result = self.core.result(iteration)
+        actions: list[Action] = []
         for key in keys:
-            sink(key, result[self.layout.key_slice(key)])
-            self._key_pull[key] += 1
-            tracker.pulled.add(key)
-        if len(tracker.pulled) == len(self.layout.tensors):
-            if self.edge is not None:
-                self.edge.released(iteration, [result[self.layout.key_slice(k)].copy()
-                                               for k in range(len(self.layout.tensors))],
-                                   self.contributor_count(iteration))
-            self.core.release(iteration)
-            del self._trackers[iteration]
-            log.debug("node %d: iteration %d released", self.node_id, iteration)
+            sink(key, result[layout.key_slice(key)])
+            actions += self.core.pulled(iteration, key)
+        self._apply(actions)
         return iteration
 
     async def wait_keys(self, iteration: int, keys: Sequence[int]) -> None:
-        """Until every chunk of ``keys`` holds its full sum; IterationFailed (naming why) otherwise."""
-        tracker = self._tracker(iteration)
+        """Until every chunk of ``keys`` holds its full sum; IterationFailed (naming why) otherwise. The
+        core's timer fails the iteration once it ran past iteration_timeout."""
+        self.core.track(iteration, self._now())
+        self._rearm()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + max(0.0, tracker.started + self.config.iteration_timeout - time.monotonic())
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:
-                    tracker.check()
-                    if tracker.done or tracker.keys_done.issuperset(keys):
-                        return
-                    tracker.changed.clear()
-                    await tracker.changed.wait()
-        except TimeoutError:
-            status = self.core.status(iteration)
-            reason = (f"iteration {iteration} timed out at node {self.node_id} after "
-                      f"{self.config.iteration_timeout:g} s: {status}")
-            self._apply(self.core.fail(iteration, reason, "timeout"))
-            raise IterationTimeout(reason) from None
+        while True:
+            self._check(iteration)
+            if self.core.keys_ready(iteration, keys):
+                return
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiters.setdefault(iteration, []).append(waiter)
+            await waiter
 
     async def ensure_policy(self, iteration: int) -> Policy:
         """The policy bound to ``iteration``, asked once from the control plane and bound in the core."""
+        policy = self.core.policy(iteration)
+        if policy is not None:
+            return policy
         waiter = self._policy_waits.get(iteration)
-        if waiter is not None:
-            return await waiter
-        waiter = asyncio.get_running_loop().create_future()
-        self._policy_waits[iteration] = waiter
+        if waiter is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._policy_waits[iteration] = waiter
+            self._apply(self.core.policy_wanted(iteration))
+        return await waiter
+
+    async def _fetch_policy(self, iteration: int) -> None:
+        """Ask the control plane for ``iteration``'s policy; feed the answer to the core and the waiters."""
+        waiter = self._policy_waits[iteration]
         assert self.control is not None
         try:
             policy = await self.control.policy_for(iteration, timeout=self.config.connect_timeout)
         except Exception as exc:
-            del self._policy_waits[iteration]
-            waiter.set_exception(exc)
-            waiter.exception()  # retrieved: other waiters re-raise it themselves
+            self._policy_unavailable(iteration, waiter, exc)
+            return
+        except asyncio.CancelledError:
+            self._policy_unavailable(iteration, waiter, NetStormError(
+                f"node {self.node_id} stopped before the policy of iteration {iteration} arrived"))
             raise
+        del self._policy_waits[iteration]
         waiter.set_result(policy)
-        for old in [k for k in self._policy_waits if k < iteration - 2]:
-            del self._policy_waits[old]
-        self.forwarding.forget_before(policy.version - 1)
-        in_policy = set(policy.trees[policy.roots[0]].parent)
-        dead = sorted(set(self.down) & in_policy)
-        strangers = sorted(in_policy - set(self.members))
-        if strangers:
-            self._apply(self.core.fail(iteration, f"iteration {iteration}: policy version {policy.version} "
-                                                  f"names node(s) {strangers}, not members of this job"))
-        elif dead:
-            self._apply(self.core.fail(iteration, f"iteration {iteration}: policy version {policy.version} "
-                                                  f"includes node(s) {dead}, which are gone: "
-                                                  f"{'; '.join(self.down[d] for d in dead)}", "gone"))
-        else:
-            log.debug("node %d: iteration %d bound to policy version %d", self.node_id, iteration, policy.version)
-            self._apply(self.core.bind_policy(iteration, policy))
-        return policy
+        self._apply(self.core.policy_received(iteration, policy, self._links(), self._now()))
+
+    def _policy_unavailable(self, iteration: int, waiter: asyncio.Future[Policy], exc: BaseException) -> None:
+        del self._policy_waits[iteration]
+        self.core.policy_unavailable(iteration)
+        waiter.set_exception(exc)
+        waiter.exception()  # retrieved: every waiter re-raises it itself
+
+    def contributors(self, iteration: int) -> list[int]:
+        """The DCs whose contributions make up ``iteration``'s sums (the nodes of its bound policy)."""
+        return self.core.contributors(iteration)
+
+    def contributor_count(self, iteration: int) -> int:
+        """Workers whose gradients make up ``iteration``'s sums: over its contributing DCs, each DC's own
+        trainer and its gateway's LAN workers (what ``average=True`` divides by)."""
+        return self.core.contributor_count(iteration)
+
+    def _check(self, iteration: int) -> None:
+        """Raise the iteration's failure, if it failed."""
+        failure = self.core.failure(iteration)
+        if failure is not None:
+            raise _RAISES[failure.cause](failure.reason)
 
     # ---- faults -------------------------------------------------------------------------------------
 
     def member_down(self, peer: int, reason: str) -> None:
         """A peer is gone: every iteration in progress fails at once, naming the peer."""
-        if peer in self.down or peer == self.node_id or self._stopping.is_set():
+        if self._stopping.is_set():
             return
-        self.down[peer] = f"node {peer} is gone: {reason}"
-        live = self.core.live_iterations()
-        pending = [k for k, t in self._trackers.items() if t.failed is None and not t.done]
-        affected = sorted(set(live) | set(pending))
-        if affected:
-            log.warning("node %d: node %d is gone (%s); failing iterations %s", self.node_id, peer, reason, affected)
-        else:
-            log.info("node %d: node %d is gone (%s); no iteration in progress", self.node_id, peer, reason)
-        for iteration in affected:
-            self._apply(self.core.fail(iteration, f"iteration {iteration} failed at node {self.node_id}: "
-                                                  f"node {peer} is gone ({reason})", "gone"))
+        self._apply(self.core.member_down(peer, reason, self._now()))
 
     async def _run_link(self, link: PeerLink) -> None:
         try:
@@ -394,8 +384,7 @@ class GeneralNode:
                             f"has {self.layout.hash}")
 
     def _on_chunk(self, peer: int, header: ChunkHeader, payload: np.ndarray, t_last_byte: float) -> None:
-        self._probe(header, payload.nbytes, t_last_byte)
-        self._apply(self.core.receive(header, payload))
+        self._apply(self.core.chunk_received(header, payload, t_last_byte, self._links(), self._now()))
 
     def _on_lost(self, protocol: InboundProtocol, reason: str) -> None:
         self._inbound.discard(protocol)
@@ -406,87 +395,111 @@ class GeneralNode:
         if not protocol.rejected:
             self.member_down(peer, f"its connection to node {self.node_id} closed ({reason})")
 
-    def _probe(self, header: ChunkHeader, nbytes: int, t_last_byte: float) -> None:
-        """Feed the hop's estimator. Not in this node's first iteration: its connections are new, TCP's
-        windows are still opening and reports read low; alone, such reports re-planned runs whose rates
-        were exact by the end of the first iteration."""
-        if not self.config.enable_awareness or self.control is None or header.iteration <= self.first_iteration:
-            return
-        link = (header.src, self.node_id)
-        estimator = self._probes.get(link)
-        if estimator is None:
-            estimator = ProbeEstimator(header.src, self.node_id, probe_chunk_bytes=self.config.probe_chunk_size,
-                                       probe_chunk_num=self.config.probe_chunk_num,
-                                       min_window_s=self.config.probe_window)
-            self._probes[link] = estimator
-        try:
-            report = estimator.on_chunk(nbytes, header.t_send, t_last_byte)
-        except ValueError as exc:  # a peer's unusable stamp costs its sample, not the chunk
-            log.warning("node %d: %s", self.node_id, exc)
-            return
-        if report is not None:
-            log.debug("node %d: link %d->%d measured %.1f Mbit/s", self.node_id, report.src, report.dst,
-                      report.mbit_s)
-            self.control.report_link(report)
+    def _link_progress(self, peer: int, sent: Outgoing | None) -> None:
+        """A link sent a frame (or starts idle): the core may move a queued chunk in answer."""
+        self._apply(self.core.link_progress(peer, sent.ticket if sent is not None else None, self._links()))
 
-    def _skip(self, iteration: int) -> None:
-        """A failed iteration is over for every tensor: the DC's next push and pull go to the one after."""
-        if self.layout is None:
-            return
-        np.maximum(self._key_next, iteration + 1, out=self._key_next)
-        np.maximum(self._key_pull, iteration + 1, out=self._key_pull)
-        self.core.horizon = max(self.core.horizon, iteration + 2)
-        for old in [k for k, t in self._trackers.items() if k < iteration - 2 and t.failed is not None]:
-            del self._trackers[old]
+    def _believe(self, beliefs: LinkBeliefs) -> None:
+        self._apply(self.core.beliefs(beliefs, self._links()))
 
-    def contributors(self, iteration: int) -> list[int]:
-        """The DCs whose contributions make up ``iteration``'s sums (the nodes of its bound policy)."""
-        waiter = self._policy_waits.get(iteration)
-        if waiter is None or not waiter.done() or waiter.exception() is not None:
-            return sorted(self.members)
-        return sorted(waiter.result().nodes)
+    def _link_view(self, peer: int) -> LinkView:
+        """This node's link to ``peer`` as the path scheduler weighs it: backlog and measured rate."""
+        link = self.links.get(peer)
+        if link is None:
+            return LinkView(backlog_bytes=0, rate_bps=0.0)  # no link: no path starts there
+        return LinkView(backlog_bytes=link.backlog_bytes, rate_bps=link.meter.rate_bps)
 
-    def contributor_count(self, iteration: int) -> int:
-        """Workers whose gradients make up ``iteration``'s sums: over its contributing DCs, each DC's own
-        trainer and its gateway's LAN workers (what ``average=True`` divides by)."""
-        return sum(self.workers.get(n, 1) for n in self.contributors(iteration))
+    def _links(self) -> dict[int, LinkState]:
+        """A snapshot of every sending link, for the event the core is about to be fed."""
+        states = {}
+        for peer, link in self.links.items():
+            view = self._link_view(peer)
+            states[peer] = LinkState(view.backlog_bytes, view.rate_bps, link.idle, link.tickets())
+        return states
 
-    def _tracker(self, iteration: int) -> _Tracker:
-        tracker = self._trackers.get(iteration)
-        if tracker is None:
-            tracker = _Tracker(started=time.monotonic())
-            self._trackers[iteration] = tracker
-        return tracker
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    # ---- carrying out the core's actions ------------------------------------------------------------
 
     def _apply(self, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                self._send(action)
+            if isinstance(action, SendFrame):
+                self.links[action.link].enqueue(Outgoing(action.header, action.payload, action.ticket))
+            elif isinstance(action, MoveFrame):
+                item = self.links[action.source].take_back(action.ticket)
+                self.links[action.target].enqueue(Outgoing(action.header, item.payload, action.ticket))
             elif isinstance(action, KeyDone):
-                tracker = self._tracker(action.iteration)
-                tracker.keys_done.add(action.key)
-                tracker.changed.set()
+                self._wake(action.iteration)
             elif isinstance(action, IterationDone):
-                tracker = self._tracker(action.iteration)
-                tracker.done = True
-                tracker.changed.set()
-                if self.control is not None:  # bind the next iteration now, to the newest policy
-                    self.control.prefetch(action.iteration + 1)
-                waiter = self._policy_waits.get(action.iteration)
-                version = waiter.result().version if waiter is not None and waiter.done() and \
-                    waiter.exception() is None else "?"
-                log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on "
-                         "auxiliary paths so far, %d of them moved from a queue, %d exploring); links %s",
-                         self.node_id, action.iteration, time.monotonic() - tracker.started, version,
-                         self.forwarding.aux_chunks + self.forwarding.moved_chunks, self.forwarding.moved_chunks,
-                         self.forwarding.explored_chunks, self._link_usage())
-            elif isinstance(action, FailedAction):
-                tracker = self._tracker(action.iteration)
-                tracker.failed = action.reason
-                tracker.cause = action.cause
-                tracker.changed.set()
-                self._skip(action.iteration)
+                self._wake(action.iteration)
+                self._log_done(action.iteration)
+            elif isinstance(action, act.IterationFailed):
+                self._wake(action.iteration)
                 log.error("node %d: %s", self.node_id, action.reason)
+            elif isinstance(action, Prefetch):
+                if self.control is not None:
+                    self.control.prefetch(action.iteration)
+            elif isinstance(action, AskPolicy):
+                self._ask_policy(action.iteration)
+            elif isinstance(action, ReportLink):
+                if self.control is not None:
+                    self.control.report_link(action.report)
+            elif isinstance(action, Released):
+                self._release(action)
+        self._rearm()
+
+    def _ask_policy(self, iteration: int) -> None:
+        if self._tg is None:
+            waiter = self._policy_waits[iteration]
+            self._policy_unavailable(iteration, waiter, NetStormError(
+                f"node {self.node_id} is not running: no policy for iteration {iteration}"))
+            return
+        fetch = self._tg.create_task(self._fetch_policy(iteration))
+        self._fetches.add(fetch)
+        fetch.add_done_callback(self._fetches.discard)
+
+    def _release(self, released: Released) -> None:
+        if self.edge is not None:
+            layout = self.layout
+            assert layout is not None
+            self.edge.released(released.iteration, [released.result[layout.key_slice(k)].copy()
+                                                    for k in range(len(layout.tensors))], released.workers)
+        log.debug("node %d: iteration %d released", self.node_id, released.iteration)
+
+    def _wake(self, iteration: int) -> None:
+        for waiter in self._waiters.pop(iteration, []):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _rearm(self) -> None:
+        """Keep the one timer at the core's next deadline."""
+        when = self.core.next_timer()
+        if when == self._timer_at:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._timer_at = when
+        if when is not None:
+            self._timer = asyncio.get_running_loop().call_at(when, self._on_timer)
+
+    def _on_timer(self) -> None:
+        assert self._timer_at is not None
+        now = max(self._timer_at, asyncio.get_running_loop().time())  # the loop may run a timer a hair early
+        self._timer = None
+        self._timer_at = None
+        self._apply(self.core.handle_timer(now))
+
+    def _log_done(self, iteration: int) -> None:
+        started = self.core.started(iteration)
+        policy = self.core.policy(iteration)
+        forwarding = self.core.forwarding
+        log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on auxiliary paths "
+                 "so far, %d of them moved from a queue, %d exploring); links %s", self.node_id, iteration,
+                 self._now() - started if started is not None else 0.0, policy.version if policy is not None else "?",
+                 forwarding.aux_chunks + forwarding.moved_chunks, forwarding.moved_chunks,
+                 forwarding.explored_chunks, self._link_usage())
 
     def _link_usage(self) -> str:
         """Bytes each outgoing link carried and how long it was busy since the last call (kernel counters)."""
@@ -501,99 +514,3 @@ class GeneralNode:
                 parts.append(f"->{peer} {delta.acked_bytes / 1e6:.2f} MB busy {delta.busy_s:.2f} s "
                              f"(sndbuf-limited {delta.sndbuf_limited_s:.2f} s)")
         return ", ".join(parts) or "idle"
-
-    def _link_view(self, peer: int) -> LinkView:
-        """This node's link to ``peer`` as the path scheduler weighs it: backlog and measured rate."""
-        link = self.links.get(peer)
-        if link is None:
-            return LinkView(backlog_bytes=0, rate_bps=0.0)  # no link: no path starts there
-        return LinkView(backlog_bytes=link.backlog_bytes, rate_bps=link.meter.rate_bps)
-
-    def _send(self, send: Send) -> None:
-        header = send.header
-        on_sent: Callable[[], None] | None = None
-        chosen_by: PathScheduler | None = None
-        if header.origin == self.node_id and not header.is_aux:
-            state_policy = self._policy_waits.get(header.iteration)
-            if state_policy is not None and state_policy.done() and not state_policy.exception():
-                path, scheduler = self.forwarding.choose(state_policy.result(), header.final, self._link_view,
-                                                         send.payload.nbytes, header.iteration)
-                on_sent = _done_callback(scheduler, path)
-                if len(path) > 2:
-                    header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)
-                else:
-                    chosen_by = scheduler
-        link = self.links.get(header.dst)
-        if link is None:
-            raise ChunkError(f"node {self.node_id} has no link to node {header.dst}")
-        if header.dst in self.down:
-            self._apply(self.core.fail(header.iteration, f"iteration {header.iteration}: cannot send to "
-                                                         f"{self.down[header.dst]}", "gone"))
-            return
-        link.enqueue(Outgoing(header, send.payload, on_sent, chosen_by))
-
-    def _believe(self, beliefs: LinkBeliefs) -> None:
-        """A newer policy was published: detours of older ones follow its rates, and the queued chunks of
-        tree edges whose moves were re-planned leave on the new moves' paths in their planned fractions."""
-        for scheduler in self.forwarding.believe(beliefs.version, beliefs.rates, beliefs.amends, beliefs.offload):
-            self._move_planned(scheduler)
-
-    def _move_planned(self, scheduler: PathScheduler) -> None:
-        """Move each detour's fraction of the chunks queued on ``scheduler``'s tree edge, last first."""
-        source = self.links.get(scheduler.primary[1])
-        if source is None:
-            return
-
-        def ours(item: Outgoing) -> bool:
-            return item.scheduler is scheduler and not item.header.is_aux
-
-        queued = source.count(ours)
-        for path, fraction in scheduler.offload:
-            if path[1] not in self.links or path[1] in self.down:
-                continue
-            for _ in range(round(fraction * queued)):
-                item = source.last(ours)
-                if item is None:
-                    return
-                scheduler.take(path)
-                self._detour(source, item, scheduler, path)
-
-    def _detour(self, source: PeerLink, item: Outgoing, scheduler: PathScheduler, path: tuple[int, ...]) -> None:
-        """Send ``item``, queued on ``source`` for its tree edge, over the auxiliary ``path`` instead."""
-        source.take_back(item)
-        self.forwarding.moved_chunks += 1
-        header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
-        self.links[path[1]].enqueue(Outgoing(header, item.payload, _done_callback(scheduler, path)))
-
-    def _rebalance(self, peer: int) -> None:
-        """Link ``peer`` ran empty, or sent a frame with more waiting: move one queued tree-edge chunk
-        from a lagging link onto an idle one whose auxiliary path delivers it sooner
-        (``PathScheduler.reroute``). Paths are chosen when chunks are queued; this lets chunks queued
-        before a link slowed down leave it."""
-        if not self.config.enable_aux_path or self.config.aux_slowdown == 0 or self.config.aux_reroute == 0:
-            return
-        link = self.links[peer]
-        if link.idle:
-            pairs = [(other, peer) for other, busy in self.links.items() if other != peer and not busy.idle]
-        else:
-            pairs = [(peer, other) for other, idle in self.links.items() if other != peer and idle.idle]
-        for source, target in pairs:
-            if self._move_last(self.links[source], target):
-                return
-
-    def _move_last(self, source: PeerLink, target: int) -> bool:
-        item = source.last(lambda o: o.scheduler is not None and o.header.dst == source.peer_id
-                           and not o.header.is_aux)
-        if item is None or item.scheduler is None or target in self.down:
-            return False
-        path = item.scheduler.reroute(self._link_view, item.payload.nbytes, target)
-        if path is None:
-            return False
-        self._detour(source, item, item.scheduler, path)
-        return True
-
-
-def _done_callback(scheduler: PathScheduler, path: tuple[int, ...]) -> Callable[[], None]:
-    def done() -> None:
-        scheduler.done(path)
-    return done

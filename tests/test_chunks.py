@@ -18,7 +18,7 @@ from netstorm.frames import Phase
 from netstorm.layout import Layout, TensorSpec
 from netstorm.planning.plan import plan
 from netstorm.policy import Policy
-from node.chunks import Action, ChunkCore, IterationDone, IterationFailed, KeyDone, Send
+from node.chunks import Action, Cause, ChunkCore, IterationDone, IterationFailed, KeyDone, Send
 
 RING5 = {(1, 2): 40.0, (2, 3): 90.0, (3, 4): 20.0, (4, 5): 70.0, (5, 1): 30.0, (2, 4): 55.0}
 
@@ -285,8 +285,8 @@ def test_failed_iteration_ignores_late_chunks_and_finished_rejects_them():
     for n in (1, 2):
         net.take(n, cores[n].bind_policy(0, policy))
     push_all(net, 0, contributions(layout, [1, 2], 1), layout)
-    failed = cores[2].fail(0, "node 7 is gone", "gone")
-    assert failed == [IterationFailed(0, "node 7 is gone", "gone")]
+    failed = cores[2].fail(0, "node 7 is gone", Cause.GONE)
+    assert failed == [IterationFailed(0, "node 7 is gone", Cause.GONE)]
     net.run()  # chunks for the failed iteration are ignored at node 2, node 1 never completes
     assert not cores[1].is_done(0)
     assert "outstanding" in cores[1].status(0)

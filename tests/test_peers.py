@@ -81,7 +81,7 @@ def test_exact_sums_over_several_iterations_and_policy_changes():
                 expected = np.sum(list(values.values()), axis=0, dtype=np.float32)
                 for out in results.values():
                     np.testing.assert_array_equal(out, expected)
-            assert all(n.core.live_iterations() == [] for n in nodes.values())
+            assert all(n.core.chunks.live_iterations() == [] for n in nodes.values())
             # Each node asked for iteration k+1's policy when k completed there, and only then (binding
             # k+1 as late as possible, to the newest policy).
             for node in nodes.values():
@@ -267,7 +267,7 @@ def test_auxiliary_paths_carry_chunks_exactly_once_and_hops_are_measured():
                 for k, out in enumerate(results):
                     np.testing.assert_array_equal(out, np.sum(list(values[k].values()), axis=0))
             assert sum(n.forwarding.aux_chunks for n in nodes.values()) > 0
-            assert all(nodes[h].core.peak_live == 2 for h in holder.values())
+            assert all(nodes[h].core.chunks.peak_live == 2 for h in holder.values())
             reports = [r for n in nodes.values() for r in getattr(n.control, "reports", [])]
             assert reports and all(r.mbit_s > 0 and r.dst in mesh and r.src in mesh for r in reports)
     uvloop.run(main())
@@ -493,7 +493,7 @@ def test_moves_replanned_mid_iteration_move_queued_chunks_and_sums_stay_exact():
 
     def amend(node: GeneralNode) -> None:
         assert isinstance(node.control, FixedControl)
-        movable = sum(link.count(lambda o: o.scheduler is not None and not o.header.is_aux
+        movable = sum(link.count(lambda o: o.ticket is not None and node.core.movable(o.ticket)
                                  and (node.node_id, o.header.dst) in moves)
                       for link in node.links.values())
         before = node.forwarding.moved_chunks
