@@ -19,11 +19,12 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
-from netstorm.errors import ChunkError, FrameError, IterationFailed, LayoutError
+from netstorm.errors import ChunkError, ErrorCode, FrameError, IterationFailed, LayoutError
 from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
@@ -69,9 +70,13 @@ class EdgeHook(Protocol):
 class IterationTimeout(IterationFailed):
     """The iteration ran past iteration_timeout."""
 
+    code = ErrorCode.TIMEOUT
+
 
 class PeerGone(IterationFailed):
     """A peer died while the iteration needed it."""
+
+    code = ErrorCode.PEER_GONE
 
 
 def _failure(cause: str, reason: str) -> IterationFailed:
@@ -149,7 +154,7 @@ class GeneralNode:
         self.workers = dict(control.workers)
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
-                inbound.reject(f"node {inbound.peer_id} is not a member of this job")
+                inbound.reject(f"node {inbound.peer_id} is not a member of this job", ErrorCode.NOT_MEMBER)
         control.on_member_down(self.member_down)
         control.on_beliefs(self._believe)
         try:
@@ -391,7 +396,7 @@ class GeneralNode:
         theirs = protocol.layout_hash
         if self.layout is not None and theirs and theirs != self.layout.hash:
             protocol.reject(f"layout mismatch: node {protocol.peer_id} has {theirs}, node {self.node_id} "
-                            f"has {self.layout.hash}")
+                            f"has {self.layout.hash}", ErrorCode.LAYOUT_MISMATCH)
 
     def _on_chunk(self, peer: int, header: ChunkHeader, payload: np.ndarray, t_last_byte: float) -> None:
         self._probe(header, payload.nbytes, t_last_byte)
@@ -520,7 +525,7 @@ class GeneralNode:
                                                          send.payload.nbytes, header.iteration)
                 on_sent = _done_callback(scheduler, path)
                 if len(path) > 2:
-                    header = dataclasses.replace(header, dst=path[1], is_aux=True, path=path)
+                    header = msgspec.structs.replace(header, dst=path[1], is_aux=True, path=path)
                 else:
                     chosen_by = scheduler
         link = self.links.get(header.dst)
@@ -562,7 +567,7 @@ class GeneralNode:
         """Send ``item``, queued on ``source`` for its tree edge, over the auxiliary ``path`` instead."""
         source.take_back(item)
         self.forwarding.moved_chunks += 1
-        header = dataclasses.replace(item.header, dst=path[1], is_aux=True, path=path)
+        header = msgspec.structs.replace(item.header, dst=path[1], is_aux=True, path=path)
         self.links[path[1]].enqueue(Outgoing(header, item.payload, _done_callback(scheduler, path)))
 
     def _rebalance(self, peer: int) -> None:

@@ -1,0 +1,62 @@
+"""What every wire schema shares: bounded field types and the one way a decode failure becomes typed.
+
+Each wire (``netstorm.control``, ``netstorm.frames``, ``netstorm.trainer_wire``, the policy's wire form
+in ``netstorm.policywire``) declares its messages as frozen ``msgspec.Struct`` classes. msgspec checks
+types, required and unknown fields and the ``Meta`` bounds below while it decodes, in one pass and
+before it builds anything: a declared length beyond the bytes at hand fails as truncated input
+without an allocation, and a string or list past its bound fails before it is kept. Checks that
+relate fields to each other live in a message's ``__post_init__``, which runs on construction and on
+decode alike.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Any, Final, TypeVar
+
+import msgspec
+
+from netstorm.errors import NetStormError
+
+MAX_NODE_ID: Final = 2**31 - 1
+MAX_COUNT: Final = 2**53
+"""Largest count, iteration or version accepted: exact in a float, far beyond any run."""
+MAX_NAME: Final = 4096
+"""Longest name on a wire: host names, tensor names, layout hashes, shared-memory paths."""
+MAX_TEXT: Final = 64 * 1024
+"""Longest human-readable text (an error's message, a leave reason)."""
+MAX_NODES: Final = 4096
+"""Most nodes a list of node ids, a path or a membership may hold."""
+MAX_ITEMS: Final = 1 << 20
+"""Most entries of a long list (links and their rates, tensors of a model)."""
+
+NodeId = Annotated[int, msgspec.Meta(ge=0, le=MAX_NODE_ID)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+"""An iteration, chunk index, policy version or element count."""
+Version = Annotated[int, msgspec.Meta(ge=-1, le=MAX_COUNT)]
+"""A policy version, or -1 for none."""
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Finite = Annotated[float, msgspec.Meta(ge=-sys.float_info.max, le=sys.float_info.max)]
+"""A finite float: the bounds refuse infinities and NaN (which compares false with both)."""
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+Path = Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_NODES)]
+NodeIds = Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_NODES)]
+
+E = TypeVar("E", bound=NetStormError)
+
+
+def typed_error(error: type[E], what: str, exc: msgspec.MsgspecError) -> E:
+    """``exc`` from msgspec as ``error``, naming ``what`` was decoded; msgspec's own text names the
+    field (``at `$.field```) and what it expected."""
+    if isinstance(exc, msgspec.ValidationError):
+        return error(f"{what}: {exc}")
+    return error(f"{what} is not valid msgpack: {exc}")
+
+
+def plain(value: Any) -> Any:
+    """``value`` with int subclasses (such as an unstated version) as plain ints: the encoders' hook
+    for the one non-msgpack type a message may hold."""
+    if isinstance(value, int):
+        return int(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
