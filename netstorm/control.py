@@ -27,7 +27,19 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar
 import msgspec
 
 from netstorm.errors import ErrorCode, NetStormError
-from netstorm.schema import MAX_NODES, Finite, Name, NodeId, NodeIds, Path, Port, Text, Version, typed_error
+from netstorm.schema import (
+    DECODE_ERRORS,
+    MAX_NODES,
+    Finite,
+    Name,
+    NodeId,
+    NodeIds,
+    Path,
+    Port,
+    Text,
+    Version,
+    typed_error,
+)
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -448,18 +460,18 @@ def decode(body: bytes | bytearray | memoryview) -> Message:
     """One message from a frame body (without the length prefix)."""
     try:
         message = _DECODER.decode(body)
-    except msgspec.MsgspecError as exc:
+    except DECODE_ERRORS as exc:
         raise _diagnose(body, exc) from None
     if type(message.v) is not int:  # no "v" in the frame: the default stood in
         raise ControlError(f"unsupported control protocol version None (this side speaks {VERSION})")
     return message
 
 
-def _diagnose(body: bytes | bytearray | memoryview, exc: msgspec.MsgspecError) -> ControlError:
+def _diagnose(body: bytes | bytearray | memoryview, exc: Exception) -> ControlError:
     """Why a frame did not decode, in the words of its envelope (map, version, type) before its fields'."""
     try:
         data: Any = msgspec.msgpack.decode(body)
-    except msgspec.MsgspecError as undecodable:
+    except DECODE_ERRORS as undecodable:
         return ControlError(f"undecodable control frame ({len(body)} bytes): {undecodable}")
     if not isinstance(data, dict):
         return ControlError(f"control frame is not a map but {type(data).__name__}")

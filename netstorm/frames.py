@@ -12,15 +12,14 @@ before a single payload byte is accepted. The payload is not part of the schema.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import struct
-from typing import Annotated, ClassVar, Literal, TypeVar
+from typing import Annotated, ClassVar, Literal, NamedTuple, TypeVar
 
 import msgspec
 
 from netstorm.errors import ErrorCode, FrameError
-from netstorm.schema import Count, Finite, NodeId, Path, Text, typed_error
+from netstorm.schema import DECODE_ERRORS, Count, Finite, NodeId, Path, Text, typed_error
 
 MAGIC = b"NSF1"
 VERSION = 1
@@ -39,6 +38,9 @@ class Kind(enum.IntEnum):
     ERROR = 3
 
 
+_KINDS = {kind.value: kind for kind in Kind}
+
+
 class Phase(enum.IntEnum):
     UP = 0
     """Partial sums travelling from children towards the chunk's root."""
@@ -46,8 +48,9 @@ class Phase(enum.IntEnum):
     """The full sum travelling from the root back down the same tree."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Prefix:
+class Prefix(NamedTuple):
+    """A frame's fixed prefix: a named tuple, built once per frame on the receiving hot path."""
+
     kind: Kind
     header_len: int
     payload_len: int
@@ -66,10 +69,9 @@ def decode_prefix(data: bytes | bytearray | memoryview, *, max_frame_bytes: int)
         raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a NetStorm data-plane peer")
     if version != VERSION:
         raise FrameError(f"unsupported frame version {version} (this node speaks {VERSION})")
-    try:
-        kind_value = Kind(kind)
-    except ValueError:
-        raise FrameError(f"unknown frame kind {kind}") from None
+    kind_value = _KINDS.get(kind)
+    if kind_value is None:
+        raise FrameError(f"unknown frame kind {kind}")
     if header_len > MAX_HEADER_BYTES:
         raise FrameError(f"header of {header_len} bytes exceeds the limit of {MAX_HEADER_BYTES}")
     if PREFIX_SIZE + header_len + payload_len > max_frame_bytes:
@@ -189,7 +191,7 @@ H = TypeVar("H", Hello, ErrorFrame, ChunkHeader)
 def _decode(decoder: msgspec.msgpack.Decoder[H], data: bytes | bytearray | memoryview, what: str) -> H:
     try:
         return decoder.decode(data)
-    except msgspec.MsgspecError as exc:
+    except DECODE_ERRORS as exc:
         raise typed_error(FrameError, f"{what} header", exc) from None
 
 
@@ -202,7 +204,7 @@ def decode_header(prefix: Prefix, data: bytes | bytearray | memoryview) -> Heade
         return Hello.decode(data) if prefix.kind is Kind.HELLO else ErrorFrame.decode(data)
     try:
         header = _CHUNK.decode(data)
-    except msgspec.MsgspecError as exc:
+    except DECODE_ERRORS as exc:
         raise typed_error(FrameError, "Chunk header", exc) from None
     if header.payload_len != prefix.payload_len:
             raise FrameError(f"chunk {header.chunk} of iteration {header.iteration}: {header.count} x "

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import msgspec
 
 from netstorm.errors import PolicyError
-from netstorm.schema import MAX_ITEMS, MAX_NODES, Count, NodeId, Path, typed_error
+from netstorm.schema import DECODE_ERRORS, MAX_ITEMS, MAX_NODES, Count, NodeId, Path, typed_error
 
 WIRE_VERSION = 1
 
@@ -47,7 +47,7 @@ def parse(data: Mapping[str, Any]) -> PolicyWire:
     """``data`` (a decoded wire form) as a PolicyWire; PolicyError names what does not fit."""
     try:
         form = msgspec.convert(data, PolicyWire, str_keys=True)
-    except msgspec.ValidationError as exc:
+    except DECODE_ERRORS as exc:
         raise typed_error(PolicyError, "policy", exc) from None
     if form.wire != WIRE_VERSION:
         raise PolicyError(f"unsupported policy wire version {form.wire!r} (this build reads {WIRE_VERSION})")

@@ -46,11 +46,21 @@ NodeIds = Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_NODES)]
 E = TypeVar("E", bound=NetStormError)
 
 
-def typed_error(error: type[E], what: str, exc: msgspec.MsgspecError) -> E:
-    """``exc`` from msgspec as ``error``, naming ``what`` was decoded; msgspec's own text names the
-    field (``at `$.field```) and what it expected."""
+DECODE_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
+"""What decoding untrusted bytes may raise: msgspec's errors, UnicodeDecodeError for a string that is
+not UTF-8 (msgspec lets it through as it is), and RecursionError for input nested deeper than the
+interpreter's recursion limit (where a field holds arbitrary msgpack)."""
+
+
+def typed_error(error: type[E], what: str, exc: Exception) -> E:
+    """``exc`` (one of DECODE_ERRORS) as ``error``, naming ``what`` was decoded; msgspec's own text names
+    the field (``at `$.field```) and what it expected."""
     if isinstance(exc, msgspec.ValidationError):
         return error(f"{what}: {exc}")
+    if isinstance(exc, RecursionError):
+        return error(f"{what} is nested too deeply")
+    if isinstance(exc, UnicodeDecodeError):
+        return error(f"{what} holds a string that is not UTF-8: {exc}")
     return error(f"{what} is not valid msgpack: {exc}")
 
 

@@ -19,7 +19,7 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 from netstorm.errors import ErrorCode, TrainerProtocolError
-from netstorm.schema import MAX_ITEMS, Count, Name, NodeId, Text, Version, plain, typed_error
+from netstorm.schema import DECODE_ERRORS, MAX_ITEMS, Count, Name, NodeId, Text, Version, plain, typed_error
 
 VERSION = 1
 PREFIX = struct.Struct("<II")
@@ -141,18 +141,18 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
     """One message from a header; TrainerProtocolError names what is wrong."""
     try:
         message = _DECODER.decode(data)
-    except msgspec.MsgspecError as exc:
+    except DECODE_ERRORS as exc:
         raise _diagnose(data, exc) from None
     if type(message.v) is not int:  # no "v" in the header: the default stood in
         raise TrainerProtocolError(f"message version None, this side speaks {VERSION}")
     return message
 
 
-def _diagnose(data: bytes | bytearray | memoryview, exc: msgspec.MsgspecError) -> TrainerProtocolError:
+def _diagnose(data: bytes | bytearray | memoryview, exc: Exception) -> TrainerProtocolError:
     """Why a header did not decode, in the words of its envelope (map, version, type) before its fields'."""
     try:
         obj: Any = msgspec.msgpack.decode(data)
-    except msgspec.MsgspecError as undecodable:
+    except DECODE_ERRORS as undecodable:
         return typed_error(TrainerProtocolError, "message", undecodable)
     if not isinstance(obj, dict):
         return TrainerProtocolError("message must be a map")
