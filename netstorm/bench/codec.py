@@ -4,8 +4,8 @@ What a node pays per message on each wire: a data-plane chunk header and Hello (
 the raw payload excluded), the control messages of a running job (a policy reply carrying a 9-node
 policy is decoded and turned into a ``Policy``, as a node does), and the trainer wire's requests and
 replies. The module uses only the codecs' public calls, so the same file times any checkout of the
-project: run it as a script with ``PYTHONPATH`` pointing at the tree to measure
-(``results/README.md`` has the command that compares two trees one right after the other).
+project: ``--baseline TREE`` runs it first against another checkout (a process with ``PYTHONPATH=TREE``)
+and then against this one, one right after the other (``results/README.md`` has the command).
 """
 
 from __future__ import annotations
@@ -13,10 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 HELP = "time encode + decode of data-plane headers, control messages and trainer-wire messages"
@@ -137,18 +141,48 @@ def measure(number: int = 2000, repeats: int = 7) -> list[dict[str, Any]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--number", type=int, default=2000, help="calls per timed run (default %(default)s)")
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the best counts (default %(default)s)")
+    parser.add_argument("--baseline", metavar="TREE",
+                        help="first time the checkout at TREE (this file run with PYTHONPATH=TREE), then this one")
     parser.add_argument("--json", dest="json_out", metavar="PATH", help="also write the rows as JSON")
 
 
+def _baseline(tree: str, number: int, repeats: int) -> list[dict[str, Any]]:
+    """The rows of this same file run against the checkout at ``tree``, in a process of its own."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "rows.json"
+        env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--number", str(number), "--repeats",
+                        str(repeats), "--json", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+        rows: list[dict[str, Any]] = json.loads(out.read_text())["rows"]
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
+    before = _baseline(args.baseline, args.number, args.repeats) if args.baseline else None
     rows = measure(args.number, args.repeats)
-    print(f"{'wire':8} {'message':30} {'bytes':>6} {'encode us':>10} {'decode us':>10} {'total us':>10}")
-    for row in rows:
-        print(f"{row['wire']:8} {row['message']:30} {row['bytes']:6d} {row['encode_us']:10.2f} "
-              f"{row['decode_us']:10.2f} {row['total_us']:10.2f}")
+    report: dict[str, Any] = {"python": sys.version.split()[0], "machine": platform.machine(),
+                              "number": args.number, "repeats": args.repeats, "rows": rows}
+    if before is None:
+        print(f"{'wire':8} {'message':30} {'bytes':>6} {'encode us':>10} {'decode us':>10} {'total us':>10}")
+        for row in rows:
+            print(f"{row['wire']:8} {row['message']:30} {row['bytes']:6d} {row['encode_us']:10.2f} "
+                  f"{row['decode_us']:10.2f} {row['total_us']:10.2f}")
+    else:
+        old = {(row["wire"], row["message"]): row for row in before}
+        report["baseline"] = {"tree": args.baseline, "rows": before}
+        print(f"{'wire':8} {'message':30} {'bytes':>11} {'encode us':>13} {'decode us':>13} {'total us':>15} "
+              f"{'x':>5}")
+        for row in rows:
+            was = old.get((row["wire"], row["message"]))
+            if was is None:
+                continue
+            print(f"{row['wire']:8} {row['message']:30} {was['bytes']:5d}/{row['bytes']:<5d} "
+                  f"{was['encode_us']:6.2f}/{row['encode_us']:<6.2f} {was['decode_us']:6.2f}/{row['decode_us']:<6.2f} "
+                  f"{was['total_us']:7.2f}/{row['total_us']:<7.2f} {was['total_us'] / row['total_us']:5.2f}")
+        print("(before/after; x = before total / after total)")
     if args.json_out:
         with open(args.json_out, "w") as out:
-            json.dump({"python": sys.version.split()[0], "machine": platform.machine(), "rows": rows}, out, indent=1)
+            json.dump(report, out, indent=1)
             out.write("\n")
     return 0
 
