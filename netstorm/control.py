@@ -29,6 +29,7 @@ import msgspec
 from netstorm.errors import ErrorCode, NetStormError
 from netstorm.schema import (
     DECODE_ERRORS,
+    MAX_ITEMS,
     MAX_NODES,
     Finite,
     Name,
@@ -201,8 +202,10 @@ class Moves(RowMap[tuple[int, int], tuple[Move, ...]]):
         return cls({link: tuple(paths) for link, paths in out.items()})
 
 
-_ROWS: dict[type[RowMap[Any, Any]], Any] = {cls: list[cls.ROW]  # type: ignore[name-defined]
-                                            for cls in (Members, WorkerCounts, Rates, Moves)}
+_ROWS: dict[type[RowMap[Any, Any]], Any] = {
+    cls: Annotated[list[cls.ROW], msgspec.Meta(max_length=most)]  # type: ignore[name-defined]
+    for cls, most in ((Members, MAX_NODES), (WorkerCounts, MAX_NODES), (Rates, MAX_ITEMS), (Moves, MAX_ITEMS))}
+"""The msgspec type of each row mapping's rows, bounded."""
 _NO_WORKERS = WorkerCounts()
 _NO_MOVES = Moves()
 """Shared empty defaults: a field holding one of these is at its default, so it stays off the wire."""
