@@ -39,7 +39,9 @@ from netstorm.schema import (
     Port,
     Text,
     Version,
+    stated,
     typed_error,
+    unstated,
 )
 
 K = TypeVar("K")
@@ -222,7 +224,7 @@ else:
 def _enc_hook(value: Any) -> Any:
     if isinstance(value, RowMap):
         return value.rows()
-    if isinstance(value, int):  # an unstated version
+    if isinstance(value, int):  # an Unstated version
         return int(value)
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
@@ -250,24 +252,12 @@ def _workers(where: str, count: int) -> int:
 # --- messages ------------------------------------------------------------------------------------
 
 
-class _Unstated(int):
-    """The version of a message built here rather than decoded: written as VERSION, and told apart from
-    a decoded one, whose version is a plain int (a frame without ``v`` decodes to this one)."""
-
-
-_UNSTATED = _Unstated(VERSION)
-
-
-def _unstated() -> int:
-    return _UNSTATED
-
-
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
     """Base of every control message: ``v`` is written by the encoder and checked at decode; ``TYPE`` is
     the message's tag on the wire."""
 
     TYPE: ClassVar[str] = ""
-    v: int = msgspec.field(default_factory=_unstated)
+    v: int = msgspec.field(default_factory=unstated(VERSION))
 
     def __post_init__(self) -> None:
         if self.v != VERSION:
@@ -465,7 +455,7 @@ def decode(body: bytes | bytearray | memoryview) -> Message:
         message = _DECODER.decode(body)
     except DECODE_ERRORS as exc:
         raise _diagnose(body, exc) from None
-    if type(message.v) is not int:  # no "v" in the frame: the default stood in
+    if not stated(message.v):
         raise ControlError(f"unsupported control protocol version None (this side speaks {VERSION})")
     return message
 

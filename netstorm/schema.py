@@ -12,6 +12,7 @@ decode alike.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
@@ -64,9 +65,28 @@ def typed_error(error: type[E], what: str, exc: Exception) -> E:
     return error(f"{what} is not valid msgpack: {exc}")
 
 
+class Unstated(int):
+    """The version of a message built here rather than decoded: encoded as the wire's version (an int),
+    and told apart from a decoded one, whose version is a plain int. A header without ``v`` decodes to
+    the default, an Unstated, which is how a decoder tells a missing version from a present one."""
+
+
+def unstated(version: int) -> Callable[[], int]:
+    """The ``default_factory`` of a wire's ``v`` field: always the same Unstated of ``version``.
+
+    A factory rather than a default, so that ``omit_defaults`` never leaves the version off the wire."""
+    value = Unstated(version)
+    return lambda: value
+
+
+def stated(version: int) -> bool:
+    """Whether a decoded message's ``version`` came from the wire (rather than from the default)."""
+    return type(version) is int
+
+
 def plain(value: Any) -> Any:
-    """``value`` with int subclasses (such as an unstated version) as plain ints: the encoders' hook
-    for the one non-msgpack type a message may hold."""
+    """``value`` with int subclasses (an Unstated version) as plain ints: the encoders' hook for the one
+    non-msgpack type a message may hold."""
     if isinstance(value, int):
         return int(value)
     raise NotImplementedError(f"cannot encode {type(value).__name__}")

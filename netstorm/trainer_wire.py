@@ -19,25 +19,25 @@ from typing import Annotated, Any, ClassVar
 import msgspec
 
 from netstorm.errors import ErrorCode, TrainerProtocolError
-from netstorm.schema import DECODE_ERRORS, MAX_ITEMS, Count, Name, NodeId, Text, Version, plain, typed_error
+from netstorm.schema import (
+    DECODE_ERRORS,
+    MAX_ITEMS,
+    Count,
+    Name,
+    NodeId,
+    Text,
+    Version,
+    plain,
+    stated,
+    typed_error,
+    unstated,
+)
 
 VERSION = 1
 PREFIX = struct.Struct("<II")
 MAX_HEADER_BYTES = 1 << 20
 MAX_DIMS = 32
 """Most dimensions of a registered tensor."""
-
-
-class _Unstated(int):
-    """The version of a message built here rather than decoded: written as VERSION, and told apart from
-    a decoded one, whose version is a plain int (a header without ``v`` decodes to this one)."""
-
-
-_UNSTATED = _Unstated(VERSION)
-
-
-def _unstated() -> int:
-    return _UNSTATED
 
 
 Names = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_ITEMS)]
@@ -51,7 +51,7 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forb
     """Base of every trainer-wire message: ``v`` is written by the encoder and checked at decode."""
 
     TYPE: ClassVar[str] = ""
-    v: int = msgspec.field(default_factory=_unstated)
+    v: int = msgspec.field(default_factory=unstated(VERSION))
 
     def __post_init__(self) -> None:
         if self.v != VERSION:
@@ -143,7 +143,7 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         message = _DECODER.decode(data)
     except DECODE_ERRORS as exc:
         raise _diagnose(data, exc) from None
-    if type(message.v) is not int:  # no "v" in the header: the default stood in
+    if not stated(message.v):
         raise TrainerProtocolError(f"message version None, this side speaks {VERSION}")
     return message
 

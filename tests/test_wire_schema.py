@@ -221,7 +221,7 @@ def test_control_messages_with_a_wrong_value_raise_only_control_errors(which: in
         message = control.decode(data)
     except ControlError:
         return
-    assert control.decode(control_body(message)) == message
+    assert control_body(control.decode(control_body(message))) == control_body(message)  # NaN != NaN
 
 
 @FUZZ
@@ -232,7 +232,7 @@ def test_trainer_messages_with_a_wrong_value_raise_only_protocol_errors(which: i
         message = tw.decode(data)
     except TrainerProtocolError:
         return
-    assert tw.decode(trainer_header(message)) == message
+    assert trainer_header(tw.decode(trainer_header(message))) == trainer_header(message)
 
 
 @FUZZ
@@ -247,7 +247,7 @@ def test_frame_headers_with_a_wrong_value_raise_only_frame_errors(which: int, wh
     assert isinstance(decoded, frames.Hello | frames.ChunkHeader | frames.ErrorFrame)
     if isinstance(decoded, frames.ChunkHeader):
         assert decoded.iteration >= 0 and decoded.count >= 0 and math.isfinite(decoded.t_send)
-    assert decode_frame_header(header.KIND, frame_header(decoded)) == decoded
+    assert frame_header(decode_frame_header(header.KIND, frame_header(decoded))) == frame_header(decoded)  # type: ignore[arg-type]
 
 
 # --- declared lengths --------------------------------------------------------------------------------
