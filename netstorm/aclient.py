@@ -78,7 +78,7 @@ class AsyncClient(RegistryView):
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
-        reply, data = await self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
+        reply, data = await self._call(tw.PullRequest(names, average, push=True), payload, tw.PullReply, context)
         return self.registry.accept_result(reply, names, data)
 
     async def push(self, name: str, value: np.ndarray) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 
 from netstorm import trainer_wire as tw
 from netstorm.errors import (
+    ErrorCode,
     IterationError,
     LayoutError,
     NodeGone,
@@ -43,10 +44,13 @@ from netstorm.layout import DTYPES, Layout, TensorSpec
 DEFAULT_TIMEOUT = 300.0
 ENV_SOCKET = "NETSTORM_SOCKET"
 
-ERRORS: dict[str, type[TrainerError]] = {
-    "unknown_name": UnknownTensor, "shape": WrongShape, "dtype": WrongDtype, "gone": NodeGone,
-    "timeout": TrainerTimeout, "failed": IterationError, "protocol": TrainerProtocolError,
+ERRORS: dict[ErrorCode, type[TrainerError]] = {
+    ErrorCode.UNKNOWN_TENSOR: UnknownTensor, ErrorCode.WRONG_SHAPE: WrongShape, ErrorCode.WRONG_DTYPE: WrongDtype,
+    ErrorCode.PEER_GONE: NodeGone, ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError,
+    ErrorCode.INTERNAL: IterationError,
 }
+"""The exception a trainer raises for the code of a node's ErrorReply; any other code (the request broke
+the protocol, or the node refused it) raises TrainerProtocolError."""
 
 
 def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | tuple[str, int]]:
@@ -229,7 +233,7 @@ def release_init(path: str) -> None:
 
 def raise_for(reply: tw.Message, expected: type[tw.Message], context: str) -> None:
     if isinstance(reply, tw.ErrorReply):
-        raise ERRORS.get(reply.kind, TrainerError)(reply.message)
+        raise ERRORS.get(reply.kind, TrainerProtocolError)(reply.message)
     if not isinstance(reply, expected):
         raise TrainerProtocolError(f"{context}: node answered {reply.TYPE!r}, expected {expected.TYPE!r}")
 
@@ -344,7 +348,7 @@ class Client(RegistryView):
         """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given."""
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
-        reply, data = self._call(tw.PushPullRequest(names, average), payload, tw.PullReply, context)
+        reply, data = self._call(tw.PullRequest(names, average, push=True), payload, tw.PullReply, context)
         return self.registry.accept_result(reply, names, data)
 
     def push(self, name: str, value: np.ndarray) -> None:

@@ -1,10 +1,17 @@
 """Control-plane messages between nodes and the scheduler, and their framing.
 
 A frame is a 4-byte little-endian body length followed by a msgpack map holding ``"v"`` (the
-protocol version), ``"type"`` and the message's fields. Every message is a frozen dataclass with an
-explicit ``to_fields`` / ``from_fields`` pair; decoding checks every field's type and rejects unknown
-types, versions and fields with a ``ControlError`` naming the problem, so a confused or hostile peer
-gets a clear answer instead of a half-built object.
+protocol version), ``"type"`` and the message's fields. Every message is a frozen ``msgspec.Struct``
+of one tagged union (``netstorm.schema``): decoding checks every field's type and bounds in one pass
+and rejects unknown types, versions and fields with a ``ControlError`` naming the message and the
+field, so a confused or hostile peer gets a clear answer instead of a half-built object. A refusal is
+an ``Error`` whose ``code`` (an ``ErrorCode``) tells the requester which exception to raise.
+
+A message is added by declaring it: ``class Foo(Message, frozen=True, tag="foo")`` with annotated fields
+(the bounded types of ``netstorm.schema``), relations between fields checked in ``__post_init__``, and
+its class listed in ``MESSAGES``. A field added to a message that older peers already speak gets a
+default, and the message ``omit_defaults=True``: it stays off the wire while it holds its default, so
+those peers still decode what a newer peer sends when the feature is unused.
 
 Replies on one connection come back in request order (the scheduler answers each request before it
 reads the next), which is how the client pairs an ``Error`` with the request that caused it.
@@ -13,17 +20,32 @@ reads the next), which is how the client pairs an ``Error`` with the request tha
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import math
 import struct
-from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar
 
-import msgpack
+import msgspec
 
-from netstorm.errors import NetStormError
+from netstorm.errors import ErrorCode, NetStormError
+from netstorm.schema import (
+    DECODE_ERRORS,
+    MAX_ITEMS,
+    MAX_NODES,
+    Finite,
+    Name,
+    NodeId,
+    NodeIds,
+    Path,
+    Port,
+    Text,
+    Version,
+    stated,
+    typed_error,
+    unstated,
+)
 
-T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 VERSION = 1
 LENGTH = struct.Struct("<I")
@@ -42,446 +64,413 @@ class ControlTimeout(ControlError, TimeoutError):
 class LayoutMismatch(ControlError):
     """This node's tensor layout differs from the one the first node registered."""
 
-
-# --- field checkers: raise ControlError naming the message and field ------------------------------
-
-Checker = Callable[[str, Any], Any]
+    code = ErrorCode.LAYOUT_MISMATCH
 
 
-def _int(where: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ControlError(f"{where}: expected an integer, got {value!r}")
-    return value
+REFUSALS: dict[ErrorCode, type[ControlError]] = {ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
+                                                 ErrorCode.TIMEOUT: ControlTimeout}
+"""The exception a requester raises for the code of an Error reply; any other code raises ControlError."""
 
 
-def _float(where: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ControlError(f"{where}: expected a finite number, got {value!r}")
-    return float(value)
+def refusal(error: Error, context: str = "") -> ControlError:
+    """The exception an Error reply stands for, its message prefixed by ``context``."""
+    return REFUSALS.get(error.code, ControlError)(f"{context}{error.message}")
 
 
-def _bool(where: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ControlError(f"{where}: expected true or false, got {value!r}")
-    return value
+# --- mappings that travel as rows ------------------------------------------------------------------
 
 
-def _str(where: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ControlError(f"{where}: expected a string, got {value!r}")
-    return value
+class RowMap(Mapping[K, V], Generic[K, V]):
+    """A read-only mapping that travels as a list of rows, the form every peer has always read.
+
+    ``ROW`` is the msgspec type of one row: decoding validates every row with it, then ``from_rows``
+    checks what relates rows to each other (a node listed twice, fractions that sum above one).
+    """
+
+    ROW: ClassVar[Any]
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[K, V] | None = None) -> None:
+        self._items: dict[K, V] = dict(items) if items is not None else {}
+
+    def __getitem__(self, key: K) -> V:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._items!r})"
+
+    def rows(self) -> list[Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> RowMap[K, V]:
+        raise NotImplementedError
+
+    @classmethod
+    def of(cls, value: Mapping[K, V]) -> Any:
+        """``value`` as this class (itself when it already is one)."""
+        return value if type(value) is cls else cls(value)
 
 
-def _port(where: str, value: Any) -> int:
-    port = _int(where, value)
-    if not 0 < port < 65536:
-        raise ControlError(f"{where}: port {port} out of range")
-    return port
+def _once(node_id: int, seen: Mapping[int, object]) -> int:
+    if node_id in seen:
+        raise ValueError(f"node {node_id} listed twice")
+    return node_id
 
 
-def _dict(where: str, value: Any) -> dict[str, Any]:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ControlError(f"{where}: expected a map with string keys, got {type(value).__name__}")
-    return value
+class Members(RowMap[int, tuple[str, int]]):
+    """Member -> (data host, data port); rows [id, host, port] sorted by id."""
+
+    ROW = tuple[NodeId, Name, Port]
+
+    def rows(self) -> list[Any]:
+        return [[node_id, host, port] for node_id, (host, port) in sorted(self._items.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> Members:
+        out: dict[int, tuple[str, int]] = {}
+        for node_id, host, port in rows:
+            out[_once(node_id, out)] = (host, port)
+        return cls(out)
 
 
-def _opt_dict(where: str, value: Any) -> dict[str, Any] | None:
-    return None if value is None else _dict(where, value)
+class WorkerCounts(RowMap[int, int]):
+    """Member -> workers its contribution sums; rows [id, workers] sorted by id."""
+
+    ROW = tuple[NodeId, int]
+
+    def rows(self) -> list[Any]:
+        return [[node_id, n] for node_id, n in sorted(self._items.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> WorkerCounts:
+        out: dict[int, int] = {}
+        for node_id, n in rows:
+            out[_once(node_id, out)] = n
+        return cls(out)
 
 
-def _rows(where: str, value: Any, shape: str) -> list[list[Any]]:
-    """``value`` as a list of lists with as many fields as ``shape`` (such as "[id, host, port]") names."""
-    if not isinstance(value, list):
-        raise ControlError(f"{where}: expected a list of {shape}, got {type(value).__name__}")
-    width = shape.count(",") + 1
-    for entry in value:
-        if not isinstance(entry, list) or len(entry) != width:
-            raise ControlError(f"{where}: expected {shape}, got {entry!r}")
-    return value
+class Rates(RowMap[tuple[int, int], float]):
+    """Directed link -> Mbit/s; rows [src, dst, mbit_s] sorted by link, every rate positive."""
+
+    ROW = tuple[NodeId, NodeId, Finite]
+
+    def rows(self) -> list[Any]:
+        return [[src, dst, float(r)] for (src, dst), r in sorted(self._items.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> Rates:
+        out: dict[tuple[int, int], float] = {}
+        for src, dst, rate in rows:
+            if not rate > 0:
+                raise ValueError(f"rate of {src}->{dst} must be positive, got {rate}")
+            out[(src, dst)] = rate
+        return cls(out)
 
 
-def _by_node(where: str, value: Any, shape: str, convert: Callable[[int, list[Any]], T]) -> dict[int, T]:
-    """Rows keyed by their first field, a node id that may appear once; ``convert`` takes the rest."""
-    out: dict[int, T] = {}
-    for entry in _rows(where, value, shape):
-        node_id = _int(where, entry[0])
-        if node_id in out:
-            raise ControlError(f"{where}: node {node_id} listed twice")
-        out[node_id] = convert(node_id, entry[1:])
-    return out
+Move = tuple[tuple[int, ...], float]
 
 
-def _members(where: str, value: Any) -> dict[int, tuple[str, int]]:
-    return _by_node(where, value, "[id, host, port]", lambda _, rest: (_str(where, rest[0]), _port(where, rest[1])))
+class Moves(RowMap[tuple[int, int], tuple[Move, ...]]):
+    """Planned offload: directed tree link -> (simple detour from src to dst, share of the link's chunks
+    it carries), at most 1 in all per link; rows [src, dst, path, fraction]."""
+
+    ROW = tuple[NodeId, NodeId, Path, Finite]
+
+    def rows(self) -> list[Any]:
+        return [[src, dst, list(path), float(fraction)]
+                for (src, dst), moves in sorted(self._items.items()) for path, fraction in moves]
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> Moves:
+        out: dict[tuple[int, int], list[Move]] = {}
+        for src, dst, hops, share in rows:
+            if len(hops) < 3:
+                raise ValueError(f"path of {src}->{dst} must list at least three nodes, got {list(hops)}")
+            if hops[0] != src or hops[-1] != dst or len(set(hops)) != len(hops):
+                raise ValueError(f"{list(hops)} is not a simple detour from {src} to {dst}")
+            if not 0 < share <= 1:
+                raise ValueError(f"fraction of {list(hops)} must be in (0, 1], got {share}")
+            out.setdefault((src, dst), []).append((hops, share))
+        for (src, dst), paths in out.items():
+            if sum(share for _, share in paths) > 1 + 1e-9:
+                raise ValueError(f"fractions of {src}->{dst} sum above 1")
+        return cls({link: tuple(paths) for link, paths in out.items()})
 
 
-def _rates(where: str, value: Any) -> dict[tuple[int, int], float]:
-    out: dict[tuple[int, int], float] = {}
-    for entry in _rows(where, value, "[src, dst, mbit_s]"):
-        rate = _float(where, entry[2])
-        if not rate > 0:
-            raise ControlError(f"{where}: rate of {entry[0]}->{entry[1]} must be positive, got {rate}")
-        out[(_int(where, entry[0]), _int(where, entry[1]))] = rate
-    return out
+class EdgeModes(RowMap[int, tuple[str, str]]):
+    """Gateway node -> (how it aggregates its LAN, why XDP fell back or ""); rows [id, mode, fallback]."""
+
+    ROW = tuple[NodeId, Name, Text]
+
+    def rows(self) -> list[Any]:
+        return [[node_id, mode, fallback] for node_id, (mode, fallback) in sorted(self._items.items())]
+
+    @classmethod
+    def from_rows(cls, rows: list[Any]) -> EdgeModes:
+        out: dict[int, tuple[str, str]] = {}
+        for node_id, mode, fallback in rows:
+            out[_once(node_id, out)] = (mode, fallback)
+        return cls(out)
 
 
-def _moves(where: str, value: Any) -> dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]]:
-    """Planned offload rows [src, dst, path, fraction]: a simple detour from src to dst and the share
-    of the link's chunks it carries, at most 1 in all per link."""
-    out: dict[tuple[int, int], list[tuple[tuple[int, ...], float]]] = {}
-    for src, dst, path, fraction in _rows(where, value, "[src, dst, path, fraction]"):
-        link = (_int(where, src), _int(where, dst))
-        if not isinstance(path, list) or len(path) < 3:
-            raise ControlError(f"{where}: path of {link[0]}->{link[1]} must list at least three nodes, got {path!r}")
-        hops = tuple(_int(where, node) for node in path)
-        if hops[0] != link[0] or hops[-1] != link[1] or len(set(hops)) != len(hops):
-            raise ControlError(f"{where}: {list(hops)} is not a simple detour from {link[0]} to {link[1]}")
-        share = _float(where, fraction)
-        if not 0 < share <= 1:
-            raise ControlError(f"{where}: fraction of {list(hops)} must be in (0, 1], got {share}")
-        out.setdefault(link, []).append((hops, share))
-    for link, paths in out.items():
-        if sum(share for _, share in paths) > 1 + 1e-9:
-            raise ControlError(f"{where}: fractions of {link[0]}->{link[1]} sum above 1")
-    return {link: tuple(paths) for link, paths in out.items()}
+_ROWS: dict[type[RowMap[Any, Any]], Any] = {
+    cls: Annotated[list[cls.ROW], msgspec.Meta(max_length=most)]  # type: ignore[name-defined]
+    for cls, most in ((Members, MAX_NODES), (WorkerCounts, MAX_NODES), (Rates, MAX_ITEMS), (Moves, MAX_ITEMS),
+                      (EdgeModes, MAX_NODES))}
+"""The msgspec type of each row mapping's rows, bounded."""
+_NO_WORKERS = WorkerCounts()
+_NO_MOVES = Moves()
+_NO_EDGE = EdgeModes()
+"""Shared empty defaults: a field holding one of these is at its default, so it stays off the wire."""
+
+if TYPE_CHECKING:  # to a type checker any mapping will do; msgspec reads (and writes) the row form
+    MembersField = Mapping[int, tuple[str, int]]
+    WorkersField = Mapping[int, int]
+    RatesField = Mapping[tuple[int, int], float]
+    MovesField = Mapping[tuple[int, int], tuple[Move, ...]]
+    EdgeModesField = Mapping[int, tuple[str, str]]
+else:
+    MembersField, WorkersField, RatesField, MovesField, EdgeModesField = Members, WorkerCounts, Rates, Moves, EdgeModes
 
 
-def _pairs(where: str, value: Any) -> tuple[tuple[int, int], ...]:
-    if not isinstance(value, list) or not all(isinstance(p, list) and len(p) == 2 for p in value):
-        raise ControlError(f"{where}: expected a list of [int, int] pairs, got {value!r}")
-    return tuple((_int(where, a), _int(where, b)) for a, b in value)
+def _enc_hook(value: Any) -> Any:
+    if isinstance(value, RowMap):
+        return value.rows()
+    if isinstance(value, int):  # an Unstated version
+        return int(value)
+    raise NotImplementedError(f"cannot encode {type(value).__name__}")
 
 
-def _workers(where: str, value: Any) -> int:
-    count = _int(where, value)
-    if count < 1:
+def _dec_hook(kind: type, value: Any) -> Any:
+    if kind in _ROWS:
+        try:
+            rows = msgspec.convert(value, _ROWS[kind])
+        except msgspec.ValidationError as exc:  # a ValueError gets the field's path from msgspec
+            raise ValueError(f"rows: {exc}") from None
+        return kind.from_rows(rows)
+    raise NotImplementedError(f"cannot decode {kind.__name__}")
+
+
+def _force(message: msgspec.Struct, name: str, value: object) -> None:
+    msgspec.structs.force_setattr(message, name, value)
+
+
+def _workers(where: str, count: int) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ControlError(f"{where}: a DC contributes at least its own trainer (1 worker), got {count}")
     return count
-
-
-def _worker_counts(where: str, value: Any) -> dict[int, int]:
-    return _by_node(where, value, "[id, workers]", lambda node_id, rest: _workers(f"{where}[{node_id}]", rest[0]))
-
-
-def _edge_modes(where: str, value: Any) -> dict[int, tuple[str, str]]:
-    return _by_node(where, value, "[id, mode, fallback]", lambda _, rest: (_str(where, rest[0]), _str(where, rest[1])))
-
-
-def _policy_records(where: str, value: Any) -> tuple[PolicyRecord, ...]:
-    """Rows [version, reason, roots, edges], each edge [root, child, parent]."""
-    out: list[PolicyRecord] = []
-    for version, reason, roots, edges in _rows(where, value, "[version, reason, roots, edges]"):
-        if not isinstance(edges, list) or not all(isinstance(e, list) and len(e) == 3 for e in edges):
-            raise ControlError(f"{where}: edges of version {version!r} must be [root, child, parent] rows")
-        out.append(PolicyRecord(_int(where, version), _str(where, reason), _ids(where, roots),
-                                tuple((_int(where, r), _int(where, c), _int(where, p)) for r, c, p in edges)))
-    return tuple(out)
-
-
-def _ids(where: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ControlError(f"{where}: expected a list of node ids, got {type(value).__name__}")
-    return tuple(_int(where, v) for v in value)
 
 
 # --- messages ------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Message:
-    """Base of every control message; subclasses set TYPE and FIELDS (name -> checker).
-
-    A field named in OPTIONAL may be absent from a frame (the dataclass default applies): fields added
-    after a message was first defined are optional, and are left out of the frame while they hold their
-    default, so peers that predate them still decode what a newer peer sends when the feature is unused.
-    """
+class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
+    """Base of every control message: ``v`` is written by the encoder and checked at decode; ``TYPE`` is
+    the message's tag on the wire."""
 
     TYPE: ClassVar[str] = ""
-    FIELDS: ClassVar[Mapping[str, Checker]] = {}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    v: int = msgspec.field(default_factory=unstated(VERSION))
 
-    def to_fields(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.FIELDS}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> Message:
-        values = {name: check(f"{cls.TYPE}.{name}", data[name]) for name, check in cls.FIELDS.items()
-                  if name in data or name not in cls.OPTIONAL}
-        return cls(**values)
+    def __post_init__(self) -> None:
+        if self.v != VERSION:
+            raise ControlError(f"unsupported control protocol version {self.v!r} (this side speaks {VERSION})")
 
 
-@dataclasses.dataclass(frozen=True)
-class Register(Message):
-    TYPE: ClassVar[str] = "register"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "data_host": _str, "data_port": _port,
-                                                "workers": _workers}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"workers"})
-    node_id: int
-    data_host: str
-    data_port: int
+class Register(Message, frozen=True, tag="register", omit_defaults=True):
+    node_id: NodeId
+    data_host: Name
+    data_port: Port
     workers: int = 1
     """Workers whose gradients this DC's contribution sums: its own trainer and the LAN workers its
     gateway aggregates (``netstorm node --edge-workers``)."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         _workers(f"{self.TYPE}.workers", self.workers)
 
-    def to_fields(self) -> dict[str, Any]:
-        fields = super().to_fields()
-        if self.workers == 1:
-            del fields["workers"]
-        return fields
 
-
-@dataclasses.dataclass(frozen=True)
-class RegisterAck(Message):
+class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     """Sent to every node once all expected nodes have registered."""
 
-    TYPE: ClassVar[str] = "register_ack"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"members": _members, "config": _dict, "scheduler_time": _float,
-                                                "workers": _worker_counts}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"workers"})
-    members: Mapping[int, tuple[str, int]]
-    config: Mapping[str, Any]
-    scheduler_time: float
-    workers: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    members: MembersField
+    config: dict[str, Any]
+    scheduler_time: Finite
+    workers: WorkersField = _NO_WORKERS
     """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
     1, so an ack naming every member with 1 equals one naming none; ``workers_of`` reads it."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        _force(self, "members", Members.of(self.members))
         strangers = sorted(set(self.workers) - set(self.members))
         if strangers:
             raise ControlError(f"{self.TYPE}.workers: node(s) {strangers} are not members")
-        counts = {n: _workers(f"{self.TYPE}.workers[{n}]", w) for n, w in sorted(self.workers.items())}
-        object.__setattr__(self, "workers", {n: w for n, w in counts.items() if w != 1})
+        counts = {n: _workers(f"{self.TYPE}.workers[{n}]", w) for n, w in sorted(self.workers.items()) if w != 1}
+        _force(self, "workers", WorkerCounts(counts) if counts else _NO_WORKERS)
 
     def workers_of(self, node_id: int) -> int:
         return self.workers.get(node_id, 1)
 
-    def to_fields(self) -> dict[str, Any]:
-        members = [[node_id, host, port] for node_id, (host, port) in sorted(self.members.items())]
-        fields: dict[str, Any] = {"members": members, "config": dict(self.config),
-                                  "scheduler_time": self.scheduler_time}
-        if self.workers:
-            fields["workers"] = [[node_id, n] for node_id, n in sorted(self.workers.items())]
-        return fields
+
+class LayoutCheck(Message, frozen=True, tag="layout_check"):
+    node_id: NodeId
+    layout_hash: Name
 
 
-@dataclasses.dataclass(frozen=True)
-class LayoutCheck(Message):
-    TYPE: ClassVar[str] = "layout_check"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "layout_hash": _str}
-    node_id: int
-    layout_hash: str
+class LayoutAck(Message, frozen=True, tag="layout_ack"):
+    pass
 
 
-@dataclasses.dataclass(frozen=True)
-class LayoutAck(Message):
-    TYPE: ClassVar[str] = "layout_ack"
+class Heartbeat(Message, frozen=True, tag="heartbeat"):
+    node_id: NodeId
+    t: Finite
 
 
-@dataclasses.dataclass(frozen=True)
-class Heartbeat(Message):
-    TYPE: ClassVar[str] = "heartbeat"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "t": _float}
-    node_id: int
-    t: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Leave(Message):
+class Leave(Message, frozen=True, tag="leave"):
     """A node stopping on purpose says so before it closes its connection: the scheduler then logs a
     departure, not a failure (the survivors still get ``MemberDown`` and a policy without it)."""
 
-    TYPE: ClassVar[str] = "leave"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "reason": _str}
-    node_id: int
-    reason: str
+    node_id: NodeId
+    reason: Text
 
 
-@dataclasses.dataclass(frozen=True)
-class MemberDown(Message):
+class MemberDown(Message, frozen=True, tag="member_down"):
     """Pushed to every node when a member is declared dead (or to a node declared dead itself)."""
 
-    TYPE: ClassVar[str] = "member_down"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "reason": _str}
-    node_id: int
-    reason: str
+    node_id: NodeId
+    reason: Text
 
 
-@dataclasses.dataclass(frozen=True)
-class LinkBeliefs(Message):
+class LinkBeliefs(Message, frozen=True, tag="link_beliefs", omit_defaults=True):
     """Pushed to every node when policy ``version`` is published: the link rates it was planned from.
 
     An iteration keeps the trees of the policy it is bound to, but its senders may still choose
     auxiliary paths by what the scheduler now believes: a detour through a link that has fallen behind
     the bound policy's plan only adds to that link's backlog."""
 
-    TYPE: ClassVar[str] = "link_beliefs"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int, "rates": _rates, "amends": _int,
-                                               "offload": _moves}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"amends", "offload"})
-    version: int
-    rates: Mapping[tuple[int, int], float]
+    version: Version
+    rates: RatesField
     """Directed link -> Mbit/s."""
-    amends: int = -1
+    amends: Version = -1
     """The older policy version ``offload`` is planned for (-1: none)."""
-    offload: Mapping[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = dataclasses.field(
-        default_factory=dict)
+    offload: MovesField = _NO_MOVES
     """Moves for the iterations bound to ``amends``: per directed tree link of its trees, (auxiliary
-    path, fraction of the link's chunks), planned for ``rates`` with that policy's shares."""
+    path, fraction of the link's chunks), planned for ``rates`` with that policy's shares. Sent only with
+    ``amends``."""
 
-    def to_fields(self) -> dict[str, Any]:
-        fields: dict[str, Any] = {
-            "version": self.version,
-            "rates": [[src, dst, float(r)] for (src, dst), r in sorted(self.rates.items())]}
-        if self.amends >= 0:
-            fields["amends"] = self.amends
-            fields["offload"] = [[src, dst, list(path), float(fraction)]
-                                 for (src, dst), moves in sorted(self.offload.items()) for path, fraction in moves]
-        return fields
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _force(self, "rates", Rates.of(self.rates))
+        _force(self, "offload", Moves.of(self.offload) if self.amends >= 0 and self.offload else _NO_MOVES)
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyRequest(Message):
-    TYPE: ClassVar[str] = "policy_request"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "iteration": _int, "known_version": _int}
-    node_id: int
-    iteration: int
-    known_version: int
+class PolicyRequest(Message, frozen=True, tag="policy_request"):
+    node_id: NodeId
+    iteration: Version
+    known_version: Version
     """The newest policy version the node holds; -1 when it holds none."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyReply(Message):
-    """The policy bound to ``iteration``; ``policy`` is None when the node already holds ``version``."""
+class PolicyReply(Message, frozen=True, tag="policy_reply"):
+    """The policy bound to ``iteration``; ``policy`` (``Policy.to_wire``'s form) is None when the node
+    already holds ``version``."""
 
-    TYPE: ClassVar[str] = "policy_reply"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"iteration": _int, "version": _int, "policy": _opt_dict}
-    iteration: int
-    version: int
-    policy: Mapping[str, Any] | None
+    iteration: Version
+    version: Version
+    policy: dict[str, Any] | None
 
 
-@dataclasses.dataclass(frozen=True)
-class LinkReport(Message):
-    """A passive throughput measurement of the directed link src->dst (no reply)."""
+class LinkReport(Message, frozen=True, tag="link_report"):
+    """A passive throughput measurement of the directed link src->dst: what ``netstorm.probe`` makes
+    and a node sends as it is (no reply)."""
 
-    TYPE: ClassVar[str] = "link_report"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"src": _int, "dst": _int, "mbit_s": _float, "t": _float,
-                                                "samples": _int, "warm": _bool}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"warm"})
-    src: int
-    dst: int
-    mbit_s: float
-    t: float
-    samples: int
+    src: NodeId
+    dst: NodeId
+    mbit_s: Finite
+    t: Finite
+    samples: Annotated[int, msgspec.Meta(ge=0, le=2**53)]
     warm: bool = True
     """From warm samples (the receiver's clock alone); False: cold samples only."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Error(Message):
-    TYPE: ClassVar[str] = "error"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"message": _str}
-    message: str
+class Error(Message, frozen=True, tag="error"):
+    """A refusal: ``code`` tells the requester's program why, ``message`` tells people."""
+
+    message: Text
+    code: ErrorCode = ErrorCode.PROTOCOL
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyOverride(Message):
+class PolicyOverride(Message, frozen=True, tag="policy_override"):
     """Admin: plan a new policy version from these rates now (tests and operators force a change)."""
 
-    TYPE: ClassVar[str] = "policy_override"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"rates": _rates}
-    rates: Mapping[tuple[int, int], float]
+    rates: RatesField
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"rates": [[src, dst, float(r)] for (src, dst), r in sorted(self.rates.items())]}
-
-
-@dataclasses.dataclass(frozen=True)
-class PolicyOverrideAck(Message):
-    TYPE: ClassVar[str] = "policy_override_ack"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int}
-    version: int
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _force(self, "rates", Rates.of(self.rates))
 
 
-@dataclasses.dataclass(frozen=True)
-class StatusRequest(Message):
+class PolicyOverrideAck(Message, frozen=True, tag="policy_override_ack"):
+    version: Version
+
+
+class StatusRequest(Message, frozen=True, tag="status_request"):
     """Admin: ask for membership and policy state (``netstorm local`` waits on it)."""
 
-    TYPE: ClassVar[str] = "status_request"
 
-
-@dataclasses.dataclass(frozen=True)
-class Status(Message):
-    TYPE: ClassVar[str] = "status"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"expected": _ids, "registered": _ids, "alive": _ids,
-                                                "complete": _bool, "version": _int, "bindings": _pairs,
-                                                "edge": _edge_modes}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"edge"})
-    expected: tuple[int, ...]
-    registered: tuple[int, ...]
-    alive: tuple[int, ...]
+class Status(Message, frozen=True, tag="status", omit_defaults=True):
+    expected: NodeIds
+    registered: NodeIds
+    alive: NodeIds
     complete: bool
     """Every expected node has registered and received its RegisterAck."""
-    version: int
+    version: Version
     """The current policy version (-1 before the first plan)."""
-    bindings: tuple[tuple[int, int], ...] = ()
+    bindings: Annotated[tuple[tuple[Version, Version], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
     """(iteration, version) of the most recent bound iterations, oldest first."""
-    edge: Mapping[int, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    edge: EdgeModesField = _NO_EDGE
     """Gateway node -> (how it aggregates its LAN, why XDP fell back or ""), as its ``EdgeReport`` said;
     a gateway that has not served its LAN yet is absent."""
 
-    def to_fields(self) -> dict[str, Any]:
-        fields: dict[str, Any] = {"expected": list(self.expected), "registered": list(self.registered),
-                                  "alive": list(self.alive), "complete": self.complete, "version": self.version,
-                                  "bindings": [[k, v] for k, v in self.bindings]}
-        if self.edge:
-            fields["edge"] = [[node_id, mode, fallback] for node_id, (mode, fallback) in sorted(self.edge.items())]
-        return fields
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _force(self, "edge", EdgeModes.of(self.edge) if self.edge else _NO_EDGE)
 
 
-@dataclasses.dataclass(frozen=True)
-class PolicyFetch(Message):
+class PolicyFetch(Message, frozen=True, tag="policy_fetch"):
     """Admin: the wire form of policy ``version`` (-1: the current one), answered with a PolicyReply whose
     iteration is -1. For tools that record or draw the policies a run used."""
 
-    TYPE: ClassVar[str] = "policy_fetch"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"version": _int}
-    version: int
+    version: Version
 
 
-@dataclasses.dataclass(frozen=True)
-class EdgeReport(Message):
+class EdgeReport(Message, frozen=True, tag="edge_report", omit_defaults=True):
     """A gateway node says how it aggregates its LAN workers, once that is decided (no reply): the
     emulator and operators read it back from ``Status.edge`` instead of from the node's log."""
 
-    TYPE: ClassVar[str] = "edge_report"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"node_id": _int, "mode": _str, "fallback": _str}
-    OPTIONAL: ClassVar[frozenset[str]] = frozenset({"fallback"})
-    node_id: int
-    mode: str
+    node_id: NodeId
+    mode: Name
     """``xdp (native)``, ``xdp (generic)`` or ``userspace``."""
-    fallback: str = ""
+    fallback: Text = ""
     """Why XDP could not load, when the gateway fell back to userspace ("" when it did not)."""
 
-    def to_fields(self) -> dict[str, Any]:
-        fields = super().to_fields()
-        if not self.fallback:
-            del fields["fallback"]
-        return fields
 
+class PolicyRecord(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """What a run's record keeps of one published policy version (not a message: a row of ``History``,
+    on the wire [version, reason, roots, edges])."""
 
-@dataclasses.dataclass(frozen=True)
-class PolicyRecord:
-    """What a run's record keeps of one published policy version (not a message: a row of ``History``)."""
-
-    version: int
-    reason: str
+    version: Version
+    reason: Text
     """Why it was planned (``first plan``, ``periodic update``, ``node down``, an override...)."""
-    roots: tuple[int, ...]
-    edges: tuple[tuple[int, int, int], ...]
+    roots: NodeIds
+    edges: Annotated[tuple[tuple[NodeId, NodeId, NodeId], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     """(root, child, parent) of every tree edge."""
 
     def trees(self) -> dict[int, dict[int, int]]:
@@ -492,42 +481,38 @@ class PolicyRecord:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
-class HistoryRequest(Message):
+class HistoryRequest(Message, frozen=True, tag="history_request"):
     """Admin: the run's record from iteration ``since_iteration`` and version ``since_version`` on, one
     page of each (``History``); a tool that follows a run asks again from past the newest it got."""
 
-    TYPE: ClassVar[str] = "history_request"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"since_iteration": _int, "since_version": _int}
-    since_iteration: int = 0
-    since_version: int = 0
+    since_iteration: Version
+    since_version: Version
 
 
-@dataclasses.dataclass(frozen=True)
-class History(Message):
+class History(Message, frozen=True, tag="history"):
     """The answer to a ``HistoryRequest``: a page of bindings and of published policy versions. A page
     shorter than the scheduler's page size is the last; bindings and versions older than what the
     scheduler remembers are gone (it keeps a bounded window of each)."""
 
-    TYPE: ClassVar[str] = "history"
-    FIELDS: ClassVar[Mapping[str, Checker]] = {"bindings": _pairs, "policies": _policy_records}
-    bindings: tuple[tuple[int, int], ...]
+    bindings: Annotated[tuple[tuple[Version, Version], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     """(iteration, version) bound, by iteration."""
-    policies: tuple[PolicyRecord, ...]
+    policies: Annotated[tuple[PolicyRecord, ...], msgspec.Meta(max_length=MAX_NODES)]
     """Published versions, oldest first."""
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"bindings": [[k, v] for k, v in self.bindings],
-                "policies": [[r.version, r.reason, list(r.roots), [list(e) for e in r.edges]]
-                             for r in self.policies]}
 
+MESSAGES: dict[str, type[Message]] = {}
+for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, LinkBeliefs, PolicyRequest,
+             PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status, PolicyFetch,
+             EdgeReport, HistoryRequest, History):
+    _cls.TYPE = str(_cls.__struct_config__.tag)
+    MESSAGES[_cls.TYPE] = _cls
 
-MESSAGES: dict[str, type[Message]] = {
-    cls.TYPE: cls
-    for cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, LinkBeliefs, PolicyRequest,
-                PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
-                PolicyFetch, EdgeReport, HistoryRequest, History)
-}
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+_DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
+    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | LinkBeliefs | PolicyRequest
+    | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck | StatusRequest | Status | PolicyFetch
+    | EdgeReport | HistoryRequest | History,
+    dec_hook=_dec_hook)
 
 
 # --- codec -------------------------------------------------------------------------------------------
@@ -535,35 +520,38 @@ MESSAGES: dict[str, type[Message]] = {
 
 def encode(message: Message) -> bytes:
     """The whole frame: length prefix and msgpack body."""
-    body = msgpack.packb({"v": VERSION, "type": message.TYPE, **message.to_fields()}, use_bin_type=True)
+    body = _ENCODER.encode(message)
     if len(body) > MAX_CONTROL_FRAME:
         raise ControlError(f"{message.TYPE} frame of {len(body)} bytes exceeds {MAX_CONTROL_FRAME}")
     return LENGTH.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Message:
+def decode(body: bytes | bytearray | memoryview) -> Message:
     """One message from a frame body (without the length prefix)."""
     try:
-        data = msgpack.unpackb(body, raw=False, strict_map_key=True)
-    except Exception as exc:  # msgpack raises several unrelated types for garbage
-        raise ControlError(f"undecodable control frame ({len(body)} bytes): {exc}") from None
+        message = _DECODER.decode(body)
+    except DECODE_ERRORS as exc:
+        raise _diagnose(body, exc) from None
+    if not stated(message.v):
+        raise ControlError(f"unsupported control protocol version None (this side speaks {VERSION})")
+    return message
+
+
+def _diagnose(body: bytes | bytearray | memoryview, exc: Exception) -> ControlError:
+    """Why a frame did not decode, in the words of its envelope (map, version, type) before its fields'."""
+    try:
+        data: Any = msgspec.msgpack.decode(body)
+    except DECODE_ERRORS as undecodable:
+        return ControlError(f"undecodable control frame ({len(body)} bytes): {undecodable}")
     if not isinstance(data, dict):
-        raise ControlError(f"control frame is not a map but {type(data).__name__}")
+        return ControlError(f"control frame is not a map but {type(data).__name__}")
     version = data.get("v")
-    if version != VERSION:
-        raise ControlError(f"unsupported control protocol version {version!r} (this side speaks {VERSION})")
+    if version != VERSION or isinstance(version, bool):
+        return ControlError(f"unsupported control protocol version {version!r} (this side speaks {VERSION})")
     kind = data.get("type")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise ControlError(f"unknown control message type {kind!r}")
-    expected = set(cls.FIELDS) | {"v", "type"}
-    missing = sorted(set(cls.FIELDS) - cls.OPTIONAL - set(data))
-    extra = sorted(str(k) for k in set(data) - expected)
-    if missing:
-        raise ControlError(f"{kind}: missing field(s) {', '.join(missing)}")
-    if extra:
-        raise ControlError(f"{kind}: unknown field(s) {', '.join(extra)}")
-    return cls.from_fields(data)
+    if not isinstance(kind, str) or kind not in MESSAGES:
+        return ControlError(f"unknown control message type {kind!r}")
+    return typed_error(ControlError, kind, exc)
 
 
 async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CONTROL_FRAME) -> Message | None:

@@ -1,10 +1,46 @@
-"""The project's exception hierarchy: one base so callers can catch NetStorm failures as a whole."""
+"""The project's exception hierarchy: one base so callers can catch NetStorm failures as a whole.
+
+Every class carries the ``ErrorCode`` that names it on a wire: a side that refuses a request sends the
+code of what it raised, and the other side picks its own exception class by that code alone (never by
+the words of the message, which are for people).
+"""
 
 from __future__ import annotations
+
+import enum
+from typing import ClassVar
+
+
+class ErrorCode(enum.StrEnum):
+    """Why a request failed, as every wire carries it (a string, so frames stay readable in a dump)."""
+
+    PROTOCOL = "protocol"
+    """The request contradicts the protocol or the receiver's state (the catch-all of a refusal)."""
+    MALFORMED = "malformed"
+    """The message could not be decoded: bad bytes, an unknown type, version or field, a bad value."""
+    UNKNOWN_TENSOR = "unknown_tensor"
+    WRONG_SHAPE = "wrong_shape"
+    WRONG_DTYPE = "wrong_dtype"
+    LAYOUT_MISMATCH = "layout_mismatch"
+    """Two nodes derived different tensor layouts."""
+    ITERATION_FAILED = "iteration_failed"
+    """An iteration cannot complete (invalid data from a peer, a policy that cannot hold)."""
+    PEER_GONE = "peer_gone"
+    """A peer (or the node itself) died or closed while the request needed it."""
+    TIMEOUT = "timeout"
+    NOT_MEMBER = "not_member"
+    """The sender is not (or not yet, or no longer) a member the request may act for."""
+    NO_POLICY = "no_policy"
+    """The policy asked for is not planned yet or no longer held."""
+    INTERNAL = "internal"
+    """The receiver hit a bug; the message carries its description."""
 
 
 class NetStormError(Exception):
     """Base of every error NetStorm raises on purpose."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.PROTOCOL
+    """What this error is called on a wire."""
 
 
 class ConfigError(NetStormError):
@@ -22,9 +58,13 @@ class PolicyError(NetStormError):
 class LayoutError(NetStormError):
     """A tensor list cannot form a chunk layout, or two nodes derived different layouts."""
 
+    code: ClassVar[ErrorCode] = ErrorCode.PROTOCOL
+
 
 class FrameError(NetStormError):
     """A data-plane frame is malformed, oversized, of an unknown kind or version."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.MALFORMED
 
 
 class ChunkError(NetStormError):
@@ -34,34 +74,51 @@ class ChunkError(NetStormError):
 class IterationFailed(NetStormError):
     """An iteration cannot complete: a peer died, a chunk was invalid, or it ran past its timeout."""
 
+    code: ClassVar[ErrorCode] = ErrorCode.ITERATION_FAILED
+
 
 class TrainerError(NetStormError):
     """A trainer's request failed; subclasses say why."""
 
 
-class UnknownTensor(TrainerError):
-    """The trainer named a tensor it did not register with init."""
+class UnknownTensor(TrainerError, LayoutError):
+    """The trainer named a tensor it did not register with init (raised by the trainer's client and by
+    the node's layout alike: a LayoutError too, so the node treats it as any other layout problem)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.UNKNOWN_TENSOR
 
 
 class WrongShape(TrainerError):
     """A tensor's shape differs from the one registered."""
 
+    code: ClassVar[ErrorCode] = ErrorCode.WRONG_SHAPE
+
 
 class WrongDtype(TrainerError):
     """A tensor's dtype differs from the one registered."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.WRONG_DTYPE
 
 
 class NodeGone(TrainerError):
     """The general node closed the connection or cannot be reached."""
 
+    code: ClassVar[ErrorCode] = ErrorCode.PEER_GONE
+
 
 class TrainerTimeout(TrainerError):
     """The node did not answer within the timeout (the message names the iteration)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.TIMEOUT
 
 
 class TrainerProtocolError(TrainerError):
     """The trainer and the node disagree about the protocol (bad message, bad state)."""
 
+    code: ClassVar[ErrorCode] = ErrorCode.PROTOCOL
+
 
 class IterationError(TrainerError):
     """The iteration failed at the node (invalid data from a peer, a policy that cannot hold)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.ITERATION_FAILED

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 import msgpack
 import numpy as np
 
-from netstorm.errors import LayoutError
+from netstorm.errors import LayoutError, UnknownTensor
 
 LAYOUT_VERSION = 1
 
@@ -146,9 +146,9 @@ class Layout:
         return cls(tensors, chunk_size, tuple(offsets), chunks, tuple(key_chunks), position, digest)
 
     def key(self, name: str) -> int:
-        """Index of tensor ``name``; LayoutError naming it when unknown."""
+        """Index of tensor ``name``; UnknownTensor (a LayoutError) naming it when unknown."""
         if not isinstance(name, str):
-            raise LayoutError(f"unknown tensor {name!r}: tensor names are strings")
+            raise UnknownTensor(f"unknown tensor {name!r}: tensor names are strings")
         lo, hi = 0, len(self.tensors)
         while lo < hi:
             mid = (lo + hi) // 2
@@ -158,7 +158,7 @@ class Layout:
                 hi = mid
         if lo < len(self.tensors) and self.tensors[lo].name == name:
             return lo
-        raise LayoutError(f"unknown tensor {name!r}")
+        raise UnknownTensor(f"unknown tensor {name!r}")
 
     def key_slice(self, key: int) -> slice:
         start = self.offsets[key]

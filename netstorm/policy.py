@@ -8,22 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from netstorm import policywire
 from netstorm.errors import PolicyError
+from netstorm.policywire import WIRE_VERSION
 from netstorm.tree import Tree
 
-__all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree"]
+__all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "tree_pairs"]
 
-WIRE_VERSION = 1
 TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
-_WIRE_KEYS = {"wire", "version", "topology", "roots", "trees", "chunk_share", "quality", "aux_paths"}
-_OPTIONAL_WIRE_KEYS = {"rates", "explore", "offload"}
-_INT_TEXT = re.compile(r"-?(0|[1-9][0-9]*)")
-_PAIR_TEXT = re.compile(r"(-?(?:0|[1-9][0-9]*))->(-?(?:0|[1-9][0-9]*))")
 
 
 @dataclass(frozen=True)
@@ -59,7 +55,7 @@ class Policy:
     def tree_links(self) -> frozenset[tuple[int, int]]:
         """Directed links the trees send on: every edge, up (push) and down (result), of the trees whose
         root has a share of the chunks (the tree of a root without one carries nothing)."""
-        return frozenset(_tree_pairs({r: t for r, t in self.trees.items() if self.chunk_share[r] > 0}))
+        return frozenset(tree_pairs({r: t for r, t in self.trees.items() if self.chunk_share[r] > 0}))
 
     def with_version(self, version: int) -> Policy:
         return dataclasses.replace(self, version=version)
@@ -138,94 +134,21 @@ class Policy:
     @classmethod
     def from_wire(cls, data: Mapping[str, Any]) -> Policy:
         """Decode ``to_wire``'s form; anything malformed or unknown raises PolicyError."""
-        if not isinstance(data, Mapping):
-            raise PolicyError(f"policy must be a mapping, got {type(data).__name__}")
-        keys = set(data)
-        if not _WIRE_KEYS <= keys <= _WIRE_KEYS | _OPTIONAL_WIRE_KEYS:
-            missing, extra = sorted(_WIRE_KEYS - keys), sorted(map(str, keys - _WIRE_KEYS - _OPTIONAL_WIRE_KEYS))
-            raise PolicyError(f"policy keys: missing {missing}, unknown {extra}")
-        if data["wire"] != WIRE_VERSION or isinstance(data["wire"], bool):
-            raise PolicyError(f"unsupported policy wire version {data['wire']!r} (this build reads {WIRE_VERSION})")
-        version = _wire_int(data["version"], "version")
-        topology = data["topology"]
-        if not isinstance(topology, str):
-            raise PolicyError(f"topology must be a string, got {topology!r}")
-        if not isinstance(data["roots"], list | tuple):
-            raise PolicyError(f"roots must be a list, got {data['roots']!r}")
-        roots = tuple(_wire_int(r, "root") for r in data["roots"])
-        trees: dict[int, Tree] = {}
-        for key, raw in _wire_mapping(data["trees"], "trees").items():
-            root = _node_key(key, "trees")
-            parent: dict[int, int | None] = {}
-            for node_key, up in _wire_mapping(raw, f"trees[{key}]").items():
-                parent[_node_key(node_key, f"trees[{key}]")] = None if up is None else _wire_int(up, "parent")
-            trees[root] = Tree(root, parent)
-        share = {_node_key(k, "chunk_share"): _wire_float(v, "chunk share")
-                 for k, v in _wire_mapping(data["chunk_share"], "chunk_share").items()}
-        quality = {_node_key(k, "quality"): _wire_float(v, "quality")
-                   for k, v in _wire_mapping(data["quality"], "quality").items()}
-        aux: dict[tuple[int, int], tuple[tuple[int, ...], ...]] = {}
-        for key, raw_paths in _wire_mapping(data["aux_paths"], "aux_paths").items():
-            pair = _pair(key, "aux_paths")
-            if not isinstance(raw_paths, list | tuple):
-                raise PolicyError(f"aux_paths[{key}] must be a list of paths")
-            paths = []
-            for raw_path in raw_paths:
-                if not isinstance(raw_path, list | tuple):
-                    raise PolicyError(f"aux_paths[{key}]: a path must be a list of node ids")
-                paths.append(tuple(_wire_int(n, "path node") for n in raw_path))
-            aux[pair] = tuple(paths)
-        rates = {_pair(key, "rates"): _wire_float(value, "planned rate")
-                 for key, value in _wire_mapping(data.get("rates", {}), "rates").items()}
-        raw_explore = data.get("explore", [])
-        if not isinstance(raw_explore, list | tuple):
-            raise PolicyError(f"explore must be a list of '<src>-><dst>' links, got {raw_explore!r}")
-        explore = frozenset(_pair(key, "explore") for key in raw_explore)
-        offload: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
-        for key, raw_moves in _wire_mapping(data.get("offload", {}), "offload").items():
-            if not isinstance(raw_moves, list | tuple) or not all(
-                    isinstance(m, list | tuple) and len(m) == 2 and isinstance(m[0], list | tuple) for m in raw_moves):
-                raise PolicyError(f"offload[{key}] must be a list of [path, fraction]")
-            offload[_pair(key, "offload")] = tuple(
-                (tuple(_wire_int(n, "offload path node") for n in path), _wire_float(f, "offload fraction"))
-                for path, f in raw_moves)
-        policy = cls(version, topology, roots, trees, share, quality, aux, rates, explore, offload)
+        form = policywire.parse(data)
+        trees = {root: Tree(root, parent) for root, parent in form.trees.items()}
+        aux = {policywire.link(key): paths for key, paths in form.aux_paths.items()}
+        rates = {policywire.link(key): float(rate) for key, rate in form.rates.items()}
+        explore = frozenset(policywire.link(key) for key in form.explore)
+        offload = {policywire.link(key): tuple((path, float(f)) for path, f in moves)
+                   for key, moves in form.offload.items()}
+        policy = cls(form.version, form.topology, form.roots, trees,
+                     {r: float(v) for r, v in form.chunk_share.items()},
+                     {n: float(q) for n, q in form.quality.items()}, aux, rates, explore, offload)
         policy.validate()
         return policy
 
 
-def _wire_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise PolicyError(f"{what} must be an integer, got {value!r}")
-    return value
-
-
-def _wire_float(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PolicyError(f"{what} must be a number, got {value!r}")
-    return float(value)
-
-
-def _wire_mapping(value: Any, what: str) -> Mapping[Any, Any]:
-    if not isinstance(value, Mapping):
-        raise PolicyError(f"{what} must be a mapping, got {type(value).__name__}")
-    return value
-
-
-def _pair(key: Any, what: str) -> tuple[int, int]:
-    match = _PAIR_TEXT.fullmatch(key) if isinstance(key, str) else None
-    if match is None:
-        raise PolicyError(f"{what} key {key!r} is not '<src>-><dst>'")
-    return int(match[1]), int(match[2])
-
-
-def _node_key(key: Any, what: str) -> int:
-    if not isinstance(key, str) or _INT_TEXT.fullmatch(key) is None:
-        raise PolicyError(f"{what}: key {key!r} is not a node id")
-    return int(key)
-
-
-def _tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
+def tree_pairs(trees: Mapping[int, Tree]) -> set[tuple[int, int]]:
     """Directed pairs a policy sends on: every tree edge up (push) and down (result)."""
     up = {(child, parent) for tree in trees.values() for child, parent in tree.parent.items() if parent is not None}
     return up | {(parent, child) for child, parent in up}

@@ -40,23 +40,13 @@ measured exactly. Samples whose duration is not positive (a clock step, a stale 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+from netstorm.control import LinkReport
+
+__all__ = ["BITS_PER_MBIT", "LinkReport", "ProbeEstimator"]
+
 BITS_PER_MBIT = 1e6
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkReport:
-    """A throughput report for directed link ``src -> dst``: ``mbit_s`` from ``samples`` chunks, at ``t``."""
-
-    src: int
-    dst: int
-    mbit_s: float
-    t: float
-    samples: int
-    warm: bool = True
-    """Made from warm samples (the receiver's clock alone); False: cold samples only."""
 
 
 class ProbeEstimator:

@@ -1,196 +1,129 @@
 """Messages between a trainer and its general node (Unix socket or TCP).
 
 Frame: ``<II`` (header length, payload length) + msgpack header + raw payload. The header is a map
-with ``v`` (version) and ``type``. Over a Unix socket tensors travel through a shared-memory file and the
-payload is empty; over TCP (a trainer on another host of the DC) the float32 values follow inline,
-concatenated in the order the message names the tensors.
+with ``v`` (version), ``type`` and the message's fields: a tagged union of frozen ``msgspec.Struct``
+classes (``netstorm.schema``) decoded and validated in one pass. Over a Unix socket tensors travel
+through a shared-memory file and the payload is empty; over TCP (a trainer on another host of the DC)
+the float32 values follow inline, concatenated in the order the message names the tensors. The
+payload is not part of the schema.
+
+A failed request is answered by an ``ErrorReply`` whose ``kind`` is the ``ErrorCode`` of what the node
+raised; the client raises the exception class of that code.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import struct
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-import msgpack
+import msgspec
 
-from netstorm.errors import TrainerProtocolError
+from netstorm.errors import ErrorCode, TrainerProtocolError
+from netstorm.schema import (
+    DECODE_ERRORS,
+    MAX_ITEMS,
+    Count,
+    Name,
+    NodeId,
+    Text,
+    Version,
+    plain,
+    stated,
+    typed_error,
+    unstated,
+)
 
 VERSION = 1
 PREFIX = struct.Struct("<II")
 MAX_HEADER_BYTES = 1 << 20
+MAX_DIMS = 32
+"""Most dimensions of a registered tensor."""
 
 
-def _names(value: Any, what: str) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple) or not all(isinstance(n, str) for n in value):
-        raise TrainerProtocolError(f"{what}: names must be a list of strings, got {value!r}")
-    return tuple(value)
+Names = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+Dim = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+Shape = Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]
+Dtype = Annotated[str, msgspec.Meta(max_length=32)]
 
 
-def _get(data: Mapping[str, Any], name: str, kind: type | tuple[type, ...], what: str) -> Any:
-    value = data.get(name)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TrainerProtocolError(f"{what}: field {name!r} must be {getattr(kind, '__name__', kind)}, "
-                                   f"got {value!r}")
-    return value
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True,
+               omit_defaults=True, gc=False):
+    """Base of every trainer-wire message: ``v`` is written by the encoder and checked at decode."""
+
+    TYPE: ClassVar[str] = ""
+    v: int = msgspec.field(default_factory=unstated(VERSION))
+
+    def __post_init__(self) -> None:
+        if self.v != VERSION:
+            raise TrainerProtocolError(f"message version {self.v!r}, this side speaks {VERSION}")
 
 
-@dataclasses.dataclass(frozen=True)
-class InitRequest:
+class InitRequest(_Message, frozen=True, tag="init"):
     """Register tensors (name, shape, dtype); ``shm`` is the shared-memory file, "" over TCP."""
 
-    TYPE: ClassVar[str] = "init"
-    tensors: tuple[tuple[str, tuple[int, ...], str], ...]
-    shm: str
-
-    def fields(self) -> dict[str, Any]:
-        return {"tensors": [[n, list(s), d] for n, s, d in self.tensors], "shm": self.shm}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> InitRequest:
-        raw = _get(data, "tensors", list, "init")
-        tensors = []
-        for item in raw:
-            if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str)
-                    and isinstance(item[1], list) and all(isinstance(d, int) and not isinstance(d, bool)
-                                                          for d in item[1]) and isinstance(item[2], str)):
-                raise TrainerProtocolError(f"init: tensor entries are [name, shape, dtype], got {item!r}")
-            tensors.append((item[0], tuple(item[1]), item[2]))
-        return cls(tuple(tensors), _get(data, "shm", str, "init"))
+    tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
+    shm: Name
 
 
-@dataclasses.dataclass(frozen=True)
-class InitReply:
-    TYPE: ClassVar[str] = "init_ok"
-    node_id: int
-    iteration: int
-    num_workers: int
+class InitReply(_Message, frozen=True, tag="init_ok"):
+    node_id: NodeId
+    iteration: Count
+    num_workers: Count
     """Workers whose gradients make up each sum (every DC's trainer and LAN workers)."""
-    layout_hash: str
-
-    def fields(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "iteration": self.iteration, "num_workers": self.num_workers,
-                "layout_hash": self.layout_hash}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> InitReply:
-        return cls(_get(data, "node_id", int, "init_ok"), _get(data, "iteration", int, "init_ok"),
-                   _get(data, "num_workers", int, "init_ok"), _get(data, "layout_hash", str, "init_ok"))
+    layout_hash: Name
 
 
-@dataclasses.dataclass(frozen=True)
-class PushRequest:
+class PushRequest(_Message, frozen=True, tag="push"):
     """This DC's values for ``names`` in their next iteration (split form)."""
 
-    TYPE: ClassVar[str] = "push"
-    names: tuple[str, ...]
-
-    def fields(self) -> dict[str, Any]:
-        return {"names": list(self.names)}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> PushRequest:
-        return cls(_names(data.get("names"), "push"))
+    names: Names
 
 
-@dataclasses.dataclass(frozen=True)
-class PushReply:
-    TYPE: ClassVar[str] = "push_ok"
-    iteration: int
-
-    def fields(self) -> dict[str, Any]:
-        return {"iteration": self.iteration}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> PushReply:
-        return cls(_get(data, "iteration", int, "push_ok"))
+class PushReply(_Message, frozen=True, tag="push_ok"):
+    iteration: Version
+    """The iteration the values entered (-1 when ``names`` was empty)."""
 
 
-@dataclasses.dataclass(frozen=True)
-class PullRequest:
-    """The sums (or means) of ``names`` from the oldest iteration not yet pulled."""
+class PullRequest(_Message, frozen=True, tag="pull"):
+    """The sums (or means) of ``names`` from the oldest iteration not yet pulled; with ``push``, this
+    DC's values for ``names`` come first (inline or in shared memory), so one round trip makes one
+    synchronous iteration."""
 
-    TYPE: ClassVar[str] = "pull"
-    names: tuple[str, ...]
+    names: Names
     average: bool
-
-    def fields(self) -> dict[str, Any]:
-        return {"names": list(self.names), "average": self.average}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> PullRequest:
-        return cls(_names(data.get("names"), "pull"), _get(data, "average", bool, "pull"))
+    push: bool = False
 
 
-@dataclasses.dataclass(frozen=True)
-class PushPullRequest:
-    """One synchronous iteration of every registered tensor in a single round trip."""
-
-    TYPE: ClassVar[str] = "push_pull"
-    names: tuple[str, ...]
-    average: bool
-
-    def fields(self) -> dict[str, Any]:
-        return {"names": list(self.names), "average": self.average}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> PushPullRequest:
-        return cls(_names(data.get("names"), "push_pull"), _get(data, "average", bool, "push_pull"))
-
-
-@dataclasses.dataclass(frozen=True)
-class PullReply:
+class PullReply(_Message, frozen=True, tag="result"):
     """Results are in shared memory at the tensors' offsets, or inline over TCP."""
 
-    TYPE: ClassVar[str] = "result"
-    iteration: int
-    names: tuple[str, ...]
-    workers: int
+    iteration: Version
+    names: Names
+    workers: Count
     """Workers whose gradients make up these sums: over the iteration's contributing DCs (fewer than the
     job's after a DC died), each DC's trainer and its gateway's LAN workers."""
 
-    def fields(self) -> dict[str, Any]:
-        return {"iteration": self.iteration, "names": list(self.names), "workers": self.workers}
 
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> PullReply:
-        return cls(_get(data, "iteration", int, "result"), _names(data.get("names"), "result"),
-                   _get(data, "workers", int, "result"))
+class ErrorReply(_Message, frozen=True, tag="error"):
+    """The request failed: ``kind`` names why for the client's program, ``message`` for people."""
 
-
-ERROR_KINDS = ("unknown_name", "shape", "dtype", "gone", "timeout", "failed", "protocol")
+    kind: ErrorCode
+    message: Text
 
 
-@dataclasses.dataclass(frozen=True)
-class ErrorReply:
-    TYPE: ClassVar[str] = "error"
-    kind: str
-    message: str
+Message = InitRequest | InitReply | PushRequest | PushReply | PullRequest | PullReply | ErrorReply
+TYPES: dict[str, type[Message]] = {}
+for _cls in (InitRequest, InitReply, PushRequest, PushReply, PullRequest, PullReply, ErrorReply):
+    _cls.TYPE = str(_cls.__struct_config__.tag)
+    TYPES[_cls.TYPE] = _cls
 
-    def fields(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message}
-
-    @classmethod
-    def from_fields(cls, data: Mapping[str, Any]) -> ErrorReply:
-        kind = _get(data, "kind", str, "error")
-        if kind not in ERROR_KINDS:
-            raise TrainerProtocolError(f"error: unknown kind {kind!r}")
-        return cls(kind, _get(data, "message", str, "error"))
-
-
-Message = InitRequest | InitReply | PushRequest | PushReply | PullRequest | PushPullRequest | PullReply | ErrorReply
-TYPES: dict[str, type[Message]] = {cls.TYPE: cls for cls in (
-    InitRequest, InitReply, PushRequest, PushReply, PullRequest, PushPullRequest, PullReply, ErrorReply)}
-
-FIELDS: dict[type[Message], frozenset[str]] = {
-    cls: frozenset({"v", "type", *(f.name for f in dataclasses.fields(cls))}) for cls in TYPES.values()}
-"""The keys a header of each type may hold; decoding refuses any other."""
+_ENCODER = msgspec.msgpack.Encoder(enc_hook=plain)
+_DECODER = msgspec.msgpack.Decoder(Message)
 
 
 def encode(message: Message, payload_len: int = 0) -> bytes:
     """Prefix and header; ``payload_len`` raw bytes follow."""
-    body = msgpack.packb({"v": VERSION, "type": message.TYPE, **message.fields()})
+    body = _ENCODER.encode(message)
     return PREFIX.pack(len(body), payload_len) + body
 
 
@@ -204,20 +137,28 @@ def decode_prefix(data: bytes | bytearray, *, max_payload: int) -> tuple[int, in
     return header_len, payload_len
 
 
-def decode(data: bytes | bytearray) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """One message from a header; TrainerProtocolError names what is wrong."""
     try:
-        obj = msgpack.unpackb(data, raw=False)
-    except Exception as exc:
-        raise TrainerProtocolError(f"message is not valid msgpack: {exc}") from None
+        message = _DECODER.decode(data)
+    except DECODE_ERRORS as exc:
+        raise _diagnose(data, exc) from None
+    if not stated(message.v):
+        raise TrainerProtocolError(f"message version None, this side speaks {VERSION}")
+    return message
+
+
+def _diagnose(data: bytes | bytearray | memoryview, exc: Exception) -> TrainerProtocolError:
+    """Why a header did not decode, in the words of its envelope (map, version, type) before its fields'."""
+    try:
+        obj: Any = msgspec.msgpack.decode(data)
+    except DECODE_ERRORS as undecodable:
+        return typed_error(TrainerProtocolError, "message", undecodable)
     if not isinstance(obj, dict):
-        raise TrainerProtocolError("message must be a map")
-    if obj.get("v") != VERSION:
-        raise TrainerProtocolError(f"message version {obj.get('v')!r}, this side speaks {VERSION}")
+        return TrainerProtocolError("message must be a map")
+    if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
+        return TrainerProtocolError(f"message version {obj.get('v')!r}, this side speaks {VERSION}")
     name = obj.get("type")
-    kind = TYPES.get(name) if isinstance(name, str) else None
-    if kind is None:
-        raise TrainerProtocolError(f"unknown message type {name!r}")
-    unknown = sorted(str(k) for k in obj if k not in FIELDS[kind])
-    if unknown:
-        raise TrainerProtocolError(f"{name}: unknown field(s) {', '.join(unknown)}")
-    return kind.from_fields(obj)
+    if not isinstance(name, str) or name not in TYPES:
+        return TrainerProtocolError(f"unknown message type {name!r}")
+    return typed_error(TrainerProtocolError, name, exc)

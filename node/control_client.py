@@ -15,12 +15,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 from netstorm import config as config_module
 from netstorm import control
 from netstorm.config import Config
-from netstorm.control import ControlError, ControlTimeout, LayoutMismatch
+from netstorm.control import ControlError, ControlTimeout
 from netstorm.errors import NetStormError
 from netstorm.policy import Policy
 
@@ -32,23 +31,6 @@ KEEP_ITERATIONS = 8
 """Policy answers remembered behind the newest iteration asked for."""
 EDGE_REASON = 400
 """Characters of an XDP fallback's reason an edge report carries (a loader's message can be long)."""
-
-
-class LinkSample(Protocol):
-    """A link report as netstorm.probe produces it (netstorm.probe.LinkReport has these fields)."""
-
-    @property
-    def src(self) -> int: ...
-    @property
-    def dst(self) -> int: ...
-    @property
-    def mbit_s(self) -> float: ...
-    @property
-    def t(self) -> float: ...
-    @property
-    def samples(self) -> int: ...
-    @property
-    def warm(self) -> bool: ...
 
 
 class _Lost(Exception):
@@ -188,8 +170,7 @@ class SchedulerClient:
         """Check this node's tensor layout against the job's; LayoutMismatch names both sides."""
         reply = await self._request(control.LayoutCheck(self.node_id, layout_hash), "layout check", timeout)
         if isinstance(reply, control.Error):
-            error = LayoutMismatch if reply.message.startswith("layout mismatch") else ControlError
-            raise error(f"{self._name}: {reply.message}")
+            raise control.refusal(reply, f"{self._name}: ")
         if not isinstance(reply, control.LayoutAck):
             raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
 
@@ -218,15 +199,14 @@ class SchedulerClient:
             del self._policy_answers[old]
         return policy
 
-    def report_link(self, report: LinkSample) -> None:
+    def report_link(self, report: control.LinkReport) -> None:
         """Queue a link report for the scheduler; never blocks (the oldest report is dropped when full)."""
         if len(self._reports) == self._reports.maxlen:
             if self.dropped_reports % REPORT_QUEUE == 0:  # said, but not once per report
                 log.warning("node %d: %s is not taking link reports fast enough; dropped the oldest "
                             "(%d so far)", self.node_id, self._name, self.dropped_reports + 1)
             self.dropped_reports += 1
-        self._reports.append(control.LinkReport(report.src, report.dst, report.mbit_s, report.t, report.samples,
-                                                report.warm))
+        self._reports.append(report)
         self._reports_ready.set()
 
     def report_edge(self, mode: str, fallback: str = "") -> None:

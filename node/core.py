@@ -22,6 +22,7 @@ import itertools
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+import msgspec
 import numpy as np
 
 from netstorm.config import Config
@@ -70,7 +71,7 @@ class LinkState:
 
 def detour_header(header: ChunkHeader, path: Path) -> ChunkHeader:
     """``header`` sent over the auxiliary ``path`` instead of its tree edge: the first hop is ``path[1]``."""
-    return dataclasses.replace(header, dst=path[1], is_aux=True, path=path)
+    return msgspec.structs.replace(header, dst=path[1], is_aux=True, path=path)
 
 
 @dataclasses.dataclass

@@ -33,7 +33,7 @@ from typing import cast
 
 import numpy as np
 
-from netstorm.errors import ChunkError, FrameError, NetStormError
+from netstorm.errors import ChunkError, ErrorCode, FrameError, NetStormError
 from netstorm.frames import (
     PREFIX_SIZE,
     ChunkHeader,
@@ -113,7 +113,7 @@ class InboundProtocol(asyncio.BufferedProtocol):
             self._fill += nbytes
             self._parse_staging()
         except (FrameError, ChunkError) as exc:
-            self.reject(str(exc))
+            self.reject(str(exc), exc.code)
 
     def _parse_staging(self) -> None:
         view = self._staging_view
@@ -168,15 +168,16 @@ class InboundProtocol(asyncio.BufferedProtocol):
         self._payload_fill = 0
         self._on_chunk(self.peer_id, header, payload, self._clock())
 
-    def reject(self, message: str) -> None:
-        """Tell the peer why, close the connection; the node keeps serving everyone else."""
+    def reject(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL) -> None:
+        """Tell the peer why (``code`` for its program, ``message`` for people), close the connection; the
+        node keeps serving everyone else."""
         if self._closing or self.transport is None:
             return
         self._closing = True
         self.rejected = True
         who = f"node {self.peer_id}" if self.peer_id is not None else f"peer {self.peername}"
         log.warning("rejecting %s: %s", who, message)
-        self.transport.write(ErrorFrame(message).encode())
+        self.transport.write(ErrorFrame(message, code).encode())
         self.transport.close()
 
     def eof_received(self) -> bool | None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
-from netstorm.errors import FrameError, IterationFailed, LayoutError, NetStormError
+from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
 from netstorm.frames import ChunkHeader, Hello
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
@@ -83,9 +83,13 @@ class EdgeHook(Protocol):
 class IterationTimeout(IterationFailed):
     """The iteration ran past iteration_timeout."""
 
+    code = ErrorCode.TIMEOUT
+
 
 class PeerGone(IterationFailed):
     """A peer died while the iteration needed it."""
+
+    code = ErrorCode.PEER_GONE
 
 
 _RAISES: dict[Cause, type[IterationFailed]] = {Cause.FAILED: IterationFailed, Cause.GONE: PeerGone,
@@ -167,7 +171,7 @@ class GeneralNode:
         self.core.join(control.config, self.members, control.workers)
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
-                inbound.reject(f"node {inbound.peer_id} is not a member of this job")
+                inbound.reject(f"node {inbound.peer_id} is not a member of this job", ErrorCode.NOT_MEMBER)
         control.on_member_down(self.member_down)
         control.on_beliefs(self._believe)
         try:
@@ -381,7 +385,7 @@ class GeneralNode:
         theirs = protocol.layout_hash
         if self.layout is not None and theirs and theirs != self.layout.hash:
             protocol.reject(f"layout mismatch: node {protocol.peer_id} has {theirs}, node {self.node_id} "
-                            f"has {self.layout.hash}")
+                            f"has {self.layout.hash}", ErrorCode.LAYOUT_MISMATCH)
 
     def _on_chunk(self, peer: int, header: ChunkHeader, payload: np.ndarray, t_last_byte: float) -> None:
         self._apply(self.core.chunk_received(header, payload, t_last_byte, self._links(), self._now()))

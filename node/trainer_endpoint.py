@@ -26,9 +26,9 @@ import numpy as np
 
 from netstorm import trainer_wire as tw
 from netstorm.client import SHM_PREFIX, shm_directory
-from netstorm.errors import IterationFailed, LayoutError, NetStormError, TrainerProtocolError
+from netstorm.errors import ErrorCode, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
-from node.service import GeneralNode, IterationTimeout, PeerGone
+from node.service import GeneralNode
 
 log = logging.getLogger("netstorm.node.trainer")
 
@@ -97,18 +97,6 @@ def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
     return int(struct.unpack("3i", creds)[1])
 
 
-def _error_kind(exc: Exception) -> str:
-    if isinstance(exc, IterationTimeout):
-        return "timeout"
-    if isinstance(exc, PeerGone):
-        return "gone"
-    if isinstance(exc, IterationFailed):
-        return "failed"
-    if isinstance(exc, LayoutError) and "unknown tensor" in str(exc):
-        return "unknown_name"
-    return "protocol"
-
-
 class TrainerEndpoint:
     """Serves trainers of one node."""
 
@@ -160,17 +148,18 @@ class TrainerEndpoint:
                     return
                 except (TrainerProtocolError, LayoutError) as exc:
                     log.warning("node %d: closing %s: %s", self.node.node_id, session.name, exc)
-                    await self._reply(writer, tw.ErrorReply("protocol", str(exc)))
+                    await self._reply(writer, tw.ErrorReply(ErrorCode.PROTOCOL, str(exc)))
                     return
                 try:
                     reply, out = await self._serve(session, request, payload)
                 except NetStormError as exc:
                     log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
-                    reply, out = tw.ErrorReply(_error_kind(exc), str(exc)), b""
+                    reply, out = tw.ErrorReply(exc.code, str(exc)), b""
                 except Exception as exc:  # a bug must not cost the trainer its connection without a word
                     log.exception("node %d: %s: %s failed unexpectedly", self.node.node_id, session.name,
                                   request.TYPE)
-                    reply, out = tw.ErrorReply("failed", f"node {self.node.node_id}: internal error: {exc!r}"), b""
+                    why = f"node {self.node.node_id}: internal error: {exc!r}"
+                    reply, out = tw.ErrorReply(ErrorCode.INTERNAL, why), b""
                 await self._reply(writer, reply, out)
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
@@ -190,7 +179,7 @@ class TrainerEndpoint:
             return 0
         if isinstance(request, tw.InitRequest):
             return 4 * sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
-        if isinstance(request, tw.PushRequest | tw.PushPullRequest):
+        if isinstance(request, tw.PushRequest) or (isinstance(request, tw.PullRequest) and request.push):
             layout = self._layout()
             return 4 * sum(layout.tensors[k].size for k in session.keys(layout, request.names))
         return 0
@@ -237,11 +226,12 @@ class TrainerEndpoint:
                      node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
             return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash), out
         layout = self._layout()
-        if isinstance(request, tw.PushRequest | tw.PushPullRequest):
+        if isinstance(request, tw.PushRequest):
+            keys = session.keys(layout, request.names)
+            return tw.PushReply(await self._push(session, layout, keys, payload)), b""
+        if isinstance(request, tw.PullRequest) and request.push:
             keys = session.keys(layout, request.names)
             iteration = await self._push(session, layout, keys, payload)
-            if isinstance(request, tw.PushRequest):
-                return tw.PushReply(iteration), b""
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
             return tw.PullReply(iteration, request.names, node.contributor_count(iteration)), out
         if isinstance(request, tw.PullRequest):

@@ -38,7 +38,7 @@ async def request(address: tuple[str, int], message: control.Message, *, timeout
     if reply is None:
         raise ControlError(f"{name} closed the connection without answering {message.TYPE}")
     if isinstance(reply, control.Error):
-        raise ControlError(f"{name}: {reply.message}")
+        raise control.refusal(reply, f"{name}: ")
     return reply
 
 

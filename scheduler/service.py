@@ -20,10 +20,9 @@ from collections.abc import Callable, Collection
 from netstorm import control
 from netstorm.clock import serve_sntp
 from netstorm.config import Config
-from netstorm.errors import ConfigError
+from netstorm.errors import ConfigError, ErrorCode
 from netstorm.planning.offload import plan_offload
 from netstorm.policy import Policy
-from netstorm.probe import LinkReport as ProbeReport
 from netstorm.scenario import Rates
 from scheduler.cadence import Cadence
 from scheduler.collector import LinkCollector
@@ -215,7 +214,7 @@ class SchedulerService:
         except control.ControlError as exc:
             log.warning("bad control input from %s: %s", conn.name(), exc)
             with contextlib.suppress(ConnectionError):
-                await conn.send(control.Error(f"bad control message: {exc}"))
+                await conn.send(control.Error(f"bad control message: {exc}", ErrorCode.MALFORMED))
         except ConnectionError as exc:
             log.warning("control connection to %s failed: %s", conn.name(), exc)
         except asyncio.CancelledError:
@@ -282,7 +281,7 @@ class SchedulerService:
                                                  self.clock(), workers=message.workers)
         except MembershipError as exc:
             log.warning("registration from %s refused: %s", conn.peer, exc)
-            await conn.send(control.Error(str(exc)))
+            await conn.send(control.Error(str(exc), ErrorCode.NOT_MEMBER))
             return False
         conn.node_id = message.node_id
         self._connections[message.node_id] = conn
@@ -317,7 +316,7 @@ class SchedulerService:
                 return True
             except MembershipError as exc:
                 problem = str(exc)
-        await conn.send(control.Error(problem))
+        await conn.send(control.Error(problem, ErrorCode.NOT_MEMBER))
         return False
 
     async def _policy_request(self, conn: _Connection, message: control.PolicyRequest) -> None:
@@ -325,7 +324,7 @@ class SchedulerService:
         if problem is None and not self.complete.is_set():
             problem = f"policy request for iteration {message.iteration} before the membership is complete"
         if problem is not None:
-            await conn.send(control.Error(problem))
+            await conn.send(control.Error(problem, ErrorCode.NOT_MEMBER))
             return
         try:
             answer = self.consistency.request(message.iteration, message.known_version)
@@ -339,6 +338,7 @@ class SchedulerService:
 
     async def _layout_check(self, conn: _Connection, message: control.LayoutCheck) -> None:
         problem = self._member(conn, message.node_id, "layout check")
+        code = ErrorCode.NOT_MEMBER
         if problem is None:
             if self._layout is None:
                 self._layout = (message.layout_hash, message.node_id)
@@ -346,15 +346,15 @@ class SchedulerService:
             elif self._layout[0] != message.layout_hash:
                 problem = (f"layout mismatch: node {message.node_id} has layout {message.layout_hash} but node "
                            f"{self._layout[1]} registered layout {self._layout[0]}")
-        await conn.send(control.Error(problem) if problem else control.LayoutAck())
+                code = ErrorCode.LAYOUT_MISMATCH
+        await conn.send(control.Error(problem, code) if problem else control.LayoutAck())
 
     def _link_report(self, conn: _Connection, message: control.LinkReport) -> None:
         if conn.node_id is None or (message.dst != conn.node_id and message.src != conn.node_id):
             log.warning("link report %d->%d from %s ignored: not an endpoint", message.src, message.dst,
                         conn.name())
             return
-        report = ProbeReport(src=message.src, dst=message.dst, mbit_s=message.mbit_s, t=message.t,
-                             samples=message.samples, warm=message.warm)
+        report = message
         due = self.replanner.next_deadline()
         for action in self.replanner.link_report(report, self.clock()):
             assert isinstance(action, Log), action
@@ -401,12 +401,12 @@ class SchedulerService:
         current = self.consistency.current_version
         wanted = current if version == -1 else version
         if wanted is None:
-            return control.Error("no policy has been planned yet")
+            return control.Error("no policy has been planned yet", ErrorCode.NO_POLICY)
         try:
             policy = self.consistency.policy(wanted)
         except KeyError:
             return control.Error(f"policy version {version} is not held (current {current}; older versions are "
-                                 "kept only while a remembered iteration uses them)")
+                                 "kept only while a remembered iteration uses them)", ErrorCode.NO_POLICY)
         return control.PolicyReply(-1, wanted, policy.to_wire())
 
     # --- membership changes and planning ---------------------------------------------------------

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import os
 import re
 import sys
 import threading
@@ -104,7 +105,8 @@ async def node_process(tb: Testbed, ns: int, node_id: int, scheduler: str, liste
         proc = await asyncio.create_subprocess_exec(
             "ip", "netns", "exec", tb.names[ns], NETSTORM, "-v", "node", "--id", str(node_id),
             "--scheduler", scheduler, "--listen", listen, "--socket", str(socket_path),
-            env={"NETSTORM_CLOCK_SKEW": str(skew), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+            env={"NETSTORM_CLOCK_SKEW": str(skew), "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
+                 **{k: v for k, v in os.environ.items() if k == "PYTHONPATH"}},  # the code under test
             stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file)
     try:
         yield proc

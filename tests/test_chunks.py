@@ -6,10 +6,10 @@ sum and results can be compared with ``==``.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import random
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -226,17 +226,17 @@ def test_duplicates_wrong_versions_and_strangers_are_rejected():
         dst.receive(send.header, send.payload.copy())
     other = next(s for s in net.inflight if s is not send and s.header.phase is Phase.UP)
     with pytest.raises(ChunkError, match="policy version 9"):
-        cores[other.header.dst].receive(dataclasses.replace(other.header, version=9), other.payload)
+        cores[other.header.dst].receive(msgspec.structs.replace(other.header, version=9), other.payload)
     with pytest.raises(ChunkError, match="allots this chunk to root"):
         wrong_root = next(r for r in policy.roots if r != other.header.root) if len(policy.roots) > 1 else -1
-        cores[other.header.dst].receive(dataclasses.replace(other.header, root=wrong_root), other.payload)
+        cores[other.header.dst].receive(msgspec.structs.replace(other.header, root=wrong_root), other.payload)
     stranger = next(n for n in nodes if policy.trees[other.header.root].parent.get(n) != other.header.dst
                     and n != other.header.dst)
     with pytest.raises(ChunkError, match="is not a child"):
-        cores[other.header.dst].receive(dataclasses.replace(other.header, origin=stranger, src=stranger,
+        cores[other.header.dst].receive(msgspec.structs.replace(other.header, origin=stranger, src=stranger,
                                                             path=(stranger, other.header.dst)), other.payload)
     with pytest.raises(ChunkError, match="layout says"):
-        cores[other.header.dst].receive(dataclasses.replace(other.header, count=other.header.count + 1),
+        cores[other.header.dst].receive(msgspec.structs.replace(other.header, count=other.header.count + 1),
                                         np.zeros(other.header.count + 1, np.float32))
     # Bad input left the core usable: the real chunk still completes the iteration.
     net.run()
@@ -259,7 +259,7 @@ def test_auxiliary_chunks_are_forwarded_by_their_path_and_counted_once_at_the_en
     h = send.header
     via = [n for n in nodes if n not in (h.origin, h.final)]
     path = (h.origin, *via, h.final)
-    net.inflight.append(Send(dataclasses.replace(h, dst=path[1], is_aux=True, path=path), send.payload))
+    net.inflight.append(Send(msgspec.structs.replace(h, dst=path[1], is_aux=True, path=path), send.payload))
     net.run()
     hops = [s.header for s in net.hops if s.header.is_aux]
     assert [(x.src, x.dst) for x in hops] == list(itertools.pairwise(path))
@@ -269,12 +269,12 @@ def test_auxiliary_chunks_are_forwarded_by_their_path_and_counted_once_at_the_en
         np.testing.assert_array_equal(cores[n].result(0), expected)
     # A node that knows nothing of this job's iteration (no layout, no policy) still forwards by the path.
     bystander = ChunkCore(99)
-    stale = dataclasses.replace(h, src=h.origin, dst=99, is_aux=True, path=(h.origin, 99, h.final))
+    stale = msgspec.structs.replace(h, src=h.origin, dst=99, is_aux=True, path=(h.origin, 99, h.final))
     [forward] = bystander.receive(stale, send.payload)
     assert isinstance(forward, Send)
     assert (forward.header.src, forward.header.dst, forward.header.final) == (99, h.final, h.final)
     with pytest.raises(ChunkError, match="without an auxiliary path"):
-        cores[via[0]].receive(dataclasses.replace(h, dst=via[0], is_aux=False), send.payload)
+        cores[via[0]].receive(msgspec.structs.replace(h, dst=via[0], is_aux=False), send.payload)
 
 
 def test_failed_iteration_ignores_late_chunks_and_finished_rejects_them():
@@ -303,7 +303,7 @@ def test_chunks_from_beyond_the_next_iteration_are_refused():
     for key in range(len(layout.tensors)):
         net.take(1, cores[1].push_local(0, key, np.ones(layout.tensors[key].size, np.float32)))
     send = net.inflight[0]
-    far = dataclasses.replace(send.header, iteration=cores[2].horizon + 1)
+    far = msgspec.structs.replace(send.header, iteration=cores[2].horizon + 1)
     with pytest.raises(ChunkError, match="has not reached iteration"):
         cores[2].receive(far, send.payload)
     assert cores[2].live_iterations() == []

@@ -92,7 +92,7 @@ def test_offload_round_trips_and_malformed_offload_is_refused() -> None:
                          ([[[link[0], 99, link[1]], 0.5]], "not a simple detour"),
                          ([[list(policy.offload[link][0][0]), 1.5]], "must be in"),
                          ([[list(policy.offload[link][0][0]), 0.6]] * 2, "sum above 1"),
-                         ([0.5], "list of \\[path, fraction\\]")):
+                         ([0.5], r"Expected `array`, got `float` - at `\$\.offload\[\.\.\.\]\[0\]`")):
         broken = json.loads(json.dumps(wire))
         broken["offload"][key] = bad
         with pytest.raises(PolicyError, match=message):

@@ -13,12 +13,14 @@ import socket
 import struct
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import pytest
 import uvloop
 
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
+from netstorm.errors import ErrorCode
 from netstorm.frames import MAGIC, PREFIX, PREFIX_SIZE, VERSION, ChunkHeader, ErrorFrame, Hello, Kind, Phase
 from netstorm.layout import TensorSpec
 from netstorm.planning.plan import plan
@@ -102,10 +104,14 @@ def raw_send(port: int, data: bytes) -> bytes:
             chunks.append(part)
 
 
-def error_message(reply: bytes) -> str:
+def error_frame(reply: bytes) -> ErrorFrame:
     magic, _, kind, header_len, _ = PREFIX.unpack_from(reply)
     assert magic == MAGIC and kind == Kind.ERROR
-    return ErrorFrame.decode(reply[PREFIX_SIZE:PREFIX_SIZE + header_len]).message
+    return ErrorFrame.decode(reply[PREFIX_SIZE:PREFIX_SIZE + header_len])
+
+
+def error_message(reply: bytes) -> str:
+    return error_frame(reply).message
 
 
 def test_bad_frames_are_rejected_and_the_node_keeps_serving():
@@ -126,11 +132,15 @@ def test_bad_frames_are_rejected_and_the_node_keeps_serving():
                 Hello(1, layout_hash).encode() + chunk.encode() + bytes(40): "layout says",
                 Hello(3, layout_hash).encode() + chunk.encode() + bytes(40): "claims to come from node 1",
                 Hello(1, layout_hash).encode() + struct.pack("<4sBBII", MAGIC, VERSION, Kind.CHUNK, 3, 0)
-                + b"\x92\x01\x02": "must be a map",
+                + b"\x92\x01\x02": "Expected `object`, got `array`",
             }
+            codes = {"bad magic": ErrorCode.MALFORMED, "layout mismatch": ErrorCode.LAYOUT_MISMATCH,
+                     "Expected `object`, got `array`": ErrorCode.MALFORMED, "layout says": ErrorCode.PROTOCOL}
             for data, message in cases.items():
                 reply = await asyncio.to_thread(raw_send, port, data)
                 assert message in error_message(reply)
+                if message in codes:
+                    assert error_frame(reply).code is codes[message]
             # The node was not hurt: the next iteration among all members is still exact.
             rng = np.random.default_rng(1)
             values = {i: rng.integers(-9, 9, nodes[1].layout.total).astype(np.float32)  # type: ignore[union-attr]
@@ -324,7 +334,7 @@ def test_a_links_backlog_is_what_waits_in_its_queue_before_it_connects():
         assert link.backlog_bytes == 0
         header = ChunkHeader(0, 3, 2, Phase.UP, 1, 2, 1, 2, 0, 0.0, False, (1, 2), 250)
         link.enqueue(Outgoing(header, np.zeros(250, np.float32)))
-        link.enqueue(Outgoing(dataclasses.replace(header, chunk=4), np.zeros(100, np.float32)))
+        link.enqueue(Outgoing(msgspec.structs.replace(header, chunk=4), np.zeros(100, np.float32)))
         assert link.backlog_bytes == 1400  # no connection yet, so nothing in a kernel buffer
     asyncio.run(main())
 

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from netstorm import trainer_wire as tw
-from netstorm.errors import TrainerProtocolError
+from netstorm.errors import ErrorCode, TrainerProtocolError
 
 MESSAGES: list[tw.Message] = [
     tw.InitRequest((("w", (3, 4), "float32"), ("b", (), "float16")), "/dev/shm/x"),
@@ -14,9 +14,9 @@ MESSAGES: list[tw.Message] = [
     tw.PushRequest(("w", "b")),
     tw.PushReply(7),
     tw.PullRequest(("w",), True),
-    tw.PushPullRequest(("w", "b"), False),
+    tw.PullRequest(("w", "b"), False, push=True),
     tw.PullReply(7, ("w", "b"), 4),
-    tw.ErrorReply("timeout", "iteration 7 timed out"),
+    tw.ErrorReply(ErrorCode.TIMEOUT, "iteration 7 timed out"),
 ]
 
 
@@ -35,13 +35,17 @@ def test_rejections():
         "not valid msgpack": b"\xc1",
         "must be a map": packed([1]),
         "version 2": packed({"v": 2, "type": "push", "names": []}),
+        "version None": packed({"type": "push", "names": []}),
         "unknown message type 'reboot'": packed({"v": 1, "type": "reboot"}),
         r"unknown message type \[1\]": packed({"v": 1, "type": [1]}),
-        "push: unknown field.s. force": packed({"v": 1, "type": "push", "names": [], "force": True}),
-        "names must be a list of strings": packed({"v": 1, "type": "push", "names": [1]}),
-        "field 'average' must be bool": packed({"v": 1, "type": "pull", "names": [], "average": 1}),
-        "tensor entries are": packed({"v": 1, "type": "init", "tensors": [["w", [True], "float32"]], "shm": ""}),
-        "unknown kind": packed({"v": 1, "type": "error", "kind": "weird", "message": ""}),
+        "push: .*unknown field `force`": packed({"v": 1, "type": "push", "names": [], "force": True}),
+        r"push: Expected `str`, got `int` - at `\$\.names\[0\]`": packed({"v": 1, "type": "push", "names": [1]}),
+        r"pull: Expected `bool`, got `int` - at `\$\.average`":
+            packed({"v": 1, "type": "pull", "names": [], "average": 1}),
+        r"init: Expected `int`, got `bool` - at `\$\.tensors\[0\]\[1\]\[0\]`":
+            packed({"v": 1, "type": "init", "tensors": [["w", [True], "float32"]], "shm": ""}),
+        r"error: Invalid enum value 'weird' - at `\$\.kind`":
+            packed({"v": 1, "type": "error", "kind": "weird", "message": ""}),
     }
     for message, data in cases.items():
         with pytest.raises(TrainerProtocolError, match=message):

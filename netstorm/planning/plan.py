@@ -15,8 +15,7 @@ from netstorm.planning.offload import plan_offload
 from netstorm.planning.predict import routed_delay, routes_for
 from netstorm.planning.rategraph import RateGraph
 from netstorm.planning.rootpacking import pack_for_roots
-from netstorm.policy import TOPOLOGIES, Policy
-from netstorm.policy import _tree_pairs as tree_pairs  # the pairs Policy.tree_links sends on, defined once
+from netstorm.policy import TOPOLOGIES, Policy, tree_pairs
 from netstorm.scenario import Rates
 from netstorm.tree import Tree
 
