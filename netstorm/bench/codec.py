@@ -35,7 +35,7 @@ def _policy_wire() -> dict[str, Any]:
     # Where the planner lives depends on the checkout measured.
     planning = importlib.import_module("netstorm.policy")
     if not hasattr(planning, "plan"):
-        planning = importlib.import_module("netstorm.planning")
+        planning = importlib.import_module("netstorm.planning.plan")
     rates = scenario.load("internet2-9").rates()
     return dict(planning.plan(rates, version=3).to_wire())
 
