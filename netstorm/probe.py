@@ -19,16 +19,16 @@ while its predecessor was still arriving) kept the pipe busy, so ``d_i`` is pure
 measured between two stamps of the receiver's own clock: immune to clock-sync error and latency.
 Over a run of warm samples the durations telescope (their sum is the time between the run's first
 and last stamps), so a late stamp inside a window costs nothing. What stays is real: a fresh TCP
-connection's first megabytes arrive below the link's rate while its windows grow (0.87-0.95 of the
-shaped rate at 155 Mbit/s in ``tests/test_probe_accuracy.py``); the node's connections are
-long-lived, so this is paid once per peer.
+connection's first megabytes arrive below the link's rate while its windows grow (the bound
+``tests/test_probe_accuracy.py`` allows); the node's connections are long-lived, so this is paid
+once per peer.
 
 A *cold* sample (the link was idle when the chunk was sent) also carries the one-way propagation
 delay, TCP's ramp-up after idle and the residual clock offset; it underestimates the rate.
 A report is made every ``probe_chunk_num`` samples (the paper's PROBE_CHUNK_NUM, its Eq. 14 averaged
 over the window), or more when those span less than ``min_window_s``: each stamp is late by however
 long the receiver's event loop was busy (milliseconds), which against a window of a few small chunks on
-a fast link (tens of milliseconds) made a fifth of the reports more than 30 % off:
+a fast link (tens of milliseconds) made many reports far off:
 
     tau = sum(S_i) / sum(d_i)      over the window's warm samples when there are any,
                                    otherwise over all its (cold) samples

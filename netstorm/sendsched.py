@@ -206,7 +206,7 @@ class PathScheduler:
         pushes: a link that slows down afterwards keeps every chunk it was given. Choosing again for
         the chunk that would leave last, when a link it could go through has nothing to send, lets the
         iteration the WAN changes under finish on the links that still have capacity. The bar is lower
-        than ``slowdown``'s because moved chunks are many: right after a re-plan, links run 30 % off
+        than ``slowdown``'s because moved chunks are many: right after a re-plan, links run well off
         plans made from a few reports, and moving their chunks then took capacity the new plan counted on.
         """
         if not self.enabled or self.slowdown == 0 or self.reroute_below == 0 or self._in_flight[self.primary] == 0:

@@ -6,8 +6,8 @@ Three reasons, most urgent first:
 * the collector marked a network change (several links' reports far from their plan at once): at
   once too (``change``). The iteration running then keeps its trees for its whole length, and the
   moves the scheduler re-plans for it with the new policy (``LinkBeliefs``) help only the chunks not
-  yet sent: waiting up to ``react_interval`` after an unrelated cycle had cost 0.9 s of a 2.2 s
-  iteration on the dynamic scenario;
+  yet sent, so waiting up to ``react_interval`` after an unrelated cycle costs a large part of that
+  iteration;
 * one link's belief and its last two reports moved far from the rate the current policy was planned
   with (more than ``react_change`` relative) and that slows the current policy: its busiest link, at
   the believed rates, takes more than ``react_change`` longer than planned (``slows``). Early, but at

@@ -31,15 +31,13 @@ such reports (``change_seen``), the network changed at the first of them, and ev
 every link describes the old network. ``note_change`` marks that moment: a link's belief is then the
 median of its reports since (the first of them alone at first), and a link with no report since is
 believed halfway between its old value and the median of the links already measured since: it is as
-likely to have changed as those. On the dynamic scenario's rate re-draws, replaying the logged reports
-of three runs, their re-plans (nearly all in the seconds after a re-draw) averaged 1.37-1.58x the limit
-instead of 1.70-1.74x (plans from the true rates: 1.24-1.33x): the median of three kept believing the
-old rate on links whose new reports came one at a time, and links whose rate fell while no tree used
-them lured the plans. Live runs showed what must not mark a change: the first reports of every link at
-once (TCP still opening its windows), one link's shift alone in a static period, and a busy host whose
-receivers all read 0.4-0.8 of their rates for a second; each re-planned exact rates from single reports.
-A host stall skews one report per link, not two, and slows every link, not some. Marks within
-``change_gap`` of the last belong to the same change.
+likely to have changed as those. Without change points the median of three kept believing the old rate
+on links whose new reports came one at a time, and links whose rate fell while no tree used them lured
+the plans (replayed reports in ``results/DECISIONS.md``). Live runs showed what must not mark a change:
+the first reports of every link at once (TCP still opening its windows), one link's shift alone in a
+static period, and a busy host whose receivers all read well below their rates for a second; each
+re-planned exact rates from single reports. A host stall skews one report per link, not two, and slows
+every link, not some. Marks within ``change_gap`` of the last belong to the same change.
 
 Relative change. ``relative_change(old, new)`` is the largest relative change of any link,
 ``max |new - old| / old``: one link whose rate halves can reshape the trees, however many others are

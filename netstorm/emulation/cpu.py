@@ -10,8 +10,8 @@ from pathlib import Path
 CPU_BOUND_PCT = 90.0
 """Mean host CPU use above this marks a result as CPU-bound."""
 STEAL_WARN_PCT = 3.0
-"""Mean steal time above this marks a result as shared with other guests: in the hours the development
-host showed 2-10 % steal, a fixed plan on exact rates ran 3-33 % slower than in quiet runs."""
+"""Mean steal time above this marks a result as shared with other guests: on a development host with
+steal time, a fixed plan on exact rates ran markedly slower than in quiet runs (``results/DECISIONS.md``)."""
 
 
 def parse_stat(text: str) -> tuple[int, int, int]:

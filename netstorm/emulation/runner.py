@@ -50,10 +50,9 @@ parameters, CHUNK_SIZE 1 M) had about 61, enough for every root to own several a
 pipeline down the trees. A model scaled down for emulation keeps that count rather than the size."""
 CHUNKS_PER_ROOT = 16
 """...and never fewer than this many chunks per tree root, so the trees of a larger overlay still
-pipeline: at 15 DCs, 60 chunks leave each root 4, and scale-15 ran 10 % slower than with 8 each.
-Filling and draining the pipeline costs one chunk's trip down the deepest tree and back, so smaller
-chunks shorten it: on static internet2-9 (1 M parameters), 8 per root ran 1.34x the limit, 16 per root
-1.25x (60 iterations, 1.24-1.30 each), 32 per root 1.37x with the 2-core host at 86 % CPU."""
+pipeline. Filling and draining the pipeline costs one chunk's trip down the deepest tree and back, so
+smaller chunks shorten it, until the per-chunk CPU cost takes over (the measurements behind this count
+are in ``results/DECISIONS.md``)."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -537,7 +536,7 @@ def run(opts: Options) -> dict[str, Any]:
             player = DynamicsPlayer(net, schedule(scenario, time_scale=opts.time_scale), on_change=on_change)
             progress.line(f"[{system.name}] starting ({system.kind})")
             # The schedule starts with training, when the first iteration (which also sets up every
-            # connection) completes: start-up takes 12-27 s here, and timing the schedule from the
+            # connection) completes: start-up time varies from run to run, and timing the schedule from the
             # launch gave each system a different number of iterations on each epoch's rates.
             runner.on_first_iteration = player.anchor
             player.start(scenario.rates(), anchored=True)

@@ -1,9 +1,9 @@
 """Planned offload: chunk shares and the part of each tree link's chunks auxiliary paths carry, together.
 
 Spanning trees send every tree edge's share both ways, the push up and the result down, so a link pair
-that is fast one way and slow the other is held to its slow direction. On the dynamic scenario's
-re-drawn rates, even the optimal mix of spanning trees then needs up to 1.45x the directed min-cut
-limit (1.02x on the first rates), and no tree plan can do better. Auxiliary paths are not bound to the
+that is fast one way and slow the other is held to its slow direction. On asymmetric rates (the
+dynamic scenario's re-draws) even the optimal mix of spanning trees then stays well above the directed
+min-cut limit, and no tree plan can do better. Auxiliary paths are not bound to the
 trees: a chunk of tree link a -> b may go a -> c -> b over directions the trees leave idle.
 
 For the policy's trees (one per root), one LP picks the roots' shares s and the load z moved from each
@@ -14,12 +14,11 @@ first:
         sum_r s_r a_rl - sum_p z_lp + sum_{(e, p): l on p} z_ep <= T rate_l,
         sum_p z_ep <= sum_r s_r a_re,    sum_r s_r = 1,    s, z >= 0
 
-where a_rl is 1 when root r's tree sends on l. Shares and moves are chosen together: with the shares of
-the packing held fixed, the moves alone lowered the busiest link of the re-drawn rates' worst plans from
-1.38x / 1.45x the limit to 1.30x / 1.33x; together, to 1.23x / 1.17x. A light penalty on the load moved
-per hop keeps moves to what lowers T. The result is kept only when it lowers the busiest link by
-``OFFLOAD_MIN_GAIN``: moved chunks take longer paths, store-and-forward at every hop, which a few per cent
-of bandwidth does not pay for.
+where a_rl is 1 when root r's tree sends on l. Shares and moves are chosen together, which lowers the
+busiest link further than moves with the packing's shares held fixed (``results/DECISIONS.md``). A light
+penalty on the load moved per hop keeps moves to what lowers T. The result is kept only when it lowers
+the busiest link by ``OFFLOAD_MIN_GAIN``: moved chunks take longer paths, store-and-forward at every
+hop, which a few per cent of bandwidth does not pay for.
 """
 
 from __future__ import annotations
@@ -71,8 +70,7 @@ def plan_offload(rates: Mapping[Link, float], trees: Mapping[int, Tree], share: 
 
     ``fixed_shares`` keeps ``share`` and plans the moves alone: an iteration already bound to a policy
     keeps its chunks' roots, but its senders can still follow moves planned for rates that changed under
-    it (on the dynamic scenario's re-draws, the old trees need 2.2-5.7x the new limit, and with moves
-    planned for the new rates 1.2-1.8x)."""
+    it, which recovers most of what the old trees lose under the new rates."""
     unchanged: tuple[dict[int, float], Offload] = (dict(share), {})
     links = sorted(rates)
     index = {link: i for i, link in enumerate(links)}

@@ -18,10 +18,10 @@ The runtime wants one tree per root, so an optimum using more trees than there a
 to the best of a few candidate subsets (``pack_trees``), each with re-optimised shares;
 ``netstorm.planning.rootpacking`` then improves the cut tree by tree.
 
-The paper's multi-root FAPT (shortest-path trees, shares proportional to quality) loads the links
-around the fastest nodes and lands about 2x above the physical limit M/λ on internet2-9; the packing
-comes within a few percent of it. Everything is deterministic: inputs are sorted, ties are broken by
-link speed and then node ids, and shares are rounded to 1e-9.
+The paper's multi-root FAPT (shortest-path trees, shares proportional to quality) loads the links around
+the fastest nodes and lands well above the physical limit M/λ; the packing is optimal over spanning
+trees (``results/DECISIONS.md`` has the measured gap). Everything is deterministic: inputs are sorted,
+ties are broken by link speed and then node ids, and shares are rounded to 1e-9.
 """
 
 from __future__ import annotations

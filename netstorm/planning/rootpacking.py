@@ -2,7 +2,7 @@
 
 ``pack_trees`` finds the best mix of any number of spanning trees; the runtime has one tree per root,
 and cutting the mix down to that many trees can leave the busiest link well above the optimum (on a
-15-node circulant, 7.6 % above it, although a rotation of one well-chosen tree reaches it exactly).
+symmetric circulant, although a rotation of one well-chosen tree reaches the optimum exactly).
 This search takes each root in turn, solves the LP over the other roots' trees, and offers that root
 Prim trees grown from it under the link duals of that LP (the weights the LP's own pricing step uses),
 no node more than 0 or 1 hop below its BFS depth, so a chunk's trip up and down does not grow (the
@@ -30,8 +30,8 @@ SWEEPS = 8
 """Passes over all roots before the search stops (it stops earlier once a pass changes nothing)."""
 MAX_SEARCH_WORK = 2000
 """Largest overlay the search runs on, as roots x links: each LP solve costs about that much, and a sweep
-solves a few per root (15 DCs on 30 links: 450, about 1 s; 100 DCs on 300 links would take minutes,
-and there the packing needs fewer trees than roots anyway, so the cut is already optimal)."""
+solves a few per root, so the search grows with roots x links; on large overlays the packing needs
+fewer trees than roots anyway, so the cut is already optimal there (``results/DECISIONS.md``)."""
 RTOL = 1e-9
 SLACKS = (0, 1)
 """Depth bounds tried for the Prim candidates: each node at most this many hops below its BFS depth."""
