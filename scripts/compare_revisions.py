@@ -57,7 +57,7 @@ def run_cli(tree: Path, args: list[str], out: Path, log: Path) -> None:
 
 
 def measure(args: argparse.Namespace) -> None:
-    out = Path(args.out)
+    out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     meta = {"base": rev_name(args.base), "head": rev_name(args.head), "rounds": args.rounds,
             "commands": {"loopback": LOOPBACK, "static": STATIC, "dynamic": DYNAMIC}}
