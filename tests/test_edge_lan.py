@@ -18,7 +18,7 @@ from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=360)
+LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=358)
 JOB = 11
 PORT = 9400
 _iterations = itertools.count(100, 10)

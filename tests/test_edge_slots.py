@@ -172,7 +172,7 @@ def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) 
     iteration = next(_iterations)
     for w in (0, 3):
         backend.feed(bytes(data_packets(LAYOUT, job=JOB, worker=w, iteration=iteration, tensor=1,
-                                        values=np.ones(360))[0]))
+                                        values=np.ones(358))[0]))
     events = backend.events(wait=3.0)
     assert events, "the slot timer never reported"
     ev = events[0]
@@ -180,7 +180,7 @@ def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) 
     assert ev.bitmap == 0b1001 and ev.missing == [1]
     # complete it: no further report after the period
     backend.feed(bytes(data_packets(LAYOUT, job=JOB, worker=1, iteration=iteration, tensor=1,
-                                    values=np.ones(360))[0]))
+                                    values=np.ones(358))[0]))
     backend.events(wait=0.2)
     assert backend.events(wait=0.3) == []
 
