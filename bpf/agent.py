@@ -379,14 +379,18 @@ class EdgeAgent:
             if head.kind in (Kind.HELLO, Kind.PULL) and head.worker >= self.workers:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
-            if head.kind in (Kind.HELLO, Kind.PULL) and not self.tokens.valid(Sender.WORKER, head.worker,
-                                                                              head.iteration, head.token):
+            # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
+            rows = self._results.get(head.iteration) if head.kind == Kind.PULL else None
+            if head.kind == Kind.PULL and rows is None:
+                return
+            # HELLO nonces are the sender's choice: their tokens are derived, never cached
+            if head.kind in (Kind.HELLO, Kind.PULL) and not self.tokens.valid(
+                    Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind == Kind.PULL):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
             if head.kind == Kind.HELLO:
                 self._on_hello(head, address)
             elif head.kind == Kind.PULL:
-                rows = self._results.get(head.iteration)
                 if rows is not None:
                     index = self.layout.slot(head.tensor, head.chunk)
                     row = rows[index: index + 1]
@@ -414,7 +418,7 @@ class EdgeAgent:
         reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, iteration=head.iteration,
                                tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_slots,
                                scale=self.layout.scales[0],
-                               token=self.tokens.gateway(head.worker, head.iteration))
+                               token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
         self._out.put_nowait((reply, address))
 
     def _drain(self) -> None:

@@ -125,7 +125,7 @@ class UserspaceAggregator:
             else:
                 s.busy = True
                 s.deadline = now + self.timeout
-                heapq.heappush(self._timers, (s.deadline, index))
+                self._arm(s.deadline, index)
         else:
             self.counters["stale" if same or age != 0 else "collision"] += 1
             return None
@@ -139,6 +139,15 @@ class UserspaceAggregator:
         head["kind"], head["flags"], head["need"], head["token"] = int(Kind.AGG), s.flags, s.need, self.agg_token
         out[HEADER_BYTES:] = np.clip(s.lanes, -(2**31), INT32_MAX).astype("<i4").tobytes()
         return bytes(out)
+
+    def _arm(self, deadline: float, index: int) -> None:
+        """Push a slot's timer. A slot taken over again leaves its older entry behind (skipped at expiry);
+        when such entries outnumber the slots, the heap is rebuilt from the live ones, so a stream of
+        takeovers cannot grow it beyond twice the slot count."""
+        heapq.heappush(self._timers, (deadline, index))
+        if len(self._timers) > 2 * len(self.slots) + 16:
+            self._timers = [(s.deadline, i) for i, s in enumerate(self.slots) if s.busy]
+            heapq.heapify(self._timers)
 
     def next_deadline(self) -> float | None:
         return self._timers[0][0] if self._timers else None

@@ -59,7 +59,7 @@ class EdgeSender:
         answer cannot be forged or replayed, and our HELLO cannot be replayed from another address."""
         nonce = secrets.randbits(32)
         hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker, iteration=nonce,
-                               token=self.tokens.worker(self.worker, nonce))
+                               token=self.tokens.of(Sender.WORKER, self.worker, nonce, keep=False))
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES)
         try:
             async with asyncio.timeout(timeout):
@@ -73,7 +73,8 @@ class EdgeSender:
                                     reply = Header.decode(bytes(buf[:n]))
                                     if not self.tokens.enabled or (
                                             reply.iteration == nonce and reply.worker == self.worker and
-                                            self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token)):
+                                            self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
+                                                              keep=False)):
                                         return reply
                                     self.forged += 1
         except TimeoutError:
@@ -139,7 +140,7 @@ class EdgeSender:
                     head = Header.decode(data)
                 except WireError:
                     continue
-                if not self.tokens.valid(Sender.GATEWAY, self.worker, head.iteration, head.token):
+                if not self.tokens.valid(Sender.GATEWAY, self.worker, head.iteration, head.token, keep=False):
                     self.forged += 1
                     continue
                 iteration = head.iteration

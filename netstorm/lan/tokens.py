@@ -53,11 +53,15 @@ class LanTokens:
     def enabled(self) -> bool:
         return self.secret is not None
 
-    def of(self, sender: Sender, worker: int, iteration: int) -> int:
+    def of(self, sender: Sender, worker: int, iteration: int, *, keep: bool = True) -> int:
+        """The token; ``keep=False`` derives it without caching (for values a sender chose freely, such as
+        a HELLO nonce, which would otherwise let anyone fill the cache)."""
         if self.secret is None:
             return 0
         key = (int(sender), worker, iteration & 0xFFFFFFFF)
         found = self._cache.get(key)
+        if found is None and not keep:
+            return token(self.secret, sender, self.job, worker, iteration)
         if found is None:
             if len(self._cache) >= CACHE:
                 self._cache.clear()
@@ -70,7 +74,7 @@ class LanTokens:
     def gateway(self, worker: int, iteration: int) -> int:
         return self.of(Sender.GATEWAY, worker, iteration)
 
-    def valid(self, sender: Sender, worker: int, iteration: int, value: int) -> bool:
+    def valid(self, sender: Sender, worker: int, iteration: int, value: int, *, keep: bool = True) -> bool:
         """Whether ``value`` is the token of (sender, worker, iteration); always True without a secret."""
         return self.secret is None or hmac.compare_digest(
-            self.of(sender, worker, iteration).to_bytes(8, "little"), value.to_bytes(8, "little"))
+            self.of(sender, worker, iteration, keep=keep).to_bytes(8, "little"), value.to_bytes(8, "little"))
