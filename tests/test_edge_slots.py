@@ -231,3 +231,45 @@ def test_concurrent_runs_on_two_cpus_serialise_per_slot(xdp_aggregator: Any) -> 
             mine = np.concatenate([got[(base + r, t, c)] for c in range(LAYOUT.chunks[t])])
             assert np.array_equal(mine, quantised_sum(values[r], t, 12))
     assert len(outputs) == rounds * SLOT_CHUNKS
+
+
+def test_data_needs_the_installed_token_and_the_aggregate_carries_the_agents(backend: Backend) -> None:
+    """With tokens required, DATA is aggregated only with the token installed for its worker and iteration;
+    a wrong token, a token of another iteration sharing the window entry, or one never installed is
+    dropped and counted, and the aggregate carries the value only the agent knows."""
+    from bpf.xdp import TOKEN_WINDOW
+
+    backend.configure(expected=0b11)
+    iteration = next(_iterations)
+    later = iteration + TOKEN_WINDOW          # same window entry, not installed
+    for _ in range(TOKEN_WINDOW + 1):
+        next(_iterations)
+    agg_token = 0xA66A66A66
+    backend.agg.require_tokens(agg_token)
+    try:
+        backend.agg.install_tokens([(0, iteration, 101), (1, iteration, 202)])
+        before = counters(backend)["bad_token"]
+
+        def row(worker: int, k: int, token: int, value: float) -> bytes:
+            return bytes(data_packets(LAYOUT, job=JOB, worker=worker, iteration=k, tensor=2,
+                                      values=np.full(7, value), token=token)[0])
+
+        assert backend.feed(row(1, iteration, 101, 50.0)) is None     # worker 0's token, worker 1's id
+        assert backend.feed(row(1, later, 202, 50.0)) is None         # another iteration in the same entry
+        assert backend.feed(row(0, iteration + 1, 0, 50.0)) is None   # nothing installed there
+        assert counters(backend)["bad_token"] - before == 3
+        assert backend.feed(row(0, iteration, 101, 1.0)) is None
+        out = backend.feed(row(1, iteration, 202, 2.0))
+        assert out is not None
+        head = Header.decode(out)
+        assert head.kind == Kind.AGG and head.token == agg_token
+        assert np.array_equal(lanes_of(out)[:7], np.full(7, 3 * 2**12))
+    finally:
+        backend.agg.require_tokens(0)
+
+
+def counters(backend: Backend) -> dict[str, int]:
+    """The aggregator's counters: the XDP program's map (summed over CPUs) or the fallback's."""
+    if isinstance(backend.agg, UserspaceAggregator):
+        return dict(backend.agg.counters)
+    return dict(backend.agg.stats())
