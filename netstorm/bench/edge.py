@@ -89,10 +89,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.xdp import XdpAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
+    from netstorm.lan.header import MAX_LANES
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
-    lanes = 360
+    lanes = MAX_LANES
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
     rng = np.random.default_rng(1)
     workers = args.workers
