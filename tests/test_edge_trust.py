@@ -296,3 +296,52 @@ def test_thousands_of_forged_datagrams_leave_the_gateway_memory_flat(path: str, 
         sock.close()
         if xdp is not None:
             xdp.require_tokens(0)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_edge_clients_with_the_secret_train_and_one_without_it_is_not_admitted(mode: str,
+                                                                               request: pytest.FixtureRequest) -> None:
+    """The trainer API end to end (``aconnect_edge(..., secret=...)``): init hands both workers the
+    gateway's values and push_pull returns the exact sum; a worker holding another secret gets no answer
+    to its HELLO, so its init fails as a gateway that cannot be reached."""
+    from netstorm.emulation.bridge_lan import GATEWAY_IP
+    from netstorm.errors import NodeGone
+    from netstorm.lan.client import AsyncEdgeClient
+
+    def model(seed: int) -> dict[str, np.ndarray]:
+        rng = np.random.default_rng(seed)
+        return {"a": rng.integers(-50, 50, LAYOUT.sizes[0]).astype(np.float32),
+                "b": rng.integers(-50, 50, LAYOUT.sizes[1]).astype(np.float32)}
+
+    async def play(scene: Scene) -> None:
+        clients = [AsyncEdgeClient((GATEWAY_IP, PORT), i, job=JOB, timeout=15, secret=SECRET,
+                                   sock=scene.lan.udp_socket(ns, scene.lan.worker_ip(i)))
+                   for i, ns in enumerate(scene.lan.workers)]
+        outsider = AsyncEdgeClient((GATEWAY_IP, PORT), 0, job=JOB, timeout=1.5, secret=b"x" * 32,
+                                   sock=scene.lan.udp_socket(scene.lan.workers[0], scene.lan.worker_ip(0)))
+        before = scene.agent.bad_tokens
+        with pytest.raises(NodeGone, match="did not answer HELLO"):
+            await outsider.init(model(0))
+        assert scene.agent.bad_tokens > before
+        await outsider.close()
+        start = next(_iterations)
+        inits = [asyncio.create_task(c.init(model(100 + c.worker_id))) for c in clients]
+        await until(lambda: all(scene.agent.addresses.get(c.worker_id) == c.sock.getsockname() for c in clients),
+                    "the clients' HELLO")
+        await scene.agent.send_results(start, [model(0)["a"], model(0)["b"]], total=2)
+        for task in inits:
+            got = await task
+            np.testing.assert_array_equal(got["a"], model(0)["a"])
+        inputs = [model(1 + c.worker_id) for c in clients]
+        pushes = [asyncio.create_task(c.push_pull(x)) for c, x in zip(clients, inputs, strict=True)]
+        sums = await scene.agent.collect(start + 1, timeout=15)
+        await scene.agent.send_results(start + 1, sums, total=2)
+        for task in pushes:
+            got = await task
+            for name in ("a", "b"):
+                np.testing.assert_array_equal(got[name], inputs[0][name] + inputs[1][name])
+        for c in clients:
+            await c.close()
+
+    asyncio.run(in_scene(mode, program(mode, request), play))
