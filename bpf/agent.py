@@ -5,6 +5,13 @@ recovers overflow by re-quantisation, and hands results back to the workers.
 ``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
 AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
 ``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers.
+
+With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
+agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or
+fallback), checks HELLO and PULL tokens itself, accepts an AGG only with the value it gave the
+aggregator, and stamps every datagram it sends a worker with that worker's gateway token. Whatever
+arrives, the agent allocates per-iteration state only for iterations in the window it installed tokens
+for, so forged or stray datagrams cannot grow it.
 """
 
 from __future__ import annotations
@@ -12,24 +19,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
-from bpf.xdp import SlotEvent, XdpAggregator
+from bpf.xdp import TOKEN_WINDOW, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.fixedpoint import rescale_for
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, TOKEN_AT, Flag, Header, Kind, lanes_of
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import control_packet, result_packets
+from netstorm.lan.packets import control_packet, result_packets, with_token
+from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
+HELLO_NONCES = 16
+"""HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
+_ITERATION_AT = OFFSETS["iteration"]
 
 
 @dataclass
@@ -113,7 +126,8 @@ class EdgeAgent:
     userspace one (fed DATA here), and answers the LAN workers."""
 
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
-                 xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20) -> None:
+                 xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20,
+                 secret: bytes | None = None) -> None:
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
         if mode == "xdp" and xdp is None:
@@ -128,6 +142,21 @@ class EdgeAgent:
         self.expected = (1 << workers) - 1
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
                                              max_nacks=max_nacks) if mode == "userspace" else None)
+        self.tokens = LanTokens(secret, job)
+        self.agg_token = secrets.randbits(64) | 1 if self.tokens.enabled else 0
+        """The value the aggregator writes into aggregates (0: tokens are not checked)."""
+        self.forged = 0
+        """Datagrams the agent itself dropped for a wrong token (HELLO, PULL, AGG); ``bad_tokens`` adds the
+        aggregator's count of DATA."""
+        aggregator = self.fallback if self.fallback is not None else xdp
+        assert aggregator is not None
+        self._aggregator: UserspaceAggregator | XdpAggregator = aggregator
+        aggregator.require_tokens(self.agg_token)
+        self._base: int | None = None
+        """Lowest iteration the agent may still receive; tokens are installed for TOKEN_WINDOW from here."""
+        self._installed = -1
+        """Highest iteration whose tokens are installed."""
+        self._nonces: dict[int, deque[int]] = {}
         self.addresses: dict[int, Address] = {}
         self._hello = asyncio.Event()
         self._open: dict[int, IterationSums] = {}
@@ -171,6 +200,29 @@ class EdgeAgent:
         self._stop.set()
 
     # ------------------------------------------------------------------ public verbs
+    @property
+    def bad_tokens(self) -> int:
+        """Datagrams dropped for a wrong token: DATA in the aggregator (the XDP program's own counter, read
+        from its map, or the fallback's) plus what the agent dropped itself."""
+        stats = self.xdp.stats() if self.xdp is not None and self.mode == "xdp" else (
+            self.fallback.counters if self.fallback is not None else {})
+        return int(stats.get("bad_token", 0)) + self.forged
+
+    def expect(self, iteration: int) -> None:
+        """From now on receive ``iteration`` and the TOKEN_WINDOW - 1 after it, nothing older: installs their
+        tokens (with a secret) and drops state of older iterations never collected."""
+        if self._base is not None and iteration <= self._base:
+            return
+        self._base = iteration
+        for old in [k for k in self._open if k < iteration and k not in self._waiters]:
+            del self._open[old]
+        last = iteration + TOKEN_WINDOW - 1
+        if self.tokens.enabled and last > self._installed:
+            first = max(iteration, self._installed + 1)
+            self._aggregator.install_tokens([(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1)
+                                             for w in range(self.workers)])
+        self._installed = max(self._installed, last)
+
     async def wait_workers(self, timeout: float) -> None:  # noqa: ASYNC109
         """Return once every expected worker has said HELLO."""
         try:
@@ -184,6 +236,7 @@ class EdgeAgent:
 
     async def collect(self, iteration: int, *, timeout: float) -> list[np.ndarray]:  # noqa: ASYNC109
         """The LAN sum of every tensor for ``iteration`` (float32); EdgeTimeout names missing workers."""
+        self.expect(iteration)
         sums = self._sums(iteration)
         waiter = self._waiters.setdefault(iteration, asyncio.Event())
         deadline = time.monotonic() + timeout
@@ -210,6 +263,7 @@ class EdgeAgent:
     async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int) -> None:
         """Send every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
         contributor count); kept for PULLs until 4 iterations later."""
+        self.expect(iteration + 1)   # the workers' next DATA
         rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
                                for t, r in enumerate(results)])
@@ -221,7 +275,8 @@ class EdgeAgent:
             address = self.addresses.get(w)
             if address is None:
                 continue
-            for row in rows:
+            mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
+            for row in mine:
                 await self._out.put((row.tobytes(), address))
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
@@ -236,7 +291,23 @@ class EdgeAgent:
         return sums
 
     def _accepts(self, iteration: int) -> bool:
-        return iteration not in self._finished
+        """Whether datagrams of ``iteration`` may create or touch its sums: only iterations of the window
+        (so nothing a stray datagram names allocates beyond it)."""
+        if iteration in self._open:
+            return True
+        if iteration in self._finished:
+            return False
+        if self._base is None:
+            return len(self._open) < TOKEN_WINDOW
+        return 0 <= iteration - self._base < TOKEN_WINDOW
+
+    def _stamp(self, datagram: bytes, worker: int) -> bytes:
+        """``datagram`` with ``worker``'s gateway token for the iteration it names."""
+        if not self.tokens.enabled:
+            return datagram
+        iteration = int.from_bytes(datagram[_ITERATION_AT: _ITERATION_AT + 4], "little")
+        token = self.tokens.gateway(worker, iteration).to_bytes(8, "little")
+        return datagram[:TOKEN_AT] + token + datagram[TOKEN_AT + 8:]
 
     def _emit(self, actions: list[tuple[int, bytes]]) -> None:
         for worker, datagram in actions:
@@ -245,7 +316,7 @@ class EdgeAgent:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
                 continue
             try:
-                self._out.put_nowait((datagram, address))
+                self._out.put_nowait((self._stamp(datagram, worker), address))
             except asyncio.QueueFull:
                 log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
 
@@ -258,7 +329,7 @@ class EdgeAgent:
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
             address = self.addresses.get(0)
             if address is not None:
-                await self._out.put((nack, address))
+                await self._out.put((self._stamp(nack, 0), address))
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
@@ -269,6 +340,9 @@ class EdgeAgent:
 
     def _take_agg(self, data: bytes) -> None:
         head = Header.decode(data)
+        if self.agg_token and head.token != self.agg_token:
+            self.forged += 1
+            return
         if head.job != self.job or not self._accepts(head.iteration):
             return
         sums = self._sums(head.iteration)
@@ -291,6 +365,8 @@ class EdgeAgent:
     def _handle(self, data: bytes, address: Address) -> None:
         kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0
         if kind == Kind.AGG:
+            if self.fallback is not None:   # the userspace aggregator hands its aggregates over directly
+                raise WireError(f"AGG datagram from {address}: only the XDP data plane makes them")
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:
             agg = self.fallback.on_data(data, time.monotonic())
@@ -300,22 +376,50 @@ class EdgeAgent:
             head = Header.decode(data)
             if head.job != self.job:
                 raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
+            if head.kind in (Kind.HELLO, Kind.PULL) and head.worker >= self.workers:
+                raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
+                                f"0..{self.workers - 1}")
+            # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
+            rows = self._results.get(head.iteration) if head.kind == Kind.PULL else None
+            if head.kind == Kind.PULL and rows is None:
+                return
+            # HELLO nonces are the sender's choice: their tokens are derived, never cached
+            if head.kind in (Kind.HELLO, Kind.PULL) and not self.tokens.valid(
+                    Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind == Kind.PULL):
+                self.forged += 1
+                raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
             if head.kind == Kind.HELLO:
-                self.addresses[head.worker] = address
-                self._hello.set()
-                # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
-                reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, tensor=len(self.layout.sizes),
-                                       chunk=self.workers, slot=self.layout.num_slots, scale=self.layout.scales[0])
-                self._out.put_nowait((reply, address))
+                self._on_hello(head, address)
             elif head.kind == Kind.PULL:
-                rows = self._results.get(head.iteration)
                 if rows is not None:
                     index = self.layout.slot(head.tensor, head.chunk)
-                    self._out.put_nowait((rows[index].tobytes(), address))
+                    row = rows[index: index + 1]
+                    if self.tokens.enabled:
+                        row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
+                    self._out.put_nowait((row.tobytes(), address))
             elif head.kind == Kind.DATA:
                 raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
             else:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+
+    def _on_hello(self, head: Header, address: Address) -> None:
+        """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is
+        found again; ``iteration`` carries the worker's nonce, and with a secret a nonce already seen from
+        another address is a replay and refused."""
+        seen = self._nonces.setdefault(head.worker, deque(maxlen=HELLO_NONCES))
+        if self.tokens.enabled and head.iteration in seen and self.addresses.get(head.worker) != address:
+            self.forged += 1
+            raise WireError(f"HELLO as worker {head.worker} from {address} replays an earlier nonce")
+        if head.iteration not in seen:
+            seen.append(head.iteration)
+        self.addresses[head.worker] = address
+        self._hello.set()
+        # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
+        reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, iteration=head.iteration,
+                               tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_slots,
+                               scale=self.layout.scales[0],
+                               token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
+        self._out.put_nowait((reply, address))
 
     def _drain(self) -> None:
         """Handle what is queued on the socket (up to 256 datagrams per wake-up; the kernel keeps the rest)."""

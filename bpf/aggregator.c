@@ -12,8 +12,15 @@
  * constants are not written here: the loader puts the text netstorm/lan/header.py generates from its
  * field table (c_definitions) in front of this file, so Python and C share one definition of the layout.
  *
+ * Authentication (cfg.auth, when the job has a secret): a DATA packet must carry the token the agent
+ * installed for its (worker, iteration) in ns_tokens (NS_TOKEN_WINDOW iterations per worker, indexed by
+ * iteration modulo the window); anything else is dropped before it touches a slot and counted as
+ * ST_BAD_TOKEN. No cryptography runs here: the agent derives the tokens. AGG is made only by this program,
+ * so an AGG arriving from the wire is dropped the same way, and the aggregate this program passes up
+ * carries cfg.agg_token, a value only the agent knows, in place of the completing worker's token.
+ *
  * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP
- * (replaced by the shared table's name), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
+ * (replaced by the shared table's name), NS_TOKEN_WINDOW (a power of two), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
  * timer, see prime_timers), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
  * BPF_PSEUDO_FUNC reference to ns_timer_cb). */
 #include <linux/if_ether.h>
@@ -26,7 +33,7 @@
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
-    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, NS_NSTATS
+    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, NS_NSTATS
 };
 
 struct ns_cfg {
@@ -35,7 +42,15 @@ struct ns_cfg {
     u16 job;
     u16 port;                   /* gateway UDP port, host order */
     u8 max_nacks;               /* timer expiries reported per key before the slot gives up */
-    u8 pad[3];
+    u8 auth;                    /* 1: DATA must carry the token installed for its worker and iteration */
+    u8 pad[2];
+    u64 agg_token;              /* written into every aggregate passed up (the agent checks it) */
+};
+
+struct ns_token {
+    u32 iteration;
+    u32 pad;
+    u64 token;                  /* never 0 when installed: an empty entry matches nothing */
 };
 
 struct ns_event {
@@ -53,6 +68,7 @@ struct ns_event {
 
 BPF_TABLE("extern", u32, struct ns_slot, NS_SLOT_MAP, NS_SLOTS);
 BPF_ARRAY(ns_cfg, struct ns_cfg, 1);
+BPF_ARRAY(ns_tokens, struct ns_token, NS_MAX_WORKERS * NS_TOKEN_WINDOW);
 BPF_PERCPU_ARRAY(ns_stats, u64, NS_NSTATS);
 BPF_RINGBUF_OUTPUT(ns_events, NS_RING_PAGES);
 
@@ -144,6 +160,10 @@ int ns_aggregate(struct xdp_md *ctx)
         h->total = (u32)-err;       /* the loader reads the errno back from the frame's total */
         return err ? XDP_ABORTED : XDP_DROP;
     }
+    if (cfg->auth && h->magic == NS_MAGIC && h->kind == NS_KIND_AGG) {
+        bump(ST_BAD_TOKEN);         /* only this program makes aggregates: one from the wire is forged */
+        return XDP_DROP;
+    }
     /* Anything but our job's DATA goes to the agent, which answers malformed input with a clear error. */
     if (h->magic != NS_MAGIC || h->version != NS_VERSION || h->kind != NS_KIND_DATA || h->job != cfg->job)
         return XDP_PASS;
@@ -156,6 +176,15 @@ int ns_aggregate(struct xdp_md *ctx)
         (void *)(in + NS_LANES) > end) {
         bump(ST_BAD);
         return XDP_PASS;
+    }
+    if (cfg->auth) {
+        u32 at = worker * NS_TOKEN_WINDOW + (h->iteration & (NS_TOKEN_WINDOW - 1));
+        struct ns_token *want = ns_tokens.lookup(&at);
+        u64 got = h->token;
+        if (!want || !want->token || want->iteration != h->iteration || want->token != got) {
+            bump(ST_BAD_TOKEN);
+            return XDP_DROP;
+        }
     }
     u64 bit = 1ULL << worker;
     u64 expected = cfg->expected;
@@ -255,6 +284,7 @@ int ns_aggregate(struct xdp_md *ctx)
             bump(ST_TIMER_FAIL);
     }
     if (last) {
+        h->token = cfg->agg_token;
         if (!first)
             bpf_timer_cancel(&slot->timer);
         udp->check = 0;         /* lanes changed; a zero UDP checksum over IPv4 means "none" */

@@ -3,7 +3,8 @@
 A sans-I/O core: fed DATA datagrams and a clock, it returns completed AGG datagrams (byte-identical in
 layout to what the XDP program passes up) and, from ``expire(now)``, the same slot reports the bpf_timer
 callback writes to the ring buffer. The agent (bpf/agent.py) runs it behind an asyncio UDP socket.
-Sums are int64 in numpy, so overflow is detected exactly and flagged like the kernel path does.
+Sums are int64 in numpy, so overflow is detected exactly and flagged like the kernel path does. Tokens
+are checked like the kernel checks them: against the values the agent installed per (worker, iteration).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.xdp import STATS, SlotEvent
+from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
 from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, MAGIC, VERSION, Flag, Kind
@@ -48,6 +49,19 @@ class UserspaceAggregator:
         self.slots = [_Slot(lanes=np.zeros(layout.lanes, np.int64)) for _ in range(layout.num_slots)]
         self.counters = dict.fromkeys(STATS, 0)
         self._timers: list[tuple[float, int]] = []
+        self._tokens: dict[int, tuple[int, int]] = {}
+        """Window entry (worker * TOKEN_WINDOW + iteration % TOKEN_WINDOW) -> (iteration, token)."""
+        self.agg_token = 0
+        """Nonzero: DATA must carry an installed token, and aggregates carry this value."""
+
+    def require_tokens(self, agg_token: int) -> None:
+        """As XdpAggregator.require_tokens."""
+        self.agg_token = agg_token
+
+    def install_tokens(self, entries: list[tuple[int, int, int]]) -> None:
+        """As XdpAggregator.install_tokens: (worker, iteration, token) into the worker's window."""
+        for worker, iteration, token in entries:
+            self._tokens[worker * TOKEN_WINDOW + (iteration & (TOKEN_WINDOW - 1))] = (iteration & 0xFFFFFFFF, token)
 
     def on_data(self, data: bytes | bytearray | memoryview, now: float) -> bytes | None:
         """Add one DATA datagram; returns the AGG datagram when it completed its slot (or re-emits it)."""
@@ -56,7 +70,7 @@ class UserspaceAggregator:
             self.counters["bad"] += 1
             raise WireError(f"DATA datagram of {len(data)} bytes, expected {HEADER_BYTES + 4 * lanes}")
         (magic, version, kind, job, worker, flags, iteration, tensor, chunk, index, count, scale, need,
-         _reserved) = HEADER_STRUCT.unpack_from(data)
+         _total, token) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC or version != VERSION:
             raise WireError(f"not an edge datagram (magic 0x{magic:04x}, version {version})")
         if kind != Kind.DATA or job != self.job:
@@ -65,6 +79,11 @@ class UserspaceAggregator:
         if not 0 < count <= lanes or worker >= 64 or index >= len(self.slots) or flags & ~int(Flag.OVERFLOW):
             self.counters["bad"] += 1
             raise WireError(f"DATA from worker {worker} with count {count}, slot {index}: out of range")
+        if self.agg_token:
+            want = self._tokens.get(worker * TOKEN_WINDOW + (iteration & (TOKEN_WINDOW - 1)))
+            if want is None or want != (iteration, token):
+                self.counters["bad_token"] += 1
+                return None
         bit = 1 << worker
         if not self.expected & bit:
             self.counters["unexpected"] += 1
@@ -106,7 +125,7 @@ class UserspaceAggregator:
             else:
                 s.busy = True
                 s.deadline = now + self.timeout
-                heapq.heappush(self._timers, (s.deadline, index))
+                self._arm(s.deadline, index)
         else:
             self.counters["stale" if same or age != 0 else "collision"] += 1
             return None
@@ -117,9 +136,18 @@ class UserspaceAggregator:
             self.counters["overflow"] += 1
         out = bytearray(data)
         head = np.frombuffer(out, HEADER_DTYPE, count=1)
-        head["kind"], head["flags"], head["need"] = int(Kind.AGG), s.flags, s.need
+        head["kind"], head["flags"], head["need"], head["token"] = int(Kind.AGG), s.flags, s.need, self.agg_token
         out[HEADER_BYTES:] = np.clip(s.lanes, -(2**31), INT32_MAX).astype("<i4").tobytes()
         return bytes(out)
+
+    def _arm(self, deadline: float, index: int) -> None:
+        """Push a slot's timer. A slot taken over again leaves its older entry behind (skipped at expiry);
+        when such entries outnumber the slots, the heap is rebuilt from the live ones, so a stream of
+        takeovers cannot grow it beyond twice the slot count."""
+        heapq.heappush(self._timers, (deadline, index))
+        if len(self._timers) > 2 * len(self.slots) + 16:
+            self._timers = [(s.deadline, i) for i, s in enumerate(self.slots) if s.busy]
+            heapq.heapify(self._timers)
 
     def next_deadline(self) -> float | None:
         return self._timers[0][0] if self._timers else None

@@ -16,7 +16,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class EdgeOptions:
     scale: int = DEFAULT_SCALE
     slot_timeout: float = 0.2
     job: int = 1
+    secret: bytes | None = field(default=None, repr=False)
+    """The job secret: LAN datagrams carry tokens derived from it and are checked (None: unauthenticated)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 64:
@@ -104,9 +106,11 @@ class GatewayRole:
         self._xdp = xdp
         self.mode = mode
         agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
-                          mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout)
-        log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB)",
-                 opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6)
+                          mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout,
+                          secret=opts.secret)
+        log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",
+                 opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
+                 "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
         return agent
 
     async def run(self) -> None:

@@ -1,7 +1,8 @@
 """The XDP aggregator as an object: compile and link (bpf/timer_link.py), configure, attach, read out.
 
 One instance owns one slot map sized by an EdgeLayout, the configuration map (expected contributor mask,
-timer period, job, UDP port), per-CPU counters and the ring buffer the timer callback writes to.
+timer period, job, UDP port, whether tokens are checked), the token map (the value each worker's DATA must
+carry, per iteration of a window), per-CPU counters and the ring buffer the timer callback writes to.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token")
+TOKEN_WINDOW = 8
+"""Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])
@@ -78,6 +81,7 @@ class XdpAggregator:
         # the ring buffer holds one report from every slot at once (power-of-two pages, at least 16)
         pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 64 / 4096)))
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
+                  f"-DNS_TOKEN_WINDOW={TOKEN_WINDOW}",
                   f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]
         owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
         # the datagram header comes from the one definition of its layout, shared with the workers
@@ -91,6 +95,7 @@ class XdpAggregator:
         self._attached: tuple[int, int] | None = None
         self._events: list[SlotEvent] = []
         self._ring_open = False
+        self._agg_token = 0
         self.configure(job=job, port=port, expected=expected, timeout=timeout, max_nacks=max_nacks)
         self.prime_timers()
 
@@ -137,7 +142,29 @@ class XdpAggregator:
         value.job = job
         value.port = port
         value.max_nacks = max_nacks
+        value.auth = 1 if self._agg_token else 0
+        value.agg_token = self._agg_token
         table[table.Key(0)] = value
+
+    def require_tokens(self, agg_token: int) -> None:
+        """Check tokens from now on (``agg_token`` != 0: the value every aggregate passed up carries), or stop
+        checking (0). DATA then needs the token ``install_tokens`` put in place for its worker and iteration."""
+        self._agg_token = agg_token
+        table = self._module[b"ns_cfg"]
+        value = table[table.Key(0)]
+        value.auth = 1 if agg_token else 0
+        value.agg_token = agg_token
+        table[table.Key(0)] = value
+
+    def install_tokens(self, entries: list[tuple[int, int, int]]) -> None:
+        """Put (worker, iteration, token) in the token map, each in its worker's window entry for the
+        iteration (replacing the one ``TOKEN_WINDOW`` iterations older)."""
+        table = self._module[b"ns_tokens"]
+        for worker, iteration, token in entries:
+            value = table.Leaf()
+            value.iteration = iteration & 0xFFFFFFFF
+            value.token = token
+            table[table.Key(worker * TOKEN_WINDOW + (iteration & (TOKEN_WINDOW - 1)))] = value
 
     def attach(self, ifindex: int, *, mode: str = "auto") -> str:
         """Attach to ``ifindex`` in the caller's network namespace; returns "native" or "generic"."""

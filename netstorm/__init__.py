@@ -13,18 +13,20 @@ from netstorm.aclient import AsyncClient, aconnect
 from netstorm.client import Client, connect
 
 
-def connect_edge(address: str, *, timeout: float = 300.0) -> EdgeClient:
-    """Edge mode: a LAN worker's client of its DC gateway, ``edge://GATEWAY:PORT?worker=I``."""
+def connect_edge(address: str, *, timeout: float = 300.0, secret: bytes | None = None) -> EdgeClient:
+    """Edge mode: a LAN worker's client of its DC gateway, ``edge://GATEWAY:PORT?worker=I``; ``secret`` is
+    the job secret when the job has one (its datagrams are then authenticated both ways)."""
     from netstorm.lan.client import connect_edge as make
 
-    return make(address, timeout=timeout)
+    return make(address, timeout=timeout, secret=secret)
 
 
-async def aconnect_edge(address: str, *, timeout: float = 300.0) -> AsyncEdgeClient:  # noqa: ASYNC109
+async def aconnect_edge(address: str, *, timeout: float = 300.0,  # noqa: ASYNC109
+                        secret: bytes | None = None) -> AsyncEdgeClient:
     """Edge mode, asyncio."""
     from netstorm.lan.client import aconnect_edge as make
 
-    return await make(address, timeout=timeout)
+    return await make(address, timeout=timeout, secret=secret)
 
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from typing import Any
 
 from netstorm.lan.layout import EdgeLayout
 
-LAYOUT = EdgeLayout((1000, 360, 7, 360 * 2000), (12, 12, 12, 0), lanes=360)
+LAYOUT = EdgeLayout((1000, 358, 7, 358 * 2000), (12, 12, 12, 0), lanes=358)
 SLOT_TENSORS = (0, 1, 2)
 TIMER_TENSOR = 3
 JOB = 3

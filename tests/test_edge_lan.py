@@ -18,7 +18,7 @@ from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=360)
+LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=358)
 JOB = 11
 PORT = 9400
 _iterations = itertools.count(100, 10)
@@ -67,7 +67,7 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
 
 async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
-                  timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
+                  timeout: float = 20.0, secret: bytes | None = None) -> dict[str, Any]:  # noqa: ASYNC109
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -83,9 +83,9 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
             attached = run_in(lan.gateway, lambda: xdp.attach(ifindex))
         try:
             agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
-                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1)
+                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1, secret=secret)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
-                                job=JOB, loss=loss, seed=3) for i, ns in enumerate(lan.workers)]
+                                job=JOB, loss=loss, seed=3, secret=secret) for i, ns in enumerate(lan.workers)]
             for node in nodes:
                 node.duplicate = duplicate
             checked = 0
@@ -128,19 +128,23 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                     agent.close()
                     await serving
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
-            return {"checked": checked, "stats": stats, "rejected": agent.errors,
+            return {"checked": checked, "stats": stats, "rejected": agent.errors, "bad_tokens": agent.bad_tokens,
                     "dropped": sum(n.dropped for n in nodes),
                     "retransmitted": sum(n.retransmitted for n in nodes),
                     "rescaled": sum(n.rescaled for n in nodes), "mode": attached if xdp is not None else "userspace"}
         finally:
             if xdp is not None:
                 xdp.detach()
+                xdp.require_tokens(0)
 
 
-def test_exact_sums_with_eight_workers_under_loss_and_duplicates(mode: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("secret", [None, b"s" * 32], ids=["no-secret", "secret"])
+def test_exact_sums_with_eight_workers_under_loss_and_duplicates(mode: str, secret: bytes | None,
+                                                                 request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(run_lan(mode, xdp, workers=8, iterations=3, loss=0.05, duplicate=0.05))
+    out = asyncio.run(run_lan(mode, xdp, workers=8, iterations=3, loss=0.05, duplicate=0.05, secret=secret))
     assert out["checked"] == 3
+    assert out["bad_tokens"] == 0   # the workers' own datagrams, NACK answers included, all carry good tokens
     assert out["rejected"] == 2
     assert out["dropped"] > 0 and out["retransmitted"] >= out["dropped"]
     # the timer path did the recovery, and duplicates were seen and ignored
@@ -149,9 +153,10 @@ def test_exact_sums_with_eight_workers_under_loss_and_duplicates(mode: str, requ
     assert out["stats"].get("timer_fail", 0) == 0
 
 
-def test_overflow_is_recovered_by_rescaling(mode: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("secret", [None, b"s" * 32], ids=["no-secret", "secret"])
+def test_overflow_is_recovered_by_rescaling(mode: str, secret: bytes | None, request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(run_lan(mode, xdp, workers=3, iterations=1, big=True))
+    out = asyncio.run(run_lan(mode, xdp, workers=3, iterations=1, big=True, secret=secret))
     assert out["checked"] == 1 and out["rescaled"] == 3
 
 

@@ -172,7 +172,7 @@ def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) 
     iteration = next(_iterations)
     for w in (0, 3):
         backend.feed(bytes(data_packets(LAYOUT, job=JOB, worker=w, iteration=iteration, tensor=1,
-                                        values=np.ones(360))[0]))
+                                        values=np.ones(358))[0]))
     events = backend.events(wait=3.0)
     assert events, "the slot timer never reported"
     ev = events[0]
@@ -180,7 +180,7 @@ def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) 
     assert ev.bitmap == 0b1001 and ev.missing == [1]
     # complete it: no further report after the period
     backend.feed(bytes(data_packets(LAYOUT, job=JOB, worker=1, iteration=iteration, tensor=1,
-                                    values=np.ones(360))[0]))
+                                    values=np.ones(358))[0]))
     backend.events(wait=0.2)
     assert backend.events(wait=0.3) == []
 
@@ -231,3 +231,45 @@ def test_concurrent_runs_on_two_cpus_serialise_per_slot(xdp_aggregator: Any) -> 
             mine = np.concatenate([got[(base + r, t, c)] for c in range(LAYOUT.chunks[t])])
             assert np.array_equal(mine, quantised_sum(values[r], t, 12))
     assert len(outputs) == rounds * SLOT_CHUNKS
+
+
+def test_data_needs_the_installed_token_and_the_aggregate_carries_the_agents(backend: Backend) -> None:
+    """With tokens required, DATA is aggregated only with the token installed for its worker and iteration;
+    a wrong token, a token of another iteration sharing the window entry, or one never installed is
+    dropped and counted, and the aggregate carries the value only the agent knows."""
+    from bpf.xdp import TOKEN_WINDOW
+
+    backend.configure(expected=0b11)
+    iteration = next(_iterations)
+    later = iteration + TOKEN_WINDOW          # same window entry, not installed
+    for _ in range(TOKEN_WINDOW + 1):
+        next(_iterations)
+    agg_token = 0xA66A66A66
+    backend.agg.require_tokens(agg_token)
+    try:
+        backend.agg.install_tokens([(0, iteration, 101), (1, iteration, 202)])
+        before = counters(backend)["bad_token"]
+
+        def row(worker: int, k: int, token: int, value: float) -> bytes:
+            return bytes(data_packets(LAYOUT, job=JOB, worker=worker, iteration=k, tensor=2,
+                                      values=np.full(7, value), token=token)[0])
+
+        assert backend.feed(row(1, iteration, 101, 50.0)) is None     # worker 0's token, worker 1's id
+        assert backend.feed(row(1, later, 202, 50.0)) is None         # another iteration in the same entry
+        assert backend.feed(row(0, iteration + 1, 0, 50.0)) is None   # nothing installed there
+        assert counters(backend)["bad_token"] - before == 3
+        assert backend.feed(row(0, iteration, 101, 1.0)) is None
+        out = backend.feed(row(1, iteration, 202, 2.0))
+        assert out is not None
+        head = Header.decode(out)
+        assert head.kind == Kind.AGG and head.token == agg_token
+        assert np.array_equal(lanes_of(out)[:7], np.full(7, 3 * 2**12))
+    finally:
+        backend.agg.require_tokens(0)
+
+
+def counters(backend: Backend) -> dict[str, int]:
+    """The aggregator's counters: the XDP program's map (summed over CPUs) or the fallback's."""
+    if isinstance(backend.agg, UserspaceAggregator):
+        return dict(backend.agg.counters)
+    return dict(backend.agg.stats())

@@ -34,7 +34,7 @@ from netstorm.lan.header import (
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, fit_scales, result_packets
 
-LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=360)
+LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=358)
 BPF = Path(__file__).resolve().parent.parent / "bpf"
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
 
@@ -93,19 +93,20 @@ def test_the_xdp_program_does_not_define_the_header_itself() -> None:
 
 
 def test_header_round_trip_and_field_offsets() -> None:
-    head = Header(Kind.DATA, job=513, worker=63, iteration=2**32 - 1, tensor=7, chunk=9, slot=11, count=360,
+    head = Header(Kind.DATA, job=513, worker=63, iteration=2**32 - 1, tensor=7, chunk=9, slot=11, count=358,
                   scale=-5, need=-128, flags=Flag.OVERFLOW)
     raw = head.encode()
     assert len(raw) == HEADER_BYTES
-    assert raw[:4] == bytes([0x4E, 0x53, 1, 1])           # magic "NS" little-endian, version, kind
+    assert raw[:4] == bytes([0x4E, 0x53, VERSION, 1])     # magic "NS" little-endian, version, kind
     assert int.from_bytes(raw[8:12], "little") == 2**32 - 1
-    assert Header.decode(raw + bytes(4 * 360)) == head
+    assert Header.decode(raw + bytes(4 * 358)) == head
 
 
 def test_the_header_codec_follows_the_field_table() -> None:
     """Header.encode and decode put every field where FIELDS (hence the C struct) says it is."""
     head = Header(Kind.RESULT, job=0x0102, worker=3, iteration=0x04050607, tensor=0x08090A0B, chunk=0x0C0D0E0F,
-                  slot=0x10111213, count=0x0115, scale=-22, need=23, flags=Flag.RESCALE, total=0x18191A1B)
+                  slot=0x10111213, count=0x0115, scale=-22, need=23, flags=Flag.RESCALE, total=0x18191A1B,
+                  token=0x2021222324252627)
     raw = head.encode()
     row = np.frombuffer(raw, HEADER_DTYPE)[0]
     assert (int(row["magic"]), int(row["version"])) == (MAGIC, VERSION)
@@ -117,7 +118,7 @@ def test_the_header_codec_follows_the_field_table() -> None:
 @pytest.mark.parametrize(("mutate", "message"), [
     (lambda b: b[:10], "shorter"),
     (lambda b: b"\x00\x00" + b[2:], "bad magic"),
-    (lambda b: b[:2] + b"\x02" + b[3:], "version"),
+    (lambda b: b[:2] + b"\x01" + b[3:], "version"),      # version 1 had no token
     (lambda b: b[:3] + b"\x63" + b[4:], "unknown kind"),
     (lambda b: b[:7] + b"\x80" + b[8:], "unknown flags"),
     (lambda b: b[:-1], "payload bytes"),
@@ -180,14 +181,14 @@ def test_rescale_leaves_room_for_every_worker() -> None:
 def test_data_packets_split_pad_and_address_slots() -> None:
     values = np.arange(1000, dtype=np.float32) / 8
     rows = data_packets(LAYOUT, job=1, worker=4, iteration=9, tensor=0, values=values)
-    assert rows.shape == (3, HEADER_BYTES + 4 * 360)
+    assert rows.shape == (3, HEADER_BYTES + 4 * 358)
     heads = [Header.decode(bytes(r)) for r in rows]
-    assert [h.count for h in heads] == [360, 360, 280]
+    assert [h.count for h in heads] == [358, 358, 284]
     assert [h.slot for h in heads] == [0, 1, 2] and LAYOUT.slot(1, 0) == 3
     got = np.concatenate([lanes_of(bytes(r))[: h.count] for r, h in zip(rows, heads, strict=True)])
-    assert np.array_equal(got, values * 2**10) and not lanes_of(bytes(rows[2]))[280:].any()
+    assert np.array_equal(got, values * 2**10) and not lanes_of(bytes(rows[2]))[284:].any()
     res = result_packets(LAYOUT, job=1, iteration=9, tensor=0, values=values, total=3)
-    assert np.array_equal(lanes_of(bytes(res[1]), "<f4")[:360], values[360:720])
+    assert np.array_equal(lanes_of(bytes(res[1]), "<f4")[:358], values[358:716])
 
 
 def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
@@ -198,14 +199,14 @@ def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
     assert [w for w, _ in actions] == [1, 3]
     assert Header.decode(actions[0][1]).kind == Kind.NACK
     over = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=10, need=11, flags=Flag.OVERFLOW)
-    rescale = sums.on_agg(over, np.zeros(360, np.int32))
+    rescale = sums.on_agg(over, np.zeros(358, np.int32))
     assert [w for w, _ in rescale] == [0, 1, 2, 3]   # each fits at 11, four of them at 11 - 2
     assert all(Header.decode(d).scale == 9 and Header.decode(d).flags == Flag.RESCALE for _, d in rescale)
     # an overflow the workers' own needs cannot explain is an error, not a silent wrap
     with pytest.raises(WireError, match="overflow at scale 10"):
-        sums.on_agg(Header(Kind.AGG, 1, 0, 9, 0, 1, 1, 360, scale=10, need=12, flags=Flag.OVERFLOW),
-                    np.zeros(360, np.int32))
+        sums.on_agg(Header(Kind.AGG, 1, 0, 9, 0, 1, 1, 358, scale=10, need=12, flags=Flag.OVERFLOW),
+                    np.zeros(358, np.int32))
     ok = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=8)
-    assert sums.on_agg(ok, np.arange(360, dtype=np.int32)) == []
+    assert sums.on_agg(ok, np.arange(358, dtype=np.int32)) == []
     assert np.array_equal(sums.result()[1], (np.arange(7) / 2**8).astype(np.float32))
     assert (1, 0) not in sums.pending and "tensor 0 chunk 0" in sums.describe_missing()

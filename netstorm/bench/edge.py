@@ -14,7 +14,8 @@ Two CPU figures per path (result broadcast and the exactness checks are excluded
   ring-buffer reports, NACKs). Because that work is per chunk, not per worker packet, this ratio grows with
   the number of workers.
 ``pps_per_core`` = DATA datagrams aggregated per CPU-second; ratios are against the userspace fallback of
-the same run.
+the same run. With ``--secret-file`` every datagram carries its token and both paths check it (the cost of
+authentication: run once with and once without).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=8, help="iterations per path (default 8)")
     parser.add_argument("--scale", type=int, default=20, help="fixed-point scale: lanes hold x * 2**scale")
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
+    parser.add_argument("--secret-file", default=None, metavar="FILE",
+                        help="job secret: authenticate every LAN datagram with its token (default: none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -85,10 +89,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.xdp import XdpAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
+    from netstorm.lan.header import MAX_LANES
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
-    lanes = 360
+    lanes = MAX_LANES
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
     rng = np.random.default_rng(1)
     workers = args.workers
@@ -98,6 +103,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     for tensors in contribs:
         total = np.sum([np.rint(w[0].astype(np.float64) * 2.0**args.scale).astype(np.int64) for w in tensors], axis=0)
         expected.append((total.astype(np.float64) * 2.0**-args.scale).astype(np.float32))
+    secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     xdp = None
     stats_fd = -1
     mode = "userspace"
@@ -111,9 +117,9 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 stats_fd = _enable_bpf_stats()
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
-                              slot_timeout=args.slot_timeout, max_nacks=50)
+                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
-                                job=JOB, loss=args.loss, seed=7) for i, ns in enumerate(lan.workers)]
+                                job=JOB, loss=args.loss, seed=7, secret=secret) for i, ns in enumerate(lan.workers)]
             result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp))
         finally:
             if stats_fd >= 0:
@@ -136,6 +142,7 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
             await agent.wait_workers(timeout=10)
             # the workers' sockets now move to their own threads and loops
             first = 1
+            agent.expect(first)   # the first iteration's tokens are in place before any DATA
             threads = [threading.Thread(target=_worker_thread,
                                         args=(n, [c[n.worker] for c in contribs], first, timeout, errors))
                        for n in nodes]
@@ -195,6 +202,8 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "duplicates": stats["dup"],
         "retransmitted": sum(n.retransmitted for n in nodes),
         "dropped_on_purpose": sum(n.dropped for n in nodes),
+        "authenticated": agent.tokens.enabled,
+        "bad_tokens": agent.bad_tokens,
     }
 
 
@@ -219,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
-              f"loss {args.loss}; XDP ran in {xdp['mode']} mode")
+              f"loss {args.loss}; XDP ran in {xdp['mode']} mode; "
+              f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}")
         for name, r in (("xdp", xdp), ("userspace", userspace)):
             print(f"  {name:9s} {r['pps_per_core']:12.0f} pkt/s/core {r['gbit_per_core']:7.2f} Gbit/s/core "
                   f"{r['cpu_seconds_per_gb']:8.3f} CPU-s/GB  ratio {r['ratio_per_core']:6.1f}x  exact={r['exact']}  "

@@ -57,11 +57,17 @@ def run(args: argparse.Namespace) -> int:
 
         edge = EdgeOptions(workers=args.edge_workers, listen=parse_address(args.edge_listen, "--edge-listen"),
                            interface=args.edge_interface, mode=args.edge_mode, scale=args.edge_scale,
-                           slot_timeout=args.edge_slot_timeout)
+                           slot_timeout=args.edge_slot_timeout, secret=edge_secret(config))
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
                             socket_path=Path(args.socket), trainer_tcp=trainer_tcp, edge=edge))
+
+
+def edge_secret(config: object) -> bytes | None:
+    """The job secret for the LAN tier: the bytes of ``secret_file`` when the configuration names one."""
+    path = getattr(config, "secret_file", None)
+    return Path(path).read_bytes() if path else None
 
 
 async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],

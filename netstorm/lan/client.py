@@ -50,8 +50,10 @@ class AsyncEdgeClient:
     """One LAN worker of a gateway; create with ``aconnect_edge``."""
 
     def __init__(self, gateway: tuple[str, int], worker: int, *, job: int, timeout: float,
-                 sock: socket.socket | None = None) -> None:
+                 sock: socket.socket | None = None, secret: bytes | None = None) -> None:
         self.gateway = gateway
+        self.secret = secret
+        """The job secret (its datagrams' tokens); None: unauthenticated, as a gateway without one."""
         self.worker_id = worker
         self.job = job
         self.timeout = timeout
@@ -83,7 +85,7 @@ class AsyncEdgeClient:
         self.dtypes = {n: np.asarray(tensors[n]).dtype for n in self.names}
         sizes = [max(1, int(np.prod(self.shapes[n], dtype=np.int64))) for n in self.names]
         probe = EdgeSender(self.sock, self.gateway, worker=self.worker_id,
-                           layout=EdgeLayout.uniform(sizes, scale=0), job=self.job)
+                           layout=EdgeLayout.uniform(sizes, scale=0), job=self.job, secret=self.secret)
         try:
             reply = await probe.hello(timeout=self.timeout)
         except EdgeTimeout as exc:
@@ -92,7 +94,8 @@ class AsyncEdgeClient:
         if reply.tensor != len(sizes) or reply.slot != layout.num_slots:
             raise WrongShape(f"edge worker {self.worker_id}: the gateway's model has {reply.tensor} tensors in "
                              f"{reply.slot} slots, this worker's has {len(sizes)} in {layout.num_slots}")
-        self._worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job)
+        self._worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job,
+                                  secret=self.secret)
         try:
             self.iteration, flat, self._workers = await self._worker.receive_first(timeout=self.timeout)
         except EdgeTimeout as exc:
@@ -197,12 +200,15 @@ class EdgeClient:
         self.close()
 
 
-def connect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT, sock: socket.socket | None = None) -> EdgeClient:
+def connect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT, sock: socket.socket | None = None,
+                 secret: bytes | None = None) -> EdgeClient:
+    """A LAN worker of the gateway at ``address``; ``secret`` is the job secret when the job has one (the
+    gateway then ignores datagrams without this worker's tokens, and the worker the gateway's)."""
     gateway, worker, job = parse(address)
-    return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock))
+    return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret))
 
 
 async def aconnect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
-                        sock: socket.socket | None = None) -> AsyncEdgeClient:
+                        sock: socket.socket | None = None, secret: bytes | None = None) -> AsyncEdgeClient:
     gateway, worker, job = parse(address)
-    return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock)
+    return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret)

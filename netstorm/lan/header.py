@@ -1,4 +1,4 @@
-"""The LAN edge wire format: one UDP datagram = a 32-byte header + up to ``MAX_LANES`` 4-byte lanes.
+"""The LAN edge wire format: one UDP datagram = a 40-byte header + up to ``MAX_LANES`` 4-byte lanes.
 
 The header has a fixed binary layout that two sides parse: this module (workers, the gateway's agent and
 its userspace aggregator) and the XDP program in C (bpf/aggregator.c). ``FIELDS`` is the one definition:
@@ -9,8 +9,12 @@ loader puts in front of the program before bcc compiles it. A field added or mov
 All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
 DATA and AGG carry int32 fixed-point lanes; RESULT carries float32 lanes. DATA is always padded with zero
 lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in linear
-time); ``count`` says how many lanes matter. 32 + 360*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
+time); ``count`` says how many lanes matter. 40 + 358*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
 headers is exactly a 1500-byte MTU.
+
+``token`` authenticates a datagram when the job has a secret (``netstorm/lan/tokens.py``): a keyed value per
+(sender, worker, iteration) that the receiver compares with the one it derived or installed, zero when
+the job runs without a secret.
 
 The XDP program never reads ``total``: DATA carries zero there and AGG keeps it. Only the loader's own
 TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
@@ -30,9 +34,10 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 1
-HEADER_BYTES: Final = 32
-MAX_LANES: Final = 360
+VERSION: Final = 2
+"""2: the 64-bit ``token`` joined the header (version 1 had none)."""
+HEADER_BYTES: Final = 40
+MAX_LANES: Final = 358
 MAX_WORKERS: Final = 64
 """Worker ids are bits of a 64-bit contributor bitmap."""
 NEED_NONE: Final = 127
@@ -65,10 +70,13 @@ FIELDS: Final = (
     Field("total", "u32", "RESULT: workers whose gradients the result sums (every DC's trainer and LAN "
           "workers, what average=True divides by; 0 from a gateway that predates the field); zero in "
           "every other kind"),
+    Field("token", "u64", "keyed per-(sender, worker, iteration) token when the job has a secret, else 0; "
+          "AGG: the agent's own value, written by the data plane"),
 )
 """The header, field by field in wire order, without padding."""
 
-_CODES: Final = {"u8": ("B", "u1"), "s8": ("b", "i1"), "u16": ("H", "<u2"), "u32": ("I", "<u4")}
+_CODES: Final = {"u8": ("B", "u1"), "s8": ("b", "i1"), "u16": ("H", "<u2"), "u32": ("I", "<u4"),
+                  "u64": ("Q", "<u8")}
 """C type -> (struct code, numpy dtype), all little-endian."""
 
 HEADER_STRUCT: Final = struct.Struct("<" + "".join(_CODES[f.ctype][0] for f in FIELDS))
@@ -78,6 +86,8 @@ OFFSETS: Final = dict(zip((f.name for f in FIELDS),
                            strict=False))
 """Byte offset of every field (what the C struct's offsetof must say)."""
 KIND_AT: Final = OFFSETS["kind"]
+TOKEN_AT: Final = OFFSETS["token"]
+"""Where the token sits: a sender sets it per recipient on rows built once for every worker."""
 """Where a receiver peeks at the kind before decoding the whole header."""
 assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
 assert all(HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields[n][1] == at for n, at in OFFSETS.items())
@@ -124,11 +134,13 @@ class Header:
     flags: Flag = Flag.NONE
     total: int = 0
     """RESULT only: workers whose gradients the result sums."""
+    token: int = 0
+    """The sender's token (netstorm/lan/tokens.py), 0 without a job secret."""
 
     def encode(self) -> bytes:
         return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
                                   self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
-                                  self.need, self.total)
+                                  self.need, self.total, self.token)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Header:
@@ -136,7 +148,7 @@ class Header:
         if len(data) < HEADER_BYTES:
             raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
         (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
-         total) = HEADER_STRUCT.unpack_from(data)
+         total, token) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC:
             raise WireError(f"bad magic 0x{magic:04x}")
         if version != VERSION:
@@ -161,7 +173,7 @@ class Header:
         if total and kind != Kind.RESULT:
             raise WireError(f"{kind.name} datagram with total {total}: only RESULT carries one")
         return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
-                   count=count, scale=scale, need=need, flags=flag, total=total)
+                   count=count, scale=scale, need=need, flags=flag, total=total, token=token)
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:

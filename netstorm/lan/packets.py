@@ -6,7 +6,7 @@ import numpy as np
 
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
-from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAGIC, NEED_NONE, VERSION, Flag, Kind
+from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAGIC, NEED_NONE, TOKEN_AT, VERSION, Flag, Kind
 from netstorm.lan.layout import EdgeLayout
 
 
@@ -33,8 +33,9 @@ def fit_scales(matrix: np.ndarray) -> np.ndarray:
     return need
 
 
-def header_rows(n: int, *, kind: Kind, job: int, worker: int, iteration: int) -> np.ndarray:
+def header_rows(n: int, *, kind: Kind, job: int, worker: int, iteration: int, token: int = 0) -> np.ndarray:
     rows = np.zeros(n, HEADER_DTYPE)
+    rows["token"] = token
     rows["magic"] = MAGIC
     rows["version"] = VERSION
     rows["kind"] = int(kind)
@@ -45,8 +46,9 @@ def header_rows(n: int, *, kind: Kind, job: int, worker: int, iteration: int) ->
 
 
 def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, tensor: int, values: np.ndarray,
-                 chunks: np.ndarray | None = None, scale: int | None = None) -> np.ndarray:
-    """DATA datagrams (one row each, uint8) for the given chunks (default all) of one tensor.
+                 chunks: np.ndarray | None = None, scale: int | None = None, token: int = 0) -> np.ndarray:
+    """DATA datagrams (one row each, uint8) for the given chunks (default all) of one tensor, carrying the
+    worker's ``token`` for the iteration.
 
     A row whose values do not fit int32 at ``scale`` carries the OVERFLOW flag (its lanes are clipped and
     will not be used); ``need`` tells the gateway the scale at which they would fit."""
@@ -57,7 +59,7 @@ def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, t
     scaled = np.rint(matrix * 2.0**s)
     overflow = np.any(np.abs(scaled) > INT32_MAX, axis=1)
     np.clip(scaled, -INT32_MAX, INT32_MAX, out=scaled)
-    rows = header_rows(len(index), kind=Kind.DATA, job=job, worker=worker, iteration=iteration)
+    rows = header_rows(len(index), kind=Kind.DATA, job=job, worker=worker, iteration=iteration, token=token)
     rows["tensor"] = tensor
     rows["chunk"] = index
     rows["slot"] = layout.first_slot[tensor] + index
@@ -71,7 +73,8 @@ def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, t
 
 def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int, values: np.ndarray, total: int,
                    chunks: np.ndarray | None = None) -> np.ndarray:
-    """RESULT datagrams carrying float32 lanes of one tensor's result, a sum over ``total`` workers."""
+    """RESULT datagrams carrying float32 lanes of one tensor's result, a sum over ``total`` workers (token 0:
+    the gateway sets each recipient's token on a copy, ``with_token``)."""
     if not 0 < total <= 0xFFFFFFFF:
         raise WireError(f"a RESULT sums at least one worker and at most 2**32-1, got total {total}")
     matrix = chunk_matrix(layout, tensor, values)
@@ -93,10 +96,17 @@ def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
     return out
 
 
+def with_token(rows: np.ndarray, token: int) -> np.ndarray:
+    """A copy of datagram rows (uint8, one per row) whose header carries ``token``."""
+    out = rows.copy()
+    out[:, TOKEN_AT: TOKEN_AT + 8] = np.frombuffer(token.to_bytes(8, "little"), np.uint8)
+    return out
+
+
 def control_packet(kind: Kind, *, job: int, worker: int, iteration: int = 0, tensor: int = 0, chunk: int = 0,
-                   slot: int = 0, scale: int = 0, flags: Flag = Flag.NONE) -> bytes:
+                   slot: int = 0, scale: int = 0, flags: Flag = Flag.NONE, token: int = 0) -> bytes:
     """A lane-less datagram: HELLO, NACK or PULL."""
-    rows = header_rows(1, kind=kind, job=job, worker=worker, iteration=iteration)
+    rows = header_rows(1, kind=kind, job=job, worker=worker, iteration=iteration, token=token)
     rows["tensor"], rows["chunk"], rows["slot"], rows["scale"], rows["flags"] = tensor, chunk, slot, scale, int(flags)
     rows["need"] = NEED_NONE
     return rows.tobytes()

@@ -1,11 +1,16 @@
 """The LAN worker's side: send a gradient as fixed-point DATA datagrams to the gateway, answer NACKs from
 what it kept, and receive the float32 result (PULLing chunks whose RESULT was lost) with the number of
-workers it sums, which every RESULT datagram carries (``Header.total``)."""
+workers it sums, which every RESULT datagram carries (``Header.total``).
+
+With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
+NACK and the HELLO answer only with the gateway's token for it (netstorm/lan/tokens.py): a datagram
+forged by anyone without the secret changes nothing it receives."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import socket
 import time
 from collections.abc import Sequence
@@ -17,6 +22,7 @@ from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets
+from netstorm.lan.tokens import LanTokens, Sender
 
 Address = tuple[str, int]
 
@@ -25,7 +31,7 @@ class EdgeSender:
     """One LAN worker's sender. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
-                 loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5) -> None:
+                 loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5, secret: bytes | None = None) -> None:
         self.sock = sock
         self.gateway = gateway
         self.worker = worker
@@ -37,6 +43,9 @@ class EdgeSender:
         self.retransmitted = 0
         self.dropped = 0
         self.rescaled = 0
+        self.tokens = LanTokens(secret, job)
+        self.forged = 0
+        """Datagrams dropped for not carrying the gateway's token for this worker."""
         self.duplicate = 0.0
         """Fraction of first transmissions sent twice (duplicate injection)."""
         self._queued: list[bytes] = []
@@ -45,8 +54,12 @@ class EdgeSender:
 
     async def hello(self, *, timeout: float) -> Header:  # noqa: ASYNC109
         """Announce this worker until the gateway answers (it learns our address from it). The answer
-        carries the gateway's tensor count (``tensor``), slots (``slot``) and fixed-point ``scale``."""
-        hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker)
+        carries the gateway's tensor count (``tensor``), slots (``slot``) and fixed-point ``scale``. The
+        HELLO's ``iteration`` is a fresh nonce: with a secret the gateway echoes it under its token, so an
+        answer cannot be forged or replayed, and our HELLO cannot be replayed from another address."""
+        nonce = secrets.randbits(32)
+        hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker, iteration=nonce,
+                               token=self.tokens.of(Sender.WORKER, self.worker, nonce, keep=False))
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES)
         try:
             async with asyncio.timeout(timeout):
@@ -57,7 +70,13 @@ class EdgeSender:
                             n, _ = await udp.recvfrom_into(self.sock, buf)
                             if n >= HEADER_BYTES and buf[KIND_AT] == Kind.HELLO:
                                 with contextlib.suppress(WireError):
-                                    return Header.decode(bytes(buf[:n]))
+                                    reply = Header.decode(bytes(buf[:n]))
+                                    if not self.tokens.enabled or (
+                                            reply.iteration == nonce and reply.worker == self.worker and
+                                            self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
+                                                              keep=False)):
+                                        return reply
+                                    self.forged += 1
         except TimeoutError:
             raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
                               f"within {timeout} s") from None
@@ -69,8 +88,9 @@ class EdgeSender:
         gradients it sums (0 from a gateway that does not say)."""
         self._total = 0
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
+        token = self.tokens.worker(self.worker, iteration)
         rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
-                                            tensor=t, values=v) for t, v in enumerate(values)])
+                                            tensor=t, values=v, token=token) for t, v in enumerate(values)])
         results = [np.zeros(size, np.float32) for size in self.layout.sizes]
         missing = np.ones(self.layout.num_slots, bool)
         keep = rows.copy()
@@ -117,9 +137,13 @@ class EdgeSender:
             data = bytes(buf[:n])
             if iteration is None and n >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
                 try:
-                    iteration = Header.decode(data).iteration
+                    head = Header.decode(data)
                 except WireError:
                     continue
+                if not self.tokens.valid(Sender.GATEWAY, self.worker, head.iteration, head.token, keep=False):
+                    self.forged += 1
+                    continue
+                iteration = head.iteration
             if iteration is not None:
                 self._on_datagram(data, iteration, keep, values, results, missing)
             await self._flush()
@@ -146,6 +170,10 @@ class EdgeSender:
             return
         if head.job != self.job or head.iteration != iteration & 0xFFFFFFFF:
             return
+        if head.kind in (Kind.RESULT, Kind.NACK) and not self.tokens.valid(Sender.GATEWAY, self.worker, iteration,
+                                                                          head.token):
+            self.forged += 1
+            return
         if head.kind == Kind.RESULT:
             if self._total and head.total != self._total:
                 raise WireError(f"edge worker {self.worker}: iteration {iteration}'s RESULT datagrams disagree on "
@@ -161,7 +189,8 @@ class EdgeSender:
             if head.flags & Flag.RESCALE:
                 keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
                                            tensor=head.tensor, values=values[head.tensor],
-                                           chunks=np.array([head.chunk]), scale=head.scale)[0]
+                                           chunks=np.array([head.chunk]), scale=head.scale,
+                                           token=self.tokens.worker(self.worker, iteration))[0]
                 self.rescaled += 1
             self.retransmitted += 1
             self._queued.append(keep[index].tobytes())
@@ -180,5 +209,6 @@ class EdgeSender:
             tensor = int(np.searchsorted(self.layout.first_slot, index, side="right") - 1)
             chunk = int(index) - self.layout.first_slot[tensor]
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
-                                                             iteration=iteration, tensor=tensor, chunk=chunk),
-                                   self.gateway)
+                                                       iteration=iteration, tensor=tensor, chunk=chunk,
+                                                       token=self.tokens.worker(self.worker, iteration)),
+                             self.gateway)

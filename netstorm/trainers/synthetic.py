@@ -226,7 +226,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
 
 
-def _connect_edge(address: str, parameters: int, *, timeout: float) -> Any:
+def _connect_edge(address: str, parameters: int, *, timeout: float, secret: bytes | None = None) -> Any:
     """An edge-mode client whose socket can queue a whole model of results: the gateway sends them in one
     burst, and a default-sized buffer (about 200 KB) would drop most of them and leave the worker pulling
     the rest back in rounds. The kernel caps the request at net.core.rmem_max."""
@@ -235,7 +235,7 @@ def _connect_edge(address: str, parameters: int, *, timeout: float) -> Any:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_EDGE_RCVBUF, 2 * 4 * parameters))
-        return connect_edge(address, timeout=timeout, sock=sock)
+        return connect_edge(address, timeout=timeout, sock=sock, secret=secret)
     except BaseException:
         sock.close()
         raise
@@ -320,7 +320,11 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     all_exact = True
     dc = args.dc
     try:
-        kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout) if args.edge is not None
+        # the job secret, when this command was given one (``secret_file``): the LAN datagrams' tokens
+        secret_file = getattr(args, "secret_file", None)
+        secret = Path(secret_file).read_bytes() if secret_file else None
+        kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout, secret=secret)
+                   if args.edge is not None
                    else netstorm.connect(args.socket, timeout=args.timeout))
         try:
             kv.init(grads)
