@@ -479,14 +479,14 @@ class PeerLink:
                     await self._wakeup.wait()
                 if self.protocol is None:
                     self.protocol = await self._connect()
+                protocol = self.protocol
+                if protocol.closed.done():  # before taking a frame: it stays queued for the next connection
+                    raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
                 item = self._queue.pop()
                 if item.ticket is not None:
                     del self._tickets[item.ticket]
-                protocol = self.protocol
                 transport = protocol.transport
                 assert transport is not None
-                if protocol.closed.done():
-                    raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
                 header = item.header.hop(item.header.src, item.header.dst, self._clock())
                 transport.write(header.encode())
                 transport.write(item.payload.data.cast("B"))

@@ -68,6 +68,19 @@ class FixedControl:
             cb(beliefs)
 
 
+async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Poll ``check`` until it holds (the state it reads has no event to wait on), failing after
+    ``within`` seconds with ``what`` named."""
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                if check():
+                    return
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {within:g} s") from None
+
+
 @contextlib.asynccontextmanager
 async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy],
                   workers: Mapping[int, int] | None = None) -> AsyncIterator[dict[int, GeneralNode]]:
