@@ -20,7 +20,7 @@ import pytest
 
 import netstorm
 from netstorm.aclient import AsyncClient
-from netstorm.errors import IterationError, NodeGone, TrainerError
+from netstorm.errors import IterationError, NodeGone, PeerLost, TrainerError
 from netstorm.local import LocalCluster
 from netstorm.scenario import load as load_scenario
 from scheduler import admin
@@ -162,6 +162,7 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                 for dc, outcome in zip(waiting, outcomes, strict=True):
                     assert isinstance(outcome, TrainerError), (dc, outcome)
                     assert isinstance(outcome, NodeGone | IterationError), (dc, outcome)
+                    assert isinstance(outcome, PeerLost), (dc, outcome)  # a peer lost: retry, not "my node"
                     assert "node 5" in str(outcome) and "iteration 7" in str(outcome), str(outcome)
                 assert elapsed < 15.0, elapsed
 
@@ -195,6 +196,10 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                 assert len(survivor_results) == len(survivors)
                 check(survivor_results, 8, survivors, average=True)
                 assert all(kv.num_workers == len(survivors) for kv in clients.values())
+                assert all(kv.contributors == tuple(survivors) for kv in clients.values())
+                # The protocol's bound, with --heartbeat-timeout 5: the survivors' first exact result
+                # without the dead DC comes within 15 s of its death.
+                assert loop.time() - start < 15.0, loop.time() - start
             finally:
                 for kv in clients.values():
                     await kv.close()

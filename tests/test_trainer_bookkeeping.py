@@ -41,7 +41,7 @@ def model(seed: int, size: int = 64) -> dict[str, np.ndarray]:
 
 
 def total(*models: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    return {name: np.sum([m[name] for m in models], axis=0, dtype=np.float32) for name in models[0]}
+    return {name: np.asarray(np.sum([m[name] for m in models], axis=0, dtype=np.float32)) for name in models[0]}
 
 
 def same(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> None:
