@@ -35,6 +35,7 @@ from netstorm import trainer_wire as tw
 from netstorm.client import SHM_PREFIX, shm_directory
 from netstorm.errors import ErrorCode, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
+from netstorm.schema import MAX_ITEMS
 from node.ranks import Ranks
 from node.service import GeneralNode
 
@@ -187,10 +188,15 @@ class TrainerEndpoint:
             await writer.drain()
 
     def _payload_len(self, session: _Session, request: tw.Message) -> int:
+        if isinstance(request, tw.InitRequest):
+            elements = sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
+            most = MAX_ITEMS * self.node.config.chunk_size
+            if elements > most:  # refused before a layout (or a payload) is built for it
+                raise TrainerProtocolError(f"init of {elements} elements: more than the {MAX_ITEMS} chunks of "
+                                           f"{self.node.config.chunk_size} elements a layout may hold")
+            return 4 * elements if session.inline else 0
         if not session.inline:
             return 0
-        if isinstance(request, tw.InitRequest):
-            return 4 * sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
         if isinstance(request, tw.PushRequest) or (isinstance(request, tw.PullRequest) and request.push):
             layout = self._layout()
             return 4 * sum(layout.tensors[k].size for k in session.keys(layout, request.names))

@@ -20,6 +20,7 @@ import pytest
 import uvloop
 
 import netstorm
+from netstorm import trainer_wire as tw
 from netstorm.aclient import AsyncClient
 from netstorm.config import Config
 from netstorm.errors import IterationError, NonFinite, PeerLost, TooFarAhead, TrainerLimit
@@ -240,4 +241,20 @@ def test_a_dc_declared_dead_fails_the_iteration_everywhere_and_the_next_names_it
         for got in await asyncio.gather(*(clients[dc].push_pull(steps[dc]) for dc in (1, 2))):
             same(got, total(*steps.values()))
         assert all(clients[dc].contributors == (1, 2) and clients[dc].num_workers == 2 for dc in (1, 2))
+    run(tmp_path, body)
+
+
+def test_an_init_too_large_for_any_layout_is_refused_before_anything_is_built(tmp_path: Path) -> None:
+    async def body(j: Job) -> None:
+        host, port = j.sockets[2].removeprefix("tcp://").rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        elements = 2**29  # more than 2**20 chunks of 300 elements
+        writer.write(tw.encode(tw.InitRequest(tensors=(("w", (elements,), "float32"),), shm=""), 4 * elements))
+        async with asyncio.timeout(10):
+            header_len, payload_len = tw.decode_prefix(await reader.readexactly(tw.PREFIX.size), max_payload=0)
+            reply = tw.decode(await reader.readexactly(header_len))
+        assert isinstance(reply, tw.ErrorReply) and payload_len == 0
+        assert f"init of {elements} elements" in reply.message
+        writer.close()
+        assert j.nodes[2].layout is None and len(j.endpoints[2].ranks) == 0
     run(tmp_path, body)
