@@ -102,6 +102,10 @@ class Ranks:
         if not replacement:
             rank.next_pull = np.array([core.pull_iteration(k) for k in range(n)], dtype=np.int64)
             return
+        # A predecessor that died in the middle of a push left some tensors an iteration behind: that
+        # iteration lacks part of this DC's gradient and can only fail (at its timeout, everywhere); the
+        # replacement starts after it for every tensor.
+        rank.next_push[:] = int(rank.next_push.max(initial=0))
         rank.next_pull = rank.next_push.copy()
         for key in range(n):
             for iteration in range(core.pull_iteration(key), core.key_next(key)):
@@ -113,8 +117,9 @@ class Ranks:
         keys = list(range(len(layout.tensors)))
         core = self.node.core
         while True:
+            whole = min(core.key_next(k) for k in keys)  # iterations before it hold this DC's whole gradient
             waiting = [k for k in keys if self._all_read(core.pull_iteration(k), k)
-                       and core.pull_iteration(k) < core.key_next(k)]
+                       and core.pull_iteration(k) < whole]
             if not waiting:
                 return
             iteration = min(core.pull_iteration(k) for k in waiting)
@@ -238,6 +243,8 @@ class Ranks:
             if iteration >= self.push_iteration(rank_id, key):
                 raise ChunkError(f"tensor {layout.tensors[key].name!r} pulled before it was pushed "
                                  f"(iteration {iteration})")
+        for key in keys:  # sums held back while an earlier iteration was still open at the node
+            await self._flush(key)
         await self.node.wait_keys(iteration, keys)
         result = self.node.core.result(iteration)
         rank = self._ranks[rank_id]
