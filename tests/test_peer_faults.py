@@ -127,6 +127,30 @@ def test_chunks_sent_before_the_layout_exists_are_not_buffered() -> None:
     uvloop.run(main())
 
 
+def test_a_peer_that_pushes_before_this_node_has_a_layout_waits_and_the_sum_is_exact() -> None:
+    async def main() -> None:
+        async with cluster([1, 2], CONFIG, rollout([1, 2])) as nodes:
+            await nodes[1].register(SPECS)
+            layout = nodes[1].layout
+            assert layout is not None
+            values = values_for(nodes, 6)
+            for key in range(len(layout.tensors)):
+                await nodes[1].contribute(key, values[1][layout.key_slice(key)])
+            # Node 1's chunks reach node 2 before its trainer registered: its connection stops reading.
+            await until(lambda: any(p._held is not None for p in nodes[2]._inbound), "a chunk held back")
+            await nodes[2].register(SPECS)
+            for key in range(len(layout.tensors)):
+                await nodes[2].contribute(key, values[2][layout.key_slice(key)])
+            for node in nodes.values():
+                out = np.full(layout.total, np.nan, np.float32)
+
+                def sink(key: int, result: np.ndarray, out: np.ndarray = out) -> None:
+                    out[layout.key_slice(key)] = result
+                await node.collect(list(range(len(layout.tensors))), sink)
+                np.testing.assert_array_equal(out, values[1] + values[2])
+    uvloop.run(main())
+
+
 def test_a_hostile_chunk_header_is_refused_before_its_payload_is_allocated() -> None:
     async def main() -> None:
         async with cluster([1, 2], CONFIG, rollout([1, 2])) as nodes:
