@@ -116,6 +116,8 @@ class TrainerEndpoint:
         self.ranks = Ranks(node)
         self._servers: list[asyncio.Server] = []
         self._sessions = 0
+        self._by_host: dict[str, int] = {}
+        """Open TCP trainer connections per source address (at most ``max_connections_per_source``)."""
 
     async def serve_unix(self, path: str | Path) -> asyncio.Server:
         path = Path(path)
@@ -139,7 +141,18 @@ class TrainerEndpoint:
         session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
                            None if inline else _peer_uid(writer))
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
+        peer = writer.get_extra_info("peername") if inline else None
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if host is not None:
+            self._by_host[host] = self._by_host.get(host, 0) + 1
         try:
+            cap = self.node.config.max_connections_per_source
+            if host is not None and self._by_host[host] > cap:
+                log.warning("node %d: closing %s: more than %d trainer connections from %s", self.node.node_id,
+                            session.name, cap, host)
+                await self._reply(writer, tw.ErrorReply(ErrorCode.PROTOCOL, f"more than {cap} trainer connections "
+                                                                           f"from {host}"))
+                return
             while True:
                 try:
                     prefix = await reader.readexactly(tw.PREFIX.size)
@@ -176,6 +189,10 @@ class TrainerEndpoint:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
         finally:
+            if host is not None:
+                self._by_host[host] -= 1
+                if not self._by_host[host]:
+                    del self._by_host[host]
             self.ranks.leave(session.rank)
             session.close()
             writer.close()

@@ -258,3 +258,21 @@ def test_an_init_too_large_for_any_layout_is_refused_before_anything_is_built(tm
         writer.close()
         assert j.nodes[2].layout is None and len(j.endpoints[2].ranks) == 0
     run(tmp_path, body)
+
+
+def test_trainer_connections_from_one_address_are_capped(tmp_path: Path) -> None:
+    async def body(j: Job) -> None:
+        host, port = j.sockets[2].removeprefix("tcp://").rsplit(":", 1)
+        crowd = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+        reader, _ = crowd[-1]
+        async with asyncio.timeout(10):
+            header_len, _ = tw.decode_prefix(await reader.readexactly(tw.PREFIX.size), max_payload=0)
+            reply = tw.decode(await reader.readexactly(header_len))
+            assert isinstance(reply, tw.ErrorReply) and "more than 4 trainer connections" in reply.message
+            assert await reader.read() == b""
+        for _, w in crowd:
+            w.close()
+        # The crowd is gone: a trainer connects and trains.
+        clients = {dc: await j.connect(dc) for dc in (1, 2, 3)}
+        await init_all(clients)
+    run(tmp_path, body, config=CONFIG.replace(max_connections_per_source=4))
