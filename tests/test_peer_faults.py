@@ -17,10 +17,15 @@ from collections.abc import Iterator
 
 import numpy as np
 import uvloop
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from netstorm.config import Config
 from netstorm.errors import ErrorCode
 from netstorm.frames import ChunkHeader, Hello, Phase
+from netstorm.layout import Layout
+from node.core import NodeCore
+from node.peers import InboundProtocol
 from node.service import GeneralNode
 from tests.dataplane import FixedControl, cluster, until
 from tests.test_peers import SPECS, error_frame, one_iteration, raw_send, rollout
@@ -213,3 +218,66 @@ def test_silent_stalled_and_crowding_connections_are_closed() -> None:
             exact(await one_iteration(nodes, values), values)
     uvloop.run(main())
 
+
+
+class _Transport:
+    """Enough of a transport for the receiver: what it writes, whether it closed or paused."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+        self.paused = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 9) if name == "peername" else None
+
+
+FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@FUZZ
+@given(iteration=st.integers(min_value=0, max_value=2**40), chunk=st.integers(min_value=0, max_value=2**20),
+       count=st.integers(min_value=0, max_value=2**24), tail=st.binary(max_size=200),
+       step=st.integers(min_value=1, max_value=4096))
+def test_the_receiver_allocates_only_for_chunks_the_layout_admits(iteration: int, chunk: int, count: int,
+                                                                   tail: bytes, step: int) -> None:
+    core = NodeCore(2, CONFIG)
+    core.join(CONFIG, [1, 2], {})
+    core.register(Layout.build(SPECS, CONFIG.chunk_size), {}, 0.0)
+    layout = core.layout
+    assert layout is not None
+    largest = max(c.count for c in layout.chunks)
+    delivered: list[ChunkHeader] = []
+    protocol = InboundProtocol(on_hello=lambda h, p: None, on_chunk=lambda p, h, a, t: delivered.append(h),
+                               on_lost=lambda p, r: None, max_frame_bytes=CONFIG.max_frame_bytes,
+                               clock=lambda: 0.0, on_admit=core.admit)
+    transport = _Transport()
+    protocol.connection_made(transport)  # type: ignore[arg-type]
+    header = ChunkHeader(iteration, chunk, 1, Phase.UP, 1, 2, 1, 2, 0, 0.0, False, (1, 2), count)
+    stream = Hello(1, layout.hash).encode() + header.encode() + tail
+    position = 0
+    while position < len(stream) and not transport.closed:
+        buffer = protocol.get_buffer(-1)
+        size = min(step, len(buffer), len(stream) - position)
+        buffer[:size] = stream[position:position + size]
+        protocol.buffer_updated(size)
+        position += size
+        payload = protocol._payload
+        assert payload is None or payload.size <= largest  # nothing beyond what the layout admits
+    admitted = chunk < len(layout.chunks) and count == layout.chunks[chunk].count \
+        and iteration <= core.chunks.horizon + 1
+    if not admitted:
+        assert transport.closed and b"NSF1" in transport.written and delivered == []
+    assert all(h.count == layout.chunks[h.chunk].count for h in delivered)
