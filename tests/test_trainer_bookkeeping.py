@@ -276,3 +276,19 @@ def test_trainer_connections_from_one_address_are_capped(tmp_path: Path) -> None
         clients = {dc: await j.connect(dc) for dc in (1, 2, 3)}
         await init_all(clients)
     run(tmp_path, body, config=CONFIG.replace(max_connections_per_source=4))
+
+
+def test_the_blocking_client_names_the_contributors_too(tmp_path: Path) -> None:
+    async def body(j: Job) -> None:
+        blocking = await asyncio.to_thread(netstorm.connect, j.sockets[1], timeout=10)
+        others = {dc: await j.connect(dc) for dc in (2, 3)}
+        await asyncio.gather(asyncio.to_thread(blocking.init, model(0)), *(kv.init(model(0)) for kv in others.values()))
+        assert blocking.contributors == (1,)  # the init round: node 1's values everywhere
+        steps = {dc: model(110 + dc) for dc in (1, 2, 3)}
+        results = await asyncio.gather(asyncio.to_thread(blocking.push_pull, steps[1]),
+                                       *(kv.push_pull(steps[dc]) for dc, kv in others.items()))
+        for got in results:
+            same(got, total(*steps.values()))
+        assert blocking.contributors == (1, 2, 3) and blocking.num_workers == 3
+        blocking.close()
+    run(tmp_path, body)
