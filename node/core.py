@@ -206,6 +206,10 @@ class NodeCore:
             raise ChunkError(f"tensor {layout.tensors[key].name!r}: contribution for iteration {iteration}, "
                              f"but its next iteration is {int(self._key_next[key])}")
         iteration = int(self._key_next[key])
+        if not self.window(iteration):
+            raise ChunkError(f"tensor {layout.tensors[key].name!r}: a contribution for iteration {iteration} runs "
+                             f"more than max_ahead = {self.config.max_ahead} iterations past iteration "
+                             f"{self.oldest_unpulled()}, not collected yet (peers would refuse its chunks)")
         self._tracker(iteration, now)
         return iteration
 

@@ -478,3 +478,15 @@ def _bound(core: NodeCore) -> NodeCore:
 
 def _with(header: ChunkHeader, **changes: int) -> ChunkHeader:
     return msgspec.structs.replace(header, **changes)
+
+
+def test_a_contribution_past_the_window_is_refused_before_it_counts() -> None:
+    # Pushing two iterations ahead used to reach peers as chunks beyond their horizon, which they refused
+    # by closing the connection; the node itself now refuses it, and no counter moves.
+    core = joined(1, CONFIG.replace(max_ahead=1))
+    for iteration in (0, 1):
+        core.policy_received(iteration, STAR, idle_links(1), 0.0)
+        push_all(core, idle_links(1), 0.0)
+    with pytest.raises(ChunkError, match=r"iteration 2 runs more than max_ahead = 1 iterations past iteration 0"):
+        core.open_contribution(0, None, 0.0)
+    assert core.next_iteration() == 2 and core.started(2) is None
