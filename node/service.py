@@ -374,6 +374,7 @@ class GeneralNode:
         """Run the link to one peer; when it fails, tell the scheduler and reconnect with a growing
         backoff. Only the scheduler declares a member dead (``MemberDown``); then the link stops."""
         delay = RECONNECT_FIRST
+        reported = False
         while True:
             sent = link.sent_frames
             try:
@@ -382,12 +383,13 @@ class GeneralNode:
             except PeerError as exc:
                 if self._stopping.is_set() or link.peer_id in self.core.down:
                     return
-                if link.sent_frames > sent:
-                    delay = RECONNECT_FIRST  # it worked for a while: a new fault, not the same one
+                if link.sent_frames > sent:  # it worked for a while: a new outage, not the same one
+                    delay, reported = RECONNECT_FIRST, False
                 log.warning("node %d: link to node %d lost (%s); reconnecting in %.1f s", self.node_id,
                             link.peer_id, exc, delay)
-                if self.control is not None:
+                if self.control is not None and not reported:  # once per outage: evidence, not a drumbeat
                     self.control.report_unreachable(link.peer_id, str(exc))
+                    reported = True
             try:
                 async with asyncio.timeout(delay):
                     await self._stopping.wait()
