@@ -292,3 +292,39 @@ def test_the_blocking_client_names_the_contributors_too(tmp_path: Path) -> None:
         assert blocking.contributors == (1, 2, 3) and blocking.num_workers == 3
         blocking.close()
     run(tmp_path, body)
+
+
+def test_a_rank_ahead_of_the_slowest_waits_for_it(tmp_path: Path) -> None:
+    async def body(j: Job) -> None:
+        a, b = await j.connect(1), await j.connect(1)
+        others = {dc: await j.connect(dc) for dc in (2, 3)}
+        await asyncio.gather(*(kv.init(model(0)) for kv in [a, b, *others.values()]))
+        steps = [{dc: model(120 + 10 * k + dc) for dc in range(4)} for k in range(3)]
+
+        async def push(kv: AsyncClient, values: dict[str, np.ndarray]) -> None:
+            for name, value in values.items():
+                await kv.push(name, value)
+
+        async def pull(kv: AsyncClient, names: list[str]) -> dict[str, np.ndarray]:
+            return {name: await kv.pull(name) for name in names}
+
+        names = list(model(0))
+        for k in (0, 1):  # the other DCs run iterations 1 and 2 whenever node 1's sums come
+            for dc, kv in others.items():
+                await push(kv, steps[k][dc])
+        await push(a, steps[0][0])
+        await push(b, steps[0][1])
+        await push(a, steps[1][0])  # one ahead of its own pulls: allowed
+        same(await pull(a, names), total(*steps[0].values()))
+        # Rank a is one ahead of its own pulls again, but two past rank b's: its push waits for b.
+        late = asyncio.ensure_future(push(a, steps[2][0]))
+        await asyncio.wait([late], timeout=0.3)
+        assert not late.done()
+        same(await pull(b, names), total(*steps[0].values()))
+        await late
+        await push(b, steps[1][1])
+        for kv in (a, b):
+            same(await pull(kv, names), total(*steps[1].values()))
+        for kv in [a, b, *others.values()]:
+            await kv.close()
+    run(tmp_path, body, workers={1: 2}, trainers={1: 2})
