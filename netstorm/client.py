@@ -32,7 +32,11 @@ from netstorm.errors import (
     IterationError,
     LayoutError,
     NodeGone,
+    NonFinite,
+    PeerLost,
+    TooFarAhead,
     TrainerError,
+    TrainerLimit,
     TrainerProtocolError,
     TrainerTimeout,
     UnknownTensor,
@@ -46,8 +50,9 @@ ENV_SOCKET = "NETSTORM_SOCKET"
 
 ERRORS: dict[ErrorCode, type[TrainerError]] = {
     ErrorCode.UNKNOWN_TENSOR: UnknownTensor, ErrorCode.WRONG_SHAPE: WrongShape, ErrorCode.WRONG_DTYPE: WrongDtype,
-    ErrorCode.PEER_GONE: NodeGone, ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError,
-    ErrorCode.INTERNAL: IterationError,
+    ErrorCode.PEER_LOST: PeerLost, ErrorCode.PEER_GONE: PeerLost, ErrorCode.NODE_GONE: NodeGone,
+    ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError, ErrorCode.INTERNAL: IterationError,
+    ErrorCode.TRAINER_LIMIT: TrainerLimit, ErrorCode.TOO_FAR_AHEAD: TooFarAhead, ErrorCode.NON_FINITE: NonFinite,
 }
 """The exception a trainer raises for the code of a node's ErrorReply; any other code (the request broke
 the protocol, or the node refused it) raises TrainerProtocolError."""
@@ -88,6 +93,8 @@ class Registry:
         self.node_id = -1
         self.iteration = -1
         """The newest iteration the node has reported to this trainer (-1 before init)."""
+        self.contributors: tuple[int, ...] = ()
+        """The DCs whose gradients the latest result holds."""
 
     def close(self) -> None:
         self.shm = None
@@ -207,6 +214,7 @@ class Registry:
         self.num_workers = reply.num_workers
         self.node_id = reply.node_id
         self.iteration = reply.iteration
+        self.contributors = reply.contributors
         return self.results(names, payload)
 
     def accept_result(self, reply: tw.Message, names: Sequence[str],
@@ -215,6 +223,8 @@ class Registry:
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
         self.num_workers = reply.workers
+        if reply.contributors:
+            self.contributors = reply.contributors
         return self.results(names, payload)
 
     def payload_len(self, names: Sequence[str]) -> int:
@@ -248,6 +258,13 @@ class RegistryView:
         """Workers whose gradients make up each sum in the latest iteration: every contributing DC's own
         trainer and the LAN workers its gateway aggregates (what ``average=True`` divides by)."""
         return self.registry.num_workers
+
+    @property
+    def contributors(self) -> tuple[int, ...]:
+        """The DCs whose gradients the latest result holds: the membership the scheduler bound to its
+        iteration (after init, the DC whose values every DC started from; empty for a trainer that
+        replaced another and got its own values back)."""
+        return self.registry.contributors
 
     @property
     def node_id(self) -> int:

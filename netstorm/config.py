@@ -93,6 +93,21 @@ class Config:
     """Seconds between SNTP re-estimations of a node's clock offset."""
     max_frame_bytes: int = 64 * 1024 * 1024
     """Largest frame a peer may send; larger ones are rejected and the connection closed."""
+    trainers: int = 1
+    """Trainers (ranks) whose gradients make up this DC's contribution: each counts, the DC contributes
+    their sum and its worker count says so (a DC with several GPUs runs one rank per GPU); an ``init``
+    beyond them is refused at once."""
+    max_ahead: int = 1
+    """Iterations a trainer's push may run ahead of its oldest unpulled result (an error beyond it), and
+    of the slowest rank's at the node (the push waits); bounds the results a node holds."""
+    check_finite: bool = False
+    """Reject a push holding NaN or Inf, naming the DC and the tensor; nothing of it is counted."""
+    hello_timeout: float = 10.0
+    """Seconds a new data-plane connection may take to say which member it is; then it is closed."""
+    frame_timeout: float = 60.0
+    """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
+    max_connections_per_source: int = 64
+    """Data-plane connections one source address may hold open at a node; more are closed at once."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -101,14 +116,17 @@ class Config:
     def validate(self) -> None:
         """Reject values no run could use, naming the option."""
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
-                         "probe_chunk_size", "probe_chunk_num", "max_frame_bytes")
+                         "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers",
+                         "max_connections_per_source")
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.max_ahead < 0:
+            raise ConfigError(f"max_ahead must be >= 0, got {self.max_ahead!r}")
         if self.num_root_servers < 0:
             raise ConfigError(f"num_root_servers must be >= 0 (0 = all nodes), got {self.num_root_servers}")
         for name in ("update_time", "iteration_timeout", "connect_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "clock_sync_interval"):
+                     "heartbeat_timeout", "clock_sync_interval", "hello_timeout", "frame_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):

@@ -348,6 +348,16 @@ class MemberDown(Message, frozen=True, tag="member_down"):
     reason: Text
 
 
+class PeerUnreachable(Message, frozen=True, tag="peer_unreachable"):
+    """A node lost (or could not open) its data connection to ``peer`` and is reconnecting. Evidence
+    for the scheduler, not a verdict: only the scheduler declares a member dead, from its own
+    heartbeats and connections, and then tells everyone with ``MemberDown``."""
+
+    node_id: NodeId
+    peer: NodeId
+    reason: Text
+
+
 class LinkBeliefs(Message, frozen=True, tag="link_beliefs", omit_defaults=True):
     """Pushed to every node when policy ``version`` is published: the link rates it was planned from.
 
@@ -501,17 +511,17 @@ class History(Message, frozen=True, tag="history"):
 
 
 MESSAGES: dict[str, type[Message]] = {}
-for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, LinkBeliefs, PolicyRequest,
-             PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status, PolicyFetch,
-             EdgeReport, HistoryRequest, History):
+for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PeerUnreachable, LinkBeliefs,
+             PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
+             PolicyFetch, EdgeReport, HistoryRequest, History):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     MESSAGES[_cls.TYPE] = _cls
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
-    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | LinkBeliefs | PolicyRequest
-    | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck | StatusRequest | Status | PolicyFetch
-    | EdgeReport | HistoryRequest | History,
+    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | PeerUnreachable | LinkBeliefs
+    | PolicyRequest | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck | StatusRequest | Status
+    | PolicyFetch | EdgeReport | HistoryRequest | History,
     dec_hook=_dec_hook)
 
 

@@ -26,7 +26,18 @@ class ErrorCode(enum.StrEnum):
     ITERATION_FAILED = "iteration_failed"
     """An iteration cannot complete (invalid data from a peer, a policy that cannot hold)."""
     PEER_GONE = "peer_gone"
-    """A peer (or the node itself) died or closed while the request needed it."""
+    """Older name of ``PEER_LOST`` (a peer died while the request needed it); still understood."""
+    PEER_LOST = "peer_lost"
+    """A peer DC the iteration needed was declared dead by the scheduler: that iteration is lost
+    everywhere, the next one runs without it (retry)."""
+    NODE_GONE = "node_gone"
+    """This DC's own node is gone or unreachable: retrying through it is pointless."""
+    TRAINER_LIMIT = "trainer_limit"
+    """The node already serves as many trainers as it is configured for (``trainers``)."""
+    TOO_FAR_AHEAD = "too_far_ahead"
+    """A push ran more than ``max_ahead`` iterations ahead of the trainer's oldest unpulled result."""
+    NON_FINITE = "non_finite"
+    """A pushed tensor holds NaN or Inf (``check_finite``): nothing of the push was counted."""
     TIMEOUT = "timeout"
     NOT_MEMBER = "not_member"
     """The sender is not (or not yet, or no longer) a member the request may act for."""
@@ -101,9 +112,31 @@ class WrongDtype(TrainerError):
 
 
 class NodeGone(TrainerError):
-    """The general node closed the connection or cannot be reached."""
+    """This DC's own general node closed the connection or cannot be reached (not retryable through it);
+    a peer DC lost is ``PeerLost``."""
 
-    code: ClassVar[ErrorCode] = ErrorCode.PEER_GONE
+    code: ClassVar[ErrorCode] = ErrorCode.NODE_GONE
+
+
+class TrainerLimit(TrainerError):
+    """An ``init`` beyond the trainers the node is configured for (``trainers``): refused at once, so a
+    second trainer never adds its values to the DC's contribution unnoticed."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.TRAINER_LIMIT
+
+
+class TooFarAhead(TrainerError):
+    """A push more than ``max_ahead`` iterations ahead of this trainer's oldest unpulled result: pull
+    first. Nothing of the push was counted."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.TOO_FAR_AHEAD
+
+
+class NonFinite(TrainerError):
+    """A pushed tensor holds NaN or Inf (``check_finite``); the message names the DC and the tensor, and
+    nothing of the push was counted."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.NON_FINITE
 
 
 class TrainerTimeout(TrainerError):
@@ -122,3 +155,10 @@ class IterationError(TrainerError):
     """The iteration failed at the node (invalid data from a peer, a policy that cannot hold)."""
 
     code: ClassVar[ErrorCode] = ErrorCode.ITERATION_FAILED
+
+
+class PeerLost(IterationError):
+    """A peer DC died while the iteration needed it: the scheduler declared it dead, the iteration is
+    lost at every DC, and the next one runs without it. Retryable (an ``IterationError`` too)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.PEER_LOST

@@ -41,6 +41,7 @@ MAX_DIMS = 32
 
 
 Names = Annotated[tuple[Name, ...], msgspec.Meta(max_length=MAX_ITEMS)]
+NodeIds = Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_ITEMS)]
 Dim = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 Shape = Annotated[tuple[Dim, ...], msgspec.Meta(max_length=MAX_DIMS)]
 Dtype = Annotated[str, msgspec.Meta(max_length=32)]
@@ -71,6 +72,9 @@ class InitReply(_Message, frozen=True, tag="init_ok"):
     num_workers: Count
     """Workers whose gradients make up each sum (every DC's trainer and LAN workers)."""
     layout_hash: Name
+    contributors: NodeIds = ()
+    """The DCs whose values the returned model holds (empty for a replacement trainer's init, which
+    gets its own values back)."""
 
 
 class PushRequest(_Message, frozen=True, tag="push"):
@@ -102,6 +106,8 @@ class PullReply(_Message, frozen=True, tag="result"):
     workers: Count
     """Workers whose gradients make up these sums: over the iteration's contributing DCs (fewer than the
     job's after a DC died), each DC's trainer and its gateway's LAN workers."""
+    contributors: NodeIds = ()
+    """The DCs whose gradients these sums hold: the membership the scheduler bound to the iteration."""
 
 
 class ErrorReply(_Message, frozen=True, tag="error"):

@@ -11,6 +11,8 @@
   timer and carries out its actions. A DC's contribution enters through
   ``GeneralNode.contribute(key, values, iteration=)`` and leaves through ``GeneralNode.collect(keys,
   sink)``, whatever its source (the trainer endpoint, a LAN aggregator).
+- ``ranks``: the DC's trainers (``trainers`` of them): each push counts, their sum is the DC's
+  contribution, a result is released once all have read it, and ``max_ahead`` bounds how far any runs.
 - ``trainer_endpoint``: trainers over a Unix socket with shared memory, or TCP.
 - ``control_client``: the scheduler's client (registration, policies, link reports, heartbeats).
 """

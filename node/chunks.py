@@ -13,7 +13,9 @@ from its parent keeps it and passes it on to its children. Sums accumulate in on
 iteration (``np.add(..., out=...)`` on slices, never a Python loop over elements).
 
 Chunks that arrive for an iteration whose policy is not bound yet are kept and processed when it is;
-nothing is dropped. A contribution that arrives twice is rejected.
+nothing is dropped. A contribution that arrives twice is rejected. Chunks from before the layout can
+be kept too, but the node's shell never feeds any: it stops reading a connection until the layout
+exists (``NodeCore.admit``), so nothing is buffered for a layout that does not exist.
 """
 
 from __future__ import annotations
@@ -104,10 +106,11 @@ class ChunkCore:
         self._closed: dict[int, str] = {}
         self._roots_cache: dict[int, list[int]] = {}
         self.horizon = 1
+        """Highest iteration a peer may send chunks for: no peer runs more than ``max_ahead`` iterations
+        past this node's slowest tensor (``NodeCore`` keeps this up to date), so anything beyond is a
+        broken peer, not early data to keep."""
         self.peak_live = 0
         """Most iterations held at once: 2 means a peer's next iteration reached us while ours ran."""
-        """Highest iteration a peer may send chunks for: no peer can be more than one iteration ahead of
-        this node's own contributions, so anything beyond is a broken peer, not early data to keep."""
         if layout is not None:
             self.set_layout(layout)
 

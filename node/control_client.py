@@ -209,6 +209,15 @@ class SchedulerClient:
         self._reports.append(report)
         self._reports_ready.set()
 
+    def report_unreachable(self, peer: int, reason: str) -> None:
+        """Tell the scheduler this node lost its data connection to ``peer`` (sent in the background; a
+        failure is logged). Only the scheduler decides whether ``peer`` is dead."""
+        if self._tasks is None:
+            log.warning("node %d: unreachable node %d not reported: the client is closed", self.node_id, peer)
+            return
+        message = control.PeerUnreachable(self.node_id, peer, reason[:EDGE_REASON])
+        self._tasks.create_task(self._report_edge(message))
+
     def report_edge(self, mode: str, fallback: str = "") -> None:
         """Tell the scheduler how this gateway aggregates its LAN (``mode``) and why XDP fell back, if it
         did (sent in the background; a failure is logged, the connection's loss is seen elsewhere)."""
@@ -217,11 +226,11 @@ class SchedulerClient:
             return
         self._tasks.create_task(self._report_edge(control.EdgeReport(self.node_id, mode, fallback[:EDGE_REASON])))
 
-    async def _report_edge(self, message: control.EdgeReport) -> None:
+    async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable) -> None:
         try:
             await self._send(message)
         except (TimeoutError, ConnectionError, OSError) as exc:
-            log.warning("node %d: edge mode not reported to %s: %s", self.node_id, self._name, exc)
+            log.warning("node %d: %s not reported to %s: %s", self.node_id, message.TYPE, self._name, exc)
 
     def _policy_future(self, iteration: int) -> asyncio.Future[Policy]:
         answer = self._policy_answers.get(iteration)

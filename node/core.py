@@ -181,7 +181,7 @@ class NodeCore:
         """The layout every DC agreed on; chunks peers sent before it are processed now."""
         self._key_next = np.full(len(layout.tensors), self.first_iteration, dtype=np.int64)
         self._key_pull = self._key_next.copy()
-        self.chunks.horizon = self.first_iteration + 1
+        self.chunks.horizon = self.first_iteration + self.config.max_ahead
         return self._process(self.chunks.set_layout(layout), _Links(links), now)
 
     def next_iteration(self) -> int:
@@ -206,15 +206,58 @@ class NodeCore:
             raise ChunkError(f"tensor {layout.tensors[key].name!r}: contribution for iteration {iteration}, "
                              f"but its next iteration is {int(self._key_next[key])}")
         iteration = int(self._key_next[key])
+        if not self.window(iteration):
+            raise ChunkError(f"tensor {layout.tensors[key].name!r}: a contribution for iteration {iteration} runs "
+                             f"more than max_ahead = {self.config.max_ahead} iterations past iteration "
+                             f"{self.oldest_unpulled()}, not collected yet (peers would refuse its chunks)")
         self._tracker(iteration, now)
         return iteration
 
     def contribute(self, key: int, iteration: int, values: np.ndarray | None, links: Mapping[int, LinkState],
                    now: float) -> list[Action]:
-        """This DC's values of tensor ``key`` for ``iteration`` (from ``open_contribution``; None: zeros)."""
+        """This DC's values of tensor ``key`` for ``iteration`` (from ``open_contribution``; None: zeros).
+        A contribution the aggregation core refuses (it raises) changes no counter."""
+        actions = self.chunks.push_local(iteration, key, values)
         self._key_next[key] += 1
-        self.chunks.horizon = max(self.chunks.horizon, iteration + 1)
-        return self._process(self.chunks.push_local(iteration, key, values), _Links(links), now)
+        self._widen_horizon()
+        return self._process(actions, _Links(links), now)
+
+    def key_next(self, key: int) -> int:
+        """The iteration the next contribution of tensor ``key`` belongs to."""
+        return int(self._key_next[key])
+
+    def oldest_unpulled(self) -> int:
+        """The oldest iteration some tensor has not been collected from yet."""
+        return int(self._key_pull.min()) if self._key_pull.size else self.first_iteration
+
+    def window(self, iteration: int) -> bool:
+        """A contribution to ``iteration`` is within ``max_ahead`` iterations of the oldest unpulled one,
+        so the results this node holds stay bounded."""
+        return iteration - self.oldest_unpulled() <= self.config.max_ahead
+
+    def admit(self, header: ChunkHeader) -> bool:
+        """Check a chunk's header before anything is allocated for its payload: False when no layout
+        exists yet (the shell stops reading until one does: nothing is buffered for a layout that does
+        not exist). Raises ChunkError for a chunk index, element count or iteration no correct peer sends."""
+        layout = self.chunks.layout
+        if layout is None:
+            return False
+        if not 0 <= header.chunk < len(layout.chunks):
+            raise ChunkError(f"chunk index {header.chunk} out of range (layout has {len(layout.chunks)})")
+        expected = layout.chunks[header.chunk].count
+        if header.count != expected:
+            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
+                             f"{header.count} elements, layout says {expected}")
+        if header.iteration > self.chunks.horizon + 1:  # a pass-through hop may be one iteration further on
+            raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, far "
+                             f"ahead of node {self.node_id} (it accepts up to iteration {self.chunks.horizon})")
+        return True
+
+    def _widen_horizon(self) -> None:
+        """Peers may send chunks up to ``max_ahead`` iterations past this node's slowest tensor: a peer's
+        trainer runs at most that far ahead of its own pulls, which wait for this node's contributions."""
+        if self._key_next.size:
+            self.chunks.horizon = max(self.chunks.horizon, int(self._key_next.min()) + self.config.max_ahead)
 
     def collect_iteration(self, keys: Sequence[int]) -> int:
         """The iteration a collection of ``keys`` returns: their oldest unpulled one, the same for all."""
@@ -455,6 +498,7 @@ class NodeCore:
         np.maximum(self._key_next, iteration + 1, out=self._key_next)
         np.maximum(self._key_pull, iteration + 1, out=self._key_pull)
         self.chunks.horizon = max(self.chunks.horizon, iteration + 2)
+        self._widen_horizon()
         for old in [k for k, t in self._trackers.items() if k < iteration - 2 and t.failure is not None]:
             del self._trackers[old]
 

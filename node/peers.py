@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 from typing import cast
 
@@ -64,16 +65,35 @@ class PeerError(NetStormError):
 OnHello = Callable[[Hello, "InboundProtocol"], None]
 OnChunk = Callable[[int, ChunkHeader, np.ndarray, float], None]
 OnLost = Callable[["InboundProtocol", str], None]
+OnAdmit = Callable[[ChunkHeader], bool]
+"""Checks a chunk's header before its payload is allocated: raises to reject it, False to stop reading
+until ``InboundProtocol.resume`` (the node has no layout to check it against yet)."""
+OnMade = Callable[["InboundProtocol"], None]
+
+
+def _admit_all(header: ChunkHeader) -> bool:
+    return True
 
 
 class InboundProtocol(asyncio.BufferedProtocol):
-    """Frames from one peer. Callbacks raise FrameError/ChunkError to reject the peer's input."""
+    """Frames from one peer. Callbacks raise FrameError/ChunkError to reject the peer's input.
+
+    Deadlines: a connection that has not said Hello within ``hello_timeout`` and one that stalls in the
+    middle of a frame for ``frame_timeout`` (no byte arrives) are closed, so idle or half-sent
+    connections cannot pile up. A chunk header is checked (``on_admit``) before its payload is
+    allocated; while the node has no layout the connection stops reading (the bytes stay in the
+    kernel and the sender's queue) instead of buffering chunks nobody can check."""
 
     def __init__(self, *, on_hello: OnHello, on_chunk: OnChunk, on_lost: OnLost, max_frame_bytes: int,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], on_admit: OnAdmit = _admit_all, on_made: OnMade | None = None,
+                 hello_timeout: float | None = None, frame_timeout: float | None = None) -> None:
         self._on_hello = on_hello
         self._on_chunk = on_chunk
         self._on_lost = on_lost
+        self._on_admit = on_admit
+        self._on_made = on_made
+        self._hello_timeout = hello_timeout
+        self._frame_timeout = frame_timeout
         self._max_frame = max_frame_bytes
         self._clock = clock
         self._staging = bytearray(STAGING_BYTES)
@@ -84,17 +104,64 @@ class InboundProtocol(asyncio.BufferedProtocol):
         self._payload: np.ndarray | None = None
         self._payload_bytes: memoryview | None = None
         self._payload_fill = 0
+        self._held: ChunkHeader | None = None
+        """A chunk header read while the node had no layout: reading stopped there."""
         self._closing = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._last_read = 0.0
         self.rejected = False
         self.transport: asyncio.Transport | None = None
         self.peer_id: int | None = None
         self.layout_hash = ""
         self.peername = "?"
+        self.host = "?"
         self.frames = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
-        self.peername = str(transport.get_extra_info("peername"))
+        peer = transport.get_extra_info("peername")
+        self.peername = str(peer)
+        self.host = str(peer[0]) if isinstance(peer, tuple) and peer else self.peername
+        self._last_read = time.monotonic()
+        self._arm()
+        if self._on_made is not None:
+            self._on_made(self)
+
+    # ---- deadlines ----------------------------------------------------------------------------------
+
+    @property
+    def in_frame(self) -> bool:
+        return self._prefix is not None or self._payload_bytes is not None or self._fill > 0
+
+    def _deadline(self) -> tuple[float, str] | None:
+        """When this connection is closed unless it makes progress, and why (None: no deadline)."""
+        if self._closing or self._held is not None:
+            return None
+        if self.peer_id is None and self._hello_timeout is not None:
+            return self._last_read + self._hello_timeout, f"no Hello within {self._hello_timeout:g} s"
+        if self.in_frame and self._frame_timeout is not None:
+            return self._last_read + self._frame_timeout, f"stalled mid-frame for {self._frame_timeout:g} s"
+        return None
+
+    def _arm(self) -> None:
+        if self._timer is not None or self._closing:
+            return
+        deadline = self._deadline()
+        if deadline is not None:
+            delay = max(0.0, deadline[0] - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        deadline = self._deadline()
+        if deadline is None:
+            return
+        if time.monotonic() >= deadline[0]:
+            self.reject(f"closing connection from {self.peername}: {deadline[1]}", ErrorCode.TIMEOUT)
+            return
+        self._arm()
+
+    # ---- reading ------------------------------------------------------------------------------------
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._payload_bytes is not None:
@@ -105,20 +172,71 @@ class InboundProtocol(asyncio.BufferedProtocol):
         if self._closing:
             return
         try:
+            self._last_read = time.monotonic()
             if self._payload_bytes is not None:
                 self._payload_fill += nbytes
                 if self._payload_fill == len(self._payload_bytes):
                     self._finish_chunk()
+                    self._parse_staging()
                 return
             self._fill += nbytes
             self._parse_staging()
         except (FrameError, ChunkError) as exc:
             self.reject(str(exc), exc.code)
+        finally:
+            self._arm()
+
+    def resume(self) -> None:
+        """The node can check chunks now (its layout exists): go on with a held chunk and read again."""
+        header, self._held = self._held, None
+        if header is None or self._closing:
+            return
+        assert self.transport is not None
+        self.transport.resume_reading()
+        self._last_read = time.monotonic()
+        try:
+            pos = self._start_chunk(header, 0)
+            if pos is not None:
+                self._compact(pos)
+                self._parse_staging()
+        except (FrameError, ChunkError) as exc:
+            self.reject(str(exc), exc.code)
+        finally:
+            self._arm()
+
+    def _compact(self, pos: int) -> None:
+        rest = self._fill - pos
+        if rest and pos:
+            self._staging[:rest] = self._staging[pos:self._fill]
+        self._fill = rest
+
+    def _start_chunk(self, header: ChunkHeader, pos: int) -> int | None:
+        """Admit ``header`` and take its payload from the staging buffer at ``pos``; the position after
+        it when it is complete, None when the rest is to be read straight into the payload (or reading
+        stopped until the node has a layout)."""
+        if not self._on_admit(header):
+            self._held = header
+            self._compact(pos)
+            assert self.transport is not None
+            self.transport.pause_reading()
+            return None
+        view = self._staging_view
+        payload = np.empty(header.count, dtype="<f4")
+        raw = payload.data.cast("B")
+        take = min(self._fill - pos, len(raw))
+        raw[:take] = view[pos:pos + take]
+        pos += take
+        self._chunk, self._payload, self._payload_bytes, self._payload_fill = header, payload, raw, take
+        if take == len(raw):
+            self._finish_chunk()
+            return pos
+        self._compact(pos)
+        return None
 
     def _parse_staging(self) -> None:
         view = self._staging_view
         pos = 0
-        while not self._closing:
+        while not self._closing and self._held is None and self._payload_bytes is None:
             available = self._fill - pos
             if self._prefix is None:
                 if available < PREFIX_SIZE:
@@ -139,16 +257,11 @@ class InboundProtocol(asyncio.BufferedProtocol):
                 if header.src != self.peer_id:
                     raise FrameError(f"chunk claims to come from node {header.src} on node {self.peer_id}'s "
                                      f"connection")
-                payload = np.empty(header.count, dtype="<f4")
-                raw = payload.data.cast("B")
-                take = min(self._fill - pos, len(raw))
-                raw[:take] = view[pos:pos + take]
-                pos += take
-                self._chunk, self._payload, self._payload_bytes, self._payload_fill = header, payload, raw, take
-                if take == len(raw):
-                    self._finish_chunk()
-                    continue
-                break  # the rest of the payload is read straight into the array
+                after = self._start_chunk(header, pos)
+                if after is None:
+                    return  # compacted already: the payload (or the layout) comes first
+                pos = after
+                continue
             if isinstance(header, Hello):
                 if self.peer_id is not None:
                     raise FrameError(f"second Hello from node {self.peer_id}")
@@ -156,10 +269,8 @@ class InboundProtocol(asyncio.BufferedProtocol):
                 self.peer_id = header.node_id
             else:
                 raise FrameError(f"peer sent an Error frame: {header.message}")
-        rest = self._fill - pos
-        if rest and pos:
-            self._staging[:rest] = self._staging[pos:self._fill]
-        self._fill = rest
+        if not self._closing:
+            self._compact(pos)
 
     def _finish_chunk(self) -> None:
         header, payload = self._chunk, self._payload
@@ -180,13 +291,23 @@ class InboundProtocol(asyncio.BufferedProtocol):
         self.transport.write(ErrorFrame(message, code).encode())
         self.transport.close()
 
+    def close(self) -> None:
+        """Close without a word (a newer connection from the same member replaced this one)."""
+        if self._closing or self.transport is None:
+            return
+        self._closing = True
+        self.transport.close()
+
     def eof_received(self) -> bool | None:
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        in_frame = self._prefix is not None or self._payload_bytes is not None or self._fill > 0
-        reason = f"connection closed{' mid-frame' if in_frame else ''}" + (f": {exc}" if exc else "")
+        reason = f"connection closed{' mid-frame' if self.in_frame else ''}" + (f": {exc}" if exc else "")
         self._closing = True
+        self._held = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._on_lost(self, reason)
 
 
@@ -358,14 +479,14 @@ class PeerLink:
                     await self._wakeup.wait()
                 if self.protocol is None:
                     self.protocol = await self._connect()
+                protocol = self.protocol
+                if protocol.closed.done():  # before taking a frame: it stays queued for the next connection
+                    raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
                 item = self._queue.pop()
                 if item.ticket is not None:
                     del self._tickets[item.ticket]
-                protocol = self.protocol
                 transport = protocol.transport
                 assert transport is not None
-                if protocol.closed.done():
-                    raise PeerError(f"connection to node {self.peer_id} lost: {protocol.closed.result()}")
                 header = item.header.hop(item.header.src, item.header.dst, self._clock())
                 transport.write(header.encode())
                 transport.write(item.payload.data.cast("B"))
@@ -386,3 +507,4 @@ class PeerLink:
         finally:
             if self.protocol is not None and self.protocol.transport is not None:
                 self.protocol.transport.close()
+            self.protocol = None  # a later run connects afresh; the queue keeps what was not sent

@@ -69,6 +69,7 @@ class Control(Protocol):
     def prefetch(self, iteration: int) -> None: ...
     def report_link(self, report: LinkReport) -> None: ...
     def on_member_down(self, cb: Callable[[int, str], None]) -> None: ...
+    def report_unreachable(self, peer: int, reason: str) -> None: ...
     def on_beliefs(self, cb: Callable[[LinkBeliefs], None]) -> None: ...
 
 
@@ -86,13 +87,22 @@ class IterationTimeout(IterationFailed):
     code = ErrorCode.TIMEOUT
 
 
-class PeerGone(IterationFailed):
-    """A peer died while the iteration needed it."""
+class PeerLost(IterationFailed):
+    """A peer the iteration needed was declared dead by the scheduler: the iteration is lost at every DC
+    and the next one runs without it (the trainer's ``PeerLost``, retryable)."""
 
-    code = ErrorCode.PEER_GONE
+    code = ErrorCode.PEER_LOST
 
 
-_RAISES: dict[Cause, type[IterationFailed]] = {Cause.FAILED: IterationFailed, Cause.GONE: PeerGone,
+PeerGone = PeerLost
+"""The former name of ``PeerLost``."""
+
+RECONNECT_FIRST = 0.1
+"""Seconds before the first attempt to reopen a lost link to a peer; each failure doubles it."""
+RECONNECT_MAX = 5.0
+"""Longest wait between attempts: a peer the scheduler still counts as a member is retried for good."""
+
+_RAISES: dict[Cause, type[IterationFailed]] = {Cause.FAILED: IterationFailed, Cause.GONE: PeerLost,
                                                Cause.TIMEOUT: IterationTimeout}
 """The exception a waiter raises for each cause of an iteration's failure."""
 
@@ -109,6 +119,8 @@ class GeneralNode:
         self.clock = clock
         """The (synced) wall clock links stamp t_send with and the receiver reads t_last_byte from."""
         self.core = NodeCore(node_id, config)
+        self.trainers = config.trainers
+        """Trainers whose gradients make up this DC's contribution (this node's own option, not the job's)."""
         self.control: Control | None = None
         self.members: dict[int, tuple[str, int]] = {}
         self.links: dict[int, PeerLink] = {}
@@ -234,6 +246,8 @@ class GeneralNode:
         self._apply(self.core.register(layout, self._links(), self._now()))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
+        for inbound in list(self._inbound):
+            inbound.resume()  # connections that stopped at a chunk before the layout existed
         log.info("node %d: layout %s, %d tensors, %d chunks, %d elements", self.node_id, layout.hash,
                  len(layout.tensors), len(layout.chunks), layout.total)
         return layout
@@ -278,6 +292,11 @@ class GeneralNode:
             actions += self.core.pulled(iteration, key)
         self._apply(actions)
         return iteration
+
+    def release(self, iteration: int, key: int) -> None:
+        """Tensor ``key``'s sum of ``iteration`` was read by everyone who reads it (``collect`` does this
+        itself; the trainer endpoint's ranks call it once the last of them has read)."""
+        self._apply(self.core.pulled(iteration, key))
 
     async def wait_keys(self, iteration: int, keys: Sequence[int]) -> None:
         """Until every chunk of ``keys`` holds its full sum; IterationFailed (naming why) otherwise. The
@@ -352,10 +371,34 @@ class GeneralNode:
         self._apply(self.core.member_down(peer, reason, self._now()))
 
     async def _run_link(self, link: PeerLink) -> None:
-        try:
-            await link.run()
-        except PeerError as exc:
-            self.member_down(link.peer_id, str(exc))
+        """Run the link to one peer; when it fails, tell the scheduler and reconnect with a growing
+        backoff. Only the scheduler declares a member dead (``MemberDown``); then the link stops."""
+        delay = RECONNECT_FIRST
+        reported = False
+        while True:
+            sent = link.sent_frames
+            try:
+                await link.run()
+                return
+            except PeerError as exc:
+                if self._stopping.is_set() or link.peer_id in self.core.down:
+                    return
+                if link.sent_frames > sent:  # it worked for a while: a new outage, not the same one
+                    delay, reported = RECONNECT_FIRST, False
+                log.warning("node %d: link to node %d lost (%s); reconnecting in %.1f s", self.node_id,
+                            link.peer_id, exc, delay)
+                if self.control is not None and not reported:  # once per outage: evidence, not a drumbeat
+                    self.control.report_unreachable(link.peer_id, str(exc))
+                    reported = True
+            try:
+                async with asyncio.timeout(delay):
+                    await self._stopping.wait()
+                return
+            except TimeoutError:
+                pass
+            if link.peer_id in self.core.down:
+                return
+            delay = min(delay * 2, RECONNECT_MAX)
 
     # ---- data plane ---------------------------------------------------------------------------------
 
@@ -364,9 +407,18 @@ class GeneralNode:
 
     def _make_inbound(self) -> InboundProtocol:
         protocol = InboundProtocol(on_hello=self._on_hello, on_chunk=self._on_chunk, on_lost=self._on_lost,
-                                   max_frame_bytes=self.config.max_frame_bytes, clock=self.clock)
+                                   max_frame_bytes=self.config.max_frame_bytes, clock=self.clock,
+                                   on_admit=self.core.admit, on_made=self._on_made,
+                                   hello_timeout=self.config.hello_timeout, frame_timeout=self.config.frame_timeout)
         self._inbound.add(protocol)
         return protocol
+
+    def _on_made(self, protocol: InboundProtocol) -> None:
+        """A new data connection: at most ``max_connections_per_source`` from one address."""
+        cap = self.config.max_connections_per_source
+        same = sum(1 for p in self._inbound if p.host == protocol.host and p.transport is not None)
+        if same > cap:
+            protocol.reject(f"more than {cap} connections from {protocol.host}", ErrorCode.PROTOCOL)
 
     def _on_hello(self, hello: Hello, protocol: InboundProtocol) -> None:
         if self.members and hello.node_id not in self.members:
@@ -375,7 +427,11 @@ class GeneralNode:
             raise FrameError(f"a peer claims to be node {self.node_id}, which is this node")
         current = self._inbound_by_peer.get(hello.node_id)
         if current is not None and current is not protocol:
-            raise FrameError(f"node {hello.node_id} is already connected from {current.peername}")
+            # A member reconnecting after its link failed: the newer connection replaces the older one.
+            log.info("node %d: node %d connects again from %s; closing its connection from %s", self.node_id,
+                     hello.node_id, protocol.peername, current.peername)
+            del self._inbound_by_peer[hello.node_id]
+            current.close()
         protocol.layout_hash = hello.layout_hash
         protocol.peer_id = hello.node_id
         self._check_peer_layout(protocol)
@@ -396,8 +452,8 @@ class GeneralNode:
         if peer is None or self._inbound_by_peer.get(peer) is not protocol:
             return
         del self._inbound_by_peer[peer]
-        if not protocol.rejected:
-            self.member_down(peer, f"its connection to node {self.node_id} closed ({reason})")
+        # Not a verdict: the peer reconnects if it lives, and the scheduler declares it dead if not.
+        log.info("node %d: connection from node %d closed (%s)", self.node_id, peer, reason)
 
     def _link_progress(self, peer: int, sent: Outgoing | None) -> None:
         """A link sent a frame (or starts idle): the core may move a queued chunk in answer."""

@@ -8,6 +8,13 @@ on another host of the DC) the same messages carry the float32 values inline.
 Each connection handles one request at a time. A bad request (unknown tensor, wrong size, bad message)
 gets an error reply naming the problem and the connection stays usable; a malformed frame closes the
 connection. Either way the node goes on serving its peers.
+
+An ``init`` makes the connection one of the node's trainers (ranks, ``node/ranks.py``): as many as the
+node is configured for (``trainers``), the next one is refused at once. The first init round is the
+all-reduce that hands every DC the lowest id's values; a trainer that replaces one that disconnected
+runs no round: it gets its own values back (say, from its checkpoint) and continues at the node's next
+iteration. The Unix socket is protected by its file permissions: whoever may connect to it may train
+for this DC.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from netstorm import trainer_wire as tw
 from netstorm.client import SHM_PREFIX, shm_directory
 from netstorm.errors import ErrorCode, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
+from netstorm.schema import MAX_ITEMS
+from node.ranks import Ranks
 from node.service import GeneralNode
 
 log = logging.getLogger("netstorm.node.trainer")
@@ -41,6 +50,8 @@ class _Session:
         self.inline = inline
         self.name = name
         self.peer_uid = peer_uid
+        self.rank: int | None = None
+        """This trainer's rank at the node, from its init on."""
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
 
@@ -102,8 +113,11 @@ class TrainerEndpoint:
 
     def __init__(self, node: GeneralNode) -> None:
         self.node = node
+        self.ranks = Ranks(node)
         self._servers: list[asyncio.Server] = []
         self._sessions = 0
+        self._by_host: dict[str, int] = {}
+        """Open TCP trainer connections per source address (at most ``max_connections_per_source``)."""
 
     async def serve_unix(self, path: str | Path) -> asyncio.Server:
         path = Path(path)
@@ -127,7 +141,18 @@ class TrainerEndpoint:
         session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
                            None if inline else _peer_uid(writer))
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
+        peer = writer.get_extra_info("peername") if inline else None
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else None
+        if host is not None:
+            self._by_host[host] = self._by_host.get(host, 0) + 1
         try:
+            cap = self.node.config.max_connections_per_source
+            if host is not None and self._by_host[host] > cap:
+                log.warning("node %d: closing %s: more than %d trainer connections from %s", self.node.node_id,
+                            session.name, cap, host)
+                await self._reply(writer, tw.ErrorReply(ErrorCode.PROTOCOL, f"more than {cap} trainer connections "
+                                                                           f"from {host}"))
+                return
             while True:
                 try:
                     prefix = await reader.readexactly(tw.PREFIX.size)
@@ -164,6 +189,11 @@ class TrainerEndpoint:
         except (asyncio.IncompleteReadError, ConnectionError) as exc:
             log.info("node %d: %s went away: %s", self.node.node_id, session.name, exc)
         finally:
+            if host is not None:
+                self._by_host[host] -= 1
+                if not self._by_host[host]:
+                    del self._by_host[host]
+            self.ranks.leave(session.rank)
             session.close()
             writer.close()
 
@@ -175,10 +205,15 @@ class TrainerEndpoint:
             await writer.drain()
 
     def _payload_len(self, session: _Session, request: tw.Message) -> int:
+        if isinstance(request, tw.InitRequest):
+            elements = sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
+            most = MAX_ITEMS * self.node.config.chunk_size
+            if elements > most:  # refused before a layout (or a payload) is built for it
+                raise TrainerProtocolError(f"init of {elements} elements: more than the {MAX_ITEMS} chunks of "
+                                           f"{self.node.config.chunk_size} elements a layout may hold")
+            return 4 * elements if session.inline else 0
         if not session.inline:
             return 0
-        if isinstance(request, tw.InitRequest):
-            return 4 * sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
         if isinstance(request, tw.PushRequest) or (isinstance(request, tw.PullRequest) and request.push):
             layout = self._layout()
             return 4 * sum(layout.tensors[k].size for k in session.keys(layout, request.names))
@@ -192,75 +227,102 @@ class TrainerEndpoint:
     async def _serve(self, session: _Session, request: tw.Message, payload: bytes) -> tuple[tw.Message, bytes]:
         node = self.node
         if isinstance(request, tw.InitRequest):
-            specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
-            if not session.inline:  # check the file before the tensors become the node's layout
-                session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
-            layout = await node.register(specs)
-            if not session.inline:
-                values = session.shm
-            else:
-                # Inline values come in request order; place them in layout order.
-                values = np.empty(layout.total, dtype="<f4")
-                flat = np.frombuffer(payload, dtype="<f4")
-                position = 0
-                for name, _, _ in request.tensors:
-                    key = layout.key(name)
-                    size = layout.tensors[key].size
-                    values[layout.key_slice(key)] = flat[position:position + size]
-                    position += size
-            assert values is not None
-            iteration = node.next_iteration()
-            policy = await node.ensure_policy(iteration)
-            contributor = node.node_id == min(policy.nodes)
-            for key in range(len(layout.tensors)):
-                await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
-            names = tuple(t.name for t in layout.tensors)
-            out = await self._collect(session, layout, list(range(len(layout.tensors))), average=False)
-            if session.inline:
-                # Reply in request order, like the values came.
-                order = [layout.key(n) for n, _, _ in request.tensors]
-                ordered = np.concatenate([np.frombuffer(out, dtype="<f4")[layout.key_slice(k)] for k in order]) \
-                    if order else np.zeros(0, dtype="<f4")
-                out = ordered.tobytes()
-            log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
-                     node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
-            return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash), out
+            if session.rank is not None:
+                raise TrainerProtocolError("init twice on one connection")
+            session.rank = self.ranks.join(session.name)  # refused at once when every slot is taken
+            try:
+                return await self._init(session, request, payload)
+            except BaseException:
+                self.ranks.leave(session.rank)  # a failed init leaves no trace: the trainer may init again
+                session.rank = None
+                raise
         layout = self._layout()
+        rank = self.ranks.check_request(session.rank)
         if isinstance(request, tw.PushRequest):
             keys = session.keys(layout, request.names)
             return tw.PushReply(await self._push(session, layout, keys, payload)), b""
-        if isinstance(request, tw.PullRequest) and request.push:
-            keys = session.keys(layout, request.names)
-            iteration = await self._push(session, layout, keys, payload)
-            out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names, node.contributor_count(iteration)), out
         if isinstance(request, tw.PullRequest):
             keys = session.keys(layout, request.names)
-            iteration = node.pull_iteration(keys[0]) if keys else -1
+            if request.push:
+                await self._push(session, layout, keys, payload)
+            iteration = self.ranks.pull_iteration(rank, keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
-            return tw.PullReply(iteration, request.names, node.contributor_count(iteration)), out
+            return tw.PullReply(iteration, request.names, node.contributor_count(iteration),
+                                tuple(node.contributors(iteration)) if keys else ()), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
+    async def _init(self, session: _Session, request: tw.InitRequest, payload: bytes) -> tuple[tw.Message, bytes]:
+        node = self.node
+        assert session.rank is not None
+        specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
+        if not session.inline:  # check the file before the tensors become the node's layout
+            session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
+        layout = await node.register(specs)
+        if not session.inline:
+            values = session.shm
+        else:
+            # Inline values come in request order; place them in layout order.
+            values = np.empty(layout.total, dtype="<f4")
+            flat = np.frombuffer(payload, dtype="<f4")
+            position = 0
+            for name, _, _ in request.tensors:
+                key = layout.key(name)
+                size = layout.tensors[key].size
+                values[layout.key_slice(key)] = flat[position:position + size]
+                position += size
+        assert values is not None
+        keys = list(range(len(layout.tensors)))
+        names = tuple(t.name for t in layout.tensors)
+        if self.ranks.initialized:
+            self.ranks.start(session.rank, layout, replacement=True)
+            await self.ranks.settle(layout)
+            iteration = min(self.ranks.push_iteration(session.rank, k) for k in keys) if keys else 0
+            log.info("node %d: %s replaces a trainer: %d tensors (layout %s), continues at iteration %d with its "
+                     "own values", node.node_id, session.name, len(names), layout.hash, iteration)
+            out = payload if session.inline else b""
+            return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash), out
+        self.ranks.start(session.rank, layout, replacement=False)
+        iteration = node.next_iteration()
+        policy = await node.ensure_policy(iteration)
+        contributor = self.ranks.init_values(session.rank, node.node_id == min(policy.nodes))
+        await self.ranks.push(session.rank, layout,
+                              {k: values[layout.key_slice(k)] if contributor else None for k in keys})
+        out = await self._collect(session, layout, keys, average=False)
+        self.ranks.initialized = True
+        if session.inline:
+            # Reply in request order, like the values came.
+            order = [layout.key(n) for n, _, _ in request.tensors]
+            ordered = np.concatenate([np.frombuffer(out, dtype="<f4")[layout.key_slice(k)] for k in order]) \
+                if order else np.zeros(0, dtype="<f4")
+            out = ordered.tobytes()
+        log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
+                 node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
+        return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash,
+                            (min(policy.nodes),)), out
+
     async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
-        iteration = -1
+        assert session.rank is not None
         flat = np.frombuffer(payload, dtype="<f4") if session.inline else None
         position = 0
+        values: dict[int, np.ndarray | None] = {}
         for key in keys:
             span = layout.key_slice(key)
             if flat is not None:
                 size = span.stop - span.start
-                values = flat[position:position + size]
+                values[key] = flat[position:position + size]
                 position += size
             else:
                 if session.shm is None:
                     raise TrainerProtocolError("push before init on this connection")
-                values = session.shm[span]
-            iteration = await self.node.contribute(key, values)
-        return iteration
+                values[key] = session.shm[span]
+        if not values:
+            return -1
+        return await self.ranks.push(session.rank, layout, values)
 
     async def _collect(self, session: _Session, layout: Layout, keys: list[int], *, average: bool,
                        inline_order: bool = False) -> bytes:
         """Wait for ``keys``' sums; write them to shared memory, or return them inline."""
+        assert session.rank is not None
         if session.inline:
             sizes = [layout.tensors[k].size for k in keys]
             out = np.empty(sum(sizes) if inline_order else layout.total, dtype="<f4")
@@ -273,8 +335,8 @@ class TrainerEndpoint:
             position = {k: layout.offsets[k] for k in keys}
             target = session.shm
 
-        iteration = self.node.pull_iteration(keys[0]) if keys else -1
-        # every DC's trainer and its gateway's LAN workers contributed: the mean is over all of them
+        iteration = self.ranks.pull_iteration(session.rank, keys[0]) if keys else -1
+        # every DC's trainers and its gateway's LAN workers contributed: the mean is over all of them
         scale = np.float32(self.node.contributor_count(iteration))
 
         def sink(key: int, values: np.ndarray) -> None:
@@ -285,5 +347,5 @@ class TrainerEndpoint:
             else:
                 np.copyto(dest, values)
 
-        await self.node.collect(keys, sink)
+        await self.ranks.pull(session.rank, layout, keys, sink)
         return out.tobytes() if session.inline else b""

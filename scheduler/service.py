@@ -244,6 +244,8 @@ class SchedulerService:
                 conn.leaving = message.reason
                 log.info("node %d leaves: %s", message.node_id, message.reason)
                 return False
+            case control.PeerUnreachable():
+                await self._peer_unreachable(conn, message)
             case control.PolicyRequest():
                 await self._policy_request(conn, message)
             case control.LayoutCheck():
@@ -318,6 +320,19 @@ class SchedulerService:
                 problem = str(exc)
         await conn.send(control.Error(problem, ErrorCode.NOT_MEMBER))
         return False
+
+    async def _peer_unreachable(self, conn: _Connection, message: control.PeerUnreachable) -> None:
+        """A member lost its data connection to another. Evidence, not a verdict: the peer is declared
+        dead only by this scheduler's own evidence (its heartbeats, its control connection), checked now."""
+        problem = self._member(conn, message.node_id, f"report on node {message.peer}")
+        if problem is not None:
+            log.warning("%s: ignored", problem)
+            return
+        alive = message.peer in self.membership.alive and message.peer in self._connections
+        log.warning("node %d cannot reach node %d (%s); %s", message.node_id, message.peer, message.reason,
+                    "the scheduler still hears from it" if alive else "the scheduler does not hear from it either")
+        for down in self.membership.check(self.clock()):
+            await self._member_down(down)
 
     async def _policy_request(self, conn: _Connection, message: control.PolicyRequest) -> None:
         problem = self._member(conn, message.node_id, f"policy request for iteration {message.iteration}")

@@ -31,6 +31,8 @@ class FixedControl:
         self.reports: list[LinkReport] = []
         self.prefetched: list[int] = []
         self.layouts: list[str] = []
+        self.unreachable: list[tuple[int, str]] = []
+        """Peers this node reported it cannot reach (``PeerUnreachable``), and why."""
         self._down: list[Callable[[int, str], None]] = []
         self._beliefs: list[Callable[[LinkBeliefs], None]] = []
 
@@ -49,6 +51,14 @@ class FixedControl:
     def on_member_down(self, cb: Callable[[int, str], None]) -> None:
         self._down.append(cb)
 
+    def report_unreachable(self, peer: int, reason: str) -> None:
+        self.unreachable.append((peer, reason))
+
+    def declare_down(self, peer: int, reason: str) -> None:
+        """What the scheduler does when it declares ``peer`` dead: ``MemberDown`` to every node."""
+        for cb in self._down:
+            cb(peer, reason)
+
     def on_beliefs(self, cb: Callable[[LinkBeliefs], None]) -> None:
         self._beliefs.append(cb)
 
@@ -56,6 +66,19 @@ class FixedControl:
         """What the scheduler pushes when it publishes a policy version."""
         for cb in self._beliefs:
             cb(beliefs)
+
+
+async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> None:
+    """Poll ``check`` until it holds (the state it reads has no event to wait on), failing after
+    ``within`` seconds with ``what`` named."""
+    try:
+        async with asyncio.timeout(within):
+            while True:
+                if check():
+                    return
+                await asyncio.sleep(0.01)
+    except TimeoutError:
+        raise AssertionError(f"{what}: not within {within:g} s") from None
 
 
 @contextlib.asynccontextmanager

@@ -12,12 +12,14 @@ import dataclasses
 import random
 from collections.abc import Callable
 
+import msgspec
 import numpy as np
 import pytest
 
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.errors import ChunkError, LayoutError
+from netstorm.frames import ChunkHeader
 from netstorm.layout import Layout, TensorSpec
 from netstorm.planning.plan import plan
 from netstorm.policy import Policy
@@ -425,3 +427,66 @@ def test_the_core_imports_neither_the_shell_nor_the_transport():
             "print(sorted(m for m in ('node.peers', 'node.service', 'node.control_client') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "[]"
+
+
+# ---- bookkeeping that cannot lie; hostile headers refused before anything is allocated -------------
+
+def test_a_refused_contribution_changes_no_counter() -> None:
+    core = joined(1)
+    core.policy_received(0, STAR, idle_links(1), 0.0)
+    layout = core.layout
+    assert layout is not None
+    iteration = core.open_contribution(0, None, 0.0)
+    with pytest.raises(ChunkError, match="values for"):  # the wrong number of values
+        core.contribute(0, iteration, np.ones(layout.tensors[0].size + 1, np.float32), idle_links(1), 0.0)
+    assert core.key_next(0) == 0 and core.next_iteration() == 0
+    push_all(core, idle_links(1), 0.0)  # the same tensor once more, right this time: counted once
+    assert core.next_iteration() == 1
+
+
+def test_chunk_headers_are_checked_before_their_payload_exists() -> None:
+    send = of(SendFrame, push_all(_bound(joined(2)), idle_links(2), 0.0))[0]
+    header = send.header
+    fresh = NodeCore(4, CONFIG)
+    fresh.join(CONFIG, MESH, {})
+    assert fresh.admit(header) is False  # no layout yet: the shell stops reading, nothing is buffered
+    core = joined(4)
+    assert core.admit(header) is True
+    with pytest.raises(ChunkError, match="layout says"):
+        core.admit(_with(header, count=16 * 1024 * 1024))
+    with pytest.raises(ChunkError, match="out of range"):
+        core.admit(_with(header, chunk=len(layout_of().chunks) + 5))
+    with pytest.raises(ChunkError, match="far ahead"):
+        core.admit(_with(header, iteration=10**9))
+
+
+def test_peers_may_run_max_ahead_iterations_past_this_node_and_no_further() -> None:
+    for ahead in (0, 1, 3):
+        config = CONFIG.replace(max_ahead=ahead)
+        core = joined(4, config)
+        header = of(SendFrame, push_all(_bound(joined(2, config)), idle_links(2), 0.0))[0].header
+        assert core.admit(_with(header, iteration=ahead))
+        with pytest.raises(ChunkError, match="far ahead"):
+            core.admit(_with(header, iteration=ahead + 2))
+        assert core.window(ahead) and not core.window(ahead + 1)
+
+
+def _bound(core: NodeCore) -> NodeCore:
+    core.policy_received(0, STAR, idle_links(core.node_id), 0.0)
+    return core
+
+
+def _with(header: ChunkHeader, **changes: int) -> ChunkHeader:
+    return msgspec.structs.replace(header, **changes)
+
+
+def test_a_contribution_past_the_window_is_refused_before_it_counts() -> None:
+    # Pushing two iterations ahead used to reach peers as chunks beyond their horizon, which they refused
+    # by closing the connection; the node itself now refuses it, and no counter moves.
+    core = joined(1, CONFIG.replace(max_ahead=1))
+    for iteration in (0, 1):
+        core.policy_received(iteration, STAR, idle_links(1), 0.0)
+        push_all(core, idle_links(1), 0.0)
+    with pytest.raises(ChunkError, match=r"iteration 2 runs more than max_ahead = 1 iterations past iteration 0"):
+        core.open_contribution(0, None, 0.0)
+    assert core.next_iteration() == 2 and core.started(2) is None

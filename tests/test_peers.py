@@ -28,7 +28,7 @@ from netstorm.policy import Policy
 from netstorm.sendsched import LinkView
 from node.peers import Outgoing, PeerError, PeerLink
 from node.service import GeneralNode, IterationTimeout, PeerGone
-from tests.dataplane import FixedControl, cluster
+from tests.dataplane import FixedControl, cluster, until
 
 RATES = {(1, 2): 50.0, (2, 1): 40.0, (2, 3): 80.0, (3, 2): 60.0, (3, 4): 30.0, (4, 3): 35.0,
          (4, 1): 90.0, (1, 4): 70.0, (1, 3): 20.0, (3, 1): 25.0}
@@ -159,13 +159,20 @@ def test_a_dead_peer_fails_the_iteration_at_once_naming_peer_and_iteration():
                 await node.register(SPECS)
             total = nodes[1].layout.total  # type: ignore[union-attr]
             await one_iteration(nodes, {i: np.ones(total, np.float32) for i in nodes})
-            # Node 3 dies before contributing to iteration 1 (its sockets close, like a killed process).
+            # Node 3 dies before contributing to iteration 1 (its sockets close, like a killed process),
+            # and the scheduler, whose control connection to it closed too, declares it dead.
             victim = nodes.pop(3)
             victim.stop()
             loop = asyncio.get_running_loop()
             start = loop.time()
+            iteration = asyncio.ensure_future(one_iteration(nodes, {i: np.ones(total, np.float32) for i in nodes}))
+            await until(lambda: all(n.core.policy(1) is not None for n in nodes.values()),
+                        "iteration 1 bound at every survivor")
+            for node in nodes.values():
+                assert isinstance(node.control, FixedControl)
+                node.control.declare_down(3, "its control connection to the scheduler closed")
             with pytest.raises(PeerGone, match=r"iteration 1 .*node 3 is gone"):
-                await one_iteration(nodes, {i: np.ones(total, np.float32) for i in nodes})
+                await iteration
             assert loop.time() - start < 10.0
     uvloop.run(main())
 

@@ -20,7 +20,7 @@ import pytest
 
 import netstorm
 from netstorm.aclient import AsyncClient
-from netstorm.errors import IterationError, NodeGone, TrainerError
+from netstorm.errors import IterationError, NodeGone, PeerLost, TrainerError
 from netstorm.local import LocalCluster
 from netstorm.scenario import load as load_scenario
 from scheduler import admin
@@ -162,6 +162,7 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                 for dc, outcome in zip(waiting, outcomes, strict=True):
                     assert isinstance(outcome, TrainerError), (dc, outcome)
                     assert isinstance(outcome, NodeGone | IterationError), (dc, outcome)
+                    assert isinstance(outcome, PeerLost), (dc, outcome)  # a peer lost: retry, not "my node"
                     assert "node 5" in str(outcome) and "iteration 7" in str(outcome), str(outcome)
                 assert elapsed < 15.0, elapsed
 
@@ -195,7 +196,60 @@ def test_runtime_end_to_end(tmp_path: Path) -> None:
                 assert len(survivor_results) == len(survivors)
                 check(survivor_results, 8, survivors, average=True)
                 assert all(kv.num_workers == len(survivors) for kv in clients.values())
+                assert all(kv.contributors == tuple(survivors) for kv in clients.values())
+                # The protocol's bound, with --heartbeat-timeout 5: the survivors' first exact result
+                # without the dead DC comes within 15 s of its death.
+                assert loop.time() - start < 15.0, loop.time() - start
             finally:
+                for kv in clients.values():
+                    await kv.close()
+
+    asyncio.run(main())
+
+
+def test_a_frozen_dc_is_declared_dead_by_heartbeat_and_the_survivors_go_on_within_15_s(tmp_path: Path) -> None:
+    """A DC whose process freezes keeps its connections open: only its missing heartbeats tell. With
+    --heartbeat-timeout 5 the iteration in flight fails everywhere as PeerLost once the scheduler
+    declares it dead, and the survivors' first exact result without it comes within 15 s of the freeze."""
+    run_dir = tmp_path / "run"
+
+    async def main() -> None:
+        cluster = LocalCluster(SCENARIO, NODES, run_dir, common_args=[
+            "--chunk-size", "2000", "--iteration-timeout", "60", "--heartbeat-timeout", "5"])
+        async with cluster:
+            assert cluster.scheduler_address is not None
+            clients = {dc: await netstorm.aconnect(cluster.socket_path(dc), timeout=TIMEOUT) for dc in NODES}
+            frozen = node_pid(run_dir, 5)
+            try:
+                await asyncio.gather(*(kv.init(model(dc, 0)) for dc, kv in clients.items()))
+                check(await push_pull_all(clients, 1), 1)
+                waiting = {dc: asyncio.ensure_future(clients[dc].push_pull(model(dc, 2))) for dc in NODES[:-1]}
+                await asyncio.wait(waiting.values(), timeout=0.5)
+                os.kill(frozen, signal.SIGSTOP)
+                loop = asyncio.get_running_loop()
+                start = loop.time()
+                for dc, outcome in zip(waiting, await asyncio.gather(*waiting.values(), return_exceptions=True),
+                                       strict=True):
+                    assert isinstance(outcome, PeerLost), (dc, outcome)
+                    assert "node 5" in str(outcome) and "iteration 2" in str(outcome), str(outcome)
+                del clients[5]
+                survivors = NODES[:-1]
+                step = 3
+                async with asyncio.timeout(15):  # the protocol's bound, not a measurement of this host
+                    while True:
+                        attempt = await asyncio.gather(*(clients[dc].push_pull(model(dc, step)) for dc in survivors),
+                                                       return_exceptions=True)
+                        if not any(isinstance(o, BaseException) for o in attempt):
+                            break
+                        assert all(isinstance(o, PeerLost) and "node 5" in str(o) for o in attempt), attempt
+                        step += 1
+                elapsed = loop.time() - start
+                check({dc: o for dc, o in zip(survivors, attempt, strict=True)
+                       if not isinstance(o, BaseException)}, step, survivors)
+                assert all(clients[dc].contributors == tuple(survivors) for dc in survivors)
+                assert elapsed < 15.0, elapsed
+            finally:
+                os.kill(frozen, signal.SIGKILL)
                 for kv in clients.values():
                     await kv.close()
 

@@ -27,7 +27,11 @@ from netstorm.errors import (
     IterationError,
     NetStormError,
     NodeGone,
+    NonFinite,
+    PeerLost,
     PolicyError,
+    TooFarAhead,
+    TrainerLimit,
     TrainerProtocolError,
     TrainerTimeout,
     UnknownTensor,
@@ -129,7 +133,9 @@ def test_every_error_class_names_a_code() -> None:
 
 @pytest.mark.parametrize(("code", "raised"), [
     (ErrorCode.UNKNOWN_TENSOR, UnknownTensor), (ErrorCode.WRONG_SHAPE, WrongShape),
-    (ErrorCode.WRONG_DTYPE, WrongDtype), (ErrorCode.PEER_GONE, NodeGone), (ErrorCode.TIMEOUT, TrainerTimeout),
+    (ErrorCode.WRONG_DTYPE, WrongDtype), (ErrorCode.NODE_GONE, NodeGone), (ErrorCode.TIMEOUT, TrainerTimeout),
+    (ErrorCode.PEER_LOST, PeerLost), (ErrorCode.PEER_GONE, PeerLost), (ErrorCode.TRAINER_LIMIT, TrainerLimit),
+    (ErrorCode.TOO_FAR_AHEAD, TooFarAhead), (ErrorCode.NON_FINITE, NonFinite),
     (ErrorCode.ITERATION_FAILED, IterationError), (ErrorCode.INTERNAL, IterationError),
     (ErrorCode.PROTOCOL, TrainerProtocolError), (ErrorCode.MALFORMED, TrainerProtocolError),
     (ErrorCode.LAYOUT_MISMATCH, TrainerProtocolError), (ErrorCode.NOT_MEMBER, TrainerProtocolError),

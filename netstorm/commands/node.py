@@ -89,8 +89,8 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
     bound = await node.serve_data(*listen)
     data_address = advertise or bound
     log.info("node %d: data plane on %s:%d", node_id, *bound)
-    # this DC's contributions sum its own trainer's gradients and (as a gateway) its LAN workers'
-    workers = 1 + (edge.workers if edge is not None else 0)
+    # this DC's contributions sum its trainers' gradients and (as a gateway) its LAN workers'
+    workers = config.trainers + (edge.workers if edge is not None else 0)
     control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout,
                                             workers=workers)
     endpoint = TrainerEndpoint(node)

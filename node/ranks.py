@@ -1,0 +1,396 @@
+"""The trainers of one DC: how their pushes and pulls become the node's one contribution stream.
+
+A node serves ``trainers`` trainers (ranks; 1 unless configured). Each rank's push of a tensor counts:
+the DC contributes the sum of every rank's values once all have pushed, and the DC's worker count says
+so (it registered ``trainers`` workers, plus its LAN workers). A trainer beyond them is refused at its
+``init`` at once (``TrainerLimit``), so a second process on the same node can never slip its values
+into the DC's gradient.
+
+The bookkeeping cannot lie:
+
+- A push that fails changes no counter: it is checked whole before anything of it is recorded (finite
+  values with ``check_finite``, the ``max_ahead`` window), and if handing the sum to the node fails
+  before the node counted it, the rank's values are taken back out.
+- A result is released at the node only after every rank has read it, so ``max_ahead`` bounds both
+  the results held and how far any rank runs ahead: a rank more than ``max_ahead`` iterations ahead of
+  its own oldest unpulled result is refused (``TooFarAhead``: it must pull first; waiting would
+  deadlock a trainer that sends one request at a time), one ahead of the slowest rank waits for it.
+- A rank that disconnects frees its slot and its values not yet summed are dropped; a replacement
+  ``init`` takes the slot and continues at the node's next iteration, reading nothing older (the
+  results its predecessor left unread are released once complete).
+
+Counters are per rank and per tensor, and never behind the node's: an iteration that failed at the
+node is over for every rank, whoever has not heard yet.
+
+``RankBook`` holds these rules without I/O: it reads the node's counters from ``NodeCore`` and answers
+what to hand the node, what to release and what to refuse; tests drive it with plain calls. ``Ranks``
+is its asyncio shell in the trainer endpoint: it awaits the node (policies, sums, waits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from netstorm.errors import (
+    ChunkError,
+    NonFinite,
+    TooFarAhead,
+    TrainerLimit,
+    TrainerProtocolError,
+    TrainerTimeout,
+)
+from netstorm.layout import Layout
+from node.core import NodeCore
+from node.service import GeneralNode
+
+log = logging.getLogger("netstorm.node.trainer")
+
+
+@dataclasses.dataclass
+class _Rank:
+    id: int
+    name: str
+    next_push: np.ndarray
+    """Per tensor, the iteration this rank's next push belongs to (never behind the node's)."""
+    next_pull: np.ndarray
+    """Per tensor, the iteration this rank's next pull returns (never behind the node's)."""
+
+
+class RankBook:
+    """The ranks of one node and their counters, against the node's ``NodeCore``; no I/O."""
+
+    def __init__(self, node_id: int, core: NodeCore, slots: int) -> None:
+        self.node_id = node_id
+        self.core = core
+        self.slots = slots
+        self._ranks: dict[int, _Rank] = {}
+        self._ids = itertools.count(1)
+        self._pending: dict[tuple[int, int], dict[int, np.ndarray | None]] = {}
+        """(iteration, key) -> each rank's values not yet handed to the node (None: zeros)."""
+        self._reads: dict[tuple[int, int], set[int]] = {}
+        """(iteration, key) -> the ranks that read its sum, until every rank has."""
+        self.initialized = False
+        """An init round completed here: later inits are replacements and run no round of their own."""
+        self._init_source: int | None = None
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    def name(self, rank_id: int) -> str:
+        return self._ranks[rank_id].name
+
+    # ---- joining and leaving ------------------------------------------------------------------------
+
+    def join(self, name: str) -> int:
+        """A trainer's ``init``: its rank id, or TrainerLimit at once when every slot is taken."""
+        if len(self._ranks) >= self.slots:
+            raise TrainerLimit(f"node {self.node_id} already serves {len(self._ranks)} trainer(s), as many as it "
+                               f"is configured for (trainers = {self.slots}); {name} is refused")
+        rank = _Rank(next(self._ids), name, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._ranks[rank.id] = rank
+        return rank.id
+
+    def start(self, rank_id: int, keys: int, *, replacement: bool) -> None:
+        """Counters of a rank that joined: from the node's next iteration on. A replacement reads
+        nothing older: the results between the node's oldest unpulled and its next are marked read."""
+        rank = self._ranks[rank_id]
+        core = self.core
+        rank.next_push = np.array([core.key_next(k) for k in range(keys)], dtype=np.int64)
+        if not replacement:
+            rank.next_pull = np.array([core.pull_iteration(k) for k in range(keys)], dtype=np.int64)
+            return
+        # A predecessor that died in the middle of a push left some tensors an iteration behind: that
+        # iteration lacks part of this DC's gradient and can only fail (at its timeout, everywhere); the
+        # replacement starts after it for every tensor.
+        rank.next_push[:] = int(rank.next_push.max(initial=0))
+        rank.next_pull = rank.next_push.copy()
+        for key in range(keys):
+            for iteration in range(core.pull_iteration(key), core.key_next(key)):
+                self._reads.setdefault((iteration, key), set()).add(rank_id)
+
+    def unread(self, keys: int) -> tuple[int, list[int]] | None:
+        """The oldest iteration every rank has read (or was excused from) but the node still holds, and
+        its tensors: what a departed rank left unread. Only iterations holding this DC's whole
+        contribution; None when there is none."""
+        core = self.core
+        whole = min(core.key_next(k) for k in range(keys))
+        waiting = [k for k in range(keys) if core.pull_iteration(k) < whole
+                   and self._all_read(core.pull_iteration(k), k)]
+        if not waiting:
+            return None
+        iteration = min(core.pull_iteration(k) for k in waiting)
+        return iteration, [k for k in waiting if core.pull_iteration(k) == iteration]
+
+    def leave(self, rank_id: int | None, keys: int) -> list[tuple[int, int]]:
+        """A trainer disconnected (or its init failed): its slot is free, its unsummed values dropped.
+        Returns the (iteration, key) sums to release now that it no longer reads."""
+        if rank_id is None or self._ranks.pop(rank_id, None) is None:
+            return []
+        for entry in self._pending.values():
+            entry.pop(rank_id, None)
+        for readers in self._reads.values():
+            readers.discard(rank_id)
+        if self._init_source == rank_id and not self.initialized:
+            self._init_source = None
+        return [release for key in range(keys) for release in self.releasable(key)]
+
+    def init_values(self, rank_id: int, first: bool) -> bool:
+        """Whether this rank's values are the DC's in the init round (``first``: this node contributes
+        the initial values): one rank's, never their sum."""
+        if not first:
+            return False
+        if self._init_source is None:
+            self._init_source = rank_id
+        return self._init_source == rank_id
+
+    def check_request(self, rank_id: int | None) -> int:
+        if rank_id is None or rank_id not in self._ranks:
+            raise TrainerProtocolError("no init on this connection: call init first")
+        return rank_id
+
+    # ---- counters -----------------------------------------------------------------------------------
+
+    def push_iteration(self, rank_id: int, key: int) -> int:
+        return max(int(self._ranks[rank_id].next_push[key]), self.core.key_next(key))
+
+    def pull_iteration(self, rank_id: int, key: int) -> int:
+        return max(int(self._ranks[rank_id].next_pull[key]), self.core.pull_iteration(key))
+
+    # ---- pushes -------------------------------------------------------------------------------------
+
+    def check_push(self, rank_id: int, layout: Layout, values: Mapping[int, np.ndarray | None]) -> dict[int, int]:
+        """The iteration each tensor of a push belongs to, checked whole before anything is recorded:
+        NonFinite (with ``check_finite``), TooFarAhead past the rank's own oldest unpulled result."""
+        config = self.core.config
+        rank = self._ranks[rank_id]
+        targets: dict[int, int] = {}
+        for key, value in values.items():
+            name = layout.tensors[key].name
+            if config.check_finite and value is not None and not bool(np.isfinite(value).all()):
+                raise NonFinite(f"DC {self.node_id}: tensor {name!r} holds NaN or Inf; nothing of this push from "
+                                f"{rank.name} was counted")
+            iteration = self.push_iteration(rank_id, key)
+            own = self.pull_iteration(rank_id, key)
+            if iteration - own > config.max_ahead:
+                raise TooFarAhead(f"DC {self.node_id}: tensor {name!r} pushed for iteration {iteration}, but "
+                                  f"{rank.name} has not pulled iteration {own} (max_ahead = {config.max_ahead}); "
+                                  f"pull first")
+            targets[key] = iteration
+        return targets
+
+    def blocked(self, key: int, iteration: int) -> bool:
+        """A push of ``key`` for ``iteration`` runs more than ``max_ahead`` past the slowest rank's pull."""
+        return iteration - self.core.pull_iteration(key) > self.core.config.max_ahead
+
+    def record(self, rank_id: int, key: int, value: np.ndarray | None) -> int:
+        """This rank's values of ``key`` join their iteration's sum (copied when other ranks are still
+        to push: the trainer may reuse its buffer); returns the iteration."""
+        iteration = self.push_iteration(rank_id, key)
+        held = value.copy() if self.slots > 1 and value is not None else value
+        self._pending.setdefault((iteration, key), {})[rank_id] = held
+        self._ranks[rank_id].next_push[key] = iteration + 1
+        return iteration
+
+    def take_back(self, rank_id: int, key: int, iteration: int) -> None:
+        """Handing the sum to the node failed before it counted: the rank's values leave it, its counter
+        goes back (the iteration, if it failed at the node, is over for everyone anyway)."""
+        if self.core.key_next(key) > iteration:
+            return
+        entry = self._pending.get((iteration, key))
+        if entry is not None:
+            entry.pop(rank_id, None)
+        self._ranks[rank_id].next_push[key] = iteration
+
+    def ready(self, key: int) -> tuple[int, np.ndarray | None] | None:
+        """The next sum of ``key`` to hand the node: its iteration is the node's next for ``key`` and
+        every rank pushed (None: values only, zeros). None while some rank has still to push."""
+        iteration = self.core.key_next(key)
+        for stale in [ik for ik in self._pending if ik[1] == key and ik[0] < iteration]:
+            del self._pending[stale]  # an iteration the node skipped (it failed)
+        entry = self._pending.get((iteration, key))
+        if entry is None or len(entry) < self.slots:
+            return None
+        total: np.ndarray | None = None
+        for value in entry.values():
+            if value is not None:
+                total = value if total is None else total + value
+        return iteration, total
+
+    def handed(self, key: int, iteration: int) -> None:
+        """The node took (or is over with) ``iteration``'s sum of ``key``."""
+        if self.core.key_next(key) > iteration:
+            self._pending.pop((iteration, key), None)
+
+    # ---- pulls --------------------------------------------------------------------------------------
+
+    def pull_target(self, rank_id: int, layout: Layout, keys: Sequence[int]) -> int:
+        """The iteration a pull of ``keys`` returns: the oldest this rank has not read, the same for all."""
+        iterations = {self.pull_iteration(rank_id, k) for k in keys}
+        if len(iterations) != 1:
+            raise ChunkError(f"tensors pulled together are at different iterations {sorted(iterations)}")
+        iteration = iterations.pop()
+        for key in keys:
+            if iteration >= self.push_iteration(rank_id, key):
+                raise ChunkError(f"tensor {layout.tensors[key].name!r} pulled before it was pushed "
+                                 f"(iteration {iteration})")
+        return iteration
+
+    def read(self, rank_id: int, iteration: int, keys: Sequence[int]) -> list[tuple[int, int]]:
+        """The rank read ``keys``' sums of ``iteration``; returns the (iteration, key) sums to release."""
+        rank = self._ranks[rank_id]
+        for key in keys:
+            rank.next_pull[key] = iteration + 1
+            self._reads.setdefault((iteration, key), set()).add(rank_id)
+        return [release for key in keys for release in self.releasable(key)]
+
+    def releasable(self, key: int) -> list[tuple[int, int]]:
+        """``key``'s sums every rank has read and the node holds complete, oldest first; each is taken
+        as released (the caller releases them at the node in this order)."""
+        core = self.core
+        out: list[tuple[int, int]] = []
+        iteration = core.pull_iteration(key)
+        for stale in [ik for ik in self._reads if ik[1] == key and ik[0] < iteration]:
+            del self._reads[stale]
+        while iteration < core.key_next(key) and self._all_read(iteration, key) \
+                and core.failure(iteration) is None and core.keys_ready(iteration, [key]):
+            self._reads.pop((iteration, key), None)
+            out.append((iteration, key))
+            iteration += 1
+        return out
+
+    def _all_read(self, iteration: int, key: int) -> bool:
+        return set(self._ranks) <= self._reads.get((iteration, key), set())
+
+
+class Ranks:
+    """The asyncio shell of ``RankBook`` in the trainer endpoint: it awaits the node."""
+
+    def __init__(self, node: GeneralNode) -> None:
+        self.node = node
+        self.book = RankBook(node.node_id, node.core, node.trainers)
+        self._flushing: set[int] = set()
+        self._progress = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+    @property
+    def initialized(self) -> bool:
+        return self.book.initialized
+
+    @initialized.setter
+    def initialized(self, value: bool) -> None:
+        self.book.initialized = value
+
+    def join(self, name: str) -> int:
+        return self.book.join(name)
+
+    def start(self, rank_id: int, layout: Layout, *, replacement: bool) -> None:
+        self.book.start(rank_id, len(layout.tensors), replacement=replacement)
+
+    def init_values(self, rank_id: int, first: bool) -> bool:
+        return self.book.init_values(rank_id, first)
+
+    def check_request(self, rank_id: int | None) -> int:
+        return self.book.check_request(rank_id)
+
+    def push_iteration(self, rank_id: int, key: int) -> int:
+        return self.book.push_iteration(rank_id, key)
+
+    def pull_iteration(self, rank_id: int, key: int) -> int:
+        return self.book.pull_iteration(rank_id, key)
+
+    def leave(self, rank_id: int | None) -> None:
+        layout = self.node.layout
+        self._release(self.book.leave(rank_id, len(layout.tensors) if layout is not None else 0))
+        self._wake()
+
+    async def settle(self, layout: Layout) -> None:
+        """Release every result all ranks have read, waiting for those not complete yet (what a departed
+        rank left unread); an iteration that fails meanwhile is over anyway."""
+        keys = len(layout.tensors)
+        while (unread := self.book.unread(keys)) is not None:
+            iteration, waiting = unread
+            try:
+                await self.node.wait_keys(iteration, waiting)
+            except Exception as exc:  # a failed iteration is skipped by the node: nothing to release
+                log.info("node %d: iteration %d left unread by a departed trainer ended: %s", self.node.node_id,
+                         iteration, exc)
+            self._release([r for key in waiting for r in self.book.releasable(key)])
+
+    async def push(self, rank_id: int, layout: Layout, values: Mapping[int, np.ndarray | None]) -> int:
+        """This rank's values for tensors ``values`` (None: zeros), each in its next iteration; returns
+        the last one. Checked whole first; a refused push changes no counter."""
+        book = self.book
+        targets = book.check_push(rank_id, layout, values)
+        max_ahead = self.node.config.max_ahead
+        for key, iteration in targets.items():  # the slowest rank's pulls: wait for them
+            def pulled(k: int = key, i: int = iteration) -> bool:
+                return not book.blocked(k, i)
+            await self._wait(pulled, f"{book.name(rank_id)}'s push of iteration {iteration} waits for the node's "
+                                     f"other trainers to pull iteration {iteration - max_ahead}")
+        last = -1
+        for key in targets:
+            iteration = book.record(rank_id, key, values[key])
+            try:
+                await self._flush(key)
+            except BaseException:
+                book.take_back(rank_id, key, iteration)
+                raise
+            last = iteration
+        return last
+
+    async def _flush(self, key: int) -> None:
+        """Hand the node every complete sum of ``key``, oldest first (one flush per tensor at a time)."""
+        if key in self._flushing:
+            return
+        self._flushing.add(key)
+        try:
+            while (ready := self.book.ready(key)) is not None:
+                iteration, total = ready
+                try:
+                    await self.node.contribute(key, total, iteration=iteration)
+                finally:
+                    self.book.handed(key, iteration)
+        finally:
+            self._flushing.discard(key)
+
+    async def pull(self, rank_id: int, layout: Layout, keys: Sequence[int],
+                   sink: Callable[[int, np.ndarray], None]) -> int:
+        """Wait for the oldest iteration of ``keys`` this rank has not read; ``sink(key, sum)`` reads each."""
+        if not keys:
+            return -1
+        iteration = self.book.pull_target(rank_id, layout, keys)
+        for key in keys:  # sums held back while an earlier iteration was still open at the node
+            await self._flush(key)
+        await self.node.wait_keys(iteration, keys)
+        result = self.node.core.result(iteration)
+        for key in keys:
+            sink(key, result[layout.key_slice(key)])
+        self._release(self.book.read(rank_id, iteration, keys))
+        return iteration
+
+    def _release(self, releases: list[tuple[int, int]]) -> None:
+        for iteration, key in releases:
+            self.node.release(iteration, key)
+        if releases:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._progress.set()
+        self._progress = asyncio.Event()
+
+    async def _wait(self, ready: Callable[[], bool], what: str) -> None:
+        timeout = self.node.config.iteration_timeout
+        try:
+            async with asyncio.timeout(timeout):
+                while not ready():
+                    await self._progress.wait()
+        except TimeoutError:
+            raise TrainerTimeout(f"node {self.node.node_id}: {what}; none came within {timeout:g} s") from None
