@@ -55,6 +55,8 @@ DOMAIN: Final = b"netstorm job membership v1\x00"
 """Prefix of every MAC input: these MACs mean nothing to any other use of the same secret."""
 FAILED: Final = "authentication failed: wrong or missing secret"
 """The words every side uses when a proof does not hold (which side's secret is wrong is not knowable)."""
+UNAUTHENTICATED: Final = f"{FAILED} (this side requires the job secret; the connection did not authenticate)"
+"""What a side with a secret tells a peer that spoke its plane's protocol without authenticating."""
 
 
 class Plane(enum.StrEnum):

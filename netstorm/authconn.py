@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from netstorm.auth import Handshake, Identity, Plane, Role, load_secret
+from netstorm.auth import UNAUTHENTICATED, Handshake, Identity, Plane, Role, load_secret
 from netstorm.errors import AuthError, ConfigError
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
@@ -126,10 +126,10 @@ async def _run_stream(handshake: Handshake, reader: asyncio.StreamReader, writer
             handshake.check_timer(loop.time())
         raise AuthError(f"authentication with {handshake_name(handshake)} did not complete within the "
                         "handshake deadline") from None
-    except AuthError as exc:
+    except AuthError:
         refusal = handshake.data_to_send()
         if handshake.foreign and not handshake.client and refuse is not None:
-            refusal = refuse(str(exc))
+            refusal = refuse(UNAUTHENTICATED)
         if refusal and not writer.is_closing():
             writer.write(refusal)
             await _linger(reader, writer)
@@ -203,7 +203,7 @@ def _hand_over(transport: asyncio.BaseTransport, protocol: asyncio.BaseProtocol,
     if isinstance(protocol, asyncio.BufferedProtocol):
         view = memoryview(rest)
         while view:
-            buffer = protocol.get_buffer(len(view))
+            buffer = memoryview(protocol.get_buffer(len(view)))
             n = min(len(buffer), len(view))
             buffer[:n] = view[:n]
             protocol.buffer_updated(n)
@@ -320,7 +320,7 @@ class ServerGate(_Gate):
         assert self.handshake is not None
         refusal = self.handshake.data_to_send()
         if self.handshake.foreign:
-            refusal = self._refuse(str(exc))
+            refusal = self._refuse(UNAUTHENTICATED)
         if self._on_refused is not None:
             self._on_refused(str(exc))
         self._close_after_refusal(refusal)
@@ -371,7 +371,7 @@ async def create_connection(factory: Callable[[], P], host: str, port: int, cred
     loop = asyncio.get_running_loop()
     if credentials is None:
         transport, protocol = await loop.create_connection(factory, host, port)
-        return cast(asyncio.Transport, transport), protocol
+        return transport, protocol
     context = credentials.client_ssl()
     transport, gate = await loop.create_connection(
         lambda: ClientGate(credentials, plane=plane, me=me, timeout=timeout), host, port, ssl=context,
@@ -383,7 +383,7 @@ async def create_connection(factory: Callable[[], P], host: str, port: int, cred
         raise
     protocol = factory()
     _hand_over(transport, protocol, gate.rest)
-    return cast(asyncio.Transport, transport), protocol
+    return transport, protocol
 
 
 def server_factory(credentials: Credentials | None, inner: Callable[[Identity | None], asyncio.BaseProtocol], *,

@@ -115,6 +115,13 @@ class NodeGone(TrainerError):
     code: ClassVar[ErrorCode] = ErrorCode.PEER_GONE
 
 
+class TrainerAuthError(TrainerError, AuthError):
+    """The node's trainer TCP endpoint requires the job secret and this client did not prove it (or the
+    node did not prove it to this client)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.AUTH
+
+
 class TrainerTimeout(TrainerError):
     """The node did not answer within the timeout (the message names the iteration)."""
 
