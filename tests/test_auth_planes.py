@@ -201,7 +201,8 @@ def test_a_policy_override_from_an_unauthenticated_socket_is_refused() -> None:
                 assert isinstance(refused, control.Error) and refused.code is ErrorCode.AUTH
                 assert "authenticated as admin" in refused.message
                 assert service.consistency.current_version == version
-                assert await admin.override_policy(address(service), RATES, timeout=T, credentials=ADMIN) > (version or 0)
+                assert await admin.override_policy(address(service), RATES, timeout=T, credentials=ADMIN) \
+                    > (version or 0)
             finally:
                 for client in clients:
                     await client.close()
