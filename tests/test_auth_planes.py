@@ -405,3 +405,42 @@ def test_a_short_secret_is_a_clear_config_error(tmp_path: Path) -> None:
         Config(secret_file=str(tmp_path / "missing")).validate()
     with pytest.raises(ConfigError, match="wan_tls needs secret_file"):
         Config(wan_tls=True).validate()
+
+
+# --- encrypted links -----------------------------------------------------------------------------------
+
+
+def test_wan_tls_encrypts_data_and_control_links_and_still_authenticates_members(tmp_path: Path) -> None:
+    path = tmp_path / "job.secret"
+    assert cli_main(["secret", str(path), "--tls"]) == 0
+    assert stat.S_IMODE(Path(f"{path}.key").stat().st_mode) == 0o600
+    credentials = Credentials.from_config(Config(secret_file=str(path), wan_tls=True))
+    assert credentials is not None and credentials.tls
+    other = tmp_path / "other.secret"
+    assert cli_main(["secret", str(other)]) == 0
+
+    async def main() -> None:
+        async with scheduler(credentials) as service:
+            status = await admin.status(address(service), timeout=T, credentials=credentials)
+            assert status.version == -1
+            # The job certificate, but not the job secret: TLS lets it in, the handshake does not.
+            impostor = Credentials(other.read_bytes(), credentials.certificate, credentials.key)
+            with pytest.raises(ControlAuthError, match="wrong or missing secret"):
+                await admin.status(address(service), timeout=T, credentials=impostor)
+        async with cluster([1, 2, 3], CONFIG, rollout([1, 2, 3]), credentials=credentials) as nodes:
+            for node in nodes.values():
+                await node.register(SPECS)
+            values = {i: np.full(nodes[1].layout.total, float(i), dtype=np.float32)  # type: ignore[union-attr]
+                      for i in nodes}
+            results = await one_iteration(nodes, values)
+            for out in results.values():
+                np.testing.assert_array_equal(out, np.full_like(out, 6.0))
+            link = nodes[1].links[2].protocol
+            assert link is not None and link.transport is not None
+            assert link.transport.get_extra_info("ssl_object") is not None
+            port = nodes[2]._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+            # A plain-TCP peer without the job certificate does not get through the TLS handshake.
+            reply = await asyncio.to_thread(raw_send, port, Hello(1, "").encode())
+            assert not reply.startswith(b"NSF1")
+            assert not any(node.down for node in nodes.values())
+    uvloop.run(main())
