@@ -54,6 +54,9 @@ log = logging.getLogger("netstorm.node.peers")
 STAGING_BYTES = 64 * 1024
 WRITE_HIGH_WATER = 0
 """Bytes the transport may hold before it pauses the sender: none, the next frame waits in the queue."""
+TLS_WRITE_HIGH_WATER = 1
+"""The same over TLS (``wan_tls``): a TLS transport whose high-water mark is 0 pauses its writer even
+when it holds nothing, and then never resumes it; with 1 it pauses only while bytes wait."""
 SEND_LOWAT = 128 * 1024
 """Unsent bytes the kernel may hold per connection (TCP_NOTSENT_LOWAT): enough to keep a fast link busy
 while the event loop comes round, little enough that the queue's order decides what goes next."""
@@ -207,7 +210,8 @@ class OutboundProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        tls = transport.get_extra_info("ssl_object") is not None
+        self.transport.set_write_buffer_limits(high=TLS_WRITE_HIGH_WATER if tls else WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
         if sock is not None and lowat is not None:

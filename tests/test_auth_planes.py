@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import socket
 import stat
@@ -27,6 +28,7 @@ from netstorm.config import Config
 from netstorm.control import ControlAuthError
 from netstorm.errors import AuthError, ConfigError, ErrorCode, TrainerAuthError
 from netstorm.frames import ChunkHeader, Hello, Phase
+from netstorm.layout import TensorSpec
 from node.control_client import SchedulerClient
 from node.peers import OutboundProtocol
 from node.trainer_endpoint import TrainerEndpoint
@@ -427,14 +429,17 @@ def test_wan_tls_encrypts_data_and_control_links_and_still_authenticates_members
             impostor = Credentials(other.read_bytes(), credentials.certificate, credentials.key)
             with pytest.raises(ControlAuthError, match="wrong or missing secret"):
                 await admin.status(address(service), timeout=T, credentials=impostor)
-        async with cluster([1, 2, 3], CONFIG, rollout([1, 2, 3]), credentials=credentials) as nodes:
+        # Frames of megabytes, several iterations: a TLS writer must resume after every frame.
+        big = dataclasses.replace(CONFIG, chunk_size=250_000)
+        async with cluster([1, 2, 3], big, rollout([1, 2, 3]), credentials=credentials) as nodes:
             for node in nodes.values():
-                await node.register(SPECS)
-            values = {i: np.full(nodes[1].layout.total, float(i), dtype=np.float32)  # type: ignore[union-attr]
-                      for i in nodes}
-            results = await one_iteration(nodes, values)
-            for out in results.values():
-                np.testing.assert_array_equal(out, np.full_like(out, 6.0))
+                await node.register([TensorSpec("w", (1_500_000,), "float32"), *SPECS])
+            for step in range(3):
+                values = {i: np.full(nodes[1].layout.total, float(i + step), dtype=np.float32)  # type: ignore[union-attr]
+                          for i in nodes}
+                results = await one_iteration(nodes, values)
+                for out in results.values():
+                    np.testing.assert_array_equal(out, np.full_like(out, 6.0 + 3 * step))
             link = nodes[1].links[2].protocol
             assert link is not None and link.transport is not None
             assert link.transport.get_extra_info("ssl_object") is not None
@@ -444,3 +449,26 @@ def test_wan_tls_encrypts_data_and_control_links_and_still_authenticates_members
             assert not reply.startswith(b"NSF1")
             assert not any(node.down for node in nodes.values())
     uvloop.run(main())
+
+
+def test_local_emulate_and_demo_hand_the_secret_to_every_process_they_start(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from netstorm.commands import demo, emulate, local
+    from netstorm.emulation.runner import options_from_args
+
+    secret = secret_file(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    parser = argparse.ArgumentParser()
+    demo.add_arguments(parser)
+    argv = demo.emulate_argv(parser.parse_args(["--secret-file", secret.name]))
+    eparser = argparse.ArgumentParser()
+    emulate.add_arguments(eparser)
+    opts = options_from_args(eparser.parse_args(argv))
+    assert opts.config_flags[opts.config_flags.index("--secret-file") + 1] == str(secret.resolve())
+    assert opts.credentials is not None and opts.credentials.secret == SECRET
+    lparser = argparse.ArgumentParser()
+    local.add_arguments(lparser)
+    flags = local.config_flags(lparser.parse_args(["internet2-9", "--secret-file", secret.name]))
+    assert flags == ["--secret-file", str(secret.resolve())]
