@@ -168,11 +168,16 @@ def test_a_replayed_handshake_transcript_is_refused() -> None:
     uvloop.run(main())
 
 
-def test_a_node_with_a_secret_gets_a_clear_error_from_a_scheduler_without_one() -> None:
+def test_a_secret_on_one_side_only_gives_a_clear_authentication_error() -> None:
     async def main() -> None:
         async with scheduler(credentials=None) as service:
             with pytest.raises(ControlAuthError, match="answered without authenticating"):
                 await register(service, 1)
+            assert service.membership.registered == ()
+        async with scheduler() as service:
+            with pytest.raises(ControlAuthError, match="refused node 1: authentication failed: wrong or missing"):
+                await register(service, 1, credentials=None)
+            assert service.membership.registered == ()
     uvloop.run(main())
 
 
