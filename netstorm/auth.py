@@ -55,7 +55,7 @@ DOMAIN: Final = b"netstorm job membership v1\x00"
 """Prefix of every MAC input: these MACs mean nothing to any other use of the same secret."""
 FAILED: Final = "authentication failed: wrong or missing secret"
 """The words every side uses when a proof does not hold (which side's secret is wrong is not knowable)."""
-UNAUTHENTICATED: Final = f"{FAILED} (this side requires the job secret; the connection did not authenticate)"
+UNAUTHENTICATED: Final = f"{FAILED} (the job secret is required here and the connection did not prove it)"
 """What a side with a secret tells a peer that spoke its plane's protocol without authenticating."""
 
 

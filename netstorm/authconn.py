@@ -21,10 +21,13 @@ import ssl
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, TypeVar, cast
 
 from netstorm.auth import UNAUTHENTICATED, Handshake, Identity, Plane, Role, load_secret
 from netstorm.errors import AuthError, ConfigError
+
+if TYPE_CHECKING:
+    from netstorm.config import Config
 
 P = TypeVar("P", bound=asyncio.BaseProtocol)
 REFUSE_LINGER_S = 1.0
@@ -45,7 +48,7 @@ class Credentials:
     key: Path | None = None
 
     @classmethod
-    def from_config(cls, config: Any) -> Credentials | None:
+    def from_config(cls, config: Config) -> Credentials | None:
         """From a ``Config`` (``secret_file``, ``wan_tls``); None when the job runs without a secret."""
         if not config.secret_file:
             return None
@@ -116,16 +119,16 @@ async def _run_stream(handshake: Handshake, reader: asyncio.StreamReader, writer
                 try:
                     data = await reader.readexactly(handshake.wanted())
                 except (asyncio.IncompleteReadError, ConnectionError) as exc:
-                    raise AuthError(f"{handshake_failed(handshake)}: the connection closed during "
-                                    f"authentication ({exc})") from None
+                    raise AuthError(f"authentication with {handshake.peer_name} failed: the connection closed "
+                                    f"during authentication ({exc})") from None
                 handshake.receive(data)
                 writer.write(handshake.data_to_send())
             await writer.drain()
     except TimeoutError:
         with contextlib.suppress(AuthError):
             handshake.check_timer(loop.time())
-        raise AuthError(f"authentication with {handshake_name(handshake)} did not complete within the "
-                        "handshake deadline") from None
+        raise AuthError(f"authentication with {handshake.peer_name} did not complete within the handshake "
+                        "deadline") from None
     except AuthError:
         refusal = handshake.data_to_send()
         if handshake.foreign and not handshake.client and refuse is not None:
@@ -136,14 +139,6 @@ async def _run_stream(handshake: Handshake, reader: asyncio.StreamReader, writer
         raise
     assert handshake.peer is not None
     return handshake.peer
-
-
-def handshake_name(handshake: Handshake) -> str:
-    return handshake.peer_name
-
-
-def handshake_failed(handshake: Handshake) -> str:
-    return "authentication failed" if handshake.client else f"authentication of {handshake.peer_name} failed"
 
 
 async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
