@@ -221,6 +221,8 @@ class Handshake:
         self._buffer = bytearray()
         self._out = bytearray()
         self.peer: Identity | None = None
+        """The other side's identity, set only once it has proven it."""
+        self._claimed: Identity | None = None
         self.foreign = False
         """The other side spoke another protocol first (it has no secret): the shell answers in that
         plane's own error form instead of a Refusal it would not read."""
@@ -302,7 +304,7 @@ class Handshake:
         if message.nonce == self._nonce:
             self._fail(f"{self.peer_name} reflected this side's nonce")
         self._peer_nonce = message.nonce
-        self.peer = message.identity
+        self._claimed = message.identity
         mac = proof(self._secret, "server", self.plane, message.nonce, self._nonce, message.identity, self.me)
         self._send(Answer(identity=self.me, nonce=self._nonce, proof=mac))
         self.state = State.AWAIT_PROOF
@@ -319,15 +321,16 @@ class Handshake:
         self.state = State.AWAIT_WELCOME
 
     def _proof(self, message: Proof) -> None:
-        assert self.peer is not None
-        expected = proof(self._secret, "client", self.plane, self._peer_nonce, self._nonce, self.peer, self.me)
+        claimed = self._claimed
+        assert claimed is not None
+        expected = proof(self._secret, "client", self.plane, self._peer_nonce, self._nonce, claimed, self.me)
         if not hmac.compare_digest(expected, message.proof):
-            claimed, self.peer = self.peer, None
             self._fail(f"{FAILED} ({self.peer_name} claiming to be {claimed} does not prove the secret this side "
                        "holds)", told=FAILED)
-        why = self._accept(self.peer) if self._accept is not None else None
+        why = self._accept(claimed) if self._accept is not None else None
         if why is not None:
-            self._fail(f"{self.peer} at {self.peer_name} refused: {why}", told=why)
+            self._fail(f"{claimed} at {self.peer_name} refused: {why}", told=why)
+        self.peer = claimed
         self._send(Welcome())
         self.state = State.DONE
 

@@ -116,6 +116,7 @@ def test_accept_may_refuse_a_proven_identity() -> None:
     client.receive(server.data_to_send())
     with pytest.raises(AuthError, match="not a member"):
         server.receive(client.data_to_send())
+    assert server.peer is None
     with pytest.raises(AuthError, match="refused us: not a member"):
         client.receive(server.data_to_send())
 

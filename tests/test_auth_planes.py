@@ -477,3 +477,20 @@ def test_local_emulate_and_demo_hand_the_secret_to_every_process_they_start(tmp_
     local.add_arguments(lparser)
     flags = local.config_flags(lparser.parse_args(["internet2-9", "--secret-file", secret.name]))
     assert flags == ["--secret-file", str(secret.resolve())]
+
+
+def test_the_trainer_unix_socket_is_the_owners_or_a_named_groups(tmp_path: Path) -> None:
+    from node.service import GeneralNode
+
+    async def main() -> None:
+        endpoint = TrainerEndpoint(GeneralNode(1, CONFIG))
+        try:
+            await endpoint.serve_unix(tmp_path / "own.sock")
+            await endpoint.serve_unix(tmp_path / "group.sock", group=os.getgid())
+        finally:
+            endpoint.close()
+        assert stat.S_IMODE((tmp_path / "own.sock").stat().st_mode) == 0o600
+        shared = (tmp_path / "group.sock").stat()
+        assert stat.S_IMODE(shared.st_mode) == 0o660 and shared.st_gid == os.getgid()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["group.sock", "own.sock"]  # no staging name left
+    uvloop.run(main())
