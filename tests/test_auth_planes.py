@@ -489,8 +489,8 @@ def test_the_trainer_unix_socket_is_the_owners_or_a_named_groups(tmp_path: Path)
             await endpoint.serve_unix(tmp_path / "group.sock", group=os.getgid())
         finally:
             endpoint.close()
-        assert stat.S_IMODE((tmp_path / "own.sock").stat().st_mode) == 0o600
-        shared = (tmp_path / "group.sock").stat()
-        assert stat.S_IMODE(shared.st_mode) == 0o660 and shared.st_gid == os.getgid()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["group.sock", "own.sock"]  # no staging name left
     uvloop.run(main())
+    assert stat.S_IMODE((tmp_path / "own.sock").stat().st_mode) == 0o600
+    shared = (tmp_path / "group.sock").stat()
+    assert stat.S_IMODE(shared.st_mode) == 0o660 and shared.st_gid == os.getgid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["group.sock", "own.sock"]  # no staging name left
