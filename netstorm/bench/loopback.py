@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -143,10 +144,13 @@ def run_tls_cost(args: argparse.Namespace) -> int:
     flags = {"plain": base, "secret": [*base, "--secret-file", str(secret)],
              "secret+tls": [*base, "--secret-file", str(secret), "--wan-tls", "true"]}
     runs: list[dict[str, Any]] = []
-    for round_ in range(args.rounds):
-        for setting in TLS_SETTINGS:
-            print(f"--- round {round_ + 1} of {args.rounds}: {setting}")
-            runs.append({"round": round_ + 1, "setting": setting, **measure(args, flags[setting])})
+    try:
+        for round_ in range(args.rounds):
+            for setting in TLS_SETTINGS:
+                print(f"--- round {round_ + 1} of {args.rounds}: {setting}")
+                runs.append({"round": round_ + 1, "setting": setting, **measure(args, flags[setting])})
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)  # the run's throwaway secret and key
     summary = {}
     for setting in TLS_SETTINGS:
         mine = [r for r in runs if r["setting"] == setting]
