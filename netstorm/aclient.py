@@ -13,9 +13,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
-from netstorm.client import DEFAULT_TIMEOUT, Registry, RegistryView, raise_for, release_init, resolve_address
-from netstorm.errors import NodeGone, TrainerError, TrainerTimeout
+from netstorm.client import (
+    DEFAULT_TIMEOUT,
+    Registry,
+    RegistryView,
+    raise_for,
+    release_init,
+    resolve_address,
+    tcp_credentials,
+)
+from netstorm.errors import AuthError, NodeGone, TrainerAuthError, TrainerError, TrainerTimeout
 
 
 class AsyncClient(RegistryView):
@@ -104,16 +113,21 @@ class AsyncClient(RegistryView):
 
 
 async def aconnect(address: str | os.PathLike[str] | None = None, *,
-                   timeout: float = DEFAULT_TIMEOUT) -> AsyncClient:  # noqa: ASYNC109 (the contract)
-    """An asyncio client of this DC's general node (same addresses as ``netstorm.connect``)."""
+                   timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109 (the contract)
+                   secret_file: str | os.PathLike[str] | None = None) -> AsyncClient:
+    """An asyncio client of this DC's general node (same addresses and secret as ``netstorm.connect``)."""
     kind, where = resolve_address(address)
+    credentials = tcp_credentials(secret_file) if kind == "tcp" else None
     try:
         async with asyncio.timeout(timeout):
             if kind == "tcp":
                 assert isinstance(where, tuple)
-                reader, writer = await asyncio.open_connection(*where)
+                reader, writer = await authconn.open_stream(*where, credentials, plane=auth.Plane.TRAINER,
+                                                            me=auth.TRAINER, timeout=timeout, tls=False)
             else:
                 reader, writer = await asyncio.open_unix_connection(str(where))
+    except AuthError as exc:
+        raise TrainerAuthError(f"the node at {where}: {exc}") from None
     except (OSError, TimeoutError) as exc:
         raise NodeGone(f"cannot reach the node at {where}: {exc or 'timed out'}") from None
     return AsyncClient(reader, writer, inline=(kind == "tcp"), address=where, timeout=timeout)

@@ -26,6 +26,8 @@ COMMANDS: dict[str, str] = {
     "report": "report",
     "export-klonet": "export_klonet",
     "bench": "bench",
+    "secret": "secret",
+    "status": "status",
 }
 
 

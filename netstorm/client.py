@@ -26,8 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
+from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
 from netstorm.errors import (
+    AuthError,
     ErrorCode,
     IterationError,
     LayoutError,
@@ -35,6 +37,7 @@ from netstorm.errors import (
     NonFinite,
     PeerLost,
     TooFarAhead,
+    TrainerAuthError,
     TrainerError,
     TrainerLimit,
     TrainerProtocolError,
@@ -47,12 +50,15 @@ from netstorm.layout import DTYPES, Layout, TensorSpec
 
 DEFAULT_TIMEOUT = 300.0
 ENV_SOCKET = "NETSTORM_SOCKET"
+ENV_SECRET = "NETSTORM_SECRET_FILE"
+"""The job secret a TCP client proves when ``secret_file`` is not given (the option's variable)."""
 
 ERRORS: dict[ErrorCode, type[TrainerError]] = {
     ErrorCode.UNKNOWN_TENSOR: UnknownTensor, ErrorCode.WRONG_SHAPE: WrongShape, ErrorCode.WRONG_DTYPE: WrongDtype,
     ErrorCode.PEER_LOST: PeerLost, ErrorCode.PEER_GONE: PeerLost, ErrorCode.NODE_GONE: NodeGone,
     ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError, ErrorCode.INTERNAL: IterationError,
     ErrorCode.TRAINER_LIMIT: TrainerLimit, ErrorCode.TOO_FAR_AHEAD: TooFarAhead, ErrorCode.NON_FINITE: NonFinite,
+    ErrorCode.AUTH: TrainerAuthError,
 }
 """The exception a trainer raises for the code of a node's ErrorReply; any other code (the request broke
 the protocol, or the node refused it) raises TrainerProtocolError."""
@@ -75,6 +81,12 @@ def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | 
 
 SHM_PREFIX = "netstorm-"
 """Shared-memory files are named netstorm-<pid>-<random> in ``shm_directory()``; nodes map no others."""
+
+
+def tcp_credentials(secret_file: str | os.PathLike[str] | None) -> authconn.Credentials | None:
+    """The credentials a TCP trainer proves: ``secret_file``, else NETSTORM_SECRET_FILE, else none."""
+    path = secret_file if secret_file is not None else os.environ.get(ENV_SECRET) or None
+    return authconn.Credentials.from_file(path)
 
 
 def shm_directory() -> str:
@@ -279,8 +291,10 @@ class RegistryView:
 class Client(RegistryView):
     """A blocking connection to the general node of this DC."""
 
-    def __init__(self, address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 secret_file: str | os.PathLike[str] | None = None) -> None:
         kind, where = resolve_address(address)
+        credentials = tcp_credentials(secret_file) if kind == "tcp" else None
         self.address = where
         self.timeout = timeout
         self.registry = Registry(inline=(kind == "tcp"))
@@ -291,10 +305,17 @@ class Client(RegistryView):
                 assert isinstance(where, tuple)
                 sock = socket.create_connection(where, timeout=timeout)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if credentials is not None:
+                    authconn.client_socket(credentials, sock, plane=auth.Plane.TRAINER, me=auth.TRAINER,
+                                           timeout=timeout)
             else:
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.settimeout(timeout)
                 sock.connect(str(where))
+        except AuthError as exc:
+            if sock is not None:
+                sock.close()
+            raise TrainerAuthError(f"the node at {where}: {exc}") from None
         except OSError as exc:
             if sock is not None:
                 sock.close()
@@ -391,9 +412,12 @@ class Client(RegistryView):
         self.close()
 
 
-def connect(address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT) -> Client:
+def connect(address: str | os.PathLike[str] | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+            secret_file: str | os.PathLike[str] | None = None) -> Client:
     """A client of this DC's general node: a Unix socket path, "tcp://host:port", or NETSTORM_SOCKET.
+    Over TCP to a node with a job secret, the client proves ``secret_file`` (default: the file
+    NETSTORM_SECRET_FILE names); a Unix socket is guarded by its file permissions instead.
     A LAN worker behind a DC gateway uses ``netstorm.connect_edge("edge://GATEWAY:PORT?worker=I")``."""
     if os.fspath(address if address is not None else os.environ.get(ENV_SOCKET, "")).startswith("edge://"):
         raise TrainerError("edge:// addresses are for netstorm.connect_edge (the LAN worker's edge mode)")
-    return Client(address, timeout=timeout)
+    return Client(address, timeout=timeout, secret_file=secret_file)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from netstorm.auth import load_secret
 from netstorm.errors import ConfigError
 
 
@@ -108,13 +109,29 @@ class Config:
     """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
     max_connections_per_source: int = 64
     """Data-plane connections one source address may hold open at a node; more are closed at once."""
+    # Trust.
+    secret_file: str = ""
+    """File whose bytes (at least 32; `netstorm secret FILE` writes one) are the job secret: every TCP
+    connection (node to node, node to scheduler, admin, trainer TCP) then proves membership and the
+    identity it claims. Empty: no authentication, for loopback and emulation only."""
+    wan_tls: bool = False
+    """Encrypt node-to-node and node-to-scheduler connections with TLS, pinning the job certificate
+    SECRET_FILE.crt (and key SECRET_FILE.key) that `netstorm secret FILE --tls` writes; needs
+    secret_file, and the same setting on every process of the job."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
         return resolve(base=self, overrides=changes)
 
+    def secret(self) -> bytes | None:
+        """The job secret (the bytes of ``secret_file``), or None without one; ConfigError if unusable."""
+        return load_secret(self.secret_file) if self.secret_file else None
+
     def validate(self) -> None:
         """Reject values no run could use, naming the option."""
+        self.secret()
+        if self.wan_tls and not self.secret_file:
+            raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
                          "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers",
                          "max_connections_per_source")
@@ -146,6 +163,9 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls"})
+"""Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
+configuration (a path on its own host means nothing on theirs)."""
 
 
 def _field_docs() -> dict[str, str]:
@@ -195,6 +215,10 @@ def _coerce(name: str, value: Any, source: str) -> Any:
             if isinstance(value, bool):
                 raise ValueError(value)
             return float(value)
+        if kind is str:
+            if not isinstance(value, str):
+                raise ValueError(value)
+            return value
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: {name} expects {kind.__name__}, got {value!r}") from None
     return value

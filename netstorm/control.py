@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar
 
 import msgspec
 
-from netstorm.errors import ErrorCode, NetStormError
+from netstorm import auth
+from netstorm.errors import AuthError, ErrorCode, NetStormError
 from netstorm.schema import (
     DECODE_ERRORS,
     MAX_ITEMS,
@@ -67,8 +68,16 @@ class LayoutMismatch(ControlError):
     code = ErrorCode.LAYOUT_MISMATCH
 
 
+class ControlAuthError(ControlError, AuthError):
+    """The other side of a control connection did not prove membership of the job (wrong or missing
+    secret), or this connection's proven identity may not make the request."""
+
+    code = ErrorCode.AUTH
+
+
 REFUSALS: dict[ErrorCode, type[ControlError]] = {ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
-                                                 ErrorCode.TIMEOUT: ControlTimeout}
+                                                 ErrorCode.TIMEOUT: ControlTimeout,
+                                                 ErrorCode.AUTH: ControlAuthError}
 """The exception a requester raises for the code of an Error reply; any other code raises ControlError."""
 
 
@@ -226,6 +235,7 @@ _ROWS: dict[type[RowMap[Any, Any]], Any] = {
                       (EdgeModes, MAX_NODES))}
 """The msgspec type of each row mapping's rows, bounded."""
 _NO_WORKERS = WorkerCounts()
+_NO_MEMBERS = Members()
 _NO_MOVES = Moves()
 _NO_EDGE = EdgeModes()
 """Shared empty defaults: a field holding one of these is at its default, so it stays off the wire."""
@@ -448,10 +458,16 @@ class Status(Message, frozen=True, tag="status", omit_defaults=True):
     edge: EdgeModesField = _NO_EDGE
     """Gateway node -> (how it aggregates its LAN, why XDP fell back or ""), as its ``EdgeReport`` said;
     a gateway that has not served its LAN yet is absent."""
+    addresses: MembersField = _NO_MEMBERS
+    """Registered live node -> the data-plane address it registered."""
+    states: Annotated[tuple[tuple[NodeId, Name, Text], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
+    """(node, state, why) of every expected node: state ``expected`` (not registered yet), ``registered``
+    (waiting for the others), ``alive`` or ``down`` (why: the reason it was declared gone)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _force(self, "edge", EdgeModes.of(self.edge) if self.edge else _NO_EDGE)
+        _force(self, "addresses", Members.of(self.addresses) if self.addresses else _NO_MEMBERS)
 
 
 class PolicyFetch(Message, frozen=True, tag="policy_fetch"):
@@ -572,6 +588,9 @@ async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CON
         if not exc.partial:
             return None
         raise ControlError("connection closed inside a frame length prefix") from None
+    if prefix == auth.MAGIC:
+        raise ControlAuthError("authentication failed: the peer authenticates with a job secret, this side "
+                               "has none (secret_file)")
     (length,) = LENGTH.unpack(prefix)
     if length > max_frame:
         raise ControlError(f"control frame of {length} bytes exceeds the limit of {max_frame}")

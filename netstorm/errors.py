@@ -45,6 +45,8 @@ class ErrorCode(enum.StrEnum):
     """The policy asked for is not planned yet or no longer held."""
     INTERNAL = "internal"
     """The receiver hit a bug; the message carries its description."""
+    AUTH = "auth"
+    """The other side did not prove it belongs to the job (wrong or missing secret), or may not do this."""
 
 
 class NetStormError(Exception):
@@ -56,6 +58,13 @@ class NetStormError(Exception):
 
 class ConfigError(NetStormError):
     """A configuration value is missing, malformed or out of range."""
+
+
+class AuthError(NetStormError):
+    """A connection's other side did not prove membership of the job and the identity it claims (wrong or
+    missing secret, a replayed or forged handshake), or the handshake did not complete in time."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.AUTH
 
 
 class ScenarioError(NetStormError):
@@ -137,6 +146,13 @@ class NonFinite(TrainerError):
     nothing of the push was counted."""
 
     code: ClassVar[ErrorCode] = ErrorCode.NON_FINITE
+
+
+class TrainerAuthError(TrainerError, AuthError):
+    """The node's trainer TCP endpoint requires the job secret and this client did not prove it (or the
+    node did not prove it to this client)."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.AUTH
 
 
 class TrainerTimeout(TrainerError):

@@ -18,6 +18,7 @@ from typing import Annotated, ClassVar, Literal, NamedTuple, TypeVar
 
 import msgspec
 
+from netstorm import auth
 from netstorm.errors import ErrorCode, FrameError
 from netstorm.schema import DECODE_ERRORS, Count, Finite, NodeId, Path, Text, typed_error
 
@@ -65,6 +66,9 @@ def decode_prefix(data: bytes | bytearray | memoryview, *, max_frame_bytes: int)
     if len(data) < PREFIX_SIZE:
         raise FrameError(f"truncated frame prefix: {len(data)} of {PREFIX_SIZE} bytes")
     magic, version, kind, header_len, payload_len = PREFIX.unpack_from(data)
+    if magic == auth.MAGIC:
+        raise FrameError("the peer authenticates with a job secret and this node has none (secret_file): "
+                         "authentication failed: wrong or missing secret")
     if magic != MAGIC:
         raise FrameError(f"bad magic {bytes(magic)!r} (expected {MAGIC!r}): not a NetStorm data-plane peer")
     if version != VERSION:

@@ -24,6 +24,7 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from netstorm.authconn import Credentials
 from netstorm.control import ControlError, format_address, parse_address
 from netstorm.errors import NetStormError
 from scheduler import admin
@@ -83,6 +84,8 @@ class LocalCluster:
     """Config flags for every child."""
     verbose: int = 0
     startup_timeout: float = 120.0
+    credentials: Credentials | None = None
+    """The job secret the children prove (their --secret-file), for asking the scheduler's status."""
     children: list[Child] = dataclasses.field(default_factory=list)
     scheduler_address: tuple[str, int] | None = None
 
@@ -160,7 +163,7 @@ class LocalCluster:
         while True:
             self._check_children()
             try:
-                status = await admin.status(self.scheduler_address, timeout=5.0)
+                status = await admin.status(self.scheduler_address, timeout=5.0, credentials=self.credentials)
             except ControlError as exc:
                 status = None
                 log.debug("scheduler status: %s", exc)

@@ -16,11 +16,12 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 
+from netstorm import auth, authconn, control
 from netstorm import config as config_module
-from netstorm import control
+from netstorm.authconn import Credentials
 from netstorm.config import Config
-from netstorm.control import ControlError, ControlTimeout
-from netstorm.errors import NetStormError
+from netstorm.control import ControlAuthError, ControlError, ControlTimeout
+from netstorm.errors import AuthError, NetStormError
 from netstorm.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -70,14 +71,16 @@ class SchedulerClient:
     @classmethod
     async def connect(cls, address: tuple[str, int], node_id: int, data_address: tuple[str, int], *,
                       timeout: float,  # noqa: ASYNC109 (the contract's per-call deadline)
-                      workers: int = 1) -> SchedulerClient:
+                      workers: int = 1, credentials: Credentials | None = None) -> SchedulerClient:
         """Register node ``node_id``, whose contributions sum ``workers`` workers' gradients (1 + the LAN
-        workers of its gateway); returns once every expected node has registered."""
+        workers of its gateway); returns once every expected node has registered. With ``credentials``
+        the connection first proves it is node ``node_id`` of the job (and the scheduler that it is)."""
         name = f"scheduler {control.format_address(address)}"
         writer: asyncio.StreamWriter | None = None
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await asyncio.open_connection(*address)
+                reader, writer = await authconn.open_stream(*address, credentials, plane=auth.Plane.CONTROL,
+                                                            me=auth.node(node_id), timeout=timeout)
                 writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1],
                                                              workers=workers)))
                 await writer.drain()
@@ -88,6 +91,8 @@ class SchedulerClient:
             if isinstance(exc, TimeoutError) and not isinstance(exc, ControlError):
                 raise ControlTimeout(f"{name}: node {node_id} not registered within {timeout} s "
                                      "(are all expected nodes started?)") from None
+            if isinstance(exc, AuthError) and not isinstance(exc, ControlError):
+                raise ControlAuthError(f"{name}: node {node_id}: {exc}") from None
             if isinstance(exc, OSError):
                 raise ControlError(f"{name}: cannot register node {node_id}: {exc}") from None
             if isinstance(exc, ControlError):
@@ -96,7 +101,7 @@ class SchedulerClient:
         if not isinstance(reply, control.RegisterAck):
             writer.close()
             if isinstance(reply, control.Error):
-                raise ControlError(f"{name} refused node {node_id}: {reply.message}")
+                raise control.refusal(reply, f"{name} refused node {node_id}: ")
             what = "closed the connection" if reply is None else f"answered {reply.TYPE}"
             raise ControlError(f"{name} {what} instead of acknowledging node {node_id}'s registration")
         try:
@@ -390,7 +395,7 @@ class SchedulerClient:
 
 def ack_config(*, ack: control.RegisterAck) -> dict[str, object]:
     """The scheduler's config options, restricted to the ones this version knows (newer ones are ignored)."""
-    return {k: v for k, v in ack.config.items() if k in config_module.FIELDS}
+    return {k: v for k, v in ack.config.items() if k in config_module.FIELDS and k not in config_module.LOCAL}
 
 
 def _notify(callbacks: list[Callable[..., None]], what: str, *args: object) -> None:

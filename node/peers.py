@@ -34,7 +34,9 @@ from typing import cast
 
 import numpy as np
 
-from netstorm.errors import ChunkError, ErrorCode, FrameError, NetStormError
+from netstorm import auth, authconn
+from netstorm.authconn import Credentials
+from netstorm.errors import AuthError, ChunkError, ErrorCode, FrameError, NetStormError
 from netstorm.frames import (
     PREFIX_SIZE,
     ChunkHeader,
@@ -53,6 +55,9 @@ log = logging.getLogger("netstorm.node.peers")
 STAGING_BYTES = 64 * 1024
 WRITE_HIGH_WATER = 0
 """Bytes the transport may hold before it pauses the sender: none, the next frame waits in the queue."""
+TLS_WRITE_HIGH_WATER = 1
+"""The same over TLS (``wan_tls``): a TLS transport whose high-water mark is 0 pauses its writer even
+when it holds nothing, and then never resumes it; with 1 it pauses only while bytes wait."""
 SEND_LOWAT = 128 * 1024
 """Unsent bytes the kernel may hold per connection (TCP_NOTSENT_LOWAT): enough to keep a fast link busy
 while the event loop comes round, little enough that the queue's order decides what goes next."""
@@ -112,6 +117,8 @@ class InboundProtocol(asyncio.BufferedProtocol):
         self.rejected = False
         self.transport: asyncio.Transport | None = None
         self.peer_id: int | None = None
+        self.proven: int | None = None
+        """The node id this connection proved with the job secret (None without one): its Hello must claim it."""
         self.layout_hash = ""
         self.peername = "?"
         self.host = "?"
@@ -324,7 +331,8 @@ class OutboundProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
-        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        tls = transport.get_extra_info("ssl_object") is not None
+        self.transport.set_write_buffer_limits(high=TLS_WRITE_HIGH_WATER if tls else WRITE_HIGH_WATER)
         sock = transport.get_extra_info("socket")
         lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
         if sock is not None and lowat is not None:
@@ -383,8 +391,12 @@ class PeerLink:
 
     def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
                  clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0,
-                 on_progress: Callable[[int, Outgoing | None], None] | None = None) -> None:
+                 on_progress: Callable[[int, Outgoing | None], None] | None = None,
+                 credentials: Credentials | None = None, node_id: int = 0) -> None:
         self.peer_id = peer_id
+        self._credentials = credentials
+        """With a job secret, a connection proves this is node ``node_id`` before its Hello."""
+        self._node_id = node_id
         self._on_progress = on_progress
         """Called with ``peer_id`` and the frame after each frame left (the queue may have run empty), and
         with None when the link starts with nothing to send: an event for the node's shell, which may
@@ -454,12 +466,13 @@ class PeerLink:
         self._wakeup.set()
 
     async def _connect(self) -> OutboundProtocol:
-        loop = asyncio.get_running_loop()
         host, port = self.address
         try:
             async with asyncio.timeout(self._connect_timeout):
-                _, protocol = await loop.create_connection(lambda: OutboundProtocol(self.peer_id), host, port)
-        except (OSError, TimeoutError) as exc:
+                _, protocol = await authconn.create_connection(
+                    lambda: OutboundProtocol(self.peer_id), host, port, self._credentials, plane=auth.Plane.DATA,
+                    me=auth.node(self._node_id), timeout=self._connect_timeout)
+        except (OSError, TimeoutError, AuthError) as exc:
             raise PeerError(f"cannot connect to node {self.peer_id} at {host}:{port}: "
                             f"{exc or f'timed out after {self._connect_timeout:.1f} s'}") from None
         assert protocol.transport is not None

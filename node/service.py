@@ -22,10 +22,12 @@ from typing import Protocol
 
 import numpy as np
 
+from netstorm import auth, authconn
+from netstorm.authconn import Credentials
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
-from netstorm.frames import ChunkHeader, Hello
+from netstorm.frames import ChunkHeader, ErrorFrame, Hello
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -113,9 +115,12 @@ class GeneralNode:
     The protocol is ``self.core`` (``NodeCore``); this class feeds it events, carries out its actions
     and runs its one timer on the event loop's clock."""
 
-    def __init__(self, node_id: int, config: Config, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, node_id: int, config: Config, *, clock: Callable[[], float] = time.time,
+                 credentials: Credentials | None = None) -> None:
         self.node_id = node_id
         self.config = config
+        self.credentials = credentials
+        """With a job secret, every data connection proves which node it is before its first frame."""
         self.clock = clock
         """The (synced) wall clock links stamp t_send with and the receiver reads t_last_byte from."""
         self.core = NodeCore(node_id, config)
@@ -171,7 +176,14 @@ class GeneralNode:
     async def serve_data(self, host: str, port: int) -> tuple[str, int]:
         """Listen for peers; returns the bound address (port 0 picks a free one)."""
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._make_inbound, host, port)
+        factory = authconn.server_factory(
+            self.credentials, self._make_inbound, plane=auth.Plane.DATA, me=auth.node(self.node_id),
+            allowed=(auth.Role.NODE,), timeout=self.config.connect_timeout,
+            refuse=lambda why: ErrorFrame(why, ErrorCode.AUTH).encode(),
+            on_refused=lambda why: log.warning("node %d: data connection refused: %s", self.node_id, why))
+        context = self.credentials.server_ssl() if self.credentials is not None else None
+        self._server = await loop.create_server(factory, host, port, ssl=context,
+                                                ssl_handshake_timeout=self.config.connect_timeout if context else None)
         bound = self._server.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
 
@@ -194,7 +206,8 @@ class GeneralNode:
                         continue
                     link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
                                     connect_timeout=self.config.connect_timeout,
-                                    stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress)
+                                    stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress,
+                                    credentials=self.credentials, node_id=self.node_id)
                     self.links[peer] = link
                     tg.create_task(self._run_link(link))
                 self._ready.set()
@@ -405,11 +418,12 @@ class GeneralNode:
     def _hello(self) -> Hello:
         return Hello(self.node_id, self.layout.hash if self.layout is not None else "")
 
-    def _make_inbound(self) -> InboundProtocol:
+    def _make_inbound(self, proven: auth.Identity | None = None) -> InboundProtocol:
         protocol = InboundProtocol(on_hello=self._on_hello, on_chunk=self._on_chunk, on_lost=self._on_lost,
                                    max_frame_bytes=self.config.max_frame_bytes, clock=self.clock,
                                    on_admit=self.core.admit, on_made=self._on_made,
                                    hello_timeout=self.config.hello_timeout, frame_timeout=self.config.frame_timeout)
+        protocol.proven = proven.id if proven is not None else None
         self._inbound.add(protocol)
         return protocol
 
@@ -421,6 +435,9 @@ class GeneralNode:
             protocol.reject(f"more than {cap} connections from {protocol.host}", ErrorCode.PROTOCOL)
 
     def _on_hello(self, hello: Hello, protocol: InboundProtocol) -> None:
+        if protocol.proven is not None and hello.node_id != protocol.proven:
+            raise FrameError(f"Hello claims node {hello.node_id} on a connection authenticated as node "
+                             f"{protocol.proven}")
         if self.members and hello.node_id not in self.members:
             raise FrameError(f"node {hello.node_id} is not a member of this job (members: {sorted(self.members)})")
         if hello.node_id == self.node_id:

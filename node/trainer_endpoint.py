@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import grp
 import logging
 import mmap
 import os
@@ -31,9 +32,11 @@ from pathlib import Path
 
 import numpy as np
 
+from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
+from netstorm.authconn import Credentials
 from netstorm.client import SHM_PREFIX, shm_directory
-from netstorm.errors import ErrorCode, LayoutError, NetStormError, TrainerProtocolError
+from netstorm.errors import AuthError, ErrorCode, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
 from netstorm.schema import MAX_ITEMS
 from node.ranks import Ranks
@@ -111,19 +114,40 @@ def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
 class TrainerEndpoint:
     """Serves trainers of one node."""
 
-    def __init__(self, node: GeneralNode) -> None:
+    def __init__(self, node: GeneralNode, *, credentials: Credentials | None = None) -> None:
         self.node = node
         self.ranks = Ranks(node)
+        self.credentials = credentials
+        """With a job secret, a TCP trainer proves it before its first request (the Unix socket is
+        guarded by its file permissions instead)."""
         self._servers: list[asyncio.Server] = []
         self._sessions = 0
         self._by_host: dict[str, int] = {}
         """Open TCP trainer connections per source address (at most ``max_connections_per_source``)."""
 
-    async def serve_unix(self, path: str | Path) -> asyncio.Server:
+    async def serve_unix(self, path: str | Path, *, group: str | int | None = None) -> asyncio.Server:
+        """Serve trainers on a Unix socket only its owner may connect to (mode 0600), or with ``group`` its
+        owner and that group (0660). The socket is bound under a temporary name and renamed into place
+        once its mode is set, so it is never reachable with looser permissions."""
         path = Path(path)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
-        server = await asyncio.start_unix_server(lambda r, w: self._handle(r, w, inline=False), path=str(path))
+        staging = path.with_name(f".{path.name}.{os.getpid()}")
+        with contextlib.suppress(FileNotFoundError):
+            staging.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(staging))
+            if group is not None:
+                os.chown(staging, -1, group if isinstance(group, int) else grp.getgrnam(group).gr_gid)
+            os.chmod(staging, 0o660 if group is not None else 0o600)
+            os.rename(staging, path)
+        except BaseException:
+            sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                staging.unlink()
+            raise
+        server = await asyncio.start_unix_server(lambda r, w: self._handle(r, w, inline=False), sock=sock)
         self._servers.append(server)
         return server
 
@@ -153,6 +177,15 @@ class TrainerEndpoint:
                 await self._reply(writer, tw.ErrorReply(ErrorCode.PROTOCOL, f"more than {cap} trainer connections "
                                                                            f"from {host}"))
                 return
+            if inline and self.credentials is not None:
+                try:
+                    await authconn.server_stream(
+                        self.credentials, reader, writer, plane=auth.Plane.TRAINER, me=auth.node(self.node.node_id),
+                        timeout=self.node.config.connect_timeout, allowed=(auth.Role.TRAINER,),
+                        refuse=lambda why: tw.encode(tw.ErrorReply(ErrorCode.AUTH, why)))
+                except AuthError as exc:
+                    log.warning("node %d: %s refused: %s", self.node.node_id, session.name, exc)
+                    return
             while True:
                 try:
                     prefix = await reader.readexactly(tw.PREFIX.size)

@@ -11,25 +11,33 @@ from __future__ import annotations
 
 import asyncio
 
-from netstorm import control
-from netstorm.control import ControlError, ControlTimeout
-from netstorm.errors import NetStormError
+from netstorm import auth, authconn, control
+from netstorm.authconn import Credentials
+from netstorm.control import ControlAuthError, ControlError, ControlTimeout
+from netstorm.errors import AuthError, NetStormError
 from netstorm.policy import Policy
 from netstorm.scenario import Rates
 
 
-async def request(address: tuple[str, int], message: control.Message, *, timeout: float) -> control.Message:  # noqa: ASYNC109 (the contract's per-call deadline)
-    """Send one message on a fresh connection and return the answer (Error answers raise ControlError)."""
+async def request(address: tuple[str, int], message: control.Message, *, timeout: float,  # noqa: ASYNC109 (the contract's per-call deadline)
+                  credentials: Credentials | None = None) -> control.Message:
+    """Send one message on a fresh connection and return the answer (Error answers raise ControlError).
+
+    With ``credentials`` the connection first proves it is the job's admin (a scheduler with a secret
+    answers nothing else); a wrong or missing secret raises ``ControlAuthError``."""
     name = f"scheduler {control.format_address(address)}"
     writer: asyncio.StreamWriter | None = None
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection(*address)
+            reader, writer = await authconn.open_stream(*address, credentials, plane=auth.Plane.CONTROL,
+                                                        me=auth.ADMIN, timeout=timeout)
             writer.write(control.encode(message))
             await writer.drain()
             reply = await control.read_message(reader)
     except TimeoutError:
         raise ControlTimeout(f"{name}: no answer to {message.TYPE} within {timeout} s") from None
+    except AuthError as exc:
+        raise ControlAuthError(f"{name}: {message.TYPE}: {exc}") from None
     except (OSError, ControlError) as exc:  # a refused connection, or a garbled or cut-off answer
         raise ControlError(f"{name}: {message.TYPE} failed: {exc}") from None
     finally:
@@ -42,24 +50,30 @@ async def request(address: tuple[str, int], message: control.Message, *, timeout
     return reply
 
 
-async def status(address: tuple[str, int], *, timeout: float) -> control.Status:  # noqa: ASYNC109 (the contract's per-call deadline)
-    reply = await request(address, control.StatusRequest(), timeout=timeout)
+async def status(address: tuple[str, int], *, timeout: float,  # noqa: ASYNC109
+                 credentials: Credentials | None = None) -> control.Status:
+    reply = await request(address, control.StatusRequest(), timeout=timeout,
+                          credentials=credentials)
     if not isinstance(reply, control.Status):
         raise ControlError(f"scheduler {control.format_address(address)} answered status with {reply.TYPE}")
     return reply
 
 
-async def override_policy(address: tuple[str, int], rates: Rates, *, timeout: float) -> int:  # noqa: ASYNC109 (the contract's per-call deadline)
+async def override_policy(address: tuple[str, int], rates: Rates, *, timeout: float,  # noqa: ASYNC109
+                          credentials: Credentials | None = None) -> int:
     """Plan and publish a policy from ``rates`` now; returns its version (current for unbound iterations)."""
-    reply = await request(address, control.PolicyOverride(rates), timeout=timeout)
+    reply = await request(address, control.PolicyOverride(rates), timeout=timeout,
+                          credentials=credentials)
     if not isinstance(reply, control.PolicyOverrideAck):
         raise ControlError(f"scheduler {control.format_address(address)} answered an override with {reply.TYPE}")
     return reply.version
 
 
-async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: float) -> Policy:  # noqa: ASYNC109
+async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: float,  # noqa: ASYNC109
+                       credentials: Credentials | None = None) -> Policy:
     """Policy ``version`` (-1: the current one) as the scheduler holds it."""
-    reply = await request(address, control.PolicyFetch(version), timeout=timeout)
+    reply = await request(address, control.PolicyFetch(version), timeout=timeout,
+                          credentials=credentials)
     if not isinstance(reply, control.PolicyReply) or reply.policy is None:
         raise ControlError(f"scheduler {control.format_address(address)} answered a policy fetch with {reply!r}")
     try:
@@ -69,10 +83,12 @@ async def fetch_policy(address: tuple[str, int], version: int = -1, *, timeout: 
 
 
 async def history(address: tuple[str, int], since_iteration: int = 0, since_version: int = 0, *,
-                  timeout: float) -> control.History:  # noqa: ASYNC109 (the contract's per-call deadline)
+                  timeout: float,  # noqa: ASYNC109 (the contract's per-call deadline)
+                  credentials: Credentials | None = None) -> control.History:
     """One page of the bindings from ``since_iteration`` on and of the versions published from
     ``since_version`` on."""
-    reply = await request(address, control.HistoryRequest(since_iteration, since_version), timeout=timeout)
+    reply = await request(address, control.HistoryRequest(since_iteration, since_version), timeout=timeout,
+                          credentials=credentials)
     if not isinstance(reply, control.History):
         raise ControlError(f"scheduler {control.format_address(address)} answered a history request with "
                            f"{reply.TYPE}")

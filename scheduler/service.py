@@ -17,10 +17,11 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from netstorm import control
+from netstorm import auth, authconn, control
+from netstorm.authconn import Credentials
 from netstorm.clock import serve_sntp
-from netstorm.config import Config
-from netstorm.errors import ConfigError, ErrorCode
+from netstorm.config import LOCAL, Config
+from netstorm.errors import AuthError, ConfigError, ErrorCode
 from netstorm.planning.offload import plan_offload
 from netstorm.policy import Policy
 from netstorm.scenario import Rates
@@ -55,6 +56,8 @@ class _Connection:
         peer = writer.get_extra_info("peername")
         self.peer = control.format_address(peer[:2]) if isinstance(peer, tuple) else str(peer)
         self.node_id: int | None = None
+        self.proven: auth.Identity | None = None
+        """Who the connection proved to be (with a job secret; None without one)."""
         self.leaving: str | None = None
         """Why the node said it leaves (``Leave``), before it closed the connection."""
         self._lock = asyncio.Lock()
@@ -82,8 +85,11 @@ class SchedulerService:
     """State of one job's scheduler; ``serve`` runs it until cancelled."""
 
     def __init__(self, rates: Rates, nodes: Collection[int], config: Config, *, topology: str = "fapt",
-                 num_roots: int | None = None, clock: Callable[[], float] = time.time) -> None:
+                 num_roots: int | None = None, clock: Callable[[], float] = time.time,
+                 credentials: Credentials | None = None) -> None:
         self.config = config
+        self.credentials = credentials
+        """With a job secret, every control connection proves who it is before it is read."""
         self.initial_rates = dict(rates)
         self.clock = clock
         self.membership = Membership(nodes, heartbeat_timeout=config.heartbeat_timeout)
@@ -173,7 +179,10 @@ class SchedulerService:
         """TCP and UDP on one port; with port 0, retry until a port is free for both."""
         for attempt in range(20):
             try:
-                server = await asyncio.start_server(self._serve_connection, host, port)
+                context = self.credentials.server_ssl() if self.credentials is not None else None
+                server = await asyncio.start_server(self._serve_connection, host, port, ssl=context,
+                                                    ssl_handshake_timeout=self.config.connect_timeout if context
+                                                    else None)
             except OSError as exc:
                 raise ConfigError(f"cannot listen on TCP {control.format_address((host, port))}: {exc}") from None
             sockname = server.sockets[0].getsockname()
@@ -199,6 +208,8 @@ class SchedulerService:
         handler.add_done_callback(self._handlers.discard)
         conn = _Connection(writer)
         try:
+            if self.credentials is not None and not await self._authenticate(conn, reader):
+                return
             while True:
                 timeout = None if conn.node_id is not None else self.config.connect_timeout
                 try:
@@ -213,8 +224,9 @@ class SchedulerService:
                     break
         except control.ControlError as exc:
             log.warning("bad control input from %s: %s", conn.name(), exc)
+            code = ErrorCode.AUTH if isinstance(exc, AuthError) else ErrorCode.MALFORMED
             with contextlib.suppress(ConnectionError):
-                await conn.send(control.Error(f"bad control message: {exc}", ErrorCode.MALFORMED))
+                await conn.send(control.Error(f"bad control message: {exc}", code))
         except ConnectionError as exc:
             log.warning("control connection to %s failed: %s", conn.name(), exc)
         except asyncio.CancelledError:
@@ -229,8 +241,41 @@ class SchedulerService:
                 if down is not None:
                     await self._member_down(down)
 
+    async def _authenticate(self, conn: _Connection, reader: asyncio.StreamReader) -> bool:
+        """Run the membership handshake first: a node proves its id, a tool proves it is the admin."""
+        assert self.credentials is not None
+        try:
+            conn.proven = await authconn.server_stream(
+                self.credentials, reader, conn.writer, plane=auth.Plane.CONTROL, me=auth.SCHEDULER,
+                timeout=self.config.connect_timeout, allowed=(auth.Role.NODE, auth.Role.ADMIN),
+                refuse=lambda why: control.encode(control.Error(why, ErrorCode.AUTH)))
+        except AuthError as exc:
+            log.warning("control connection from %s refused: %s", conn.peer, exc)
+            return False
+        return True
+
+    def _unproven(self, conn: _Connection, what: str, role: auth.Role, node_id: int | None = None) -> str | None:
+        """Why ``conn`` may not send ``what`` (None when it may): with a job secret, only a connection
+        proven as ``role`` (and as node ``node_id``) may."""
+        if self.credentials is None:
+            return None
+        wanted = auth.Identity(role, node_id or 0)
+        if conn.proven != wanted:
+            return (f"{what} needs a connection authenticated as {wanted}; this one is "
+                    f"{conn.proven if conn.proven is not None else 'unauthenticated'}")
+        return None
+
     async def _dispatch(self, conn: _Connection, message: control.Message) -> bool:
         """Handle one message; False closes the connection."""
+        admin = isinstance(message, control.PolicyOverride | control.StatusRequest | control.PolicyFetch
+                           | control.HistoryRequest)
+        problem = self._unproven(conn, message.TYPE, auth.Role.ADMIN) if admin else None
+        if isinstance(message, control.Register):
+            problem = self._unproven(conn, f"registration as node {message.node_id}", auth.Role.NODE, message.node_id)
+        if problem is not None:
+            log.warning("%s refused: %s", conn.name(), problem)
+            await conn.send(control.Error(problem, ErrorCode.AUTH))
+            return False
         match message:
             case control.Register():
                 return await self._register(conn, message)
@@ -303,7 +348,8 @@ class SchedulerService:
             log.error("%s", exc)
             await self._broadcast(control.Error(f"the scheduler cannot start the job: {exc}"))
             return
-        ack = control.RegisterAck(members=self.membership.members(), config=dataclasses.asdict(self.config),
+        shared = {k: v for k, v in dataclasses.asdict(self.config).items() if k not in LOCAL}
+        ack = control.RegisterAck(members=self.membership.members(), config=shared,
                                   scheduler_time=self.clock(), workers=self.membership.workers())
         await self._broadcast(ack)
         self.complete.set()
@@ -403,7 +449,22 @@ class SchedulerService:
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
                               version=-1 if current is None else current, bindings=tuple(bindings),
-                              edge=dict(self._edge))
+                              edge=dict(self._edge), addresses=self.membership.members(), states=self._states())
+
+    def _states(self) -> tuple[tuple[int, str, str], ...]:
+        """(node, state, why) of every expected node, for operators (``netstorm status``)."""
+        registered, alive, dead = set(self.membership.registered), set(self.membership.alive), self.membership.dead
+        out = []
+        for node_id in self.membership.expected:
+            if node_id in dead:
+                out.append((node_id, "down", dead[node_id]))
+            elif node_id in alive and self.complete.is_set():
+                out.append((node_id, "alive", ""))
+            elif node_id in registered:
+                out.append((node_id, "registered", "waiting for the other nodes"))
+            else:
+                out.append((node_id, "expected", "not registered yet"))
+        return tuple(out)
 
     def history(self, since_iteration: int, since_version: int) -> control.History:
         """A page of the bindings from ``since_iteration`` on and of the published versions from

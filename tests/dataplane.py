@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
 
+from netstorm.authconn import Credentials
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.policy import Policy
@@ -83,10 +84,12 @@ async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> N
 
 @contextlib.asynccontextmanager
 async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy],
-                  workers: Mapping[int, int] | None = None) -> AsyncIterator[dict[int, GeneralNode]]:
+                  workers: Mapping[int, int] | None = None,
+                  credentials: Credentials | None = None) -> AsyncIterator[dict[int, GeneralNode]]:
     """Nodes ``ids`` serving on loopback, each running in this scope; stopped on exit. ``workers``: how
-    many workers a node's contributions sum (1 unless given), as its Register says."""
-    nodes = {i: GeneralNode(i, config) for i in ids}
+    many workers a node's contributions sum (1 unless given), as its Register says; ``credentials``: the
+    job secret every node proves on its data connections (none by default)."""
+    nodes = {i: GeneralNode(i, config, credentials=credentials) for i in ids}
     members = {i: await n.serve_data("127.0.0.1", 0) for i, n in nodes.items()}
     async with asyncio.TaskGroup() as tg:
         for i, n in nodes.items():

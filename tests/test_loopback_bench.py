@@ -126,3 +126,18 @@ def test_bench_smoke_on_a_tiny_model(tmp_path: Path) -> None:
     assert 0 < result["cluster_cpu_share"] <= result["host_cpu_busy"] + slack
     assert f"+/- {slack:.1%}: /proc's tick resolution" in run.stdout
     assert "x memory-copy bandwidth" in run.stdout and "target" in run.stdout
+
+
+@pytest.mark.slow
+def test_tls_cost_runs_the_three_settings_one_after_the_other(tmp_path: Path) -> None:
+    out = tmp_path / "tls.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "netstorm.cli", "bench", "loopback", "--nodes", "3", "--model-mb", "0.4",
+         "--iterations", "3", "--chunk-size", "30000", "--timeout", "60", "--tls-cost", "--rounds", "1",
+         "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["exact"] is True
+    assert [r["setting"] for r in result["runs"]] == ["plain", "secret", "secret+tls"]
+    assert set(result["summary"]) == {"plain", "secret", "secret+tls"}
+    assert "secret+tls" in run.stdout

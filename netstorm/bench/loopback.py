@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one step")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--tls-cost", action="store_true",
+                        help="compare no secret, a job secret, and a secret with wan_tls, one right after the other "
+                             "(a fresh secret and certificate in a temporary directory)")
+    parser.add_argument("--rounds", type=int, default=3, help="with --tls-cost: rounds of the three (default 3)")
     config.add_arguments(parser)
 
 
@@ -113,13 +118,78 @@ class Mark:
 def run(args: argparse.Namespace) -> int:
     if args.iterations < 2:
         raise LaunchError("--iterations must be at least 2: CPU is measured from the first iteration's end")
+    if getattr(args, "tls_cost", False):
+        return run_tls_cost(args)
+    result = measure(args, config_flags(args))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["exact"] else 1
+
+
+TLS_SETTINGS = ("plain", "secret", "secret+tls")
+"""What ``--tls-cost`` compares: no secret, the membership handshake only, the handshake inside TLS."""
+
+
+def run_tls_cost(args: argparse.Namespace) -> int:
+    """The cost of ``wan_tls``: the same cluster without a secret, with one, and with TLS, one right after
+    the other, ``--rounds`` times (so a neighbour's load falls on all three alike)."""
+    from netstorm.commands.secret import SECRET_BYTES, write_certificate
+
+    keys = Path(tempfile.mkdtemp(prefix="netstorm-tls-cost-"))
+    secret = keys / "job.secret"
+    secret.write_bytes(os.urandom(SECRET_BYTES))
+    secret.chmod(0o600)
+    write_certificate(secret, force=True)
+    base = config_flags(args)
+    flags = {"plain": base, "secret": [*base, "--secret-file", str(secret)],
+             "secret+tls": [*base, "--secret-file", str(secret), "--wan-tls", "true"]}
+    runs: list[dict[str, Any]] = []
+    try:
+        for round_ in range(args.rounds):
+            for setting in TLS_SETTINGS:
+                print(f"--- round {round_ + 1} of {args.rounds}: {setting}")
+                runs.append({"round": round_ + 1, "setting": setting, **measure(args, flags[setting])})
+    finally:
+        shutil.rmtree(keys, ignore_errors=True)  # the run's throwaway secret and key
+    summary = {}
+    for setting in TLS_SETTINGS:
+        mine = [r for r in runs if r["setting"] == setting]
+        summary[setting] = {
+            "node_cpu_s_per_mb_median": statistics.median(r["node_cpu_s_per_mb"] for r in mine),
+            "sync_bytes_per_s_median": statistics.median(r["sync_bytes_per_s"] for r in mine),
+            "host_cpu_busy_max": max(r["host_cpu_busy"] for r in mine)}
+    plain = summary["plain"]
+    for row in summary.values():
+        row["cpu_vs_plain"] = _ratio(row["node_cpu_s_per_mb_median"], plain["node_cpu_s_per_mb_median"])
+        row["throughput_vs_plain"] = _ratio(row["sync_bytes_per_s_median"], plain["sync_bytes_per_s_median"])
+    print("node CPU per MB (median), and against no secret (- : too short a run to resolve):")
+    for setting, row in summary.items():
+        print(f"  {setting:<11} {row['node_cpu_s_per_mb_median'] * 1e3:6.2f} ms per MB  "
+              f"{_times(row['cpu_vs_plain'])}   throughput {_times(row['throughput_vs_plain'])}")
+    exact = all(r["exact"] for r in runs)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": list(TLS_SETTINGS), "rounds": args.rounds,
+                                               "summary": summary, "exact": exact, "runs": runs}, indent=2) + "\n")
+    return 0 if exact else 1
+
+
+def _ratio(value: float, base: float) -> float | None:
+    return value / base if base > 0 else None
+
+
+def _times(ratio: float | None) -> str:
+    return f"{ratio:5.2f} x" if ratio is not None else "    - x"
+
+
+def measure(args: argparse.Namespace, flags: list[str]) -> dict[str, Any]:
+    """One cluster's run: start it with ``flags``, run the trainers, report."""
     params = max(1, round(args.model_mb * 1e6 / 4))
     model_bytes = params * 4
     print(f"loopback bench: {args.nodes} nodes, model {model_bytes / 1e6:.1f} MB ({params} float32), "
           f"{args.iterations} iterations, {os.cpu_count()} CPUs")
     copy_bw = memcpy_bandwidth(model_bytes)
     run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="netstorm-loopback-"))
-    with local_cluster(args.nodes, run_dir, flags=config_flags(args), ready_timeout=args.timeout) as cluster:
+    with local_cluster(args.nodes, run_dir, flags=flags, ready_timeout=args.timeout) as cluster:
         nodes = node_processes(cluster.process.pid)
         if sorted(nodes) != cluster.node_ids:
             raise LaunchError(f"found node processes {sorted(nodes)} below netstorm local, "
@@ -148,9 +218,7 @@ def run(args: argparse.Namespace) -> int:
     copy_bw = max(copy_bw, memcpy_bandwidth(model_bytes))
     result = summarize(args, model_bytes, copy_bw, records, marks)
     print_result(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0 if result["exact"] else 1
+    return result
 
 
 def summarize(args: argparse.Namespace, model_bytes: int, copy_bw: float, records: list[list[dict[str, Any]]],

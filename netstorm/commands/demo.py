@@ -32,6 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "built-in ones); each is one more trainer process, so keep N small on a small host")
     parser.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
                         help="how gateways aggregate their LAN workers (default auto: xdp where it loads)")
+    parser.add_argument("--secret-file", metavar="FILE", default=None,
+                        help="job secret every process of the run proves (see `netstorm secret`; default none: "
+                             "the emulated network is private to this host)")
+    parser.add_argument("--wan-tls", metavar="BOOL", default=None,
+                        help="encrypt the emulated WAN links with the job certificate beside --secret-file")
     parser.add_argument("--results", metavar="DIR", default=None,
                         help="instead: the committed results: static and dynamic internet2-9 with every system, "
                              "written to DIR (about half an hour)")
@@ -63,9 +68,14 @@ def emulate_argv(args: argparse.Namespace) -> list[str]:
 
 
 def _lan_flags(args: argparse.Namespace) -> list[str]:
+    """The LAN flags and the trust flags, passed on to ``netstorm emulate`` as given."""
     flags = ["--edge-mode", args.edge_mode]
     if args.lan_workers is not None:
         flags += ["--lan-workers", str(args.lan_workers)]
+    if getattr(args, "secret_file", None):
+        flags += ["--secret-file", str(Path(args.secret_file).resolve())]
+    if getattr(args, "wan_tls", None) is not None:
+        flags += ["--wan-tls", str(args.wan_tls)]
     return flags
 
 

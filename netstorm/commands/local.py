@@ -36,11 +36,14 @@ def config_flags(args: argparse.Namespace) -> list[str]:
     for name in config_module.FIELDS:
         value = getattr(args, f"opt_{name}", None)
         if value is not None:
+            if name == "secret_file" and value:
+                value = str(Path(value).resolve())
             out += ["--" + name.replace("_", "-"), str(value)]
     return out
 
 
 def run(args: argparse.Namespace) -> int:
+    from netstorm.authconn import Credentials
     from netstorm.local import LocalCluster, run_local
 
     config = config_module.from_args(args)  # fail here, once, on a bad option
@@ -55,5 +58,6 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         scenario=str(Path(scenario.source).resolve()) if Path(scenario.source).exists() else args.scenario,
         node_ids=nodes, run_dir=run_dir.resolve(), scheduler_args=scheduler_args, common_args=config_flags(args),
-        verbose=args.verbose, startup_timeout=max(args.startup_timeout, config.connect_timeout))
+        verbose=args.verbose, startup_timeout=max(args.startup_timeout, config.connect_timeout),
+        credentials=Credentials.from_config(config))
     return asyncio.run(run_local(cluster))

@@ -29,7 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--advertise", metavar="HOST:PORT",
                         help="data-plane address peers connect to (default: the bound --listen address)")
     parser.add_argument("--socket", required=True, metavar="PATH", help="Unix socket for local trainers")
-    parser.add_argument("--trainer-tcp", metavar="HOST:PORT", help="also serve trainers over TCP here")
+    parser.add_argument("--socket-group", metavar="GROUP",
+                        help="users of GROUP may connect to --socket too (mode 0660; default 0600: only the node's "
+                             "user, and root)")
+    parser.add_argument("--trainer-tcp", metavar="HOST:PORT",
+                        help="also serve trainers over TCP here (with a job secret, trainers must prove it)")
     edge = parser.add_argument_group("gateway role: aggregate this DC's LAN workers (edge mode trainers)")
     edge.add_argument("--edge-workers", type=int, default=0, metavar="N",
                       help="LAN workers to aggregate (ids 0..N-1); 0 disables the gateway role")
@@ -61,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
-                            socket_path=Path(args.socket), trainer_tcp=trainer_tcp, edge=edge))
+                            socket_path=Path(args.socket), trainer_tcp=trainer_tcp, edge=edge,
+                            socket_group=args.socket_group))
 
 
 def edge_secret(config: object) -> bytes | None:
@@ -72,8 +77,9 @@ def edge_secret(config: object) -> bytes | None:
 
 async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],
                 advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None,
-                edge: EdgeOptions | None = None) -> int:
+                edge: EdgeOptions | None = None, socket_group: str | None = None) -> int:
     """Run one node until SIGTERM/SIGINT, or until the connection to the scheduler is lost."""
+    from netstorm.authconn import Credentials
     from netstorm.clock import Clock, ClockSyncError
     from node.control_client import SchedulerClient
     from node.service import GeneralNode
@@ -85,15 +91,16 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
         log.info("node %d: clock offset to the scheduler %+.6f s (skew %+.3f s)", node_id, offset, clock.skew)
     except ClockSyncError as exc:
         log.warning("node %d: %s; timestamps stay uncorrected until a later sync succeeds", node_id, exc)
-    node = GeneralNode(node_id, config, clock=clock.now)
+    credentials = Credentials.from_config(config)
+    node = GeneralNode(node_id, config, clock=clock.now, credentials=credentials)
     bound = await node.serve_data(*listen)
     data_address = advertise or bound
     log.info("node %d: data plane on %s:%d", node_id, *bound)
     # this DC's contributions sum its trainers' gradients and (as a gateway) its LAN workers'
     workers = config.trainers + (edge.workers if edge is not None else 0)
     control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout,
-                                            workers=workers)
-    endpoint = TrainerEndpoint(node)
+                                            workers=workers, credentials=credentials)
+    endpoint = TrainerEndpoint(node, credentials=credentials)
 
     def scheduler_lost(error: Exception) -> None:
         log.error("node %d: lost the scheduler: %s; stopping", node_id, error)
@@ -103,7 +110,7 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, node.stop)
     try:
-        await endpoint.serve_unix(socket_path)
+        await endpoint.serve_unix(socket_path, group=socket_group)
         if trainer_tcp is not None:
             server = await endpoint.serve_tcp(*trainer_tcp)
             log.info("node %d: trainers over TCP on %s", node_id, server.sockets[0].getsockname())

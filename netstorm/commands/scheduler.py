@@ -46,6 +46,7 @@ def parse_nodes(text: str | None, scenario: scenario_module.Scenario) -> list[in
 
 
 def run(args: argparse.Namespace) -> int:
+    from netstorm.authconn import Credentials
     from scheduler.service import SchedulerService
 
     config = config_module.from_args(args)
@@ -57,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--roots must be >= 0, got {args.roots}")
     host, port = parse_address(args.listen, "--listen")
     rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
-    service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots)
+    service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots,
+                               credentials=Credentials.from_config(config))
 
     def ready(address: tuple[str, int]) -> None:
         print(f"scheduler listening on {format_address(address)} for nodes "

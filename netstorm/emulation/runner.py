@@ -28,6 +28,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from netstorm.authconn import Credentials
+from netstorm.config import LOCAL, resolve
 from netstorm.emulation import netns, results, systems
 from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
@@ -104,6 +106,8 @@ class Options:
     lan_workers: int | None = None
     edge_mode: str = "auto"
     overlap: bool = False
+    credentials: Credentials | None = None
+    """The job secret (and certificate) the run's processes share, for following the scheduler."""
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -116,6 +120,8 @@ def _config_flags(args: argparse.Namespace) -> list[str]:
     for name in FIELDS:
         value = getattr(args, f"opt_{name}", None)
         if value is not None:
+            if name == "secret_file" and value:
+                value = str(Path(value).resolve())
             flags += ["--" + name.replace("_", "-"), str(value)]
     return flags
 
@@ -176,7 +182,9 @@ def options_from_args(args: argparse.Namespace) -> Options:
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
-                   edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)))
+                   edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
+                   credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
+                                                                          if k in LOCAL})))
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -288,7 +296,7 @@ class SystemRun:
             stdout=out, stderr=subprocess.STDOUT)
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
         self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
-                                    namespace=net.plan.mgmt_namespace)
+                                    namespace=net.plan.mgmt_namespace, credentials=opts.credentials)
         self.watch.start()
         for dc in net.plan.node_ids:
             out = self._logfile(f"node-{dc}")

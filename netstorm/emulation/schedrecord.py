@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from netstorm import control
+from netstorm.authconn import Credentials
 from netstorm.control import ControlError
 from netstorm.emulation.netns import enter
 from scheduler import admin
@@ -86,8 +87,9 @@ class SchedulerWatch:
     """Follows a scheduler's admin interface from a thread (inside ``namespace``, if given) into ``record``."""
 
     def __init__(self, address: tuple[str, int], record: SchedulerRecord, *, namespace: str | None = None,
-                 interval: float = 0.5, timeout: float = 5.0) -> None:
+                 interval: float = 0.5, timeout: float = 5.0, credentials: Credentials | None = None) -> None:
         self.address = address
+        self.credentials = credentials
         self.record = record
         self.namespace = namespace
         self.interval = interval
@@ -138,12 +140,12 @@ class SchedulerWatch:
         """Ask again for the last few iterations, then for every page that is new, then for the status."""
         request = self.record.next_request(overlap=OVERLAP)
         self.record.add_history(await admin.history(self.address, request.since_iteration, request.since_version,
-                                                    timeout=self.timeout))
+                                                    timeout=self.timeout, credentials=self.credentials))
         while True:
             request = self.record.next_request()
             page = await admin.history(self.address, request.since_iteration, request.since_version,
-                                       timeout=self.timeout)
+                                       timeout=self.timeout, credentials=self.credentials)
             if not self.record.add_history(page):
                 break
-        self.record.add_status(await admin.status(self.address, timeout=self.timeout))
+        self.record.add_status(await admin.status(self.address, timeout=self.timeout, credentials=self.credentials))
         self.polls += 1
