@@ -98,12 +98,22 @@ def test_an_edge_trainer_needs_its_id_and_a_valid_job_size(tmp_path: Path, capsy
 @pytest.mark.root
 @pytest.mark.bcc
 @pytest.mark.slow
-def test_an_emulated_run_with_lan_workers_is_exact_in_xdp_and_leaves_nothing_behind(tmp_path: Path) -> None:
+@pytest.mark.parametrize("with_secret", [False, True], ids=["open", "job-secret"])
+def test_an_emulated_run_with_lan_workers_is_exact_in_xdp_and_leaves_nothing_behind(tmp_path: Path,
+                                                                                   with_secret: bool) -> None:
+    """With a job secret every process of the run gets it: the TCP planes authenticate, and the LAN
+    workers' datagrams carry the tokens the XDP program checks (a worker without it would never count)."""
     out = tmp_path / "result.json"
     run_dir = tmp_path / "run"
+    secret = []
+    if with_secret:
+        made = subprocess.run([sys.executable, "-m", "netstorm.cli", "secret", str(tmp_path / "job.secret")],
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        secret = ["--secret-file", str(tmp_path / "job.secret")]
     proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(LAN), "--system", "netstorm",
                            "--iterations", "2", "--model", "100k", "--edge-mode", "xdp", "--out", str(out),
-                           "--run-dir", str(run_dir)], capture_output=True, text=True, timeout=240)
+                           "--run-dir", str(run_dir), *secret], capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     ns = result["systems"]["netstorm"]

@@ -327,8 +327,15 @@ class SystemRun:
             self.trainers[c.label] = net.spawn(where, self._python(
                 "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
                 "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
-                *(["--overlap"] if opts.overlap else []), "--out", str(self.logs[c.label].path)),
+                *(["--overlap"] if opts.overlap else []), *self._secret_flags(),
+                "--out", str(self.logs[c.label].path)),
                 stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{c.label}"))
+
+    def _secret_flags(self) -> list[str]:
+        """``--secret-file`` as the scheduler and nodes got it, for the trainers (LAN workers' tokens)."""
+        flags = self.opts.config_flags
+        return [flag for i, flag in enumerate(flags) if flag == "--secret-file" or
+                (i > 0 and flags[i - 1] == "--secret-file")]
 
     def _gateway_flags(self, dc: int) -> list[str]:
         """The gateway role's flags of DC ``dc``'s node; [] for a DC without LAN workers."""

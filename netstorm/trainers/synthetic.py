@@ -52,6 +52,7 @@ import numpy as np
 
 import netstorm
 from netstorm import models
+from netstorm.auth import load_secret
 from netstorm.errors import IterationError, NetStormError, NodeGone, PolicyError
 
 Layers = list[tuple[str, tuple[int, ...]]]
@@ -219,6 +220,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contributor-sum", type=int, default=None,
                         help="the sum of every contributor's --dc id (default: read from the first result)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the node")
+    parser.add_argument("--secret-file", default=None, metavar="FILE",
+                        help="the job secret: a LAN worker's datagrams carry tokens keyed by it, and a trainer "
+                             "on a node's TCP endpoint proves it (default: none)")
     parser.add_argument("--max-failures", type=int, default=10,
                         help="consecutive failed iterations after which the trainer stops (default 10)")
     parser.add_argument("--retry-s", type=float, default=1.0,
@@ -320,12 +324,12 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     all_exact = True
     dc = args.dc
     try:
-        # the job secret, when this command was given one (``secret_file``): the LAN datagrams' tokens
-        secret_file = getattr(args, "secret_file", None)
-        secret = Path(secret_file).read_bytes() if secret_file else None
+        # the job secret, when this command was given one: the LAN datagrams' tokens, or the proof a
+        # node's TCP endpoint asks for (a Unix socket is guarded by its file permissions instead)
+        secret = load_secret(args.secret_file) if args.secret_file else None
         kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout, secret=secret)
                    if args.edge is not None
-                   else netstorm.connect(args.socket, timeout=args.timeout))
+                   else netstorm.connect(args.socket, timeout=args.timeout, secret_file=args.secret_file))
         try:
             kv.init(grads)
             fixed = args.contributors is not None
