@@ -366,6 +366,9 @@ class MemberUp(Message, frozen=True, tag="member_up", omit_defaults=True):
     data_host: Name
     data_port: Port
     workers: int = 1
+    joins_at: Version = -1
+    """Sent again once it is admitted: its boundary iteration, whose chunks it may send before the
+    receiver's own contributions reach the iteration before (-1: not admitted yet)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -73,7 +73,7 @@ class SchedulerClient:
         self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
         self._lost_callbacks: list[Callable[[ControlError], None]] = []
         self._lost: ControlError | None = None
-        self._up_callbacks: list[Callable[[int, tuple[str, int], int], None]] = []
+        self._up_callbacks: list[Callable[[int, tuple[str, int], int, int], None]] = []
         self._outage: float | None = None
         self._outage_reason = ""
         """When the connection to the scheduler broke (loop time), while the client reconnects."""
@@ -238,8 +238,9 @@ class SchedulerClient:
         """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
         self._down_callbacks.append(callback)
 
-    def on_member_up(self, callback: Callable[[int, tuple[str, int], int], None]) -> None:
-        """Call ``callback(node_id, data_address, workers)`` when a DC registers into the running job."""
+    def on_member_up(self, callback: Callable[[int, tuple[str, int], int, int], None]) -> None:
+        """Call ``callback(node_id, data_address, workers, joins_at)`` when a DC registers into the running
+        job (``joins_at`` -1) and again when it is admitted (its boundary iteration)."""
         self._up_callbacks.append(callback)
 
     @property
@@ -471,7 +472,7 @@ class SchedulerClient:
         workers[message.node_id] = message.workers
         self.workers = workers
         _notify(self._up_callbacks, "member-up", message.node_id, (message.data_host, message.data_port),
-                message.workers)
+                message.workers, message.joins_at)
 
     def _beliefs(self, message: control.LinkBeliefs) -> None:
         _notify(self._beliefs_callbacks, "link-beliefs", message)

@@ -174,17 +174,14 @@ class GeneralNode:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job", ErrorCode.NOT_MEMBER)
         control.on_member_down(self.member_down)
         control.on_beliefs(self._believe)
+        if hasattr(control, "on_member_up"):
+            control.on_member_up(self.member_up)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 for peer, address in sorted(self.members.items()):
-                    if peer == self.node_id:
-                        continue
-                    link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
-                                    connect_timeout=self.config.connect_timeout,
-                                    stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress)
-                    self.links[peer] = link
-                    tg.create_task(self._run_link(link))
+                    if peer != self.node_id:
+                        self._start_link(peer, address)
                 self._ready.set()
                 await self._stopping.wait()
                 for link in self.links.values():
@@ -198,6 +195,34 @@ class GeneralNode:
             for inbound in list(self._inbound):
                 if inbound.transport is not None:
                     inbound.transport.close()
+
+    def _start_link(self, peer: int, address: tuple[str, int]) -> None:
+        assert self._tg is not None
+        link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
+                        connect_timeout=self.config.connect_timeout,
+                        stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress)
+        old = self.links.get(peer)
+        if old is not None:
+            old.close()
+        self.links[peer] = link
+        self._tg.create_task(self._run_link(link))
+
+    def member_up(self, peer: int, address: tuple[str, int], workers: int, joins_at: int = -1) -> None:
+        """A DC registered into the running job: a fresh link to it; policies name it from its boundary
+        iteration ``joins_at`` (told once it is admitted), whose chunks it may send early."""
+        if self._stopping.is_set() or peer == self.node_id:
+            return
+        fresh = peer not in self.members or peer in self.core.down or self.members[peer] != address
+        self.members[peer] = address
+        self.core.member_up(peer, workers, joins_at)
+        if self._tg is not None and fresh:
+            self._start_link(peer, address)
+        log.info("node %d: node %d is a member again (data address %s:%d)", self.node_id, peer, *address)
+
+    def joining(self, iteration: int) -> tuple[int, ...]:
+        """DCs ``iteration`` admits: it hands them the live model instead of summing gradients."""
+        joining = getattr(self.control, "joining", None)
+        return tuple(joining(iteration)) if joining is not None else ()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -231,6 +256,8 @@ class GeneralNode:
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
             return await self.register(specs)
+        # a DC admitted into a running job starts at its boundary iteration
+        self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
@@ -355,7 +382,8 @@ class GeneralNode:
         try:
             await link.run()
         except PeerError as exc:
-            self.member_down(link.peer_id, str(exc))
+            if self.links.get(link.peer_id) is link:  # not a link replaced when the peer came back
+                self.member_down(link.peer_id, str(exc))
 
     # ---- data plane ---------------------------------------------------------------------------------
 

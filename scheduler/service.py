@@ -393,6 +393,10 @@ class SchedulerService:
             self._admitting.discard(node_id)
         answer = self.consistency.boundary(node_id)
         self._bound(answer, node_id)
+        address, workers = self.membership.members()[node_id], self.membership.workers()[node_id]
+        # before the joiner hears its boundary, so its chunks never reach a peer that does not expect them
+        await self._broadcast(control.MemberUp(node_id, address[0], address[1], workers=workers,
+                                               joins_at=answer.iteration), skip=node_id)
         log.info("node %d admitted: iteration %d (policy version %d) hands it the model", node_id, answer.iteration,
                  answer.version)
         return answer.iteration
