@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from netstorm.errors import NetStormError
@@ -139,7 +140,7 @@ class Consistency:
                 return self.request(iteration, -1)
         raise ConsistencyError(f"node {node_id} was not admitted by any published policy")
 
-    def restore(self, policies: list[WirePolicy], bindings: dict[int, int],
+    def restore(self, policies: Sequence[WirePolicy], bindings: dict[int, int],
                 joining: dict[int, tuple[int, ...]]) -> None:
         """A restarted scheduler's persisted versions (oldest first) and bindings: answers stay the same."""
         for policy in policies:

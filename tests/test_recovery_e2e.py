@@ -10,6 +10,7 @@ Then the scheduler is killed: an iteration already bound completes without it, a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,10 +38,10 @@ def exact(step: int, dcs: list[int]) -> dict[str, np.ndarray]:
     return {name: np.sum([gradient(dc, step)[name] for dc in dcs], axis=0) for name in ("w", "b")}
 
 
-async def until(predicate_coro, what: str, seconds: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+async def until(predicate_coro: Callable[[], Awaitable[bool]], what: str, seconds: float = 30.0) -> None:
     """Poll ``predicate_coro()`` (the scheduler pushes nothing to admin clients) within a deadline."""
     async with asyncio.timeout(seconds):
-        while not await predicate_coro():
+        while not await predicate_coro():  # noqa: ASYNC110 (a separate process: no event to await)
             await asyncio.sleep(0.1)
 
 

@@ -1,0 +1,103 @@
+"""The chaos schedule of an emulated run (``netstorm emulate ... --chaos SPEC``), parsed and checked.
+
+A spec is a comma-separated list of ``ACTION[:TARGET]@TIME``, TIME in seconds (``20s`` or ``20``) from
+the start of the measured run:
+
+- ``kill-dc:3@20s`` / ``restart-dc:3@35s``: SIGKILL DC 3's node (and its trainer), then start both
+  again with their original command lines;
+- ``kill-scheduler@50s`` / ``restart-scheduler@60s``;
+- ``link-down:2-5@70s`` / ``link-up:2-5@80s``: the overlay link between DCs 2 and 5, both directions.
+
+The schedule must make sense as a whole, so a typo fails before any namespace is built: a restart
+follows a kill of the same target, nothing is killed twice without a restart between, a link goes
+up only after it went down, and DCs and links exist in the scenario.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Collection
+
+from netstorm.errors import ConfigError
+
+ACTIONS = ("kill-dc", "restart-dc", "kill-scheduler", "restart-scheduler", "link-down", "link-up")
+_ITEM = re.compile(r"(?P<action>[a-z-]+)(?::(?P<target>[0-9]+(?:-[0-9]+)?))?@(?P<at>[0-9]+(?:\.[0-9]+)?)s?")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Fault:
+    """One scheduled fault or repair."""
+
+    at: float
+    """Seconds from the start of the measured run."""
+    action: str
+    target: tuple[int, ...] = ()
+    """(dc,) for DC actions, (a, b) with a < b for links, () for the scheduler."""
+
+    def __str__(self) -> str:
+        target = "-".join(map(str, self.target))
+        return f"{self.action}{':' + target if target else ''}@{self.at:g}s"
+
+    @property
+    def repairs(self) -> bool:
+        """It brings something back (a restart, a link up): recovery is timed from the fault before."""
+        return self.action in ("restart-dc", "restart-scheduler", "link-up")
+
+
+def parse(spec: str, *, dcs: Collection[int], links: Collection[tuple[int, int]]) -> list[Fault]:
+    """The faults of ``spec`` in time order; ConfigError naming the item and what is wrong."""
+    faults = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        match = _ITEM.fullmatch(item)
+        if match is None:
+            raise ConfigError(f"--chaos item {item!r}: expected ACTION[:TARGET]@SECONDS, e.g. kill-dc:3@20s")
+        action, target_text = match["action"], match["target"]
+        if action not in ACTIONS:
+            raise ConfigError(f"--chaos item {item!r}: unknown action {action!r} (known: {', '.join(ACTIONS)})")
+        faults.append(Fault(float(match["at"]), action, _target(item, action, target_text, dcs, links)))
+    if not faults:
+        raise ConfigError("--chaos: empty schedule")
+    faults.sort()
+    _check_order(faults)
+    return faults
+
+
+def _target(item: str, action: str, text: str | None, dcs: Collection[int],
+            links: Collection[tuple[int, int]]) -> tuple[int, ...]:
+    if action.endswith("scheduler"):
+        if text is not None:
+            raise ConfigError(f"--chaos item {item!r}: {action} takes no target")
+        return ()
+    if text is None:
+        raise ConfigError(f"--chaos item {item!r}: {action} needs a target ({'DC' if 'dc' in action else 'A-B'})")
+    parts = tuple(int(p) for p in text.split("-"))
+    if action.endswith("-dc"):
+        if len(parts) != 1 or parts[0] not in dcs:
+            raise ConfigError(f"--chaos item {item!r}: no DC {text} in this scenario (DCs {sorted(dcs)})")
+        return parts
+    if len(parts) != 2:
+        raise ConfigError(f"--chaos item {item!r}: a link is A-B")
+    a, b = sorted(parts)
+    if (a, b) not in links and (b, a) not in links:
+        raise ConfigError(f"--chaos item {item!r}: no overlay link between DCs {a} and {b}")
+    return (a, b)
+
+
+def _check_order(faults: list[Fault]) -> None:
+    broken: dict[tuple[str, tuple[int, ...]], Fault] = {}
+    for fault in faults:
+        kind = "link" if fault.action.startswith("link") else fault.action.split("-", 1)[1]
+        key = (kind, fault.target)
+        if fault.repairs:
+            if key not in broken:
+                raise ConfigError(f"--chaos: {fault} repairs something no earlier item broke")
+            del broken[key]
+        else:
+            if key in broken:
+                raise ConfigError(f"--chaos: {fault} while {broken[key]} is not repaired yet")
+            broken[key] = fault
+    if len({(f.at, f.action, f.target) for f in faults}) != len(faults):
+        raise ConfigError("--chaos: an item is listed twice")
