@@ -313,6 +313,9 @@ class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     workers: WorkersField = _NO_WORKERS
     """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
     1, so an ack naming every member with 1 equals one naming none; ``workers_of`` reads it."""
+    running: bool = False
+    """The job was running when this node registered: it is admitted at its trainer's layout check, and
+    its peers may send it chunks of its boundary iteration before it knows which iteration that is."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

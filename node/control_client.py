@@ -60,6 +60,8 @@ class SchedulerClient:
         """Member -> workers whose gradients its contribution sums (its trainer and LAN workers)."""
         self.config = config
         self.scheduler_time = ack.scheduler_time
+        self.running = ack.running
+        """This node registered into a running job (a restarted or new DC), to be admitted at a boundary."""
         self._name = f"scheduler {control.format_address(address)}"
         self._reader = reader
         self._writer = writer

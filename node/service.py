@@ -51,6 +51,9 @@ from node.sendqueue import Outgoing
 
 log = logging.getLogger("netstorm.node")
 
+BOUNDARY_UNKNOWN = 2**62
+"""The chunk horizon of a node admitted into a running job until its layout names its first iteration."""
+
 
 class Control(Protocol):
     """What the node needs from the control plane (node/control_client.SchedulerClient)."""
@@ -169,6 +172,10 @@ class GeneralNode:
         self.config = control.config
         self.members = dict(control.members)
         self.core.join(control.config, self.members, control.workers)
+        if getattr(control, "running", False):
+            # Admitted into a running job: peers may send its boundary iteration's chunks before this
+            # node has heard (with its layout) which iteration that is; they wait for the layout.
+            self.core.chunks.horizon = BOUNDARY_UNKNOWN
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job", ErrorCode.NOT_MEMBER)

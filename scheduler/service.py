@@ -368,7 +368,8 @@ class SchedulerService:
             members[node_id] = (message.data_host, message.data_port)
             workers[node_id] = message.workers
         await conn.send(control.RegisterAck(members=members, config=dataclasses.asdict(self.config),
-                                            scheduler_time=self.clock(), workers=workers))
+                                            scheduler_time=self.clock(), workers=workers,
+                                            running=not message.attach))
         if message.attach:
             log.info("node %d re-attached from %s", node_id, conn.peer)
             return True
