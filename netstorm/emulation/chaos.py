@@ -16,10 +16,16 @@ up only after it went down, and DCs and links exist in the scenario.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
-from collections.abc import Collection
+import threading
+import time
+from collections.abc import Callable, Collection
+from typing import Any
 
 from netstorm.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 ACTIONS = ("kill-dc", "restart-dc", "kill-scheduler", "restart-scheduler", "link-down", "link-up")
 _ITEM = re.compile(r"(?P<action>[a-z-]+)(?::(?P<target>[0-9]+(?:-[0-9]+)?))?@(?P<at>[0-9]+(?:\.[0-9]+)?)s?")
@@ -101,3 +107,40 @@ def _check_order(faults: list[Fault]) -> None:
             broken[key] = fault
     if len({(f.at, f.action, f.target) for f in faults}) != len(faults):
         raise ConfigError("--chaos: an item is listed twice")
+
+
+class ChaosPlayer:
+    """Carries out a schedule from an anchor on (the first iteration's end, like the rate dynamics): one
+    thread, each fault at its time, through ``apply(fault)``; ``log`` keeps when each was done."""
+
+    def __init__(self, faults: list[Fault], apply: Callable[[Fault], None]) -> None:
+        self.faults = faults
+        self.apply = apply
+        self.log: list[dict[str, Any]] = []
+        """{"fault", "action", "target", "t"}: wall-clock time it was done; "error" if it failed."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def anchor(self) -> None:
+        """Start the schedule now."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(time.monotonic(),), name="chaos", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self, origin: float) -> None:
+        for fault in self.faults:
+            if self._stop.wait(max(0.0, origin + fault.at - time.monotonic())):
+                return
+            entry: dict[str, Any] = {"fault": str(fault), "action": fault.action, "target": list(fault.target),
+                                     "t": time.time()}
+            try:
+                self.apply(fault)
+            except Exception as exc:  # recorded in the result: a chaos run reports what it could not do
+                log.warning("chaos: %s failed: %s", fault, exc)
+                entry["error"] = str(exc)
+            self.log.append(entry)

@@ -240,6 +240,18 @@ class EmulatedNetwork:
             netns.tc_batch(lines, namespace=ns, what=f"re-shape the links of {ns}")
         self.rates = dict(rates)
 
+    def set_link(self, a: int, b: int, up: bool) -> None:
+        """Take the overlay link a-b down (every packet arriving over it, either way, is dropped at the
+        receiving end's ingress; routes and TCP connections stay, as when a WAN link fails) or up again."""
+        for src, dst in ((a, b), (b, a)):
+            iface = self.plan.interfaces.get((src, dst))
+            if iface is None:
+                raise EmulationError(f"no overlay link {a}-{b}")
+            lines = ([f"qdisc add dev {iface.name} handle ffff: ingress",
+                      f"filter add dev {iface.name} parent ffff: protocol all prio 1 u32 match u32 0 0 action drop"]
+                     if not up else [f"qdisc del dev {iface.name} handle ffff: ingress"])
+            netns.tc_batch(lines, namespace=iface.namespace, what=f"take link {a}-{b} {'up' if up else 'down'}")
+
     def spawn(self, where: int | str | tuple[int, int], argv: Sequence[str], *,
               env: Mapping[str, str] | None = None, stdout: IO[bytes] | int | None = None,
               stderr: IO[bytes] | int | None = None,
