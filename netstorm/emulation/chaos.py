@@ -144,3 +144,6 @@ class ChaosPlayer:
                 log.warning("chaos: %s failed: %s", fault, exc)
                 entry["error"] = str(exc)
             self.log.append(entry)
+        # The processes restarted from this thread die with it (they ask for SIGTERM when their parent
+        # thread ends): it lives until the run is over.
+        self._stop.wait()
