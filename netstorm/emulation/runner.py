@@ -481,12 +481,12 @@ class SystemRun:
             error = str(exc)
             progress.line(f"[{self.system.name}] FAILED: {error}")
         finally:
-            if self.chaos is not None:
-                self.chaos.stop()
             if self.watch is not None:
                 self.watch.stop()  # its last poll, while the scheduler still runs
                 if self.watch.error:
                     progress.line(f"[{self.system.name}] the scheduler's admin interface: {self.watch.error}")
+            if self.chaos is not None:  # after the watch: a restarted scheduler ends with the chaos thread
+                self.chaos.stop()
             self.net.stop_processes()
             for fh in self._files:
                 fh.close()
