@@ -11,6 +11,7 @@ import pytest
 
 from netstorm.config import Config
 from netstorm.errors import ConfigError
+from node.control_client import SchedulerClient
 from scheduler.consistency import Consistency
 from scheduler.membership import Membership, MembershipError, Row
 from scheduler.persistence import StateStore
@@ -175,5 +176,46 @@ def test_a_restarted_scheduler_resumes_and_its_nodes_ride_out_the_outage(tmp_pat
         finally:
             await close_all(clients)
             await stop(task)
+
+    run(main())
+
+
+def test_a_dc_the_job_did_not_expect_joins_at_a_boundary_when_joiners_are_allowed() -> None:
+    config = Config(heartbeat_interval=0.1, heartbeat_timeout=1.0, update_time=60.0, connect_timeout=5.0,
+                    allow_joiners=True)
+
+    async def main() -> None:
+        service = SchedulerService(RATES, (1, 2, 3), config)
+        ready = asyncio.Event()
+        task = asyncio.create_task(service.serve("127.0.0.1", 0, ready=lambda _address: ready.set()))
+        async with asyncio.timeout(T):
+            await ready.wait()
+        clients = await connect_all(service, (1, 2, 3))
+        ups: list[tuple[int, int]] = []
+        clients[0].on_member_up(lambda node, address, workers, joins_at: ups.append((node, joins_at)))
+        try:
+            for k in range(2):
+                for client in clients:
+                    assert 4 not in (await client.policy_for(k, timeout=T)).nodes
+            for client in clients:
+                await client.check_layout("layout-a", timeout=T)
+            joiner = await SchedulerClient.connect(addr(service), 4, ("127.0.0.1", 40004), timeout=T)
+            clients.append(joiner)
+            assert joiner.running and set(joiner.members) == {1, 2, 3, 4}
+            await until(lambda: ups == [(4, -1)], "the members hear of the joiner")
+            assert 4 not in service.membership.alive  # pending until its trainer's layout check
+            await joiner.check_layout("layout-a", timeout=T)
+            boundary = joiner.first_iteration
+            assert boundary == 2  # the first iteration not yet bound
+            await until(lambda: ups == [(4, -1), (4, boundary)], "the members hear of its boundary")
+            policy = await clients[1].policy_for(boundary, timeout=T)
+            assert 4 in policy.nodes and clients[1].joining(boundary) == (4,)
+            assert (await joiner.policy_for(boundary, timeout=T)).version == policy.version
+            assert clients[1].joining(boundary + 1) == ()
+        finally:
+            await close_all(clients)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     run(main())
