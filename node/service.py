@@ -280,19 +280,21 @@ class GeneralNode:
         """The iteration the next ``collect`` of tensor ``key`` returns."""
         return self.core.pull_iteration(key)
 
-    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None) -> int:
+    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None,
+                         lan: bool = True) -> int:
         """This DC's values for tensor ``key`` in its next iteration (None contributes zeros).
 
         This is the hook for any source of the DC's contribution (the trainer endpoint, or the LAN edge
         aggregator): ``iteration``, when given, must be the tensor's next one. The iteration's policy
-        is bound before the contribution enters the core.
+        is bound before the contribution enters the core. ``lan=False`` leaves the gateway's LAN workers
+        out (the model hand-over to an admitted DC is no gradient of theirs).
         """
         iteration = self.core.open_contribution(key, iteration, self._now())
         self._rearm()
         self._check(iteration)
         await self.ensure_policy(iteration)
         self._check(iteration)
-        if self.edge is not None:
+        if self.edge is not None and lan:
             assert self.layout is not None
             values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
             self._check(iteration)

@@ -270,7 +270,7 @@ class TrainerEndpoint:
             model = await self._ask_model(session, layout, iteration) if provider == node.node_id else None
             for key in keys:
                 await node.contribute(key, model[layout.key_slice(key)] if model is not None else None,
-                                      iteration=iteration)
+                                      iteration=iteration, lan=False)
             await node.collect(keys, lambda key, values: None)
             log.info("node %d: iteration %d handed the model of node %d to node(s) %s", node.node_id, iteration,
                      provider, list(joining))
