@@ -220,12 +220,22 @@ class TrainerEndpoint:
             assert values is not None
             iteration = node.next_iteration()
             policy = await node.ensure_policy(iteration)
-            provider = min(set(policy.nodes) - set(node.joining(iteration)))
+            joining = node.joining(iteration)
+            provider = min(set(policy.nodes) - set(joining))
             contributor = node.node_id == provider
-            for key in range(len(layout.tensors)):
-                await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
+            try:
+                for key in range(len(layout.tensors)):
+                    await node.contribute(key, values[layout.key_slice(key)] if contributor else None)
+                out = await self._collect(session, layout, list(range(len(layout.tensors))), average=False)
+            except NetStormError:
+                if node.node_id in joining:
+                    # Its boundary is gone: the job runs on with this DC in its policies, and no later
+                    # iteration hands it the model. It leaves; restarted, it is admitted afresh.
+                    log.error("node %d: the hand-over of the live model (iteration %d) failed: this node leaves "
+                              "the job; restart it to rejoin", node.node_id, iteration)
+                    node.stop()
+                raise
             names = tuple(t.name for t in layout.tensors)
-            out = await self._collect(session, layout, list(range(len(layout.tensors))), average=False)
             if session.inline:
                 # Reply in request order, like the values came.
                 order = [layout.key(n) for n, _, _ in request.tensors]
