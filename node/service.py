@@ -373,6 +373,10 @@ class GeneralNode:
         trainer and its gateway's LAN workers (what ``average=True`` divides by)."""
         return self.core.contributor_count(iteration)
 
+    def check(self, iteration: int) -> None:
+        """Raise ``iteration``'s failure, typed by its cause, if it failed."""
+        self._check(iteration)
+
     def _check(self, iteration: int) -> None:
         """Raise the iteration's failure, if it failed."""
         failure = self.core.failure(iteration)

@@ -273,6 +273,7 @@ class TrainerEndpoint:
             if any(node.pull_iteration(k) != iteration for k in keys):
                 return  # results not yet pulled: the trainer is mid-pipeline, not at an iteration boundary
             policy = await node.ensure_policy(iteration)
+            node.check(iteration)  # its policy may have failed it (a member gone): the push fails, as without us
             joining = node.joining(iteration)
             if not joining:
                 return

@@ -47,8 +47,14 @@ async def until(predicate_coro: Callable[[], Awaitable[bool]], what: str, second
 
 async def step_all(clients: dict[int, AsyncClient], params: dict[int, dict[str, np.ndarray]],
                    step: int) -> None:
-    """One exact iteration over ``clients``; each trainer applies the sum to its model in place."""
-    results = await asyncio.gather(*(kv.push_pull(gradient(dc, step)) for dc, kv in clients.items()))
+    """One exact iteration over ``clients``; each trainer applies the sum to its model in place. Every
+    trainer's attempt ends before a failure is raised (so a retry starts them all at the same step)."""
+    outcomes = await asyncio.gather(*(kv.push_pull(gradient(dc, step)) for dc, kv in clients.items()),
+                                    return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    results = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
     want = exact(step, sorted(clients))
     for dc, got in zip(clients, results, strict=True):
         for name, value in want.items():
