@@ -52,10 +52,17 @@ class AsyncClient(RegistryView):
                     if payload:
                         self._writer.write(payload)
                     await self._writer.drain()
-                    header_len, payload_len = tw.decode_prefix(await self._reader.readexactly(tw.PREFIX.size),
-                                                               max_payload=1 << 40)
-                    reply = tw.decode(await self._reader.readexactly(header_len))
-                    data = await self._reader.readexactly(payload_len) if payload_len else b""
+                    while True:
+                        header_len, payload_len = tw.decode_prefix(
+                            await self._reader.readexactly(tw.PREFIX.size), max_payload=1 << 40)
+                        reply = tw.decode(await self._reader.readexactly(header_len))
+                        data = await self._reader.readexactly(payload_len) if payload_len else b""
+                        if not isinstance(reply, tw.ModelWanted):
+                            break
+                        offer, model = self.registry.model_payload(reply)  # the live model for a joiner
+                        self._writer.write(tw.encode(offer, len(model)))
+                        self._writer.write(model)
+                        await self._writer.drain()
             except TimeoutError:
                 self._broken = f"{context}: no answer within {self.timeout:g} s"
                 self._writer.close()

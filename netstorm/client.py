@@ -2,7 +2,8 @@
 
 ```python
 kv = netstorm.connect()                       # NETSTORM_SOCKET, a Unix socket path, or "tcp://host:port"
-params = kv.init({"fc1.weight": w, ...})      # every DC gets the same initial values (the lowest id's)
+params = kv.init({"fc1.weight": w, ...})      # every DC gets the same initial values (the lowest id's);
+                                              # a DC restarted into a running job gets the live model
 out = kv.push_pull({"fc1.weight": g, ...}, average=True)   # one synchronous iteration
 kv.push("fc1.weight", g); out = kv.pull("fc1.weight")      # the split form
 ```
@@ -11,6 +12,11 @@ Over a Unix socket the model lives in a shared-memory file both sides map: a pus
 into it (float16 becomes float32 on the way), the node reads it from there and writes the sums back;
 the socket carries only names. The file is unlinked as soon as the node has mapped it, so nothing is
 left behind even if either side dies. Over TCP the values travel inline.
+
+When a DC is admitted into a running job, one live DC's trainer hands over its current model: its node
+answers a push with ``ModelWanted`` and the client sends what its model provider returns. The provider
+is, by default, the dict ``init`` returned (train those arrays in place, or store new arrays under the
+same names in that dict); ``set_model_provider`` names another (the torch optimizer gives its parameters).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +113,26 @@ class Registry:
         """The newest iteration the node has reported to this trainer (-1 before init)."""
         self.contributors: tuple[int, ...] = ()
         """The DCs whose gradients the latest result holds."""
+        self.provider: Callable[[], Mapping[str, np.ndarray]] | None = None
+        """The trainer's current model, asked for when this DC hands it to an admitted DC."""
+
+    def model_payload(self, wanted: tw.Message) -> tuple[tw.ModelOffer, bytes]:
+        """The ``ModelOffer`` answering a node's ``ModelWanted``: every tensor, float32, layout order."""
+        assert isinstance(wanted, tw.ModelWanted)
+        layout = self._need_layout()
+        if self.provider is None:
+            raise TrainerError("the node asks for this trainer's model, but it has no model provider")
+        model = self.provider()
+        parts = []
+        for spec in layout.tensors:
+            if spec.name not in model:
+                raise TrainerError(f"the model provider has no tensor {spec.name!r}")
+            value = np.asarray(model[spec.name])
+            if tuple(value.shape) != spec.shape:
+                raise WrongShape(f"model provider: tensor {spec.name!r} has shape {tuple(value.shape)}, registered "
+                                 f"{spec.shape}")
+            parts.append(np.ascontiguousarray(value, dtype="<f4").tobytes())
+        return tw.ModelOffer(wanted.iteration), b"".join(parts)
 
     def close(self) -> None:
         self.shm = None
@@ -227,7 +253,10 @@ class Registry:
         self.node_id = reply.node_id
         self.iteration = reply.iteration
         self.contributors = reply.contributors
-        return self.results(names, payload)
+        model = self.results(names, payload)
+        if self.provider is None:
+            self.provider = lambda: model
+        return model
 
     def accept_result(self, reply: tw.Message, names: Sequence[str],
                       payload: bytes | bytearray) -> dict[str, np.ndarray]:
@@ -286,6 +315,11 @@ class RegistryView:
     def iteration(self) -> int:
         """The newest iteration the node has reported (-1 before init)."""
         return self.registry.iteration
+
+    def set_model_provider(self, provider: Callable[[], Mapping[str, np.ndarray]]) -> None:
+        """What this trainer's current model is, when its DC hands the model to a DC admitted into the
+        job (by default the dict ``init`` returned)."""
+        self.registry.provider = provider
 
 
 class Client(RegistryView):
@@ -357,10 +391,16 @@ class Client(RegistryView):
                                      f"{self.timeout:g} s") from None
             except OSError as exc:
                 raise NodeGone(f"{context}: the node at {self.address} is gone: {exc}") from None
-            header_len, payload_len = tw.decode_prefix(self._recv_exactly(tw.PREFIX.size, context),
-                                                       max_payload=1 << 40)
-            reply = tw.decode(self._recv_exactly(header_len, context))
-            data = self._recv_exactly(payload_len, context) if payload_len else b""
+            while True:
+                header_len, payload_len = tw.decode_prefix(self._recv_exactly(tw.PREFIX.size, context),
+                                                           max_payload=1 << 40)
+                reply = tw.decode(self._recv_exactly(header_len, context))
+                data = self._recv_exactly(payload_len, context) if payload_len else b""
+                if not isinstance(reply, tw.ModelWanted):
+                    break
+                offer, model = self.registry.model_payload(reply)
+                self._sock.sendall(tw.encode(offer, len(model)))
+                self._sock.sendall(model)
         except BaseException as exc:
             # A reply may still be on its way (also after Ctrl-C mid-request): later requests would read it
             # as theirs. Start over instead.

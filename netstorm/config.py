@@ -118,6 +118,16 @@ class Config:
     """Encrypt node-to-node and node-to-scheduler connections with TLS, pinning the job certificate
     SECRET_FILE.crt (and key SECRET_FILE.key) that `netstorm secret FILE --tls` writes; needs
     secret_file, and the same setting on every process of the job."""
+    state_dir: str = ""
+    """Directory where the scheduler keeps membership, policy versions and iteration bindings (an sqlite
+    file, created with the directory if missing), so a scheduler restarted with the same command line
+    resumes the job; empty keeps them in memory only."""
+    scheduler_grace: float = 60.0
+    """Seconds a node rides out the loss of the scheduler: it keeps running iterations already bound,
+    reconnects with backoff and re-attaches; only after this long does it give up."""
+    allow_joiners: bool = False
+    """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
+    always readmitted)."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -143,7 +153,8 @@ class Config:
         if self.num_root_servers < 0:
             raise ConfigError(f"num_root_servers must be >= 0 (0 = all nodes), got {self.num_root_servers}")
         for name in ("update_time", "iteration_timeout", "connect_timeout", "heartbeat_interval",
-                     "heartbeat_timeout", "clock_sync_interval", "hello_timeout", "frame_timeout"):
+                     "heartbeat_timeout", "clock_sync_interval", "hello_timeout", "frame_timeout",
+                     "scheduler_grace"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):

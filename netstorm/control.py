@@ -62,6 +62,11 @@ class ControlTimeout(ControlError, TimeoutError):
     """A control-plane request did not complete in time; the message names the peer and iteration."""
 
 
+class SchedulerGone(ControlError):
+    """The scheduler stayed unreachable for longer than ``scheduler_grace``, or refused this node's
+    re-attachment (it was declared dead meanwhile): the node cannot go on."""
+
+
 class LayoutMismatch(ControlError):
     """This node's tensor layout differs from the one the first node registered."""
 
@@ -300,6 +305,9 @@ class Register(Message, frozen=True, tag="register", omit_defaults=True):
     workers: int = 1
     """Workers whose gradients this DC's contribution sums: its own trainer and the LAN workers its
     gateway aggregates (``netstorm node --edge-workers``)."""
+    attach: bool = False
+    """The node has run in this job without a break and re-attaches after losing the scheduler (a
+    restarted scheduler, a broken connection); False: a new process, admitted at an iteration boundary."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -315,6 +323,9 @@ class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     workers: WorkersField = _NO_WORKERS
     """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
     1, so an ack naming every member with 1 equals one naming none; ``workers_of`` reads it."""
+    running: bool = False
+    """The job was running when this node registered: it is admitted at its trainer's layout check, and
+    its peers may send it chunks of its boundary iteration before it knows which iteration that is."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -334,8 +345,10 @@ class LayoutCheck(Message, frozen=True, tag="layout_check"):
     layout_hash: Name
 
 
-class LayoutAck(Message, frozen=True, tag="layout_ack"):
-    pass
+class LayoutAck(Message, frozen=True, tag="layout_ack", omit_defaults=True):
+    first_iteration: Version = 0
+    """The iteration this node's first contribution belongs to: 0 for a node there from the start; for a
+    DC admitted into a running job, the boundary iteration that hands it the live model."""
 
 
 class Heartbeat(Message, frozen=True, tag="heartbeat"):
@@ -368,6 +381,23 @@ class PeerUnreachable(Message, frozen=True, tag="peer_unreachable"):
     reason: Text
 
 
+class MemberUp(Message, frozen=True, tag="member_up", omit_defaults=True):
+    """Pushed to every member when a DC registers into a running job (a restarted or a new DC): peers
+    accept its connections from now on; it joins the policies at the boundary its ``LayoutAck`` names."""
+
+    node_id: NodeId
+    data_host: Name
+    data_port: Port
+    workers: int = 1
+    joins_at: Version = -1
+    """Sent again once it is admitted: its boundary iteration, whose chunks it may send before the
+    receiver's own contributions reach the iteration before (-1: not admitted yet)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _workers(f"{self.TYPE}.workers", self.workers)
+
+
 class LinkBeliefs(Message, frozen=True, tag="link_beliefs", omit_defaults=True):
     """Pushed to every node when policy ``version`` is published: the link rates it was planned from.
 
@@ -398,13 +428,16 @@ class PolicyRequest(Message, frozen=True, tag="policy_request"):
     """The newest policy version the node holds; -1 when it holds none."""
 
 
-class PolicyReply(Message, frozen=True, tag="policy_reply"):
+class PolicyReply(Message, frozen=True, tag="policy_reply", omit_defaults=True):
     """The policy bound to ``iteration``; ``policy`` (``Policy.to_wire``'s form) is None when the node
     already holds ``version``."""
 
     iteration: Version
     version: Version
     policy: dict[str, Any] | None
+    joining: NodeIds = ()
+    """DCs admitted at this iteration: it hands them the live model (one live DC contributes its
+    trainer's model, everyone else zeros) instead of summing gradients."""
 
 
 class LinkReport(Message, frozen=True, tag="link_report"):
@@ -527,17 +560,17 @@ class History(Message, frozen=True, tag="history"):
 
 
 MESSAGES: dict[str, type[Message]] = {}
-for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PeerUnreachable, LinkBeliefs,
-             PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck, StatusRequest, Status,
-             PolicyFetch, EdgeReport, HistoryRequest, History):
+for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PeerUnreachable, MemberUp,
+             LinkBeliefs, PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck,
+             StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     MESSAGES[_cls.TYPE] = _cls
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
-    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | PeerUnreachable | LinkBeliefs
-    | PolicyRequest | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck | StatusRequest | Status
-    | PolicyFetch | EdgeReport | HistoryRequest | History,
+    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | PeerUnreachable | MemberUp
+    | LinkBeliefs | PolicyRequest | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck
+    | StatusRequest | Status | PolicyFetch | EdgeReport | HistoryRequest | History,
     dec_hook=_dec_hook)
 
 

@@ -52,6 +52,8 @@ class Child:
     name: str
     process: asyncio.subprocess.Process
     log_path: Path
+    argv: tuple[str, ...] = ()
+    """Its command line after ``netstorm``, so ``LocalCluster.restart`` can run it again."""
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -92,18 +94,45 @@ class LocalCluster:
     def socket_path(self, node_id: int) -> Path:
         return self.run_dir / f"node-{node_id}.sock"
 
-    async def _spawn(self, name: str, argv: Sequence[str]) -> Child:
+    async def _spawn(self, name: str, argv: Sequence[str], *, append: bool = False) -> Child:
         log_path = self.run_dir / f"{name}.log"
         cli = [sys.executable, "-m", "netstorm.cli", *(["-" + "v" * self.verbose] if self.verbose else [])]
-        with log_path.open("wb") as log_file:
+        with log_path.open("ab" if append else "wb") as log_file:
             process = await asyncio.create_subprocess_exec(
                 *cli, *argv, stdin=asyncio.subprocess.DEVNULL, stdout=log_file, stderr=log_file,
                 start_new_session=True, preexec_fn=_die_with_parent,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", RUN_DIR_ENV: str(self.run_dir)})
-        child = Child(name, process, log_path)
+        child = Child(name, process, log_path, tuple(argv))
         self.children.append(child)
         log.info("started %s (pid %d), log %s", name, process.pid, log_path)
         return child
+
+    def child(self, name: str) -> Child:
+        """The running (or last) process called ``name`` ("scheduler", "node-3")."""
+        for child in reversed(self.children):
+            if child.name == name:
+                return child
+        raise LocalError(f"no child called {name}")
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL one child, as a crash would end it, and wait for it to be gone."""
+        child = self.child(name)
+        if child.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.kill()
+        await child.process.wait()
+
+    async def restart(self, name: str) -> Child:
+        """Run a killed child again with its command line (the scheduler on the address it had bound, which
+        its nodes reconnect to); its log continues."""
+        old = self.child(name)
+        if old.process.returncode is None:
+            raise LocalError(f"{name} is still running")
+        argv = list(old.argv)
+        if name == "scheduler" and self.scheduler_address is not None:
+            argv[argv.index("--listen") + 1] = format_address(self.scheduler_address)
+        self.children.remove(old)
+        return await self._spawn(name, argv, append=True)
 
     def _check_children(self) -> None:
         for child in self.children:

@@ -110,6 +110,20 @@ class PullReply(_Message, frozen=True, tag="result"):
     """The DCs whose gradients these sums hold: the membership the scheduler bound to the iteration."""
 
 
+class ModelWanted(_Message, frozen=True, tag="model_wanted"):
+    """The node's answer to a push that starts ``iteration``, when that iteration hands the live model
+    to DCs admitted into the job and this DC provides it: the trainer sends ``ModelOffer`` (its current
+    values of every registered tensor, from its model provider), then gets the push's own reply."""
+
+    iteration: Version
+
+
+class ModelOffer(_Message, frozen=True, tag="model_offer"):
+    """The trainer's current model: every registered tensor inline, as float32 in layout order."""
+
+    iteration: Version
+
+
 class ErrorReply(_Message, frozen=True, tag="error"):
     """The request failed: ``kind`` names why for the client's program, ``message`` for people."""
 
@@ -117,9 +131,11 @@ class ErrorReply(_Message, frozen=True, tag="error"):
     message: Text
 
 
-Message = InitRequest | InitReply | PushRequest | PushReply | PullRequest | PullReply | ErrorReply
+Message = (InitRequest | InitReply | PushRequest | PushReply | PullRequest | PullReply | ModelWanted | ModelOffer
+           | ErrorReply)
 TYPES: dict[str, type[Message]] = {}
-for _cls in (InitRequest, InitReply, PushRequest, PushReply, PullRequest, PullReply, ErrorReply):
+for _cls in (InitRequest, InitReply, PushRequest, PushReply, PullRequest, PullReply, ModelWanted, ModelOffer,
+             ErrorReply):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     TYPES[_cls.TYPE] = _cls
 

@@ -5,6 +5,12 @@ each request owns one future in a FIFO; ``MemberDown`` and ``LinkBeliefs`` are t
 scheduler pushes on its own. Background work (reading, heartbeats, link reports, policy prefetches)
 runs in one TaskGroup owned by a single runner task that ``close`` cancels and awaits. Every wait has
 a deadline whose error names the scheduler's address and, for policies, the iteration.
+
+The node rides out the loss of the scheduler (a restart, a broken connection): requests in flight are
+asked again once it is back, a node keeps running the iterations whose policies it holds, and the
+client reconnects with backoff and re-attaches (``Register(attach=True)``; the members it missed come
+in the acknowledgement). Only after ``scheduler_grace`` seconds without the scheduler, or when it refuses
+the re-attachment, does every waiter fail with ``SchedulerGone`` and ``on_lost`` fire.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from netstorm import auth, authconn, control
 from netstorm import config as config_module
 from netstorm.authconn import Credentials
 from netstorm.config import Config
-from netstorm.control import ControlAuthError, ControlError, ControlTimeout
+from netstorm.control import ControlAuthError, ControlError, ControlTimeout, SchedulerGone
 from netstorm.errors import AuthError, NetStormError
 from netstorm.policy import Policy
 
@@ -32,10 +38,17 @@ KEEP_ITERATIONS = 8
 """Policy answers remembered behind the newest iteration asked for."""
 EDGE_REASON = 400
 """Characters of an XDP fallback's reason an edge report carries (a loader's message can be long)."""
+BACKOFF_FIRST = 0.05
+"""Seconds before the first reconnection attempt; each failure doubles it, up to ``BACKOFF_MOST``."""
+BACKOFF_MOST = 1.0
 
 
 class _Lost(Exception):
     """Ends the runner's TaskGroup when the connection is gone."""
+
+
+class _Disconnected(ControlError):
+    """A request's connection broke before its answer: it is asked again once the scheduler is back."""
 
 
 class SchedulerClient:
@@ -48,7 +61,11 @@ class SchedulerClient:
         """Member -> workers whose gradients its contribution sums (its trainer and LAN workers)."""
         self.config = config
         self.scheduler_time = ack.scheduler_time
+        self.running = ack.running
+        """This node registered into a running job (a restarted or new DC), to be admitted at a boundary."""
         self._name = f"scheduler {control.format_address(address)}"
+        self._credentials: Credentials | None = None
+        """The job secret it proved at registration, proved again on every re-attach."""
         self._reader = reader
         self._writer = writer
         self._write_lock = asyncio.Lock()
@@ -61,6 +78,19 @@ class SchedulerClient:
         self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
         self._lost_callbacks: list[Callable[[ControlError], None]] = []
         self._lost: ControlError | None = None
+        self._up_callbacks: list[Callable[[int, tuple[str, int], int, int], None]] = []
+        self._outage: float | None = None
+        self._outage_reason = ""
+        """When the connection to the scheduler broke (loop time), while the client reconnects."""
+        self._connected = asyncio.Event()
+        self._connected.set()
+        self._registration: control.Register | None = None
+        """What re-attaching sends (``connect`` fills it in)."""
+        self.first_iteration = 0
+        """The iteration this node's first contribution belongs to (the scheduler's ``LayoutAck``)."""
+        self._joining: dict[int, tuple[int, ...]] = {}
+        self.reconnections = 0
+        """Times the client re-attached after losing the scheduler."""
         self._tasks: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
@@ -110,6 +140,9 @@ class SchedulerClient:
             writer.close()
             raise ControlError(f"{name} sent an unusable config: {exc}") from None
         client = cls(address, node_id, reader, writer, reply, config)
+        client._credentials = credentials
+        client._registration = control.Register(node_id, data_address[0], data_address[1], workers=workers,
+                                                attach=True)
         client._runner = asyncio.create_task(client._run(), name=f"scheduler-client-{node_id}")
         await client._started.wait()
         log.info("node %d registered with %s; members %s", node_id, name, sorted(client.members))
@@ -139,17 +172,74 @@ class SchedulerClient:
 
     async def _run(self) -> None:
         try:
-            async with asyncio.TaskGroup() as tasks:
-                self._tasks = tasks
-                tasks.create_task(self._read_loop())
-                tasks.create_task(self._heartbeat_loop())
-                tasks.create_task(self._report_loop())
-                self._started.set()
-        except* _Lost:
-            pass  # whichever task saw the loss reported it (_connection_lost) before raising _Lost
+            async with asyncio.TaskGroup() as requests:  # policy fetches and edge reports outlive a session
+                self._tasks = requests
+                while self._lost is None:
+                    try:
+                        async with asyncio.TaskGroup() as session:
+                            session.create_task(self._read_loop())
+                            session.create_task(self._heartbeat_loop())
+                            session.create_task(self._report_loop())
+                            self._started.set()
+                    except* _Lost:
+                        pass  # whichever task saw the loss reported it (_disconnected) before raising _Lost
+                    if self._lost is None:
+                        await self._reattach()
         finally:
             self._tasks = None
             self._started.set()
+
+    async def _reattach(self) -> None:
+        """Reconnect with backoff and re-attach, until ``scheduler_grace`` has passed since the outage
+        began; then (or when refused) the scheduler is gone for good."""
+        loop = asyncio.get_running_loop()
+        assert self._outage is not None and self._registration is not None
+        deadline = self._outage + self.config.scheduler_grace
+        delay = BACKOFF_FIRST
+        last = "no attempt yet"
+        while loop.time() < deadline:
+            await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+            delay = min(delay * 2, BACKOFF_MOST, self.config.heartbeat_interval)
+            writer: asyncio.StreamWriter | None = None
+            try:
+                async with asyncio.timeout(min(self.config.connect_timeout, max(0.01, deadline - loop.time()))):
+                    reader, writer = await authconn.open_stream(
+                        *self.address, self._credentials, plane=auth.Plane.CONTROL, me=auth.node(self.node_id),
+                        timeout=self.config.connect_timeout)
+                    writer.write(control.encode(self._registration))
+                    await writer.drain()
+                    reply = await control.read_message(reader)
+            except (OSError, TimeoutError, ControlError, AuthError) as exc:
+                if writer is not None:
+                    writer.close()
+                last = str(exc) or type(exc).__name__
+                continue
+            if isinstance(reply, control.RegisterAck):
+                self._attached(reader, writer, reply)
+                return
+            writer.close()
+            why = reply.message if isinstance(reply, control.Error) else f"answered {reply!r}"
+            self._connection_lost(SchedulerGone(f"{self._name} refused to take node {self.node_id} back: {why}"))
+            return
+        self._connection_lost(SchedulerGone(
+            f"{self._outage_reason}; unreachable for {self.config.scheduler_grace:g} s since (scheduler_grace), "
+            f"last attempt: {last}"))
+
+    def _attached(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, ack: control.RegisterAck) -> None:
+        """Re-attached: the members that came and went meanwhile are told as if pushed."""
+        self._reader, self._writer = reader, writer
+        self._outage = None
+        self.reconnections += 1
+        members = dict(ack.members)
+        for node_id in sorted(set(self.members) - set(members)):
+            self._member_down(control.MemberDown(node_id, "it left the job while the scheduler was away"))
+        for node_id in sorted(set(members) - set(self.members)):
+            self._member_up(control.MemberUp(node_id, members[node_id][0], members[node_id][1],
+                                             workers=ack.workers_of(node_id)))
+        self.members = members
+        self.workers = {n: ack.workers_of(n) for n in members}
+        self._connected.set()
+        log.info("node %d re-attached to %s", self.node_id, self._name)
 
     @property
     def lost(self) -> ControlError | None:
@@ -159,6 +249,20 @@ class SchedulerClient:
     def on_member_down(self, callback: Callable[[int, str], None]) -> None:
         """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
         self._down_callbacks.append(callback)
+
+    def on_member_up(self, callback: Callable[[int, tuple[str, int], int, int], None]) -> None:
+        """Call ``callback(node_id, data_address, workers, joins_at)`` when a DC registers into the running
+        job (``joins_at`` -1) and again when it is admitted (its boundary iteration)."""
+        self._up_callbacks.append(callback)
+
+    @property
+    def connected(self) -> bool:
+        """The scheduler is reachable now (False while the client rides out an outage)."""
+        return self._connected.is_set() and self._lost is None
+
+    def joining(self, iteration: int) -> tuple[int, ...]:
+        """DCs ``iteration`` admits (it hands them the model), from its policy answer."""
+        return self._joining.get(iteration, ())
 
     def on_beliefs(self, callback: Callable[[control.LinkBeliefs], None]) -> None:
         """Call ``callback(beliefs)`` when a new policy is published: the rates it was planned from, and
@@ -178,6 +282,7 @@ class SchedulerClient:
             raise control.refusal(reply, f"{self._name}: ")
         if not isinstance(reply, control.LayoutAck):
             raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
+        self.first_iteration = reply.first_iteration
 
     def prefetch(self, iteration: int) -> None:
         """Ask for ``iteration``'s policy in the background, so a later ``policy_for`` finds it answered.
@@ -192,8 +297,15 @@ class SchedulerClient:
         """The policy bound to ``iteration`` (cached, or asked for now)."""
         answer = self._policy_future(iteration)
         try:
-            async with asyncio.timeout(timeout):
-                policy = await asyncio.shield(answer)
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        policy = await asyncio.shield(answer)
+                    break
+                except TimeoutError:
+                    if self._outage is None:
+                        raise
+                    # the scheduler is away: wait for it (the answer fails with SchedulerGone after the grace)
         except TimeoutError:
             raise ControlTimeout(f"{self._name}: no policy for iteration {iteration} within {timeout} s") from None
         except ControlError:
@@ -272,6 +384,7 @@ class SchedulerClient:
             if held is None or reply.version != known:
                 raise ControlError(f"{where}: told version {reply.version} is unchanged, but this node holds "
                                    f"{sorted(self._by_version)}")
+            self._note_joining(iteration, reply)
             return held
         try:
             policy = Policy.from_wire(reply.policy)
@@ -279,13 +392,32 @@ class SchedulerClient:
             raise ControlError(f"{where}: malformed policy version {reply.version}: {exc}") from None
         if policy.version != reply.version:
             raise ControlError(f"{where}: reply says version {reply.version} but the policy is {policy.version}")
+        self._note_joining(iteration, reply)
         self._by_version[policy.version] = policy
         for old in sorted(self._by_version)[:-4]:
             del self._by_version[old]
         log.info("node %d: iteration %d runs policy version %d", self.node_id, iteration, policy.version)
         return policy
 
+    def _note_joining(self, iteration: int, reply: control.PolicyReply) -> None:
+        if reply.joining:
+            self._joining[iteration] = tuple(reply.joining)
+            log.info("node %d: iteration %d admits node(s) %s", self.node_id, iteration, list(reply.joining))
+        for old in [k for k in self._joining if k < iteration - KEEP_ITERATIONS]:
+            del self._joining[old]
+
     async def _request(self, message: control.Message, what: str, seconds: float) -> control.Message:
+        """One request's answer; asked again after the scheduler comes back if the connection broke."""
+        while True:
+            if self._lost is not None:
+                raise ControlError(f"{self._lost} ({what})")
+            await self._connected.wait()  # the runner sets it, or records why the scheduler is gone
+            try:
+                return await self._request_once(message, what, seconds)
+            except _Disconnected:
+                continue
+
+    async def _request_once(self, message: control.Message, what: str, seconds: float) -> control.Message:
         if self._lost is not None:
             raise ControlError(f"{self._lost} ({what})")
         reply: asyncio.Future[control.Message] = asyncio.get_running_loop().create_future()
@@ -300,7 +432,7 @@ class SchedulerClient:
             raise ControlTimeout(f"{self._name}: no answer to the {what} of node {self.node_id} within "
                                  f"{seconds} s") from None
         except (ConnectionError, OSError) as exc:
-            raise ControlError(f"{self._name}: {what} of node {self.node_id} failed: {exc}") from None
+            raise _Disconnected(f"{self._name}: {what} of node {self.node_id} failed: {exc}") from None
 
     async def _send(self, message: control.Message) -> None:
         """A message without a reply (heartbeat, link report)."""
@@ -320,12 +452,15 @@ class SchedulerClient:
                 if isinstance(message, control.MemberDown):
                     self._member_down(message)
                     continue
+                if isinstance(message, control.MemberUp):
+                    self._member_up(message)
+                    continue
                 if isinstance(message, control.LinkBeliefs):
                     self._beliefs(message)
                     continue
                 if not self._pending:
                     if isinstance(message, control.Error):  # e.g. a refused heartbeat, before it hangs up
-                        raise ControlError(f"{self._name} refused node {self.node_id}: {message.message}")
+                        raise SchedulerGone(f"{self._name} refused node {self.node_id}: {message.message}")
                     raise ControlError(f"{self._name} sent an unrequested {message.TYPE}")
                 # Replies come in request order, so this one answers the oldest request written, even
                 # if that request has timed out meanwhile: its late answer is dropped, never handed to
@@ -335,7 +470,10 @@ class SchedulerClient:
                     waiter.set_result(message)
         except (ControlError, ConnectionError, OSError) as exc:
             error = exc if isinstance(exc, ControlError) else ControlError(f"{self._name}: connection lost: {exc}")
-            self._connection_lost(error)
+            if isinstance(error, SchedulerGone):  # the scheduler itself refused this node: no way back
+                self._connection_lost(error)
+            else:
+                self._disconnected(error)
             raise _Lost from None
 
     def _member_down(self, message: control.MemberDown) -> None:
@@ -345,10 +483,41 @@ class SchedulerClient:
             log.warning("node %d: member %d is down: %s", self.node_id, message.node_id, message.reason)
         _notify(self._down_callbacks, "member-down", message.node_id, message.reason)
 
+    def _member_up(self, message: control.MemberUp) -> None:
+        log.info("node %d: node %d registers into the job from %s:%d", self.node_id, message.node_id,
+                 message.data_host, message.data_port)
+        members = dict(self.members)
+        members[message.node_id] = (message.data_host, message.data_port)
+        self.members = members
+        workers = dict(self.workers)
+        workers[message.node_id] = message.workers
+        self.workers = workers
+        _notify(self._up_callbacks, "member-up", message.node_id, (message.data_host, message.data_port),
+                message.workers, message.joins_at)
+
     def _beliefs(self, message: control.LinkBeliefs) -> None:
         _notify(self._beliefs_callbacks, "link-beliefs", message)
 
+    def _disconnected(self, error: ControlError) -> None:
+        """The connection broke: requests in flight are asked again after re-attaching; the scheduler is
+        not given up on before ``scheduler_grace``."""
+        if self._lost is not None:
+            return
+        if self._outage is None:
+            self._outage = asyncio.get_running_loop().time()
+            self._outage_reason = str(error)
+            self._connected.clear()
+            log.warning("node %d: %s; reconnecting for up to %g s (scheduler_grace)", self.node_id, error,
+                        self.config.scheduler_grace)
+        self._writer.close()
+        pending = _Disconnected(str(error))
+        while self._pending:
+            waiter = self._pending.popleft()
+            if not waiter.done():
+                waiter.set_exception(pending)
+
     def _connection_lost(self, error: ControlError) -> None:
+        self._connected.set()  # wake requests waiting for the scheduler: they fail with ``error``
         if self._lost is None:
             self._lost = error
             log.error("node %d: %s", self.node_id, error)
@@ -374,8 +543,8 @@ class SchedulerClient:
             try:
                 await self._send(control.Heartbeat(self.node_id, time.time()))
             except (TimeoutError, ConnectionError, OSError) as exc:
-                self._connection_lost(ControlError(f"{self._name}: heartbeat of node {self.node_id} failed: "
-                                                   f"{exc or type(exc).__name__}"))
+                self._disconnected(ControlError(f"{self._name}: heartbeat of node {self.node_id} failed: "
+                                                f"{exc or type(exc).__name__}"))
                 raise _Lost from None
             await asyncio.sleep(interval)
 
@@ -388,8 +557,9 @@ class SchedulerClient:
                 try:
                     await self._send(report)
                 except (TimeoutError, ConnectionError, OSError) as exc:
-                    self._connection_lost(ControlError(f"{self._name}: link report of node {self.node_id} "
-                                                       f"failed: {exc or type(exc).__name__}"))
+                    self._reports.appendleft(report)  # sent after re-attaching
+                    self._disconnected(ControlError(f"{self._name}: link report of node {self.node_id} "
+                                                    f"failed: {exc or type(exc).__name__}"))
                     raise _Lost from None
 
 

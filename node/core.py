@@ -362,6 +362,15 @@ class NodeCore:
                                              f"gone ({reason})", Cause.GONE, _Links({}), now)
         return actions
 
+    def member_up(self, peer: int, workers: int, joins_at: int = -1) -> None:
+        """A DC registered into the running job (restarted, or new): a member again, named by policies
+        from its boundary iteration ``joins_at`` on (-1: not admitted yet). The joiner contributes to
+        that iteration at once, possibly before this node has reached the one before: its chunks wait."""
+        self.down.pop(peer, None)
+        self.members = self.members | {peer}
+        self.workers[peer] = workers
+        self.chunks.horizon = max(self.chunks.horizon, joins_at)
+
     def link_progress(self, peer: int, sent: int | None, links: Mapping[int, LinkState]) -> list[Action]:
         """Link ``peer`` handed frame ``sent`` to its socket (None: it started idle), and is now idle or
         still has frames waiting (``links[peer].idle``). A tree-edge chunk queued on a lagging link may

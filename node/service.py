@@ -53,6 +53,9 @@ from node.sendqueue import Outgoing
 
 log = logging.getLogger("netstorm.node")
 
+BOUNDARY_UNKNOWN = 2**62
+"""The chunk horizon of a node admitted into a running job until its layout names its first iteration."""
+
 
 class Control(Protocol):
     """What the node needs from the control plane (node/control_client.SchedulerClient)."""
@@ -193,23 +196,23 @@ class GeneralNode:
         self.config = control.config
         self.members = dict(control.members)
         self.core.join(control.config, self.members, control.workers)
+        if getattr(control, "running", False):
+            # Admitted into a running job: peers may send its boundary iteration's chunks before this
+            # node has heard (with its layout) which iteration that is; they wait for the layout.
+            self.core.chunks.horizon = BOUNDARY_UNKNOWN
         for inbound in list(self._inbound):
             if inbound.peer_id is not None and inbound.peer_id not in self.members:
                 inbound.reject(f"node {inbound.peer_id} is not a member of this job", ErrorCode.NOT_MEMBER)
         control.on_member_down(self.member_down)
         control.on_beliefs(self._believe)
+        if hasattr(control, "on_member_up"):
+            control.on_member_up(self.member_up)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 for peer, address in sorted(self.members.items()):
-                    if peer == self.node_id:
-                        continue
-                    link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
-                                    connect_timeout=self.config.connect_timeout,
-                                    stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress,
-                                    credentials=self.credentials, node_id=self.node_id)
-                    self.links[peer] = link
-                    tg.create_task(self._run_link(link))
+                    if peer != self.node_id:
+                        self._start_link(peer, address)
                 self._ready.set()
                 await self._stopping.wait()
                 for link in self.links.values():
@@ -223,6 +226,35 @@ class GeneralNode:
             for inbound in list(self._inbound):
                 if inbound.transport is not None:
                     inbound.transport.close()
+
+    def _start_link(self, peer: int, address: tuple[str, int]) -> None:
+        assert self._tg is not None
+        link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
+                        connect_timeout=self.config.connect_timeout,
+                        stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress,
+                        credentials=self.credentials, node_id=self.node_id)
+        old = self.links.get(peer)
+        if old is not None:
+            old.close()
+        self.links[peer] = link
+        self._tg.create_task(self._run_link(link))
+
+    def member_up(self, peer: int, address: tuple[str, int], workers: int, joins_at: int = -1) -> None:
+        """A DC registered into the running job: a fresh link to it; policies name it from its boundary
+        iteration ``joins_at`` (told once it is admitted), whose chunks it may send early."""
+        if self._stopping.is_set() or peer == self.node_id:
+            return
+        fresh = peer not in self.members or peer in self.core.down or self.members[peer] != address
+        self.members[peer] = address
+        self.core.member_up(peer, workers, joins_at)
+        if self._tg is not None and fresh:
+            self._start_link(peer, address)
+        log.info("node %d: node %d is a member again (data address %s:%d)", self.node_id, peer, *address)
+
+    def joining(self, iteration: int) -> tuple[int, ...]:
+        """DCs ``iteration`` admits: it hands them the live model instead of summing gradients."""
+        joining = getattr(self.control, "joining", None)
+        return tuple(joining(iteration)) if joining is not None else ()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -256,6 +288,8 @@ class GeneralNode:
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
             return await self.register(specs)
+        # a DC admitted into a running job starts at its boundary iteration
+        self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
@@ -273,19 +307,21 @@ class GeneralNode:
         """The iteration the next ``collect`` of tensor ``key`` returns."""
         return self.core.pull_iteration(key)
 
-    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None) -> int:
+    async def contribute(self, key: int, values: np.ndarray | None, *, iteration: int | None = None,
+                         lan: bool = True) -> int:
         """This DC's values for tensor ``key`` in its next iteration (None contributes zeros).
 
         This is the hook for any source of the DC's contribution (the trainer endpoint, or the LAN edge
         aggregator): ``iteration``, when given, must be the tensor's next one. The iteration's policy
-        is bound before the contribution enters the core.
+        is bound before the contribution enters the core. ``lan=False`` leaves the gateway's LAN workers
+        out (the model hand-over to an admitted DC is no gradient of theirs).
         """
         iteration = self.core.open_contribution(key, iteration, self._now())
         self._rearm()
         self._check(iteration)
         await self.ensure_policy(iteration)
         self._check(iteration)
-        if self.edge is not None:
+        if self.edge is not None and lan:
             assert self.layout is not None
             values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
             self._check(iteration)
@@ -369,6 +405,10 @@ class GeneralNode:
         trainer and its gateway's LAN workers (what ``average=True`` divides by)."""
         return self.core.contributor_count(iteration)
 
+    def check(self, iteration: int) -> None:
+        """Raise ``iteration``'s failure, typed by its cause, if it failed."""
+        self._check(iteration)
+
     def _check(self, iteration: int) -> None:
         """Raise the iteration's failure, if it failed."""
         failure = self.core.failure(iteration)
@@ -396,6 +436,8 @@ class GeneralNode:
             except PeerError as exc:
                 if self._stopping.is_set() or link.peer_id in self.core.down:
                     return
+                if self.links.get(link.peer_id) is not link:  # replaced when the peer came back
+                    return
                 if link.sent_frames > sent:  # it worked for a while: a new outage, not the same one
                     delay, reported = RECONNECT_FIRST, False
                 log.warning("node %d: link to node %d lost (%s); reconnecting in %.1f s", self.node_id,
@@ -409,7 +451,7 @@ class GeneralNode:
                 return
             except TimeoutError:
                 pass
-            if link.peer_id in self.core.down:
+            if link.peer_id in self.core.down or self.links.get(link.peer_id) is not link:
                 return
             delay = min(delay * 2, RECONNECT_MAX)
 

@@ -5,6 +5,12 @@ vector in layout order and names it in ``init``; pushes name tensors whose value
 file, and results are written back into it, so no tensor byte crosses the socket. Over TCP (a trainer
 on another host of the DC) the same messages carry the float32 values inline.
 
+A DC admitted into a running job gets the live model from its trainer's ``init``: the boundary iteration
+that admits it is a hand-over, in which one live DC (the lowest id among those already in) contributes its
+trainer's current model and every other DC zeros. A live node runs that iteration itself when its
+trainer's push would start it, asking its trainer for the model (``ModelWanted`` / ``ModelOffer``) if it
+is the provider; the trainer's push then goes to the next iteration.
+
 Each connection handles one request at a time. A bad request (unknown tensor, wrong size, bad message)
 gets an error reply naming the problem and the connection stays usable; a malformed frame closes the
 connection. Either way the node goes on serving its peers.
@@ -36,7 +42,7 @@ from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
 from netstorm.authconn import Credentials
 from netstorm.client import SHM_PREFIX, shm_directory
-from netstorm.errors import AuthError, ErrorCode, LayoutError, NetStormError, TrainerProtocolError
+from netstorm.errors import AuthError, ChunkError, ErrorCode, LayoutError, NetStormError, TrainerProtocolError
 from netstorm.layout import Layout, TensorSpec
 from netstorm.schema import MAX_ITEMS
 from node.ranks import Ranks
@@ -57,6 +63,8 @@ class _Session:
         """This trainer's rank at the node, from its init on."""
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
 
     def close(self) -> None:
         self.shm = None
@@ -117,6 +125,7 @@ class TrainerEndpoint:
     def __init__(self, node: GeneralNode, *, credentials: Credentials | None = None) -> None:
         self.node = node
         self.ranks = Ranks(node)
+        self._handover_lock = asyncio.Lock()
         self.credentials = credentials
         """With a job secret, a TCP trainer proves it before its first request (the Unix socket is
         guarded by its file permissions instead)."""
@@ -164,6 +173,7 @@ class TrainerEndpoint:
         self._sessions += 1
         session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
                            None if inline else _peer_uid(writer))
+        session.reader, session.writer = reader, writer
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
         peer = writer.get_extra_info("peername") if inline else None
         host = str(peer[0]) if isinstance(peer, tuple) and peer else None
@@ -317,10 +327,23 @@ class TrainerEndpoint:
         self.ranks.start(session.rank, layout, replacement=False)
         iteration = node.next_iteration()
         policy = await node.ensure_policy(iteration)
-        contributor = self.ranks.init_values(session.rank, node.node_id == min(policy.nodes))
-        await self.ranks.push(session.rank, layout,
-                              {k: values[layout.key_slice(k)] if contributor else None for k in keys})
-        out = await self._collect(session, layout, keys, average=False)
+        # a DC admitted into a running job starts at its boundary iteration, which hands it the live model:
+        # the lowest-id DC already in contributes its trainer's model, every other DC (the joiner too) zeros
+        joining = node.joining(iteration)
+        provider = min(set(policy.nodes) - set(joining))
+        contributor = self.ranks.init_values(session.rank, node.node_id == provider)
+        try:
+            await self.ranks.push(session.rank, layout,
+                                  {k: values[layout.key_slice(k)] if contributor else None for k in keys})
+            out = await self._collect(session, layout, keys, average=False)
+        except NetStormError:
+            if node.node_id in joining:
+                # Its boundary is gone: the job runs on with this DC in its policies, and no later
+                # iteration hands it the model. It leaves; restarted, it is admitted afresh.
+                log.error("node %d: the hand-over of the live model (iteration %d) failed: this node leaves "
+                          "the job; restart it to rejoin", node.node_id, iteration)
+                node.stop()
+            raise
         self.ranks.initialized = True
         if session.inline:
             # Reply in request order, like the values came.
@@ -329,12 +352,58 @@ class TrainerEndpoint:
                 if order else np.zeros(0, dtype="<f4")
             out = ordered.tobytes()
         log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
-                 node.node_id, session.name, len(names), layout.hash, min(policy.nodes))
+                 node.node_id, session.name, len(names), layout.hash, provider)
         return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash,
-                            (min(policy.nodes),)), out
+                            (provider,)), out
+
+    async def _handovers(self, session: _Session, layout: Layout) -> None:
+        """Run every iteration about to start that admits DCs, as the hand-over of the live model (one
+        push at a time: with several ranks, the first to push runs it and the others find it done)."""
+        async with self._handover_lock:
+            await self._run_handovers(session, layout)
+
+    async def _run_handovers(self, session: _Session, layout: Layout) -> None:
+        node = self.node
+        keys = list(range(len(layout.tensors)))
+        while True:
+            try:
+                iteration = node.next_iteration()
+            except ChunkError:
+                return  # this push continues an iteration already started
+            if any(node.pull_iteration(k) != iteration for k in keys):
+                return  # results not yet pulled: the trainer is mid-pipeline, not at an iteration boundary
+            policy = await node.ensure_policy(iteration)
+            node.check(iteration)  # its policy may have failed it (a member gone): the push fails, as without us
+            joining = node.joining(iteration)
+            if not joining:
+                return
+            provider = min(set(policy.nodes) - set(joining))
+            model = await self._ask_model(session, layout, iteration) if provider == node.node_id else None
+            for key in keys:
+                await node.contribute(key, model[layout.key_slice(key)] if model is not None else None,
+                                      iteration=iteration, lan=False)
+            await node.collect(keys, lambda key, values: None)
+            log.info("node %d: iteration %d handed the model of node %d to node(s) %s", node.node_id, iteration,
+                     provider, list(joining))
+
+    async def _ask_model(self, session: _Session, layout: Layout, iteration: int) -> np.ndarray:
+        """The trainer's current model, asked for in the middle of its push."""
+        assert session.reader is not None and session.writer is not None
+        await self._reply(session.writer, tw.ModelWanted(iteration))
+        size = layout.total * 4
+        async with asyncio.timeout(self.node.config.iteration_timeout):
+            header_len, payload_len = tw.decode_prefix(await session.reader.readexactly(tw.PREFIX.size),
+                                                       max_payload=size)
+            offer = tw.decode(await session.reader.readexactly(header_len))
+            if not isinstance(offer, tw.ModelOffer) or offer.iteration != iteration:
+                raise TrainerProtocolError(f"asked for the model of iteration {iteration}, the trainer sent {offer!r}")
+            if payload_len != size:
+                raise TrainerProtocolError(f"model offer of {payload_len} bytes, the model has {size}")
+            return np.frombuffer(await session.reader.readexactly(payload_len), dtype="<f4")
 
     async def _push(self, session: _Session, layout: Layout, keys: list[int], payload: bytes) -> int:
         assert session.rank is not None
+        await self._handovers(session, layout)
         flat = np.frombuffer(payload, dtype="<f4") if session.inline else None
         position = 0
         values: dict[int, np.ndarray | None] = {}

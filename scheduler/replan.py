@@ -113,7 +113,9 @@ class Replanner:
         """Its ``planned_rates`` are what the rules compare reports with; plans run it in a worker."""
         self.consistency = consistency
         """Read only: the current policy and the bindings (the shell publishes)."""
-        self.collector = LinkCollector(restrict(rates, nodes), now=now, stale_after=config.stale_after,
+        # with joiners allowed, any DC of the scenario may come: its links are believed from the start
+        believed = rates if config.allow_joiners else restrict(rates, nodes)
+        self.collector = LinkCollector(believed, now=now, stale_after=config.stale_after,
                                        half_life=config.stale_half_life)
         self.cadence = Cadence(update_time=config.update_time, react_interval=config.react_interval, now=now)
         self.cycles = 0

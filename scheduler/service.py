@@ -1,6 +1,10 @@
 """The scheduler's asyncio shell: control TCP, SNTP on the same port, heartbeat timer, re-planning.
 
-Protocol decisions live in the sans-I/O cores (membership.py, consistency.py, replan.py); this module
+Protocol decisions live in the sans-I/O cores (membership.py, consistency.py, replan.py); with
+``state_dir`` set, every decision a node may already rely on (members, policy versions, bindings, the
+layout) is written to ``persistence.StateStore`` before it is answered, and a scheduler started again
+with the same command line resumes from it: nodes re-attach and bound iterations keep their versions.
+This module
 moves frames, runs the timers and carries out the re-plan core's actions, handing planning to a thread
 (asyncio.to_thread) so a slow plan never delays a heartbeat or a policy reply. Each connection is
 served by one task that answers every request before reading the next, so replies come back in request
@@ -27,8 +31,9 @@ from netstorm.policy import Policy
 from netstorm.scenario import Rates
 from scheduler.cadence import Cadence
 from scheduler.collector import LinkCollector
-from scheduler.consistency import Consistency, ConsistencyError
+from scheduler.consistency import Answer, Consistency, ConsistencyError
 from scheduler.membership import Down, Membership, MembershipError
+from scheduler.persistence import StateStore
 from scheduler.planner import Planner, PlanningError, restrict
 from scheduler.replan import Action, Log, Plan, PlanMoves, Publish, PushBeliefs, Replanner
 
@@ -92,7 +97,8 @@ class SchedulerService:
         """With a job secret, every control connection proves who it is before it is read."""
         self.initial_rates = dict(rates)
         self.clock = clock
-        self.membership = Membership(nodes, heartbeat_timeout=config.heartbeat_timeout)
+        self.membership = Membership(nodes, heartbeat_timeout=config.heartbeat_timeout,
+                                     allow_joiners=config.allow_joiners)
         if len(self.membership.expected) < 2 or not restrict(rates, nodes):
             raise ConfigError(f"a job needs at least two DCs joined by overlay links, got nodes "
                               f"{list(self.membership.expected)}")
@@ -127,6 +133,41 @@ class SchedulerService:
         self._published: collections.deque[control.PolicyRecord] = collections.deque(maxlen=POLICY_RECORDS)
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
+        self._admitting: set[int] = set()
+        """DCs admitted whose policy is being planned: the next publication names them as joining."""
+        self.store: StateStore | None = None
+        self.resumed = False
+        """This scheduler resumed a job from ``state_dir``."""
+        if config.state_dir:
+            self.store = StateStore.open(config.state_dir, {
+                "nodes": list(self.membership.expected), "topology": topology, "roots": self.planner.num_roots,
+                "rates": sorted([a, b, r] for (a, b), r in rates.items()), "joiners": config.allow_joiners})
+            self._resume(self.store)
+
+    def _resume(self, store: StateStore) -> None:
+        """Take up the persisted job: its members, versions, bindings and layout."""
+        saved = store.load()
+        if saved.empty:
+            return
+        policies = [Policy.from_wire(wire) for _, wire, _ in saved.policies]
+        self.consistency.restore(policies, saved.bindings, saved.joining)
+        for policy, (_, _, reason) in zip(policies, saved.policies, strict=True):
+            self._record(policy, reason)
+        if policies:
+            self.planner.roots = tuple(policies[0].roots)
+            self.planner.planned_rates = dict(policies[-1].rates)
+        self.membership.restore(saved.members, complete=saved.complete and bool(policies), now=self.clock())
+        self._layout = saved.layout
+        if self.membership.complete:
+            self.complete.set()
+        self.resumed = True
+        log.info("resumed the job from %s: members %s (dead %s), policy version %s, iterations bound up to %d",
+                 store.path, list(self.membership.alive), sorted(self.membership.dead),
+                 self.consistency.current_version, self.consistency.last_bound)
+
+    def _save_members(self) -> None:
+        if self.store is not None:
+            self.store.save_members(self.membership.rows())
 
     @property
     def collector(self) -> LinkCollector:
@@ -163,6 +204,8 @@ class SchedulerService:
         finally:
             self._stopping = True
             sntp.close()
+            if self.store is not None:
+                self.store.close()
             for conn in list(self._connections.values()):
                 conn.close()
             # A closed connection ends its handler at end of stream; only a handler that does not is
@@ -238,6 +281,7 @@ class SchedulerService:
                 del self._connections[conn.node_id]
                 down = None if self._stopping else self.membership.disconnected(conn.node_id, self.clock(),
                                                                                  leaving=conn.leaving)
+                self._save_members()
                 if down is not None:
                     await self._member_down(down)
 
@@ -323,6 +367,8 @@ class SchedulerService:
         if conn.node_id is not None:
             await conn.send(control.Error(f"this connection already registered as node {conn.node_id}"))
             return True
+        if self.membership.complete:
+            return await self._register_running(conn, message)
         try:
             completes = self.membership.register(message.node_id, (message.data_host, message.data_port),
                                                  self.clock(), workers=message.workers)
@@ -339,6 +385,78 @@ class SchedulerService:
             await self._start_job()
         return True
 
+    async def _register_running(self, conn: _Connection, message: control.Register) -> bool:
+        """A registration into the running job: a node re-attaching (``attach``), or a new process (a
+        restarted DC, or a joiner) that waits for admission at its trainer's layout check."""
+        node_id = message.node_id
+        existing = self._connections.get(node_id)
+        try:
+            if message.attach:
+                self.membership.attach(node_id, self.clock())
+            elif existing is not None and not existing.writer.is_closing():
+                raise MembershipError(f"duplicate node id {node_id}: connected from {existing.peer}")
+            else:
+                prior = self.membership.rejoin(node_id, (message.data_host, message.data_port), self.clock(),
+                                               workers=message.workers)
+                if prior is not None:
+                    await self._member_down(prior)
+        except MembershipError as exc:
+            log.warning("registration from %s refused: %s", conn.peer, exc)
+            await conn.send(control.Error(str(exc), ErrorCode.NOT_MEMBER))
+            return False
+        if existing is not None and existing is not conn:
+            self._connections.pop(node_id, None)  # a stale connection: replaced, not a member going down
+            existing.close()
+        conn.node_id = node_id
+        self._connections[node_id] = conn
+        members = dict(self.membership.members())
+        workers = dict(self.membership.workers())
+        if not message.attach:
+            members[node_id] = (message.data_host, message.data_port)
+            workers[node_id] = message.workers
+        await conn.send(control.RegisterAck(members=members, config=dataclasses.asdict(self.config),
+                                            scheduler_time=self.clock(), workers=workers,
+                                            running=not message.attach))
+        if message.attach:
+            log.info("node %d re-attached from %s", node_id, conn.peer)
+            return True
+        log.info("node %d registers into the running job from %s (data address %s:%d); admitted at its trainer's "
+                 "layout check", node_id, conn.peer, message.data_host, message.data_port)
+        await self._broadcast(control.MemberUp(node_id, message.data_host, message.data_port,
+                                               workers=message.workers), skip=node_id)
+        return True
+
+    async def _admit(self, node_id: int) -> int:
+        """Admit a pending DC: plan a policy with it, bind its boundary iteration; that iteration."""
+        self.membership.admit(node_id, self.clock())
+        self._save_members()
+        self._admitting.add(node_id)
+        alive = self.membership.alive
+        rates = self.collector.estimate(self.clock()) if self.config.enable_awareness \
+            else self.planner.planned_rates or self.initial_rates
+        try:
+            await self._carry_out(lambda: [self.replanner.plan(rates, alive, force=True,
+                                                               reason=f"node {node_id} joins")])
+        finally:
+            self._admitting.discard(node_id)
+        answer = self.consistency.boundary(node_id)
+        self._bound(answer, node_id)
+        address, workers = self.membership.members()[node_id], self.membership.workers()[node_id]
+        # before the joiner hears its boundary, so its chunks never reach a peer that does not expect them
+        await self._broadcast(control.MemberUp(node_id, address[0], address[1], workers=workers,
+                                               joins_at=answer.iteration), skip=node_id)
+        log.info("node %d admitted: iteration %d (policy version %d) hands it the model", node_id, answer.iteration,
+                 answer.version)
+        return answer.iteration
+
+    def _bound(self, answer: Answer, asked_by: int) -> None:
+        if not answer.newly_bound:
+            return
+        if self.store is not None:
+            self.store.save_binding(answer.iteration, answer.version, answer.joining)
+        log.info("iteration %d bound to policy version %d (first asked by node %d)%s", answer.iteration,
+                 answer.version, asked_by, f"; it admits {list(answer.joining)}" if answer.joining else "")
+
     async def _start_job(self) -> None:
         """Every node is here: plan the first policy, then tell everyone the membership and config."""
         nodes = self.membership.alive  # nothing else plans before the job is complete: no lock to wait for
@@ -352,6 +470,9 @@ class SchedulerService:
         ack = control.RegisterAck(members=self.membership.members(), config=shared,
                                   scheduler_time=self.clock(), workers=self.membership.workers())
         await self._broadcast(ack)
+        self._save_members()
+        if self.store is not None:
+            self.store.save_complete()
         self.complete.set()
         log.info("membership complete: nodes %s; policy %d is current", list(nodes),
                  self.consistency.current_version)
@@ -392,23 +513,30 @@ class SchedulerService:
         except ConsistencyError as exc:
             await conn.send(control.Error(f"node {message.node_id}: {exc}"))
             return
-        if answer.newly_bound:
-            log.info("iteration %d bound to policy version %d (first asked by node %d)", answer.iteration,
-                     answer.version, message.node_id)
-        await conn.send(control.PolicyReply(answer.iteration, answer.version, answer.policy))
+        self._bound(answer, message.node_id)
+        await conn.send(control.PolicyReply(answer.iteration, answer.version, answer.policy,
+                                            joining=answer.joining))
 
     async def _layout_check(self, conn: _Connection, message: control.LayoutCheck) -> None:
         problem = self._member(conn, message.node_id, "layout check")
         code = ErrorCode.NOT_MEMBER
+        first = 0
         if problem is None:
             if self._layout is None:
                 self._layout = (message.layout_hash, message.node_id)
+                if self.store is not None:
+                    self.store.save_layout(*self._layout)
                 log.info("tensor layout %s registered by node %d", message.layout_hash, message.node_id)
             elif self._layout[0] != message.layout_hash:
                 problem = (f"layout mismatch: node {message.node_id} has layout {message.layout_hash} but node "
                            f"{self._layout[1]} registered layout {self._layout[0]}")
                 code = ErrorCode.LAYOUT_MISMATCH
-        await conn.send(control.Error(problem, code) if problem else control.LayoutAck())
+        if problem is None and message.node_id in self.membership.pending:
+            try:
+                first = await self._admit(message.node_id)
+            except (PlanningError, MembershipError, ConsistencyError) as exc:
+                problem, code = f"node {message.node_id} cannot be admitted: {exc}", ErrorCode.PROTOCOL
+        await conn.send(control.Error(problem, code) if problem else control.LayoutAck(first_iteration=first))
 
     def _link_report(self, conn: _Connection, message: control.LinkReport) -> None:
         if conn.node_id is None or (message.dst != conn.node_id and message.src != conn.node_id):
@@ -487,7 +615,7 @@ class SchedulerService:
 
     # --- membership changes and planning ---------------------------------------------------------
 
-    async def _broadcast(self, message: control.Message) -> None:
+    async def _broadcast(self, message: control.Message, *, skip: int | None = None) -> None:
         async def one(conn: _Connection) -> None:
             try:
                 await conn.send(message)
@@ -496,11 +624,19 @@ class SchedulerService:
                 conn.close()
 
         async with asyncio.TaskGroup() as tasks:
-            for conn in list(self._connections.values()):
-                if conn.leaving is None and not conn.writer.is_closing():  # else it is gone or going
+            for node_id, conn in list(self._connections.items()):
+                if node_id != skip and conn.leaving is None and not conn.writer.is_closing():  # else it is gone
                     tasks.create_task(one(conn))
 
     async def _member_down(self, down: Down) -> None:
+        self._save_members()
+        if down.pending:  # no policy names it: its peers only drop its link
+            log.warning("node %d, waiting for admission, is gone: %s", down.node_id, down.reason)
+            await self._broadcast(control.MemberDown(down.node_id, down.reason))
+            conn = self._connections.pop(down.node_id, None)
+            if conn is not None:
+                conn.close()
+            return
         log.log(logging.INFO if down.left else logging.WARNING, "node %d is down: %s; re-planning without it",
                 down.node_id, down.reason)
         await self._broadcast(control.MemberDown(down.node_id, down.reason))
@@ -575,7 +711,14 @@ class SchedulerService:
         return self.planner.replan(plan.rates, plan.nodes, plan.current, force=plan.force)
 
     def _publish(self, policy: Policy, reason: str) -> None:
-        self.consistency.publish(policy)
+        joining = tuple(sorted(n for n in self._admitting if n in policy.nodes))
+        self.consistency.publish(policy, joining=joining)
+        self._admitting.difference_update(joining)
+        if self.store is not None:
+            self.store.save_policy(policy.version, policy.to_wire(), reason)
+        self._record(policy, reason)
+
+    def _record(self, policy: Policy, reason: str) -> None:
         self._published.append(control.PolicyRecord(
             policy.version, reason, tuple(policy.roots),
             tuple((root, child, parent) for root in policy.roots for child, parent in policy.trees[root].edges())))

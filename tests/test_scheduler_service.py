@@ -13,7 +13,7 @@ import pytest
 
 from netstorm import control, scenario
 from netstorm.config import Config
-from netstorm.control import ControlError, LayoutMismatch
+from netstorm.control import ControlError, LayoutMismatch, SchedulerGone
 from netstorm.errors import ConfigError
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -535,16 +535,17 @@ def test_nodes_that_cannot_form_a_job_are_refused_at_startup() -> None:
         SchedulerService(two_islands, [1, 2, 3, 4], FAST)
 
 
-def test_losing_the_scheduler_fails_waiters_at_once_and_is_signalled() -> None:
+def test_losing_the_scheduler_for_longer_than_the_grace_fails_waiters_and_is_signalled() -> None:
     async def main() -> None:
         lost: list[ControlError] = []
-        async with scheduler(nodes=(1, 2)) as service:
+        async with scheduler(FAST.replace(scheduler_grace=0.3), nodes=(1, 2)) as service:
             clients = await connect_all(service, (1, 2))
             clients[0].on_lost(lost.append)
             await clients[0].policy_for(0, timeout=T)
         # The scheduler is gone (its server and every connection closed).
         await until(lambda: len(lost) == 1, "loss signalled")
         assert clients[0].lost is lost[0]
+        assert isinstance(lost[0], SchedulerGone)
         assert re.search(r"scheduler 127\.0\.0\.1:\d+ closed the control connection of node 1", str(lost[0]))
         with pytest.raises(ControlError, match=r"iteration 7: .*closed the control connection"):
             await clients[0].policy_for(7, timeout=T)

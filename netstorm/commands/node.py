@@ -78,7 +78,8 @@ def edge_secret(config: object) -> bytes | None:
 async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str, int], listen: tuple[str, int],
                 advertise: tuple[str, int] | None, socket_path: Path, trainer_tcp: tuple[str, int] | None,
                 edge: EdgeOptions | None = None, socket_group: str | None = None) -> int:
-    """Run one node until SIGTERM/SIGINT, or until the connection to the scheduler is lost."""
+    """Run one node until SIGTERM/SIGINT, or until the scheduler is gone for longer than scheduler_grace
+    (or refuses to take the node back)."""
     from netstorm.authconn import Credentials
     from netstorm.clock import Clock, ClockSyncError
     from node.control_client import SchedulerClient

@@ -97,6 +97,31 @@ def attach(targets: Mapping[tuple[str, str], float], bpf_dir: Path,
         release(bpf_dir)
 
 
+DROP_ALL = 2**32 - 1
+"""The threshold of a filter that drops every packet (all but one in 2**32 draws)."""
+
+
+def attach_drop(namespace: str, device: str, bpf_dir: Path, *, pref: int) -> None:
+    """Drop every packet arriving on ``device`` (ingress, filter preference ``pref``): a link gone down.
+    ``tc filter del dev DEVICE ingress pref PREF`` brings it back. The bpffs is mounted only meanwhile."""
+    from bcc import BPF, libbcc
+
+    bpf_dir.mkdir(parents=True, exist_ok=True)
+    _mount(bpf_dir)
+    try:
+        module = BPF(text=PROGRAM.encode(), cflags=[f"-DLOSS_THRESHOLD={DROP_ALL}U"])
+        fn = module.load_func(b"netstorm_loss", BPF.SCHED_CLS)
+        path = bpf_dir / "drop_all"
+        if libbcc.lib.bpf_obj_pin(fn.fd, str(path).encode()) != 0:
+            raise EmulationError(f"pin the drop filter at {path}: {os.strerror(abs(_errno()))}")
+        subprocess.run(["tc", "-n", namespace, "qdisc", "add", "dev", device, "clsact"], capture_output=True)
+        tc_batch([f"filter add dev {device} ingress pref {pref} bpf da object-pinned {path}"], namespace=namespace,
+                 what=f"drop every packet arriving on {device} in {namespace}")
+        module.cleanup()
+    finally:
+        release(bpf_dir)
+
+
 def release(bpf_dir: Path) -> None:
     """Unpin everything under ``bpf_dir``, unmount it and remove it (absent is fine)."""
     if not bpf_dir.exists():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,6 +48,10 @@ class Features:
         out = [f"applied: {', '.join(self.applied)}"]
         out += [f"NOT applied: {name}: {why}" for name, why in self.not_applied.items()]
         return out
+
+
+LINK_DOWN_PREF = 49
+"""tc filter preference of the drop-everything filter that takes a link down (``set_link``)."""
 
 
 class EmulatedNetwork:
@@ -239,6 +244,22 @@ class EmulatedNetwork:
         for ns, lines in per_ns.items():
             netns.tc_batch(lines, namespace=ns, what=f"re-shape the links of {ns}")
         self.rates = dict(rates)
+
+    def set_link(self, a: int, b: int, up: bool) -> None:
+        """Take the overlay link a-b down (every packet arriving over it, either way, is dropped at the
+        receiving end's ingress; routes and TCP connections stay, as when a WAN link fails) or up again.
+        The drop filter is the loss filter's program at probability 1, on ingress (it needs bcc)."""
+        for src, dst in ((a, b), (b, a)):
+            iface = self.plan.interfaces.get((src, dst))
+            if iface is None:
+                raise EmulationError(f"no overlay link {a}-{b}")
+            ns, dev = iface.namespace, iface.name
+            if up:
+                netns.run(["tc", "-n", ns, "filter", "del", "dev", dev, "ingress", "pref", str(LINK_DOWN_PREF)],
+                          what=f"take link {a}-{b} up")
+            else:
+                lossfilter.attach_drop(ns, dev, Path(tempfile.mkdtemp(prefix="netstorm-linkdown-")),
+                                       pref=LINK_DOWN_PREF)
 
     def spawn(self, where: int | str | tuple[int, int], argv: Sequence[str], *,
               env: Mapping[str, str] | None = None, stdout: IO[bytes] | int | None = None,

@@ -16,6 +16,7 @@ import platform
 import time
 from typing import Any
 
+from netstorm.emulation import recovery
 from netstorm.emulation.cpu import CPU_BOUND_PCT, STEAL_WARN_PCT
 from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Rates, Scenario
@@ -248,6 +249,10 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(f"WARNING: {name}: the hypervisor took {s['cpu']['steal_pct']:.1f}% of the host's CPU "
                          "(steal time) during its run: its iterations carry that noise; compare it with runs "
                          "at none")
+    for name, s in result["systems"].items():
+        if s.get("chaos"):
+            lines += ["", f"{name} under chaos ({s['chaos']['spec']}; times from the system's start):",
+                      *recovery.lines(s)]
     return "\n".join(lines)
 
 

@@ -9,6 +9,12 @@ A DC with LAN workers (the scenario's ``lan_workers``, or ``--lan-workers N`` fo
 in the gateway role on its LAN interface, and one synthetic trainer in edge mode per LAN worker in that
 worker's namespace, beside the DC's own trainer; every contributor checks the whole job's sum exactly
 (``contributors``). gloo has no LAN tier: it runs one rank per DC and the result says so.
+
+With ``--chaos SPEC`` (``chaos.py``) NetStorm systems run with a persisted scheduler (``--state-dir`` in
+the run directory) and rejoinable trainers, and the schedule kills and restarts DCs (node and trainer,
+same command lines) and the scheduler and takes links down and up, timed from the first iteration's end;
+the result's ``chaos`` section has, per step, who contributed and whether the sum was exact, and per
+fault the time to recover (``recovery.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +36,9 @@ from typing import IO, Any
 
 from netstorm.authconn import Credentials
 from netstorm.config import LOCAL, resolve
-from netstorm.emulation import netns, results, systems
+from netstorm.emulation import netns, recovery, results, systems
+from netstorm.emulation.chaos import ChaosPlayer, Fault
+from netstorm.emulation.chaos import parse as parse_chaos
 from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
@@ -83,6 +91,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--edge-mode", choices=EDGE_MODES, default="auto",
                         help="LAN aggregation at the gateways: xdp, the userspace fallback, or auto (xdp where "
                              "it loads; default)")
+    parser.add_argument("--chaos", metavar="SPEC",
+                        help="kill and restart DCs and the scheduler, take links down and up, from the first "
+                             "iteration's end: e.g. kill-dc:3@20s,restart-dc:3@35s,kill-scheduler@50s,"
+                             "restart-scheduler@60s,link-down:2-5@70s,link-up:2-5@80s (NetStorm systems only)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
     config.add_arguments(parser)
@@ -108,6 +120,7 @@ class Options:
     overlap: bool = False
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
+    chaos: list[Fault] = dataclasses.field(default_factory=list)
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -179,10 +192,19 @@ def options_from_args(args: argparse.Namespace) -> Options:
     roots = int(given.get("num_root_servers", 0)) or len(load(args.scenario).nodes)
     flags = _config_flags(args) + chunk_flags(model_parameters(args.model), given, roots=roots)
     lan_workers = getattr(args, "lan_workers", None)
+    chaos: list[Fault] = []
+    if getattr(args, "chaos", None):
+        scenario = load(args.scenario)
+        chaos = parse_chaos(args.chaos, dcs=[dc.id for dc in scenario.nodes],
+                            links=[(link.a, link.b) for link in scenario.links])
+        gloo = [s.name for s in systems.parse(args.system) if s.kind != "netstorm"]
+        if gloo:
+            raise EmulationError(f"--chaos needs NetStorm systems; {', '.join(gloo)} cannot rejoin")
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
                    edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
+                   chaos=chaos,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -275,6 +297,60 @@ class SystemRun:
         self.record = SchedulerRecord()
         """Bindings, policy versions and gateway modes, from the scheduler's admin interface."""
         self.watch: SchedulerWatch | None = None
+        self.argv: dict[str, tuple[int | str | tuple[int, int], list[str]]] = {}
+        """Where and how each service and trainer was started (a chaos restart runs it again)."""
+        self.killed: set[str] = set()
+        """Services and trainers a chaos fault killed and no repair has restarted yet."""
+        self.chaos: ChaosPlayer | None = None
+        self.started_wall = time.time()
+
+    def _spawn(self, name: str, where: int | str | tuple[int, int], argv: list[str], *, trainer: bool = False,
+               append: bool = False) -> subprocess.Popen[bytes]:
+        self.argv[name] = (where, argv)
+        fh = (self.dir / f"{name}.log").open("ab" if append else "wb")
+        self._files.append(fh)
+        if trainer:
+            proc = self.net.spawn(where, argv, stdout=subprocess.DEVNULL, stderr=fh)
+            self.trainers[name.removeprefix("trainer-")] = proc
+        else:
+            proc = self.net.spawn(where, argv, stdout=fh, stderr=subprocess.STDOUT)
+            self.services[name] = proc
+        return proc
+
+    def apply_fault(self, fault: Fault) -> None:
+        """Carry out one chaos fault or repair (in the chaos thread)."""
+        if fault.action == "kill-dc":
+            dc = fault.target[0]
+            for name, proc in ((f"node-{dc}", self.services[f"node-{dc}"]), (f"trainer-{dc}", self.trainers[str(dc)])):
+                self.killed.add(name)
+                proc.kill()
+                proc.wait()
+        elif fault.action == "restart-dc":
+            dc = fault.target[0]
+            sock = self.dir / f"node-{dc}.sock"
+            sock.unlink(missing_ok=True)
+            where, argv = self.argv[f"node-{dc}"]
+            self._spawn(f"node-{dc}", where, argv, append=True)
+            self.killed.discard(f"node-{dc}")
+            deadline = time.monotonic() + 60.0
+            while not sock.exists():
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"restarted node {dc} did not open its trainer socket within 60 s")
+                time.sleep(0.05)
+            where, argv = self.argv[f"trainer-{dc}"]
+            self._spawn(f"trainer-{dc}", where, argv, trainer=True, append=True)
+            self.killed.discard(f"trainer-{dc}")
+        elif fault.action == "kill-scheduler":
+            self.killed.add("scheduler")
+            self.services["scheduler"].kill()
+            self.services["scheduler"].wait()
+        elif fault.action == "restart-scheduler":
+            where, argv = self.argv["scheduler"]
+            self._spawn("scheduler", where, argv, append=True)
+            self.killed.discard("scheduler")
+        else:
+            a, b = fault.target
+            self.net.set_link(a, b, up=fault.action == "link-up")
 
     def _logfile(self, name: str) -> IO[bytes]:
         fh = (self.dir / f"{name}.log").open("wb")
@@ -289,23 +365,21 @@ class SystemRun:
         scheduler = f"{net.scheduler_host}:{SCHEDULER_PORT}"
         scenario_path = str(Path(self.scenario.source).resolve())
         nodes = ",".join(str(dc) for dc in net.plan.node_ids)
-        out = self._logfile("scheduler")
-        self.services["scheduler"] = net.spawn("mgmt", self._python(
+        persisted = ["--state-dir", str(self.dir / "scheduler-state")] if opts.chaos else []
+        self._spawn("scheduler", "mgmt", self._python(
             "-m", "netstorm.cli", "-v", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
-            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags),
-            stdout=out, stderr=subprocess.STDOUT)
+            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags, *persisted))
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
         self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
                                     namespace=net.plan.mgmt_namespace, credentials=opts.credentials)
         self.watch.start()
         for dc in net.plan.node_ids:
-            out = self._logfile(f"node-{dc}")
             gateway = self._gateway_flags(dc)
             # -v: the log names each link's load per iteration
-            self.services[f"node-{dc}"] = net.spawn(dc, self._python(
+            self._spawn(f"node-{dc}", dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
-                *gateway, *opts.config_flags), stdout=out, stderr=subprocess.STDOUT)
+                *gateway, *opts.config_flags))
         for dc in net.plan.node_ids:
             sock = self.dir / f"node-{dc}.sock"
             while not sock.exists():
@@ -324,12 +398,14 @@ class SystemRun:
                 where = (c.dc, c.worker)
                 address = net.plan.lans[c.dc].gateway_address
                 endpoint = ["--edge", f"edge://{address}:{EDGE_PORT}?worker={c.worker}"]
-            self.trainers[c.label] = net.spawn(where, self._python(
+            # a chaos run's trainers carry their step in the model and ride out failed iterations
+            chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []
+            self._spawn(f"trainer-{c.label}", where, self._python(
                 "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
                 "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
-                *(["--overlap"] if opts.overlap else []), *self._secret_flags(),
+                *(["--overlap"] if opts.overlap else []), *chaos, *self._secret_flags(),
                 "--out", str(self.logs[c.label].path)),
-                stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{c.label}"))
+                trainer=True)
 
     def _secret_flags(self) -> list[str]:
         """``--secret-file`` as the scheduler and nodes got it, for the trainers (LAN workers' tokens)."""
@@ -365,8 +441,8 @@ class SystemRun:
                 stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
 
     def _check_services(self) -> None:
-        for name, proc in self.services.items():
-            if proc.poll() is not None:
+        for name, proc in list(self.services.items()):
+            if name not in self.killed and proc.poll() is not None:
                 tail = (self.dir / f"{name}.log").read_text(errors="replace")[-600:]
                 raise EmulationError(f"{self.system.name}: {name} exited with {proc.returncode}: {tail.strip()}")
 
@@ -389,6 +465,9 @@ class SystemRun:
         usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         error = ""
         stop = threading.Event()
+        self.started_wall = time.time()
+        if self.opts.chaos:
+            self.chaos = ChaosPlayer(self.opts.chaos, self.apply_fault)
         try:
             if self.system.kind == "gloo":
                 self._start_gloo()
@@ -398,11 +477,17 @@ class SystemRun:
                 for tlog in self.logs.values():
                     tlog.poll()
                 self._note_progress(time.monotonic() - start, progress, cpu.sample())
-                failed = {dc: p.returncode for dc, p in self.trainers.items() if p.poll() not in (None, 0)}
-                if failed:
-                    raise EmulationError(f"trainer(s) failed: {failed}; see {self.dir}")
-                if all(p.poll() == 0 for p in self.trainers.values()):
-                    break
+                trainers = {dc: p for dc, p in list(self.trainers.items()) if f"trainer-{dc}" not in self.killed}
+                if self.chaos is not None:  # failed steps are expected: the table judges the run
+                    if all(p.poll() is not None for p in trainers.values()) and len(self.chaos.log) == len(
+                            self.opts.chaos):
+                        break
+                else:
+                    failed = {dc: p.returncode for dc, p in trainers.items() if p.poll() not in (None, 0)}
+                    if failed:
+                        raise EmulationError(f"trainer(s) failed: {failed}; see {self.dir}")
+                    if all(p.poll() == 0 for p in trainers.values()):
+                        break
                 self._check_services()
                 if time.monotonic() > deadline:
                     raise EmulationError(f"not finished after {budget_s:.0f} s (raise --timeout)")
@@ -414,6 +499,8 @@ class SystemRun:
                 self.watch.stop()  # its last poll, while the scheduler still runs
                 if self.watch.error:
                     progress.line(f"[{self.system.name}] the scheduler's admin interface: {self.watch.error}")
+            if self.chaos is not None:  # after the watch: a restarted scheduler ends with the chaos thread
+                self.chaos.stop()
             self.net.stop_processes()
             for fh in self._files:
                 fh.close()
@@ -476,6 +563,18 @@ class SystemRun:
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions())
+        if self.chaos is not None:
+            records = {c.dc: self.logs[c.label].records for c in self.contributors if c.worker is None}
+            table = recovery.steps(records, self.started_wall)
+            faults = list(self.chaos.log)
+            completed = [row for row in table if row["contributors"]]
+            out["chaos"] = {"spec": ",".join(str(f) for f in self.opts.chaos), "faults": faults,
+                            "steps": table, "recoveries": recovery.recoveries(faults, table, records,
+                                                                             self.started_wall),
+                            "all_exact": bool(completed) and all(row["exact"] for row in completed)}
+            for entry in faults:
+                entry["t_s"] = round(entry["t"] - self.started_wall, 2)
+            out["exact"] = out["chaos"]["all_exact"]
         if self.net.plan.lans:
             out["lan_workers"] = {str(dc): len([c for c in self.contributors if c.dc == dc and c.worker is not None])
                                   for dc in self.net.plan.lans}
@@ -553,7 +652,12 @@ def run(opts: Options) -> dict[str, Any]:
             # The schedule starts with training, when the first iteration (which also sets up every
             # connection) completes: start-up time varies from run to run, and timing the schedule from the
             # launch gave each system a different number of iterations on each epoch's rates.
-            runner.on_first_iteration = player.anchor
+            def first_iteration(runner: SystemRun = runner, player: DynamicsPlayer = player) -> None:
+                player.anchor()
+                if runner.chaos is not None:
+                    runner.chaos.anchor()
+
+            runner.on_first_iteration = first_iteration
             player.start(scenario.rates(), anchored=True)
             try:
                 outcome = runner.run(budget, progress)

@@ -47,7 +47,8 @@ class DistributedOptimizer:
     """Wraps ``optimizer``: ``step()`` first replaces every gradient by its sum (or mean) over the workers.
 
     The constructor registers the parameters with the node (``kv.init``) and copies the values every
-    DC agreed on into them, so all DCs start from the same model. Parameters without a gradient in a
+    DC agreed on into them, so all DCs start from the same model; a DC restarted into a running job gets
+    the parameters the live DCs hold (``model`` is the trainer's model provider). Parameters without a gradient in a
     step contribute zeros. ``average=True`` (the default) divides by ``kv.num_workers``, the workers
     whose gradients each sum holds (every DC's trainer and its gateway's LAN workers; ``kv`` may be a LAN
     worker's edge client too): with equal batches per worker, that is the gradient of the mean loss over
@@ -91,8 +92,17 @@ class DistributedOptimizer:
             agreed = kv.init(self._buffers)
             for name, param in self._params.items():
                 param.copy_(torch.from_numpy(np.asarray(agreed[name])))
+        set_provider = getattr(kv, "set_model_provider", None)
+        if set_provider is not None:  # a DC admitted into the running job gets these parameters
+            set_provider(self.model)
         self._hooks = [param.register_post_accumulate_grad_hook(self._push_hook(name))
                        for name, param in self._params.items()] if overlap else []
+
+    def model(self) -> dict[str, np.ndarray]:
+        """The parameters now, as float32 arrays: what this DC hands a DC admitted into the job."""
+        with torch.no_grad():
+            return {name: param.detach().to("cpu", torch.float32).numpy().copy()
+                    for name, param in self._params.items()}
 
     def _push_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         def push(param: torch.Tensor) -> None:

@@ -34,6 +34,13 @@ with each result (``num_workers``: the DCs register their LAN workers with the s
 passes the count on to its LAN), but not ``S``: ``--contributor-sum S`` gives it (and ``--contributors N``
 pins ``n``), so every contributor computes the exact expected sum itself instead of reading ``S`` from
 its first result.
+
+With ``--rejoinable`` the trainer also registers a one-element tensor ``STEP_TENSOR`` holding its next
+step, pushed as zero every iteration, and hands its model provider that step: a DC restarted into the
+running job gets the live DCs' step with the model its ``init`` returns, so it pushes the gradient of
+the step the others push (the iteration numbers the node reports skip the hand-over iterations, the
+steps do not), and runs until the same last step. Each line then also carries ``t`` (wall clock at the
+end of the iteration) and ``node_iteration``.
 """
 
 from __future__ import annotations
@@ -197,6 +204,10 @@ class GradientPattern:
         return Verdict(True, seen)
 
 
+STEP_TENSOR = "netstorm.step"
+"""The step tensor of ``--rejoinable`` trainers."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", help="the node's trainer endpoint: a unix socket path or tcp://host:port")
@@ -227,7 +238,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="consecutive failed iterations after which the trainer stops (default 10)")
     parser.add_argument("--retry-s", type=float, default=1.0,
                         help="seconds to wait after a failed iteration before the next one (default 1)")
-    parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
+    parser.add_argument("--rejoinable", action="store_true",
+                        help="carry the step in the model, so a restarted DC continues at the live DCs' step")
+    parser.add_argument("--out", default=None, help="JSON lines file, appended to (default stdout)")
 
 
 def _connect_edge(address: str, parameters: int, *, timeout: float, secret: bytes | None = None) -> Any:
@@ -274,7 +287,7 @@ def _sleep_until(deadline: float) -> None:
 def _serial_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np.ndarray], dc: int, k: int,
                       compute_s: float, clock: _Clock) -> dict[str, np.ndarray]:
     """Compute, then one push_pull of every layer."""
-    pattern.fill(dc, k, grads)
+    pattern.fill(dc, k, {name: grads[name] for name, _ in pattern.layers})
     _sleep_until(clock.start + compute_s)
     clock.block()
     result: dict[str, np.ndarray] = kv.push_pull(grads, average=False)
@@ -287,7 +300,9 @@ def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np
     """A forward third of the compute time, then a backward two thirds that yields the layers last first,
     each after its share by size and pushed at once (as DDP launches a bucket's all-reduce the moment
     backward fills it); then one pull per layer. Only the pushes and the pulls count as blocked."""
-    pattern.fill(dc, k, grads)
+    pattern.fill(dc, k, {name: grads[name] for name, _ in pattern.layers})
+    if STEP_TENSOR in grads:
+        kv.push(STEP_TENSOR, grads[STEP_TENSOR])
     for i, due in models.backward_yields(pattern.sizes, compute_s):
         _sleep_until(clock.start + due)
         name = pattern.layers[i][0]
@@ -295,7 +310,7 @@ def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np
         kv.push(name, grads[name])
         clock.unblock()
     clock.block()
-    result = {name: kv.pull(name, average=False) for name, _ in pattern.layers}
+    result = {name: kv.pull(name, average=False) for name in grads}
     clock.unblock()
     return result
 
@@ -321,6 +336,10 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         print(f"synthetic trainer: {exc}", file=sys.stderr)
         return 2
     grads = pattern.allocate()
+    step = [0]
+    """The next step (what a rejoining DC's init hands over)."""
+    if args.rejoinable:
+        grads[STEP_TENSOR] = np.zeros(1, dtype=np.float32)
     all_exact = True
     dc = args.dc
     try:
@@ -331,13 +350,17 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                    if args.edge is not None
                    else netstorm.connect(args.socket, timeout=args.timeout, secret_file=args.secret_file))
         try:
-            kv.init(grads)
+            initial = kv.init(grads)
+            if args.rejoinable:
+                step[0] = int(initial[STEP_TENSOR][0])
+                kv.set_model_provider(lambda: {**grads, STEP_TENSOR: np.array([step[0]], dtype=np.float32)})
             fixed = args.contributors is not None
             workers = args.contributors if fixed else kv.num_workers
             dc = kv.node_id if dc is None else dc
             members_sum: float | None = None if args.contributor_sum is None else float(args.contributor_sum)
             failures = 0
-            for k in range(args.iterations):
+            for k in range(step[0], args.iterations):
+                step[0] = k
                 clock = _Clock(time.perf_counter())
                 try:
                     if args.overlap:
@@ -352,7 +375,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                     clock.unblock()
                     end = time.perf_counter()
                     _emit(stream, {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
-                                   "exact": False, "failed": True, "dc": dc,
+                                   "exact": False, "failed": True, "dc": dc, "t": time.time(),
                                    "error": f"{type(exc).__name__}: {exc}"})
                     if failures >= args.max_failures:
                         print(f"synthetic trainer (DC {dc}): giving up after {failures} failed iterations: {exc}",
@@ -374,6 +397,8 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 record: dict[str, Any] = {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
                                           "workers": workers, "cpu_s": time.process_time()}
+                if args.rejoinable:
+                    record.update(t=time.time(), node_iteration=kv.iteration, id_sum=verdict.members_sum)
                 if verdict.error:
                     record["error"] = verdict.error
                 _emit(stream, record)
@@ -392,7 +417,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.out is None:
         return run(args, sys.stdout)
-    with Path(args.out).open("w") as stream:
+    with Path(args.out).open("a") as stream:
         return run(args, stream)
 
 

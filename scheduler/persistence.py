@@ -1,0 +1,166 @@
+"""What a scheduler must not forget across a restart, in one sqlite file under ``state_dir``.
+
+A restarted scheduler with the same command line must answer exactly as before it died: the same
+policy versions, the same version for every iteration already bound, the same members (alive or dead)
+and the layout the job agreed on. Each of those is written (and committed) before the answer that
+depends on it leaves the scheduler, so no node ever holds a binding the file lacks.
+
+Schema (``SCHEMA_VERSION``):
+
+- ``job(key, value)``: the job's identity (expected nodes, topology, roots, initial rates) as JSON, so
+  a state directory is never resumed by a different job; and flags (``complete``, ``layout``).
+- ``members(node_id, host, port, workers, dead)``: every admitted DC; ``dead`` is why it was declared
+  dead, NULL while alive.
+- ``policies(version, wire, reason)``: every published policy in its wire form (msgpack).
+- ``bindings(iteration, version, joining)``: iteration -> version, and the DCs the iteration admitted
+  (JSON list, empty for most).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from netstorm.errors import ConfigError
+from scheduler.membership import Row
+
+SCHEMA_VERSION = 1
+FILE_NAME = "scheduler.sqlite3"
+KEEP_BINDINGS = 4096
+"""Bindings kept in the file (the consistency core's window); older ones are deleted as new ones come."""
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS members (node_id INTEGER PRIMARY KEY, host TEXT NOT NULL, port INTEGER NOT NULL,
+                                    workers INTEGER NOT NULL, dead TEXT);
+CREATE TABLE IF NOT EXISTS policies (version INTEGER PRIMARY KEY, wire BLOB NOT NULL, reason TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS bindings (iteration INTEGER PRIMARY KEY, version INTEGER NOT NULL,
+                                     joining TEXT NOT NULL DEFAULT '[]');
+"""
+
+
+@dataclasses.dataclass
+class Saved:
+    """Everything a restarted scheduler resumes from."""
+
+    complete: bool = False
+    members: list[Row] = dataclasses.field(default_factory=list)
+    policies: list[tuple[int, dict[str, Any], str]] = dataclasses.field(default_factory=list)
+    """(version, wire form, why it was planned), oldest first."""
+    bindings: dict[int, int] = dataclasses.field(default_factory=dict)
+    joining: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    layout: tuple[str, int] | None = None
+    """(layout hash, the node that registered it first)."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.complete and not self.members and not self.policies
+
+
+class StateStore:
+    """The scheduler's state file. ``open`` checks that the directory belongs to this job."""
+
+    def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
+        self._db = connection
+        self.path = path
+
+    @classmethod
+    def open(cls, state_dir: str | Path, job: dict[str, Any]) -> StateStore:
+        """Open (creating it and the directory if missing) the state of the job described by ``job``;
+        ConfigError when the directory holds another job's state."""
+        directory = Path(state_dir)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / FILE_NAME
+            db = sqlite3.connect(path, isolation_level=None)  # autocommit: every write is durable at once
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"state_dir {directory}: cannot open the scheduler's state: {exc}") from None
+        store = cls(db, path)
+        identity = json.dumps({"schema": SCHEMA_VERSION, **job}, sort_keys=True)
+        held = store._get("identity")
+        if held is None:
+            store._set("identity", identity)
+        elif held != identity:
+            db.close()
+            raise ConfigError(f"state_dir {directory} holds the state of another job (a different scenario, "
+                              f"nodes, topology or options); use another directory or remove {path}")
+        return store
+
+    def close(self) -> None:
+        self._db.close()
+
+    # --- reads -----------------------------------------------------------------------------------
+
+    def load(self) -> Saved:
+        saved = Saved(complete=self._get("complete") == "1")
+        layout = self._get("layout")
+        if layout is not None:
+            value = json.loads(layout)
+            saved.layout = (str(value[0]), int(value[1]))
+        saved.members = [Row(int(n), str(h), int(p), int(w), d) for n, h, p, w, d in
+                         self._db.execute("SELECT node_id, host, port, workers, dead FROM members ORDER BY node_id")]
+        saved.policies = [(int(v), msgspec.msgpack.decode(w), str(r)) for v, w, r in
+                          self._db.execute("SELECT version, wire, reason FROM policies ORDER BY version")]
+        for iteration, version, joining in self._db.execute("SELECT iteration, version, joining FROM bindings"):
+            saved.bindings[int(iteration)] = int(version)
+            joiners = tuple(int(j) for j in json.loads(joining))
+            if joiners:
+                saved.joining[int(iteration)] = joiners
+        return saved
+
+    # --- writes ----------------------------------------------------------------------------------
+
+    def save_complete(self) -> None:
+        self._set("complete", "1")
+
+    def save_layout(self, layout_hash: str, node_id: int) -> None:
+        self._set("layout", json.dumps([layout_hash, node_id]))
+
+    def save_members(self, rows: list[Row]) -> None:
+        with self._transaction():
+            self._db.execute("DELETE FROM members")
+            self._db.executemany("INSERT INTO members VALUES (?, ?, ?, ?, ?)",
+                                 [(r.node_id, r.host, r.port, r.workers, r.dead) for r in rows])
+
+    def save_policy(self, version: int, wire: dict[str, Any], reason: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?)",
+                         (version, msgspec.msgpack.encode(wire), reason))
+
+    def save_binding(self, iteration: int, version: int, joining: tuple[int, ...] = ()) -> None:
+        with self._transaction():
+            self._db.execute("INSERT OR REPLACE INTO bindings VALUES (?, ?, ?)",
+                             (iteration, version, json.dumps(list(joining))))
+            self._db.execute("DELETE FROM bindings WHERE iteration <= ?", (iteration - KEEP_BINDINGS,))
+
+    # --- internals -------------------------------------------------------------------------------
+
+    def _get(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM job WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _set(self, key: str, value: str) -> None:
+        self._db.execute("INSERT OR REPLACE INTO job VALUES (?, ?)", (key, value))
+
+    def _transaction(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    """BEGIN ... COMMIT (ROLLBACK on error) on an autocommit connection."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN")
+
+    def __exit__(self, kind: object, *rest: object) -> None:
+        self._db.execute("ROLLBACK" if kind is not None else "COMMIT")
