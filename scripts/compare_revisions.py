@@ -88,7 +88,8 @@ def rev_name(rev: str) -> str:
 
 def figures(what: str, doc: dict[str, Any]) -> dict[str, float]:
     """The figures compared: CPU per node and per MB for the loopback bench; per system, the mean
-    iteration time and its ratio to the limit (iterations 2..N, as the emulation tables average)."""
+    iteration time and its ratio to the limit (iterations 2..N, as the emulation tables average), and
+    the host's CPU use while it ran."""
     if what == "loopback":
         return {"node_cpu_ms_per_mb": 1e3 * doc["node_cpu_s_per_mb"],
                 "node_cpu_s_per_iteration_max": doc["node_cpu_s_per_iteration_max"],
@@ -100,6 +101,9 @@ def figures(what: str, doc: dict[str, Any]) -> dict[str, float]:
         out[f"{name}_iteration_s"] = statistics.fmean(its)
         if limits and len(limits) == len(its):
             out[f"{name}_x_limit"] = statistics.fmean(t / lim for t, lim in zip(its, limits, strict=True))
+        cpu = system.get("cpu", {})
+        if "mean_pct" in cpu:  # a CPU-bound host measures contention, not the runtime: say how busy it was
+            out[f"{name}_host_cpu_pct"] = float(cpu["mean_pct"])
     return out
 
 
