@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Idempotent setup: Debian packages (bcc, kernel headers, iproute2), the headers linked where bcc
-# looks, and the project's virtualenv at .venv with bcc made importable from it. Every step checks
-# first, so a second run costs about a second.
+# Idempotent setup: Debian packages (bcc, kernel headers, iproute2, openssl for the job certificate),
+# the headers linked where bcc looks, and the project's virtualenv at .venv with bcc made importable
+# from it. Every step checks first, so a second run costs about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 
-APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpfcc-tools)
+APT_PACKAGES=(python3-bpfcc linux-headers-amd64 iproute2 bpfcc-tools openssl)
 
 apt_missing() {
     local p missing=()
