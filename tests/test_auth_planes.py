@@ -36,7 +36,8 @@ from scheduler import admin
 from scheduler.service import SchedulerService
 from tests.dataplane import cluster
 from tests.test_peers import CONFIG, SPECS, error_frame, one_iteration, raw_send, rollout
-from tests.test_scheduler_service import FAST, RATES, T
+from tests.test_scheduler_service import FAST, RATES, T, addr
+from tests.test_scheduler_service import scheduler as shared_scheduler
 
 SECRET = bytes(range(48))
 WRONG = bytes(range(1, 49))
@@ -53,22 +54,12 @@ def secret_file(tmp_path: Path, data: bytes = SECRET, name: str = "job.secret") 
 @contextlib.asynccontextmanager
 async def scheduler(credentials: Credentials | None = ADMIN, nodes: Sequence[int] = (1, 2, 3, 4),
                     config: Config = FAST) -> AsyncIterator[SchedulerService]:
-    service = SchedulerService(RATES, nodes, config, credentials=credentials)
-    ready = asyncio.Event()
-    task = asyncio.create_task(service.serve("127.0.0.1", 0, ready=lambda _address: ready.set()))
-    try:
-        async with asyncio.timeout(T):
-            await ready.wait()
+    """The scheduler of the scheduler-service tests, holding the job secret by default."""
+    async with shared_scheduler(config, nodes, credentials=credentials) as service:
         yield service
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
-def address(service: SchedulerService) -> tuple[str, int]:
-    assert service.address is not None
-    return service.address
+address = addr
 
 
 def exchange(where: tuple[str, int], data: bytes) -> bytes:

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 import pytest
 
 from netstorm import control, scenario
+from netstorm.authconn import Credentials
 from netstorm.config import Config
 from netstorm.control import ControlError, LayoutMismatch, SchedulerGone
 from netstorm.errors import ConfigError
@@ -44,9 +45,11 @@ def run(coro: Awaitable[None]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def scheduler(config: Config = FAST, nodes: Sequence[int] = (1, 2, 3, 4),
-                    topology: str = "fapt") -> AsyncIterator[SchedulerService]:
-    service = SchedulerService(RATES, nodes, config, topology=topology)
+async def scheduler(config: Config = FAST, nodes: Sequence[int] = (1, 2, 3, 4), topology: str = "fapt",
+                    credentials: Credentials | None = None) -> AsyncIterator[SchedulerService]:
+    """A scheduler serving on a free loopback port for the block's length (with ``credentials``, the job
+    secret every connection must prove)."""
+    service = SchedulerService(RATES, nodes, config, topology=topology, credentials=credentials)
     ready = asyncio.Event()
     task = asyncio.create_task(service.serve("127.0.0.1", 0, ready=lambda _address: ready.set()))
     try:
