@@ -95,7 +95,10 @@ def test_trainer_log_reads_only_complete_lines(tmp_path: Path) -> None:
 
 def test_system_names_parse_in_order_and_unknown_names_fail() -> None:
     assert [s.name for s in systems.parse("star, netstorm,star")] == ["star", "netstorm"]
-    assert len(systems.parse("all")) == 8
+    assert len(systems.parse("all")) == 9
+    assert [s.name for s in systems.parse("star,star-mxnet")] == ["star", "star-mxnet"]
+    assert systems.parse("star")[0].scheduler_flags()[:2] == ["--topology", "star"]
+    assert systems.parse("star-mxnet")[0].scheduler_flags()[:2] == ["--topology", "star-mxnet"]
     assert systems.parse("lite")[0].scheduler_flags() == [
         "--topology", "fapt", "--enable-awareness", "false", "--enable-aux-path", "false"]
     with pytest.raises(EmulationError, match="unknown system"):

@@ -9,7 +9,6 @@ and the sum back out, the busiest link deciding, at the best hub).
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import platform
@@ -18,7 +17,6 @@ from typing import Any
 
 from netstorm.emulation import recovery
 from netstorm.emulation.cpu import CPU_BOUND_PCT, STEAL_WARN_PCT
-from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Rates, Scenario
 
 FORMAT_VERSION = 1
@@ -50,28 +48,11 @@ def limit_of_scaled(model_bytes: int, rates: Rates) -> float:
 
 
 def star_bound_of_scaled(model_bytes: int, rates: Rates) -> tuple[float, int]:
-    """The best STAR hub and its time bound over the static routes the emulator installs.
+    """The best STAR hub's time bound and the hub, over the static routes the emulator installs (the hub
+    system ``star`` runs at; ``netstorm.planning.baselines.star_bounds`` says how)."""
+    from netstorm.planning.baselines import star_bound
 
-    With hub h, every other DC's gradient travels its route to h and the sum travels back along h's
-    routes, M bytes each; a directed link carrying c of these flows needs c·M / rate however they are
-    scheduled. The busiest link decides; the best hub is the one whose busiest link is least loaded.
-    """
-    nodes = sorted({a for a, _ in rates} | {b for _, b in rates})
-    routes = shortest_hop_routes(nodes, [(a, b) for a, b in rates if a < b or (b, a) not in rates])
-    best: tuple[float, int] | None = None
-    for hub in nodes:
-        load: dict[tuple[int, int], int] = {}
-        for other in nodes:
-            if other == hub:
-                continue
-            for path in (routes[(other, hub)], routes[(hub, other)]):
-                for hop in itertools.pairwise(path):
-                    load[hop] = load.get(hop, 0) + 1
-        seconds = max(count * model_bytes * 8 / (rates[hop] * 1e6) for hop, count in load.items())
-        if best is None or seconds < best[0]:
-            best = (seconds, hub)
-    assert best is not None
-    return best
+    return star_bound(model_bytes, rates)
 
 
 def new_result(scenario: Scenario, opts: Any, parameters: int, bounds: Bounds) -> dict[str, Any]:

@@ -562,7 +562,7 @@ class SystemRun:
                                "completed_at_s": [round(t, 2) for t in self.completed_at]}
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
-                       policy_versions=self.policy_versions())
+                       policy_versions=self.policy_versions(), policy_trees=self.record.policy_trees())
         if self.chaos is not None:
             records = {c.dc: self.logs[c.label].records for c in self.contributors if c.worker is None}
             table = recovery.steps(records, self.started_wall)
