@@ -666,6 +666,10 @@ def run(opts: Options) -> dict[str, Any]:
             outcome["link_rate_log"] = player.log
             outcome["dynamics_origin_s"] = player.origin_s
             outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
+            outcome["limit_errors"] = results.limit_errors(outcome, result)
+            for e in outcome["limit_errors"]:
+                progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
+                              f"below its limit {e['limit_s']:.2f} s")
             if system.kind == "netstorm":
                 outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
             result["systems"][system.name] = outcome
