@@ -19,7 +19,7 @@ from netstorm.tree import Tree
 
 __all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "tree_pairs"]
 
-TOPOLOGIES = ("fapt", "fapt1", "star", "bkt", "mst")
+TOPOLOGIES = ("fapt", "fapt1", "star", "star-mxnet", "bkt", "mst")
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import networkx as nx
 import pytest
 
+from netstorm.emulation.results import Bounds
 from netstorm.errors import PolicyError
-from netstorm.planning.baselines import best_connected, bfs_order, bkt_tree
+from netstorm.planning.baselines import best_bound_hub, best_connected, bfs_order, bkt_tree, star_bounds
 from netstorm.planning.fapt import theorem1_delay
 from netstorm.planning.plan import plan
+from netstorm.planning.predict import routes_for
 from netstorm.planning.rategraph import RateGraph
+from netstorm.scenario import load
 from tests.policy_graphs import internet2, random_overlay
 
 
@@ -18,11 +23,47 @@ def test_hub_is_the_best_connected_node():
     assert best_connected(RateGraph.from_rates(internet2())) == 2
 
 
-def test_star_points_every_node_at_the_hub():
-    policy = plan(internet2(), topology="star")
+def test_star_mxnet_points_every_node_at_the_best_connected_hub():
+    policy = plan(internet2(), topology="star-mxnet")
     assert policy.roots == (2,)
     assert dict(policy.trees[2].parent) == {n: (None if n == 2 else 2) for n in range(1, 10)}
     assert dict(plan(internet2(), topology="star", hub=7).trees[7].parent)[1] == 7
+    assert dict(plan(internet2(), topology="star-mxnet", hub=7).trees[7].parent)[1] == 7
+
+
+def _brute_force_star_bound(model_bytes: int, rates: dict[tuple[int, int], float]) -> tuple[float, int]:
+    """Every hub's STAR bound from its own star tree's routed flows, least first (ties by id)."""
+    graph = RateGraph.from_rates(rates)
+    routes = routes_for(graph)
+    best = []
+    for hub in graph.nodes:
+        load: dict[tuple[int, int], int] = {}
+        for other in graph.nodes:
+            if other != hub:
+                for path in (routes[(other, hub)], routes[(hub, other)]):
+                    for hop in itertools.pairwise(path):
+                        load[hop] = load.get(hop, 0) + 1
+        best.append((max(c * model_bytes * 8 / (rates[hop] * 1e6) for hop, c in load.items()), hub))
+    return min(best)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_star_runs_at_the_hub_with_the_best_bound_on_internet2(scale):
+    rates = internet2(scale)
+    model_bytes = 61_100_840
+    seconds, hub = _brute_force_star_bound(model_bytes, rates)
+    assert star_bounds(model_bytes, rates)[hub] == pytest.approx(seconds)
+    assert min(star_bounds(model_bytes, rates).values()) == pytest.approx(seconds)
+    assert best_bound_hub(rates) == hub
+    policy = plan(rates, topology="star")
+    assert policy.roots == (hub,)
+    assert dict(policy.trees[hub].parent) == {n: (None if n == hub else hub) for n in range(1, 10)}
+    # The best-connected hub is another, slower one: the two baselines differ here.
+    mxnet = best_connected(RateGraph.from_rates(rates))
+    assert mxnet != hub
+    assert star_bounds(model_bytes, rates)[mxnet] > seconds
+    # The emulation summary's "STAR's physical bound ... at hub H" is the same hub.
+    assert Bounds(model_bytes, scale).star_bound(load("internet2-9").rates()) == (pytest.approx(seconds), hub)
 
 
 def test_bkt_binary_tree_on_internet2_by_hand():

@@ -42,6 +42,44 @@ def test_iteration_limits_follow_the_rates_in_force() -> None:
     assert results.iteration_limits(straddling, log, bounds, scenario)[1] == pytest.approx(1.5, abs=1e-3)
 
 
+def test_a_redraw_late_in_an_iteration_gives_the_limit_of_the_rates_averaged_over_it() -> None:
+    # Node 1's only link out is the min cut: 20 Mbit/s until a re-draw at 419.8 s, 5 Mbit/s after. M = 20
+    # Mbit. An iteration from 399.5 s: the old rates alone allow 1 s and end long before the re-draw, so
+    # its limit is theirs, not the new rates' 4 s. One from 418.9 s: 0.9 s at 20 Mbit/s carries 18
+    # Mbit, the last 2 Mbit take 0.4 s at 5 Mbit/s -> 1.3 s, between the old 1 s and the new 4 s.
+    scenario = load(DATA / "emu-4.toml")
+    bounds = results.Bounds(2_500_000, 1.0)
+    slow = {f"{a}->{b}": (5.0 if a == 1 else 40.0) for (a, b) in scenario.rates()}
+    log = [{"t": 0.0, "epoch": 0, "rates_mbit": {f"{a}->{b}": r for (a, b), r in scenario.rates().items()}},
+           {"t": 419.8, "epoch": 1, "rates_mbit": slow}]
+    assert results.window_limit_s(2_500_000, log, 0.0) == pytest.approx(1.0)
+    assert results.window_limit_s(2_500_000, log, 420.0) == pytest.approx(4.0)
+    assert results.window_limit_s(2_500_000, log, 399.5) == pytest.approx(1.0)
+    straddling = {"iteration_s": [21.0, 1.6], "completed_at_s": [418.9, 420.5]}
+    assert results.iteration_limits(straddling, log, bounds, scenario) == [pytest.approx(1.0),
+                                                                           pytest.approx(1.3, abs=1e-3)]
+
+
+def test_an_iteration_faster_than_its_limit_is_an_error_left_out_of_the_mean() -> None:
+    result = _result()
+    netstorm = result["systems"]["netstorm"]
+    netstorm["iteration_s"] = [9.0, 1.5, 0.8, 1.5]
+    netstorm["limit_s"] = [1.0, 1.0, 1.0, 1.0]
+    errors = results.limit_errors(netstorm, result)
+    assert errors == [{"iteration": 2, "iteration_s": 0.8, "limit_s": 1.0, "ratio": 0.8}]
+    stats = results.system_stats(result)["netstorm"]
+    assert stats["mean_s"] == pytest.approx(1.5) and stats["x_limit"] == pytest.approx(1.5)
+    text = results.summary(result)
+    assert "ERROR: netstorm: iteration 3 took 0.80 s, below its limit 1.00 s (0.80x)" in text
+    assert "ERROR: star" not in text
+    # At the limit, or below it only by the results' rounding, is no error.
+    netstorm["iteration_s"] = [9.0, 1.0, 0.9999, 1.5]
+    assert results.limit_errors(netstorm, result) == []
+    # With compute time, the limit includes it.
+    result["compute_s"] = 0.5
+    assert [e["iteration"] for e in results.limit_errors(netstorm, result)] == [1, 2]
+
+
 def _result() -> dict:
     def system(times: list[float], cpu: float = 20.0) -> dict:
         return {"kind": "netstorm", "iteration_s": times, "limit_s": [1.0] * len(times), "exact": True,
@@ -95,7 +133,10 @@ def test_trainer_log_reads_only_complete_lines(tmp_path: Path) -> None:
 
 def test_system_names_parse_in_order_and_unknown_names_fail() -> None:
     assert [s.name for s in systems.parse("star, netstorm,star")] == ["star", "netstorm"]
-    assert len(systems.parse("all")) == 8
+    assert len(systems.parse("all")) == 9
+    assert [s.name for s in systems.parse("star,star-mxnet")] == ["star", "star-mxnet"]
+    assert systems.parse("star")[0].scheduler_flags()[:2] == ["--topology", "star"]
+    assert systems.parse("star-mxnet")[0].scheduler_flags()[:2] == ["--topology", "star-mxnet"]
     assert systems.parse("lite")[0].scheduler_flags() == [
         "--topology", "fapt", "--enable-awareness", "false", "--enable-aux-path", "false"]
     with pytest.raises(EmulationError, match="unknown system"):
@@ -128,8 +169,11 @@ def test_compute_time_enters_the_limit_serially_or_overlapped() -> None:
     # forward (1 s) cannot overlap; backward (2 s) hides a shorter synchronization, not a longer one
     assert results.with_compute(1.0, result) == 3.0
     assert results.with_compute(2.5, result) == 3.5
+    # 1.5 s steady against a 3 s limit cannot be: both steady iterations are errors of the run
+    assert [e["iteration"] for e in results.limit_errors(result["systems"]["netstorm"], result)] == [1, 2]
+    result["systems"]["netstorm"]["iteration_s"] = [9.0, 4.5, 4.5]
     row = next(line for line in results.summary(result).splitlines() if line.startswith("netstorm "))
-    assert row.split()[1:4] == ["1.50", "3.00", "0.50"]  # 1.5 s steady against a 3 s limit
+    assert row.split()[1:4] == ["4.50", "3.00", "1.50"]  # 4.5 s steady against a 3 s limit
     assert "compute 3.0 s overlapped with synchronization" in results.summary(result)
 
 

@@ -60,6 +60,11 @@ def test_netstorm_system_on_emu4_is_exact_and_records_its_policies(tmp_path: Pat
     assert len(versions["bound"]) >= 2 and all(isinstance(v, int) for v in versions["bound"].values())
     assert versions["policies"][0]["version"] == 0
     assert set(versions["bound"].values()) <= {p["version"] for p in versions["policies"]}
+    # Every version's trees, as ``netstorm plan --json`` prints them: root -> node -> parent or null.
+    assert sorted(ns["policy_trees"], key=int) == [str(p["version"]) for p in versions["policies"]]
+    for trees in ns["policy_trees"].values():
+        assert all(sorted(t) == ["1", "2", "3", "4"] and t[root] is None for root, t in trees.items())
+    assert ns["limit_errors"] == []
     # Multi-root FAPT plans one tree per node at the initial rates, each spanning all four DCs.
     assert sorted(ns["trees"]) == ["1", "2", "3", "4"]
     assert all(sorted(t) == ["1", "2", "3", "4"] for t in ns["trees"].values())

@@ -47,10 +47,16 @@ def test_config_flags_apply(capsys, monkeypatch):
 def test_measured_rates_file(tmp_path, capsys):
     path = tmp_path / "rates.json"
     path.write_text(json.dumps({"1->2": 10, "2->1": 20, "2->3": 40, "3->2": 5}))
-    out = _json(capsys, "--rates", str(path), "--topology", "star", "--model", "2.5M")
+    out = _json(capsys, "--rates", str(path), "--topology", "star-mxnet", "--model", "2.5M")
     assert out["roots"] == [2]
     assert out["trees"] == {"2": {"1": 2, "2": None, "3": 2}}
     # The busiest link 3->2 (5 Mbit/s) carries the 10 MB model once: 16 s, plus the fill.
+    assert out["predicted_detail"]["star-mxnet"]["bulk_s"] == pytest.approx(16.0)
+    # STAR at the best-bound hub: hubs 1 and 2 both need 16 s (at hub 1, 1->2 carries the sum to 2 and
+    # 3 at 10 Mbit/s), a tie that goes to the lower id; both baselines are predicted.
+    out = _json(capsys, "--rates", str(path), "--topology", "star", "--model", "2.5M")
+    assert out["roots"] == [1]
+    assert out["trees"] == {"1": {"1": None, "2": 1, "3": 1}}
     assert out["predicted_detail"]["star"]["bulk_s"] == pytest.approx(16.0)
 
 

@@ -14,6 +14,7 @@ from netstorm import control, scenario
 from netstorm.config import Config
 from netstorm.control import PolicyRecord
 from netstorm.emulation.schedrecord import OVERLAP, SchedulerRecord, SchedulerWatch
+from netstorm.planning.plan import plan
 from node.control_client import SchedulerClient
 from scheduler import admin
 from scheduler.service import SchedulerService
@@ -48,6 +49,22 @@ def test_policy_versions_keep_the_fields_the_log_lines_gave() -> None:
     assert record.next_request(overlap=OVERLAP) == control.HistoryRequest(0, 2), "a few iterations again"
     record.add_history(history(tuple((k, 1) for k in range(3, 40))))
     assert record.next_request(overlap=OVERLAP) == control.HistoryRequest(40 - OVERLAP, 2)
+
+
+def test_policy_trees_are_kept_per_version_in_the_plan_json_form() -> None:
+    record = SchedulerRecord()
+    assert record.policy_trees() == {}
+    record.add_history(control.History(((0, 0),), (
+        PolicyRecord(0, "first plan", (3, 1), ((3, 1, 3), (3, 2, 1), (3, 4, 3), (1, 2, 1), (1, 3, 1), (1, 4, 3))),)))
+    record.add_history(control.History(((1, 1),), (PolicyRecord(1, "periodic update", (2,), ((2, 1, 2), (2, 3, 2),
+                                                                                           (2, 4, 2))),)))
+    assert record.policy_trees() == {
+        "0": {"3": {"1": 3, "2": 1, "3": None, "4": 3}, "1": {"1": None, "2": 1, "3": 1, "4": 3}},
+        "1": {"2": {"1": 2, "2": None, "3": 2, "4": 2}}}
+    # The form ``netstorm plan --json`` prints a policy's trees in.
+    policy = plan(RATES, topology="star", hub=2)
+    assert record.policy_trees()["1"] == policy.to_wire()["trees"]
+    assert list(record.policy_versions()["policies"][1]) == ["version", "reason", "roots"], "fields unchanged"
 
 
 @contextlib.asynccontextmanager

@@ -16,7 +16,7 @@ from netstorm.errors import ConfigError
 
 NAME = "scheduler"
 HELP = "run the central scheduler: registration, heartbeats, policies per iteration, link reports, SNTP"
-TOPOLOGIES = ("fapt", "star", "bkt", "mst", "fapt1")
+TOPOLOGIES = ("fapt", "star", "star-mxnet", "bkt", "mst", "fapt1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

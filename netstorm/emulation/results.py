@@ -2,14 +2,15 @@
 
 Layout (JSON): scenario, seed, scales, model, features applied and not applied, host CPU per system,
 ``"systems": {"<name>": {"iteration_s": [...], "sync_s": [...], "limit_s": [...], "link_rate_log":
-[...], "cpu": {...}, ...}}``, ``"limit_s"`` (M/λ at the initial rates) and ``"star_bound_s"`` (the best a
+[...], "cpu": {...}, "limit_errors": [...], "policy_trees": {...}, ...}}`` (``limit_errors``: iterations
+faster than their limit, errors of the run; ``policy_trees``: per policy version, its trees as ``netstorm
+plan --json`` prints them), ``"limit_s"`` (M/λ at the initial rates) and ``"star_bound_s"`` (the best a
 STAR parameter server can do over the emulator's static routes: every other DC's gradient into the hub
 and the sum back out, the busiest link deciding, at the best hub).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import platform
@@ -18,7 +19,6 @@ from typing import Any
 
 from netstorm.emulation import recovery
 from netstorm.emulation.cpu import CPU_BOUND_PCT, STEAL_WARN_PCT
-from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Rates, Scenario
 
 FORMAT_VERSION = 1
@@ -50,28 +50,11 @@ def limit_of_scaled(model_bytes: int, rates: Rates) -> float:
 
 
 def star_bound_of_scaled(model_bytes: int, rates: Rates) -> tuple[float, int]:
-    """The best STAR hub and its time bound over the static routes the emulator installs.
+    """The best STAR hub's time bound and the hub, over the static routes the emulator installs (the hub
+    system ``star`` runs at; ``netstorm.planning.baselines.star_bounds`` says how)."""
+    from netstorm.planning.baselines import star_bound
 
-    With hub h, every other DC's gradient travels its route to h and the sum travels back along h's
-    routes, M bytes each; a directed link carrying c of these flows needs c·M / rate however they are
-    scheduled. The busiest link decides; the best hub is the one whose busiest link is least loaded.
-    """
-    nodes = sorted({a for a, _ in rates} | {b for _, b in rates})
-    routes = shortest_hop_routes(nodes, [(a, b) for a, b in rates if a < b or (b, a) not in rates])
-    best: tuple[float, int] | None = None
-    for hub in nodes:
-        load: dict[tuple[int, int], int] = {}
-        for other in nodes:
-            if other == hub:
-                continue
-            for path in (routes[(other, hub)], routes[(hub, other)]):
-                for hop in itertools.pairwise(path):
-                    load[hop] = load.get(hop, 0) + 1
-        seconds = max(count * model_bytes * 8 / (rates[hop] * 1e6) for hop, count in load.items())
-        if best is None or seconds < best[0]:
-            best = (seconds, hub)
-    assert best is not None
-    return best
+    return star_bound(model_bytes, rates)
 
 
 def new_result(scenario: Scenario, opts: Any, parameters: int, bounds: Bounds) -> dict[str, Any]:
@@ -182,13 +165,36 @@ def with_compute(sync_s: float, result: dict[str, Any]) -> float:
     return forward + max(compute - forward, sync_s)
 
 
+LIMIT_TOLERANCE_S = 2e-4
+"""Iteration times and limits are each rounded to 0.1 ms in a result: a time this far below its limit
+is rounding, not an iteration that beat it."""
+
+
+def limit_errors(system: dict[str, Any], result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The iterations of ``system`` faster than their limit (compute included): none can be, since the
+    limit is the least time M can cross the min cut at the rates in force, so each is an error of the run
+    (a clock, a log or a limit that is wrong), not a result. Index ``iteration`` counts from 0."""
+    limits = system.get("limit_s") or []
+    out: list[dict[str, Any]] = []
+    for k, (seconds, limit) in enumerate(zip(system["iteration_s"], limits, strict=False)):
+        bound = with_compute(float(limit), result)
+        if seconds + LIMIT_TOLERANCE_S < bound:
+            out.append({"iteration": k, "iteration_s": seconds, "limit_s": round(bound, 4),
+                        "ratio": round(seconds / bound, 4)})
+    return out
+
+
 def system_stats(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per system: mean steady iteration time, mean limit over the same iterations (compute included),
-    their ratio."""
+    their ratio. Iterations that beat their limit (``limit_errors``) are left out of all three."""
     out: dict[str, dict[str, float]] = {}
     for name, s in result["systems"].items():
-        times = steady(s["iteration_s"])
-        limits = steady(s.get("limit_s") or [])
+        wrong = {e["iteration"] for e in limit_errors(s, result)}
+        n = len(s["iteration_s"])
+        kept = range(1, n) if n >= 2 else range(n)  # as ``steady`` keeps them
+        per_limit = s.get("limit_s") or []
+        times = [s["iteration_s"][k] for k in kept if k not in wrong]
+        limits = [per_limit[k] for k in kept if k not in wrong and k < len(per_limit)]
         t = mean(times)
         lim = with_compute(mean(limits) if limits else result["limit_s"], result)
         out[name] = {"mean_s": t, "limit_s": lim, "x_limit": t / lim if times else float("nan")}
@@ -241,6 +247,10 @@ def summary(result: dict[str, Any]) -> str:
     for name, s in result["systems"].items():
         if s.get("error"):
             lines.append(f"{name}: FAILED: {s['error']}")
+        for e in limit_errors(s, result):
+            lines.append(f"ERROR: {name}: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, below its "
+                         f"limit {e['limit_s']:.2f} s ({e['ratio']:.2f}x): no iteration can beat its limit, so "
+                         "this run's clock, logs or limits are wrong; left out of the means")
         if s["cpu"]["mean_pct"] >= CPU_BOUND_PCT:
             lines.append(f"WARNING: {name}: host CPU averaged {s['cpu']['mean_pct']:.0f}% (this run's own processes "
                          f"{s['cpu'].get('run_pct', float('nan')):.0f}%): CPU-bound, its ratios are not network "

@@ -562,7 +562,7 @@ class SystemRun:
                                "completed_at_s": [round(t, 2) for t in self.completed_at]}
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
-                       policy_versions=self.policy_versions())
+                       policy_versions=self.policy_versions(), policy_trees=self.record.policy_trees())
         if self.chaos is not None:
             records = {c.dc: self.logs[c.label].records for c in self.contributors if c.worker is None}
             table = recovery.steps(records, self.started_wall)
@@ -666,6 +666,10 @@ def run(opts: Options) -> dict[str, Any]:
             outcome["link_rate_log"] = player.log
             outcome["dynamics_origin_s"] = player.origin_s
             outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
+            outcome["limit_errors"] = results.limit_errors(outcome, result)
+            for e in outcome["limit_errors"]:
+                progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
+                              f"below its limit {e['limit_s']:.2f} s")
             if system.kind == "netstorm":
                 outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
             result["systems"][system.name] = outcome

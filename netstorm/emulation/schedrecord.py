@@ -76,6 +76,14 @@ class SchedulerRecord:
                     "policies": [{"version": r.version, "reason": r.reason, "roots": str(list(r.roots))}
                                  for _, r in sorted(self.policies.items())]}
 
+    def policy_trees(self) -> dict[str, dict[str, dict[str, int | None]]]:
+        """The result's ``policy_trees``: per published version, its trees as ``netstorm plan --json``
+        prints them (``{"<root>": {"<node>": parent or null}}``), so a run shows what each policy built."""
+        with self._lock:
+            return {str(version): {str(root): {str(n): p for n, p in sorted({root: None, **children}.items())}
+                                   for root, children in record.trees().items()}
+                    for version, record in sorted(self.policies.items())}
+
     def edge_modes(self, gateways: Iterable[int]) -> dict[str, str]:
         """The result's ``edge_mode``: per gateway DC, ``xdp (native)``, ``xdp (generic)`` or ``userspace``
         (with XDP's reason for falling back), ``not started`` when it never served its LAN."""

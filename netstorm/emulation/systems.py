@@ -2,7 +2,8 @@
 
 netstorm/pro: multi-root FAPT, awareness and auxiliary paths on (the paper's full system, "Pro").
 std: awareness on, auxiliary paths off. lite: MR-FAPT planned once, awareness and auxiliary paths off.
-star/bkt/mst: the paper's baselines as policies of the same runtime (static: planned once).
+star/bkt/mst: the paper's baselines as policies of the same runtime (static: planned once); star runs
+at the hub whose physical bound is smallest, star-mxnet at the best-connected hub an MXNet user would pick.
 fapt: single-root FAPT with awareness and auxiliary paths, to isolate what multiple roots buy.
 gloo: torch.distributed all_reduce (gloo backend), the tool a user would reach for today.
 """
@@ -35,12 +36,13 @@ SYSTEMS: dict[str, System] = {
     "std": System("std", "netstorm", "fapt", True, False),
     "lite": System("lite", "netstorm", "fapt", False, False),
     "star": System("star", "netstorm", "star", False, False),
+    "star-mxnet": System("star-mxnet", "netstorm", "star-mxnet", False, False),
     "bkt": System("bkt", "netstorm", "bkt", False, False),
     "mst": System("mst", "netstorm", "mst", False, False),
     "fapt": System("fapt", "netstorm", "fapt1", True, True),
     "gloo": System("gloo", "gloo"),
 }
-ALL = "netstorm,lite,std,star,bkt,mst,fapt,gloo"
+ALL = "netstorm,lite,std,star,star-mxnet,bkt,mst,fapt,gloo"
 
 
 def parse(text: str) -> list[System]:

@@ -1,16 +1,20 @@
 """The paper's comparison systems as single-root trees for the same runtime.
 
-STAR is MXNet's parameter server at one hub, BKT a balanced k-way tree (MLNET), MST a maximum-
+STAR is MXNet's parameter server at one hub (``star``: the hub whose physical bound is smallest;
+``star-mxnet``: the best-connected hub an MXNet user would pick), BKT a balanced k-way tree (MLNET), MST a maximum-
 throughput spanning tree (TSEngine). STAR and BKT ignore the overlay's shape, so their tree edges may
 join DCs that share no link; that traffic rides the static IP routes (``netstorm.routing``).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from netstorm.errors import PolicyError
 from netstorm.planning.rategraph import RateGraph
+from netstorm.routing import shortest_hop_routes
+from netstorm.scenario import Rates
 from netstorm.tree import Tree
 
 
@@ -22,6 +26,44 @@ def best_connected(graph: RateGraph) -> int:
         total[b] += s
     best = max(range(graph.n), key=lambda i: (total[i], -i))
     return graph.nodes[best]
+
+
+def star_bounds(model_bytes: int, rates: Rates) -> dict[int, float]:
+    """Per hub, the least time a STAR parameter server there needs over the static routes.
+
+    With hub h, every other DC's gradient travels its route to h and the sum travels back along h's
+    routes, M bytes each; a directed link carrying c of these flows needs c·M / rate however they are
+    scheduled, so the busiest link decides. The routes are the emulator's (``netstorm.routing``).
+    """
+    nodes = sorted({a for a, _ in rates} | {b for _, b in rates})
+    routes = shortest_hop_routes(nodes, [(a, b) for a, b in rates if a < b or (b, a) not in rates])
+    out: dict[int, float] = {}
+    for hub in nodes:
+        load: dict[tuple[int, int], int] = {}
+        for other in nodes:
+            if other == hub:
+                continue
+            for path in (routes[(other, hub)], routes[(hub, other)]):
+                for hop in itertools.pairwise(path):
+                    load[hop] = load.get(hop, 0) + 1
+        if any(hop not in rates for hop in load):
+            continue  # a route over a link with no rate in this direction: no bound to give
+        out[hub] = max((count * model_bytes * 8 / (rates[hop] * 1e6) for hop, count in load.items()), default=0.0)
+    return out
+
+
+def star_bound(model_bytes: int, rates: Rates) -> tuple[float, int]:
+    """(seconds, hub) of the best STAR hub: the smallest bound, ties by ascending id."""
+    bounds = star_bounds(model_bytes, rates)
+    if not bounds:
+        raise PolicyError("no STAR hub has a route to and from every DC over links with rates")
+    hub = min(bounds, key=lambda h: (bounds[h], h))
+    return bounds[hub], hub
+
+
+def best_bound_hub(rates: Rates) -> int:
+    """The STAR hub with the smallest physical bound at ``rates`` (the model's size only scales it)."""
+    return star_bound(1, rates)[1]
 
 
 def _check_node(graph: RateGraph, node: int, role: str) -> None:

@@ -9,7 +9,14 @@ from collections.abc import Mapping, Sequence
 
 from netstorm.errors import PolicyError
 from netstorm.planning.auxpath import auxiliary_paths
-from netstorm.planning.baselines import best_connected, bkt_tree, maximum_spanning_edges, orient, star_tree
+from netstorm.planning.baselines import (
+    best_bound_hub,
+    best_connected,
+    bkt_tree,
+    maximum_spanning_edges,
+    orient,
+    star_tree,
+)
 from netstorm.planning.fapt import build_multi_root_fapt
 from netstorm.planning.offload import plan_offload
 from netstorm.planning.predict import routed_delay, routes_for
@@ -34,8 +41,9 @@ def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[
     return {pair: (pair, *paths) for pair, paths in searched.items()}
 
 
-def _baseline_tree(graph: RateGraph, topology: str, hub: int | None, bkt_k: int) -> Tree:
-    """STAR or BKT at ``hub`` (default the best-connected node); MST at ``hub`` or its fastest root."""
+def _baseline_tree(graph: RateGraph, rates: Rates, topology: str, hub: int | None, bkt_k: int) -> Tree:
+    """At ``hub`` if given; else STAR at the hub with the smallest physical bound, ``star-mxnet`` and BKT
+    at the best-connected node, MST at its fastest root."""
     if hub is not None and hub not in graph.index:
         raise PolicyError(f"hub {hub} is not a node of the overlay (nodes: {list(graph.nodes)})")
     if topology == "mst":
@@ -45,8 +53,13 @@ def _baseline_tree(graph: RateGraph, topology: str, hub: int | None, bkt_k: int)
         routes = routes_for(graph)
         options = [orient(graph.nodes, edges, r) for r in graph.nodes]
         return min(options, key=lambda t: (routed_delay(t, graph, routes), t.root))
-    root = best_connected(graph) if hub is None else hub
-    return star_tree(graph, root) if topology == "star" else bkt_tree(graph, root, bkt_k)
+    if hub is not None:
+        root = hub
+    elif topology == "star":
+        root = best_bound_hub(rates)
+    else:
+        root = best_connected(graph)
+    return star_tree(graph, root) if topology in ("star", "star-mxnet") else bkt_tree(graph, root, bkt_k)
 
 
 def plan(
@@ -65,8 +78,10 @@ def plan(
     """A policy for the directed ``rates`` (Mbit/s for every overlay link).
 
     ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
-    earlier decision; ``fapt1``: its single best root. ``star``/``bkt``: the best-connected node (or
-    ``hub``) as root; ``mst``: the maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
+    earlier decision; ``fapt1``: its single best root. ``star``: the hub whose STAR bound over the static
+    routes is smallest (``netstorm.planning.baselines.star_bound``), ``star-mxnet`` (the hub an MXNet user
+    would pick) and ``bkt``: the best-connected node; each at ``hub`` when given; ``mst``: the
+    maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
     Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
     a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
 
@@ -88,7 +103,7 @@ def plan(
         result = build_multi_root_fapt(graph, num_roots, roots)
         chosen, trees, quality = result.roots, result.trees, result.quality
     else:
-        tree = _baseline_tree(graph, topology, hub, bkt_k)
+        tree = _baseline_tree(graph, rates, topology, hub, bkt_k)
         chosen, trees = (tree.root,), {tree.root: tree}
         quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
     if topology == "fapt" and packing:
