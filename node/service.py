@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -110,6 +110,31 @@ RECONNECT_MAX = 5.0
 _RAISES: dict[Cause, type[IterationFailed]] = {Cause.FAILED: IterationFailed, Cause.GONE: PeerLost,
                                                Cause.TIMEOUT: IterationTimeout}
 """The exception a waiter raises for each cause of an iteration's failure."""
+
+
+class _Snapshot(Mapping[int, LinkState]):
+    """The node's links as ``LinkState``s, each read once on first access and then held for the event."""
+
+    def __init__(self, node: GeneralNode) -> None:
+        self._node = node
+        self._read: dict[int, LinkState] = {}
+
+    def __getitem__(self, peer: int) -> LinkState:
+        state = self._read.get(peer)
+        if state is None:
+            link = self._node.links[peer]  # KeyError for a peer without a link, as a dict would
+            view = self._node._link_view(peer)
+            state = self._read[peer] = LinkState(view.backlog_bytes, view.rate_bps, link.idle, link.tickets())
+        return state
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(self._node.links))
+
+    def __len__(self) -> int:
+        return len(self._node.links)
+
+    def __contains__(self, peer: object) -> bool:
+        return peer in self._node.links
 
 
 class GeneralNode:
@@ -528,13 +553,11 @@ class GeneralNode:
             return LinkView(backlog_bytes=0, rate_bps=0.0)  # no link: no path starts there
         return LinkView(backlog_bytes=link.backlog_bytes, rate_bps=link.meter.rate_bps)
 
-    def _links(self) -> dict[int, LinkState]:
-        """A snapshot of every sending link, for the event the core is about to be fed."""
-        states = {}
-        for peer, link in self.links.items():
-            view = self._link_view(peer)
-            states[peer] = LinkState(view.backlog_bytes, view.rate_bps, link.idle, link.tickets())
-        return states
+    def _links(self) -> Mapping[int, LinkState]:
+        """A snapshot of every sending link, for the event the core is about to be fed. Each link's state
+        is read when the core first asks for it: most events (a chunk that completes nothing) consult no
+        link, and building every link's state and queue for each of them cost the hot path for nothing."""
+        return _Snapshot(self)
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
