@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import socket
-import time
 import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,6 +23,7 @@ from netstorm.lan.errors import WireError
 from netstorm.lan.header import HEADER_DTYPE, Kind
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, result_packets
+from tests.dataplane import until
 
 LAYOUT = EdgeLayout.uniform([3000, 7], scale=12, lanes=358)
 JOB = 21
@@ -58,15 +58,6 @@ def reference(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
         total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**12).astype(np.int64) for w in contribs], axis=0)
         out.append((total.astype(np.float64) * 2.0**-12).astype(np.float32))
     return out
-
-
-async def until(condition: Callable[[], bool], what: str, timeout: float = 5.0) -> None:  # noqa: ASYNC109
-    """Wait (serving the loop) until ``condition`` holds; fail naming ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {timeout} s")
-        await asyncio.sleep(0.01)
 
 
 def forged_data(iteration: int, worker: int, token: int) -> list[bytes]:

@@ -23,6 +23,7 @@ from scheduler import admin
 from scheduler import service as service_module
 from scheduler.cadence import Reason
 from scheduler.service import SchedulerService
+from tests.dataplane import until as wait_until
 
 SCENARIO = scenario.parse({
     "name": "square",
@@ -80,11 +81,8 @@ async def close_all(clients: Sequence[SchedulerClient]) -> None:
 
 
 async def until(condition: Callable[[], bool], what: str) -> None:
-    """Wait for a condition the system under test makes true, with a deadline."""
-    async with asyncio.timeout(T):
-        while not condition():  # noqa: ASYNC110 (state inside the service under test has no event of its own)
-            await asyncio.sleep(0.01)
-    assert condition(), what
+    """Wait for a condition the system under test makes true, with the tests' deadline."""
+    await wait_until(condition, what, within=T)
 
 
 def test_every_node_learns_how_many_workers_each_member_contributes() -> None:
