@@ -12,6 +12,7 @@ the bytes while the secret still decides who is a member and which id it may cla
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -207,7 +208,7 @@ def _hand_over(transport: asyncio.BaseTransport, protocol: asyncio.BaseProtocol,
         protocol.data_received(rest)
 
 
-class _Gate(asyncio.Protocol):
+class _Gate(asyncio.Protocol, abc.ABC):
     """Holds a new connection while its handshake runs."""
 
     def __init__(self) -> None:
@@ -250,8 +251,9 @@ class _Gate(asyncio.Protocol):
                 self._timer.cancel()
             self._passed(data[taken:])
 
+    @abc.abstractmethod
     def _passed(self, rest: bytes) -> None:
-        raise NotImplementedError
+        """The handshake succeeded: hand the transport (and ``rest``, bytes already past it) on."""
 
     def _failure(self, exc: AuthError) -> None:
         self._failed = True

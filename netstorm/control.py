@@ -19,6 +19,7 @@ reads the next), which is how the client pairs an ``Error`` with the request tha
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import struct
 from collections.abc import Iterator, Mapping
@@ -119,12 +120,14 @@ class RowMap(Mapping[K, V], Generic[K, V]):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._items!r})"
 
+    @abc.abstractmethod
     def rows(self) -> list[Any]:
-        raise NotImplementedError
+        """The wire form: one row (of type ``ROW``) per entry, sorted."""
 
     @classmethod
+    @abc.abstractmethod
     def from_rows(cls, rows: list[Any]) -> RowMap[K, V]:
-        raise NotImplementedError
+        """The mapping from rows msgspec already validated one by one; ValueError for what relates rows."""
 
     @classmethod
     def of(cls, value: Mapping[K, V]) -> Any:
