@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.errors import ScenarioError
+from netstorm.lan_scenario import LanSpec, parse_lan
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "klonet-scenarios"
 
@@ -28,6 +29,9 @@ class DataCenter:
     name: str
     lan_workers: int = 0
     """LAN workers behind this DC's gateway (aggregated in XDP before the WAN step)."""
+    lan: LanSpec | None = None
+    """The LAN described worker by worker (rates, compute, precision, racks), if the scenario does;
+    its worker count is ``lan_workers``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +194,7 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         where = f"node[{i}]"
         if not isinstance(raw, dict):
             raise ctx.fail(where, "must be a table")
-        _check_keys(ctx, where, raw, {"id", "name", "lan_workers"})
+        _check_keys(ctx, where, raw, {"id", "name", "lan_workers", "lan"})
         if "id" not in raw:
             raise ctx.fail(where, "missing 'id'")
         node_id = _int(ctx, f"{where}.id", raw["id"])
@@ -205,7 +209,11 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         workers = _int(ctx, f"{where}.lan_workers", raw.get("lan_workers", defaults.get("lan_workers", 0)))
         if workers < 0:
             raise ctx.fail(f"{where}.lan_workers", f"must be >= 0, got {workers}")
-        nodes.append(DataCenter(node_id, node_name, workers))
+        lan = None
+        if "lan" in raw:
+            lan = parse_lan(ctx.fail, f"{where}.lan", raw["lan"], raw.get("lan_workers"))
+            workers = len(lan.workers)
+        nodes.append(DataCenter(node_id, node_name, workers, lan))
 
     rate_gen = data.get("rates")
     generated: Rates | None = None

@@ -216,12 +216,17 @@ def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
 
 
 def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
-    """``scenario`` with ``workers`` LAN workers behind every DC (None keeps the scenario's own)."""
+    """``scenario`` with ``workers`` LAN workers behind every DC (None keeps the scenario's own).
+
+    A DC whose LAN the scenario describes keeps that description when the count matches; otherwise the
+    count wins and its workers are uniform (the description was of other workers)."""
     if workers is None:
         return scenario
     if workers < 0:
         raise EmulationError(f"--lan-workers must be >= 0, got {workers}")
-    nodes = tuple(dataclasses.replace(dc, lan_workers=workers) for dc in scenario.nodes)
+    nodes = tuple(dataclasses.replace(dc, lan_workers=workers,
+                                      lan=dc.lan if dc.lan is not None and len(dc.lan.workers) == workers else None)
+                  for dc in scenario.nodes)
     return dataclasses.replace(scenario, nodes=nodes)
 
 

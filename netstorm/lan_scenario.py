@@ -1,0 +1,184 @@
+"""A DC's LAN as a scenario describes it: workers with their rates, compute and precision, and racks.
+
+The tier inside a DC is planned (which workers aggregate whom, at which rates) and emulated (each
+worker's bridge port shaped to its rates) from this description, so it lives in the library beside the
+WAN scenario. A scenario either lists workers one by one or draws them from a seeded spread, so the
+heterogeneity a planner is measured against can be varied from one number.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PRECISIONS = ("fp32", "fp16", "bf16", "int8")
+"""Lane precisions a LAN worker may send (int8 travels with a scale)."""
+
+DEFAULT_RATE_GBIT = 10.0
+"""A worker's rate per direction when the scenario gives none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LanWorker:
+    """One LAN worker; ``index`` is its position in the DC (worker ``i`` of the emulation)."""
+
+    index: int
+    up_gbit: float
+    """Worker to LAN rate (its bridge port's ingress direction)."""
+    down_gbit: float
+    """LAN to worker rate."""
+    compute_s: float = 0.0
+    """Seconds of computation per iteration before its gradient is ready."""
+    precision: str = "fp32"
+    rack: int | None = None
+    """The rack whose aggregator it sits under, if the DC describes racks."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rack:
+    """A rack with a ToR-level aggregator (EINA's edge aggregator, PAHInA's programmable node)."""
+
+    id: int
+    aggregator_gbit: float
+    """What the rack's aggregator can sum per second (its processing capacity)."""
+    uplink_gbit: float
+    """Rack to gateway rate."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LanSpec:
+    workers: tuple[LanWorker, ...]
+    racks: tuple[Rack, ...] = ()
+    gateway_gbit: float = DEFAULT_RATE_GBIT * 4
+    """The gateway's own port rate per direction."""
+
+    def rack(self, rack_id: int) -> Rack:
+        for r in self.racks:
+            if r.id == rack_id:
+                return r
+        raise KeyError(rack_id)
+
+
+Fail = Callable[[str, str], Exception]
+"""(where, problem) -> the error to raise; the scenario loader's, so messages name the file."""
+
+
+def _num(fail: Fail, where: str, value: Any, *, positive: bool = False, minimum: float | None = None) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise fail(where, f"expected a number, got {value!r}")
+    if positive and value <= 0:
+        raise fail(where, f"must be positive, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise fail(where, f"must be >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def _keys(fail: Fail, where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    for key in table:
+        if key not in allowed:
+            raise fail(where, f"unknown key {key!r} (allowed: {', '.join(sorted(allowed))})")
+
+
+def _precision(fail: Fail, where: str, value: Any) -> str:
+    if value not in PRECISIONS:
+        raise fail(where, f"expected one of {', '.join(PRECISIONS)}, got {value!r}")
+    return str(value)
+
+
+_WORKER_KEYS = {"up_gbit", "down_gbit", "compute_s", "precision", "rack"}
+_DRAW_KEYS = {"workers", "mean_gbit", "spread", "seed", "precisions", "compute_s", "min_gbit"}
+
+
+def parse_lan(fail: Fail, where: str, raw: Any, lan_workers: int | None) -> LanSpec:
+    """A ``[node.lan]`` table -> LanSpec; ``lan_workers`` is the node's count, if it gave one."""
+    if not isinstance(raw, dict):
+        raise fail(where, "must be a table")
+    _keys(fail, where, raw, {"worker", "draw", "rack", "gateway_gbit", *_WORKER_KEYS - {"rack"}})
+    defaults = {k: raw[k] for k in _WORKER_KEYS - {"rack"} if k in raw}
+    racks = _racks(fail, where, raw.get("rack", []))
+    if "worker" in raw and "draw" in raw:
+        raise fail(where, "give either [[...lan.worker]] entries or a [...lan.draw] table, not both")
+    if "worker" in raw:
+        entries = raw["worker"]
+        if not isinstance(entries, list) or not entries:
+            raise fail(f"{where}.worker", "must be a non-empty array of tables")
+        workers = tuple(_worker(fail, f"{where}.worker[{i}]", i, e, defaults, racks) for i, e in enumerate(entries))
+    elif "draw" in raw:
+        workers = _draw(fail, f"{where}.draw", raw["draw"], defaults, racks)
+    else:
+        if not lan_workers:
+            raise fail(where, "give [[...lan.worker]] entries, a [...lan.draw] table, or the node's lan_workers")
+        workers = tuple(_worker(fail, where, i, {}, defaults, racks) for i in range(lan_workers))
+    if lan_workers and lan_workers != len(workers):
+        raise fail(where, f"describes {len(workers)} workers but the node's lan_workers is {lan_workers}")
+    gateway = _num(fail, f"{where}.gateway_gbit", raw.get("gateway_gbit", DEFAULT_RATE_GBIT * 4), positive=True)
+    return LanSpec(workers, racks, gateway)
+
+
+def _racks(fail: Fail, where: str, raw: Any) -> tuple[Rack, ...]:
+    if not isinstance(raw, list):
+        raise fail(f"{where}.rack", "must be an array of tables")
+    out: list[Rack] = []
+    for i, r in enumerate(raw):
+        w = f"{where}.rack[{i}]"
+        if not isinstance(r, dict):
+            raise fail(w, "must be a table")
+        _keys(fail, w, r, {"id", "aggregator_gbit", "uplink_gbit"})
+        rid = r.get("id")
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
+            raise fail(f"{w}.id", f"expected an integer >= 0, got {rid!r}")
+        if any(x.id == rid for x in out):
+            raise fail(f"{w}.id", f"duplicate rack id {rid}")
+        out.append(Rack(rid, _num(fail, f"{w}.aggregator_gbit", r.get("aggregator_gbit"), positive=True),
+                        _num(fail, f"{w}.uplink_gbit", r.get("uplink_gbit", DEFAULT_RATE_GBIT * 4), positive=True)))
+    return tuple(out)
+
+
+def _worker(fail: Fail, where: str, index: int, raw: Any, defaults: Mapping[str, Any],
+            racks: tuple[Rack, ...]) -> LanWorker:
+    if not isinstance(raw, dict):
+        raise fail(where, "must be a table")
+    _keys(fail, where, raw, _WORKER_KEYS)
+    merged = {**defaults, **raw}
+    up = _num(fail, f"{where}.up_gbit", merged.get("up_gbit", DEFAULT_RATE_GBIT), positive=True)
+    down = _num(fail, f"{where}.down_gbit", merged.get("down_gbit", up), positive=True)
+    compute = _num(fail, f"{where}.compute_s", merged.get("compute_s", 0.0), minimum=0.0)
+    precision = _precision(fail, f"{where}.precision", merged.get("precision", "fp32"))
+    rack = merged.get("rack")
+    if rack is not None:
+        if isinstance(rack, bool) or not isinstance(rack, int) or all(r.id != rack for r in racks):
+            raise fail(f"{where}.rack", f"unknown rack {rack!r} (racks: {[r.id for r in racks]})")
+    return LanWorker(index, up, down, compute, precision, rack)
+
+
+def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any], racks: tuple[Rack, ...]) -> tuple[LanWorker, ...]:
+    """Workers whose rates are normal around ``mean_gbit`` with std ``spread`` x mean (clamped below at
+    ``min_gbit``), drawn from ``random.Random(seed)``; precisions cycle through ``precisions``; with
+    racks, workers are dealt to them in turn."""
+    if not isinstance(raw, dict):
+        raise fail(where, "must be a table")
+    _keys(fail, where, raw, _DRAW_KEYS)
+    count = raw.get("workers")
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
+        raise fail(f"{where}.workers", f"expected an integer in 1..64, got {count!r}")
+    mean = _num(fail, f"{where}.mean_gbit", raw.get("mean_gbit", DEFAULT_RATE_GBIT), positive=True)
+    spread = _num(fail, f"{where}.spread", raw.get("spread", 0.0), minimum=0.0)
+    floor = _num(fail, f"{where}.min_gbit", raw.get("min_gbit", mean * 0.05), positive=True)
+    seed = raw.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise fail(f"{where}.seed", f"expected an integer, got {seed!r}")
+    precisions = raw.get("precisions", [defaults.get("precision", "fp32")])
+    if not isinstance(precisions, list) or not precisions:
+        raise fail(f"{where}.precisions", "must be a non-empty array")
+    for p in precisions:
+        _precision(fail, f"{where}.precisions", p)
+    compute = _num(fail, f"{where}.compute_s", raw.get("compute_s", defaults.get("compute_s", 0.0)), minimum=0.0)
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        rate = round(max(floor, rng.gauss(mean, spread * mean)), 3)
+        out.append(LanWorker(i, rate, rate, compute, str(precisions[i % len(precisions)]),
+                             racks[i % len(racks)].id if racks else None))
+    return tuple(out)
