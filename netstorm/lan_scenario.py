@@ -147,13 +147,13 @@ def _worker(fail: Fail, where: str, index: int, raw: Any, defaults: Mapping[str,
     compute = _num(fail, f"{where}.compute_s", merged.get("compute_s", 0.0), minimum=0.0)
     precision = _precision(fail, f"{where}.precision", merged.get("precision", "fp32"))
     rack = merged.get("rack")
-    if rack is not None:
-        if isinstance(rack, bool) or not isinstance(rack, int) or all(r.id != rack for r in racks):
-            raise fail(f"{where}.rack", f"unknown rack {rack!r} (racks: {[r.id for r in racks]})")
+    if rack is not None and (isinstance(rack, bool) or not isinstance(rack, int) or all(r.id != rack for r in racks)):
+        raise fail(f"{where}.rack", f"unknown rack {rack!r} (racks: {[r.id for r in racks]})")
     return LanWorker(index, up, down, compute, precision, rack)
 
 
-def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any], racks: tuple[Rack, ...]) -> tuple[LanWorker, ...]:
+def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
+          racks: tuple[Rack, ...]) -> tuple[LanWorker, ...]:
     """Workers whose rates are normal around ``mean_gbit`` with std ``spread`` x mean (clamped below at
     ``min_gbit``), drawn from ``random.Random(seed)``; precisions cycle through ``precisions``; with
     racks, workers are dealt to them in turn."""
