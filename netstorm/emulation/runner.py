@@ -516,6 +516,18 @@ class SystemRun:
             out["error"] = error
         return out
 
+    def iteration_starts(self, origin: float) -> list[float] | None:
+        """When each completed iteration began at the earliest DC, in seconds after the wall-clock time
+        ``origin`` (the rate log's zero), from the trainers' own stamps; None when a trainer did not stamp."""
+        out: list[float] = []
+        for k in range(self._complete()):
+            began = [float(r["began"]) for tl in self.logs.values() for r in tl.records
+                     if r.get("iteration") == k and "began" in r]
+            if not began:
+                return None
+            out.append(round(min(began) - origin, 4))
+        return out
+
     def _complete(self) -> int:
         return min(sum(1 for r in tl.records if "iteration" in r) for tl in self.logs.values())
 
@@ -665,7 +677,8 @@ def run(opts: Options) -> dict[str, Any]:
                 player.stop()
             outcome["link_rate_log"] = player.log
             outcome["dynamics_origin_s"] = player.origin_s
-            outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
+            outcome["started_at_s"] = runner.iteration_starts(player.wall_start)
+            outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario, result)
             outcome["limit_errors"] = results.limit_errors(outcome, result)
             for e in outcome["limit_errors"]:
                 progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
