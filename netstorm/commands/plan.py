@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     for topology in TOPOLOGIES:
         policies[topology] = plan(rates, topology=topology, num_roots=num_roots, bkt_k=args.bkt_k, hub=args.hub,
                                   aux=cfg.enable_aux_path and topology == args.topology, packing=cfg.tree_packing,
-                                  offload=cfg.enable_aux_path and topology == args.topology)
+                                  offload=cfg.enable_aux_path and cfg.planned_offload and topology == args.topology)
     # The paper's Algorithm 2 beside the packed FAPT, for comparison (predicted times only).
     policies[PAPER_FAPT] = plan(rates, topology="fapt", num_roots=num_roots, aux=False, packing=False)
     predictions = {t: predict(p, rates, model.bytes, chunk_bytes=chunk_bytes) for t, p in policies.items()}

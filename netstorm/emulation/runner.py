@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -228,6 +229,7 @@ def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
 def run_from_args(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     result = run(opts)
+    result.setdefault("command", "netstorm " + shlex.join(sys.argv[1:]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -684,7 +686,10 @@ def run(opts: Options) -> dict[str, Any]:
                 progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
                               f"below its limit {e['limit_s']:.2f} s")
             if system.kind == "netstorm":
-                outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
+                outcome["switches"] = systems.in_effect(system, opts.config_flags)
+                outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()),
+                                                 packing=outcome["switches"]["tree_packing"],
+                                                 num_roots=outcome["switches"]["num_root_servers"])
             result["systems"][system.name] = outcome
             if "edge_mode" in outcome:
                 result["features"]["edge_mode"][system.name] = outcome["edge_mode"]
@@ -694,11 +699,14 @@ def run(opts: Options) -> dict[str, Any]:
     return result
 
 
-def planned_trees(system: systems.System, rates: Rates) -> dict[str, dict[str, int | None]]:
-    """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from)."""
+def planned_trees(system: systems.System, rates: Rates, *, packing: bool = True, num_roots: int = 0
+                  ) -> dict[str, dict[str, int | None]]:
+    """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from);
+    ``packing`` and ``num_roots`` are the run's TREE_PACKING (false: Algorithm 2's trees) and
+    NUM_ROOT_SERVERS."""
     from netstorm.planning.plan import plan
 
-    policy = plan(rates, topology=system.topology, aux=False)
+    policy = plan(rates, topology=system.topology, aux=False, packing=packing, num_roots=num_roots)
     return {str(root): {str(child): parent for child, parent in sorted(tree.parent.items())}
             for root, tree in sorted(policy.trees.items())}
 
