@@ -35,13 +35,6 @@ OVERRIDE = {("roots-1", "paper"): 5.0, ("roots-1", "netstorm"): 4.0, ("aux-b2-q5
             ("scale-15", "paper"): 2.0, ("update-20", "paper"): 3.0}
 
 
-@pytest.fixture(autouse=True)
-def _paper_systems(monkeypatch) -> None:
-    for name, aware, aux in (("paper", True, True), ("paper-std", True, False), ("paper-lite", False, False)):
-        if name not in systems.SYSTEMS:
-            monkeypatch.setitem(systems.SYSTEMS, name, systems.System(name, "netstorm", "fapt", aware, aux))
-
-
 def _result(run: Run) -> dict[str, Any]:
     def system(name: str) -> dict[str, Any]:
         t = OVERRIDE.get((run.name, name), TIMES[name])

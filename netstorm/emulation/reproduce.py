@@ -255,6 +255,7 @@ def execute(profile: Profile, all_runs: list[Run], out_dir: Path, *, stream: IO[
         view.state = State(index, len(todo), run)
         view.line(view.where() + f" · starting: {run.command(f'{label}/{run.name}.json')}")
         partial.mkdir(exist_ok=True)
+        (partial / ".gitignore").write_text("*\n")  # logs and unfinished results are not results
         tmp = partial / f"{run.name}.json"
         tmp.unlink(missing_ok=True)
         code = launcher(run, tmp, partial / f"{run.name}.log", view.on_output)
