@@ -209,6 +209,14 @@ def test_report_holds_every_figure_its_charts_and_what_it_lacks(tmp_path: Path, 
     assert "runs without a result here (not run yet, or failed): `scale-15`" in text
     assert "run `dynamic` ran without `paper-lite`" in text
     assert "up to 9.2x" in text and "6.50x" in text
+    assert "system runs (in" not in text  # no run was CPU-bound
+    static = json.loads((tmp_path / "static.json").read_text())
+    static["systems"]["bkt"]["cpu"]["mean_pct"] = 97.0
+    (tmp_path / "static.json").write_text(json.dumps(static))
+    assert "1 of 23 system runs (in 1 of 6 runs) had the host's CPU at 90 % or more" in \
+        write_report(TINY, tmp_path).read_text()
+    static["systems"]["bkt"]["cpu"]["mean_pct"] = 50.0
+    (tmp_path / "static.json").write_text(json.dumps(static))
     # Regenerating from the same results gives the same report.
     assert write_report(TINY, tmp_path).read_text() == text
 

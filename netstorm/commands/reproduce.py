@@ -88,11 +88,22 @@ def write_report(profile: Any, out: Path) -> Path:
 def report_notes(profile: Any, found: dict[str, Any]) -> list[str]:
     """What the report lacks, from the results themselves: runs not there, systems a run did not have."""
     from netstorm.emulation import figures
+    from netstorm.emulation.cpu import CPU_BOUND_PCT, STEAL_WARN_PCT
 
     notes: list[str] = []
     missing = [r.name for r in figures.runs(profile) if r.name not in found]
     if missing:
         notes.append("runs without a result here (not run yet, or failed): " + ", ".join(f"`{m}`" for m in missing))
+    rows = [(name, s) for name, result in found.items() for s in result["systems"].values()]
+    bound = [name for name, s in rows if s.get("cpu", {}).get("mean_pct", 0.0) >= CPU_BOUND_PCT]
+    if bound:
+        notes.append(f"{len(bound)} of {len(rows)} system runs (in {len(set(bound))} of {len(found)} runs) had the "
+                     f"host's CPU at {CPU_BOUND_PCT:.0f} % or more: their times are partly CPU, not network, "
+                     "results (each run's table has the CPU % per system; its notes say which)")
+    stolen = [name for name, s in rows if s.get("cpu", {}).get("steal_pct", 0.0) >= STEAL_WARN_PCT]
+    if stolen:
+        notes.append(f"{len(stolen)} of {len(rows)} system runs had the hypervisor take {STEAL_WARN_PCT:.0f} % or "
+                     "more of the CPU (steal)")
     for r in figures.runs(profile):
         result = found.get(r.name)
         if result is None:
