@@ -135,3 +135,21 @@ def test_window_limit_rejects_no_rates_and_no_model():
         window_limit_s(1e6, [], 0.0)
     with pytest.raises(PolicyError):
         window_limit_s(0, [RateSegment(0.0, _pair(1.0, 1.0))], 0.0)
+
+
+def test_the_reported_dynamic_iteration_is_held_to_the_rates_it_ran_on():
+    # netstorm emulate internet2-9-dynamic --model 15.275M --bw-scale 0.25 --time-scale 1.0: iteration 16
+    # ran from 399.5 s to 420.5 s (21.27 s) and a re-draw (epoch 1 -> 2) landed at 419.8 s. The new rates
+    # allow 26.42 s, more than it took; the old rates carry the whole model by 399.5 + 17.30 s, before the
+    # re-draw, so its limit is 17.30 s and the iteration ran at 1.23x it, not 0.81x.
+    from tests.policy_graphs import internet2_redrawn
+
+    model = 4 * 15_275_210
+    assert limit_s(model, internet2_redrawn(2)) == pytest.approx(26.42, abs=0.01)
+    segments = [RateSegment(0.0, internet2_redrawn(1)), RateSegment(419.8, internet2_redrawn(2))]
+    limit = window_limit_s(model, segments, 399.5)
+    assert limit == pytest.approx(limit_s(model, internet2_redrawn(1))) == pytest.approx(17.30, abs=0.01)
+    assert 21.27 / limit > 1
+    # Started 5 s later, the iteration meets the re-draw before the old rates are done: between the two.
+    later = window_limit_s(model, segments, 404.5)
+    assert 17.30 < later < 26.42
