@@ -91,10 +91,11 @@ def window_limit_s(model_bytes: float, segments: Sequence[RateSegment], start: f
 
     A cut S's capacity over [start, start + T] is C_S(T), the integral of the rates of the links leaving
     it, so no synchronization started at ``start`` ends before every C_S has carried M: T is the time at
-    which f(T) = min_S C_S(T), the min cut of the integrated rate graph, reaches M. While one set of rates
-    holds this is M/λ; for a window a re-draw lands in it lies between the old rates' and the new rates'
-    limits (the rates averaged over the window). Neither half alone is a bound: held to the new rates, an
-    iteration that ran mostly on faster old ones would beat its limit.
+    which f(T) = min_S C_S(T), the min cut of the integrated rate graph (the rates averaged over the
+    window, times T), reaches M. While one set of rates holds this is M/λ. Across a re-draw neither set's
+    M/λ is a bound: held to the new rates, an iteration that ran mostly on faster old ones would beat its
+    limit, and when the old min cut's links speed up as the new min cut's slow down, no cut is slow
+    throughout and T is below both.
 
     f is concave and piecewise linear, so Newton's step from below is exact: at T, the min cut S of the
     integrated graph gives the line C_S(T) + r_S·t, whose crossing of M is still no later than the answer
