@@ -190,6 +190,8 @@ def test_figure_tables_compute_the_paper_quantities_by_hand(tmp_path: Path) -> N
     f20 = figures.fig20(res, TINY)
     update = next(t for t in f20.tables if t.title.startswith("UPDATE_TIME"))
     assert update.rows == [["5 (default)", "2.50", "1.00x"], ["20", "3.00", "0.83x"]]
+    assert beside(f20, "update_time_best")[2:] == ["fastest here: 5", "not run in this profile"]
+    assert beside(f20, "chunk_size_best")[2] == "-"  # one point is no sweep
     # Every number the paper states is in some figure's first table.
     for number in PAPER:
         report = figures.FIGURES[number.figure](res, TINY)

@@ -445,8 +445,12 @@ def fig19a(res: Results, profile: Profile) -> FigureReport:
                            *[fmt(seconds(res, run, s), "s") for s in systems], limit])
     first, last = _model_runs(profile)[0][1], _model_runs(profile)[-1][1]
     growth = {s: ratio(seconds(res, last, s), seconds(res, first, s)) for s in systems}
-    rows = [_paper_row(by_key("model_trend"), f"x{fmt(growth.get('paper'), 'g')} from the smallest to the largest",
-                       f"x{fmt(growth.get('netstorm'), 'g')} (MXNET: x{fmt(growth.get(MXNET), 'g')})")]
+    def grew(system: str) -> str:
+        value = growth.get(system)
+        return "-" if value is None else f"x{value:.3g}"
+
+    rows = [_paper_row(by_key("model_trend"), f"time {grew('paper')} from the smallest model to the largest",
+                       f"time {grew('netstorm')} (MXNET's: {grew(MXNET)})")]
     return _report("19a", "Model size", "NetStorm and MXNET from a 1 M-parameter model up to AlexNet's size x0.25 "
                    "(15.3 M parameters, 61 MB) in the full profile.",
                    [Table("Beside the paper", PAPER_HEADER, rows), table], chart, res,
@@ -507,7 +511,12 @@ def fig20(res: Results, profile: Profile) -> FigureReport:
     tables: list[Table] = []
     chart = Chart("panels", "Fig. 20: sensitivity (throughput over the default's)", "throughput / default's")
     names: list[str] = []
+    best: dict[str, dict[str, str]] = {}
     for param, unit, points in _sensitivity(profile):
+        for s in ("paper", "netstorm"):
+            timed = [(t, label) for label, run, _ in points if (t := seconds(res, run, s)) is not None]
+            best.setdefault(param, {})[s] = (f"fastest here: {min(timed)[1]}" if len(timed) >= 2 else
+                                            "-" if s in profile.sweep_systems else "not run in this profile")
         default_run = DYNAMIC
         table = Table(f"{param} ({unit})", ["value", *[h for s in profile.sweep_systems for h in
                                                       (f"`{s}` s", f"`{s}` over the default")]], [])
@@ -524,7 +533,9 @@ def fig20(res: Results, profile: Profile) -> FigureReport:
                           fmt(ratio(seconds(res, default_run, s), seconds(res, run, s))))]])
         tables.append(table)
         chart.panels.append(panel)
-    rows = [[n.quantity, n.stated, "see the tables below", ""] for n in for_figure("20")]
+    params = {"chunk_size_best": "CHUNK_SIZE", "update_time_best": "UPDATE_TIME",
+              "probe_chunk_num_range": "PROBE_CHUNK_NUM", "probe_chunk_size_range": "PROBE_CHUNK_SIZE"}
+    rows = [_paper_row(n, best[params[n.key]]["paper"], best[params[n.key]]["netstorm"]) for n in for_figure("20")]
     return _report("20", "Sensitivity", "CHUNK_SIZE, UPDATE_TIME, PROBE_CHUNK_NUM and PROBE_CHUNK_SIZE varied one "
                    "at a time from the defaults on dynamic internet2-9.",
                    [Table("Beside the paper", PAPER_HEADER, rows), *tables], chart, res, sorted(set(names)))
