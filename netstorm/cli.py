@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "emulate": "emulate",
     "demo": "demo",
     "report": "report",
+    "reproduce": "reproduce",
     "export-klonet": "export_klonet",
     "bench": "bench",
     "secret": "secret",

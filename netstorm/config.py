@@ -80,7 +80,23 @@ class Config:
     stale_half_life: float = 60.0
     """Half-life in seconds of that decay."""
     tree_packing: bool = True
-    """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2."""
+    """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2 (its
+    shortest-path trees and chunk shares q_i / sum q)."""
+    planned_offload: bool = True
+    """With auxiliary paths on, plan the fraction of each bottleneck tree link's chunks that its detours
+    carry (with the shares, for packed trees), and re-plan those moves for the iteration running when a
+    new policy is published; false leaves auxiliary paths to the sender's busy rule alone, as the paper."""
+    explore_links: bool = True
+    """With awareness and auxiliary paths on, policies published after a network change ask senders to
+    route a few chunks through links no tree uses and nobody has measured since; false measures only
+    what the trees and the busy rule's detours carry, as the paper."""
+    stale_decay: bool = True
+    """A link not measured for ``stale_after`` seconds is believed to recover toward the fastest
+    believed rate (half-life ``stale_half_life``); false keeps its last value, as the paper."""
+    belief_reports: int = 3
+    """Reports per link whose median the scheduler believes (the scenario's rate counts as the first
+    while it is fresh), so one skewed report cannot re-plan the job; 1 believes the newest report
+    alone, the paper's rule."""
     # Runtime.
     iteration_timeout: float = 300.0
     """Seconds an iteration may take before every waiter fails with an error naming the iteration."""
@@ -144,7 +160,7 @@ class Config:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
                          "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers",
-                         "max_connections_per_source")
+                         "max_connections_per_source", "belief_reports")
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -174,6 +190,24 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+DESIGN_SWITCHES: tuple[str, ...] = (
+    "tree_packing", "planned_offload", "aux_slowdown", "aux_reroute", "explore_links", "stale_decay",
+    "belief_reports", "react_change", "replan_gain", "update_rate",
+)
+"""The options whose values separate this project's design (their defaults) from the published one."""
+PAPER_DESIGN: dict[str, Any] = {
+    "tree_packing": False,     # Algorithm 2's shortest-path trees, chunk shares q_i / sum q
+    "planned_offload": False,  # auxiliary paths only by the Fig. 7 rule
+    "aux_slowdown": 0.0,       # Fig. 7: auxiliary past PRIMARY_BUSY_BOUND, whatever the plan says
+    "aux_reroute": 0.0,        # a queued chunk keeps its path
+    "explore_links": False,
+    "stale_decay": False,
+    "belief_reports": 1,       # Algorithm 2: each link's latest throughput measurement
+    "react_change": 0.0,       # re-plans only every UPDATE_TIME
+    "replan_gain": 0.0,
+    "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
+}
+"""The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
 LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""

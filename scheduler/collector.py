@@ -23,7 +23,8 @@ the rest, optimism under uncertainty:
   half-lives, instead of losing the link forever. Stale values above the target stay as they are (they
   are already attractive and will be measured).
 
-``stale_after=math.inf`` turns the decay off (every link keeps its last value).
+``stale_after=math.inf`` turns the decay off (every link keeps its last value; ``stale_decay`` false).
+``recent=1`` believes each link's newest report alone, as the paper does (``belief_reports``).
 
 Change points. When, within a second, the newest reports of several links are far from the rates the
 current policy was planned with, some above and some below, and at least one of those links has sent two
@@ -55,8 +56,9 @@ from netstorm.probe import LinkReport
 from netstorm.scenario import Rates
 
 DEFAULT_STALE_AFTER = Config.stale_after
-RECENT = 3
-"""Reports per link whose median is believed."""
+RECENT = Config.belief_reports
+"""Reports per link whose median is believed by default (``belief_reports``; 1: the newest alone, the
+paper's rule)."""
 DEFAULT_HALF_LIFE = Config.stale_half_life
 CHANGE_WINDOW_S = 1.0
 """Seconds of reports ``change_seen`` weighs: a re-draw of the dynamic scenario shows on several links
@@ -77,7 +79,7 @@ class LinkState:
     measured: bool
     samples: int = 0
     recent: tuple[float, ...] = ()
-    """The last ``RECENT`` reports, oldest first (the initial rate first, until it ages out)."""
+    """The collector's last ``recent`` reports, oldest first (the initial rate first, until it ages out)."""
     recent_at: tuple[float, ...] = ()
     """When each of ``recent`` was received (the collector's start for the initial rate)."""
     first_at: float = math.inf
@@ -93,15 +95,19 @@ class LinkCollector:
     """Latest report per directed link, with estimates for stale and never-measured links."""
 
     def __init__(self, initial: Rates, *, now: float, stale_after: float = DEFAULT_STALE_AFTER,
-                 half_life: float = DEFAULT_HALF_LIFE) -> None:
+                 half_life: float = DEFAULT_HALF_LIFE, recent: int = RECENT) -> None:
         if not initial:
             raise ValueError("a collector needs at least one link")
         for link, rate in initial.items():
             _check_rate(link, rate)
         if stale_after < 0 or half_life <= 0:
             raise ValueError(f"stale_after ({stale_after}) must be >= 0 and half_life ({half_life}) positive")
+        if recent < 1:
+            raise ValueError(f"a link's belief needs at least one report, got recent={recent}")
         self.stale_after = stale_after
         self.half_life = half_life
+        self.recent = recent
+        """Reports per link whose median is believed."""
         self._links: dict[tuple[int, int], LinkState] = {
             link: LinkState(float(rate), now, measured=False, recent=(float(rate),), recent_at=(now,))
             for link, rate in initial.items()
@@ -122,7 +128,7 @@ class LinkCollector:
         if now - before.since > self.stale_after:
             since = math.inf
         kept = _reports_since(before, since)
-        recent = (*kept, (now, float(report.mbit_s)))[-RECENT:]
+        recent = (*kept, (now, float(report.mbit_s)))[-self.recent:]
         values = tuple(v for _, v in recent)
         self._links[link] = LinkState(statistics.median(values), now, measured=True, samples=report.samples,
                                       recent=values, recent_at=tuple(t for t, _ in recent),

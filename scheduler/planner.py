@@ -15,11 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
+from netstorm.config import Config
 from netstorm.errors import NetStormError
 from netstorm.planning.plan import plan
 from netstorm.planning.predict import busiest_link_s
 from netstorm.policy import Policy
 from netstorm.scenario import Rates
+from scheduler.collector import LinkCollector
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +45,9 @@ class Planner:
                  replan_gain: float = 0.0, offload: bool = False) -> None:
         self.topology = topology
         self.packing = packing
+        """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.offload = offload
         """Plan the auxiliary paths' share of bottleneck tree links (only with auxiliary paths on)."""
-        """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.num_roots = 1 if topology == "fapt1" else num_roots
         self.update_rate = update_rate
         self.replan_gain = replan_gain
@@ -53,6 +55,16 @@ class Planner:
         self.roots: tuple[int, ...] | None = None
         self.planned_rates: Rates | None = None
         """The rates the latest policy was planned from."""
+
+    @classmethod
+    def from_config(cls, config: Config, *, topology: str = "fapt", num_roots: int | None = None) -> Planner:
+        """The planner a scheduler runs with ``config``: TREE_PACKING, UPDATE_RATE, REPLAN_GAIN, and
+        planned offload only with auxiliary paths and PLANNED_OFFLOAD on (``num_roots`` None: the
+        config's NUM_ROOT_SERVERS)."""
+        return cls(topology=topology, num_roots=config.num_root_servers if num_roots is None else num_roots,
+                   update_rate=config.update_rate, relative_change=LinkCollector.relative_change,
+                   packing=config.tree_packing, replan_gain=config.replan_gain,
+                   offload=config.enable_aux_path and config.planned_offload)
 
     def first(self, rates: Rates, nodes: Collection[int]) -> Policy:
         """The first decision: choose the roots and plan; the roots are fixed from now on."""

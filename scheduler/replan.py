@@ -21,8 +21,8 @@ The rules, each with its reason:
   the plan at once (``LinkCollector.change_seen``) the network changed: reports before it stop
   counting and a re-plan is due at once (``Cadence.change``): the plans since then were made from the
   old network.
-* The policy asks its senders to explore links no tree uses and nobody measured since that change;
-  the first report of such a link that shows it much faster than planned re-plans early (shifted
+* The policy asks its senders to explore links no tree uses and nobody measured since that change
+  (``explore_links``); the first report of such a link that shows it much faster than planned re-plans early (shifted
   cadence): the trees may want it.
 * A link believed far from its plan, on its last two reports too, re-plans early when that slows the
   current policy's busiest link (``cadence.shifted``/``slows``); otherwise it waits for the period,
@@ -31,14 +31,20 @@ The rules, each with its reason:
   The planner (in the worker) skips a plan that changed too little (UPDATE_RATE) or is not REPLAN_GAIN
   faster at the rates it was made from, since a plan fitted to noise only moves chunks onto links
   nobody has seen under load.
-* A published policy's rates go to every node (auxiliary paths on): the iteration running keeps its
-  trees, so moves for those trees at the new rates are planned too and pushed with them.
+* A published policy's rates go to every node (auxiliary paths on, for senders that weigh detours by
+  them, ``aux_slowdown``, or follow planned moves): the iteration running keeps its trees, so moves for
+  those trees at the new rates are planned too and pushed with them (``planned_offload``).
+
+With ``react_change``, ``replan_gain`` and ``update_rate`` at 0, ``explore_links``, ``planned_offload`` and
+``stale_decay`` off and ``belief_reports`` at 1, these rules are the paper's: every UPDATE_TIME the
+newest report of every link re-plans the job (its network collector's threshold, UPDATE_RATE, is 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Collection, Mapping
 from typing import Any
 
@@ -115,8 +121,9 @@ class Replanner:
         """Read only: the current policy and the bindings (the shell publishes)."""
         # with joiners allowed, any DC of the scenario may come: its links are believed from the start
         believed = rates if config.allow_joiners else restrict(rates, nodes)
-        self.collector = LinkCollector(believed, now=now, stale_after=config.stale_after,
-                                       half_life=config.stale_half_life)
+        self.collector = LinkCollector(believed, now=now,
+                                       stale_after=config.stale_after if config.stale_decay else math.inf,
+                                       half_life=config.stale_half_life, recent=config.belief_reports)
         self.cadence = Cadence(update_time=config.update_time, react_interval=config.react_interval, now=now)
         self.cycles = 0
         """Re-plan cycles started so far (tests wait on it instead of sleeping)."""
@@ -224,7 +231,8 @@ class Replanner:
             return [Publish(policy.with_version(self.consistency.next_version()), plan.reason)]
         published = self._with_explore(policy).with_version(self.consistency.next_version())
         out: list[Action] = [Publish(published, plan.reason)]
-        if self.config.enable_aux_path:
+        config = self.config
+        if config.enable_aux_path and (config.planned_offload or config.aux_slowdown > 0):
             out.append(self._beliefs(published.version, policy.rates, alive))
         return out
 
@@ -249,7 +257,7 @@ class Replanner:
         positive = {link: r for link, r in rates.items() if r > 0}
         plain = PushBeliefs(control.LinkBeliefs(version, positive))
         bindings = self.consistency.bindings
-        if not bindings:
+        if not bindings or not self.config.planned_offload:
             return plain
         iteration = max(bindings)
         bound = bindings[iteration]
@@ -276,7 +284,7 @@ class Replanner:
     def _with_explore(self, policy: Policy) -> Policy:
         """``policy`` asking its senders to explore the links no tree uses and nobody measured since the
         network last changed (with auxiliary paths on: they are what carries the exploring chunks)."""
-        if not (self.config.enable_aux_path and self.config.enable_awareness):
+        if not (self.config.enable_aux_path and self.config.enable_awareness and self.config.explore_links):
             return policy
         used = policy.tree_links()
         nodes = set(policy.nodes)

@@ -103,11 +103,7 @@ class SchedulerService:
             raise ConfigError(f"a job needs at least two DCs joined by overlay links, got nodes "
                               f"{list(self.membership.expected)}")
         self.consistency = Consistency()
-        self.planner = Planner(topology=topology,
-                               num_roots=config.num_root_servers if num_roots is None else num_roots,
-                               update_rate=config.update_rate, relative_change=LinkCollector.relative_change,
-                               packing=config.tree_packing, replan_gain=config.replan_gain,
-                               offload=config.enable_aux_path)
+        self.planner = Planner.from_config(config, topology=topology, num_roots=num_roots)
         self.replanner = Replanner(config, rates, nodes, planner=self.planner, consistency=self.consistency,
                                    now=clock())
         try:  # fail at startup, not when the last node registers, if these nodes cannot form a job

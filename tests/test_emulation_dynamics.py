@@ -55,6 +55,10 @@ def test_player_applies_changes_in_order_and_logs_scaled_rates() -> None:
     assert player.log[0]["rates_mbit"]["2->4"] == 12 * 0.5
     times = [e["t"] for e in player.log]
     assert times == sorted(times)
+    # Each change says when re-shaping began, no later than when it ended, and after the change before.
+    assert "t_begin" not in player.log[0]
+    for before, entry in zip(player.log, player.log[1:], strict=False):
+        assert before["t"] <= entry["t_begin"] <= entry["t"]
 
 
 def test_player_stops_at_once_and_reports_a_failed_reshape() -> None:

@@ -207,3 +207,34 @@ def test_overlap_is_passed_on_and_refused_for_a_one_tensor_model() -> None:
     assert options_from_args(parser.parse_args([scenario, "--model", "alexnet"])).overlap is False
     with pytest.raises(EmulationError, match=r"--overlap needs a model of several layers .* '1M' is one tensor"):
         options_from_args(parser.parse_args([scenario, "--model", "1M", "--overlap"]))
+
+
+def test_iterations_are_placed_by_the_trainers_stamps_after_their_compute() -> None:
+    # The runner's view of an iteration's end lags by up to a poll; the trainers' stamps do not. Node 1's
+    # link out (the min cut) is 20 Mbit/s until 5 s, then 10: M = 20 Mbit.
+    scenario = load(DATA / "emu-4.toml")
+    bounds = results.Bounds(2_500_000, 1.0)
+    log = [{"t": 0.0, "epoch": 0, "rates_mbit": {f"{a}->{b}": r for (a, b), r in scenario.rates().items()}},
+           {"t": 5.0, "epoch": 1, "rates_mbit": {f"{a}->{b}": 10.0 for (a, b) in scenario.rates()}}]
+    outcome = {"iteration_s": [3.0, 3.0], "completed_at_s": [4.5, 7.9], "started_at_s": [1.0, 4.0]}
+    assert results.iteration_starts(outcome) == [1.0, 4.0]
+    # From 4.0 s: 1 s at 20 carries all 20 Mbit just as the rates drop -> 1 s (the poll's 4.5 s says 1.5).
+    assert results.iteration_limits(outcome, log, bounds, scenario) == [1.0, pytest.approx(1.0)]
+    # 0.5 s of compute first: the synchronization starts at 4.5 s -> 0.5 s at 20, 10 Mbit at 10 -> 1.5 s.
+    result = {"compute_s": 0.5, "overlap": False}
+    assert results.iteration_starts(outcome, result) == [1.5, 4.5]
+    assert results.iteration_limits(outcome, log, bounds, scenario, result)[1] == pytest.approx(1.5)
+    # Older results without stamps fall back to the runner's view.
+    del outcome["started_at_s"]
+    assert results.iteration_starts(outcome) == [0.0, 4.5]
+
+
+def test_while_links_are_reshaped_each_is_credited_with_the_larger_of_its_rates() -> None:
+    log = [{"t": 0.0, "epoch": 0, "rates_mbit": {"1->2": 20.0, "2->1": 8.0}},
+           {"t": 2.0, "t_begin": 1.5, "epoch": 1, "rates_mbit": {"1->2": 10.0, "2->1": 16.0}}]
+    segments = results.rate_segments(log)
+    assert [(s.start, dict(s.rates)) for s in segments] == [
+        (0.0, {(1, 2): 20.0, (2, 1): 8.0}), (1.5, {(1, 2): 20.0, (2, 1): 16.0}), (2.0, {(1, 2): 10.0, (2, 1): 16.0})]
+    # M = 20 Mbit from 1.0 s: 2->1 decides: 0.5 s at 8 (4), 0.5 s at 16 (8), then 8 Mbit at 16 -> 1.5 s;
+    # 1->2 (20, 20, 10) has carried 20 by 2.0 s.
+    assert results.window_limit_s(2_500_000, log, 1.0) == pytest.approx(1.5)

@@ -116,3 +116,22 @@ def test_planned_offload_is_printed_decodes_and_follows_the_aux_flag(tmp_path, c
     text = capsys.readouterr().out
     first = next(iter(out["offload"]))
     assert "planned offload" in text and f"  {first}: " in text
+
+
+@pytest.mark.parametrize(("model", "chunk_size"), [("resnet50", 1_000_000), ("alexnet", 300_000), ("2.5M", 70_000)])
+def test_chunks_are_the_ones_the_nodes_cut(capsys, model, chunk_size):
+    # The node builds its layout from the trainer's tensors (netstorm.layout); the plan must count the
+    # same chunks (ResNet-50's many small tensors share chunks there) and fill the pipeline with the
+    # largest of them.
+    from netstorm.layout import Layout, TensorSpec
+    from netstorm.models import layout
+    from netstorm.planning.allot import allot_chunks
+
+    out = _json(capsys, "internet2-9", "--bw-scale", "0.25", "--model", model, "--chunk-size", str(chunk_size))
+    specs = [TensorSpec(name, tuple(shape), "float32") for name, shape in layout(model).tensors]
+    sizes = Layout.build(specs, chunk_size).chunk_sizes()
+    owners = allot_chunks(sizes, {int(r): s for r, s in out["chunk_share"].items()})
+    assert {r: v["chunks"] for r, v in out["chunks_per_root"].items()} == {
+        r: owners.count(int(r)) for r in out["chunks_per_root"]}
+    assert sum(v["elements"] for v in out["chunks_per_root"].values()) == layout(model).params
+    assert max(sizes) <= chunk_size

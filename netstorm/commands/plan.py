@@ -12,8 +12,9 @@ from typing import Any
 from netstorm import config as config_mod
 from netstorm import scenario as scenario_mod
 from netstorm.errors import PolicyError
+from netstorm.layout import Layout, TensorSpec
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
-from netstorm.planning.allot import allot_chunks, split_chunks
+from netstorm.planning.allot import allot_chunks
 from netstorm.planning.limit import MinCut, min_cut
 from netstorm.planning.plan import plan
 from netstorm.planning.predict import Prediction, predict
@@ -86,20 +87,20 @@ def run(args: argparse.Namespace) -> int:
     rates = {pair: rate * args.bw_scale for pair, rate in base_rates.items()}
     num_roots = cfg.num_root_servers if args.roots is None else args.roots
     model = layout(args.model)
-    chunk_bytes = cfg.chunk_size * FLOAT32_BYTES
+    chunks = runtime_chunks(model, cfg.chunk_size)
+    chunk_bytes = max(chunks) * FLOAT32_BYTES
 
     policies: dict[str, Policy] = {}
     for topology in TOPOLOGIES:
         policies[topology] = plan(rates, topology=topology, num_roots=num_roots, bkt_k=args.bkt_k, hub=args.hub,
                                   aux=cfg.enable_aux_path and topology == args.topology, packing=cfg.tree_packing,
-                                  offload=cfg.enable_aux_path and topology == args.topology)
+                                  offload=cfg.enable_aux_path and cfg.planned_offload and topology == args.topology)
     # The paper's Algorithm 2 beside the packed FAPT, for comparison (predicted times only).
     policies[PAPER_FAPT] = plan(rates, topology="fapt", num_roots=num_roots, aux=False, packing=False)
     predictions = {t: predict(p, rates, model.bytes, chunk_bytes=chunk_bytes) for t, p in policies.items()}
     cut = min_cut(rates)
     limit = model.bytes * 8 / (cut.mbit * 1e6)
     chosen = policies[args.topology]
-    chunks = split_chunks(model.sizes, cfg.chunk_size)
     owners = allot_chunks(chunks, chosen.chunk_share)
     report = _report(name, args.bw_scale, model, cfg.chunk_size, chosen, chunks, owners, predictions, cut, limit)
     report["tree_packing"] = cfg.tree_packing
@@ -108,6 +109,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(_text(report))
     return 0
+
+
+def runtime_chunks(model: ModelLayout, chunk_size: int) -> list[int]:
+    """The chunk sizes (elements) the nodes cut ``model`` into at ``chunk_size``: the runtime's own layout
+    (large tensors in near-equal pieces, consecutive small ones sharing a chunk), so the chunk counts per
+    root and the pipeline fill this command predicts are the ones a run has."""
+    specs = [TensorSpec(name, tuple(shape), "float32") for name, shape in model.tensors]
+    return Layout.build(specs, chunk_size).chunk_sizes()
 
 
 def _report(name: str, scale: float, model: ModelLayout, chunk_size: int, policy: Policy, chunks: list[int],

@@ -73,6 +73,10 @@ class DynamicsPlayer:
         self.origin_s: float | None = None
         """When the schedule's clock started, in seconds after ``start`` (None until it has)."""
         self.log: list[dict[str, Any]] = []
+        """Rate changes: ``t`` (when every link had its new rate), ``t_begin`` (when re-shaping began),
+        ``epoch``, ``rates_mbit``."""
+        self.wall_start = 0.0
+        """Wall-clock time of ``start``: trainers stamp iterations in wall-clock time."""
         self.error: BaseException | None = None
 
     def start(self, initial: Rates, *, anchored: bool = False) -> None:
@@ -81,6 +85,7 @@ class DynamicsPlayer:
         Log times are seconds after this call either way.
         """
         self._start = self._clock()
+        self.wall_start = time.time()
         self._record(0.0, 0, initial)
         if not anchored:
             self.anchor()
@@ -96,8 +101,10 @@ class DynamicsPlayer:
         self.origin_s = round(self._origin - self._start, 3)
         self._anchored.set()
 
-    def _record(self, t: float, epoch: int, rates: Rates) -> None:
+    def _record(self, t: float, epoch: int, rates: Rates, *, begin: float | None = None) -> None:
         entry = rate_log_entry(t, epoch, rates, self._network.bw_scale)
+        if begin is not None:  # re-shaping the links took from ``begin`` to ``t``
+            entry["t_begin"] = round(begin, 3)
         self.log.append(entry)
         if self._on_change is not None:
             self._on_change(entry)
@@ -111,8 +118,9 @@ class DynamicsPlayer:
                 delay = self._origin + change.t - self._clock()
                 if self._stop.wait(max(0.0, delay)):
                     return
+                begin = self._clock() - self._start
                 self._network.set_rates(change.rates)
-                self._record(self._clock() - self._start, change.epoch, change.rates)
+                self._record(self._clock() - self._start, change.epoch, change.rates, begin=begin)
                 log.info("epoch %d: rates re-drawn at t=%.1f s", change.epoch, change.t)
         except BaseException as exc:  # reported by stop(): a failed re-shape must not pass silently
             self.error = exc

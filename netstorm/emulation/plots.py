@@ -136,3 +136,63 @@ def trees(result: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def figure_chart(chart: Any, path: Path) -> Path | None:
+    """Draw a ``figures.Chart`` (bar, line, grid heat map, or panels of lines) as a PNG; None when it has
+    no data yet."""
+    panels = chart.panels if chart.kind == "panels" else [chart]
+    if not any(_has_data(p) for p in panels):
+        return None
+    plt = _pyplot()
+    cols = 2 if len(panels) > 1 else 1
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.0 * rows), squeeze=False)
+    for ax, panel in zip([a for row in axes for a in row], panels, strict=False):
+        _draw_panel(ax, panel)
+    for ax in [a for row in axes for a in row][len(panels):]:
+        ax.axis("off")
+    fig.suptitle(chart.title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _has_data(panel: Any) -> bool:
+    if panel.kind == "grid":
+        return any(v is not None for row in panel.cells for v in row)
+    return any(v is not None for values in panel.series.values() for v in values)
+
+
+def _draw_panel(ax: Any, panel: Any) -> None:
+    if panel.kind == "grid":
+        data = [[math.nan if v is None else 100 * v for v in row] for row in panel.cells]
+        image = ax.imshow(data, cmap="viridis", aspect="auto")
+        ax.set_xticks(range(len(panel.x)), panel.x)
+        ax.set_yticks(range(len(panel.rows)), panel.rows)
+        ax.set_xlabel(panel.xlabel)
+        ax.set_ylabel("PRIMARY_BUSY_BOUND")
+        for i, row in enumerate(data):
+            for j, v in enumerate(row):
+                if v == v:
+                    ax.text(j, i, f"{v:+.0f} %", ha="center", va="center", color="white")
+        ax.figure.colorbar(image, ax=ax, label=f"{panel.ylabel} (%)")
+        return
+    if panel.kind == "bar":
+        n = max(1, len(panel.series))
+        width = 0.8 / n
+        for i, (name, values) in enumerate(panel.series.items()):
+            xs = [k + (i - (n - 1) / 2) * width for k in range(len(panel.x))]
+            ax.bar(xs, [math.nan if v is None else v for v in values], width, label=name)
+        ax.set_xticks(range(len(panel.x)), panel.x, rotation=20)
+    else:
+        for name, values in panel.series.items():
+            ax.plot(range(len(panel.x)), [math.nan if v is None else v for v in values], marker="o", label=name)
+        ax.set_xticks(range(len(panel.x)), panel.x)
+    ax.set_title(panel.title if panel.kind != "bar" else "")
+    ax.set_xlabel(panel.xlabel)
+    ax.set_ylabel(panel.ylabel)
+    ax.grid(True, alpha=0.3)
+    if panel.series:
+        ax.legend(fontsize=8)

@@ -2,7 +2,9 @@
 
 Layout (JSON): scenario, seed, scales, model, features applied and not applied, host CPU per system,
 ``"systems": {"<name>": {"iteration_s": [...], "sync_s": [...], "limit_s": [...], "link_rate_log":
-[...], "cpu": {...}, "limit_errors": [...], "policy_trees": {...}, ...}}`` (``limit_errors``: iterations
+[...], "started_at_s": [...], "cpu": {...}, "limit_errors": [...], "policy_trees": {...}, ...}}``
+(``limit_s``: per iteration, the least time its synchronization could take at the rates in force from
+when it began, ``started_at_s``, integrated over any re-draw in between; ``limit_errors``: iterations
 faster than their limit, errors of the run; ``policy_trees``: per policy version, its trees as ``netstorm
 plan --json`` prints them), ``"limit_s"`` (M/λ at the initial rates) and ``"star_bound_s"`` (the best a
 STAR parameter server can do over the emulator's static routes: every other DC's gradient into the hub
@@ -87,60 +89,71 @@ def new_result(scenario: Scenario, opts: Any, parameters: int, bounds: Bounds) -
     }
 
 
-def _rates_at(rate_log: list[dict[str, Any]], t: float) -> Rates:
-    current = rate_log[0]["rates_mbit"]
-    for entry in rate_log:
-        if entry["t"] <= t:
-            current = entry["rates_mbit"]
+def _parse_rates(text_rates: dict[str, Any]) -> Rates:
     out: Rates = {}
-    for key, value in current.items():
+    for key, value in text_rates.items():
         a, b = key.split("->")
         out[(int(a), int(b))] = float(value)
     return out
 
 
+def rate_segments(rate_log: list[dict[str, Any]]) -> list[Any]:
+    """The link rate log as piecewise constant rate segments (``netstorm.planning.limit.RateSegment``).
+
+    A re-draw re-shapes one namespace after another, so for a moment some links have their new rates and
+    others their old ones. An entry's ``t`` is when the last link had its new rate; an entry that also
+    says when re-shaping began (``t_begin``) gets a segment in between at, per link, the larger of its
+    old and new rates: whichever a link had at a given instant, the limit never credits it with less.
+    """
+    from netstorm.planning.limit import RateSegment
+
+    out: list[RateSegment] = []
+    for entry in sorted(rate_log, key=lambda e: float(e["t"])):
+        rates = _parse_rates(entry["rates_mbit"])
+        begin = float(entry.get("t_begin", entry["t"]))
+        if out and begin < float(entry["t"]):
+            previous = out[-1].rates
+            out.append(RateSegment(begin, {k: max(v, previous.get(k, v)) for k, v in rates.items()}))
+        out.append(RateSegment(float(entry["t"]), rates))
+    return out
+
+
+def iteration_starts(outcome: dict[str, Any], result: dict[str, Any] | None = None) -> list[float]:
+    """When each iteration's synchronization could first move a byte, in rate-log seconds.
+
+    From the trainers' own clocks when the run recorded them (``started_at_s``: the earliest DC's start
+    of each iteration), plus the compute that precedes any push (all of it, or the forward share with
+    ``--overlap``); for older results, the end of the previous iteration as the runner saw it.
+    """
+    from netstorm.models import FORWARD_SHARE
+
+    n = len(outcome["iteration_s"])
+    if outcome.get("started_at_s") is not None and len(outcome["started_at_s"]) >= n:
+        compute = float((result or {}).get("compute_s", 0.0))
+        lead = compute * FORWARD_SHARE if (result or {}).get("overlap") else compute
+        return [float(t) + lead for t in outcome["started_at_s"][:n]]
+    return [0.0, *outcome["completed_at_s"]][:n]
+
+
 def iteration_limits(outcome: dict[str, Any], rate_log: list[dict[str, Any]], bounds: Bounds,
-                     scenario: Scenario) -> list[float]:
-    """The least time each completed iteration could have taken, from when it began (the previous one's
-    end), at the rates in force meanwhile: M/λ while they hold (``window_limit_s`` when they change)."""
+                     scenario: Scenario, result: dict[str, Any] | None = None) -> list[float]:
+    """The least time each completed iteration's synchronization could have taken, from when it began
+    (``iteration_starts``), at the rates in force meanwhile: M/λ while they hold, the integrated bound
+    (``window_limit_s``) when a re-draw lands in the window."""
     if not rate_log:
         return [bounds.limit_s(scenario.rates())] * len(outcome["iteration_s"])
-    starts = [0.0, *outcome["completed_at_s"]][: len(outcome["iteration_s"])]
-    return [round(window_limit_s(bounds.model_bytes, rate_log, t), 4) for t in starts]
+    from netstorm.planning.limit import window_limit_s as integrated
+
+    segments = rate_segments(rate_log)
+    return [round(integrated(bounds.model_bytes, segments, t), 4) for t in iteration_starts(outcome, result)]
 
 
 def window_limit_s(model_bytes: int, rate_log: list[dict[str, Any]], start: float) -> float:
-    """The least T in which M can leave every cut, from ``start`` on, at the logged rates.
+    """The least T in which M can leave every cut, from ``start`` on, at the logged rates
+    (``netstorm.planning.limit.window_limit_s`` over ``rate_segments``)."""
+    from netstorm.planning.limit import window_limit_s as integrated
 
-    A cut's capacity over [start, start + T] is the integral of its links' rates, so the bound is the
-    smallest T whose time-averaged rate graph, times T, has a directed min cut of M: M/λ while the rates
-    hold. An iteration a re-draw lands in is held neither to the old rates nor to the new ones alone.
-    """
-    from netstorm.planning.limit import min_cut
-
-    first = limit_of_scaled(model_bytes, _rates_at(rate_log, start))
-    later = sorted((entry["t"], i) for i, entry in enumerate(rate_log) if entry["t"] > start)
-    if not later or later[0][0] >= start + first:
-        return first
-    segments = [(start, _rates_at(rate_log, start))] + [(t, _rates_at(rate_log, t)) for t, _ in later]
-    need = model_bytes * 8 / 1e6  # Mbit
-
-    def carried(window: float) -> float:
-        end = start + window
-        total: dict[tuple[int, int], float] = {}
-        for (begin, rates), (nxt, _) in zip(segments, [*segments[1:], (math.inf, {})], strict=True):
-            span = min(nxt, end) - begin
-            if span <= 0:
-                break
-            for link, mbit in rates.items():
-                total[link] = total.get(link, 0.0) + mbit * span
-        return min_cut(total).mbit
-
-    low, high = 0.0, max(limit_of_scaled(model_bytes, rates) for _, rates in segments)
-    for _ in range(40):
-        mid = (low + high) / 2
-        low, high = (mid, high) if carried(mid) < need else (low, mid)
-    return high
+    return integrated(model_bytes, rate_segments(rate_log), start)
 
 
 def steady(values: list[float]) -> list[float]:

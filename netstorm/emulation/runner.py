@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -233,6 +234,7 @@ def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
 def run_from_args(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     result = run(opts)
+    result.setdefault("command", "netstorm " + shlex.join(sys.argv[1:]))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
@@ -521,6 +523,18 @@ class SystemRun:
             out["error"] = error
         return out
 
+    def iteration_starts(self, origin: float) -> list[float] | None:
+        """When each completed iteration began at the earliest DC, in seconds after the wall-clock time
+        ``origin`` (the rate log's zero), from the trainers' own stamps; None when a trainer did not stamp."""
+        out: list[float] = []
+        for k in range(self._complete()):
+            began = [float(r["began"]) for tl in self.logs.values() for r in tl.records
+                     if r.get("iteration") == k and "began" in r]
+            if not began:
+                return None
+            out.append(round(min(began) - origin, 4))
+        return out
+
     def _complete(self) -> int:
         return min(sum(1 for r in tl.records if "iteration" in r) for tl in self.logs.values())
 
@@ -670,13 +684,17 @@ def run(opts: Options) -> dict[str, Any]:
                 player.stop()
             outcome["link_rate_log"] = player.log
             outcome["dynamics_origin_s"] = player.origin_s
-            outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario)
+            outcome["started_at_s"] = runner.iteration_starts(player.wall_start)
+            outcome["limit_s"] = results.iteration_limits(outcome, player.log, bounds, scenario, result)
             outcome["limit_errors"] = results.limit_errors(outcome, result)
             for e in outcome["limit_errors"]:
                 progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
                               f"below its limit {e['limit_s']:.2f} s")
             if system.kind == "netstorm":
-                outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()))
+                outcome["switches"] = systems.in_effect(system, opts.config_flags)
+                outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()),
+                                                 packing=outcome["switches"]["tree_packing"],
+                                                 num_roots=outcome["switches"]["num_root_servers"])
             result["systems"][system.name] = outcome
             if "edge_mode" in outcome:
                 result["features"]["edge_mode"][system.name] = outcome["edge_mode"]
@@ -686,11 +704,14 @@ def run(opts: Options) -> dict[str, Any]:
     return result
 
 
-def planned_trees(system: systems.System, rates: Rates) -> dict[str, dict[str, int | None]]:
-    """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from)."""
+def planned_trees(system: systems.System, rates: Rates, *, packing: bool = True, num_roots: int = 0
+                  ) -> dict[str, dict[str, int | None]]:
+    """The trees the policy engine plans for ``system`` at ``rates`` (what the scheduler starts from);
+    ``packing`` and ``num_roots`` are the run's TREE_PACKING (false: Algorithm 2's trees) and
+    NUM_ROOT_SERVERS."""
     from netstorm.planning.plan import plan
 
-    policy = plan(rates, topology=system.topology, aux=False)
+    policy = plan(rates, topology=system.topology, aux=False, packing=packing, num_roots=num_roots)
     return {str(root): {str(child): parent for child, parent in sorted(tree.parent.items())}
             for root, tree in sorted(policy.trees.items())}
 

@@ -1,7 +1,23 @@
 """The systems ``netstorm emulate --system`` can run, and what each one means.
 
+Two designs run on the same runtime, and each system names one:
+
+- ``netstorm``, this project's: LP-packed trees, planned offload, the sender's slowdown rule and moves
+  of queued chunks, exploration and stale decay of link beliefs, change points, REPLAN_GAIN and an
+  UPDATE_RATE threshold (``docs/ARCHITECTURE.md``, *Decisions*);
+- ``paper``, the published NetStorm: Algorithm 2's shortest-path trees with chunk shares q_i / sum q,
+  Algorithm 3's auxiliary paths, the Fig. 7 sender rule (primary first, auxiliary past
+  PRIMARY_BUSY_BOUND), a re-plan from the newest reports every UPDATE_TIME (UPDATE_RATE 0, as the
+  paper's implementation sets it), and none of the rest.
+
+Every switch that separates them is a config option (``netstorm.config.DESIGN_SWITCHES``); a system
+carries its design's values of all of them (``System.switches``) and the result records the values in
+effect per system (``in_effect``), including any the command line changed.
+
 netstorm/pro: multi-root FAPT, awareness and auxiliary paths on (the paper's full system, "Pro").
 std: awareness on, auxiliary paths off. lite: MR-FAPT planned once, awareness and auxiliary paths off.
+paper, paper-std, paper-lite: the same three stages (the paper's Table I switches ENABLE_AWARENESS and
+ENABLE_AUX_PATH) on the paper's design.
 star/bkt/mst: the paper's baselines as policies of the same runtime (static: planned once); star runs
 at the hub whose physical bound is smallest, star-mxnet at the best-connected hub an MXNet user would pick.
 fapt: single-root FAPT with awareness and auxiliary paths, to isolate what multiple roots buy.
@@ -10,9 +26,24 @@ gloo: torch.distributed all_reduce (gloo backend), the tool a user would reach f
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from netstorm import config
 from netstorm.emulation.errors import EmulationError
+
+DESIGNS: dict[str, dict[str, Any]] = {
+    "netstorm": {name: config.FIELDS[name].default for name in config.DESIGN_SWITCHES},
+    "paper": dict(config.PAPER_DESIGN),
+}
+"""Each design's value of every switch that separates them (``netstorm.config.DESIGN_SWITCHES``)."""
+
+RECORDED: tuple[str, ...] = ("enable_awareness", "enable_aux_path", *config.DESIGN_SWITCHES, "update_time",
+                             "primary_busy_bound", "auxiliary_queue_length", "num_root_servers", "chunk_size",
+                             "stale_after", "stale_half_life")
+"""Options a result records per system (``in_effect``): the switches and the paper's knobs beside them."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,11 +54,28 @@ class System:
     topology: str = "fapt"
     awareness: bool = True
     aux: bool = True
+    design: str = "netstorm"
+    """``netstorm`` or ``paper``: which values of ``DESIGN_SWITCHES`` the system runs with."""
+
+    def __post_init__(self) -> None:
+        if self.design not in DESIGNS:
+            raise EmulationError(f"system {self.name}: unknown design {self.design!r} (known: {', '.join(DESIGNS)})")
+
+    @property
+    def switches(self) -> dict[str, Any]:
+        """Every switch's value for this system: Table I's two, then its design's."""
+        return {"enable_awareness": self.awareness, "enable_aux_path": self.aux, **DESIGNS[self.design]}
 
     def scheduler_flags(self) -> list[str]:
-        return ["--topology", self.topology,
-                "--enable-awareness", str(self.awareness).lower(),
-                "--enable-aux-path", str(self.aux).lower()]
+        """The scheduler's flags for this system (the nodes take the scheduler's options): the topology,
+        Table I's switches, and every design switch whose value is not the option's default."""
+        flags = ["--topology", self.topology,
+                 "--enable-awareness", str(self.awareness).lower(),
+                 "--enable-aux-path", str(self.aux).lower()]
+        for name, value in DESIGNS[self.design].items():
+            if value != config.FIELDS[name].default:
+                flags += ["--" + name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+        return flags
 
 
 SYSTEMS: dict[str, System] = {
@@ -35,6 +83,9 @@ SYSTEMS: dict[str, System] = {
     "pro": System("pro", "netstorm", "fapt", True, True),
     "std": System("std", "netstorm", "fapt", True, False),
     "lite": System("lite", "netstorm", "fapt", False, False),
+    "paper": System("paper", "netstorm", "fapt", True, True, design="paper"),
+    "paper-std": System("paper-std", "netstorm", "fapt", True, False, design="paper"),
+    "paper-lite": System("paper-lite", "netstorm", "fapt", False, False, design="paper"),
     "star": System("star", "netstorm", "star", False, False),
     "star-mxnet": System("star-mxnet", "netstorm", "star-mxnet", False, False),
     "bkt": System("bkt", "netstorm", "bkt", False, False),
@@ -56,3 +107,15 @@ def parse(text: str) -> list[System]:
         if SYSTEMS[n] not in out:
             out.append(SYSTEMS[n])
     return out
+
+
+def in_effect(system: System, config_flags: Sequence[str], environ: Mapping[str, str] | None = None
+              ) -> dict[str, Any]:
+    """The ``RECORDED`` options a run of ``system`` had: its own flags, then the run's ``config_flags``
+    (later flags win, as on the scheduler's command line), over the config file and environment they
+    name, as the scheduler resolves them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    config.add_arguments(parser)
+    args = parser.parse_args([*system.scheduler_flags()[2:], *config_flags])
+    resolved = config.from_args(args, environ)
+    return {name: getattr(resolved, name) for name in RECORDED}

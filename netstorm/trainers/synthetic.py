@@ -12,7 +12,8 @@ JSON line per iteration: ``seconds`` (compute + synchronization, what training w
 ``sync_s`` (the time blocked on the node: the push_pull, or the pushes and pulls), ``check_s`` (the
 exact check, outside ``seconds``), ``exact``, ``workers`` (contributors to the sum: every DC's trainer
 and LAN workers, as the node or gateway reports them, or ``--contributors``, which the reported count
-must then equal) and ``cpu_s`` (this process's CPU time so far).
+must then equal), ``cpu_s`` (this process's CPU time so far) and ``began`` (the wall-clock time the
+iteration began, by which the emulator places it among the link rate changes).
 An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
 on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
 ``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
@@ -362,6 +363,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
             for k in range(step[0], args.iterations):
                 step[0] = k
                 clock = _Clock(time.perf_counter())
+                began = time.time()  # wall clock: the runner places the iteration in the rate log
                 try:
                     if args.overlap:
                         result = _overlapped_iteration(kv, pattern, grads, dc, k, args.compute_s, clock)
@@ -375,7 +377,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                     clock.unblock()
                     end = time.perf_counter()
                     _emit(stream, {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
-                                   "exact": False, "failed": True, "dc": dc, "t": time.time(),
+                                   "exact": False, "failed": True, "dc": dc, "t": time.time(), "began": began,
                                    "error": f"{type(exc).__name__}: {exc}"})
                     if failures >= args.max_failures:
                         print(f"synthetic trainer (DC {dc}): giving up after {failures} failed iterations: {exc}",
@@ -396,7 +398,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
-                                          "workers": workers, "cpu_s": time.process_time()}
+                                          "workers": workers, "cpu_s": time.process_time(), "began": began}
                 if args.rejoinable:
                     record.update(t=time.time(), node_iteration=kv.iteration, id_sum=verdict.members_sum)
                 if verdict.error:
