@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_mlp import make_data, make_model, make_optimizer, train_reference  # noqa: E402
+from train_mlp import make_data, make_model, make_optimizer, train_reference
 
 
 def flat(model: nn.Module) -> np.ndarray:

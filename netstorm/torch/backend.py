@@ -113,7 +113,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
     # ---- identity -------------------------------------------------------------------------------------
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return BACKEND
 
     def size(self) -> int:
@@ -267,7 +267,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
         return self._submit("allgather", encode, finish)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (torch's name)
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
                         opts: Any = None) -> NetStormWork:
         pieces = list(output.reshape(self._world, -1).unbind(0))
         work = self.allgather([[p.view(input.shape) for p in pieces]], [input], opts)

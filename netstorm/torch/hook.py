@@ -22,7 +22,6 @@ import os
 import queue
 import threading
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -144,6 +143,11 @@ class NetStormHookState:
             tensor.copy_(packet[:-1].reshape(tensor.shape).to(tensor.dtype))
 
 
-def netstorm_hook(state: NetStormHookState, bucket: Any) -> Future[torch.Tensor]:
+def netstorm_hook(state: NetStormHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """DDP comm hook: the bucket's mean over every rank of every DC (see the module docstring)."""
     return state.submit(bucket.buffer()).get_future()
+
+
+# DDP's register_comm_hook checks the annotations as objects; this module's are strings (postponed).
+netstorm_hook.__annotations__ = {"state": NetStormHookState, "bucket": dist.GradBucket,
+                                 "return": Future[torch.Tensor]}
