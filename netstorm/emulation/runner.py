@@ -47,6 +47,7 @@ from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.scenario import Rates, Scenario, load
 from netstorm.trainers.launch import torch_ddp_args
+from netstorm.trainers.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -603,7 +604,7 @@ class SystemRun:
                                "iterations_completed": done, "wall_s": round(wall_s, 2),
                                "completed_at_s": [round(t, 2) for t in self.completed_at]}
         if self.opts.trainer == "torch-ddp":
-            out.update(training(list(self.logs.values()), done))
+            out.update(training(list(self.logs.values()), done, TASKS[self.opts.train].target_accuracy))
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions(), policy_trees=self.record.policy_trees())
@@ -745,24 +746,30 @@ def _warn_cpu(outcome: dict[str, Any], progress: Progress, name: str) -> None:
                       "CPU-bound, not a network result; scale --bw-scale and --model down together")
 
 
-def training(logs: Any, done: int) -> dict[str, Any]:
+def training(logs: Any, done: int, target: float) -> dict[str, Any]:
     """A torch-ddp system's learning curve and the backend's own cost, for its result entry.
 
     ``loss`` and ``accuracy`` (held-out, a fraction 0-1) per completed iteration come from the rank that
     evaluates (every rank holds the same model under DDP). On netstorm, ``overhead_s`` per iteration is
     the slowest rank's integration cost (encoding, copies, decoding: not the node's synchronization), and
     ``integration_cost`` its sum over the iterations' sum (iterations after the first: the first also
-    builds DDP's buckets and connections).
+    builds DDP's buckets and connections). ``time_to_accuracy_s`` is the training time (the iterations'
+    seconds, evaluation excluded) until held-out accuracy first reaches ``target_accuracy`` (None: never).
     """
     records = [r for tl in logs for r in tl.records if "iteration" in r]
     curve = {int(r["iteration"]): r for r in records if "accuracy" in r}
     out: dict[str, Any] = {
         "loss": [round(float(curve[k]["loss"]), 5) if k in curve else None for k in range(done)],
         "accuracy": [round(float(curve[k]["accuracy"]), 4) if k in curve else None for k in range(done)],
+        "target_accuracy": target,
     }
+    seconds_per = [max((float(r["seconds"]) for r in records if r["iteration"] == k), default=0.0) for k in range(done)]
+    reached = [k for k in range(done) if k in curve and float(curve[k]["accuracy"]) >= target]
+    out["time_to_accuracy_s"] = round(sum(seconds_per[:reached[0] + 1]), 3) if reached else None
+    out["iterations_to_accuracy"] = reached[0] + 1 if reached else None
     if any("overhead_s" in r for r in records):
         overhead = [max(float(r.get("overhead_s", 0.0)) for r in records if r["iteration"] == k) for k in range(done)]
-        seconds = [max(float(r["seconds"]) for r in records if r["iteration"] == k) for k in range(done)]
+        seconds = seconds_per
         out["overhead_s"] = [round(v, 5) for v in overhead]
         steady = slice(1, None) if done > 1 else slice(None)
         out["integration_cost"] = round(sum(overhead[steady]) / max(sum(seconds[steady]), 1e-9), 4)

@@ -267,11 +267,13 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
         return self._submit("allgather", encode, finish)
 
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor,
-                        opts: Any = None) -> NetStormWork:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts: Any = None) -> NetStormWork:
+        """``all_gather_into_tensor``: ``output`` holds every rank's ``input`` in rank order."""
         pieces = list(output.reshape(self._world, -1).unbind(0))
-        work = self.allgather([[p.view(input.shape) for p in pieces]], [input], opts)
-        return work
+        return self.allgather([[p.view(input.shape) for p in pieces]], [input], opts)
+
+    _allgather_base = all_gather_single
 
     def barrier(self, opts: Any = None) -> NetStormWork:
         return self._submit("barrier", lambda: np.zeros(1, np.float32), lambda summed: [])
