@@ -26,7 +26,6 @@ import pytest
 
 from netstorm.trainers.launch import Cluster, descendants, local_cluster
 
-pytest.importorskip("torch")
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -236,7 +235,7 @@ def test_a_dc_killed_mid_step_gives_the_others_a_torch_error_naming_dc_and_itera
         killed_at = time.monotonic()
         os.kill(node_pid(cluster, 3), signal.SIGKILL)  # DC 3: its node and its rank
         ranks.processes[2].kill()
-        errors = {}
+        errors: dict[int, dict[str, Any]] = {}
         while len(errors) < 2:
             index, record = ranks.until(lambda i, rec: i in (0, 1) and "error" in rec, "torch error", within=90)
             errors[index] = record

@@ -7,7 +7,6 @@ import pytest
 
 from netstorm.torch.stage import ROUND_NAME, Stage
 
-pytest.importorskip("torch")
 pytestmark = pytest.mark.torch
 
 

@@ -43,17 +43,18 @@ def main() -> int:
     for dtype in (torch.int64, torch.int32):
         t = value(rank, dtype, 7)
         dist.all_reduce(t)
-        assert torch.equal(t, sum(value(r, dtype, 7).to(torch.int64) for r in range(world)).to(dtype)), dtype
+        total = torch.stack([value(r, dtype, 7).to(torch.int64) for r in range(world)]).sum(dim=0)
+        assert torch.equal(t, total.to(dtype)), dtype
         checks += 1
     t = value(rank, torch.float32, 1000)
     dist.all_reduce(t)
-    expected = sum(value(r, torch.float32, 1000).double() for r in range(world)).float()
+    expected = torch.stack([value(r, torch.float32, 1000).double() for r in range(world)]).sum(dim=0).float()
     assert torch.allclose(t, expected, rtol=1e-6, atol=1e-4)
     checks += 1
     for dtype in (torch.float16, torch.bfloat16):
         t = value(rank, dtype, 11)
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
-        mean = sum(value(r, dtype, 11).float() for r in range(world)) / world
+        mean = torch.stack([value(r, dtype, 11).float() for r in range(world)]).sum(dim=0) / world
         assert torch.equal(t, mean.to(dtype)), (dtype, t, mean)
         checks += 1
     works = [dist.all_reduce(torch.full((3,), float(rank + i)), async_op=True) for i in range(4)]

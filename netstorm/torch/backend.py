@@ -101,7 +101,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
     """A process group whose collectives are sums at the ranks' general nodes (see the module docstring)."""
 
     def __init__(self, stage: Stage, rank: int, world_size: int) -> None:
-        super().__init__(rank, world_size)
+        super().__init__(rank, world_size)  # type: ignore[call-arg]  # the Python-subclass constructor
         self.stage = stage
         self._rank = rank
         self._world = world_size
@@ -174,7 +174,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
     # ---- collectives ----------------------------------------------------------------------------------
 
-    def allreduce(self, tensors: Sequence[torch.Tensor] | torch.Tensor,
+    def allreduce(self, tensors: Sequence[torch.Tensor] | torch.Tensor,  # type: ignore[override]
                   opts: Any = None) -> NetStormWork:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -208,7 +208,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
         return self._submit(what, encode, finish, average=average)
 
-    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> NetStormWork:
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> NetStormWork:  # type: ignore[override]
         """Like allreduce; only the root's tensor is written (others are left as they were)."""
         tensors = list(tensors)
         root = opts.rootRank if opts is not None else 0
@@ -217,7 +217,7 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
         work = self._allreduce(targets, op, "reduce")
         return work
 
-    def broadcast(self, tensors: Sequence[torch.Tensor] | torch.Tensor, opts: Any = None) -> NetStormWork:
+    def broadcast(self, tensors: Sequence[torch.Tensor] | torch.Tensor, opts: Any = None) -> NetStormWork:  # type: ignore[override]
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         root = opts.rootRank if opts is not None else 0
         sizes = [codec.bits_size(t) for t in tensors]
@@ -239,11 +239,11 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
 
         return self._submit(f"broadcast from rank {root}", encode, finish)
 
-    def allgather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
+    def allgather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> NetStormWork:
         inputs = list(inputs)
-        outputs = [list(out) for out in outputs]
-        if len(outputs) != len(inputs) or any(len(out) != self._world for out in outputs):
+        lists: list[list[torch.Tensor]] = [list(out) for out in outputs]
+        if len(lists) != len(inputs) or any(len(out) != self._world for out in lists):
             raise ValueError(f"netstorm backend: allgather needs {len(inputs)} output lists of {self._world} "
                              f"tensors each")
         sizes = [codec.bits_size(t) for t in inputs]
@@ -257,13 +257,13 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
                 parts.append(part)
             return np.concatenate(parts) if parts else np.zeros(0, np.float32)
 
-        def finish(summed: np.ndarray) -> list[list[torch.Tensor]]:
+        def finish(summed: np.ndarray) -> list[list[torch.Tensor]]:  # outputs, filled
             position = 0
-            for out, size in zip(outputs, sizes, strict=True):
+            for out, size in zip(lists, sizes, strict=True):
                 for r in range(world):
                     codec.store_bits(out[r], summed[position + r * size:position + (r + 1) * size])
                 position += world * size
-            return outputs
+            return lists
 
         return self._submit("allgather", encode, finish)
 

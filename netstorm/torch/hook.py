@@ -65,7 +65,7 @@ class NetStormHookState:
         if dist.get_rank(group) == leader:
             config = resolve(environ=os.environ)
             where = address if address is not None else socket_address(config.torch_socket, dist.get_rank())
-            client = netstorm.connect(where, **({} if timeout is None else {"timeout": timeout}))
+            client = netstorm.connect(where) if timeout is None else netstorm.connect(where, timeout=timeout)
             try:
                 stage = Stage(client, round_elements or config.torch_round)
             except BaseException:
