@@ -46,6 +46,8 @@ class Ranks:
         self.lines: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         self.logs = [log_dir / f"rank-{i}.log" for i in range(len(argvs))]
         self.processes: list[subprocess.Popen[bytes]] = []
+        self.seen: list[tuple[int, dict[str, Any]]] = []
+        """Every line read so far: ``until`` looks here first, so no wait misses another's line."""
         for i, (argv, env) in enumerate(zip(argvs, envs, strict=True)):
             with self.logs[i].open("wb") as log:
                 process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
@@ -65,7 +67,12 @@ class Ranks:
         self.lines.put((index, None))
 
     def until(self, predicate: Any, what: str, within: float) -> tuple[int, dict[str, Any]]:
-        """The first line (of any rank) ``predicate(index, record)`` accepts, or fail naming ``what``."""
+        """The first line (of any rank) ``predicate(index, record)`` accepts, or fail naming ``what``; a line
+        accepted once is consumed."""
+        for position, (index, record) in enumerate(self.seen):
+            if predicate(index, record):
+                del self.seen[position]
+                return index, record
         deadline = time.monotonic() + within
         while True:
             left = deadline - time.monotonic()
@@ -80,6 +87,7 @@ class Ranks:
                             f"{self.logs[index].read_text()[-2000:]}")
             if predicate(index, record):
                 return index, record
+            self.seen.append((index, record))
 
     def wait(self, within: float) -> list[int]:
         deadline = time.monotonic() + within
@@ -242,6 +250,8 @@ def test_a_dc_killed_mid_step_gives_the_others_a_torch_error_naming_dc_and_itera
         assert ranks.processes[0].wait(timeout=30) == 3 and ranks.processes[1].wait(timeout=30) == 3
         elapsed = time.monotonic() - killed_at
     assert elapsed < 90
+    for rank, record in sorted(errors.items()):
+        print(f"rank {rank}: {record['type']}: {record['error']}")  # shown with -s
     for rank, record in errors.items():
         message = record["error"]
         assert record["type"] in ("RuntimeError", "NetStormBackendError", "DistBackendError"), record
