@@ -137,6 +137,24 @@ def test_ddp_on_netstorm_matches_one_process_training_step_for_step(tmp_path: Pa
     assert not np.allclose(runs[0][0], runs[0][-1])
 
 
+def test_several_ranks_per_dc_are_trainers_of_its_node(tmp_path: Path, ranks_started: list[Ranks]) -> None:
+    """Two DCs of two ranks each (``trainers`` 2): each node sums its ranks, DDP still matches one process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(2, tmp_path / "run", flags=["--trainers", "2"], ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "4", "--check"]
+        ranks = Ranks([argv] * 4, [env_rank(r, 4, port, NETSTORM_SOCKET=cluster.socket(1 + r // 2))
+                                   for r in range(4)], tmp_path)
+        ranks_started.append(ranks)
+        checks = [ranks.until(lambda i, rec: i == 0 and "check" in rec, "check line", within=240)[1]
+                  for _ in range(5)]
+        assert ranks.wait(within=60) == [0, 0, 0, 0]
+    assert all(c["close"] for c in checks), checks
+    runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(4)]
+    assert all(np.array_equal(other, runs[0]) for other in runs[1:])
+
+
 def test_ddp_check_lines_report_every_step_close(tmp_path: Path, ranks_started: list[Ranks]) -> None:
     """The same run, read from rank 0's own comparison with one process (the example's --check)."""
     out = tmp_path / "out"
