@@ -144,6 +144,15 @@ class Config:
     allow_joiners: bool = False
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
+    # PyTorch integration (the ``netstorm`` process-group backend and the DDP comm hook).
+    torch_round: int = 262_144
+    """Float32 elements of one node iteration of the torch backend (its one registered tensor): a collective
+    of N elements takes ceil(N / TORCH_ROUND) iterations, the last one padded with zeros. The default is
+    DDP's first bucket (1 MiB); DDP with ``bucket_cap_mb`` of TORCH_ROUND * 4 bytes sends each bucket as
+    exactly one iteration. Every rank of the job must use the same value (the layout hash checks it)."""
+    torch_socket: str = ""
+    """Where a rank finds its DC's node, as a template with {rank}, {local_rank} and {group_rank} (torchrun's
+    variables); empty: NETSTORM_SOCKET, as ``netstorm.connect()`` does."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -160,7 +169,7 @@ class Config:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
                          "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers",
-                         "max_connections_per_source", "belief_reports")
+                         "max_connections_per_source", "belief_reports", "torch_round")
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
@@ -208,7 +217,7 @@ PAPER_DESIGN: dict[str, Any] = {
     "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
-LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls"})
+LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

@@ -5,6 +5,7 @@ Everything is drawn from the result JSON alone, so ``netstorm report RESULT.json
 
 from __future__ import annotations
 
+import itertools
 import math
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ def draw_all(result: dict[str, Any], directory: Path, stem: str | None = None) -
            link_rates(result, directory / f"{stem}-rates.png")]
     if any(s.get("trees") for s in result["systems"].values()):
         out.append(trees(result, directory / f"{stem}-trees.png"))
+    if any(s.get("accuracy") for s in result["systems"].values()):
+        out.append(time_to_accuracy(result, directory / f"{stem}-accuracy.png"))
     return out
 
 
@@ -196,3 +199,28 @@ def _draw_panel(ax: Any, panel: Any) -> None:
     ax.grid(True, alpha=0.3)
     if panel.series:
         ax.legend(fontsize=8)
+def time_to_accuracy(result: dict[str, Any], path: Path) -> Path:
+    """Held-out accuracy against training time (the iterations' seconds) per system, with the target."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    target = None
+    for name, s in result["systems"].items():
+        if not s.get("accuracy"):
+            continue
+        target = s.get("target_accuracy", target)
+        elapsed = list(itertools.accumulate(s["iteration_s"]))
+        points = [(t, a) for t, a in zip(elapsed, s["accuracy"], strict=False) if a is not None]
+        reached = s.get("time_to_accuracy_s")
+        label = f"{name} ({reached:.0f} s to target)" if reached is not None else f"{name} (target not reached)"
+        ax.plot([t for t, _ in points], [a for _, a in points], marker=".", label=label)
+    if target is not None:
+        ax.axhline(target, color="black", linestyle="--", label=f"target {target:.2f}")
+    ax.set_xlabel("training time, s (sum of iteration times)")
+    ax.set_ylabel("held-out accuracy")
+    ax.set_title(f"{result['scenario']}: {result['model']['spec']}, rates x{result['bw_scale']}")
+    ax.legend(fontsize="small", loc="lower right")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -47,6 +47,8 @@ from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.scenario import Rates, Scenario, load
+from netstorm.trainers.launch import torch_ddp_args
+from netstorm.trainers.tasks import TASKS
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "restart-scheduler@60s,link-down:2-5@70s,link-up:2-5@80s (NetStorm systems only)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
+    from netstorm.trainers.launch import TRAINERS
+    from netstorm.trainers.tasks import TASKS
+
+    parser.add_argument("--trainer", choices=TRAINERS, default=TRAINERS[0],
+                        help="what trains in each DC: the synthetic trainer (exact sums of a --model-sized pattern) "
+                             "or torch-ddp (a real model, --train, with DDP on backend netstorm, or gloo for the "
+                             "gloo system; loss and accuracy per iteration in the result)")
+    parser.add_argument("--train", choices=list(TASKS), default=next(iter(TASKS)),
+                        help="torch-ddp's task: model and generated data (replaces --model)")
     config.add_arguments(parser)
 
 
@@ -122,6 +133,17 @@ class Options:
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
     chaos: list[Fault] = dataclasses.field(default_factory=list)
+    trainer: str = "synthetic"
+    """``synthetic`` or ``torch-ddp`` (``netstorm/trainers/launch.py``)."""
+    train: str = "blobs"
+    """torch-ddp's task (``netstorm/trainers/tasks.py``)."""
+
+    def parameters(self) -> int:
+        """Float32 elements synchronized per iteration: the task's model, or ``--model``."""
+        from netstorm.emulation.gloo_trainer import model_parameters
+        from netstorm.trainers.tasks import TASKS
+
+        return TASKS[self.train].parameters if self.trainer == "torch-ddp" else model_parameters(self.model)
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -181,17 +203,26 @@ def _given_options(args: argparse.Namespace) -> dict[str, Any]:
 def options_from_args(args: argparse.Namespace) -> Options:
     from netstorm.emulation.gloo_trainer import model_parameters
     from netstorm.trainers.synthetic import model_layers
+    from netstorm.trainers.tasks import TASKS
 
     if args.iterations < 1:
         raise EmulationError(f"--iterations must be at least 1, got {args.iterations}")
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
-    if getattr(args, "overlap", False) and len(model_layers(args.model)) < 2:
+    trainer = getattr(args, "trainer", "synthetic")
+    if trainer == "torch-ddp":
+        args.model = f"torch-ddp:{args.train}"
+        if getattr(args, "overlap", False) or args.compute_s or getattr(args, "lan_workers", None) or \
+                getattr(args, "chaos", None):
+            raise EmulationError("--trainer torch-ddp computes for real and overlaps as DDP does: --overlap, "
+                                 "--compute-s, --lan-workers and --chaos are for the synthetic trainer")
+    elif getattr(args, "overlap", False) and len(model_layers(args.model)) < 2:
         raise EmulationError(f"--overlap needs a model of several layers (alexnet, resnet50 or COUNT/LAYERS such as "
                              f"{args.model}/8): {args.model!r} is one tensor, there is nothing to overlap")
     given = _given_options(args)
     roots = int(given.get("num_root_servers", 0)) or len(load(args.scenario).nodes)
-    flags = _config_flags(args) + chunk_flags(model_parameters(args.model), given, roots=roots)
+    parameters = TASKS[args.train].parameters if trainer == "torch-ddp" else model_parameters(args.model)
+    flags = _config_flags(args) + chunk_flags(parameters, given, roots=roots)
     lan_workers = getattr(args, "lan_workers", None)
     chaos: list[Fault] = []
     if getattr(args, "chaos", None):
@@ -205,7 +236,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
                    edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
-                   chaos=chaos,
+                   chaos=chaos, trainer=trainer, train=getattr(args, "train", "blobs"),
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -405,6 +436,12 @@ class SystemRun:
                 where = (c.dc, c.worker)
                 address = net.plan.lans[c.dc].gateway_address
                 endpoint = ["--edge", f"edge://{address}:{EDGE_PORT}?worker={c.worker}"]
+            if opts.trainer == "torch-ddp":
+                self._spawn(f"trainer-{c.label}", where, self._python(*torch_ddp_args(
+                    "netstorm", opts.train, rank=net.plan.node_ids.index(c.dc), world=len(net.plan.node_ids),
+                    dc=c.dc, iterations=opts.iterations, out=self.logs[c.label].path,
+                    socket=str(self.dir / f"node-{c.dc}.sock"))), trainer=True)
+                continue
             # a chaos run's trainers carry their step in the model and ride out failed iterations
             chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []
             self._spawn(f"trainer-{c.label}", where, self._python(
@@ -440,6 +477,12 @@ class SystemRun:
         ids = net.plan.node_ids
         store = f"{net.plan.mgmt_address(ids[0])}:{GLOO_STORE_PORT}"
         for rank, dc in enumerate(ids):
+            if opts.trainer == "torch-ddp":
+                self.trainers[str(dc)] = net.spawn(dc, self._python(*torch_ddp_args(
+                    "gloo", opts.train, rank=rank, world=len(ids), dc=dc, iterations=opts.iterations,
+                    out=self.logs[str(dc)].path, store=store, address=net.node_address(dc))),
+                    stdout=subprocess.DEVNULL, stderr=self._logfile(f"trainer-{dc}"))
+                continue
             self.trainers[str(dc)] = net.spawn(dc, self._python(
                 "-m", "netstorm.emulation.gloo_trainer", "--rank", str(rank), "--world", str(len(ids)),
                 "--dc", str(dc), "--store", store, "--address", net.node_address(dc), "--model", opts.model,
@@ -579,6 +622,8 @@ class SystemRun:
                                "per_dc_iteration_s": per_dc, "exact": exact and done == self.opts.iterations,
                                "iterations_completed": done, "wall_s": round(wall_s, 2),
                                "completed_at_s": [round(t, 2) for t in self.completed_at]}
+        if self.opts.trainer == "torch-ddp":
+            out.update(training(list(self.logs.values()), done, TASKS[self.opts.train].target_accuracy))
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions(), policy_trees=self.record.policy_trees())
@@ -635,10 +680,8 @@ def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess
 
 def run(opts: Options) -> dict[str, Any]:
     """Build the network, run every system, return the result document (see ``results``)."""
-    from netstorm.emulation.gloo_trainer import model_parameters
-
     scenario = with_lan_workers(with_seed(load(opts.scenario), opts.seed), opts.lan_workers)
-    parameters = model_parameters(opts.model)
+    parameters = opts.parameters()
     model_bytes = 4 * parameters
     bounds = results.Bounds(model_bytes, opts.bw_scale)
     progress = Progress(opts.stream)
@@ -727,3 +770,35 @@ def _warn_cpu(outcome: dict[str, Any], progress: Progress, name: str) -> None:
         progress.line(f"[{name}] WARNING: host CPU averaged {outcome['cpu']['mean_pct']:.0f}% (this run's own "
                       f"processes {outcome['cpu']['run_pct']:.0f}%): this result is "
                       "CPU-bound, not a network result; scale --bw-scale and --model down together")
+
+
+def training(logs: Any, done: int, target: float) -> dict[str, Any]:
+    """A torch-ddp system's learning curve and the backend's own cost, for its result entry.
+
+    ``loss`` and ``accuracy`` (held-out, a fraction 0-1) per completed iteration come from the rank that
+    evaluates (every rank holds the same model under DDP). On netstorm, ``overhead_s`` per iteration is
+    the slowest rank's integration cost (encoding, copies, decoding: not the node's synchronization), and
+    ``integration_cost`` its sum over the iterations' sum (iterations after the first: the first also
+    builds DDP's buckets and connections). ``time_to_accuracy_s`` is the training time (the iterations'
+    seconds, evaluation excluded) until held-out accuracy first reaches ``target_accuracy`` (None: never).
+    """
+    records = [r for tl in logs for r in tl.records if "iteration" in r]
+    curve = {int(r["iteration"]): r for r in records if "accuracy" in r}
+    out: dict[str, Any] = {
+        "loss": [round(float(curve[k]["loss"]), 5) if k in curve else None for k in range(done)],
+        "accuracy": [round(float(curve[k]["accuracy"]), 4) if k in curve else None for k in range(done)],
+        "target_accuracy": target,
+    }
+    seconds_per = [max((float(r["seconds"]) for r in records if r["iteration"] == k), default=0.0) for k in range(done)]
+    reached = [k for k in range(done) if k in curve and float(curve[k]["accuracy"]) >= target]
+    out["time_to_accuracy_s"] = round(sum(seconds_per[:reached[0] + 1]), 3) if reached else None
+    out["iterations_to_accuracy"] = reached[0] + 1 if reached else None
+    if any("overhead_s" in r for r in records):
+        overhead = [max(float(r.get("overhead_s", 0.0)) for r in records if r["iteration"] == k) for k in range(done)]
+        seconds = seconds_per
+        out["overhead_s"] = [round(v, 5) for v in overhead]
+        steady = slice(1, None) if done > 1 else slice(None)
+        out["integration_cost"] = round(sum(overhead[steady]) / max(sum(seconds[steady]), 1e-9), 4)
+        out["node_iterations"] = [max(int(r.get("node_iterations", 0)) for r in records if r["iteration"] == k)
+                                  for k in range(done)]
+    return out

@@ -1,10 +1,24 @@
-"""PyTorch integration: ``DistributedOptimizer`` sums gradients across DCs through the local node.
+"""PyTorch integration: the ``netstorm`` process-group backend, a DDP comm hook, ``DistributedOptimizer``.
 
-Requires the ``torch`` extra; ``import netstorm`` never imports this package (or torch).
+``import netstorm.torch`` registers the backend, so ``dist.init_process_group("netstorm")`` (under
+torchrun, Slurm or a Kubernetes PyTorchJob) makes DDP synchronize through the DC's general node;
+``netstorm_hook`` keeps gloo or NCCL inside a DC and uses NetStorm only across DCs; the optimizer
+wrapper serves one trainer per DC without a process group. Requires the ``torch`` extra;
+``import netstorm`` never imports this package (or torch).
 """
 
 from __future__ import annotations
 
+try:
+    import torch  # noqa: F401
+except ImportError as exc:  # the torch extra is optional; say which one to install
+    raise ImportError(f"netstorm.torch needs PyTorch (pip install 'netstorm[torch]'): {exc}") from exc
+
+from netstorm.torch.backend import BACKEND, NetStormBackendError, ProcessGroupNetStorm, register, stats
+from netstorm.torch.hook import NetStormHookState, netstorm_hook
 from netstorm.torch.optimizer import DistributedOptimizer
 
-__all__ = ["DistributedOptimizer"]
+register()
+
+__all__ = ["BACKEND", "DistributedOptimizer", "NetStormBackendError", "NetStormHookState", "ProcessGroupNetStorm",
+           "netstorm_hook", "register", "stats"]

@@ -1,11 +1,9 @@
 """An optimizer wrapper that synchronizes gradients across DCs before every step.
 
-Why a wrapper and not a DDP communication hook: a DC runs one trainer process against its node, so
-there is no ``torch.distributed`` process group to hang a hook on, and DDP re-buckets its gradients
-after the first iteration while the node needs one fixed, registered tensor layout (checked by hash
-across DCs). Wrapping the optimizer needs neither: the layout is the model's named parameters,
-registered once, and one ``push_pull`` per step carries them all, which is what users of Horovod's or
-BytePS's ``DistributedOptimizer`` already write:
+For a trainer that runs without a ``torch.distributed`` process group, one process per DC against its
+node (DDP users take the ``netstorm`` backend or ``netstorm_hook`` instead). The layout is the model's
+named parameters, registered once, and one ``push_pull`` per step carries them all, which is what
+users of Horovod's or BytePS's ``DistributedOptimizer`` already write:
 
     kv = netstorm.connect()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), kv)

@@ -25,6 +25,21 @@ from typing import IO, Any
 
 from netstorm.errors import NetStormError
 
+TRAINERS = ("synthetic", "torch-ddp")
+"""What ``netstorm emulate --trainer`` runs in each DC; the first is the default."""
+
+
+def torch_ddp_args(backend: str, task: str, *, rank: int, world: int, dc: int, iterations: int, out: Path,
+                   socket: str | None = None, store: str | None = None, address: str | None = None) -> list[str]:
+    """The torch-ddp trainer's command line after the interpreter (``netstorm/trainers/torch_ddp.py``)."""
+    argv = ["-m", "netstorm.trainers.torch_ddp", "--backend", backend, "--task", task, "--rank", str(rank),
+            "--world", str(world), "--dc", str(dc), "--iterations", str(iterations), "--out", str(out)]
+    if socket is not None:
+        argv += ["--socket", socket]
+    if store is not None and address is not None:
+        argv += ["--store", store, "--address", address]
+    return argv
+
 
 class LaunchError(NetStormError):
     """A cluster or trainer did not start, or stopped early; the message carries its log tail."""

@@ -1,0 +1,153 @@
+"""A DDP communication hook: gloo or NCCL inside a DC, NetStorm across DCs (hybrid replication).
+
+    state = NetStormHookState.connect(group=dc_group)       # the DC's leader joins its node
+    model = DistributedDataParallel(model, process_group=dc_group)
+    model.register_comm_hook(state, netstorm_hook)
+
+For users who keep their fast in-DC collective library and want NetStorm only on the WAN, the replicate
+dimension of hybrid sharding. DDP's process group is the DC's own (gloo, NCCL); each bucket is first
+summed inside the DC on that group, then the DC's leader (one rank per DC, the node's one trainer) sums
+the DC sums through its node, and broadcasts the result back inside the DC, divided by the ranks of the
+whole job. That count travels with the bucket as one extra element (each leader adds its DC's ranks),
+so DCs of different sizes need no configuration. A leader whose node fails broadcasts -1 in that
+element: every rank of its DC raises the error instead of waiting for a broadcast that never comes.
+
+Buckets of any size go through the leader's ``Stage`` (``stage.py``); they run in order on one worker
+thread per state, so backward keeps computing while a bucket crosses the WAN.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.futures import Future
+
+from netstorm.torch import codec
+from netstorm.torch.backend import NetStormBackendError, NetStormWork
+from netstorm.torch.stage import Stage, StageStats
+
+
+class NetStormHookState:
+    """The hook's state: the DC's process group, which rank of it leads, and the leader's stage."""
+
+    def __init__(self, stage: Stage | None, group: dist.ProcessGroup | None = None, leader: int = 0) -> None:
+        self.group = group
+        self.leader = leader
+        """The leader's rank within ``group``."""
+        self.local_rank = dist.get_rank(group)
+        self.local_size = dist.get_world_size(group)
+        self.leader_global = dist.get_global_rank(group, leader) if group is not None else leader
+        if (self.local_rank == leader) != (stage is not None):
+            raise ValueError("exactly the leader holds a stage (a connection to its DC's node)")
+        self.stage = stage
+        self._buckets = 0
+        self._error: BaseException | None = None
+        self._jobs: queue.Queue[tuple[torch.Tensor, NetStormWork] | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name="netstorm-hook", daemon=True)
+        self._worker.start()
+
+    @classmethod
+    def connect(cls, group: dist.ProcessGroup | None = None, *, leader: int = 0, address: str | None = None,
+                round_elements: int | None = None, timeout: float | None = None) -> NetStormHookState:
+        """The leader connects to its node (``address``, else the ``torch_socket`` template, else
+        NETSTORM_SOCKET) and registers the round; the other ranks of the DC only keep the group."""
+        import netstorm
+        from netstorm.config import resolve
+        from netstorm.torch.backend import socket_address
+
+        stage = None
+        if dist.get_rank(group) == leader:
+            config = resolve(environ=os.environ)
+            where = address if address is not None else socket_address(config.torch_socket, dist.get_rank())
+            client = netstorm.connect(where) if timeout is None else netstorm.connect(where, timeout=timeout)
+            try:
+                stage = Stage(client, round_elements or config.torch_round)
+            except BaseException:
+                client.close()
+                raise
+        return cls(stage, group, leader)
+
+    def stats(self) -> StageStats | None:
+        """The leader's counts and seconds (None on the other ranks)."""
+        return self.stage.snapshot() if self.stage is not None else None
+
+    def submit(self, tensor: torch.Tensor) -> NetStormWork:
+        work = NetStormWork()
+        self._jobs.put((tensor, work))
+        return work
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._jobs.put(None)
+            self._worker.join(timeout=5.0)
+        if self.stage is not None:
+            self.stage.close()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            tensor, work = job
+            self._buckets += 1
+            if self._error is not None:
+                work.fail(self._error)
+                continue
+            try:
+                self._sync(tensor)
+            except Exception as exc:  # the bucket's future carries it to DDP as a torch error
+                error = exc if isinstance(exc, NetStormBackendError) else NetStormBackendError(
+                    f"netstorm hook: rank {dist.get_rank()}: bucket #{self._buckets} failed: "
+                    f"{type(exc).__name__}: {exc}")
+                self._error = error
+                work.fail(error)
+                continue
+            work.complete(tensor)
+
+    def _sync(self, tensor: torch.Tensor) -> None:
+        if self.local_size > 1:
+            dist.all_reduce(tensor, group=self.group)
+        packet = torch.empty(tensor.numel() + 1, dtype=torch.float32)
+        if self.stage is not None:
+            began = time.perf_counter()
+            payload = np.concatenate([codec.values(tensor), np.array([self.local_size], np.float32)])
+            self.stage.charge(time.perf_counter() - began)
+            try:
+                summed = self.stage.reduce(payload)
+            except Exception as exc:
+                failure = NetStormBackendError(
+                    f"netstorm hook: DC {self.stage.node_id} (leader rank {dist.get_rank()}): bucket #{self._buckets} "
+                    f"failed after node iteration {self.stage.iteration}: {type(exc).__name__}: {exc}")
+                if self.local_size > 1:
+                    packet.zero_()
+                    packet[-1] = -1.0
+                    dist.broadcast(packet, src=self.leader_global, group=self.group)
+                raise failure from exc
+            began = time.perf_counter()
+            total = summed[-1]
+            packet.copy_(torch.from_numpy(summed))
+            packet[:-1].div_(float(total))
+            self.stage.charge(time.perf_counter() - began)
+        if self.local_size > 1:
+            dist.broadcast(packet, src=self.leader_global, group=self.group)
+        if packet[-1].item() < 0:
+            raise NetStormBackendError(f"netstorm hook: rank {dist.get_rank()}: bucket #{self._buckets}: the DC's "
+                                       f"leader (rank {self.leader_global}) failed to sync it across DCs")
+        with torch.no_grad():
+            tensor.copy_(packet[:-1].reshape(tensor.shape).to(tensor.dtype))
+
+
+def netstorm_hook(state: NetStormHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """DDP comm hook: the bucket's mean over every rank of every DC (see the module docstring)."""
+    return state.submit(bucket.buffer()).get_future()
+
+
+# DDP's register_comm_hook checks the annotations as objects; this module's are strings (postponed).
+netstorm_hook.__annotations__ = {"state": NetStormHookState, "bucket": dist.GradBucket,
+                                 "return": Future[torch.Tensor]}

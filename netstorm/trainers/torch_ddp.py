@@ -1,0 +1,139 @@
+"""The emulator's torch-ddp trainer: a real model trained with DDP, on backend ``netstorm`` or ``gloo``.
+
+``python -m netstorm.trainers.torch_ddp --backend netstorm|gloo --task blobs --rank R --world N --dc D
+--iterations K (--socket PATH | --store HOST:PORT --address ADDR) [--out FILE]``
+
+One process per DC. On ``netstorm`` the rank joins its DC's node (``--socket``) and needs no rendezvous
+(the nodes are the meeting point: a local store is passed to ``init_process_group``); on ``gloo`` rank 0
+serves the rendezvous store on the unshaped management network and gloo's data connections bind to the
+DC's address on the shaped overlay (``--address``). Both run the same DDP: one
+bucket holding the whole gradient (``bucket_cap_mb`` = the model), and on netstorm ``torch_round`` = the
+model, so each step is one all-reduce and one node iteration.
+
+Output: one JSON line per step, in the synthetic trainer's format (iteration, seconds, sync_s, exact,
+dc) plus, from rank 0, the held-out ``loss`` and ``accuracy`` after the step (every rank's model is the
+same under DDP) and, on netstorm, ``overhead_s``: the backend's own seconds in that step (encoding,
+copies, decoding: everything but the node's synchronization, ``node_s``). ``sync_s`` is the time from
+the end of backward's own computation to the end of the step's synchronization: what DDP's overlap did
+not hide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from netstorm.trainers.tasks import TASKS
+
+HELD_OUT = 1000
+HELD_OUT_SEED = 999_999
+
+
+def gloo_group(args: argparse.Namespace, timeout: datetime.timedelta) -> Any:
+    """A gloo process group whose data connections bind to ``--address`` (the DC's overlay address, which
+    may sit on a loopback-like device that GLOO_SOCKET_IFNAME cannot name), its store on ``--store``."""
+    import torch
+    import torch.distributed as dist
+
+    gloo: Any = dist.ProcessGroupGloo  # private options API: typed loosely on purpose
+    host, _, port = args.store.rpartition(":")
+    store = dist.TCPStore(host, int(port), args.world, args.rank == 0, timeout=timeout)
+    options = gloo._Options()
+    options._devices = [gloo.create_device(hostname=args.address)]
+    options._timeout = timeout
+    backend = gloo(store, args.rank, args.world, options)
+    group = dist.ProcessGroup(store, args.rank, args.world)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
+def run(args: argparse.Namespace, stream: IO[str]) -> int:
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from netstorm.trainers import tasks
+
+    torch.set_num_threads(1)
+    spec = TASKS[args.task]
+    timeout = datetime.timedelta(seconds=args.timeout)
+    group: Any
+    if args.backend == "netstorm":
+        import netstorm.torch
+
+        os.environ["NETSTORM_SOCKET"] = args.socket
+        os.environ.setdefault("NETSTORM_TORCH_ROUND", str(spec.parameters))
+        dist.init_process_group("netstorm", store=dist.HashStore(), rank=args.rank, world_size=args.world,
+                                timeout=timeout)
+        group = dist.distributed_c10d._get_default_group()
+    else:
+        group = gloo_group(args, timeout)
+    model = tasks.build_model(args.task, args.seed)
+    bucket_mb = 4 * spec.parameters / 2**20 + 1.0  # one bucket: the whole gradient
+    ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+    opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=0.9)
+    x, y = tasks.make_data(args.task, args.seed + 1 + args.rank, spec.batch * args.iterations)
+    held_x, held_y = tasks.make_data(args.task, HELD_OUT_SEED, HELD_OUT) if args.rank == 0 else (None, None)
+    stats = (lambda: netstorm.torch.stats(group)) if args.backend == "netstorm" else None
+    for k in range(args.iterations):
+        before = stats() if stats is not None else None
+        start = time.perf_counter()
+        opt.zero_grad()
+        batch = slice(k * spec.batch, (k + 1) * spec.batch)
+        loss = torch.nn.functional.cross_entropy(ddp(x[batch]), y[batch])
+        loss.backward()  # DDP's all-reduce runs during backward; backward returns once it is done
+        opt.step()
+        seconds = time.perf_counter() - start
+        record: dict[str, Any] = {"iteration": k, "seconds": seconds, "exact": True, "dc": args.dc,
+                                  "t": time.time(), "train_loss": float(loss.item())}
+        if stats is not None and before is not None:
+            after = stats()
+            record["overhead_s"] = after.overhead_s - before.overhead_s
+            record["node_s"] = after.node_s - before.node_s
+            record["sync_s"] = record["node_s"] + record["overhead_s"]
+            record["node_iterations"] = after.iterations - before.iterations
+        if held_x is not None and held_y is not None:
+            record["loss"], record["accuracy"] = tasks.evaluate(model, held_x, held_y)
+        stream.write(json.dumps(record) + "\n")
+        stream.flush()
+    group.barrier().wait()  # leave together: a rank that exits early breaks the others' last collective
+    if args.backend == "netstorm":
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.torch_ddp", description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", choices=["netstorm", "gloo"], required=True)
+    parser.add_argument("--task", choices=list(TASKS), default=next(iter(TASKS)))
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--dc", type=int, required=True, help="this DC's id (for the output)")
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0, help="model and data seed (every rank the same model)")
+    parser.add_argument("--socket", default=None, help="netstorm: this DC's node trainer socket")
+    parser.add_argument("--store", default=None, help="gloo: HOST:PORT of the rendezvous store (rank 0 serves it)")
+    parser.add_argument("--address", default=None, help="gloo: the address gloo's data connections use")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any collective may take")
+    parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
+    args = parser.parse_args(argv)
+    if args.backend == "netstorm" and not args.socket:
+        parser.error("--backend netstorm needs --socket")
+    if args.backend == "gloo" and not (args.store and args.address):
+        parser.error("--backend gloo needs --store and --address")
+    if args.out is None:
+        return run(args, sys.stdout)
+    with Path(args.out).open("w") as stream:
+        return run(args, stream)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The ``netstorm`` process-group backend and the DDP comm hook over a ``netstorm local`` cluster.
+
+Ranks are real processes (torch.distributed keeps one default group per process): started by hand with
+the env:// variables, or by torchrun. Every check compares with numbers computed independently: one
+process training on the union of the shards, or each rank's inputs rebuilt from their seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netstorm.trainers.launch import Cluster, descendants, local_cluster
+
+pytestmark = [pytest.mark.torch, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Ranks:
+    """Rank processes with their own environments; their stdout JSON lines in one queue."""
+
+    def __init__(self, argvs: Sequence[Sequence[str]], envs: Sequence[dict[str, str]], log_dir: Path) -> None:
+        self.lines: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
+        self.logs = [log_dir / f"rank-{i}.log" for i in range(len(argvs))]
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self.seen: list[tuple[int, dict[str, Any]]] = []
+        """Every line read so far: ``until`` looks here first, so no wait misses another's line."""
+        for i, (argv, env) in enumerate(zip(argvs, envs, strict=True)):
+            with self.logs[i].open("wb") as log:
+                process = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                                           env={**os.environ, "PYTHONUNBUFFERED": "1", **env})
+            self.processes.append(process)
+            threading.Thread(target=self._read, args=(i, process), daemon=True).start()
+
+    def _read(self, index: int, process: subprocess.Popen[bytes]) -> None:
+        assert process.stdout is not None
+        for raw in iter(process.stdout.readline, b""):
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                record = {"text": raw.decode(errors="replace").strip()}
+            self.lines.put((index, record if isinstance(record, dict) else {"value": record}))
+        process.wait()
+        self.lines.put((index, None))
+
+    def until(self, predicate: Any, what: str, within: float) -> tuple[int, dict[str, Any]]:
+        """The first line (of any rank) ``predicate(index, record)`` accepts, or fail naming ``what``; a line
+        accepted once is consumed."""
+        for position, (index, record) in enumerate(self.seen):
+            if predicate(index, record):
+                del self.seen[position]
+                return index, record
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                pytest.fail(f"no {what} within {within:g} s; logs {[str(p) for p in self.logs]}")
+            try:
+                index, record = self.lines.get(timeout=left)
+            except queue.Empty:
+                continue
+            if record is None:
+                pytest.fail(f"rank {index} exited ({self.processes[index].poll()}) before any {what}: "
+                            f"{self.logs[index].read_text()[-2000:]}")
+            if predicate(index, record):
+                return index, record
+            self.seen.append((index, record))
+
+    def wait(self, within: float) -> list[int]:
+        deadline = time.monotonic() + within
+        codes = []
+        for i, process in enumerate(self.processes):
+            try:
+                codes.append(process.wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"rank {i} still running after {within:g} s: {self.logs[i].read_text()[-2000:]}")
+        return codes
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def ranks_started() -> Iterator[list[Ranks]]:
+    started: list[Ranks] = []
+    yield started
+    for ranks in started:
+        ranks.stop()
+
+
+def env_rank(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), **extra}
+
+
+def test_ddp_on_netstorm_matches_one_process_training_step_for_step(tmp_path: Path,
+                                                                     ranks_started: list[Ranks]) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "5", "--check"]
+        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
+                      tmp_path)
+        ranks_started.append(ranks)
+        assert ranks.wait(within=240) == [0, 0, 0], [log.read_text()[-2000:] for log in ranks.logs]
+    # the check redone here from the saved parameters: every rank the same model after every step
+    runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(3)]
+    for other in runs[1:]:
+        assert np.array_equal(other, runs[0])
+    assert not np.allclose(runs[0][0], runs[0][-1])
+
+
+def test_several_ranks_per_dc_are_trainers_of_its_node(tmp_path: Path, ranks_started: list[Ranks]) -> None:
+    """Two DCs of two ranks each (``trainers`` 2): each node sums its ranks, DDP still matches one process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(2, tmp_path / "run", flags=["--trainers", "2"], ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "4", "--check"]
+        ranks = Ranks([argv] * 4, [env_rank(r, 4, port, NETSTORM_SOCKET=cluster.socket(1 + r // 2))
+                                   for r in range(4)], tmp_path)
+        ranks_started.append(ranks)
+        checks = [ranks.until(lambda i, rec: i == 0 and "check" in rec, "check line", within=240)[1]
+                  for _ in range(5)]
+        assert ranks.wait(within=60) == [0, 0, 0, 0]
+    assert all(c["close"] for c in checks), checks
+    runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(4)]
+    assert all(np.array_equal(other, runs[0]) for other in runs[1:])
+
+
+def test_ddp_check_lines_report_every_step_close(tmp_path: Path, ranks_started: list[Ranks]) -> None:
+    """The same run, read from rank 0's own comparison with one process (the example's --check)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "4", "--check"]
+        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
+                      tmp_path)
+        ranks_started.append(ranks)
+        checks = [ranks.until(lambda i, rec: i == 0 and "check" in rec, "check line", within=240)[1]
+                  for _ in range(5)]
+        assert ranks.wait(within=60) == [0, 0, 0]
+    assert [c["check"] for c in checks] == list(range(5))
+    assert all(c["close"] for c in checks), checks
+
+
+def link_sockets(cluster: Cluster, name: str, nodes: Sequence[int]) -> str:
+    """``RUN/<name>-<i>.sock`` -> node ``nodes[i]``'s socket; returns the torch_socket template."""
+    for i, node in enumerate(nodes):
+        os.symlink(cluster.socket(node), cluster.run_dir / f"{name}-{i}.sock")
+    return str(cluster.run_dir / f"{name}-{{rank}}.sock")
+
+
+def torchrun(nproc: int, script: Path, args: Sequence[str]) -> list[str]:
+    return [str(TORCHRUN), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port",
+            str(free_port()), str(script), *args]
+
+
+@pytest.mark.skipif(shutil.which(str(TORCHRUN)) is None, reason="torchrun is not installed beside python")
+def test_torchrun_ranks_find_their_nodes_and_match_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+        template = link_sockets(cluster, "dc", [1, 2, 3])
+        run = subprocess.run(torchrun(3, EXAMPLES / "ddp_train.py", ["--out", str(out), "--steps", "4", "--check"]),
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "NETSTORM_TORCH_SOCKET": template})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "MATCH: 3 ranks on netstorm" in run.stdout
+    runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(3)]
+    assert all(np.array_equal(other, runs[0]) for other in runs[1:])
+
+
+@pytest.mark.skipif(shutil.which(str(TORCHRUN)) is None, reason="torchrun is not installed beside python")
+def test_hybrid_hook_gloo_inside_netstorm_across_matches_one_process(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(2, tmp_path / "run", ready_timeout=90) as cluster:
+        # ranks 0-1 are DC 1, ranks 2-3 DC 2; only each DC's leader (ranks 0 and 2) joins a node
+        os.symlink(cluster.socket(1), cluster.run_dir / "rank-0.sock")
+        os.symlink(cluster.socket(2), cluster.run_dir / "rank-2.sock")
+        run = subprocess.run(torchrun(4, EXAMPLES / "hybrid_hook.py",
+                                      ["--out", str(out), "--ranks-per-dc", "2", "--steps", "4", "--check"]),
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "NETSTORM_TORCH_SOCKET": str(cluster.run_dir / "rank-{rank}.sock")})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "MATCH: 4 ranks in 2 DCs" in run.stdout
+    checks = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"check"')]
+    assert len(checks) == 5 and all(c["close"] for c in checks)
+
+
+def test_every_collective_is_exact_on_the_netstorm_backend(tmp_path: Path, ranks_started: list[Ranks]) -> None:
+    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(ROOT / "tests" / "torch_ranks.py")]
+        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
+                      tmp_path)
+        ranks_started.append(ranks)
+        reports = dict(ranks.until(lambda i, rec: "ok" in rec, "a rank's report", within=240) for _ in range(3))
+        codes = ranks.wait(within=60)
+    assert codes == [0, 0, 0], [log.read_text()[-2000:] for log in ranks.logs]
+    assert sorted(reports) == [0, 1, 2]
+    assert all(r["ok"] and r["checks"] == 16 for r in reports.values()), reports
+    # the init round is no collective; the barrier and the small collectives are one iteration each
+    assert len({r["iterations"] for r in reports.values()}) == 1
+
+
+def node_pid(cluster: Cluster, node_id: int) -> int:
+    for pid in descendants(cluster.process.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"node" in argv and b"--id" in argv and argv[argv.index(b"--id") + 1] == str(node_id).encode():
+            return pid
+    raise AssertionError(f"no process of node {node_id}")
+
+
+def test_a_dc_killed_mid_step_gives_the_others_a_torch_error_naming_dc_and_iteration(
+        tmp_path: Path, ranks_started: list[Ranks]) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+        port = free_port()
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "6",
+                "--stall", "2:3", "--timeout", "60"]
+        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
+                      tmp_path)
+        ranks_started.append(ranks)
+        ranks.until(lambda i, rec: i == 2 and rec.get("stalled") == 3, "stall of rank 2 at step 3", within=240)
+        for rank in (0, 1):  # both are past step 2 and wait in step 3's all-reduce
+            ranks.until(lambda i, rec, r=rank: i == r and rec.get("step") == 2, f"step 2 of rank {rank}", within=60)
+        killed_at = time.monotonic()
+        os.kill(node_pid(cluster, 3), signal.SIGKILL)  # DC 3: its node and its rank
+        ranks.processes[2].kill()
+        errors: dict[int, dict[str, Any]] = {}
+        while len(errors) < 2:
+            index, record = ranks.until(lambda i, rec: i in (0, 1) and "error" in rec, "torch error", within=90)
+            errors[index] = record
+        assert ranks.processes[0].wait(timeout=30) == 3 and ranks.processes[1].wait(timeout=30) == 3
+        elapsed = time.monotonic() - killed_at
+    assert elapsed < 90
+    for rank, record in sorted(errors.items()):
+        print(f"rank {rank}: {record['type']}: {record['error']}")  # shown with -s
+    for rank, record in errors.items():
+        message = record["error"]
+        assert record["type"] in ("RuntimeError", "NetStormBackendError", "DistBackendError"), record
+        assert f"DC {rank + 1}" in message and "iteration" in message, message
+        assert "node 3" in message, message

@@ -1,0 +1,72 @@
+"""A collective of any size through one registered round: pieces, padding, order and the sums."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from netstorm.torch.stage import ROUND_NAME, Stage
+
+pytestmark = pytest.mark.torch
+
+
+class Ranks:
+    """Three ranks' clients in one process: rank i's k-th push_pull sums with the others' k-th."""
+
+    def __init__(self, offsets: list[float]) -> None:
+        self.offsets = offsets
+        self.registered: dict[str, tuple[int, ...]] = {}
+        self.pushes: list[np.ndarray] = []
+
+    num_workers = 3
+    node_id = 1
+    iteration = 0
+
+    def init(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.registered = {name: tuple(t.shape) for name, t in tensors.items()}
+        return {name: t.copy() for name, t in tensors.items()}
+
+    def push_pull(self, tensors: dict[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        values = tensors[ROUND_NAME].copy()
+        self.pushes.append(values)
+        total = sum(values + np.float32(offset) * (values != 0) for offset in self.offsets)
+        self.iteration += 1
+        return {ROUND_NAME: (total / np.float32(3)) if average else total}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("size", [0, 1, 9, 10, 11, 35])
+def test_a_payload_takes_ceil_size_over_round_iterations_the_last_padded(size: int) -> None:
+    ranks = Ranks([0.0, 1.0, 2.0])
+    stage = Stage(ranks, 10)
+    assert ranks.registered == {ROUND_NAME: (10,)}
+    payload = np.arange(1, size + 1, dtype=np.float32)
+    out = stage.reduce(payload)
+    expected = 3 * payload + np.float32(3.0)
+    np.testing.assert_array_equal(out, expected)
+    iterations = max(1, -(-size // 10))
+    assert len(ranks.pushes) == iterations
+    assert all(p.size == 10 for p in ranks.pushes)
+    assert np.array_equal(np.concatenate(ranks.pushes)[:size], payload)
+    assert not np.concatenate(ranks.pushes)[size:].any()  # the padding is zeros
+    stats = stage.snapshot()
+    assert (stats.collectives, stats.iterations, stats.elements) == (1, iterations, size)
+    assert stats.padded == iterations * 10 - size
+
+
+def test_average_divides_by_the_ranks_the_node_counts() -> None:
+    stage = Stage(Ranks([0.0, 0.0, 0.0]), 4)
+    out = stage.reduce(np.array([3.0, 6.0, 9.0], np.float32), average=True)
+    np.testing.assert_allclose(out, [3.0, 6.0, 9.0])
+
+
+def test_collectives_in_order_each_gets_its_own_iterations() -> None:
+    ranks = Ranks([0.0, 0.0, 0.0])
+    stage = Stage(ranks, 4)
+    a = stage.reduce(np.ones(6, np.float32))
+    b = stage.reduce(np.full(2, 2.0, np.float32))
+    np.testing.assert_array_equal(a, np.full(6, 3.0))
+    np.testing.assert_array_equal(b, np.full(2, 6.0))
+    assert len(ranks.pushes) == 3 and stage.snapshot().padded == 2 + 2
