@@ -127,10 +127,17 @@ class ErrorFrame(_Header, frozen=True):
         return _decode(_ERROR, data, "Error")
 
 
-WIRE_DTYPES: dict[str, int] = {"float32": 4}
-"""Payload dtypes on the wire (little-endian) and their item sizes; sums always travel as float32."""
+WIRE_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "uint8": 1, "int8": 1, "int16": 2, "int32": 4}
+"""Payload dtypes on the wire (little-endian) and their item sizes. Float chunks travel as float32 (or
+float16 with the fp16 compression); integer chunks in the narrowest integer dtype holding the sum."""
 
-WireDtype = Literal["float32"]
+WIRE_FORMATS: dict[str, str] = {"float32": "<f4", "float16": "<f2", "uint8": "u1", "int8": "i1",
+                                "int16": "<i2", "int32": "<i4"}
+"""The numpy format of each wire dtype, for receiving a payload straight into an array."""
+
+FLOAT_WIRE = frozenset({"float32", "float16"})
+
+WireDtype = Literal["float32", "float16", "uint8", "int8", "int16", "int32"]
 
 
 class ChunkHeader(_Header, frozen=True):
@@ -157,6 +164,8 @@ class ChunkHeader(_Header, frozen=True):
     is_aux: bool = msgspec.field(name="aux")
     path: Path
     count: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNK_ELEMENTS)]
+    """Elements in the payload: the chunk's leading elements; the rest of the chunk is zero (a sender
+    elides the all-zero tail, so sparse chunks cost what they hold)."""
     dtype: WireDtype = "float32"
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ raised; the client raises the exception class of that code.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -64,6 +64,9 @@ class InitRequest(_Message, frozen=True, tag="init"):
 
     tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     shm: Name
+    compression: Literal["none", "fediac", "topk", "fp16"] = "none"
+    """The job's compression as this trainer runs it; "fp16" makes the nodes send float chunks as float16
+    (the others run in the trainer over integer tensors and need nothing of the node)."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):

@@ -301,9 +301,11 @@ class GeneralNode:
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
-    async def register(self, specs: Sequence[TensorSpec]) -> Layout:
-        """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees."""
-        layout = Layout.build(specs, self.config.chunk_size)
+    async def register(self, specs: Sequence[TensorSpec], compression: str = "none") -> Layout:
+        """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees. The job's
+        ``compression`` (this node's option or the trainer's) of fp16 sends float chunks as float16."""
+        fp16 = "fp16" in (compression, self.config.compression)
+        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32")
         if self.layout is not None:
             if layout.hash != self.layout.hash:
                 raise LayoutError(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
@@ -312,7 +314,7 @@ class GeneralNode:
         assert self.control is not None
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
-            return await self.register(specs)
+            return await self.register(specs, compression)
         # a DC admitted into a running job starts at its boundary iteration
         self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
