@@ -119,6 +119,8 @@ class Registry:
         """The newest iteration the node has reported to this trainer (-1 before init)."""
         self.contributors: tuple[int, ...] = ()
         """The DCs whose gradients the latest result holds."""
+        self.wan_bytes = 0
+        """Bytes the node queued on WAN links for the latest result's iteration, as it replied."""
         self.provider: Callable[[], Mapping[str, np.ndarray]] | None = None
         """The trainer's current model, asked for when this DC hands it to an admitted DC."""
 
@@ -278,6 +280,7 @@ class Registry:
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
         self.num_workers = reply.workers
+        self.wan_bytes = reply.wan_bytes
         if reply.contributors:
             self.contributors = reply.contributors
         return self.results(names, payload)
@@ -324,6 +327,12 @@ class RegistryView:
     @property
     def node_id(self) -> int:
         return self.registry.node_id
+
+    @property
+    def wan_bytes(self) -> int:
+        """Bytes of chunk frames this DC's node queued on WAN links for the latest result's iteration (as
+        of its reply; frames relayed later for it are not in). Summed over DCs: the iteration's traffic."""
+        return self.registry.wan_bytes
 
     @property
     def iteration(self) -> int:

@@ -194,6 +194,11 @@ class ChunkHeader(_Header, frozen=True):
         return _decode(_CHUNK, data, "Chunk")
 
 
+def frame_size(header: ChunkHeader) -> int:
+    """Bytes a chunk frame takes on the wire: prefix, header and payload (what ``wan_bytes`` counts)."""
+    return PREFIX_SIZE + len(_ENCODER.encode(header)) + header.payload_len
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 _HELLO = msgspec.msgpack.Decoder(Hello)
 _ERROR = msgspec.msgpack.Decoder(ErrorFrame)

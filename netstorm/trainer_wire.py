@@ -111,6 +111,9 @@ class PullReply(_Message, frozen=True, tag="result"):
     job's after a DC died), each DC's trainer and its gateway's LAN workers."""
     contributors: NodeIds = ()
     """The DCs whose gradients these sums hold: the membership the scheduler bound to the iteration."""
+    wan_bytes: Count = 0
+    """Bytes this DC's node queued on WAN links for the iteration so far (prefix, header and payload of
+    every chunk frame, relays included); summed over the DCs, the iteration's WAN traffic."""
 
 
 class ModelWanted(_Message, frozen=True, tag="model_wanted"):

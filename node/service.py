@@ -27,7 +27,7 @@ from netstorm.authconn import Credentials
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
-from netstorm.frames import ChunkHeader, ErrorFrame, Hello
+from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -52,6 +52,9 @@ from node.peers import InboundProtocol, PeerError, PeerLink
 from node.sendqueue import Outgoing
 
 log = logging.getLogger("netstorm.node")
+
+WAN_HISTORY = 256
+"""Iterations whose WAN bytes a node keeps (a trainer reads an iteration's with its result)."""
 
 BOUNDARY_UNKNOWN = 2**62
 """The chunk horizon of a node admitted into a running job until its layout names its first iteration."""
@@ -157,6 +160,8 @@ class GeneralNode:
         self.control: Control | None = None
         self.members: dict[int, tuple[str, int]] = {}
         self.links: dict[int, PeerLink] = {}
+        self.wan_sent: dict[int, int] = {}
+        """Per iteration, bytes of the chunk frames this node queued on its WAN links."""
         self._inbound: set[InboundProtocol] = set()
         self._inbound_by_peer: dict[int, InboundProtocol] = {}
         self._server: asyncio.Server | None = None
@@ -570,6 +575,7 @@ class GeneralNode:
         for action in actions:
             if isinstance(action, SendFrame):
                 self.links[action.link].enqueue(Outgoing(action.header, action.payload, action.ticket))
+                self._count_wan(action.header)
             elif isinstance(action, MoveFrame):
                 item = self.links[action.source].take_back(action.ticket)
                 self.links[action.target].enqueue(Outgoing(action.header, item.payload, action.ticket))
@@ -592,6 +598,17 @@ class GeneralNode:
             elif isinstance(action, Released):
                 self._release(action)
         self._rearm()
+
+    def _count_wan(self, header: ChunkHeader) -> None:
+        """Add a frame to its iteration's WAN bytes; only the newest ``WAN_HISTORY`` iterations are kept."""
+        sent = self.wan_sent
+        if header.iteration not in sent and len(sent) >= WAN_HISTORY:
+            del sent[min(sent)]
+        sent[header.iteration] = sent.get(header.iteration, 0) + frame_size(header)
+
+    def wan_bytes(self, iteration: int) -> int:
+        """Bytes of chunk frames this node queued on WAN links for ``iteration`` (0 when not held)."""
+        return self.wan_sent.get(iteration, 0)
 
     def _ask_policy(self, iteration: int) -> None:
         if self._tg is None:

@@ -291,7 +291,8 @@ class TrainerEndpoint:
             iteration = self.ranks.pull_iteration(rank, keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
             return tw.PullReply(iteration, request.names, node.contributor_count(iteration),
-                                tuple(node.contributors(iteration)) if keys else ()), out
+                                tuple(node.contributors(iteration)) if keys else (),
+                                node.wan_bytes(iteration) if keys else 0), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
     async def _init(self, session: _Session, request: tw.InitRequest, payload: bytes) -> tuple[tw.Message, bytes]:
