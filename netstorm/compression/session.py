@@ -222,6 +222,15 @@ class CompressedClient:
     def last(self) -> RoundStats:
         return self._need_rounds().last
 
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (the underlying client's count)."""
+        return self.client.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.client.node_id
+
     def _need_rounds(self) -> Rounds:
         if self.rounds is None:
             raise RuntimeError("call init before push_pull")
@@ -264,6 +273,15 @@ class AsyncCompressedClient:
         if self.rounds is None:
             raise RuntimeError("call init before push_pull")
         return self.rounds.last
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (the underlying client's count)."""
+        return self.client.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.client.node_id
 
 
 def _averaged(tensors: Tensors, contributors: int) -> Tensors:
