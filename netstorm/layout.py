@@ -10,7 +10,9 @@ frame per bias.
 
 Integer tensors (``INT_DTYPES``: vote counts, quantized values) are summed exactly as integers by the
 nodes and travel as narrow integer lanes. They are laid out after the float tensors, grouped by dtype,
-and a chunk never mixes lanes, so every chunk has one lane dtype (``Chunk.dtype``). ``float_wire`` says
+and a chunk never mixes lanes, so every chunk has one lane dtype (``Chunk.dtype``); ``chunk_size`` counts
+float32 elements, and an integer chunk holds as many bytes of its dtype (four times the elements for
+uint8), so a sparse method's extra tensors do not multiply the frames. ``float_wire`` says
 how float chunks travel between nodes (float32, or float16 for the fp16 compression); the hash covers
 every dtype and the float wire, so DCs that disagree on either fail at registration.
 """
@@ -151,11 +153,13 @@ class Layout:
                 open_lane = lane(spec.dtype)
             if int_start is None and spec.dtype in INT_DTYPES:
                 int_start = position
-            if size > chunk_size:
+            # chunk_size counts float32 elements; an integer lane's chunks hold as many bytes of its dtype
+            limit = chunk_size * 4 // TENSOR_DTYPES[spec.dtype].itemsize if spec.dtype in INT_DTYPES else chunk_size
+            if size > limit:
                 if open_start is not None and position > open_start:
                     bounds.append((open_start, position - open_start))
                 open_start = None
-                pieces = -(-size // chunk_size)
+                pieces = -(-size // limit)
                 base, extra = divmod(size, pieces)
                 start = position
                 for i in range(pieces):
@@ -163,7 +167,7 @@ class Layout:
                     bounds.append((start, count))
                     start += count
             else:
-                if open_start is not None and position + size - open_start > chunk_size:
+                if open_start is not None and position + size - open_start > limit:
                     bounds.append((open_start, position - open_start))
                     open_start = None
                 if open_start is None:

@@ -37,7 +37,7 @@ import enum
 import numpy as np
 
 from netstorm.errors import ChunkError
-from netstorm.frames import FLOAT_WIRE, WIRE_FORMATS, ChunkHeader, Phase
+from netstorm.frames import FLOAT_WIRE, WIRE_FORMATS, ChunkHeader, Phase, WireDtype
 from netstorm.layout import INT_EXACT, Chunk, Layout
 from netstorm.planning.allot import allot_chunks
 from netstorm.policy import Policy
@@ -449,7 +449,7 @@ class ChunkCore:
         return ChunkHeader(iteration=state.number, chunk=index, root=state.roots[index], phase=phase,
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
                            t_send=0.0, is_aux=False, path=(self.node_id, dst), count=payload.size,
-                           dtype=payload.dtype.name)  # type: ignore[arg-type]  # a WIRE_DTYPES name
+                           dtype=_WIRE_NAMES[payload.dtype])
 
     def _sums(self, state: _Iteration, chunk: Chunk) -> np.ndarray:
         """Where chunk ``chunk``'s sum accumulates: its span of the float32 or the int32 vector."""
@@ -483,6 +483,9 @@ class ChunkCore:
         raise AssertionError("int32 holds every sum within 2**24")
 
 
+
+_WIRE_NAMES: dict[np.dtype, WireDtype] = {np.dtype(fmt): name for name, fmt in WIRE_FORMATS.items()}  # type: ignore[misc]
+"""A payload's wire dtype name (looked up once: ``dtype.name`` costs a string build per frame)."""
 
 _NARROWEST: dict[bool, tuple[str, ...]] = {
     True: ("uint8", "int16", "int32"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from netstorm.emulation import compressed
@@ -19,15 +21,16 @@ def test_rows_are_named_per_compression() -> None:
 
 
 def test_collect_sums_the_dcs_bytes_per_iteration_and_checks_they_agree() -> None:
-    records = {
+    records: dict[str, list[dict[str, Any]]] = {
         "1": [{"iteration": 0, "wan_bytes": 100, "round_trips": 1, "gia": 0, "rel_error": 0.0},
-              {"iteration": 1, "wan_bytes": 40, "round_trips": 2, "gia": 7, "rel_error": 0.5}],
+              {"iteration": 1, "wan_bytes": 40, "round_trips": 2, "gia": 7, "rel_error": 0.5, "round_s": [0.5, 0.2]}],
         "2": [{"iteration": 0, "wan_bytes": 300, "round_trips": 1, "gia": 0, "rel_error": 0.0},
-              {"iteration": 1, "wan_bytes": 60, "round_trips": 2, "gia": 7, "rel_error": 0.5}],
+              {"iteration": 1, "wan_bytes": 60, "round_trips": 2, "gia": 7, "rel_error": 0.5, "round_s": [0.7, 0.1]}],
     }
     stats = compressed.collect(records, 3)
     assert stats["wan_bytes"] == [400, 100] and stats["wan_bytes_total"] == 500
     assert stats["round_trips"] == [1, 2] and stats["gia"] == [0, 7] and stats["dcs_agree"] is True
+    assert stats["vote_round_s"] == [0.7]
     records["2"][1]["rel_error"] = 0.25
     assert compressed.collect(records, 3)["dcs_agree"] is False
     plain = compressed.collect({"1": [{"iteration": 0, "wan_bytes": 5}]}, 1)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Generator, Mapping
 from typing import Any, Protocol
 
@@ -31,12 +32,17 @@ import numpy as np
 
 from netstorm.compression import bitwidth, quantize
 from netstorm.compression.codecs import FediacCodec, TopkCodec, ValueRound
-from netstorm.compression.options import MAX_BITS, CompressionOptions
+from netstorm.compression.options import CompressionOptions
 
 PREFIX = "netstorm.compress."
 VOTES = PREFIX + "votes"
 SCALE = PREFIX + "scale"
 VALUES = PREFIX + "values"
+
+DERIVED_BITS_MAX = 16
+"""A derived b is capped here: the values are registered as int16 before b is known (an int32 lane
+would double their frames); the paper's bound lands at 12-14 bits at ResNet-18 scale. A larger b is
+set with ``fediac_bits``; ``Rounds.derived_bits`` keeps what Corollary 1 asked for."""
 
 Tensors = dict[str, np.ndarray]
 Round = Generator[Tensors, Tensors, Tensors]
@@ -55,6 +61,8 @@ class RoundStats:
     """What the GIA as a bitmap would take (d/8): a root thresholding the counts would send this down."""
     wan_bytes: int = 0
     """Bytes this DC's node queued on WAN links over the iteration's rounds (``Client.wan_bytes``)."""
+    round_s: tuple[float, ...] = ()
+    """Seconds each round's push_pull took (the vote round first): the vote round trip, measured."""
 
 
 class Rounds:
@@ -73,6 +81,7 @@ class Rounds:
         self.last = RoundStats()
         self._zeros: Tensors = {}
         self._rng = np.random.default_rng([seed, 0])
+        self.derived_bits = 0
 
     # ---- registration -------------------------------------------------------------------------------
 
@@ -86,7 +95,7 @@ class Rounds:
         out[VOTES] = np.zeros(d, dtype=np.uint8)
         if self.options.method == "fediac":
             out[SCALE] = np.zeros(quantize.SCALE_BUCKETS, dtype=np.uint8)
-            lane = quantize.lane_dtype(self.bits) if self.bits else "int32"
+            lane = quantize.lane_dtype(self.bits or DERIVED_BITS_MAX)
             out[VALUES] = np.zeros(d, dtype=lane)
         else:
             out[VALUES] = np.zeros(d, dtype=np.float32)
@@ -154,7 +163,8 @@ class Rounds:
             derived = bitwidth.derive_bits(mean, self.contributors, self.options.k_of(self.elements), threshold)
         except ValueError:  # a zero or constant update: nothing to fit; the lane's own width
             derived = 16
-        self.bits = max(least, min(MAX_BITS, derived))
+        self.bits = max(least, min(DERIVED_BITS_MAX, derived))
+        self.derived_bits = derived
         self._fediac(self._rng)
         self.last = RoundStats(round_trips=1, dense=True, bits=self.bits)
         return summed
@@ -209,13 +219,17 @@ class CompressedClient:
         steps = rounds.iteration(tensors)
         push = next(steps)
         wan = 0
+        times: list[float] = []
         while True:
+            start = time.perf_counter()
             result = self.client.push_pull(push)
+            times.append(time.perf_counter() - start)
             wan += getattr(self.client, "wan_bytes", 0)
             try:
                 push = steps.send(result)
             except StopIteration as done:
                 rounds.last.wan_bytes = wan
+                rounds.last.round_s = tuple(times)
                 return _averaged(done.value, rounds.contributors if average else 0)
 
     @property
@@ -259,13 +273,17 @@ class AsyncCompressedClient:
         steps = rounds.iteration(tensors)
         push = next(steps)
         wan = 0
+        times: list[float] = []
         while True:
+            start = time.perf_counter()
             result = await self.client.push_pull(push)
+            times.append(time.perf_counter() - start)
             wan += getattr(self.client, "wan_bytes", 0)
             try:
                 push = steps.send(result)
             except StopIteration as done:
                 rounds.last.wan_bytes = wan
+                rounds.last.round_s = tuple(times)
                 return _averaged(done.value, rounds.contributors if average else 0)
 
     @property

@@ -38,6 +38,7 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
     ran), the GIA size, and whether every DC decoded the same sum (same GIA size and error)."""
     wan: list[int] = []
     trips: list[int] = []
+    vote_s: list[float] = []
     gia: list[int] = []
     errors: list[float] = []
     agree = True
@@ -48,6 +49,9 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
         wan.append(sum(int(r.get("wan_bytes", 0)) for r in rows))
         trips.append(max(int(r.get("round_trips", 1)) for r in rows))
         gia.append(max(int(r.get("gia", 0)) for r in rows))
+        rounds = [r["round_s"] for r in rows if len(r.get("round_s", ())) == 2]
+        if rounds:  # the vote round's push_pull, the slowest DC's
+            vote_s.append(round(max(float(s[0]) for s in rounds), 4))
         if any("rel_error" in r for r in rows):
             seen = {(r.get("gia"), r.get("rel_error")) for r in rows}
             agree &= len(seen) == 1
@@ -55,6 +59,8 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
     out: dict[str, Any] = {"wan_bytes": wan, "round_trips": trips, "wan_bytes_total": sum(wan)}
     if any(gia):
         out["gia"] = gia
+    if vote_s:
+        out["vote_round_s"] = vote_s
     if errors:
         out["rel_error"] = [round(e, 6) for e in errors]
         out["dcs_agree"] = agree

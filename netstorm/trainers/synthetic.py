@@ -344,7 +344,8 @@ def _compressed_record(kv: Any, pattern: GradientPattern, k: int, workers: int, 
     """What a compressed iteration reports instead of an exact verdict."""
     stats: RoundStats = kv.last
     record: dict[str, Any] = {"exact": None, "round_trips": stats.round_trips, "gia": stats.gia,
-                              "bits": stats.bits, "dense": stats.dense, "wan_bytes": stats.wan_bytes}
+                              "bits": stats.bits, "dense": stats.dense, "wan_bytes": stats.wan_bytes,
+                              "round_s": list(stats.round_s)}
     if members_sum is not None:
         want = pattern.expected(k, workers, int(members_sum))
         error = sum(float(np.sum((result[n].astype(np.float64) - want[n]) ** 2)) for n in want)
