@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 
 from netstorm.compression import voting
+from netstorm.config import Config
 from netstorm.errors import ChunkError, FrameError
 from netstorm.frames import WIRE_DTYPES, WIRE_FORMATS, ChunkHeader, Phase, decode_header, decode_prefix
 from netstorm.layout import INT_EXACT, Layout, TensorSpec
 from netstorm.planning.plan import plan
 from node.chunks import IterationDone, IterationFailed
+from node.core import NodeCore
 from tests.test_chunks import RING5, Network, make, rates
 
 NODES = [1, 2, 3, 4, 5]
@@ -219,3 +221,15 @@ def test_hostile_frames_with_bad_dtype_or_length_are_rejected() -> None:
     lying = prefix._replace(payload_len=7 * 4)  # 7 int16 are 14 bytes, not 28
     with pytest.raises(FrameError, match="needs 14 payload bytes"):
         decode_header(lying, frame[-prefix.header_len:])
+
+
+def test_the_node_core_admits_by_the_same_checks() -> None:
+    """``NodeCore.admit`` (what the shell asks before allocating a payload) refuses a wrong dtype too."""
+    layout = Layout.build(MIXED, 16)
+    core = NodeCore(1, Config())
+    core.join(Config(), NODES, {})
+    core.register(layout, {}, 0.0)
+    int_chunk = next(c for c in layout.chunks if c.dtype == "uint8")
+    assert core.admit(_hop(layout, int_chunk.index, 3, "int16")) is True
+    with pytest.raises(ChunkError, match="float32 payload for a uint8 chunk"):
+        core.admit(_hop(layout, int_chunk.index, 3, "float32"))
