@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from netstorm.emulation import plots, results
+    from netstorm.emulation import compressed, plots, results
 
     loaded = []
     for name in args.result:
@@ -39,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
         if i:
             print()
         print(results.summary(result))
+        for line in compressed.summary_lines(result):  # rows of `emulate --compression`
+            print(line)
         if not args.no_plots:
             for plot in plots.draw_all(result, Path(args.plots) if args.plots else path.parent, path.stem):
                 print(f"plot: {plot}", file=sys.stderr)
