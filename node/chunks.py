@@ -19,14 +19,15 @@ exists (``NodeCore.admit``), so nothing is buffered for a layout that does not e
 
 Integer chunks (vote counts, quantized values: ``layout.INT_DTYPES``) are summed exactly in an int32
 vector beside the float one, and each hop travels in the narrowest integer dtype that holds its partial
-sum (uint8 or int8, int16, int32; the receiver reads it from the header), so a lane never wraps and a
-sum that fits a narrower dtype costs no more than it needs. Every integer contribution and sum is
-bounded by ``INT_EXACT`` (2**24, what the trainer's float32 path holds exactly): a larger one fails the
-iteration, as no correct trainer sends it; with fewer than 128 children per node the int32 sums cannot
-wrap before that check. A sender elides a chunk's all-zero tail (the header's count says how many
-leading elements follow), so a sparse chunk costs what it holds. Float chunks travel as float16 when the
-layout says so (the fp16 compression), as float32 where a value would not fit, and the root keeps the
-rounded sum it sends, so every DC holds the same result.
+sum (bits for 0/1 sums such as a single contributor's votes, uint8 or int8, int16, int32; the receiver
+reads it from the header), so a lane never wraps and a sum costs no more than it needs. Every
+integer contribution and sum is bounded by ``INT_EXACT`` (2**24, what the trainer's float32 path holds
+exactly): a larger one fails the iteration, as no correct trainer sends it; with fewer than 128
+children per node the int32 sums cannot wrap before that check. A sender elides a chunk's all-zero
+tail (the header's count says how many leading elements follow), so a sparse chunk costs what it
+holds. Float chunks travel as float16 when the layout says so (the fp16 compression), as float32
+where a value would not fit, and the root keeps the rounded sum it sends, so every DC holds the same
+result.
 """
 
 from __future__ import annotations
@@ -339,7 +340,7 @@ class ChunkCore:
 
     def _check_shape(self, header: ChunkHeader, payload: np.ndarray) -> None:
         self.check_header(header)
-        if payload.size != header.count or payload.dtype != np.dtype(WIRE_FORMATS[header.dtype]):
+        if payload.size != header.payload_items or payload.dtype != np.dtype(WIRE_FORMATS[header.dtype]):
             raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
                              f"payload of {payload.size} {payload.dtype}, header says {header.count} "
                              f"{header.dtype}")
@@ -387,7 +388,7 @@ class ChunkCore:
                 raise ChunkError(f"{where}: arrived after the partial sum left")
             state.arrived[index].add(header.origin)
             target = self._sums(state, chunk)[:header.count]
-            np.add(target, payload, out=target, casting="unsafe")
+            np.add(target, _values(header, payload), out=target, casting="unsafe")
             return self._advance(state, index)
         if tree.parent.get(self.node_id) != header.origin:
             raise ChunkError(f"{where}: node {header.origin} is not the parent of node {self.node_id}")
@@ -396,8 +397,8 @@ class ChunkCore:
         if not state.sent_up[index]:
             raise ChunkError(f"{where}: result before this node's partial sum left")
         state.acc[span.start + header.count:span.stop] = 0
-        state.acc[span.start:span.start + header.count] = payload
-        return self._complete(state, index, payload)
+        state.acc[span.start:span.start + header.count] = _values(header, payload)
+        return self._complete(state, index, payload, header.count, header.dtype)
 
     def _advance(self, state: _Iteration, index: int) -> list[Action]:
         """Send the partial sum up (or, at the root, the full sum down) if the chunk is ready."""
@@ -411,28 +412,29 @@ class ChunkCore:
         state.sent_up[index] = True
         chunk = self._need_layout().chunks[index]
         try:
-            payload = self._outgoing(state, chunk)
+            payload, values, dtype = self._outgoing(state, chunk)
         except ChunkError as exc:
             return self.fail(state.number, str(exc))
         if self.node_id == root:
             # the root keeps what it sends down (rounded to float16, or the integer sum), so every DC
             # holds the same result
-            if payload.dtype != np.float32 or payload.size != chunk.count:
-                state.acc[chunk.offset + payload.size:chunk.stop] = 0
-                state.acc[chunk.offset:chunk.offset + payload.size] = payload
-            return self._complete(state, index, payload)
+            if values.dtype != np.float32 or values.size != chunk.count:
+                state.acc[chunk.offset + values.size:chunk.stop] = 0
+                state.acc[chunk.offset:chunk.offset + values.size] = values
+            return self._complete(state, index, payload, values.size, dtype)
         parent = tree.parent[self.node_id]
         assert parent is not None
-        return [Send(self._header(state, index, Phase.UP, parent, payload), payload)]
+        return [Send(self._header(state, index, Phase.UP, parent, values.size, dtype), payload)]
 
-    def _complete(self, state: _Iteration, index: int, payload: np.ndarray) -> list[Action]:
+    def _complete(self, state: _Iteration, index: int, payload: np.ndarray, count: int,
+                  dtype: WireDtype) -> list[Action]:
         """The chunk holds the full sum here: pass it to the children, account for keys and iteration."""
         policy = state.policy
         assert policy is not None
         state.done[index] = True
         state.chunks_left -= 1
         tree = policy.trees[state.roots[index]]
-        actions: list[Action] = [Send(self._header(state, index, Phase.DOWN, child, payload), payload)
+        actions: list[Action] = [Send(self._header(state, index, Phase.DOWN, child, count, dtype), payload)
                                  for child in tree.children(self.node_id)]
         chunk = self._need_layout().chunks[index]
         for key in range(chunk.first_key, chunk.last_key + 1):
@@ -443,13 +445,13 @@ class ChunkCore:
             actions.append(IterationDone(state.number))
         return actions
 
-    def _header(self, state: _Iteration, index: int, phase: Phase, dst: int, payload: np.ndarray) -> ChunkHeader:
+    def _header(self, state: _Iteration, index: int, phase: Phase, dst: int, count: int,
+                dtype: WireDtype) -> ChunkHeader:
         policy = state.policy
         assert policy is not None
         return ChunkHeader(iteration=state.number, chunk=index, root=state.roots[index], phase=phase,
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
-                           t_send=0.0, is_aux=False, path=(self.node_id, dst), count=payload.size,
-                           dtype=_WIRE_NAMES[payload.dtype])
+                           t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count, dtype=dtype)
 
     def _sums(self, state: _Iteration, chunk: Chunk) -> np.ndarray:
         """Where chunk ``chunk``'s sum accumulates: its span of the float32 or the int32 vector."""
@@ -458,9 +460,10 @@ class ChunkCore:
         start = chunk.offset - self._need_layout().int_start
         return state.ints[start:start + chunk.count]
 
-    def _outgoing(self, state: _Iteration, chunk: Chunk) -> np.ndarray:
-        """The chunk's partial (or full) sum as it goes on the wire: the all-zero tail elided, in the
-        chunk's lane, or the next wider dtype that holds it; ChunkError beyond the exact range."""
+    def _outgoing(self, state: _Iteration, chunk: Chunk) -> tuple[np.ndarray, np.ndarray, WireDtype]:
+        """The chunk's partial (or full) sum as it goes on the wire: (payload, the values it stands for,
+        wire dtype). The all-zero tail is elided; an integer sum travels in the narrowest dtype holding
+        it (0/1 sums as bits); ChunkError beyond the exact range."""
         sums = self._sums(state, chunk)
         sums = sums[:_extent(sums)]
         if chunk.dtype == "float32":
@@ -468,23 +471,25 @@ class ChunkCore:
                 with np.errstate(over="ignore"):
                     half = sums.astype(np.float16)
                 if bool(np.isfinite(half).all()) or not bool(np.isfinite(sums).all()):
-                    return half
-            return sums
+                    return half, half, "float16"
+            return sums, sums, "float32"
         if not sums.size:
-            return sums.astype(chunk.dtype)
+            return sums.astype(np.uint8), sums, "uint8"
         low, high = int(sums.min()), int(sums.max())
         if max(-low, high) > INT_EXACT:
             raise ChunkError(f"chunk {chunk.index} of iteration {state.number}: an integer sum of magnitude "
                              f"{max(-low, high)} is beyond 2**24, the exact range")
+        if low >= 0 and high <= 1:
+            return np.packbits(sums != 0), sums, "bit"
         for dtype in _NARROWEST[low >= 0]:
             info = np.iinfo(dtype)
             if info.min <= low and high <= info.max:
-                return sums.astype(dtype)
+                values = sums.astype(dtype)
+                return values, values, _WIRE_NAMES[values.dtype]
         raise AssertionError("int32 holds every sum within 2**24")
 
-
-
-_WIRE_NAMES: dict[np.dtype, WireDtype] = {np.dtype(fmt): name for name, fmt in WIRE_FORMATS.items()}  # type: ignore[misc]
+_WIRE_NAMES: dict[np.dtype, WireDtype] = {np.dtype(fmt): name for name, fmt in WIRE_FORMATS.items()  # type: ignore[misc]
+                                          if name != "bit"}
 """A payload's wire dtype name (looked up once: ``dtype.name`` costs a string build per frame)."""
 
 _NARROWEST: dict[bool, tuple[str, ...]] = {
@@ -492,6 +497,11 @@ _NARROWEST: dict[bool, tuple[str, ...]] = {
     False: ("int8", "int16", "int32"),
 }
 """The dtypes an integer partial sum may travel in, narrowest first, for sums without and with negatives."""
+
+
+def _values(header: ChunkHeader, payload: np.ndarray) -> np.ndarray:
+    """The values a payload carries (bits unpacked)."""
+    return np.unpackbits(payload, count=header.count) if header.dtype == "bit" else payload
 
 
 def _extent(values: np.ndarray) -> int:

@@ -229,7 +229,7 @@ class InboundProtocol(asyncio.BufferedProtocol):
             self.transport.pause_reading()
             return None
         view = self._staging_view
-        payload = np.empty(header.count, dtype=WIRE_FORMATS[header.dtype])
+        payload = np.empty(header.payload_items, dtype=WIRE_FORMATS[header.dtype])
         raw = payload.data.cast("B")
         take = min(self._fill - pos, len(raw))
         raw[:take] = view[pos:pos + take]

@@ -74,11 +74,13 @@ def test_integer_sums_are_exact_and_travel_in_their_lane(topology: str) -> None:
         assert send.payload.dtype == np.dtype(WIRE_FORMATS[send.header.dtype])
         if chunk.dtype == "float32":
             assert send.header.dtype == "float32"
+        elif send.header.dtype == "bit":  # 0/1 sums travel as packed bits
+            assert send.payload.size == (send.header.count + 7) // 8
         else:  # the narrowest dtype that holds the partial sum
             low, high = int(send.payload.min(initial=0)), int(send.payload.max(initial=0))
             narrowest = next(d for d in ("uint8" if low >= 0 else "int8", "int16", "int32")
                              if np.iinfo(d).min <= low and high <= np.iinfo(d).max)
-            assert send.header.dtype == narrowest
+            assert send.header.dtype == narrowest and not (low >= 0 and high <= 1 and send.header.count)
 
 
 def test_vote_counts_and_thresholds_exact_across_multi_root_trees() -> None:
@@ -99,7 +101,10 @@ def test_vote_counts_and_thresholds_exact_across_multi_root_trees() -> None:
             got = tensor(net, layout, n, "votes")
             assert np.array_equal(got, counts.astype(np.float32))
             assert np.array_equal(voting.consensus(got, a), want)
-    assert all(s.header.dtype == "uint8" for s in net.hops)
+    # a leaf's votes are 0/1: they travel as bits, eight to a byte; partial counts as uint8
+    leaf_hops = [s for s in net.hops if s.header.phase is Phase.UP and s.header.dtype == "bit"]
+    assert leaf_hops and all(s.payload.size == (s.header.count + 7) // 8 for s in leaf_hops)
+    assert {s.header.dtype for s in net.hops} <= {"bit", "uint8"}
 
 
 def test_a_sum_that_outgrows_a_narrow_lane_widens_the_hop() -> None:
@@ -141,7 +146,7 @@ def test_zero_tails_are_elided() -> None:
         assert np.array_equal(tensor(net, layout, n, "w"), values[3]["w"])
     for send in net.hops:
         chunk = layout.chunks[send.header.chunk]
-        assert send.header.count <= chunk.count and send.payload.size == send.header.count
+        assert send.header.count <= chunk.count and send.payload.size == send.header.payload_items
         if send.header.phase is Phase.DOWN:
             if chunk.dtype == "float32":
                 assert send.header.count == (5 if chunk.offset == 0 else 0)
@@ -198,16 +203,21 @@ def test_hostile_dtypes_and_counts_are_rejected_before_allocation() -> None:
 @pytest.mark.parametrize("dtype", sorted(WIRE_DTYPES))
 def test_new_wire_dtypes_round_trip(dtype: str) -> None:
     layout = Layout.build(MIXED, 16)
-    header = _hop(layout, 2, 7, dtype)
-    payload = np.arange(7).astype(WIRE_FORMATS[dtype])
+    count = 19
+    header = _hop(layout, 2, count, dtype)
+    values = np.arange(count) % 2 if dtype == "bit" else np.arange(count)
+    payload = np.packbits(values != 0) if dtype == "bit" else values.astype(WIRE_FORMATS[dtype])
     frame = header.encode() + payload.tobytes()
     prefix = decode_prefix(frame, max_frame_bytes=1 << 20)
-    assert prefix.payload_len == 7 * WIRE_DTYPES[dtype] == payload.nbytes
+    items = 3 if dtype == "bit" else count  # 19 bits in 3 bytes
+    assert prefix.payload_len == items * WIRE_DTYPES[dtype] == payload.nbytes
     start = len(frame) - prefix.payload_len - prefix.header_len
     decoded = decode_header(prefix, frame[start:start + prefix.header_len])
     assert decoded == header
     back = np.frombuffer(frame[len(frame) - prefix.payload_len:], dtype=WIRE_FORMATS[dtype])
     assert np.array_equal(back, payload)
+    if dtype == "bit":
+        assert np.array_equal(np.unpackbits(back, count=count), values)
 
 
 def test_hostile_frames_with_bad_dtype_or_length_are_rejected() -> None:
