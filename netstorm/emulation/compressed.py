@@ -39,6 +39,7 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
     wan: list[int] = []
     trips: list[int] = []
     vote_s: list[float] = []
+    cumulative: list[float] = []
     gia: list[int] = []
     errors: list[float] = []
     agree = True
@@ -56,6 +57,8 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
             seen = {(r.get("gia"), r.get("rel_error")) for r in rows}
             agree &= len(seen) == 1
             errors.append(float(rows[0].get("rel_error", float("nan"))))
+            if "cum_rel_error" in rows[0]:
+                cumulative.append(float(rows[0]["cum_rel_error"]))
     out: dict[str, Any] = {"wan_bytes": wan, "round_trips": trips, "wan_bytes_total": sum(wan)}
     if any(gia):
         out["gia"] = gia
@@ -63,6 +66,8 @@ def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int)
         out["vote_round_s"] = vote_s
     if errors:
         out["rel_error"] = [round(e, 6) for e in errors]
+        if cumulative:
+            out["cum_rel_error"] = [round(e, 6) for e in cumulative]
         out["dcs_agree"] = agree
     return out
 

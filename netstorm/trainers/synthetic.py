@@ -40,7 +40,9 @@ the check holds. With ``--compression fediac`` or ``topk`` (and ``--fediac-k``, 
 ``--fediac-votes``; defaults from NETSTORM_<NAME> or the Config defaults) each iteration runs the
 compression's rounds (``netstorm.compression.session``); the sum is then not exact by design, so the
 line carries ``exact: null`` and, when the expected sum is known (``--contributor-sum``), ``rel_error``
-(||decoded - exact|| / ||exact||), with ``round_trips``, ``gia`` and ``bits``. Every line carries
+(||decoded - exact|| / ||exact||, this iteration's: error feedback moves part of it to later ones) and
+``cum_rel_error`` (the same over the running sums since the first iteration: what the residuals still
+hold back), with ``round_trips``, ``gia``, ``bits`` and ``round_s`` (each round's seconds). Every line carries
 ``wan_bytes``: what this DC's node queued on WAN links for the iteration (all its rounds).
 
 With ``--rejoinable`` the trainer also registers a one-element tensor ``STEP_TENSOR`` holding its next
@@ -339,8 +341,25 @@ def compression_options(args: argparse.Namespace) -> CompressionOptions:
     return CompressionOptions.of(config.resolve(environ=os.environ, overrides=overrides))
 
 
+@dataclasses.dataclass
+class _Cumulative:
+    """Running sums of the decoded and the exact results: with error feedback, what has not arrived yet
+    is what the DCs' residuals hold, so the cumulative error shrinks where one iteration's need not."""
+
+    decoded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    exact: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def add(self, decoded: dict[str, np.ndarray], exact: dict[str, np.ndarray]) -> float:
+        for name, want in exact.items():
+            self.decoded[name] = self.decoded.get(name, 0.0) + decoded[name].astype(np.float64)
+            self.exact[name] = self.exact.get(name, 0.0) + want.astype(np.float64)
+        error = sum(float(np.sum((self.decoded[n] - self.exact[n]) ** 2)) for n in self.exact)
+        norm = sum(float(np.sum(self.exact[n] ** 2)) for n in self.exact)
+        return math.sqrt(error / norm) if norm else 0.0
+
+
 def _compressed_record(kv: Any, pattern: GradientPattern, k: int, workers: int, members_sum: float | None,
-                       result: dict[str, np.ndarray]) -> dict[str, Any]:
+                       result: dict[str, np.ndarray], cumulative: _Cumulative) -> dict[str, Any]:
     """What a compressed iteration reports instead of an exact verdict."""
     stats: RoundStats = kv.last
     record: dict[str, Any] = {"exact": None, "round_trips": stats.round_trips, "gia": stats.gia,
@@ -351,6 +370,7 @@ def _compressed_record(kv: Any, pattern: GradientPattern, k: int, workers: int, 
         error = sum(float(np.sum((result[n].astype(np.float64) - want[n]) ** 2)) for n in want)
         norm = sum(float(np.sum(want[n].astype(np.float64) ** 2)) for n in want)
         record["rel_error"] = math.sqrt(error / norm) if norm else 0.0
+        record["cum_rel_error"] = cumulative.add(result, want)
     return record
 
 
@@ -385,6 +405,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
               "without --overlap: their rounds need the whole gradient)", file=sys.stderr)
         return 2
     grads = pattern.allocate()
+    cumulative = _Cumulative()
     step = [0]
     """The next step (what a rejoining DC's init hands over)."""
     if args.rejoinable:
@@ -441,7 +462,8 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 if options.sparse:
                     _emit(stream, {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked, "dc": dc,
                                    "workers": workers, "cpu_s": time.process_time(), "compression": options.method,
-                                   **_compressed_record(kv, pattern, k, workers, members_sum, result)})
+                                   **_compressed_record(kv, pattern, k, workers, members_sum, result,
+                                                        cumulative)})
                     continue
                 if not fixed and kv.num_workers != workers:  # membership changed: S is read afresh
                     workers, members_sum = kv.num_workers, None
