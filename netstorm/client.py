@@ -121,6 +121,8 @@ class Registry:
         """The DCs whose gradients the latest result holds."""
         self.wan_bytes = 0
         """Bytes the node queued on WAN links for the latest result's iteration, as it replied."""
+        self.gia_threshold = 0
+        """The threshold FediAC's roots apply to the vote counts (0: none), as the node's init said."""
         self.provider: Callable[[], Mapping[str, np.ndarray]] | None = None
         """The trainer's current model, asked for when this DC hands it to an admitted DC."""
 
@@ -149,8 +151,8 @@ class Registry:
                 self._mmap.close()
             self._mmap = None
 
-    def prepare_init(self, tensors: Mapping[str, np.ndarray],
-                     compression: str = "none") -> tuple[tw.InitRequest, bytes, str]:
+    def prepare_init(self, tensors: Mapping[str, np.ndarray], compression: str = "none",
+                     votes: int = 0) -> tuple[tw.InitRequest, bytes, str]:
         """The init request, its inline payload (TCP) and the shared-memory path to unlink afterwards."""
         if not tensors:
             raise TrainerError("init needs at least one tensor")
@@ -169,7 +171,7 @@ class Registry:
         request_tensors = tuple((s.name, s.shape, s.dtype) for s in specs)
         if self.inline:
             payload = b"".join(np.ascontiguousarray(arrays[s.name], dtype="<f4").tobytes() for s in specs)
-            return tw.InitRequest(request_tensors, "", compression), payload, ""  # type: ignore[arg-type]
+            return tw.InitRequest(request_tensors, "", compression, votes), payload, ""  # type: ignore[arg-type]
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
         try:
@@ -179,7 +181,7 @@ class Registry:
         except BaseException:
             release_init(path)
             raise
-        return tw.InitRequest(request_tensors, path, compression), b"", path  # type: ignore[arg-type]
+        return tw.InitRequest(request_tensors, path, compression, votes), b"", path  # type: ignore[arg-type]
 
     def _create_shm(self, size: int) -> str:
         self.close()
@@ -268,6 +270,7 @@ class Registry:
         self.num_workers = reply.num_workers
         self.node_id = reply.node_id
         self.iteration = reply.iteration
+        self.gia_threshold = reply.gia_threshold
         self.contributors = reply.contributors
         model = self.results(names, payload)
         if self.provider is None:
@@ -327,6 +330,11 @@ class RegistryView:
     @property
     def node_id(self) -> int:
         return self.registry.node_id
+
+    @property
+    def gia_threshold(self) -> int:
+        """The threshold FediAC's roots apply to the vote counts (0: the sums come back as counts)."""
+        return self.registry.gia_threshold
 
     @property
     def wan_bytes(self) -> int:
@@ -436,12 +444,14 @@ class Client(RegistryView):
 
     # ---- verbs --------------------------------------------------------------------------------------
 
-    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none") -> dict[str, np.ndarray]:
+    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none",
+             votes: int = 0) -> dict[str, np.ndarray]:
         """Register ``tensors``; returns the initial values every DC agrees on. Integer tensors (uint8, int8,
         int16, int32) are summed exactly and come back as int64 sums. ``compression="fp16"`` has the nodes
         send float chunks as float16 (every DC must register alike); FediAC and top-k run in the trainer
-        (``netstorm.compression.session``) and say so here."""
-        request, payload, path = self.registry.prepare_init(tensors, compression)
+        (``netstorm.compression.session``) and say so here, with FediAC's threshold ``votes``, which the
+        roots then apply to the vote counts."""
+        request, payload, path = self.registry.prepare_init(tensors, compression, votes)
         try:
             reply, data = self._call(request, payload, tw.InitReply, "init")
         finally:

@@ -121,9 +121,15 @@ class Layout:
     """How float chunks travel between nodes: float32, or float16 (the fp16 compression)."""
     int_start: int = -1
     """Flat offset where the integer tensors begin (``total`` when there are none)."""
+    gia_key: int = -1
+    """The vote-count tensor whose full sums the roots threshold (FediAC), or -1."""
+    gia_threshold: int = 0
+    """That threshold a: a root sends 1 where a count reaches it, else 0 (a bitmap down the trees)."""
 
     @classmethod
-    def build(cls, specs: Iterable[TensorSpec], chunk_size: int, float_wire: str = "float32") -> Layout:
+    def build(cls, specs: Iterable[TensorSpec], chunk_size: int, float_wire: str = "float32",
+              gia: tuple[str, int] | None = None) -> Layout:
+        """``gia``: (tensor, a) when the roots apply FediAC's threshold to that integer tensor's counts."""
         if chunk_size <= 0:
             raise LayoutError(f"chunk_size must be positive, got {chunk_size}")
         if float_wire not in FLOAT_WIRES:
@@ -200,9 +206,15 @@ class Layout:
         described: list[object] = [LAYOUT_VERSION, chunk_size, [[t.name, list(t.shape), t.dtype] for t in tensors]]
         if float_wire != "float32":  # a float32 wire keeps the hashes layouts had before other wires existed
             described.append(float_wire)
+        gia_key = -1
+        if gia is not None:
+            gia_key = next((k for k, t in enumerate(tensors) if t.name == gia[0]), -1)
+            if gia_key < 0 or tensors[gia_key].dtype not in INT_DTYPES or gia[1] < 1:
+                raise LayoutError(f"the GIA threshold needs an integer tensor {gia[0]!r} and a >= 1, got {gia!r}")
+            described.append(["gia", gia[0], gia[1]])
         digest = hashlib.sha256(msgpack.packb(described)).hexdigest()[:16]
         return cls(tensors, chunk_size, tuple(offsets), chunks, tuple(key_chunks), position, digest, float_wire,
-                   position if int_start is None else int_start)
+                   position if int_start is None else int_start, gia_key, gia[1] if gia is not None else 0)
 
     def key(self, name: str) -> int:
         """Index of tensor ``name``; UnknownTensor (a LayoutError) naming it when unknown."""
@@ -232,6 +244,7 @@ class Layout:
         return [t.name for t in self.tensors]
 
 
-def build(specs: Sequence[TensorSpec], chunk_size: int, float_wire: str = "float32") -> Layout:
+def build(specs: Sequence[TensorSpec], chunk_size: int, float_wire: str = "float32",
+          gia: tuple[str, int] | None = None) -> Layout:
     """Shorthand for ``Layout.build``."""
-    return Layout.build(specs, chunk_size, float_wire)
+    return Layout.build(specs, chunk_size, float_wire, gia)

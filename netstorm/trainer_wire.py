@@ -65,8 +65,10 @@ class InitRequest(_Message, frozen=True, tag="init"):
     tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     shm: Name
     compression: Literal["none", "fediac", "topk", "fp16"] = "none"
-    """The job's compression as this trainer runs it; "fp16" makes the nodes send float chunks as float16
-    (the others run in the trainer over integer tensors and need nothing of the node)."""
+    """The job's compression as this trainer runs it; "fp16" makes the nodes send float chunks as float16,
+    "fediac" has the roots threshold the vote counts (the rest runs in the trainer)."""
+    votes: Count = 0
+    """FediAC's threshold a (``fediac_votes``; 0: derived from the job's workers as the trainer would)."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):
@@ -78,6 +80,8 @@ class InitReply(_Message, frozen=True, tag="init_ok"):
     contributors: NodeIds = ()
     """The DCs whose values the returned model holds (empty for a replacement trainer's init, which
     gets its own values back)."""
+    gia_threshold: Count = 0
+    """The threshold a the roots apply to FediAC's vote counts (0: none; the sums come back as counts)."""
 
 
 class PushRequest(_Message, frozen=True, tag="push"):

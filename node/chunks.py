@@ -27,7 +27,9 @@ children per node the int32 sums cannot wrap before that check. A sender elides 
 tail (the header's count says how many leading elements follow), so a sparse chunk costs what it
 holds. Float chunks travel as float16 when the layout says so (the fp16 compression), as float32
 where a value would not fit, and the root keeps the rounded sum it sends, so every DC holds the same
-result.
+result. When the layout names a GIA tensor (FediAC's vote counts), the root of each chunk, the one
+node that holds its shard's full counts, applies the threshold before sending the sum down, so the
+GIA travels down the tree as a bitmap (1/8 byte per element) instead of the counts.
 """
 
 from __future__ import annotations
@@ -411,6 +413,8 @@ class ChunkCore:
             return []
         state.sent_up[index] = True
         chunk = self._need_layout().chunks[index]
+        if self.node_id == root:
+            self._threshold(state, chunk)
         try:
             payload, values, dtype = self._outgoing(state, chunk)
         except ChunkError as exc:
@@ -452,6 +456,17 @@ class ChunkCore:
         return ChunkHeader(iteration=state.number, chunk=index, root=state.roots[index], phase=phase,
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
                            t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count, dtype=dtype)
+
+    def _threshold(self, state: _Iteration, chunk: Chunk) -> None:
+        """At the root the counts are full: where the chunk holds the GIA tensor, keep 1 where a count
+        reaches the threshold and 0 elsewhere, so the GIA goes down the tree as a bitmap."""
+        layout = self._need_layout()
+        if layout.gia_key < 0 or not chunk.first_key <= layout.gia_key <= chunk.last_key:
+            return
+        span = layout.key_slice(layout.gia_key)
+        start, stop = max(span.start, chunk.offset), min(span.stop, chunk.stop)
+        counts = state.ints[start - layout.int_start:stop - layout.int_start]
+        counts[:] = counts >= layout.gia_threshold
 
     def _sums(self, state: _Iteration, chunk: Chunk) -> np.ndarray:
         """Where chunk ``chunk``'s sum accumulates: its span of the float32 or the int32 vector."""

@@ -24,6 +24,7 @@ import numpy as np
 
 from netstorm import auth, authconn
 from netstorm.authconn import Credentials
+from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
@@ -306,11 +307,17 @@ class GeneralNode:
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
-    async def register(self, specs: Sequence[TensorSpec], compression: str = "none") -> Layout:
+    async def register(self, specs: Sequence[TensorSpec], compression: str = "none", votes: int = 0) -> Layout:
         """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees. The job's
-        ``compression`` (this node's option or the trainer's) of fp16 sends float chunks as float16."""
+        ``compression`` (this node's option or the trainer's) of fp16 sends float chunks as float16; with
+        fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
+        as the trainer derives it), and the layout hash covers a."""
         fp16 = "fp16" in (compression, self.config.compression)
-        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32")
+        gia = None
+        if compression == "fediac" and any(spec.name == VOTES for spec in specs):
+            a = CompressionOptions("fediac", votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
+            gia = (VOTES, a)
+        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
         if self.layout is not None:
             if layout.hash != self.layout.hash:
                 raise LayoutError(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
@@ -319,7 +326,7 @@ class GeneralNode:
         assert self.control is not None
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
-            return await self.register(specs, compression)
+            return await self.register(specs, compression, votes)
         # a DC admitted into a running job starts at its boundary iteration
         self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))

@@ -8,7 +8,7 @@ import pytest
 
 from netstorm.compression import voting
 from netstorm.config import Config
-from netstorm.errors import ChunkError, FrameError
+from netstorm.errors import ChunkError, FrameError, LayoutError
 from netstorm.frames import WIRE_DTYPES, WIRE_FORMATS, ChunkHeader, Phase, decode_header, decode_prefix
 from netstorm.layout import INT_EXACT, Layout, TensorSpec
 from netstorm.planning.plan import plan
@@ -243,3 +243,27 @@ def test_the_node_core_admits_by_the_same_checks() -> None:
     assert core.admit(_hop(layout, int_chunk.index, 3, "int16")) is True
     with pytest.raises(ChunkError, match="float32 payload for a uint8 chunk"):
         core.admit(_hop(layout, int_chunk.index, 3, "float32"))
+
+
+def test_roots_threshold_the_full_counts_and_send_the_gia_down_as_bits() -> None:
+    """FediAC's threshold where the full count is known: each chunk's root, for its shard of the index
+    space; every DC gets the same 0/1 GIA, and it travels down the trees as a bitmap."""
+    d, a = 700, 2
+    specs = [TensorSpec("votes", (d,), "uint8"), TensorSpec("scale", (20,), "uint8")]
+    layout = Layout.build(specs, 64, gia=("votes", a))
+    assert layout.gia_threshold == a and layout.tensors[layout.gia_key].name == "votes"
+    assert layout.hash != Layout.build(specs, 64).hash != Layout.build(specs, 64, gia=("votes", 3)).hash
+    rng = np.random.default_rng(12)
+    votes = {n: {"votes": (rng.random(d) < 0.3).astype(np.float32), "scale": rng.integers(0, 2, 20).astype(np.float32)}
+             for n in NODES}
+    net = run_iteration(layout, votes, roots=3, seed=2)
+    counts = np.sum([votes[n]["votes"] for n in NODES], axis=0)
+    for n in NODES:
+        assert np.array_equal(tensor(net, layout, n, "votes"), (counts >= a).astype(np.float32))
+        assert np.array_equal(tensor(net, layout, n, "scale"), np.sum([votes[m]["scale"] for m in NODES], axis=0))
+    gia_chunks = {c.index for c in layout.chunks if c.first_key <= layout.gia_key <= c.last_key
+                  and c.last_key == c.first_key}
+    down = [s for s in net.hops if s.header.phase is Phase.DOWN and s.header.chunk in gia_chunks and s.header.count]
+    assert down and all(s.header.dtype == "bit" for s in down)
+    with pytest.raises(LayoutError, match="integer tensor"):
+        Layout.build([TensorSpec("votes", (d,), "float32")], 64, gia=("votes", a))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import netstorm
-from netstorm.compression.options import CompressionOptions
+from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.compression.session import AsyncCompressedClient, Rounds, RoundStats, Tensors
 from netstorm.frames import PREFIX_SIZE
 from netstorm.layout import Layout, TensorSpec
@@ -39,9 +39,11 @@ def replay(options: CompressionOptions, steps: int) -> list[dict[int, Tensors]]:
     """The protocol run in-process: each round's pushes summed with numpy (integers as int64)."""
     model = gradients(1, 0)
     rounds = {dc: Rounds(options, model) for dc in NODES}
+    # FediAC's roots threshold the full vote counts; the DCs get the 0/1 GIA back
+    applied = options.votes_of(len(NODES)) if options.method == "fediac" else 0
     for dc in NODES:
         rounds[dc].registered(model)
-        rounds[dc].start(len(NODES), dc)
+        rounds[dc].start(len(NODES), dc, applied)
     out = []
     for step in range(1, steps + 1):
         gens = {dc: r.iteration(gradients(dc, step)) for dc, r in rounds.items()}
@@ -53,6 +55,8 @@ def replay(options: CompressionOptions, steps: int) -> list[dict[int, Tensors]]:
                 values = [np.asarray(p[name]) for p in pushes.values()]
                 summed[name] = np.asarray(np.sum(values, axis=0, dtype=np.int64) if values[0].dtype.kind in "iu"
                                           else np.sum(values, axis=0, dtype=np.float32))
+                if name == VOTES and applied:
+                    summed[name] = (summed[name] >= applied).astype(np.int64)
             following = {}
             for dc, gen in gens.items():
                 try:
@@ -65,17 +69,19 @@ def replay(options: CompressionOptions, steps: int) -> list[dict[int, Tensors]]:
 
 
 async def run_cluster(tmp_path: Path, options: CompressionOptions, steps: int,
-                      ) -> tuple[list[dict[int, Tensors]], list[dict[int, RoundStats]]]:
+                      ) -> tuple[list[dict[int, Tensors]], list[dict[int, RoundStats]], dict[int, int]]:
     cluster = LocalCluster("scale-5", NODES, tmp_path / "run",
                            scheduler_args=["--num-root-servers", "3", "--enable-aux-path", "false"],
                            common_args=["--chunk-size", "2500", "--iteration-timeout", "30"])
     results: list[dict[int, Tensors]] = []
     stats: list[dict[int, RoundStats]] = []
+    applied: dict[int, int] = {}
     async with cluster:
         raw = {dc: await netstorm.aconnect(cluster.socket_path(dc), timeout=TIMEOUT) for dc in NODES}
         clients = {dc: AsyncCompressedClient(kv, options) for dc, kv in raw.items()}
         try:
             await asyncio.gather(*(c.init(gradients(1, 0)) for c in clients.values()))
+            applied = {dc: c.rounds.applied if c.rounds is not None else -1 for dc, c in clients.items()}
             for step in range(1, steps + 1):
                 got = await asyncio.gather(*(c.push_pull(gradients(dc, step)) for dc, c in clients.items()))
                 results.append(dict(zip(clients, got, strict=True)))
@@ -83,13 +89,13 @@ async def run_cluster(tmp_path: Path, options: CompressionOptions, steps: int,
         finally:
             for kv in raw.values():
                 await kv.close()
-    return results, stats
+    return results, stats, applied
 
 
 @pytest.mark.parametrize("method", ["fediac", "topk"])
 def test_sparse_methods_match_their_replay_bit_for_bit(tmp_path: Path, method: str) -> None:
     options = CompressionOptions(method, k=0.03, bits=0, votes=2)  # type: ignore[arg-type]
-    results, stats = asyncio.run(run_cluster(tmp_path, options, STEPS))
+    results, stats, applied = asyncio.run(run_cluster(tmp_path, options, STEPS))
     expected = replay(options, STEPS)
     for step, (got, want) in enumerate(zip(results, expected, strict=True), start=1):
         for dc in NODES:
@@ -99,6 +105,7 @@ def test_sparse_methods_match_their_replay_bit_for_bit(tmp_path: Path, method: s
                 assert np.array_equal(got[dc][name], got[1][name])  # every DC holds the same sum
         gia = {s.gia for s in stats[step - 1].values()}
         assert len(gia) == 1
+        assert applied == dict.fromkeys(NODES, 2 if method == "fediac" else 0)  # FediAC's roots: a = 2
         first = stats[step - 1][1]
         assert all(s.wan_bytes > 0 for s in stats[step - 1].values())
         if method == "fediac" and step == 1:
@@ -111,7 +118,7 @@ def test_fp16_wire_and_wan_byte_count(tmp_path: Path) -> None:
     """fp16 through the trainer API: every DC gets the same float16-rounded sum; the nodes' WAN bytes
     are the frames of a chunk up and down every tree edge (no auxiliary paths): 2 (N - 1) per chunk."""
     options = CompressionOptions("fp16")
-    results, stats = asyncio.run(run_cluster(tmp_path, options, 2))
+    results, stats, _ = asyncio.run(run_cluster(tmp_path, options, 2))
     for step, got in enumerate(results, start=1):
         exact = {name: np.sum([gradients(dc, step)[name] for dc in NODES], axis=0) for name in got[1]}
         for dc in NODES:

@@ -17,6 +17,12 @@ Method = Literal["none", "fediac", "topk", "fp16"]
 METHODS: tuple[Method, ...] = ("none", "fediac", "topk", "fp16")
 MAX_BITS = 24
 """Widest value lane: the trainer path carries integers as float32, exact up to 2**24."""
+PREFIX = "netstorm.compress."
+VOTES = PREFIX + "votes"
+"""The integer tensor of FediAC's and top-k's vote counts (the one FediAC's roots threshold)."""
+SCALE = PREFIX + "scale"
+VALUES = PREFIX + "values"
+
 VOTE_SHARE = 0.15
 """Threshold a as a share of the contributors when not given: the paper's a = 3 at N = 20."""
 

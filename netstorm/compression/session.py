@@ -7,10 +7,11 @@ exactly and elide zero tails (``node/chunks.py``), so nothing in the node knows 
 round pushes every registered tensor (the node completes an iteration when all are in), the ones not in
 play as zeros, which the nodes send as header-only frames. Hence one node iteration per round.
 
-Each DC applies the threshold to the full counts it gets back; the counts are identical integers at
-every DC, so the GIA is too. That costs the counts on the way down (one byte per element and hop with
-up to 255 contributors) where a root applying the threshold would send a d/8-byte bitmap
-(``voting.pack_gia``); the rounds report both, so the difference is measured, not guessed.
+For FediAC the trainer tells the node the threshold at init (``votes``), and each chunk's root, which
+holds its shard's full counts, applies it before the sum goes down (``node/chunks.py``): the GIA travels
+down the trees as a bitmap, and every DC reads the same 0/1 array (``applied``). For top-k (threshold 1,
+the union) and with a node that does not threshold, each DC applies the threshold to the full counts it
+gets back; those are identical integers at every DC, so the GIA is too.
 
 With ``fediac_bits = 0`` the first iteration is dense (the model's float32 tensors, as the paper's
 first round through a server) and b is derived from its sum, which every DC holds identically
@@ -32,12 +33,7 @@ import numpy as np
 
 from netstorm.compression import bitwidth, quantize
 from netstorm.compression.codecs import FediacCodec, TopkCodec, ValueRound
-from netstorm.compression.options import CompressionOptions
-
-PREFIX = "netstorm.compress."
-VOTES = PREFIX + "votes"
-SCALE = PREFIX + "scale"
-VALUES = PREFIX + "values"
+from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 
 DERIVED_BITS_MAX = 16
 """A derived b is capped here: the values are registered as int16 before b is known (an int32 lane
@@ -58,7 +54,7 @@ class RoundStats:
     """Indices agreed on (FediAC's GIA, top-k's union)."""
     bits: int = 0
     bitmap_bytes: int = 0
-    """What the GIA as a bitmap would take (d/8): a root thresholding the counts would send this down."""
+    """The GIA as a bitmap (d/8 bytes): what FediAC's roots send down a hop for it, per tree."""
     wan_bytes: int = 0
     """Bytes this DC's node queued on WAN links over the iteration's rounds (``Client.wan_bytes``)."""
     round_s: tuple[float, ...] = ()
@@ -82,6 +78,7 @@ class Rounds:
         self._zeros: Tensors = {}
         self._rng = np.random.default_rng([seed, 0])
         self.derived_bits = 0
+        self.applied = 0
 
     # ---- registration -------------------------------------------------------------------------------
 
@@ -102,9 +99,11 @@ class Rounds:
         self._zeros = {name: np.zeros_like(value) for name, value in out.items()}
         return out
 
-    def start(self, contributors: int, node_id: int) -> None:
-        """After init: the contributor count N (every DC's trainer and LAN workers) and this DC's id."""
+    def start(self, contributors: int, node_id: int, applied: int = 0) -> None:
+        """After init: the contributor count N (every DC's trainer and LAN workers), this DC's id, and the
+        threshold the roots apply to the vote counts (0: none, this DC applies it)."""
         self.contributors = contributors
+        self.applied = applied
         if not self.options.sparse:
             return
         rng = np.random.default_rng([self.seed, node_id])
@@ -117,9 +116,10 @@ class Rounds:
             self._rng = rng
 
     def _fediac(self, rng: np.random.Generator) -> None:
+        # counts the roots already thresholded come back as the 0/1 GIA: a threshold of 1 reads it
+        threshold = 1 if self.applied else self.options.votes_of(self.contributors)
         self.codec = FediacCodec(self.elements, contributors=self.contributors,
-                                 k=self.options.k_of(self.elements),
-                                 threshold=self.options.votes_of(self.contributors), bits=self.bits, rng=rng)
+                                 k=self.options.k_of(self.elements), threshold=threshold, bits=self.bits, rng=rng)
 
     # ---- one iteration ------------------------------------------------------------------------------
 
@@ -185,7 +185,8 @@ class _Client(Protocol):
     num_workers: int
     node_id: int
 
-    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...) -> dict[str, np.ndarray]: ...
+    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
+             votes: int = ...) -> dict[str, np.ndarray]: ...
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
@@ -194,7 +195,8 @@ class _AsyncClient(Protocol):
     num_workers: int
     node_id: int
 
-    async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...) -> dict[str, np.ndarray]: ...
+    async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
+                   votes: int = ...) -> dict[str, np.ndarray]: ...
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
@@ -210,8 +212,9 @@ class CompressedClient:
 
     def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rounds = Rounds(self.options, tensors, self.seed)
-        result = self.client.init(self.rounds.registered(tensors), compression=self.options.method)
-        self.rounds.start(self.client.num_workers, self.client.node_id)
+        result = self.client.init(self.rounds.registered(tensors), compression=self.options.method,
+                                  votes=self.options.votes)
+        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
         return {name: result[name] for name in self.rounds.names}
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
@@ -262,8 +265,9 @@ class AsyncCompressedClient:
 
     async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rounds = Rounds(self.options, tensors, self.seed)
-        result = await self.client.init(self.rounds.registered(tensors), compression=self.options.method)
-        self.rounds.start(self.client.num_workers, self.client.node_id)
+        result = await self.client.init(self.rounds.registered(tensors), compression=self.options.method,
+                                  votes=self.options.votes)
+        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
         return {name: result[name] for name in self.rounds.names}
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
