@@ -83,8 +83,9 @@ class AsyncClient(RegistryView):
         raise_for(reply, expected, context)
         return reply, data
 
-    async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        request, payload, path = self.registry.prepare_init(tensors)
+    async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none",
+                   votes: int = 0) -> dict[str, np.ndarray]:
+        request, payload, path = self.registry.prepare_init(tensors, compression, votes)
         try:
             reply, data = await self._call(request, payload, tw.InitReply, "init")
         finally:

@@ -52,7 +52,7 @@ from netstorm.errors import (
     WrongDtype,
     WrongShape,
 )
-from netstorm.layout import DTYPES, Layout, TensorSpec
+from netstorm.layout import INT_DTYPES, INT_EXACT, TENSOR_DTYPES, Layout, TensorSpec
 
 DEFAULT_TIMEOUT = 300.0
 ENV_SOCKET = "NETSTORM_SOCKET"
@@ -99,6 +99,12 @@ def shm_directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
 
+def _check_exact(name: str, array: np.ndarray) -> None:
+    """Integer tensors reach the node as float32: their values must be within its exact range."""
+    if array.dtype == np.int32 and array.size and int(np.max(np.abs(array.astype(np.int64)))) > INT_EXACT:
+        raise WrongDtype(f"tensor {name!r}: int32 values beyond 2**24 are not carried exactly")
+
+
 class Registry:
     """The trainer side's view of the registered tensors: checks, shared memory, result decoding."""
 
@@ -113,6 +119,10 @@ class Registry:
         """The newest iteration the node has reported to this trainer (-1 before init)."""
         self.contributors: tuple[int, ...] = ()
         """The DCs whose gradients the latest result holds."""
+        self.wan_bytes = 0
+        """Bytes the node queued on WAN links for the latest result's iteration, as it replied."""
+        self.gia_threshold = 0
+        """The threshold FediAC's roots apply to the vote counts (0: none), as the node's init said."""
         self.provider: Callable[[], Mapping[str, np.ndarray]] | None = None
         """The trainer's current model, asked for when this DC hands it to an admitted DC."""
 
@@ -141,15 +151,19 @@ class Registry:
                 self._mmap.close()
             self._mmap = None
 
-    def prepare_init(self, tensors: Mapping[str, np.ndarray]) -> tuple[tw.InitRequest, bytes, str]:
+    def prepare_init(self, tensors: Mapping[str, np.ndarray], compression: str = "none",
+                     votes: int = 0) -> tuple[tw.InitRequest, bytes, str]:
         """The init request, its inline payload (TCP) and the shared-memory path to unlink afterwards."""
         if not tensors:
             raise TrainerError("init needs at least one tensor")
         arrays = {name: np.asarray(value) for name, value in tensors.items()}
         for name, array in arrays.items():
-            if np.dtype(array.dtype).name not in DTYPES:
+            if np.dtype(array.dtype).name not in TENSOR_DTYPES:
                 raise WrongDtype(f"tensor {name!r}: dtype {array.dtype} not supported "
-                                 f"(supported: {', '.join(DTYPES)})")
+                                 f"(supported: {', '.join(TENSOR_DTYPES)})")
+            _check_exact(name, array)
+        if compression not in ("none", "fediac", "topk", "fp16"):
+            raise TrainerError(f"compression must be none, fediac, topk or fp16, got {compression!r}")
         specs = [TensorSpec.of(name, array) for name, array in arrays.items()]
         # Only offsets matter here; the node cuts the chunks with the job's chunk_size.
         layout = Layout.build(specs, 1 << 62)
@@ -157,7 +171,7 @@ class Registry:
         request_tensors = tuple((s.name, s.shape, s.dtype) for s in specs)
         if self.inline:
             payload = b"".join(np.ascontiguousarray(arrays[s.name], dtype="<f4").tobytes() for s in specs)
-            return tw.InitRequest(request_tensors, ""), payload, ""
+            return tw.InitRequest(request_tensors, "", compression, votes), payload, ""  # type: ignore[arg-type]
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
         try:
@@ -167,7 +181,7 @@ class Registry:
         except BaseException:
             release_init(path)
             raise
-        return tw.InitRequest(request_tensors, path), b"", path
+        return tw.InitRequest(request_tensors, path, compression, votes), b"", path  # type: ignore[arg-type]
 
     def _create_shm(self, size: int) -> str:
         self.close()
@@ -203,6 +217,7 @@ class Registry:
             raise WrongShape(f"tensor {name!r}: shape {tuple(value.shape)}, registered {spec.shape}")
         if np.dtype(value.dtype).name != spec.dtype:
             raise WrongDtype(f"tensor {name!r}: dtype {value.dtype}, registered {spec.dtype}")
+        _check_exact(name, value)
         return key
 
     def key(self, name: str) -> int:
@@ -240,7 +255,10 @@ class Registry:
             else:
                 assert self.shm is not None
                 values = self.shm[layout.key_slice(key)]
-            out[name] = values.astype(DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+            if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
+                out[name] = np.rint(values).astype(np.int64).reshape(spec.shape)
+            else:
+                out[name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
         if flat is not None and position != flat.size:
             raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
         return out
@@ -252,6 +270,7 @@ class Registry:
         self.num_workers = reply.num_workers
         self.node_id = reply.node_id
         self.iteration = reply.iteration
+        self.gia_threshold = reply.gia_threshold
         self.contributors = reply.contributors
         model = self.results(names, payload)
         if self.provider is None:
@@ -264,6 +283,7 @@ class Registry:
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
         self.num_workers = reply.workers
+        self.wan_bytes = reply.wan_bytes
         if reply.contributors:
             self.contributors = reply.contributors
         return self.results(names, payload)
@@ -310,6 +330,17 @@ class RegistryView:
     @property
     def node_id(self) -> int:
         return self.registry.node_id
+
+    @property
+    def gia_threshold(self) -> int:
+        """The threshold FediAC's roots apply to the vote counts (0: the sums come back as counts)."""
+        return self.registry.gia_threshold
+
+    @property
+    def wan_bytes(self) -> int:
+        """Bytes of chunk frames this DC's node queued on WAN links for the latest result's iteration (as
+        of its reply; frames relayed later for it are not in). Summed over DCs: the iteration's traffic."""
+        return self.registry.wan_bytes
 
     @property
     def iteration(self) -> int:
@@ -413,9 +444,14 @@ class Client(RegistryView):
 
     # ---- verbs --------------------------------------------------------------------------------------
 
-    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Register ``tensors``; returns the initial values every DC agrees on."""
-        request, payload, path = self.registry.prepare_init(tensors)
+    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none",
+             votes: int = 0) -> dict[str, np.ndarray]:
+        """Register ``tensors``; returns the initial values every DC agrees on. Integer tensors (uint8, int8,
+        int16, int32) are summed exactly and come back as int64 sums. ``compression="fp16"`` has the nodes
+        send float chunks as float16 (every DC must register alike); FediAC and top-k run in the trainer
+        (``netstorm.compression.session``) and say so here, with FediAC's threshold ``votes``, which the
+        roots then apply to the vote counts."""
+        request, payload, path = self.registry.prepare_init(tensors, compression, votes)
         try:
             reply, data = self._call(request, payload, tw.InitReply, "init")
         finally:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.auth import load_secret
+from netstorm.compression.options import CompressionOptions
 from netstorm.errors import ConfigError
 
 
@@ -153,6 +154,20 @@ class Config:
     torch_socket: str = ""
     """Where a rank finds its DC's node, as a template with {rank}, {local_rank} and {group_rank} (torchrun's
     variables); empty: NETSTORM_SOCKET, as ``netstorm.connect()`` does."""
+    # Compression.
+    compression: str = "none"
+    """Gradient compression: none, fediac (consensus sparsification: vote on indices, then send b-bit
+    integers at the agreed ones; two rounds per iteration), topk (each DC's top-k with error feedback, summed
+    at the union of indices; two rounds), fp16 (nodes send float chunks as float16)."""
+    fediac_k: float = 0.05
+    """Indices each contributor votes per iteration (fediac, topk): a share of the model's elements below 1,
+    else a count; the paper's 5 %."""
+    fediac_bits: int = 0
+    """Bits b of a quantized FediAC value (2-24); 0 derives b from a dense first iteration as the paper's
+    Corollary 1 does."""
+    fediac_votes: int = 0
+    """FediAC's threshold a: an index is sent when at least this many contributors voted it; 0 takes
+    ceil(0.15 x contributors), the paper's a = 3 at 20 contributors."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -193,9 +208,14 @@ class Config:
             raise ConfigError(f"aux_slowdown must be in [0, 1), got {self.aux_slowdown!r}")
         if not 0 <= self.aux_reroute <= 1:
             raise ConfigError(f"aux_reroute must be in [0, 1], got {self.aux_reroute!r}")
+        self._validate_compression()
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")
+
+
+    def _validate_compression(self) -> None:
+        CompressionOptions.of(self)  # raises ConfigError naming the option
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}

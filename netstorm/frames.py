@@ -127,10 +127,19 @@ class ErrorFrame(_Header, frozen=True):
         return _decode(_ERROR, data, "Error")
 
 
-WIRE_DTYPES: dict[str, int] = {"float32": 4}
-"""Payload dtypes on the wire (little-endian) and their item sizes; sums always travel as float32."""
+WIRE_DTYPES: dict[str, int] = {"float32": 4, "float16": 2, "uint8": 1, "int8": 1, "int16": 2, "int32": 4,
+                               "bit": 1}
+"""Payload dtypes on the wire (little-endian) and their item sizes. Float chunks travel as float32 (or
+float16 with the fp16 compression); integer chunks in the narrowest integer dtype holding the sum, down
+to ``bit`` for 0/1 values (packed eight to a byte, most significant bit first: ``np.packbits``)."""
 
-WireDtype = Literal["float32"]
+WIRE_FORMATS: dict[str, str] = {"float32": "<f4", "float16": "<f2", "uint8": "u1", "int8": "i1",
+                                "int16": "<i2", "int32": "<i4", "bit": "u1"}
+"""The numpy format of each wire dtype's payload items, for receiving a payload straight into an array."""
+
+FLOAT_WIRE = frozenset({"float32", "float16"})
+
+WireDtype = Literal["float32", "float16", "uint8", "int8", "int16", "int32", "bit"]
 
 
 class ChunkHeader(_Header, frozen=True):
@@ -157,6 +166,8 @@ class ChunkHeader(_Header, frozen=True):
     is_aux: bool = msgspec.field(name="aux")
     path: Path
     count: Annotated[int, msgspec.Meta(ge=0, le=MAX_CHUNK_ELEMENTS)]
+    """Elements in the payload: the chunk's leading elements; the rest of the chunk is zero (a sender
+    elides the all-zero tail, so sparse chunks cost what they hold)."""
     dtype: WireDtype = "float32"
 
     def __post_init__(self) -> None:
@@ -169,8 +180,13 @@ class ChunkHeader(_Header, frozen=True):
                 raise FrameError(f"Chunk header: auxiliary path {path} visits a node twice")
 
     @property
+    def payload_items(self) -> int:
+        """Items of the payload array: ``count``, or the bytes that pack ``count`` bits."""
+        return (self.count + 7) // 8 if self.dtype == "bit" else self.count
+
+    @property
     def payload_len(self) -> int:
-        return self.count * WIRE_DTYPES[self.dtype]
+        return self.payload_items * WIRE_DTYPES[self.dtype]
 
     def hop(self, src: int, dst: int, t_send: float) -> ChunkHeader:
         """The same chunk on its next hop."""
@@ -178,11 +194,16 @@ class ChunkHeader(_Header, frozen=True):
 
     def encode(self) -> bytes:
         """Prefix and header; the payload follows as raw bytes."""
-        return _frame(Kind.CHUNK, _ENCODER.encode(self), self.count * WIRE_DTYPES[self.dtype])
+        return _frame(Kind.CHUNK, _ENCODER.encode(self), self.payload_len)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> ChunkHeader:
         return _decode(_CHUNK, data, "Chunk")
+
+
+def frame_size(header: ChunkHeader) -> int:
+    """Bytes a chunk frame takes on the wire: prefix, header and payload (what ``wan_bytes`` counts)."""
+    return PREFIX_SIZE + len(_ENCODER.encode(header)) + header.payload_len
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -7,11 +7,20 @@ trainer's dict happens to have) as one flat float32 vector. Tensors above ``chun
 split into near-equal chunks of at most ``chunk_size``; smaller tensors stay whole and consecutive small
 ones share a chunk up to ``chunk_size`` elements, so a model of many biases costs a few frames, not one
 frame per bias.
+
+Integer tensors (``INT_DTYPES``: vote counts, quantized values) are summed exactly as integers by the
+nodes and travel as narrow integer lanes. They are laid out after the float tensors, grouped by dtype,
+and a chunk never mixes lanes, so every chunk has one lane dtype (``Chunk.dtype``); ``chunk_size`` counts
+float32 elements, and an integer chunk holds as many bytes of its dtype (four times the elements for
+uint8), so a sparse method's extra tensors do not multiply the frames. ``float_wire`` says
+how float chunks travel between nodes (float32, or float16 for the fp16 compression); the hash covers
+every dtype and the float wire, so DCs that disagree on either fail at registration.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Iterable, Sequence
 
@@ -26,7 +35,30 @@ DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
 }
-"""Tensor dtypes a trainer may register; every one is aggregated in float32."""
+"""Float tensor dtypes a trainer may register; every one is aggregated in float32."""
+
+INT_DTYPES: dict[str, np.dtype] = {
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+}
+"""Integer tensor dtypes: summed exactly as integers; each hop travels in the narrowest integer dtype that
+holds its partial sum, so the registered dtype only bounds what a trainer pushes."""
+
+TENSOR_DTYPES: dict[str, np.dtype] = {**DTYPES, **INT_DTYPES}
+"""Every dtype a trainer may register."""
+
+FLOAT_WIRES = ("float32", "float16")
+"""How float chunks may travel between nodes."""
+
+INT_EXACT = 1 << 24
+"""Largest integer magnitude the trainer path (float32) carries exactly: bound of integer sums."""
+
+
+def lane(dtype: str) -> str:
+    """The lane a tensor of ``dtype`` is summed in: float32 for floats, the dtype itself for integers."""
+    return dtype if dtype in INT_DTYPES else "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +74,9 @@ class TensorSpec:
             raise LayoutError(f"tensor name must be a non-empty string, got {self.name!r}")
         if any((not isinstance(d, int)) or isinstance(d, bool) or d < 0 for d in self.shape):
             raise LayoutError(f"tensor {self.name!r}: shape must be non-negative integers, got {self.shape!r}")
-        if self.dtype not in DTYPES:
+        if self.dtype not in TENSOR_DTYPES:
             raise LayoutError(f"tensor {self.name!r}: dtype {self.dtype!r} not supported "
-                              f"(supported: {', '.join(DTYPES)})")
+                              f"(supported: {', '.join(TENSOR_DTYPES)})")
 
     @property
     def size(self) -> int:
@@ -65,6 +97,8 @@ class Chunk:
     count: int
     first_key: int
     last_key: int
+    dtype: str = "float32"
+    """The chunk's lane: float32, or the integer dtype of every tensor in it."""
 
     @property
     def stop(self) -> int:
@@ -83,12 +117,25 @@ class Layout:
     """Per tensor, the half-open range of chunk indices that overlap it."""
     total: int
     hash: str
+    float_wire: str = "float32"
+    """How float chunks travel between nodes: float32, or float16 (the fp16 compression)."""
+    int_start: int = -1
+    """Flat offset where the integer tensors begin (``total`` when there are none)."""
+    gia_key: int = -1
+    """The vote-count tensor whose full sums the roots threshold (FediAC), or -1."""
+    gia_threshold: int = 0
+    """That threshold a: a root sends 1 where a count reaches it, else 0 (a bitmap down the trees)."""
 
     @classmethod
-    def build(cls, specs: Iterable[TensorSpec], chunk_size: int) -> Layout:
+    def build(cls, specs: Iterable[TensorSpec], chunk_size: int, float_wire: str = "float32",
+              gia: tuple[str, int] | None = None) -> Layout:
+        """``gia``: (tensor, a) when the roots apply FediAC's threshold to that integer tensor's counts."""
         if chunk_size <= 0:
             raise LayoutError(f"chunk_size must be positive, got {chunk_size}")
-        tensors = tuple(sorted(specs, key=lambda s: s.name))
+        if float_wire not in FLOAT_WIRES:
+            raise LayoutError(f"float_wire must be one of {', '.join(FLOAT_WIRES)}, got {float_wire!r}")
+        # float tensors first, then integer tensors grouped by lane; names order within each group
+        tensors = tuple(sorted(specs, key=lambda s: (lane(s.dtype) != "float32", lane(s.dtype), s.name)))
         names = [t.name for t in tensors]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -100,14 +147,25 @@ class Layout:
         bounds: list[tuple[int, int]] = []
         position = 0
         open_start: int | None = None
+        open_lane = "float32"
+        int_start: int | None = None
         for spec in tensors:
             offsets.append(position)
             size = spec.size
-            if size > chunk_size:
+            if lane(spec.dtype) != open_lane:  # a chunk never mixes lanes
                 if open_start is not None and position > open_start:
                     bounds.append((open_start, position - open_start))
                 open_start = None
-                pieces = -(-size // chunk_size)
+                open_lane = lane(spec.dtype)
+            if int_start is None and spec.dtype in INT_DTYPES:
+                int_start = position
+            # chunk_size counts float32 elements; an integer lane's chunks hold as many bytes of its dtype
+            limit = chunk_size * 4 // TENSOR_DTYPES[spec.dtype].itemsize if spec.dtype in INT_DTYPES else chunk_size
+            if size > limit:
+                if open_start is not None and position > open_start:
+                    bounds.append((open_start, position - open_start))
+                open_start = None
+                pieces = -(-size // limit)
                 base, extra = divmod(size, pieces)
                 start = position
                 for i in range(pieces):
@@ -115,7 +173,7 @@ class Layout:
                     bounds.append((start, count))
                     start += count
             else:
-                if open_start is not None and position + size - open_start > chunk_size:
+                if open_start is not None and position + size - open_start > limit:
                     bounds.append((open_start, position - open_start))
                     open_start = None
                 if open_start is None:
@@ -139,26 +197,41 @@ class Layout:
             for index in range(lo, hi):
                 first_key[index] = min(first_key[index], key)
                 last_key[index] = max(last_key[index], key)
-        chunks = tuple(Chunk(i, offset, count, first_key[i], last_key[i])
+        # a chunk's lane is that of the non-empty tensor holding its first element
+        filled = [(offset, lane(spec.dtype)) for spec, offset in zip(tensors, offsets, strict=True) if spec.size]
+        filled_starts = np.array([offset for offset, _ in filled], dtype=np.int64)
+        chunks = tuple(Chunk(i, offset, count, first_key[i], last_key[i],
+                             filled[int(np.searchsorted(filled_starts, offset, side="right")) - 1][1])
                        for i, (offset, count) in enumerate(bounds))
-        digest = hashlib.sha256(msgpack.packb(
-            [LAYOUT_VERSION, chunk_size, [[t.name, list(t.shape), t.dtype] for t in tensors]])).hexdigest()[:16]
-        return cls(tensors, chunk_size, tuple(offsets), chunks, tuple(key_chunks), position, digest)
+        described: list[object] = [LAYOUT_VERSION, chunk_size, [[t.name, list(t.shape), t.dtype] for t in tensors]]
+        if float_wire != "float32":  # a float32 wire keeps the hashes layouts had before other wires existed
+            described.append(float_wire)
+        gia_key = -1
+        if gia is not None:
+            gia_key = next((k for k, t in enumerate(tensors) if t.name == gia[0]), -1)
+            if gia_key < 0 or tensors[gia_key].dtype not in INT_DTYPES or gia[1] < 1:
+                raise LayoutError(f"the GIA threshold needs an integer tensor {gia[0]!r} and a >= 1, got {gia!r}")
+            described.append(["gia", gia[0], gia[1]])
+        digest = hashlib.sha256(msgpack.packb(described)).hexdigest()[:16]
+        return cls(tensors, chunk_size, tuple(offsets), chunks, tuple(key_chunks), position, digest, float_wire,
+                   position if int_start is None else int_start, gia_key, gia[1] if gia is not None else 0)
 
     def key(self, name: str) -> int:
         """Index of tensor ``name``; UnknownTensor (a LayoutError) naming it when unknown."""
         if not isinstance(name, str):
             raise UnknownTensor(f"unknown tensor {name!r}: tensor names are strings")
-        lo, hi = 0, len(self.tensors)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if self.tensors[mid].name < name:
-                lo = mid + 1
-            else:
-                hi = mid
-        if lo < len(self.tensors) and self.tensors[lo].name == name:
-            return lo
-        raise UnknownTensor(f"unknown tensor {name!r}")
+        key = self._keys.get(name)
+        if key is None:
+            raise UnknownTensor(f"unknown tensor {name!r}")
+        return key
+
+    @functools.cached_property
+    def _keys(self) -> dict[str, int]:
+        return {spec.name: key for key, spec in enumerate(self.tensors)}
+
+    def is_int(self, key: int) -> bool:
+        """Whether tensor ``key`` is summed as integers."""
+        return self.tensors[key].dtype in INT_DTYPES
 
     def key_slice(self, key: int) -> slice:
         start = self.offsets[key]
@@ -171,6 +244,7 @@ class Layout:
         return [t.name for t in self.tensors]
 
 
-def build(specs: Sequence[TensorSpec], chunk_size: int) -> Layout:
+def build(specs: Sequence[TensorSpec], chunk_size: int, float_wire: str = "float32",
+          gia: tuple[str, int] | None = None) -> Layout:
     """Shorthand for ``Layout.build``."""
-    return Layout.build(specs, chunk_size)
+    return Layout.build(specs, chunk_size, float_wire, gia)

@@ -14,7 +14,7 @@ raised; the client raises the exception class of that code.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 
@@ -64,6 +64,11 @@ class InitRequest(_Message, frozen=True, tag="init"):
 
     tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     shm: Name
+    compression: Literal["none", "fediac", "topk", "fp16"] = "none"
+    """The job's compression as this trainer runs it; "fp16" makes the nodes send float chunks as float16,
+    "fediac" has the roots threshold the vote counts (the rest runs in the trainer)."""
+    votes: Count = 0
+    """FediAC's threshold a (``fediac_votes``; 0: derived from the job's workers as the trainer would)."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):
@@ -75,6 +80,8 @@ class InitReply(_Message, frozen=True, tag="init_ok"):
     contributors: NodeIds = ()
     """The DCs whose values the returned model holds (empty for a replacement trainer's init, which
     gets its own values back)."""
+    gia_threshold: Count = 0
+    """The threshold a the roots apply to FediAC's vote counts (0: none; the sums come back as counts)."""
 
 
 class PushRequest(_Message, frozen=True, tag="push"):
@@ -108,6 +115,9 @@ class PullReply(_Message, frozen=True, tag="result"):
     job's after a DC died), each DC's trainer and its gateway's LAN workers."""
     contributors: NodeIds = ()
     """The DCs whose gradients these sums hold: the membership the scheduler bound to the iteration."""
+    wan_bytes: Count = 0
+    """Bytes this DC's node queued on WAN links for the iteration so far (prefix, header and payload of
+    every chunk frame, relays included); summed over the DCs, the iteration's WAN traffic."""
 
 
 class ModelWanted(_Message, frozen=True, tag="model_wanted"):

@@ -16,6 +16,20 @@ Chunks that arrive for an iteration whose policy is not bound yet are kept and p
 nothing is dropped. A contribution that arrives twice is rejected. Chunks from before the layout can
 be kept too, but the node's shell never feeds any: it stops reading a connection until the layout
 exists (``NodeCore.admit``), so nothing is buffered for a layout that does not exist.
+
+Integer chunks (vote counts, quantized values: ``layout.INT_DTYPES``) are summed exactly in an int32
+vector beside the float one, and each hop travels in the narrowest integer dtype that holds its partial
+sum (bits for 0/1 sums such as a single contributor's votes, uint8 or int8, int16, int32; the receiver
+reads it from the header), so a lane never wraps and a sum costs no more than it needs. Every
+integer contribution and sum is bounded by ``INT_EXACT`` (2**24, what the trainer's float32 path holds
+exactly): a larger one fails the iteration, as no correct trainer sends it; with fewer than 128
+children per node the int32 sums cannot wrap before that check. A sender elides a chunk's all-zero
+tail (the header's count says how many leading elements follow), so a sparse chunk costs what it
+holds. Float chunks travel as float16 when the layout says so (the fp16 compression), as float32
+where a value would not fit, and the root keeps the rounded sum it sends, so every DC holds the same
+result. When the layout names a GIA tensor (FediAC's vote counts), the root of each chunk, the one
+node that holds its shard's full counts, applies the threshold before sending the sum down, so the
+GIA travels down the tree as a bitmap (1/8 byte per element) instead of the counts.
 """
 
 from __future__ import annotations
@@ -26,8 +40,8 @@ import enum
 import numpy as np
 
 from netstorm.errors import ChunkError
-from netstorm.frames import ChunkHeader, Phase
-from netstorm.layout import Layout
+from netstorm.frames import FLOAT_WIRE, WIRE_FORMATS, ChunkHeader, Phase, WireDtype
+from netstorm.layout import INT_EXACT, Chunk, Layout
 from netstorm.planning.allot import allot_chunks
 from netstorm.policy import Policy
 
@@ -81,6 +95,8 @@ class _Iteration:
         n_chunks = len(layout.chunks)
         self.number = number
         self.acc = np.zeros(layout.total, dtype=np.float32)
+        self.ints = np.zeros(max(0, layout.total - layout.int_start), dtype=np.int32)
+        """Exact sums of the integer chunks, from ``layout.int_start`` on."""
         self.policy: Policy | None = None
         self.roots: list[int] = []
         self.pushed = np.zeros(len(layout.tensors), dtype=bool)
@@ -176,10 +192,21 @@ class ChunkCore:
             raise ChunkError(f"tensor {spec.name!r}: {values.size} values for {spec.size} elements")
         if state.pushed[key]:
             raise ChunkError(f"tensor {spec.name!r} pushed twice in iteration {iteration}")
+        if values is not None and layout.is_int(key):
+            flat = values.reshape(-1)
+            if flat.dtype.kind == "f" and not np.array_equal(np.rint(flat), flat):
+                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): values must be integers")
+            if flat.size and float(np.max(np.abs(flat))) > INT_EXACT:
+                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): |value| beyond 2**24, the exact range")
         state.pushed[key] = True
         if values is not None:
-            target = state.acc[layout.key_slice(key)]
-            np.add(target, values.reshape(-1), out=target, casting="same_kind")
+            if layout.is_int(key):
+                span = layout.key_slice(key)
+                ints = state.ints[span.start - layout.int_start:span.stop - layout.int_start]
+                np.add(ints, values.reshape(-1), out=ints, casting="unsafe")
+            else:
+                target = state.acc[layout.key_slice(key)]
+                np.add(target, values.reshape(-1), out=target, casting="same_kind")
         lo, hi = layout.key_chunks[key]
         state.local_missing[lo:hi] -= 1
         actions: list[Action] = []
@@ -299,14 +326,29 @@ class ChunkCore:
             self._roots_cache = {policy.version: roots}
         return roots
 
-    def _check_shape(self, header: ChunkHeader, payload: np.ndarray) -> None:
+    def check_header(self, header: ChunkHeader) -> None:
+        """A chunk header's index, element count and wire dtype against the layout, before its payload is
+        allocated: at most the chunk's elements, a float dtype for a float chunk, an integer one else."""
         layout = self._need_layout()
         if not 0 <= header.chunk < len(layout.chunks):
             raise ChunkError(f"chunk index {header.chunk} out of range (layout has {len(layout.chunks)})")
-        expected = layout.chunks[header.chunk].count
-        if header.count != expected or payload.size != expected:
+        chunk = layout.chunks[header.chunk]
+        if header.count > chunk.count:
             raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
-                             f"{header.count} elements, layout says {expected}")
+                             f"{header.count} elements, layout says {chunk.count}")
+        if (header.dtype in FLOAT_WIRE) != (chunk.dtype == "float32"):
+            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
+                             f"{header.dtype} payload for a {chunk.dtype} chunk")
+
+    def _check_shape(self, header: ChunkHeader, payload: np.ndarray) -> None:
+        self.check_header(header)
+        if payload.size != header.payload_items or payload.dtype != np.dtype(WIRE_FORMATS[header.dtype]):
+            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
+                             f"payload of {payload.size} {payload.dtype}, header says {header.count} "
+                             f"{header.dtype}")
+        if header.dtype == "int32" and payload.size and int(np.max(np.abs(payload.astype(np.int64)))) > INT_EXACT:
+            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
+                             f"integer beyond 2**24, the exact range")
 
     def _forward(self, header: ChunkHeader, payload: np.ndarray) -> Send:
         """An auxiliary chunk passing through: follow the source's path, whatever our own policy says."""
@@ -347,8 +389,8 @@ class ChunkCore:
             if state.sent_up[index]:
                 raise ChunkError(f"{where}: arrived after the partial sum left")
             state.arrived[index].add(header.origin)
-            target = state.acc[span]
-            np.add(target, payload, out=target)
+            target = self._sums(state, chunk)[:header.count]
+            np.add(target, _values(header, payload), out=target, casting="unsafe")
             return self._advance(state, index)
         if tree.parent.get(self.node_id) != header.origin:
             raise ChunkError(f"{where}: node {header.origin} is not the parent of node {self.node_id}")
@@ -356,12 +398,14 @@ class ChunkCore:
             raise ChunkError(f"{where}: duplicate result")
         if not state.sent_up[index]:
             raise ChunkError(f"{where}: result before this node's partial sum left")
-        state.acc[span] = payload
-        return self._complete(state, index, payload)
+        state.acc[span.start + header.count:span.stop] = 0
+        state.acc[span.start:span.start + header.count] = _values(header, payload)
+        return self._complete(state, index, payload, header.count, header.dtype)
 
     def _advance(self, state: _Iteration, index: int) -> list[Action]:
         """Send the partial sum up (or, at the root, the full sum down) if the chunk is ready."""
-        if state.sent_up[index] or state.local_missing[index] > 0 or state.policy is None:
+        if (state.sent_up[index] or state.local_missing[index] > 0 or state.policy is None
+                or state.number in self._closed):
             return []
         root = state.roots[index]
         tree = state.policy.trees[root]
@@ -369,21 +413,32 @@ class ChunkCore:
             return []
         state.sent_up[index] = True
         chunk = self._need_layout().chunks[index]
-        payload = state.acc[chunk.offset:chunk.stop]
         if self.node_id == root:
-            return self._complete(state, index, payload)
+            self._threshold(state, chunk)
+        try:
+            payload, values, dtype = self._outgoing(state, chunk)
+        except ChunkError as exc:
+            return self.fail(state.number, str(exc))
+        if self.node_id == root:
+            # the root keeps what it sends down (rounded to float16, or the integer sum), so every DC
+            # holds the same result
+            if values.dtype != np.float32 or values.size != chunk.count:
+                state.acc[chunk.offset + values.size:chunk.stop] = 0
+                state.acc[chunk.offset:chunk.offset + values.size] = values
+            return self._complete(state, index, payload, values.size, dtype)
         parent = tree.parent[self.node_id]
         assert parent is not None
-        return [Send(self._header(state, index, Phase.UP, parent), payload)]
+        return [Send(self._header(state, index, Phase.UP, parent, values.size, dtype), payload)]
 
-    def _complete(self, state: _Iteration, index: int, payload: np.ndarray) -> list[Action]:
+    def _complete(self, state: _Iteration, index: int, payload: np.ndarray, count: int,
+                  dtype: WireDtype) -> list[Action]:
         """The chunk holds the full sum here: pass it to the children, account for keys and iteration."""
         policy = state.policy
         assert policy is not None
         state.done[index] = True
         state.chunks_left -= 1
         tree = policy.trees[state.roots[index]]
-        actions: list[Action] = [Send(self._header(state, index, Phase.DOWN, child), payload)
+        actions: list[Action] = [Send(self._header(state, index, Phase.DOWN, child, count, dtype), payload)
                                  for child in tree.children(self.node_id)]
         chunk = self._need_layout().chunks[index]
         for key in range(chunk.first_key, chunk.last_key + 1):
@@ -394,11 +449,79 @@ class ChunkCore:
             actions.append(IterationDone(state.number))
         return actions
 
-    def _header(self, state: _Iteration, index: int, phase: Phase, dst: int) -> ChunkHeader:
+    def _header(self, state: _Iteration, index: int, phase: Phase, dst: int, count: int,
+                dtype: WireDtype) -> ChunkHeader:
         policy = state.policy
         assert policy is not None
-        count = self._need_layout().chunks[index].count
         return ChunkHeader(iteration=state.number, chunk=index, root=state.roots[index], phase=phase,
                            src=self.node_id, dst=dst, origin=self.node_id, final=dst, version=policy.version,
-                           t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count)
+                           t_send=0.0, is_aux=False, path=(self.node_id, dst), count=count, dtype=dtype)
 
+    def _threshold(self, state: _Iteration, chunk: Chunk) -> None:
+        """At the root the counts are full: where the chunk holds the GIA tensor, keep 1 where a count
+        reaches the threshold and 0 elsewhere, so the GIA goes down the tree as a bitmap."""
+        layout = self._need_layout()
+        if layout.gia_key < 0 or not chunk.first_key <= layout.gia_key <= chunk.last_key:
+            return
+        span = layout.key_slice(layout.gia_key)
+        start, stop = max(span.start, chunk.offset), min(span.stop, chunk.stop)
+        counts = state.ints[start - layout.int_start:stop - layout.int_start]
+        counts[:] = counts >= layout.gia_threshold
+
+    def _sums(self, state: _Iteration, chunk: Chunk) -> np.ndarray:
+        """Where chunk ``chunk``'s sum accumulates: its span of the float32 or the int32 vector."""
+        if chunk.dtype == "float32":
+            return state.acc[chunk.offset:chunk.stop]
+        start = chunk.offset - self._need_layout().int_start
+        return state.ints[start:start + chunk.count]
+
+    def _outgoing(self, state: _Iteration, chunk: Chunk) -> tuple[np.ndarray, np.ndarray, WireDtype]:
+        """The chunk's partial (or full) sum as it goes on the wire: (payload, the values it stands for,
+        wire dtype). The all-zero tail is elided; an integer sum travels in the narrowest dtype holding
+        it (0/1 sums as bits); ChunkError beyond the exact range."""
+        sums = self._sums(state, chunk)
+        sums = sums[:_extent(sums)]
+        if chunk.dtype == "float32":
+            if self._need_layout().float_wire == "float16" and sums.size:
+                with np.errstate(over="ignore"):
+                    half = sums.astype(np.float16)
+                if bool(np.isfinite(half).all()) or not bool(np.isfinite(sums).all()):
+                    return half, half, "float16"
+            return sums, sums, "float32"
+        if not sums.size:
+            return sums.astype(np.uint8), sums, "uint8"
+        low, high = int(sums.min()), int(sums.max())
+        if max(-low, high) > INT_EXACT:
+            raise ChunkError(f"chunk {chunk.index} of iteration {state.number}: an integer sum of magnitude "
+                             f"{max(-low, high)} is beyond 2**24, the exact range")
+        if low >= 0 and high <= 1:
+            return np.packbits(sums != 0), sums, "bit"
+        for dtype in _NARROWEST[low >= 0]:
+            info = np.iinfo(dtype)
+            if info.min <= low and high <= info.max:
+                values = sums.astype(dtype)
+                return values, values, _WIRE_NAMES[values.dtype]
+        raise AssertionError("int32 holds every sum within 2**24")
+
+_WIRE_NAMES: dict[np.dtype, WireDtype] = {np.dtype(fmt): name for name, fmt in WIRE_FORMATS.items()  # type: ignore[misc]
+                                          if name != "bit"}
+"""A payload's wire dtype name (looked up once: ``dtype.name`` costs a string build per frame)."""
+
+_NARROWEST: dict[bool, tuple[str, ...]] = {
+    True: ("uint8", "int16", "int32"),
+    False: ("int8", "int16", "int32"),
+}
+"""The dtypes an integer partial sum may travel in, narrowest first, for sums without and with negatives."""
+
+
+def _values(header: ChunkHeader, payload: np.ndarray) -> np.ndarray:
+    """The values a payload carries (bits unpacked)."""
+    return np.unpackbits(payload, count=header.count) if header.dtype == "bit" else payload
+
+
+def _extent(values: np.ndarray) -> int:
+    """One past the last nonzero element: what a frame must carry (the rest is zero)."""
+    if not values.size or values[-1] != 0:
+        return int(values.size)
+    nonzero = np.flatnonzero(values)
+    return int(nonzero[-1]) + 1 if nonzero.size else 0

@@ -238,16 +238,11 @@ class NodeCore:
     def admit(self, header: ChunkHeader) -> bool:
         """Check a chunk's header before anything is allocated for its payload: False when no layout
         exists yet (the shell stops reading until one does: nothing is buffered for a layout that does
-        not exist). Raises ChunkError for a chunk index, element count or iteration no correct peer sends."""
+        not exist). Raises ChunkError for a chunk index, element count, dtype or iteration no correct peer sends."""
         layout = self.chunks.layout
         if layout is None:
             return False
-        if not 0 <= header.chunk < len(layout.chunks):
-            raise ChunkError(f"chunk index {header.chunk} out of range (layout has {len(layout.chunks)})")
-        expected = layout.chunks[header.chunk].count
-        if header.count != expected:
-            raise ChunkError(f"chunk {header.chunk} of iteration {header.iteration} from node {header.origin}: "
-                             f"{header.count} elements, layout says {expected}")
+        self.chunks.check_header(header)  # index, element count and wire dtype
         if header.iteration > self.chunks.horizon + 1:  # a pass-through hop may be one iteration further on
             raise ChunkError(f"chunk {header.chunk} from node {header.origin} for iteration {header.iteration}, far "
                              f"ahead of node {self.node_id} (it accepts up to iteration {self.chunks.horizon})")

@@ -1,7 +1,7 @@
 """TCP transport between general nodes: one connection per ordered pair, opened by the sender.
 
 Receiving: ``InboundProtocol`` is an ``asyncio.BufferedProtocol``. Prefix and header land in a small
-staging buffer; a chunk's payload is received straight into a freshly allocated float32 array, so the
+staging buffer; a chunk's payload is received straight into a freshly allocated array of its wire dtype, so the
 only copy of the payload is the kernel's. The first frame must be a Hello from a member; any malformed,
 oversized or unexpected frame gets an Error frame back and the connection is closed, and the node goes
 on serving every other peer.
@@ -39,6 +39,7 @@ from netstorm.authconn import Credentials
 from netstorm.errors import AuthError, ChunkError, ErrorCode, FrameError, NetStormError
 from netstorm.frames import (
     PREFIX_SIZE,
+    WIRE_FORMATS,
     ChunkHeader,
     ErrorFrame,
     Hello,
@@ -228,7 +229,7 @@ class InboundProtocol(asyncio.BufferedProtocol):
             self.transport.pause_reading()
             return None
         view = self._staging_view
-        payload = np.empty(header.count, dtype="<f4")
+        payload = np.empty(header.payload_items, dtype=WIRE_FORMATS[header.dtype])
         raw = payload.data.cast("B")
         take = min(self._fill - pos, len(raw))
         raw[:take] = view[pos:pos + take]

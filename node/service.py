@@ -24,10 +24,11 @@ import numpy as np
 
 from netstorm import auth, authconn
 from netstorm.authconn import Credentials
+from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LinkBeliefs
 from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
-from netstorm.frames import ChunkHeader, ErrorFrame, Hello
+from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -52,6 +53,9 @@ from node.peers import InboundProtocol, PeerError, PeerLink
 from node.sendqueue import Outgoing
 
 log = logging.getLogger("netstorm.node")
+
+WAN_HISTORY = 256
+"""Iterations whose WAN bytes a node keeps (a trainer reads an iteration's with its result)."""
 
 BOUNDARY_UNKNOWN = 2**62
 """The chunk horizon of a node admitted into a running job until its layout names its first iteration."""
@@ -157,6 +161,8 @@ class GeneralNode:
         self.control: Control | None = None
         self.members: dict[int, tuple[str, int]] = {}
         self.links: dict[int, PeerLink] = {}
+        self.wan_sent: dict[int, int] = {}
+        """Per iteration, bytes of the chunk frames this node queued on its WAN links."""
         self._inbound: set[InboundProtocol] = set()
         self._inbound_by_peer: dict[int, InboundProtocol] = {}
         self._server: asyncio.Server | None = None
@@ -301,9 +307,17 @@ class GeneralNode:
 
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
-    async def register(self, specs: Sequence[TensorSpec]) -> Layout:
-        """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees."""
-        layout = Layout.build(specs, self.config.chunk_size)
+    async def register(self, specs: Sequence[TensorSpec], compression: str = "none", votes: int = 0) -> Layout:
+        """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees. The job's
+        ``compression`` (this node's option or the trainer's) of fp16 sends float chunks as float16; with
+        fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
+        as the trainer derives it), and the layout hash covers a."""
+        fp16 = "fp16" in (compression, self.config.compression)
+        gia = None
+        if compression == "fediac" and any(spec.name == VOTES for spec in specs):
+            a = CompressionOptions("fediac", votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
+            gia = (VOTES, a)
+        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
         if self.layout is not None:
             if layout.hash != self.layout.hash:
                 raise LayoutError(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
@@ -312,7 +326,7 @@ class GeneralNode:
         assert self.control is not None
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
-            return await self.register(specs)
+            return await self.register(specs, compression, votes)
         # a DC admitted into a running job starts at its boundary iteration
         self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
@@ -568,6 +582,7 @@ class GeneralNode:
         for action in actions:
             if isinstance(action, SendFrame):
                 self.links[action.link].enqueue(Outgoing(action.header, action.payload, action.ticket))
+                self._count_wan(action.header)
             elif isinstance(action, MoveFrame):
                 item = self.links[action.source].take_back(action.ticket)
                 self.links[action.target].enqueue(Outgoing(action.header, item.payload, action.ticket))
@@ -590,6 +605,17 @@ class GeneralNode:
             elif isinstance(action, Released):
                 self._release(action)
         self._rearm()
+
+    def _count_wan(self, header: ChunkHeader) -> None:
+        """Add a frame to its iteration's WAN bytes; only the newest ``WAN_HISTORY`` iterations are kept."""
+        sent = self.wan_sent
+        if header.iteration not in sent and len(sent) >= WAN_HISTORY:
+            del sent[min(sent)]
+        sent[header.iteration] = sent.get(header.iteration, 0) + frame_size(header)
+
+    def wan_bytes(self, iteration: int) -> int:
+        """Bytes of chunk frames this node queued on WAN links for ``iteration`` (0 when not held)."""
+        return self.wan_sent.get(iteration, 0)
 
     def _ask_policy(self, iteration: int) -> None:
         if self._tg is None:

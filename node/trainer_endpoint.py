@@ -291,7 +291,8 @@ class TrainerEndpoint:
             iteration = self.ranks.pull_iteration(rank, keys[0]) if keys else -1
             out = await self._collect(session, layout, keys, average=request.average, inline_order=True)
             return tw.PullReply(iteration, request.names, node.contributor_count(iteration),
-                                tuple(node.contributors(iteration)) if keys else ()), out
+                                tuple(node.contributors(iteration)) if keys else (),
+                                node.wan_bytes(iteration) if keys else 0), out
         raise TrainerProtocolError(f"a trainer may not send {request.TYPE!r}")
 
     async def _init(self, session: _Session, request: tw.InitRequest, payload: bytes) -> tuple[tw.Message, bytes]:
@@ -300,7 +301,7 @@ class TrainerEndpoint:
         specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
         if not session.inline:  # check the file before the tensors become the node's layout
             session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
-        layout = await node.register(specs)
+        layout = await node.register(specs, compression=request.compression, votes=request.votes)
         if not session.inline:
             values = session.shm
         else:
@@ -323,7 +324,8 @@ class TrainerEndpoint:
             log.info("node %d: %s replaces a trainer: %d tensors (layout %s), continues at iteration %d with its "
                      "own values", node.node_id, session.name, len(names), layout.hash, iteration)
             out = payload if session.inline else b""
-            return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash), out
+            return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash,
+                                gia_threshold=layout.gia_threshold), out
         self.ranks.start(session.rank, layout, replacement=False)
         iteration = node.next_iteration()
         policy = await node.ensure_policy(iteration)
@@ -354,7 +356,7 @@ class TrainerEndpoint:
         log.info("node %d: %s registered %d tensors (layout %s), initial values from node %d",
                  node.node_id, session.name, len(names), layout.hash, provider)
         return tw.InitReply(node.node_id, iteration, node.contributor_count(iteration), layout.hash,
-                            (provider,)), out
+                            (provider,), layout.gia_threshold), out
 
     async def _handovers(self, session: _Session, layout: Layout) -> None:
         """Run every iteration about to start that admits DCs, as the hand-over of the live model (one

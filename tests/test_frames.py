@@ -77,7 +77,7 @@ def test_header_rejections():
         r"Invalid enum value 5 - at `\$\.phase`": body({**good, "phase": 5}),
         r"Expected `int` >= 0 - at `\$\.count`": body({**good, "count": -1}),
         r"Expected `int`, got `str` - at `\$\.chunk`": body({**good, "chunk": "3"}),
-        r"Invalid enum value 'int8' - at `\$\.dtype`": body({**good, "dtype": "int8"}),
+        r"Invalid enum value 'int64' - at `\$\.dtype`": body({**good, "dtype": "int64"}),
         "does not join": body({**good, "path": [5, 2]}),
         "visits a node twice": body({**good, "path": [4, 5, 4, 2]}),
         "needs 44 payload bytes, prefix says 40": body({**good, "count": 11}),

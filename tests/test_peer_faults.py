@@ -276,8 +276,9 @@ def test_the_receiver_allocates_only_for_chunks_the_layout_admits(iteration: int
         position += size
         payload = protocol._payload
         assert payload is None or payload.size <= largest  # nothing beyond what the layout admits
-    admitted = chunk < len(layout.chunks) and count == layout.chunks[chunk].count \
+    # a chunk may carry fewer elements than the layout's (the all-zero tail is elided), never more
+    admitted = chunk < len(layout.chunks) and count <= layout.chunks[chunk].count \
         and iteration <= core.chunks.horizon + 1
     if not admitted:
         assert transport.closed and b"NSF1" in transport.written and delivered == []
-    assert all(h.count == layout.chunks[h.chunk].count for h in delivered)
+    assert all(h.count <= layout.chunks[h.chunk].count for h in delivered)

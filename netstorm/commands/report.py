@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from netstorm.emulation import plots, results
+    from netstorm.emulation import compressed, plots, results
 
     if args.markdown:
         return _markdown(Path(args.markdown), args.check)
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         if i:
             print()
         print(results.summary(result))
+        for line in compressed.summary_lines(result):  # rows of `emulate --compression`
+            print(line)
         if not args.no_plots:
             for plot in plots.draw_all(result, Path(args.plots) if args.plots else path.parent, path.stem):
                 print(f"plot: {plot}", file=sys.stderr)

@@ -37,7 +37,7 @@ from typing import IO, Any
 
 from netstorm.authconn import Credentials
 from netstorm.config import LOCAL, resolve
-from netstorm.emulation import netns, recovery, results, systems
+from netstorm.emulation import compressed, netns, recovery, results, systems, wancount
 from netstorm.emulation.chaos import ChaosPlayer, Fault
 from netstorm.emulation.chaos import parse as parse_chaos
 from netstorm.emulation.contributors import contributors, edge_scale
@@ -144,6 +144,10 @@ class Options:
         from netstorm.trainers.tasks import TASKS
 
         return TASKS[self.train].parameters if self.trainer == "torch-ddp" else model_parameters(self.model)
+    compressions: list[str] = dataclasses.field(default_factory=lambda: ["none"])
+    """Each NetStorm system runs once per compression (``--compression none,fediac,topk,fp16``)."""
+    compression_flags: list[str] = dataclasses.field(default_factory=list)
+    """The trainers' FediAC options (fediac_k, fediac_bits, fediac_votes) as the user gave them."""
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -155,7 +159,7 @@ def _config_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--config", str(Path(args.config).resolve())]
     for name in FIELDS:
         value = getattr(args, f"opt_{name}", None)
-        if value is not None:
+        if value is not None and name != "compression":  # one row per compression: set per row
             if name == "secret_file" and value:
                 value = str(Path(value).resolve())
             flags += ["--" + name.replace("_", "-"), str(value)]
@@ -232,11 +236,17 @@ def options_from_args(args: argparse.Namespace) -> Options:
         gloo = [s.name for s in systems.parse(args.system) if s.kind != "netstorm"]
         if gloo:
             raise EmulationError(f"--chaos needs NetStorm systems; {', '.join(gloo)} cannot rejoin")
+    compression_list = compressed.parse(given.get("compression"))
+    if compression_list != ["none"] and (chaos or lan_workers):
+        raise EmulationError("--compression runs without --chaos and LAN workers")
+    compression_flags = [flag for name in ("fediac_k", "fediac_bits", "fediac_votes") if name in given
+                         for flag in ("--" + name.replace("_", "-"), str(given[name]))]
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
                    edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos, trainer=trainer, train=getattr(args, "train", "blobs"),
+                   compressions=compression_list, compression_flags=compression_flags,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -271,6 +281,8 @@ def run_from_args(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         print(f"result written to {args.out}", file=sys.stderr)
     print(results.summary(result))
+    for line in compressed.summary_lines(result):
+        print(line)
     if args.plots:
         from netstorm.emulation import plots
 
@@ -311,7 +323,8 @@ class SystemRun:
     """One system on the network: start its processes, follow progress, collect the result."""
 
     def __init__(self, net: EmulatedNetwork, scenario: Scenario, system: systems.System, opts: Options,
-                 workdir: Path, model_bytes: int, limit_for: Any) -> None:
+                 workdir: Path, model_bytes: int, limit_for: Any, compression: str = "none") -> None:
+        self.compression = compression
         self.net = net
         self.scenario = scenario
         self.system = system
@@ -406,7 +419,8 @@ class SystemRun:
         persisted = ["--state-dir", str(self.dir / "scheduler-state")] if opts.chaos else []
         self._spawn("scheduler", "mgmt", self._python(
             "-m", "netstorm.cli", "-v", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
-            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags, *persisted))
+            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags, *persisted,
+            "--compression", self.compression))
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
         self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
                                     namespace=net.plan.mgmt_namespace, credentials=opts.credentials)
@@ -417,7 +431,7 @@ class SystemRun:
             self._spawn(f"node-{dc}", dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
                 "--listen", f"{net.node_address(dc)}:{DATA_PORT}", "--socket", str(self.dir / f"node-{dc}.sock"),
-                *gateway, *opts.config_flags))
+                *gateway, *opts.config_flags, "--compression", self.compression))
         for dc in net.plan.node_ids:
             sock = self.dir / f"node-{dc}.sock"
             while not sock.exists():
@@ -428,6 +442,9 @@ class SystemRun:
         # With LAN workers nobody sees the whole job, so every contributor is told its size and id sum.
         job = ["--contributors", str(len(self.contributors)),
                "--contributor-sum", str(sum(c.id for c in self.contributors))] if net.plan.lans else []
+        if self.compression != "none":  # the known exact sum lets a compressed trainer report its error
+            job = ["--contributor-sum", str(sum(c.id for c in self.contributors)), "--compression",
+                   self.compression, *opts.compression_flags]
         for c in self.contributors:
             if c.worker is None:
                 where: int | tuple[int, int] = c.dc
@@ -513,6 +530,7 @@ class SystemRun:
         deadline = start + budget_s
         cpu = CpuMeter()
         usage0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        link_bytes0 = wancount.overlay_tx_bytes(self.net.plan)
         error = ""
         stop = threading.Event()
         self.started_wall = time.time()
@@ -557,7 +575,12 @@ class SystemRun:
         for tlog in self.logs.values():
             tlog.poll()
         usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        link_bytes = wancount.overlay_tx_bytes(self.net.plan) - link_bytes0
         out = self._collect(time.monotonic() - start)
+        if self.system.kind == "netstorm":
+            out.update(self._wan(link_bytes))
+            if "dcs_agree" in out:  # compressed sums: exact means every DC decoded the same sum
+                out["exact"] = out["exact"] and out["dcs_agree"]
         out["cpu"] = cpu.summary()
         run_cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
         out["cpu"]["run_cpu_s"] = round(run_cpu_s, 2)
@@ -577,6 +600,16 @@ class SystemRun:
                 return None
             out.append(round(min(began) - origin, 4))
         return out
+    def _wan(self, link_bytes: int) -> dict[str, Any]:
+        """WAN bytes per iteration as the nodes counted them, checked against the links' counters."""
+        records = {c.label: self.logs[c.label].records for c in self.contributors if c.worker is None}
+        stats = compressed.collect(records, self.opts.iterations)
+        stats.update(compression=self.compression, link_tx_bytes=link_bytes,
+                     link_over_node_bytes=round(link_bytes / stats["wan_bytes_total"], 4)
+                     if stats["wan_bytes_total"] else None)
+        stats.update(compressed.latency_note(stats, planned_trees(self.system, self.scenario.rates()),
+                                             self.scenario))
+        return stats
 
     def _complete(self) -> int:
         return min(sum(1 for r in tl.records if "iteration" in r) for tl in self.logs.values())
@@ -610,7 +643,8 @@ class SystemRun:
             for r in tl.records:
                 if "iteration" in r:
                     (per_lan if tl.who in per_lan else per_dc)[tl.who].append(float(r["seconds"]))
-                exact &= bool(r.get("exact", False))
+                # a compressed sum is not exact by design (null); the DCs' agreement is checked instead
+                exact &= bool(r.get("exact", False)) or (r.get("exact", False) is None and "iteration" in r)
                 if r.get("error"):
                     errors.append(f"{'DC ' if tl.who in per_dc else 'LAN worker '}{tl.who}: {r['error']}")
         done = self._complete()
@@ -700,11 +734,13 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["edge_mode"] = {"requested": opts.edge_mode}
         for line in net.features.lines():
             progress.line(line)
-        for system in opts.systems:
+        rows = [(dataclasses.replace(system, name=compressed.row_name(system.name, c)) if c != "none" else system, c)
+                for system in opts.systems for c in opts.compressions if system.kind == "netstorm" or c == "none"]
+        for system, compression in rows:
             net.set_rates(scenario.rates())
             per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
             budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
-            runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s)
+            runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s, compression)
 
             def on_change(entry: dict[str, Any], runner: SystemRun = runner) -> None:
                 _on_rates(entry, runner, progress)

@@ -36,6 +36,16 @@ passes the count on to its LAN), but not ``S``: ``--contributor-sum S`` gives it
 pins ``n``), so every contributor computes the exact expected sum itself instead of reading ``S`` from
 its first result.
 
+With ``--compression fp16`` the nodes send float chunks as float16; these small integers stay exact, so
+the check holds. With ``--compression fediac`` or ``topk`` (and ``--fediac-k``, ``--fediac-bits``,
+``--fediac-votes``; defaults from NETSTORM_<NAME> or the Config defaults) each iteration runs the
+compression's rounds (``netstorm.compression.session``); the sum is then not exact by design, so the
+line carries ``exact: null`` and, when the expected sum is known (``--contributor-sum``), ``rel_error``
+(||decoded - exact|| / ||exact||, this iteration's: error feedback moves part of it to later ones) and
+``cum_rel_error`` (the same over the running sums since the first iteration: what the residuals still
+hold back), with ``round_trips``, ``gia``, ``bits`` and ``round_s`` (each round's seconds). Every line carries
+``wan_bytes``: what this DC's node queued on WAN links for the iteration (all its rounds).
+
 With ``--rejoinable`` the trainer also registers a one-element tensor ``STEP_TENSOR`` holding its next
 step, pushed as zero every iteration, and hands its model provider that step: a DC restarted into the
 running job gets the live DCs' step with the model its ``init`` returns, so it pushes the gradient of
@@ -49,6 +59,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
 import socket
 import sys
 import time
@@ -59,8 +71,10 @@ from typing import IO, Any
 import numpy as np
 
 import netstorm
-from netstorm import models
+from netstorm import config, models
 from netstorm.auth import load_secret
+from netstorm.compression.options import CompressionOptions
+from netstorm.compression.session import CompressedClient, RoundStats
 from netstorm.errors import IterationError, NetStormError, NodeGone, PolicyError
 
 Layers = list[tuple[str, tuple[int, ...]]]
@@ -242,6 +256,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rejoinable", action="store_true",
                         help="carry the step in the model, so a restarted DC continues at the live DCs' step")
     parser.add_argument("--out", default=None, help="JSON lines file, appended to (default stdout)")
+    parser.add_argument("--compression", default=None, choices=("none", "fediac", "topk", "fp16"),
+                        help="gradient compression (default: NETSTORM_COMPRESSION, else none)")
+    parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
+    parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
+    parser.add_argument("--fediac-votes", type=int, default=None, help="threshold a (0: derived)")
 
 
 def _connect_edge(address: str, parameters: int, *, timeout: float, secret: bytes | None = None) -> Any:
@@ -316,6 +335,46 @@ def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np
     return result
 
 
+def compression_options(args: argparse.Namespace) -> CompressionOptions:
+    """The flags over NETSTORM_<NAME> over the Config defaults, as every other option resolves."""
+    overrides = {"compression": args.compression, "fediac_k": args.fediac_k, "fediac_bits": args.fediac_bits,
+                 "fediac_votes": args.fediac_votes}
+    return CompressionOptions.of(config.resolve(environ=os.environ, overrides=overrides))
+
+
+@dataclasses.dataclass
+class _Cumulative:
+    """Running sums of the decoded and the exact results: with error feedback, what has not arrived yet
+    is what the DCs' residuals hold, so the cumulative error shrinks where one iteration's need not."""
+
+    decoded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    exact: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    def add(self, decoded: dict[str, np.ndarray], exact: dict[str, np.ndarray]) -> float:
+        for name, want in exact.items():
+            self.decoded[name] = self.decoded.get(name, 0.0) + decoded[name].astype(np.float64)
+            self.exact[name] = self.exact.get(name, 0.0) + want.astype(np.float64)
+        error = sum(float(np.sum((self.decoded[n] - self.exact[n]) ** 2)) for n in self.exact)
+        norm = sum(float(np.sum(self.exact[n] ** 2)) for n in self.exact)
+        return math.sqrt(error / norm) if norm else 0.0
+
+
+def _compressed_record(kv: Any, pattern: GradientPattern, k: int, workers: int, members_sum: float | None,
+                       result: dict[str, np.ndarray], cumulative: _Cumulative) -> dict[str, Any]:
+    """What a compressed iteration reports instead of an exact verdict."""
+    stats: RoundStats = kv.last
+    record: dict[str, Any] = {"exact": None, "round_trips": stats.round_trips, "gia": stats.gia,
+                              "bits": stats.bits, "dense": stats.dense, "wan_bytes": stats.wan_bytes,
+                              "round_s": list(stats.round_s)}
+    if members_sum is not None:
+        want = pattern.expected(k, workers, int(members_sum))
+        error = sum(float(np.sum((result[n].astype(np.float64) - want[n]) ** 2)) for n in want)
+        norm = sum(float(np.sum(want[n].astype(np.float64) ** 2)) for n in want)
+        record["rel_error"] = math.sqrt(error / norm) if norm else 0.0
+        record["cum_rel_error"] = cumulative.add(result, want)
+    return record
+
+
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
     """Connect, register the layers, run the iterations; 0 when every result was exact."""
     if args.dc is not None and args.dc < 0:
@@ -336,7 +395,18 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     except ValueError as exc:
         print(f"synthetic trainer: {exc}", file=sys.stderr)
         return 2
+    try:
+        options = compression_options(args)
+    except NetStormError as exc:
+        print(f"synthetic trainer: {exc}", file=sys.stderr)
+        return 2
+    if options.method != "none" and (args.edge is not None or args.rejoinable or
+                                     (args.overlap and options.sparse)):
+        print("synthetic trainer: --compression runs on a node's socket, without --rejoinable (and fediac/topk "
+              "without --overlap: their rounds need the whole gradient)", file=sys.stderr)
+        return 2
     grads = pattern.allocate()
+    cumulative = _Cumulative()
     step = [0]
     """The next step (what a rejoining DC's init hands over)."""
     if args.rejoinable:
@@ -350,8 +420,12 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout, secret=secret)
                    if args.edge is not None
                    else netstorm.connect(args.socket, timeout=args.timeout, secret_file=args.secret_file))
+        raw = kv
+        if options.sparse:
+            kv = CompressedClient(raw, options)
         try:
-            initial = kv.init(grads)
+            initial = (kv.init(grads, compression=options.method) if options.method == "fp16"
+                       else kv.init(grads))
             if args.rejoinable:
                 step[0] = int(initial[STEP_TENSOR][0])
                 kv.set_model_provider(lambda: {**grads, STEP_TENSOR: np.array([step[0]], dtype=np.float32)})
@@ -387,6 +461,12 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                     continue
                 failures = 0
                 end = time.perf_counter()
+                if options.sparse:
+                    _emit(stream, {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked, "dc": dc,
+                                   "workers": workers, "cpu_s": time.process_time(), "compression": options.method,
+                                   **_compressed_record(kv, pattern, k, workers, members_sum, result,
+                                                        cumulative)})
+                    continue
                 if not fixed and kv.num_workers != workers:  # membership changed: S is read afresh
                     workers, members_sum = kv.num_workers, None
                 verdict = pattern.check(k, workers, result, members_sum)
@@ -398,14 +478,17 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 all_exact &= verdict.exact
                 record: dict[str, Any] = {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
-                                          "workers": workers, "cpu_s": time.process_time(), "began": began}
+                                          "workers": workers, "cpu_s": time.process_time(), "began": began,
+                                          "wan_bytes": getattr(raw, "wan_bytes", 0)}
+                if options.method != "none":
+                    record.update(compression=options.method, round_trips=1)
                 if args.rejoinable:
                     record.update(t=time.time(), node_iteration=kv.iteration, id_sum=verdict.members_sum)
                 if verdict.error:
                     record["error"] = verdict.error
                 _emit(stream, record)
         finally:
-            kv.close()
+            raw.close()
     except NetStormError as exc:
         _emit(stream, {"dc": dc, "exact": False, "error": f"{type(exc).__name__}: {exc}"})
         print(f"synthetic trainer (DC {dc}): {exc}", file=sys.stderr)

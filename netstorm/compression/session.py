@@ -1,0 +1,313 @@
+"""A job's compression on the trainer side: which tensors to register, and the rounds of one iteration.
+
+FediAC and top-k need two synchronous rounds per iteration on the same trees: the votes (and FediAC's
+scale histogram) first, then the values at the agreed indices. They run here, in the trainer, as two
+``push_pull`` calls over integer tensors registered beside the model; the nodes only sum integers
+exactly and elide zero tails (``node/chunks.py``), so nothing in the node knows about compression. Every
+round pushes every registered tensor (the node completes an iteration when all are in), the ones not in
+play as zeros, which the nodes send as header-only frames. Hence one node iteration per round.
+
+For FediAC the trainer tells the node the threshold at init (``votes``), and each chunk's root, which
+holds its shard's full counts, applies it before the sum goes down (``node/chunks.py``): the GIA travels
+down the trees as a bitmap, and every DC reads the same 0/1 array (``applied``). For top-k (threshold 1,
+the union) and with a node that does not threshold, each DC applies the threshold to the full counts it
+gets back; those are identical integers at every DC, so the GIA is too.
+
+With ``fediac_bits = 0`` the first iteration is dense (the model's float32 tensors, as the paper's
+first round through a server) and b is derived from its sum, which every DC holds identically
+(``bitwidth.derive_bits``), so every DC derives the same b.
+
+``Rounds`` is the protocol as a generator (what to push, fed each result) with no I/O; ``CompressedClient``
+and ``AsyncCompressedClient`` drive it over ``netstorm.Client`` and ``netstorm.AsyncClient``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Generator, Mapping
+from typing import Any, Protocol
+
+import numpy as np
+
+from netstorm.compression import bitwidth, quantize
+from netstorm.compression.codecs import FediacCodec, TopkCodec, ValueRound
+from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
+
+DERIVED_BITS_MAX = 16
+"""A derived b is capped here: the values are registered as int16 before b is known (an int32 lane
+would double their frames); the paper's bound lands at 12-14 bits at ResNet-18 scale. A larger b is
+set with ``fediac_bits``; ``Rounds.derived_bits`` keeps what Corollary 1 asked for."""
+
+Tensors = dict[str, np.ndarray]
+Round = Generator[Tensors, Tensors, Tensors]
+
+
+@dataclasses.dataclass
+class RoundStats:
+    """What the last iteration did: its rounds and, for the sparse methods, what the GIA held."""
+
+    round_trips: int = 0
+    dense: bool = False
+    gia: int = 0
+    """Indices agreed on (FediAC's GIA, top-k's union)."""
+    bits: int = 0
+    bitmap_bytes: int = 0
+    """The GIA as a bitmap (d/8 bytes): what FediAC's roots send down a hop for it, per tree."""
+    wan_bytes: int = 0
+    """Bytes this DC's node queued on WAN links over the iteration's rounds (``Client.wan_bytes``)."""
+    round_s: tuple[float, ...] = ()
+    """Seconds each round's push_pull took (the vote round first): the vote round trip, measured."""
+
+
+class Rounds:
+    """The compression protocol of one DC's trainer; see the module docstring."""
+
+    def __init__(self, options: CompressionOptions, model: Mapping[str, np.ndarray], seed: int = 0) -> None:
+        self.options = options
+        self.names = sorted(model)
+        self.shapes = {name: np.asarray(model[name]).shape for name in self.names}
+        self.sizes = [int(np.prod(self.shapes[name], dtype=np.int64)) for name in self.names]
+        self.elements = int(sum(self.sizes))
+        self.seed = seed
+        self.contributors = 0
+        self.codec: FediacCodec | TopkCodec | None = None
+        self.bits = options.bits
+        self.last = RoundStats()
+        self._zeros: Tensors = {}
+        self._rng = np.random.default_rng([seed, 0])
+        self.derived_bits = 0
+        self.applied = 0
+
+    # ---- registration -------------------------------------------------------------------------------
+
+    def registered(self, model: Mapping[str, np.ndarray]) -> Tensors:
+        """Everything to register: the model's tensors and, for the sparse methods, the integer ones."""
+        out = {name: np.asarray(model[name]) for name in self.names}
+        if not self.options.sparse:
+            return out
+        d = self.elements
+        # The votes' dtype bounds a single contribution (0 or 1); sums travel as wide as they need.
+        out[VOTES] = np.zeros(d, dtype=np.uint8)
+        if self.options.method == "fediac":
+            out[SCALE] = np.zeros(quantize.SCALE_BUCKETS, dtype=np.uint8)
+            lane = quantize.lane_dtype(self.bits or DERIVED_BITS_MAX)
+            out[VALUES] = np.zeros(d, dtype=lane)
+        else:
+            out[VALUES] = np.zeros(d, dtype=np.float32)
+        self._zeros = {name: np.zeros_like(value) for name, value in out.items()}
+        return out
+
+    def start(self, contributors: int, node_id: int, applied: int = 0) -> None:
+        """After init: the contributor count N (every DC's trainer and LAN workers), this DC's id, and the
+        threshold the roots apply to the vote counts (0: none, this DC applies it)."""
+        self.contributors = contributors
+        self.applied = applied
+        if not self.options.sparse:
+            return
+        rng = np.random.default_rng([self.seed, node_id])
+        k = self.options.k_of(self.elements)
+        if self.options.method == "topk":
+            self.codec = TopkCodec(self.elements, k=k)
+        elif self.bits:
+            self._fediac(rng)
+        else:
+            self._rng = rng
+
+    def _fediac(self, rng: np.random.Generator) -> None:
+        # counts the roots already thresholded come back as the 0/1 GIA: a threshold of 1 reads it
+        threshold = 1 if self.applied else self.options.votes_of(self.contributors)
+        self.codec = FediacCodec(self.elements, contributors=self.contributors,
+                                 k=self.options.k_of(self.elements), threshold=threshold, bits=self.bits, rng=rng)
+
+    # ---- one iteration ------------------------------------------------------------------------------
+
+    def iteration(self, gradients: Mapping[str, np.ndarray]) -> Round:
+        """Yield what to push in each round, receive each round's sums, return the decoded sum."""
+        self.last = RoundStats()
+        if not self.options.sparse:
+            self.last.round_trips = 1
+            result = yield {name: np.asarray(gradients[name]) for name in self.names}
+            return {name: result[name] for name in self.names}
+        if self.codec is None:  # fediac with b derived: one dense round first
+            return (yield from self._dense_round(gradients))
+        flat = self._flatten(gradients)
+        codec = self.codec
+        phase1 = codec.votes(flat)
+        push = dict(self._zeros)
+        push[VOTES] = phase1.votes
+        if isinstance(codec, FediacCodec):
+            push[SCALE] = phase1.scale
+        result = yield push
+        counts = np.asarray(result[VOTES])
+        sent: ValueRound = (codec.values(counts, np.asarray(result[SCALE])) if isinstance(codec, FediacCodec)
+                            else codec.values(counts))
+        push = dict(self._zeros)
+        push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype)
+        result = yield push
+        decoded = codec.decode(np.asarray(result[VALUES]), sent)
+        self.last = RoundStats(round_trips=2, gia=int(sent.gia.size), bits=self.bits,
+                               bitmap_bytes=math.ceil(self.elements / 8))
+        return self._unflatten(decoded)
+
+    def _dense_round(self, gradients: Mapping[str, np.ndarray]) -> Round:
+        push = dict(self._zeros)
+        push.update({name: np.asarray(gradients[name], dtype=np.float32) for name in self.names})
+        result = yield push
+        summed = {name: np.asarray(result[name]) for name in self.names}
+        mean = self._flatten(summed) / max(1, self.contributors)
+        threshold = self.options.votes_of(self.contributors)
+        least = math.floor(math.log2(self.contributors)) + 2  # 2**(b-1) > N
+        try:
+            derived = bitwidth.derive_bits(mean, self.contributors, self.options.k_of(self.elements), threshold)
+        except ValueError:  # a zero or constant update: nothing to fit; the lane's own width
+            derived = 16
+        self.bits = max(least, min(DERIVED_BITS_MAX, derived))
+        self.derived_bits = derived
+        self._fediac(self._rng)
+        self.last = RoundStats(round_trips=1, dense=True, bits=self.bits)
+        return summed
+
+    def _flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate([np.asarray(tensors[name], dtype=np.float64).reshape(-1) for name in self.names])
+
+    def _unflatten(self, flat: np.ndarray) -> Tensors:
+        out: Tensors = {}
+        start = 0
+        for name, size in zip(self.names, self.sizes, strict=True):
+            out[name] = flat[start:start + size].reshape(self.shapes[name]).astype(np.float32)
+            start += size
+        return out
+
+
+class _Client(Protocol):
+    num_workers: int
+    node_id: int
+
+    def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
+             votes: int = ...) -> dict[str, np.ndarray]: ...
+
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
+
+
+class _AsyncClient(Protocol):
+    num_workers: int
+    node_id: int
+
+    async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
+                   votes: int = ...) -> dict[str, np.ndarray]: ...
+
+    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
+
+
+class CompressedClient:
+    """``init`` and ``push_pull`` of a ``netstorm.Client`` with the job's compression applied."""
+
+    def __init__(self, client: Any, options: CompressionOptions, seed: int = 0) -> None:
+        self.client: _Client = client
+        self.options = options
+        self.seed = seed
+        self.rounds: Rounds | None = None
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.rounds = Rounds(self.options, tensors, self.seed)
+        result = self.client.init(self.rounds.registered(tensors), compression=self.options.method,
+                                  votes=self.options.votes)
+        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
+        return {name: result[name] for name in self.rounds.names}
+
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        rounds = self._need_rounds()
+        steps = rounds.iteration(tensors)
+        push = next(steps)
+        wan = 0
+        times: list[float] = []
+        while True:
+            start = time.perf_counter()
+            result = self.client.push_pull(push)
+            times.append(time.perf_counter() - start)
+            wan += getattr(self.client, "wan_bytes", 0)
+            try:
+                push = steps.send(result)
+            except StopIteration as done:
+                rounds.last.wan_bytes = wan
+                rounds.last.round_s = tuple(times)
+                return _averaged(done.value, rounds.contributors if average else 0)
+
+    @property
+    def last(self) -> RoundStats:
+        return self._need_rounds().last
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (the underlying client's count)."""
+        return self.client.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.client.node_id
+
+    def _need_rounds(self) -> Rounds:
+        if self.rounds is None:
+            raise RuntimeError("call init before push_pull")
+        return self.rounds
+
+
+class AsyncCompressedClient:
+    """The same over ``netstorm.AsyncClient``."""
+
+    def __init__(self, client: Any, options: CompressionOptions, seed: int = 0) -> None:
+        self.client: _AsyncClient = client
+        self.options = options
+        self.seed = seed
+        self.rounds: Rounds | None = None
+
+    async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.rounds = Rounds(self.options, tensors, self.seed)
+        result = await self.client.init(self.rounds.registered(tensors), compression=self.options.method,
+                                  votes=self.options.votes)
+        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
+        return {name: result[name] for name in self.rounds.names}
+
+    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        if self.rounds is None:
+            raise RuntimeError("call init before push_pull")
+        rounds = self.rounds
+        steps = rounds.iteration(tensors)
+        push = next(steps)
+        wan = 0
+        times: list[float] = []
+        while True:
+            start = time.perf_counter()
+            result = await self.client.push_pull(push)
+            times.append(time.perf_counter() - start)
+            wan += getattr(self.client, "wan_bytes", 0)
+            try:
+                push = steps.send(result)
+            except StopIteration as done:
+                rounds.last.wan_bytes = wan
+                rounds.last.round_s = tuple(times)
+                return _averaged(done.value, rounds.contributors if average else 0)
+
+    @property
+    def last(self) -> RoundStats:
+        if self.rounds is None:
+            raise RuntimeError("call init before push_pull")
+        return self.rounds.last
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (the underlying client's count)."""
+        return self.client.num_workers
+
+    @property
+    def node_id(self) -> int:
+        return self.client.node_id
+
+
+def _averaged(tensors: Tensors, contributors: int) -> Tensors:
+    if not contributors:
+        return tensors
+    return {name: (value / np.float32(contributors)).astype(value.dtype) for name, value in tensors.items()}
+

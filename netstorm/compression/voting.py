@@ -1,0 +1,69 @@
+"""FediAC's phase 1: each contributor votes k indices, the counts are summed, a threshold makes the GIA.
+
+The paper (eq. 3) models a vote as k independent draws with probability proportional to |update|, so
+an index drawn twice holds one vote and fewer than k bits may be set; ``sample_votes`` does exactly
+that. Top-k's deterministic vote is ``top_votes``. Counts are summed as integers up the trees; the
+threshold a applies only to the full count (``consensus``), which every DC then holds identically.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def sample_votes(update: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    """A 0/1 uint8 vote array: k draws with replacement, index l drawn with probability |U_l| / ||U||_1."""
+    magnitude = np.abs(np.asarray(update, dtype=np.float64).reshape(-1))
+    votes = np.zeros(magnitude.size, dtype=np.uint8)
+    cumulative = np.cumsum(magnitude)
+    total = float(cumulative[-1]) if cumulative.size else 0.0
+    if k <= 0 or not total > 0.0:
+        return votes
+    if not np.isfinite(total):
+        raise ValueError("the update holds inf or nan: no index can be voted by magnitude")
+    draws = rng.random(k) * total
+    # side="right": a draw u lands on the l with cumulative[l-1] <= u < cumulative[l], never on a zero.
+    picked = np.searchsorted(cumulative, draws, side="right")
+    picked = np.minimum(picked, int(np.flatnonzero(magnitude)[-1]))  # u rounded up to the total
+    votes[picked] = 1
+    return votes
+
+
+def top_votes(update: np.ndarray, k: int) -> np.ndarray:
+    """A 0/1 uint8 vote array on the k largest |U_l| (ties to the lower index): plain top-k's selection."""
+    magnitude = np.abs(np.asarray(update).reshape(-1))
+    votes = np.zeros(magnitude.size, dtype=np.uint8)
+    k = min(k, magnitude.size)
+    if k <= 0:
+        return votes
+    order = np.argsort(-magnitude, kind="stable")[:k]
+    votes[order] = 1
+    return votes
+
+
+def consensus(counts: np.ndarray, threshold: int) -> np.ndarray:
+    """The GIA as ascending indices: every index with at least ``threshold`` votes."""
+    if threshold < 1:
+        raise ValueError(f"the vote threshold must be >= 1, got {threshold}")
+    return np.flatnonzero(np.asarray(counts).reshape(-1) >= threshold)
+
+
+def count_dtype(contributors: int) -> str:
+    """The narrowest integer lane holding a count of ``contributors`` votes."""
+    if contributors <= np.iinfo(np.uint8).max:
+        return "uint8"
+    if contributors <= np.iinfo(np.int16).max:
+        return "int16"
+    return "int32"
+
+
+def pack_gia(gia: np.ndarray, elements: int) -> bytes:
+    """The GIA as a bitmap of ``elements`` bits (d/8 bytes): what a root broadcasting it down would send."""
+    mask = np.zeros(elements, dtype=bool)
+    mask[gia] = True
+    return np.packbits(mask).tobytes()
+
+
+def unpack_gia(bitmap: bytes, elements: int) -> np.ndarray:
+    """Inverse of ``pack_gia``."""
+    return np.flatnonzero(np.unpackbits(np.frombuffer(bitmap, dtype=np.uint8), count=elements))

@@ -1,0 +1,148 @@
+"""Compression rows of ``netstorm emulate --compression none,fediac,topk,fp16``: names, per-iteration WAN
+bytes from the trainers' lines, the link counters' check, and the latency the extra rounds would add.
+
+Each NetStorm system runs once per compression on the same network; the row is named ``netstorm`` for
+none and ``netstorm+fediac`` etc. otherwise. Latency is not emulated on this host (no netem), so a vote
+round costs next to nothing here; ``added_latency_s`` is what each extra round per iteration would add at
+the scenario's link latencies on the trees planned at its initial rates: one trip up and down the
+deepest tree, a hop's latency per edge (the shortest path's when an edge is not a direct link).
+"""
+
+from __future__ import annotations
+
+import heapq
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from netstorm.compression.options import METHODS
+from netstorm.emulation.errors import EmulationError
+from netstorm.scenario import Scenario
+
+
+def parse(text: str | None) -> list[str]:
+    """``"none,fediac"`` -> the methods in that order (default: none only)."""
+    names = [n.strip().lower() for n in (text or "none").split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise EmulationError(f"unknown compression(s) {unknown or text!r}; known: {', '.join(METHODS)}")
+    return list(dict.fromkeys(names))
+
+
+def row_name(system: str, compression: str) -> str:
+    return system if compression == "none" else f"{system}+{compression}"
+
+
+def collect(records: Mapping[str, Sequence[Mapping[str, Any]]], iterations: int) -> dict[str, Any]:
+    """Per iteration, from every DC's trainer lines: WAN bytes (summed), round trips (the most any DC
+    ran), the GIA size, and whether every DC decoded the same sum (same GIA size and error)."""
+    wan: list[int] = []
+    trips: list[int] = []
+    vote_s: list[float] = []
+    cumulative: list[float] = []
+    gia: list[int] = []
+    errors: list[float] = []
+    agree = True
+    for k in range(iterations):
+        rows = [r for recs in records.values() for r in recs if r.get("iteration") == k]
+        if not rows:
+            break
+        wan.append(sum(int(r.get("wan_bytes", 0)) for r in rows))
+        trips.append(max(int(r.get("round_trips", 1)) for r in rows))
+        gia.append(max(int(r.get("gia", 0)) for r in rows))
+        rounds = [r["round_s"] for r in rows if len(r.get("round_s", ())) == 2]
+        if rounds:  # the vote round's push_pull, the slowest DC's
+            vote_s.append(round(max(float(s[0]) for s in rounds), 4))
+        if any("rel_error" in r for r in rows):
+            seen = {(r.get("gia"), r.get("rel_error")) for r in rows}
+            agree &= len(seen) == 1
+            errors.append(float(rows[0].get("rel_error", float("nan"))))
+            if "cum_rel_error" in rows[0]:
+                cumulative.append(float(rows[0]["cum_rel_error"]))
+    out: dict[str, Any] = {"wan_bytes": wan, "round_trips": trips, "wan_bytes_total": sum(wan)}
+    if any(gia):
+        out["gia"] = gia
+    if vote_s:
+        out["vote_round_s"] = vote_s
+    if errors:
+        out["rel_error"] = [round(e, 6) for e in errors]
+        if cumulative:
+            out["cum_rel_error"] = [round(e, 6) for e in cumulative]
+        out["dcs_agree"] = agree
+    return out
+
+
+def _latencies(scenario: Scenario) -> dict[int, dict[int, float]]:
+    """Shortest-path one-way latency in seconds between every pair of DCs."""
+    graph: dict[int, list[tuple[int, float]]] = {n: [] for n in scenario.node_ids}
+    for link in scenario.links:
+        graph[link.a].append((link.b, link.latency_ms / 1000.0))
+        graph[link.b].append((link.a, link.latency_ms / 1000.0))
+    out: dict[int, dict[int, float]] = {}
+    for source in graph:
+        best = {source: 0.0}
+        queue = [(0.0, source)]
+        while queue:
+            d, node = heapq.heappop(queue)
+            if d > best.get(node, float("inf")):
+                continue
+            for nxt, w in graph[node]:
+                if d + w < best.get(nxt, float("inf")):
+                    best[nxt] = d + w
+                    heapq.heappush(queue, (d + w, nxt))
+        out[source] = best
+    return out
+
+
+def tree_round_trip_s(trees: Mapping[str, Mapping[str, int | None]], scenario: Scenario) -> float:
+    """Up the deepest tree and back down: twice the largest leaf-to-root latency over the trees."""
+    latency = _latencies(scenario)
+    worst = 0.0
+    for tree in trees.values():
+        for child in tree:
+            node, total = int(child), 0.0
+            while (parent := tree.get(str(node))) is not None:
+                total += latency[node][int(parent)]
+                node = int(parent)
+            worst = max(worst, total)
+    return 2 * worst
+
+
+def latency_note(stats: dict[str, Any], trees: Mapping[str, Mapping[str, int | None]],
+                 scenario: Scenario) -> dict[str, float]:
+    """Round trips per iteration and what the ones beyond the first would add at the scenario's latency."""
+    trips = stats["round_trips"][1:] or stats["round_trips"]  # the first may be a dense round
+    mean_trips = statistics.fmean(trips) if trips else 1.0
+    round_trip = tree_round_trip_s(trees, scenario)
+    return {"round_trips_per_iteration": round(mean_trips, 3), "tree_round_trip_s": round(round_trip, 4),
+            "added_latency_s": round((mean_trips - 1) * round_trip, 4)}
+
+
+def summary_lines(result: dict[str, Any]) -> list[str]:
+    """WAN bytes per iteration against the uncompressed row of the same system, and the latency note."""
+    lines: list[str] = []
+    rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s}
+    if not rows:
+        return lines
+    header = f"{'system':<22}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'trips':>7}{'+latency s':>11}" \
+             f"{'link/node':>10}"
+    lines += ["", header, "-" * len(header)]
+    for name, s in rows.items():
+        base = rows.get(name.split("+")[0])
+        per_it = _mean_after_first(s["wan_bytes"])
+        ratio = per_it / _mean_after_first(base["wan_bytes"]) if base and base is not s and base["wan_bytes"] else 1.0
+        times = s.get("iteration_s", [])
+        mean_s = statistics.fmean(times[1:]) if len(times) > 1 else float("nan")
+        link = s.get("link_over_node_bytes", float("nan"))
+        trips, added = s.get("round_trips_per_iteration", 1), s.get("added_latency_s", 0.0)
+        lines.append(f"{name:<22}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{trips:>7.2f}{added:>11.3f}"
+                     f"{link:>10.3f}")
+    lines.append("WAN MB/it: chunk frames the nodes queued on WAN links (headers included), mean over iterations "
+                 "2..N; link/node: the emulated links' tx bytes over the nodes' count (TCP/IP headers, ACKs, "
+                 "multi-hop routes); +latency: what the rounds beyond one would add at the scenario's latency")
+    return lines
+
+
+def _mean_after_first(values: Sequence[float]) -> float:
+    rest = list(values[1:]) or list(values)
+    return statistics.fmean(rest) if rest else float("nan")
