@@ -14,6 +14,7 @@ from netstorm import scenario as scenario_mod
 from netstorm.errors import PolicyError
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
 from netstorm.planning.allot import allot_chunks, split_chunks
+from netstorm.planning.lanmodel import PLANNERS
 from netstorm.planning.limit import MinCut, min_cut
 from netstorm.planning.plan import plan
 from netstorm.planning.predict import Prediction, predict
@@ -42,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hub", type=int, default=None, metavar="ID",
                         help="root of STAR and BKT (default: the best-connected node)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dc", type=int, metavar="N", default=None,
+                        help="plan the tier inside DC N instead (its LAN as the scenario describes it), with "
+                             f"the planner --dc-planner names ({'|'.join(PLANNERS)})")
+    parser.add_argument("--workers-only", action="store_true",
+                        help="with --dc: aggregate at workers only, as the data plane runs it (racks' ToR "
+                             "aggregators unused; their uplinks still count)")
     config_mod.add_arguments(parser)
 
 
@@ -80,6 +87,8 @@ def _source(args: argparse.Namespace) -> tuple[str, Rates]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.from_args(args)
+    if args.dc is not None:
+        return _run_dc(args, cfg)
     if not (math.isfinite(args.bw_scale) and args.bw_scale > 0):
         raise PolicyError(f"--bw-scale must be positive, got {args.bw_scale}")
     name, base_rates = _source(args)
@@ -107,6 +116,20 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report))
     else:
         print(_text(report))
+    return 0
+
+
+def _run_dc(args: argparse.Namespace, cfg: config_mod.Config) -> int:
+    """``--dc N``: the tier inside one DC, planned by ``--dc-planner`` beside every baseline."""
+    from netstorm.planning import dcreport
+    from netstorm.planning.dcplan import Options
+
+    if args.scenario is None or args.rates is not None:
+        raise PolicyError("--dc plans from a scenario's LAN description: give a scenario, not --rates")
+    scenario = scenario_mod.load(args.scenario)
+    planner = cfg.dc_planner
+    report = dcreport.report(scenario, args.dc, planner, Options.from_config(cfg, tor=not args.workers_only))
+    print(json.dumps(report) if args.json else dcreport.text(report))
     return 0
 
 
