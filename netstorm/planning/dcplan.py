@@ -90,6 +90,7 @@ def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     the same (children + a_j)·r bound holds. A ToR's uplink carries pushes and results both ways
     (``duplex``); every worker sends at r, so r^U is the slowest port under a ToR."""
     tors = list(lan.racks) if options.tor else []
+    b_out: dict[int, float] = {}
     node: dict[int, Node] = {}
     members: dict[int, list[int]] = {}
     a: dict[int, int] = {}
@@ -99,12 +100,15 @@ def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     k = 0
     r_high = max(min(w.up_gbit, w.down_gbit) for w in lan.workers)
     for rack in tors:
-        inside = [w for w in lan.workers if w.rack == rack.id]
+        inside = [w for w in lan.workers if w.rack == rack.id and rack.capacity(w.precision) > 0]
         if not inside:
             continue
         node[k], members[k], a[k] = tor_id(rack.id), [w.index for w in inside], len(inside)
         c[k], b[k] = rack.aggregator_gbit, rack.uplink_gbit
-        duplex.add(k)
+        if any(cap <= 0 for _, cap in rack.precision_gbit):
+            b_out[k] = 0.0  # it cannot sum every lane: no other aggregator's flow may enter it
+        else:
+            duplex.add(k)
         r_high = min(r_high, *(min(w.up_gbit, w.down_gbit) for w in inside))
         k += 1
     taken = {w for m in members.values() for w in m}
@@ -119,7 +123,7 @@ def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     gw = k
     node[gw], members[gw], a[gw] = GATEWAY, [], 0
     c[gw] = b[gw] = lan.gateway_gbit
-    inst = eina.Instance(tuple(node), a, {0: gw}, c, b, dict(b), r_high=r_high, depth=options.depth,
+    inst = eina.Instance(tuple(node), a, {0: gw}, c, b, {**b, **b_out}, r_high=r_high, depth=options.depth,
                          duplex=frozenset(duplex))
     return _Mapping(inst, node, members)
 
@@ -162,8 +166,9 @@ def atp_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
         why = "no racks" if not lan.racks else "no ToR aggregators"
         return make_plan("atp", lan, flat(lan), [f"{why}: ATP-style aggregation is the flat gateway"])
     parent: dict[Node, Node] = {}
-    for w in lan.workers:
-        parent[w.index] = tor_id(w.rack) if w.rack is not None else GATEWAY
+    for w in lan.workers:  # a ToR that cannot sum its precision passes it on to the gateway
+        ok = w.rack is not None and lan.rack(w.rack).capacity(w.precision) > 0
+        parent[w.index] = tor_id(w.rack) if ok and w.rack is not None else GATEWAY
     for r in lan.racks:
         parent[tor_id(r.id)] = GATEWAY
     return make_plan("atp", lan, parent)

@@ -445,7 +445,8 @@ def _grid_relaxation(inst: Instance, groups: list[int], points: list[int],
     for p in inst.roots:
         for i in groups:
             for j in [*points, -1]:
-                y[p, i, j] = m.var(0, 1, 1.0 if j == -1 else 0.0)  # prefer aggregation
+                closed = j not in (-1, i) and inst.b_out[j] <= 0  # takes no other aggregator's flows
+                y[p, i, j] = m.var(0, 0 if closed else 1, 1.0 if j == -1 else 0.0)  # prefer aggregation
             m.row([(y[p, i, j], 1.0) for j in [*points, -1]], 1, 1)
     for j in points:
         m.row([(y[p, i, j], inst.workers[i] * rate) for p in inst.roots for i in groups], ub=inst.c[j])

@@ -22,8 +22,9 @@ each resource carries the same bits in both directions:
 The synchronization takes T = max over resources of bits / rate (pipelined, the WAN predictor's bulk
 term), each worker sends at G·β_w / T, and the predicted aggregation throughput is Σ_w G·β_w / T: the
 gradient bits the DC's workers push per second. For the flat gateway with n fp32 workers this is
-min(n·min port, gateway rate), what the gateway absorbs today. ALEPH's Table 1 (PS 0.84 s, ring 0.63 s,
-ALEPH 0.42 s for 4 workers) is reproduced by this model and by ``ring_allreduce``.
+min(n·min port, gateway rate), what the gateway absorbs today. ALEPH's Table 1 (4.2 Gb from each of 4
+workers, PS 0.84 s, ALEPH 0.42 s) is reproduced by this model (workers at 20, 10, 20, 10 Gbit/s, a
+20 Gbit/s gateway), and its ring's 0.63 s by ``ring_allreduce`` before the hand-off to the gateway.
 """
 
 from __future__ import annotations
@@ -265,16 +266,18 @@ def flat(lan: LanSpec) -> dict[Node, Node]:
 
 
 def ring_allreduce(lan: LanSpec) -> Prediction:
-    """A ring all-reduce among the workers (gloo, Horovod): every worker sends and receives 2(n-1)/n of
-    its gradient, so the slowest port sets the pace; racks add their uplink (the ring crosses each rack
-    boundary twice per direction when racks are visited in turn)."""
+    """A ring all-reduce among the workers (gloo, Horovod), whose sum the fastest worker then hands to
+    the gateway and whose result it takes back: every worker moves 2(n-1)/n of the gradient each way,
+    the hand-off adds one gradient to that worker's port and to the gateway's; racks add their uplinks
+    (a ring visiting racks in turn crosses each rack's uplink twice per direction per round, counted as
+    the same 2(n-1)/n). The ring sums in one lane, the merged precision of all workers."""
     n = len(lan.workers)
-    scale = max(PRECISION_SCALE[w.precision] for w in lan.workers)  # the ring sums in one lane
-    if n == 1:
-        t = 1e-12
-        return Prediction(scale / t, t, "single worker", {lan.workers[0].index: scale / t})
+    scale = PRECISION_SCALE[merge(w.precision for w in lan.workers)]
     per = 2 * (n - 1) / n * scale
-    seconds = [(per / min(w.up_gbit, w.down_gbit), f"worker {w.index} port") for w in lan.workers]
+    handoff = max(lan.workers, key=lambda w: (min(w.up_gbit, w.down_gbit), -w.index)).index
+    seconds = [((per + (scale if w.index == handoff else 0.0)) / min(w.up_gbit, w.down_gbit), f"worker {w.index} port")
+               for w in lan.workers]
+    seconds.append((scale / lan.gateway_gbit, "gateway port"))
     if len({w.rack for w in lan.workers}) > 1:
         seconds += [(per / r.uplink_gbit, f"{tor_id(r.id)} uplink") for r in lan.racks
                     if any(w.rack == r.id for w in lan.workers)]

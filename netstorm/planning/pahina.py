@@ -146,8 +146,8 @@ def assign(lan: LanSpec, *, aware: bool = True, inflation: bool = True, w_size: 
         for v in nodes:
             if v == w.index or (isinstance(v, int) and v in parent and parent[v] != GATEWAY):
                 continue
-            if capacity(lan, v, p) <= 0:
-                continue  # precision filter: v does not support p
+            if capacity(lan, v, w.precision) <= 0:
+                continue  # v cannot sum w's precision (the hardware's limit: the oblivious baseline too)
             d = 1 / path_rate(lan, w, v)
             if aware and inflation:
                 d += _growth(lanes.get(v, _own(v, prec)), p) / _rate_up(lan, v)
