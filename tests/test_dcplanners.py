@@ -91,7 +91,7 @@ def test_aleph_table_1_is_reproduced_by_the_model() -> None:
     ring = lanmodel.ring_allreduce(lan)
     assert 2 * 3 / 4 * gb / 10 == pytest.approx(0.63)  # the ring's own part, before the hand-off
     assert ring.seconds_per_gbit * gb == pytest.approx(0.63)  # the hand-off to a 20 Gbit/s worker hides
-    aleph_tree = {0: GATEWAY, 1: 0, 2: GATEWAY, 3: 2}
+    aleph_tree: dict[Node, Node] = {0: GATEWAY, 1: 0, 2: GATEWAY, 3: 2}
     assert predict(lan, aleph_tree).seconds_per_gbit * gb == pytest.approx(0.42)
 
 
@@ -245,7 +245,7 @@ def test_pahina_closed_form_equals_the_stage_2_lp() -> None:
             h.addCol(0.0, 0.0, highspy.kHighsInf, 0, [], [])
             y[node] = h.getNumCol() - 1
         size = {n: PRECISION_SCALE[lanes[n]] for n in lanes}
-        for c, p in parent.items():  # synchronization: the output stream carries every input's lane
+        for p in parent.values():  # synchronization: the output stream carries every input's lane
             if p in y:
                 h.addRow(0.0, highspy.kHighsInf, 2, [y[p], 0], [1.0, -size[p]])
         for node, col in y.items():
@@ -268,8 +268,8 @@ def test_pahina_closed_form_equals_the_stage_2_lp() -> None:
             if per and not r.precision_gbit:
                 h.addRow(-highspy.kHighsInf, r.aggregator_gbit, 1, [0], [sum(per.values())])
 
-            def inside(x: Node, rid: int = r.id) -> bool:
-                return x != GATEWAY and (lan.workers[x].rack == rid if isinstance(x, int) else x == tor_id(rid))
+            def inside(x: Node, rid: int = r.id, spec: LanSpec = lan) -> bool:
+                return x != GATEWAY and (spec.workers[x].rack == rid if isinstance(x, int) else x == tor_id(rid))
 
             crossing = sum(size[c] for c, p in parent.items() if inside(c) != inside(p))
             if crossing:
