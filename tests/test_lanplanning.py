@@ -16,8 +16,13 @@ from netstorm.lan_scenario import LanSpec, LanWorker
 from scheduler.lanplanning import LanPlanning
 from tests.test_scheduler_service import FAST, T, close_all, connect_all, run, scheduler
 
-LAN = scenario.load("lan-planning").node(1).lan
-assert LAN is not None
+def _lan(dc: int) -> LanSpec:
+    spec = scenario.load("lan-planning").node(dc).lan
+    assert spec is not None
+    return spec
+
+
+LAN = _lan(1)
 
 
 def test_lan_report_round_trips_a_spec() -> None:

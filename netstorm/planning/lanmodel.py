@@ -24,7 +24,8 @@ term), each worker sends at G·β_w / T, and the predicted aggregation throughpu
 gradient bits the DC's workers push per second. For the flat gateway with n fp32 workers this is
 min(n·min port, gateway rate), what the gateway absorbs today. ALEPH's Table 1 (4.2 Gb from each of 4
 workers, PS 0.84 s, ALEPH 0.42 s) is reproduced by this model (workers at 20, 10, 20, 10 Gbit/s, a
-20 Gbit/s gateway), and its ring's 0.63 s by ``ring_allreduce`` before the hand-off to the gateway.
+20 Gbit/s gateway); its ring's 0.63 s is 2(n-1)/n of the gradient at 10 Gbit/s, the ring without the
+gateway as a member (``ring_allreduce`` has it, n + 1 members).
 """
 
 from __future__ import annotations
@@ -266,19 +267,17 @@ def flat(lan: LanSpec) -> dict[Node, Node]:
 
 
 def ring_allreduce(lan: LanSpec) -> Prediction:
-    """A ring all-reduce among the workers (gloo, Horovod), whose sum the fastest worker then hands to
-    the gateway and whose result it takes back: every worker moves 2(n-1)/n of the gradient each way,
-    the hand-off adds one gradient to that worker's port and to the gateway's; racks add their uplinks
-    (a ring visiting racks in turn crosses each rack's uplink twice per direction per round, counted as
-    the same 2(n-1)/n). The ring sums in one lane, the merged precision of all workers."""
+    """A ring all-reduce among the workers (gloo, Horovod) with the gateway as one more member (it
+    contributes nothing and ends with the sum the WAN tier needs): each of the n + 1 members moves
+    2n/(n+1) of the gradient each way, so the slowest port sets the pace; a ring visiting racks in turn
+    crosses each rack's uplink with the same amount. The ring sums in one lane, the merged precision of
+    all workers. Without a gateway to feed (n members) this is ALEPH's 2(n-1)/n."""
     n = len(lan.workers)
     scale = PRECISION_SCALE[merge(w.precision for w in lan.workers)]
-    per = 2 * (n - 1) / n * scale
-    handoff = max(lan.workers, key=lambda w: (min(w.up_gbit, w.down_gbit), -w.index)).index
-    seconds = [((per + (scale if w.index == handoff else 0.0)) / min(w.up_gbit, w.down_gbit), f"worker {w.index} port")
-               for w in lan.workers]
-    seconds.append((scale / lan.gateway_gbit, "gateway port"))
-    if len({w.rack for w in lan.workers}) > 1:
+    per = 2 * n / (n + 1) * scale
+    seconds = [(per / min(w.up_gbit, w.down_gbit), f"worker {w.index} port") for w in lan.workers]
+    seconds.append((per / lan.gateway_gbit, "gateway port"))
+    if lan.racks:
         seconds += [(per / r.uplink_gbit, f"{tor_id(r.id)} uplink") for r in lan.racks
                     if any(w.rack == r.id for w in lan.workers)]
     t, where = max(seconds)
