@@ -364,7 +364,8 @@ def test_eina_baselines_are_feasible_plans() -> None:
 # --- every planner on DCs ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("planner", lanmodel.PLANNERS)
+@pytest.mark.parametrize("planner", [pytest.param(p, marks=pytest.mark.slow) if p == "eina" else p
+                                     for p in lanmodel.PLANNERS])
 def test_every_planner_keeps_every_capacity_on_random_dcs(planner: str) -> None:
     rng = random.Random(hash(planner) % 1000)
     for trial in range(12):
@@ -379,7 +380,7 @@ def test_every_planner_keeps_every_capacity_on_random_dcs(planner: str) -> None:
             assert name
 
 
-@pytest.mark.parametrize("name", ["lan-hetero-4", "lan-planning"])
+@pytest.mark.parametrize("name", ["lan-hetero-4", pytest.param("lan-planning", marks=pytest.mark.slow)])
 def test_every_planner_runs_on_every_described_dc(name: str) -> None:
     s = scenario.load(name)
     for node in s.nodes:
