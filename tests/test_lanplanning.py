@@ -16,6 +16,7 @@ from netstorm.lan_scenario import LanSpec, LanWorker
 from scheduler.lanplanning import LanPlanning
 from tests.test_scheduler_service import FAST, T, close_all, connect_all, run, scheduler
 
+
 def _lan(dc: int) -> LanSpec:
     spec = scenario.load("lan-planning").node(dc).lan
     assert spec is not None
