@@ -144,3 +144,19 @@ def test_scheduler_pushes_a_plan_to_the_gateway_and_replans_on_a_measured_change
                 await close_all(clients)
 
     run(body())
+
+
+def test_the_node_keeps_the_newest_plan_and_hands_it_to_a_gateway_role_that_takes_plans() -> None:
+    from types import SimpleNamespace
+
+    from node.service import GeneralNode
+
+    taken: list[LanPlan] = []
+    plan = LanPlan(node_id=1, version=3, planner="aleph", clusters=((0, (1,)),), direct=(0,),
+                   rates=((0, 1.0), (1, 1.0)))
+    node = SimpleNamespace(edge=SimpleNamespace(apply_lan_plan=taken.append), lan_plan=None)
+    GeneralNode._lan_plan(node, plan)  # type: ignore[arg-type]
+    assert node.lan_plan is plan and taken == [plan]
+    bare = SimpleNamespace(edge=None, lan_plan=None)  # no gateway role (or one that takes no plans)
+    GeneralNode._lan_plan(bare, plan)  # type: ignore[arg-type]
+    assert bare.lan_plan is plan
