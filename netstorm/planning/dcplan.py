@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from netstorm.errors import PolicyError
 from netstorm.lan_scenario import LanSpec
@@ -34,6 +34,9 @@ from netstorm.planning.lanmodel import (
     ring_allreduce,
     tor_id,
 )
+
+if TYPE_CHECKING:
+    from netstorm.config import Config
 
 BASELINES = ("flat", "ring", "atp", "grid", "precision-oblivious")
 
@@ -55,7 +58,7 @@ class Options:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, config: Any, **changes: Any) -> Options:
+    def from_config(cls, config: Config, **changes: Any) -> Options:
         base = cls(time_limit=config.dc_plan_time_limit, integer_rates=config.eina_integer_rates,
                    depth=config.eina_depth, inflation=config.pahina_inflation)
         return dataclasses.replace(base, **changes)
