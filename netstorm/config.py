@@ -20,6 +20,7 @@ from typing import Any
 from netstorm.auth import load_secret
 from netstorm.compression.options import CompressionOptions
 from netstorm.errors import ConfigError
+from netstorm.planning.lanmodel import PLANNERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,6 +169,24 @@ class Config:
     fediac_votes: int = 0
     """FediAC's threshold a: an index is sent when at least this many contributors voted it; 0 takes
     ceil(0.15 x contributors), the paper's a = 3 at 20 contributors."""
+    # DC planning.
+    dc_planner: str = "flat"
+    """How the scheduler plans the tier inside each DC whose LAN it knows: flat (every worker to the
+    gateway), aleph (M-WCHA worker clusters), pahina (precision-aware assignment), eina
+    (throughput-maximizing trees)."""
+    dc_plan_time_limit: float = 60.0
+    """Seconds EINA's MILP may take on one DC; past it the solver-free heuristic answers."""
+    eina_integer_rates: bool = False
+    """EINA's IQCP variant: integer rates (Gbit/s), faster to solve for a little less throughput."""
+    eina_depth: int = 3
+    """EINA's d*: aggregators a flow may traverse, the gateway's included (3 = two levels below the
+    gateway, what the LAN data plane runs)."""
+    pahina_inflation: bool = True
+    """PAHInA ranks candidate aggregators also by how much a worker's precision would up-cast their
+    aggregate (false: by path cost alone, the paper's Algorithm 1)."""
+    dc_replan_change: float = 0.2
+    """Relative change of one LAN worker's reported rate, against the rate the DC's plan was made from,
+    that re-plans the DC; 0 re-plans on every report."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -209,6 +228,14 @@ class Config:
         if not 0 <= self.aux_reroute <= 1:
             raise ConfigError(f"aux_reroute must be in [0, 1], got {self.aux_reroute!r}")
         self._validate_compression()
+        if self.dc_planner not in PLANNERS:
+            raise ConfigError(f"dc_planner must be one of {', '.join(PLANNERS)}, got {self.dc_planner!r}")
+        if self.dc_plan_time_limit <= 0:
+            raise ConfigError(f"dc_plan_time_limit must be positive seconds, got {self.dc_plan_time_limit!r}")
+        if self.eina_depth < 2:
+            raise ConfigError(f"eina_depth must be >= 2 (the gateway and one aggregator), got {self.eina_depth!r}")
+        if self.dc_replan_change < 0:
+            raise ConfigError(f"dc_replan_change must be >= 0, got {self.dc_replan_change!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")

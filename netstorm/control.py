@@ -32,6 +32,7 @@ from netstorm.errors import AuthError, ErrorCode, NetStormError
 from netstorm.schema import (
     DECODE_ERRORS,
     MAX_ITEMS,
+    MAX_NODE_ID,
     MAX_NODES,
     Finite,
     Name,
@@ -562,10 +563,101 @@ class History(Message, frozen=True, tag="history"):
     """Published versions, oldest first."""
 
 
+# --- the tier inside a DC -----------------------------------------------------------------------------
+
+Gbit = Annotated[float, msgspec.Meta(gt=0, le=1e6)]
+"""A LAN rate in Gbit/s: positive and finite."""
+Precision = Annotated[str, msgspec.Meta(pattern="^(fp32|fp16|bf16|int8)$")]
+MAX_LAN_WORKERS = 1024
+
+
+class LanWorkerRow(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """One LAN worker as a ``LanReport`` row: [index, up, down, compute_s, precision, rack, agg_gbit]."""
+
+    index: Annotated[int, msgspec.Meta(ge=0, lt=MAX_LAN_WORKERS)]
+    up_gbit: Gbit
+    down_gbit: Gbit
+    compute_s: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
+    precision: Precision = "fp32"
+    rack: Annotated[int, msgspec.Meta(ge=-1, le=MAX_NODE_ID)] = -1
+    """-1: in no rack."""
+    agg_gbit: Annotated[float, msgspec.Meta(ge=0, le=1e6)] = 0.0
+    """0: bounded by its ports alone."""
+
+
+class LanRackRow(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """[id, aggregator_gbit, uplink_gbit, [[precision, gbit], ...]]."""
+
+    id: NodeId
+    aggregator_gbit: Gbit
+    uplink_gbit: Gbit
+    precision_gbit: Annotated[tuple[tuple[Precision, Annotated[float, msgspec.Meta(ge=0, le=1e6)]], ...],
+                              msgspec.Meta(max_length=4)] = ()
+
+
+class LanReport(Message, frozen=True, tag="lan_report", omit_defaults=True):
+    """A gateway describes its LAN to the scheduler (no reply): first as configured, then with each
+    worker's rates as measured passively (``measured``). The scheduler plans the DC's tier from it with
+    ``dc_planner`` and answers, when the plan changes, with a ``LanPlan``."""
+
+    node_id: NodeId
+    gateway_gbit: Gbit
+    workers: Annotated[tuple[LanWorkerRow, ...], msgspec.Meta(min_length=1, max_length=MAX_LAN_WORKERS)]
+    racks: Annotated[tuple[LanRackRow, ...], msgspec.Meta(max_length=MAX_LAN_WORKERS)] = ()
+    measured: bool = False
+    t: Finite = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        indices = [w.index for w in self.workers]
+        if sorted(indices) != list(range(len(indices))):
+            raise ValueError(f"workers must be indexed 0..{len(indices) - 1} once each, got {indices}")
+        racks = {r.id for r in self.racks}
+        if len(racks) != len(self.racks):
+            raise ValueError("a rack is listed twice")
+        for w in self.workers:
+            if w.rack >= 0 and w.rack not in racks:
+                raise ValueError(f"worker {w.index} sits in unknown rack {w.rack}")
+
+
+class LanPlan(Message, frozen=True, tag="lan_plan", omit_defaults=True):
+    """Pushed to a gateway node: how its LAN tier aggregates, in the data plane's two-level form.
+
+    ``clusters`` maps an aggregator worker to its members; every worker not a member (aggregators
+    included) sends to the gateway; ``rates`` are the Gbit/s each worker is paced to. ``version``
+    grows with every plan of this DC, so a late plan never replaces a newer one."""
+
+    node_id: NodeId
+    version: Version
+    planner: Name
+    clusters: Annotated[tuple[tuple[NodeId, tuple[NodeId, ...]], ...], msgspec.Meta(max_length=MAX_LAN_WORKERS)]
+    direct: Annotated[tuple[NodeId, ...], msgspec.Meta(max_length=MAX_LAN_WORKERS)]
+    rates: Annotated[tuple[tuple[NodeId, Gbit], ...], msgspec.Meta(max_length=MAX_LAN_WORKERS)]
+    predicted_gbit: Finite = 0.0
+    notes: Text = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        seen: set[int] = set(self.direct)
+        if len(seen) != len(self.direct):
+            raise ValueError("a worker is listed twice in direct")
+        for agg, members in self.clusters:
+            if agg not in seen:
+                raise ValueError(f"aggregator {agg} must send to the gateway (list it in direct)")
+            for m in members:
+                if m in seen or m == agg:
+                    raise ValueError(f"worker {m} is placed twice")
+                seen.add(m)
+
+    def two_level(self) -> tuple[dict[int, list[int]], list[int]]:
+        """``{aggregator: [members]}`` and the workers sending to the gateway (the data plane's form)."""
+        return {a: list(m) for a, m in self.clusters}, list(self.direct)
+
+
 MESSAGES: dict[str, type[Message]] = {}
 for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PeerUnreachable, MemberUp,
              LinkBeliefs, PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck,
-             StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History):
+             StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History, LanReport, LanPlan):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     MESSAGES[_cls.TYPE] = _cls
 
@@ -573,7 +665,7 @@ _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
 _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
     Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | PeerUnreachable | MemberUp
     | LinkBeliefs | PolicyRequest | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck
-    | StatusRequest | Status | PolicyFetch | EdgeReport | HistoryRequest | History,
+    | StatusRequest | Status | PolicyFetch | EdgeReport | HistoryRequest | History | LanReport | LanPlan,
     dec_hook=_dec_hook)
 
 

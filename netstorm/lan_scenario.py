@@ -34,6 +34,9 @@ class LanWorker:
     precision: str = "fp32"
     rack: int | None = None
     """The rack whose aggregator it sits under, if the DC describes racks."""
+    agg_gbit: float | None = None
+    """What it can sum per second when it aggregates others (its XDP program's capacity: ALEPH's C_w);
+    None: bounded by its ports alone."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,13 @@ class Rack:
     """What the rack's aggregator can sum per second (its processing capacity)."""
     uplink_gbit: float
     """Rack to gateway rate."""
+    precision_gbit: tuple[tuple[str, float], ...] = ()
+    """Per-precision capacities of the aggregator (PAHInA's C_{s,p}); a precision not listed gets
+    ``aggregator_gbit``, one listed with 0 is not supported by this aggregator."""
+
+    def capacity(self, precision: str) -> float:
+        """What the aggregator sums per second of ``precision`` inputs (0: it cannot)."""
+        return dict(self.precision_gbit).get(precision, self.aggregator_gbit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,8 +97,8 @@ def _precision(fail: Fail, where: str, value: Any) -> str:
     return str(value)
 
 
-_WORKER_KEYS = {"up_gbit", "down_gbit", "compute_s", "precision", "rack"}
-_DRAW_KEYS = {"workers", "mean_gbit", "spread", "seed", "precisions", "compute_s", "min_gbit"}
+_WORKER_KEYS = {"up_gbit", "down_gbit", "compute_s", "precision", "rack", "agg_gbit"}
+_DRAW_KEYS = {"workers", "mean_gbit", "spread", "seed", "precisions", "compute_s", "min_gbit", "agg_gbit"}
 
 
 def parse_lan(fail: Fail, where: str, raw: Any, lan_workers: int | None) -> LanSpec:
@@ -125,14 +135,20 @@ def _racks(fail: Fail, where: str, raw: Any) -> tuple[Rack, ...]:
         w = f"{where}.rack[{i}]"
         if not isinstance(r, dict):
             raise fail(w, "must be a table")
-        _keys(fail, w, r, {"id", "aggregator_gbit", "uplink_gbit"})
+        _keys(fail, w, r, {"id", "aggregator_gbit", "uplink_gbit", "precision_gbit"})
         rid = r.get("id")
         if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
             raise fail(f"{w}.id", f"expected an integer >= 0, got {rid!r}")
         if any(x.id == rid for x in out):
             raise fail(f"{w}.id", f"duplicate rack id {rid}")
+        per = r.get("precision_gbit", {})
+        if not isinstance(per, dict):
+            raise fail(f"{w}.precision_gbit", "must be a table {precision = Gbit/s}")
+        caps = tuple((_precision(fail, f"{w}.precision_gbit", k), _num(fail, f"{w}.precision_gbit.{k}", v, minimum=0.0))
+                     for k, v in sorted(per.items()))
         out.append(Rack(rid, _num(fail, f"{w}.aggregator_gbit", r.get("aggregator_gbit"), positive=True),
-                        _num(fail, f"{w}.uplink_gbit", r.get("uplink_gbit", DEFAULT_RATE_GBIT * 4), positive=True)))
+                        _num(fail, f"{w}.uplink_gbit", r.get("uplink_gbit", DEFAULT_RATE_GBIT * 4), positive=True),
+                        caps))
     return tuple(out)
 
 
@@ -149,7 +165,9 @@ def _worker(fail: Fail, where: str, index: int, raw: Any, defaults: Mapping[str,
     rack = merged.get("rack")
     if rack is not None and (isinstance(rack, bool) or not isinstance(rack, int) or all(r.id != rack for r in racks)):
         raise fail(f"{where}.rack", f"unknown rack {rack!r} (racks: {[r.id for r in racks]})")
-    return LanWorker(index, up, down, compute, precision, rack)
+    agg = merged.get("agg_gbit")
+    agg_gbit = None if agg is None else _num(fail, f"{where}.agg_gbit", agg, positive=True)
+    return LanWorker(index, up, down, compute, precision, rack, agg_gbit)
 
 
 def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
@@ -175,10 +193,12 @@ def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
     for p in precisions:
         _precision(fail, f"{where}.precisions", p)
     compute = _num(fail, f"{where}.compute_s", raw.get("compute_s", defaults.get("compute_s", 0.0)), minimum=0.0)
+    agg = raw.get("agg_gbit", defaults.get("agg_gbit"))
+    agg_gbit = None if agg is None else _num(fail, f"{where}.agg_gbit", agg, positive=True)
     rng = random.Random(seed)
     out = []
     for i in range(count):
         rate = round(max(floor, rng.gauss(mean, spread * mean)), 3)
         out.append(LanWorker(i, rate, rate, compute, str(precisions[i % len(precisions)]),
-                             racks[i % len(racks)].id if racks else None))
+                             racks[i % len(racks)].id if racks else None, agg_gbit))
     return tuple(out)

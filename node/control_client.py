@@ -76,6 +76,9 @@ class SchedulerClient:
         self._reports_ready = asyncio.Event()
         self._down_callbacks: list[Callable[[int, str], None]] = []
         self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
+        self._lan_plan_callbacks: list[Callable[[control.LanPlan], None]] = []
+        self.lan_plan: control.LanPlan | None = None
+        """The newest plan of this DC's LAN tier the scheduler pushed (None before the first)."""
         self._lost_callbacks: list[Callable[[ControlError], None]] = []
         self._lost: ControlError | None = None
         self._up_callbacks: list[Callable[[int, tuple[str, int], int, int], None]] = []
@@ -269,6 +272,18 @@ class SchedulerClient:
         moves re-planned for them for the iterations bound to an older one."""
         self._beliefs_callbacks.append(callback)
 
+    def on_lan_plan(self, callback: Callable[[control.LanPlan], None]) -> None:
+        """Call ``callback(plan)`` when the scheduler pushes a newer plan of this DC's LAN tier."""
+        self._lan_plan_callbacks.append(callback)
+
+    def report_lan(self, report: control.LanReport) -> None:
+        """Describe this gateway's LAN to the scheduler (configured, or as measured), which plans its tier
+        and answers with a ``LanPlan`` (sent in the background; a failure is logged)."""
+        if self._tasks is None:
+            log.warning("node %d: LAN report not sent: the client is closed", self.node_id)
+            return
+        self._tasks.create_task(self._report_edge(report))
+
     def on_lost(self, callback: Callable[[ControlError], None]) -> None:
         """Call ``callback(error)`` once if the connection to the scheduler is lost (not on ``close``)."""
         self._lost_callbacks.append(callback)
@@ -343,7 +358,7 @@ class SchedulerClient:
             return
         self._tasks.create_task(self._report_edge(control.EdgeReport(self.node_id, mode, fallback[:EDGE_REASON])))
 
-    async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable) -> None:
+    async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable | control.LanReport) -> None:
         try:
             await self._send(message)
         except (TimeoutError, ConnectionError, OSError) as exc:
@@ -458,6 +473,9 @@ class SchedulerClient:
                 if isinstance(message, control.LinkBeliefs):
                     self._beliefs(message)
                     continue
+                if isinstance(message, control.LanPlan):
+                    self._lan_plan(message)
+                    continue
                 if not self._pending:
                     if isinstance(message, control.Error):  # e.g. a refused heartbeat, before it hangs up
                         raise SchedulerGone(f"{self._name} refused node {self.node_id}: {message.message}")
@@ -497,6 +515,15 @@ class SchedulerClient:
 
     def _beliefs(self, message: control.LinkBeliefs) -> None:
         _notify(self._beliefs_callbacks, "link-beliefs", message)
+
+    def _lan_plan(self, message: control.LanPlan) -> None:
+        if message.node_id != self.node_id:
+            log.warning("node %d: LAN plan for node %d ignored", self.node_id, message.node_id)
+            return
+        if self.lan_plan is not None and message.version <= self.lan_plan.version:
+            return  # an older plan arriving late
+        self.lan_plan = message
+        _notify(self._lan_plan_callbacks, "lan-plan", message)
 
     def _disconnected(self, error: ControlError) -> None:
         """The connection broke: requests in flight are asked again after re-attaching; the scheduler is

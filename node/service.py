@@ -26,7 +26,7 @@ from netstorm import auth, authconn
 from netstorm.authconn import Credentials
 from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
-from netstorm.control import LinkBeliefs
+from netstorm.control import LanPlan, LinkBeliefs
 from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
@@ -177,6 +177,8 @@ class GeneralNode:
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self.edge: EdgeHook | None = None
+        self.lan_plan: LanPlan | None = None
+        """The newest plan of this DC's LAN tier from the scheduler (``dc_planner``), None before one."""
         """The gateway role (bpf.gateway.GatewayRole): LAN workers' sums join this DC's contribution."""
 
     @property
@@ -238,6 +240,8 @@ class GeneralNode:
         control.on_beliefs(self._believe)
         if hasattr(control, "on_member_up"):
             control.on_member_up(self.member_up)
+        if hasattr(control, "on_lan_plan"):
+            control.on_lan_plan(self._lan_plan)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
@@ -556,6 +560,14 @@ class GeneralNode:
     def _link_progress(self, peer: int, sent: Outgoing | None) -> None:
         """A link sent a frame (or starts idle): the core may move a queued chunk in answer."""
         self._apply(self.core.link_progress(peer, sent.ticket if sent is not None else None, self._links()))
+
+    def _lan_plan(self, plan: LanPlan) -> None:
+        """The scheduler planned this DC's LAN tier: kept, and handed to the gateway role when it takes
+        plans (``apply_lan_plan(plan)``; ``plan.two_level()`` is its configuration)."""
+        self.lan_plan = plan
+        apply = getattr(self.edge, "apply_lan_plan", None)
+        if apply is not None:
+            apply(plan)
 
     def _believe(self, beliefs: LinkBeliefs) -> None:
         self._apply(self.core.beliefs(beliefs, self._links()))

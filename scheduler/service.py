@@ -32,6 +32,7 @@ from netstorm.scenario import Rates
 from scheduler.cadence import Cadence
 from scheduler.collector import LinkCollector
 from scheduler.consistency import Answer, Consistency, ConsistencyError
+from scheduler.lanplanning import LanPlanning
 from scheduler.membership import Down, Membership, MembershipError
 from scheduler.persistence import StateStore
 from scheduler.planner import Planner, PlanningError, restrict
@@ -125,6 +126,9 @@ class SchedulerService:
         """Set when the re-plan core's deadline may have moved earlier (a member down, a report)."""
         self._layout: tuple[str, int] | None = None
         self._edge: dict[int, tuple[str, str]] = {}
+        self.lan = LanPlanning(config)
+        """Plans of each DC's LAN tier (``dc_planner``), from its gateway's LAN reports."""
+        self._lan_wake = asyncio.Event()
         """Gateway node -> (LAN aggregation mode, why XDP fell back), from its EdgeReport."""
         self._published: collections.deque[control.PolicyRecord] = collections.deque(maxlen=POLICY_RECORDS)
         self.complete = asyncio.Event()
@@ -194,6 +198,7 @@ class SchedulerService:
             async with server, asyncio.TaskGroup() as tasks:
                 tasks.create_task(self._liveness_loop())
                 tasks.create_task(self._replan_loop())
+                tasks.create_task(self._lan_loop())
                 if ready is not None:
                     ready(address)
                 await server.serve_forever()
@@ -339,6 +344,8 @@ class SchedulerService:
                 self._link_report(conn, message)
             case control.EdgeReport():
                 self._edge_report(conn, message)
+            case control.LanReport():
+                self._lan_report(conn, message)
             case control.PolicyOverride():
                 await self._override(conn, message)
             case control.StatusRequest():
@@ -555,6 +562,40 @@ class SchedulerService:
         self._edge[message.node_id] = (message.mode, message.fallback)
         log.info("node %d aggregates its LAN in %s%s", message.node_id, message.mode,
                  f" (XDP unavailable: {message.fallback})" if message.fallback else "")
+
+    def _lan_report(self, conn: _Connection, message: control.LanReport) -> None:
+        problem = self._member(conn, message.node_id, "LAN report")
+        if problem is not None:
+            log.warning("%s: ignored", problem)
+            return
+        if self.lan.report(message):
+            self._lan_wake.set()
+
+    async def _lan_loop(self) -> None:
+        """Plan every DC whose LAN is due (in a worker thread) and push the plan to its gateway."""
+        while True:
+            await self._lan_wake.wait()
+            self._lan_wake.clear()
+            for node_id in self.lan.pending():
+                job = self.lan.begin(node_id)
+                try:
+                    plan = await asyncio.to_thread(self.lan.compute, job)
+                    message = self.lan.finish(job, plan)
+                except Exception as exc:  # a planner's failure must not end the scheduler
+                    message = self.lan.finish(job, None, str(exc))
+                if message is None:
+                    continue
+                log.info("DC %d LAN plan %d (%s): clusters %s, to the gateway %s, predicted %.3f Gbit/s",
+                         node_id, message.version, message.planner, dict(message.clusters), list(message.direct),
+                         message.predicted_gbit)
+                conn = self._connections.get(node_id)
+                if conn is not None:
+                    try:
+                        await conn.send(message)
+                    except ConnectionError as exc:
+                        log.info("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
+                if self.lan.due(node_id):  # reported again while it was planned
+                    self._lan_wake.set()
 
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:
         if not self.complete.is_set():

@@ -41,7 +41,10 @@ def test_cli_flags_cover_every_option(tmp_path) -> None:
     [({"chunk_size": 0}, "chunk_size"), ({"update_time": -1}, "update_time"),
      ({"chunk_size": "1.5"}, "chunk_size"), ({"enable_aux_path": "maybe"}, "enable_aux_path"),
      ({"bogus": 1}, "bogus"),
-     ({"heartbeat_interval": 5.0}, r"heartbeat_timeout \(5\.0 s\) must exceed heartbeat_interval \(5\.0 s\)")],
+     ({"heartbeat_interval": 5.0}, r"heartbeat_timeout \(5\.0 s\) must exceed heartbeat_interval \(5\.0 s\)"),
+     ({"dc_planner": "ring"}, "dc_planner must be one of flat, aleph, pahina, eina"),
+     ({"dc_plan_time_limit": 0}, "dc_plan_time_limit"), ({"eina_depth": 1}, "eina_depth"),
+     ({"dc_replan_change": -0.1}, "dc_replan_change")],
 )
 def test_bad_values_name_the_option(overrides, needle) -> None:
     with pytest.raises(ConfigError, match=needle):

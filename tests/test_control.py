@@ -76,6 +76,12 @@ SAMPLES: list[control.Message] = [
     History(bindings=((0, 0), (1, 0), (2, 1)),
             policies=(PolicyRecord(0, "first plan", (1,), ((1, 2, 1), (1, 3, 2))),
                       PolicyRecord(1, "node down", (2, 1), ()))),
+    control.LanReport(node_id=2, gateway_gbit=10.0,
+                      workers=(control.LanWorkerRow(0, 2.0, 2.0),
+                               control.LanWorkerRow(1, 0.5, 1.0, 0.1, "int8", 3, 4.0)),
+                      racks=(control.LanRackRow(3, 8.0, 4.0, (("int8", 2.0),)),), measured=True, t=5.0),
+    control.LanPlan(node_id=2, version=0, planner="aleph", clusters=((0, (1,)),), direct=(0,),
+                    rates=((0, 1.5), (1, 1.5)), predicted_gbit=3.0),
 ]
 
 

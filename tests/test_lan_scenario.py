@@ -70,9 +70,26 @@ def test_lan_workers_count_alone_gives_uniform_workers(tmp_path) -> None:
     ("[[node.lan.rack]]\nid = 1\n", "node[0].lan.rack[0].aggregator_gbit: expected a number"),
     ("[[node.lan.rack]]\nid = 1\naggregator_gbit = 1\n[[node.lan.rack]]\nid = 1\naggregator_gbit = 1\n"
      "[[node.lan.worker]]\n", "duplicate rack id 1"),
+    ("[[node.lan.worker]]\nagg_gbit = 0\n", "node[0].lan.worker[0].agg_gbit: must be positive"),
+    ("[[node.lan.rack]]\nid = 1\naggregator_gbit = 1\nprecision_gbit = { fp8 = 1.0 }\n[[node.lan.worker]]\n",
+     "node[0].lan.rack[0].precision_gbit: expected one of"),
+    ("[[node.lan.rack]]\nid = 1\naggregator_gbit = 1\nprecision_gbit = { int8 = -1 }\n[[node.lan.worker]]\n",
+     "node[0].lan.rack[0].precision_gbit.int8: must be >= 0"),
 ])
 def test_bad_lan_tables_name_file_and_key(tmp_path, node: str, needle: str) -> None:
     tomllib.loads(f"[[node]]\nid = 1\n{node}")  # the case is valid TOML: only our validation rejects it
     with pytest.raises(ScenarioError) as err:
         _load(f"[[node]]\nid = 1\n{node}", tmp_path)
     assert needle in str(err.value) and "s.toml" in str(err.value)
+
+
+def test_aggregation_capacities_per_worker_and_per_precision(tmp_path) -> None:
+    s = _load("[[node]]\nid = 1\n[[node.lan.rack]]\nid = 1\naggregator_gbit = 8.0\n"
+              "precision_gbit = { int8 = 0.0, fp16 = 3.0 }\n[node.lan.draw]\nworkers = 3\nagg_gbit = 5.0\n",
+              tmp_path)
+    lan = s.node(1).lan
+    assert lan is not None and [w.agg_gbit for w in lan.workers] == [5.0] * 3
+    rack = lan.rack(1)
+    assert (rack.capacity("int8"), rack.capacity("fp16"), rack.capacity("fp32")) == (0.0, 3.0, 8.0)
+    listed = _load("[[node]]\nid = 1\n[[node.lan.worker]]\nagg_gbit = 2.5\n[[node.lan.worker]]\n", tmp_path, "l")
+    assert [w.agg_gbit for w in listed.node(1).lan.workers] == [2.5, None]  # type: ignore[union-attr]

@@ -9,9 +9,11 @@ import argparse
 import importlib
 
 NAME = "bench"
-HELP = "run a benchmark (policy, packing, loopback, edge, codec): ratios against a baseline measured in the same run"
+HELP = ("run a benchmark (policy, packing, loopback, edge, codec, dc-plan): ratios against a baseline measured in "
+        "the same run")
 
-BENCHMARKS = {"policy": "policy", "packing": "packing", "loopback": "loopback", "edge": "edge", "codec": "codec"}
+BENCHMARKS = {"policy": "policy", "packing": "packing", "loopback": "loopback", "edge": "edge", "codec": "codec",
+              "dc-plan": "dcplan"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from netstorm.errors import PolicyError
 from netstorm.layout import Layout, TensorSpec
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
 from netstorm.planning.allot import allot_chunks
+from netstorm.planning.lanmodel import PLANNERS
 from netstorm.planning.limit import MinCut, min_cut
 from netstorm.planning.plan import plan
 from netstorm.planning.predict import Prediction, predict
@@ -43,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hub", type=int, default=None, metavar="ID",
                         help="root of STAR and BKT (default: the best-connected node)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--dc", type=int, metavar="N", default=None,
+                        help="plan the tier inside DC N instead (its LAN as the scenario describes it), with "
+                             f"the planner --dc-planner names ({'|'.join(PLANNERS)})")
+    parser.add_argument("--workers-only", action="store_true",
+                        help="with --dc: aggregate at workers only, as the data plane runs it (racks' ToR "
+                             "aggregators unused; their uplinks still count)")
     config_mod.add_arguments(parser)
 
 
@@ -81,6 +88,8 @@ def _source(args: argparse.Namespace) -> tuple[str, Rates]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_mod.from_args(args)
+    if args.dc is not None:
+        return _run_dc(args, cfg)
     if not (math.isfinite(args.bw_scale) and args.bw_scale > 0):
         raise PolicyError(f"--bw-scale must be positive, got {args.bw_scale}")
     name, base_rates = _source(args)
@@ -117,6 +126,18 @@ def runtime_chunks(model: ModelLayout, chunk_size: int) -> list[int]:
     root and the pipeline fill this command predicts are the ones a run has."""
     specs = [TensorSpec(name, tuple(shape), "float32") for name, shape in model.tensors]
     return Layout.build(specs, chunk_size).chunk_sizes()
+def _run_dc(args: argparse.Namespace, cfg: config_mod.Config) -> int:
+    """``--dc N``: the tier inside one DC, planned by ``--dc-planner`` beside every baseline."""
+    from netstorm.planning import dcreport
+    from netstorm.planning.dcplan import Options
+
+    if args.scenario is None or args.rates is not None:
+        raise PolicyError("--dc plans from a scenario's LAN description: give a scenario, not --rates")
+    scenario = scenario_mod.load(args.scenario)
+    planner = cfg.dc_planner
+    report = dcreport.report(scenario, args.dc, planner, Options.from_config(cfg, tor=not args.workers_only))
+    print(json.dumps(report) if args.json else dcreport.text(report))
+    return 0
 
 
 def _report(name: str, scale: float, model: ModelLayout, chunk_size: int, policy: Policy, chunks: list[int],

@@ -3,7 +3,9 @@
 FAPT (``fapt``), the LP tree packing (``packing``, ``rootpacking``), auxiliary paths (``auxpath``),
 planned offload (``offload``), the baselines (``baselines``), the fluid-model prediction (``predict``),
 the min-cut limit (``limit``), chunk -> root allotment (``allot``), all over the rate graph
-(``rategraph``), and ``plan.plan``, which puts them together. The policy itself, data with its wire
+(``rategraph``), and ``plan.plan``, which puts them together. The tier inside a DC has its own:
+``lanmodel`` (trees to the gateway and their fluid model), ``aleph``, ``pahina``, ``eina`` (with
+``milp``), ``dcplan`` (``plan_dc`` and the baselines) and ``dcreport``. The policy itself, data with its wire
 form, is ``netstorm.policy``.
 
 Nothing is imported here: the solvers behind most of these modules (HiGHS, scipy, networkx, numba) take

@@ -1,0 +1,98 @@
+"""Passive LAN rate reports: what a gateway tells the scheduler about its LAN, and how it measures it.
+
+The scheduler plans each DC's tier (``dc_planner``) from the DC's ``LanSpec``; a gateway node sends it
+as a ``LanReport``, first as configured, then with the rates its traffic shows. The measurement is
+passive, as on the WAN (``netstorm.probe``): no probe traffic, only the gradients themselves. A worker
+pushes each chunk as a burst of datagrams, so the span from a burst's first to its last datagram at the
+receiver measures the worker's port, not the plan's pacing share of it, as long as a burst is sent
+back to back; the meter keeps the median of a worker's last ``window`` burst rates (robust to one
+queued burst) and believes a direction only after ``min_samples`` of them. Uplinks are measured where
+the gateway or an aggregator receives a worker's chunk, downlinks where the worker's client receives a
+result chunk (it reports its bursts to its gateway with ``on_burst`` on the gateway's meter).
+
+The meter is a sans-I/O core (bursts in, a report out); the data plane calls ``on_burst`` where it
+already timestamps datagrams and a gateway sends ``report`` when ``changed`` says a rate moved.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+from dataclasses import dataclass, field, replace
+
+from netstorm.control import LanRackRow, LanReport, LanWorkerRow
+from netstorm.lan_scenario import LanSpec, LanWorker, Rack
+
+MIN_BURST_BYTES = 64 * 1024
+"""Bursts shorter than this say more about interrupt timing than about a port: ignored."""
+
+
+def report_from_spec(node_id: int, spec: LanSpec, *, measured: bool = False, t: float = 0.0) -> LanReport:
+    """The ``LanReport`` that describes ``spec``."""
+    workers = tuple(LanWorkerRow(w.index, w.up_gbit, w.down_gbit, w.compute_s, w.precision,
+                                 -1 if w.rack is None else w.rack, w.agg_gbit or 0.0) for w in spec.workers)
+    racks = tuple(LanRackRow(r.id, r.aggregator_gbit, r.uplink_gbit, r.precision_gbit) for r in spec.racks)
+    return LanReport(node_id=node_id, gateway_gbit=spec.gateway_gbit, workers=workers, racks=racks,
+                     measured=measured, t=t)
+
+
+def spec_from_report(report: LanReport) -> LanSpec:
+    """The ``LanSpec`` a report describes."""
+    workers = tuple(LanWorker(w.index, w.up_gbit, w.down_gbit, w.compute_s, w.precision,
+                              None if w.rack < 0 else w.rack, w.agg_gbit or None)
+                    for w in sorted(report.workers, key=lambda w: w.index))
+    racks = tuple(Rack(r.id, r.aggregator_gbit, r.uplink_gbit, tuple(r.precision_gbit)) for r in report.racks)
+    return LanSpec(workers, racks, report.gateway_gbit)
+
+
+@dataclass
+class LanRateMeter:
+    """Per worker and direction, the median rate of its recent bursts (sans-I/O)."""
+
+    spec: LanSpec
+    """What the gateway was configured with: rates stand until measured."""
+    window: int = 8
+    min_samples: int = 3
+    _samples: dict[tuple[int, str], collections.deque[float]] = field(default_factory=dict)
+
+    def on_burst(self, worker: int, direction: str, nbytes: int, first_t: float, last_t: float) -> None:
+        """A burst of ``nbytes`` from (``up``) or to (``down``) ``worker`` spanning first_t..last_t."""
+        if direction not in ("up", "down"):
+            raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
+        span = last_t - first_t
+        if nbytes < MIN_BURST_BYTES or span <= 0:
+            return
+        key = (worker, direction)
+        samples = self._samples.setdefault(key, collections.deque(maxlen=self.window))
+        samples.append(nbytes * 8 / span / 1e9)
+
+    def rate(self, worker: int, direction: str) -> float | None:
+        samples = self._samples.get((worker, direction))
+        if samples is None or len(samples) < self.min_samples:
+            return None
+        return statistics.median(samples)
+
+    def measured(self) -> LanSpec:
+        """The configured LAN with every believed rate replaced by its measurement."""
+        workers = []
+        for w in self.spec.workers:
+            up, down = self.rate(w.index, "up"), self.rate(w.index, "down")
+            workers.append(replace(w, up_gbit=up or w.up_gbit, down_gbit=down or w.down_gbit))
+        return replace(self.spec, workers=tuple(workers))
+
+    def report(self, node_id: int, t: float) -> LanReport:
+        return report_from_spec(node_id, self.measured(), measured=True, t=t)
+
+
+def largest_change(old: LanSpec, new: LanSpec) -> float:
+    """Largest relative change of a worker's rate between two descriptions of one LAN; inf when they
+    describe different LANs (workers, precisions, racks or the gateway changed)."""
+    if (len(old.workers) != len(new.workers) or old.racks != new.racks or old.gateway_gbit != new.gateway_gbit
+            or any((a.precision, a.rack, a.agg_gbit) != (b.precision, b.rack, b.agg_gbit)
+                   for a, b in zip(old.workers, new.workers, strict=True))):
+        return float("inf")
+    change = 0.0
+    for a, b in zip(old.workers, new.workers, strict=True):
+        for x, y in ((a.up_gbit, b.up_gbit), (a.down_gbit, b.down_gbit)):
+            change = max(change, abs(y - x) / x)
+    return change

@@ -1,0 +1,205 @@
+"""Plan a DC's LAN tier with one of the planners (``dc_planner``), and the baselines beside it.
+
+``plan_dc`` runs ``flat``, ``aleph``, ``pahina`` or ``eina`` on a ``LanSpec``; ``baselines`` gives the
+trees the papers compare against (the flat gateway, ATP-style rack aggregation, GRID-style single
+aggregation, PAHInA's precision-oblivious assignment) and the ring all-reduce, all judged by the one
+fluid model of ``lanmodel``.
+
+``tor``: where the DC describes racks, EINA and ATP aggregate at the racks' ToR aggregators (their
+papers' edge aggregators) and PAHInA uses them as its programmable nodes. The data plane runs only
+worker aggregators two levels deep, so the scheduler plans with ``tor=False``: workers are then the
+aggregators and racks only constrain, through their uplinks. A planner that needs racks says so in its
+plan's notes when the DC has none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from netstorm.errors import PolicyError
+from netstorm.lan_scenario import LanSpec
+from netstorm.planning import aleph, eina, pahina
+from netstorm.planning.lanmodel import (
+    GATEWAY,
+    PLANNERS,
+    DcPlan,
+    Node,
+    Prediction,
+    flat,
+    make_plan,
+    predict,
+    ring_allreduce,
+    tor_id,
+)
+
+if TYPE_CHECKING:
+    from netstorm.config import Config
+
+BASELINES = ("flat", "ring", "atp", "grid", "precision-oblivious")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The planners' knobs (``Config``'s DC-planning section)."""
+
+    time_limit: float = 60.0
+    """Seconds EINA's MILP may take before the heuristic answers."""
+    integer_rates: bool = False
+    """EINA's IQCP variant: integer rates (Gbit/s)."""
+    depth: int = 3
+    """EINA's d*: aggregators a flow may traverse, the gateway's included (3: two levels)."""
+    inflation: bool = True
+    """PAHInA: count the bytes a mixed-precision aggregate grows by when ranking candidates."""
+    tor: bool = True
+    """Aggregate at the racks' ToR aggregators where the DC describes racks."""
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, config: Config, **changes: Any) -> Options:
+        base = cls(time_limit=config.dc_plan_time_limit, integer_rates=config.eina_integer_rates,
+                   depth=config.eina_depth, inflation=config.pahina_inflation)
+        return dataclasses.replace(base, **changes)
+
+
+def plan_dc(lan: LanSpec, planner: str, options: Options = Options()) -> DcPlan:
+    """The tree, rates and prediction ``planner`` gives this LAN."""
+    if planner == "flat":
+        return make_plan("flat", lan, flat(lan))
+    if planner == "aleph":
+        return aleph.plan(lan, seed=options.seed)
+    if planner == "pahina":
+        return pahina.plan(lan, inflation=options.inflation, tor=options.tor)
+    if planner == "eina":
+        return eina_plan(lan, options)
+    raise PolicyError(f"unknown DC planner {planner!r} (one of {', '.join(PLANNERS)})")
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    instance: eina.Instance
+    node: dict[int, Node]
+    """EINA aggregator -> the LAN node it stands for (a worker, a ToR, the gateway)."""
+    members: dict[int, list[int]]
+    """EINA aggregator -> workers pinned to it (a ToR's rack; a worker itself)."""
+
+
+def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
+    """The LAN as EINA's instance: one PS (the gateway); aggregators are the racks' ToR aggregators
+    (``tor``) and the workers no ToR takes (each pinned to itself). A worker aggregator's c is
+    min(port, agg_gbit): its port carries its own flow and its children's, pushes and results alike, so
+    the same (children + a_j)·r bound holds. A ToR's uplink carries pushes and results both ways
+    (``duplex``); every worker sends at r, so r^U is the slowest port under a ToR."""
+    tors = list(lan.racks) if options.tor else []
+    b_out: dict[int, float] = {}
+    node: dict[int, Node] = {}
+    members: dict[int, list[int]] = {}
+    a: dict[int, int] = {}
+    c: dict[int, float] = {}
+    b: dict[int, float] = {}
+    duplex: set[int] = set()
+    k = 0
+    r_high = max(min(w.up_gbit, w.down_gbit) for w in lan.workers)
+    for rack in tors:
+        inside = [w for w in lan.workers if w.rack == rack.id and rack.capacity(w.precision) > 0]
+        if not inside:
+            continue
+        node[k], members[k], a[k] = tor_id(rack.id), [w.index for w in inside], len(inside)
+        c[k], b[k] = rack.aggregator_gbit, rack.uplink_gbit
+        if any(cap <= 0 for _, cap in rack.precision_gbit):
+            b_out[k] = 0.0  # it cannot sum every lane: no other aggregator's flow may enter it
+        else:
+            duplex.add(k)
+        r_high = min(r_high, *(min(w.up_gbit, w.down_gbit) for w in inside))
+        k += 1
+    taken = {w for m in members.values() for w in m}
+    for w in lan.workers:
+        if w.index in taken:
+            continue
+        port = min(w.up_gbit, w.down_gbit)
+        node[k], members[k], a[k] = w.index, [w.index], 1
+        c[k] = port if w.agg_gbit is None else min(port, w.agg_gbit)
+        b[k] = port
+        k += 1
+    gw = k
+    node[gw], members[gw], a[gw] = GATEWAY, [], 0
+    c[gw] = b[gw] = lan.gateway_gbit
+    inst = eina.Instance(tuple(node), a, {0: gw}, c, b, {**b, **b_out}, r_high=r_high, depth=options.depth,
+                         duplex=frozenset(duplex))
+    return _Mapping(inst, node, members)
+
+
+def _tree_to_parent(m: _Mapping, tree: Mapping[int, int]) -> dict[Node, Node]:
+    parent: dict[Node, Node] = {}
+    for agg, workers in m.members.items():
+        here = m.node[agg]
+        for w in workers:
+            if w != here:
+                parent[w] = here
+        if agg in tree:
+            parent[here] = m.node[tree[agg]]
+    return parent
+
+
+def eina_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    m = eina_instance(lan, options)
+    sol = eina.solve(m.instance, integer=options.integer_rates, time_limit=options.time_limit)
+    notes = []
+    if not lan.racks and options.tor:
+        notes.append("no racks: workers are EINA's edge aggregators, each hosting itself")
+    if sol.method == "heuristic":
+        notes.append(f"solver did not finish in {options.time_limit:g} s: {sol.status}")
+    problems = eina.verify(m.instance, sol)
+    if problems:
+        raise PolicyError(f"EINA plan infeasible: {'; '.join(problems)}")
+    parent = _tree_to_parent(m, sol.trees.get(0, {}))
+    return make_plan("eina", lan, parent, notes, {
+        "method": sol.method, "status": sol.status, "solve_s": round(sol.seconds, 6),
+        "model_rate_gbit": {str(p): round(r, 6) for p, r in sol.rates.items()},
+        "shares": {str(p): round(s, 9) for p, s in sol.shares().items()},
+        "trees": {str(p): {str(m.node[ch]): m.node[pa] for ch, pa in t.items()} for p, t in sol.trees.items()},
+        "integer_rates": options.integer_rates, "depth": options.depth})
+
+
+def atp_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    """ATP-style: each worker to its rack's aggregator, the aggregate to the gateway."""
+    if not lan.racks or not options.tor:
+        why = "no racks" if not lan.racks else "no ToR aggregators"
+        return make_plan("atp", lan, flat(lan), [f"{why}: ATP-style aggregation is the flat gateway"])
+    parent: dict[Node, Node] = {}
+    for w in lan.workers:  # a ToR that cannot sum its precision passes it on to the gateway
+        ok = w.rack is not None and lan.rack(w.rack).capacity(w.precision) > 0
+        parent[w.index] = tor_id(w.rack) if ok and w.rack is not None else GATEWAY
+    for r in lan.racks:
+        parent[tor_id(r.id)] = GATEWAY
+    return make_plan("atp", lan, parent)
+
+
+def grid_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    """GRID-style: single aggregation anywhere or none, from GRID's relaxation and randomized rounding."""
+    m = eina_instance(lan, options)
+    sol = eina.grid(m.instance, seed=options.seed)
+    gw = m.instance.roots[0]
+    parent: dict[Node, Node] = {}
+    aggregating: set[int] = set()
+    for group, point in sol.trees[0].items():
+        target: Node = GATEWAY if point in (-1, gw) else m.node[point]
+        for w in m.members[group]:
+            if w != target:
+                parent[w] = target
+        if point not in (-1, gw):
+            aggregating.add(point)
+    for j in aggregating:
+        parent[m.node[j]] = GATEWAY
+    for worker in lan.workers:
+        parent.setdefault(worker.index, GATEWAY)
+    return make_plan("grid", lan, parent, [], {"seed": options.seed})
+
+
+def baselines(lan: LanSpec, options: Options = Options()) -> dict[str, Prediction]:
+    """Every baseline's prediction on this LAN."""
+    return {"flat": predict(lan, flat(lan)), "ring": ring_allreduce(lan),
+            "atp": atp_plan(lan, options).prediction, "grid": grid_plan(lan, options).prediction,
+            "precision-oblivious": pahina.oblivious(lan, tor=options.tor).prediction}

@@ -1,0 +1,427 @@
+"""Planners of the tier inside a DC: the fluid model, ALEPH, PAHInA, EINA and the baselines, against
+hand-worked cases, brute force on small instances and the capacities they must never exceed."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import subprocess
+import sys
+
+import highspy
+import pytest
+
+from netstorm import scenario
+from netstorm.errors import PolicyError
+from netstorm.lan_scenario import LanSpec, LanWorker, Rack
+from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
+from netstorm.planning.lanmodel import GATEWAY, PRECISION_SCALE, Node, predict, tor_id
+
+
+def lan_of(ports: list[float], gateway: float, precisions: list[str] | None = None,
+           racks: tuple[Rack, ...] = (), rack_of: list[int | None] | None = None,
+           agg: list[float | None] | None = None) -> LanSpec:
+    n = len(ports)
+    return LanSpec(tuple(LanWorker(i, ports[i], ports[i], 0.0, (precisions or ["fp32"] * n)[i],
+                                   (rack_of or [None] * n)[i], (agg or [None] * n)[i]) for i in range(n)),
+                   racks, gateway)
+
+
+def random_lan(rng: random.Random, n: int, *, racks: bool = False, mixed: bool = False) -> LanSpec:
+    ports = [round(rng.uniform(1, 10), 3) for _ in range(n)]
+    precisions = [rng.choice(["fp32", "fp16", "bf16", "int8"]) if mixed else "fp32" for _ in range(n)]
+    if racks:
+        rs = tuple(Rack(k, rng.uniform(5, 30), rng.uniform(2, 20),
+                        (("int8", 0.0),) if k == 2 else ()) for k in (1, 2))
+        return lan_of(ports, rng.uniform(3, 20), precisions, rs, [1 + i % 2 for i in range(n)])
+    return lan_of(ports, rng.uniform(3, 20), precisions)
+
+
+def loads_respected(lan: LanSpec, plan: lanmodel.DcPlan) -> None:
+    """Independent check: at the plan's rates every port, uplink, gateway and aggregation capacity
+    carries at most its rate (each edge carries its subtree's aggregate at the merged lane)."""
+    parent = plan.parent
+    rate = plan.rates
+    t = PRECISION_SCALE[lan.workers[0].precision] / rate[0]
+    below: dict[Node, set[str]] = {}
+    for w in lan.workers:
+        node: Node = w.index
+        while node != GATEWAY:
+            below.setdefault(node, set()).add(w.precision)
+            node = parent[node]
+    flow = {n: PRECISION_SCALE[lanmodel.merge(p)] / t for n, p in below.items()}  # Gbit/s on its edge up
+    eps = 1e-6
+    into: dict[Node, float] = {}
+    for c, p in parent.items():
+        into[p] = into.get(p, 0.0) + flow[c]
+    for w in lan.workers:
+        assert flow[w.index] + into.get(w.index, 0.0) <= min(w.up_gbit, w.down_gbit) + eps
+        if w.agg_gbit is not None and w.index in into:
+            assert into[w.index] + PRECISION_SCALE[w.precision] / t <= w.agg_gbit + eps
+    assert into.get(GATEWAY, 0.0) <= lan.gateway_gbit + eps
+    for r in lan.racks:
+        tor = tor_id(r.id)
+        per: dict[str, float] = {}
+        for c, p in parent.items():
+            if p == tor:
+                lane = lanmodel.merge(below[c])
+                per[lane] = per.get(lane, 0.0) + flow[c]
+        for lane, gbit in per.items():
+            assert gbit <= r.capacity(lane) + eps, (tor, lane)
+        if not r.precision_gbit:
+            assert sum(per.values()) <= r.aggregator_gbit + eps
+
+        def inside(x: Node, rid: int = r.id) -> bool:
+            return x != GATEWAY and (lan.workers[x].rack == rid if isinstance(x, int) else x == tor_id(rid))
+
+        crossing = sum(flow[c] for c, p in parent.items() if inside(c) != inside(p))
+        assert crossing <= r.uplink_gbit + eps
+
+
+# --- the fluid model -------------------------------------------------------------------------------
+
+
+def test_aleph_table_1_is_reproduced_by_the_model() -> None:
+    """4 workers push 4.2 Gb each: PS 0.84 s, ring all-reduce 0.63 s, ALEPH 0.42 s (ALEPH Table 1)."""
+    lan = lan_of([20, 10, 20, 10], 20)
+    gb = 4.2
+    assert predict(lan, lanmodel.flat(lan)).seconds_per_gbit * gb == pytest.approx(0.84)
+    ring = lanmodel.ring_allreduce(lan)
+    assert 2 * 3 / 4 * gb / 10 == pytest.approx(0.63)  # the paper's ring, 4 members
+    assert ring.seconds_per_gbit * gb == pytest.approx(2 * 4 / 5 * gb / 10)  # with the gateway as a fifth
+    aleph_tree: dict[Node, Node] = {0: GATEWAY, 1: 0, 2: GATEWAY, 3: 2}
+    assert predict(lan, aleph_tree).seconds_per_gbit * gb == pytest.approx(0.42)
+
+
+def test_flat_is_the_gateway_or_the_slowest_port() -> None:
+    assert predict(lan_of([10] * 8, 40), lanmodel.flat(lan_of([10] * 8, 40))).gbit == pytest.approx(40)
+    slow = lan_of([10, 10, 1], 40)
+    p = predict(slow, lanmodel.flat(slow))
+    assert p.gbit == pytest.approx(3.0) and p.bottleneck == "worker 2 port"
+
+
+def test_lanes_merge_as_normalisation_requires() -> None:
+    assert lanmodel.merge(["fp16", "fp16"]) == "fp16"
+    assert lanmodel.merge(["fp16", "bf16"]) == "fp32"
+    assert lanmodel.merge(["int8", "fp16"]) == "fp16"
+    assert lanmodel.merge(["int8", "bf16", "int8"]) == "bf16"
+    assert lanmodel.merge(["int8", "fp32"]) == "fp32"
+
+
+def test_two_level_conversion_round_trips_and_refuses_what_the_data_plane_cannot_run() -> None:
+    lan = lan_of([10] * 5, 10)
+    tree: dict[Node, Node] = {0: GATEWAY, 1: 0, 2: 0, 3: GATEWAY, 4: 3}
+    plan = lanmodel.make_plan("x", lan, tree)
+    clusters, direct = lanmodel.two_level(plan)
+    assert clusters == {0: [1, 2], 3: [4]} and direct == [0, 3]
+    assert lanmodel.from_two_level(clusters, range(5)) == tree
+    assert plan.runtime() == {"aggregators": [0, 3], "assignment": {0: None, 1: 0, 2: 0, 3: None, 4: 3},
+                              "rates": plan.rates}
+    deep = lanmodel.make_plan("x", lan, {0: GATEWAY, 1: 0, 2: 1, 3: GATEWAY, 4: GATEWAY})
+    with pytest.raises(PolicyError, match="deeper"):
+        lanmodel.two_level(deep)
+    racked = lan_of([10] * 2, 10, racks=(Rack(1, 10, 10),), rack_of=[1, 1])
+    with pytest.raises(PolicyError, match="ToR"):
+        lanmodel.two_level(lanmodel.make_plan("x", racked, {0: "rack1", 1: "rack1", "rack1": GATEWAY}))
+
+
+def test_broken_trees_are_refused() -> None:
+    lan = lan_of([10] * 3, 10)
+    with pytest.raises(PolicyError, match="not in the plan"):
+        predict(lan, {0: GATEWAY, 1: GATEWAY})
+    with pytest.raises(PolicyError, match="does not reach"):
+        predict(lan, {0: 1, 1: 0, 2: GATEWAY})
+    with pytest.raises(PolicyError, match="not a worker"):
+        predict(lan, {0: GATEWAY, 1: GATEWAY, 2: 7})
+
+
+# --- ALEPH -----------------------------------------------------------------------------------------
+
+
+TESTBED = lan_of([30, 20, 20, 10, 10, 10, 10, 10], 40)
+"""ALEPH's testbed: one 30, two 20 and five 10 Gbit/s workers."""
+
+
+def test_aleph_capacities_match_the_testbed_example() -> None:
+    assert aleph.capacities(TESTBED) == {0: 2, 1: 1, 2: 1, 3: 0, 4: 0, 5: 0, 6: 0, 7: 0}
+    assert aleph.capacities(lan_of([30, 10], 40, agg=[15.0, None]))[0] == 1  # C_w / c binds
+
+
+def test_aleph_finds_the_testbed_clustering() -> None:
+    """Two 20 Gbit/s aggregators with one member, the 30 Gbit/s one with two, one worker direct."""
+    plan = aleph.plan(TESTBED)
+    clusters, direct = lanmodel.two_level(plan)
+    assert sorted(len(m) for m in clusters.values()) == [1, 1, 2] and len(direct) == 4
+    assert plan.detail["clusters"] == aleph.optimum(aleph.capacities(TESTBED), aleph.neighbours(TESTBED)) == 4
+    loads_respected(TESTBED, plan)
+
+
+def test_aleph_never_exceeds_a_capacity_whatever_the_draws() -> None:
+    rng = random.Random(3)
+    for trial in range(60):
+        lan = random_lan(rng, rng.randint(3, 12), racks=trial % 3 == 0)
+        g, nbr = aleph.capacities(lan), aleph.neighbours(lan)
+        c = aleph.mwcha(g, nbr, random.Random(trial))
+        placed = [a for a in c.clusters] + [m for ms in c.clusters.values() for m in ms] + list(c.direct)
+        assert sorted(placed) == sorted(g)  # every worker in exactly one cluster (Theorem 3)
+        for agg, members in c.clusters.items():
+            assert 1 <= len(members) <= g[agg]
+            assert all(m in nbr[agg] for m in members)
+
+
+def test_aleph_approximation_claim_holds_against_brute_force() -> None:
+    """Theorem 7: |D| <= 8·H_Δ·|OPT| (checked per run, the claim is in expectation), on small DCs whose
+    optimum enumeration finds."""
+    rng = random.Random(11)
+    worst = 0.0
+    for trial in range(40):
+        lan = random_lan(rng, rng.randint(3, 8), racks=trial % 4 == 0)
+        g, nbr = aleph.capacities(lan), aleph.neighbours(lan)
+        opt = aleph.optimum(g, nbr)
+        bound = aleph.harmonic_bound(g, nbr)
+        sizes = [aleph.mwcha(g, nbr, random.Random(s)).size for s in range(8)]
+        assert opt <= min(sizes)
+        assert sum(sizes) / len(sizes) <= bound * opt
+        worst = max(worst, max(sizes) / opt)
+    assert worst >= 1.0
+
+
+def test_aleph_optimum_by_enumeration_matches_the_greedy_count_on_a_complete_graph() -> None:
+    """With every worker adjacent, the optimum is the fewest largest (1 + g) that cover n."""
+    rng = random.Random(5)
+    for _ in range(20):
+        lan = random_lan(rng, rng.randint(2, 8))
+        g, nbr = aleph.capacities(lan), aleph.neighbours(lan)
+        sizes = sorted((1 + v for v in g.values()), reverse=True)
+        k = next(k for k in range(1, len(sizes) + 1) if sum(sizes[:k]) >= len(sizes))
+        assert aleph.optimum(g, nbr) == k
+
+
+# --- PAHInA ----------------------------------------------------------------------------------------
+
+
+def test_pahina_groups_precisions_where_the_oblivious_assignment_inflates() -> None:
+    """fp16 and bf16 alternate behind a congested gateway: pairing across them up-casts to fp32."""
+    lan = lan_of([10] * 8, 10, ["fp16", "bf16"] * 4)
+    aware, blind = pahina.plan(lan), pahina.oblivious(lan)
+    for plan in (aware, blind):
+        loads_respected(lan, plan)
+    for agg, members in lanmodel.two_level(aware)[0].items():
+        assert {lan.workers[m].precision for m in members} == {lan.workers[agg].precision}
+    # hand-worked: two homogeneous clusters of four, each aggregator's port carries 4 fp16-sized flows
+    # (0.5 + 3 x 0.5 per Gbit at 10 Gbit/s: T = 0.2 s per Gbit, 8 x 0.5 / 0.2 = 20 Gbit/s)
+    assert aware.prediction.gbit == pytest.approx(20.0)
+    assert blind.prediction.gbit < aware.prediction.gbit  # its mixed pairs travel as fp32
+    literal = pahina.plan(lan, inflation=False)
+    assert literal.prediction.gbit <= aware.prediction.gbit + 1e-9
+
+
+def test_pahina_respects_per_precision_capacity_and_the_precision_filter() -> None:
+    racks = (Rack(1, 100, 100, (("int8", 0.0), ("fp16", 3.0))), Rack(2, 100, 100))
+    lan = lan_of([10] * 8, 8, ["int8", "fp16", "fp32", "fp16"] * 2, racks, [1, 1, 1, 1, 2, 2, 2, 2])
+    plan = pahina.plan(lan)
+    for w in lan.workers:
+        if w.rack == 1 and w.precision == "int8":
+            assert plan.parent[w.index] != tor_id(1)
+    loads_respected(lan, plan)
+
+
+def test_pahina_closed_form_equals_the_stage_2_lp() -> None:
+    """Stage 2 as the LP: max m with y_{s,p} >= w_p·m for every input, y <= C_{s,p} and every link's
+    load within its rate; its optimum is the closed form the model computes."""
+    rng = random.Random(2)
+    for _ in range(15):
+        lan = random_lan(rng, rng.randint(3, 9), racks=True, mixed=True)
+        plan = pahina.plan(lan)
+        h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.addCol(1.0, 0.0, highspy.kHighsInf, 0, [], [])  # m
+        lanes = lanmodel.subtree_lanes(lan, plan.parent)
+        parent = plan.parent
+        y: dict[Node, int] = {}
+        for node in {p for p in parent.values() if p != GATEWAY}:
+            h.addCol(0.0, 0.0, highspy.kHighsInf, 0, [], [])
+            y[node] = h.getNumCol() - 1
+        size = {n: PRECISION_SCALE[lanes[n]] for n in lanes}
+        for p in parent.values():  # synchronization: the output stream carries every input's lane
+            if p in y:
+                h.addRow(0.0, highspy.kHighsInf, 2, [y[p], 0], [1.0, -size[p]])
+        for node, col in y.items():
+            # links: the node's port (or uplink) carries its output and its inputs at w_p·m
+            if isinstance(node, int):
+                w = lan.workers[node]
+                kids = sum(size[c] for c, p in parent.items() if p == node)
+                h.addRow(-highspy.kHighsInf, min(w.up_gbit, w.down_gbit), 2, [col, 0], [1.0, kids])
+        for w in lan.workers:
+            if w.index not in y:
+                h.addRow(-highspy.kHighsInf, min(w.up_gbit, w.down_gbit), 1, [0], [size[w.index]])
+        for r in lan.racks:
+            tor = tor_id(r.id)
+            per: dict[str, float] = {}
+            for c, p in parent.items():
+                if p == tor:
+                    per[lanes[c]] = per.get(lanes[c], 0.0) + size[c]
+            for lane, coef in per.items():
+                h.addRow(-highspy.kHighsInf, r.capacity(lane), 1, [0], [coef])
+            if per and not r.precision_gbit:
+                h.addRow(-highspy.kHighsInf, r.aggregator_gbit, 1, [0], [sum(per.values())])
+
+            def inside(x: Node, rid: int = r.id, spec: LanSpec = lan) -> bool:
+                return x != GATEWAY and (spec.workers[x].rack == rid if isinstance(x, int) else x == tor_id(rid))
+
+            crossing = sum(size[c] for c, p in parent.items() if inside(c) != inside(p))
+            if crossing:
+                h.addRow(-highspy.kHighsInf, r.uplink_gbit, 1, [0], [crossing])
+        into_gw = sum(size[c] for c, p in parent.items() if p == GATEWAY)
+        h.addRow(-highspy.kHighsInf, lan.gateway_gbit, 1, [0], [into_gw])
+        h.changeObjectiveSense(highspy.ObjSense.kMaximize)
+        h.run()
+        m = h.getSolution().col_value[0]
+        assert m == pytest.approx(1 / plan.prediction.seconds_per_gbit, rel=1e-6)
+
+
+# --- EINA ------------------------------------------------------------------------------------------
+
+
+TOY = dict(aggregators=(0, 1, 2, 3, 4), workers={0: 0, 1: 2, 2: 2, 3: 1, 4: 0},
+           c={i: 10.0 for i in range(5)}, b_in={i: 10.0 for i in range(5)},
+           b_out={0: 1.0, 1: 10.0, 2: 10.0, 3: 10.0, 4: 10.0}, r_high=100.0, depth=4)
+
+
+def test_eina_printed_model_sinks_flows_into_an_idle_aggregator_and_the_corrected_one_does_not() -> None:
+    inst = eina.Instance(roots={0: 0}, **TOY)  # type: ignore[arg-type]
+    literal = eina.solve_milp(inst, literal=True)
+    assert literal.status == "optimal" and literal.total == pytest.approx(5.0)
+    assert any("receives but does not forward" in p for p in eina.verify(inst, literal))
+    fixed = eina.solve_milp(inst)
+    assert fixed.total == pytest.approx(1.0, abs=1e-5) and not eina.verify(inst, fixed)
+    assert eina.heuristic(inst).total == pytest.approx(1.0, abs=1e-6)
+
+
+def test_eina_root_hosting_workers_is_infeasible_as_printed_and_feasible_corrected() -> None:
+    inst = eina.Instance(roots={0: 1}, **TOY)  # type: ignore[arg-type]
+    assert eina.solve_milp(inst, literal=True).status == "infeasible"
+    fixed = eina.solve_milp(inst)
+    assert fixed.status == "optimal" and fixed.total > 0 and not eina.verify(inst, fixed)
+    assert 1 not in fixed.trees[0]
+
+
+def _brute(inst: eina.Instance) -> float:
+    """Every parent choice for every non-root aggregator of the one PS; rates by the fixed-tree LP."""
+    (p, root), = inst.roots.items()
+    others = [a for a in inst.aggregators if a != root]
+    best = 0.0
+    for choice in itertools.product([None, *inst.aggregators], repeat=len(others)):
+        tree = {a: c for a, c in zip(others, choice, strict=True) if c is not None and c != a}
+        if any(choice[i] == others[i] for i in range(len(others))):
+            continue
+        rates = eina.best_rates(inst, {p: tree})
+        sol = eina.Solution(rates, {p: tree}, "brute", "", 0.0)
+        if rates[p] > 0 and not eina.verify(inst, sol):
+            best = max(best, rates[p])
+    return best
+
+
+def test_eina_milp_matches_brute_force_and_the_heuristic_stays_feasible() -> None:
+    rng = random.Random(4)
+    for _ in range(12):
+        n = rng.randint(3, 5)
+        inst = eina.random_instance(rng, aggregators=n, pss=1, idle=rng.randint(0, 1), workers=(1, 3),
+                                    capacity=(5, 40), depth=rng.choice([3, 4]))
+        exact = eina.solve_milp(inst)
+        assert exact.status == "optimal" and not eina.verify(inst, exact)
+        assert exact.total == pytest.approx(_brute(inst), rel=1e-5, abs=1e-6)
+        assert exact.total <= inst.bound() + 1e-6
+        quick = eina.heuristic(inst)
+        assert not eina.verify(inst, quick) and quick.total <= exact.total + 1e-6
+        integer = eina.solve_milp(inst, integer=True)
+        assert integer.total <= exact.total + 1e-6 and all(float(r).is_integer() for r in integer.rates.values())
+
+
+def test_eina_falls_back_to_the_heuristic_when_the_budget_is_spent() -> None:
+    inst = eina.random_instance(random.Random(9), aggregators=12, pss=3, idle=2, workers=(1, 3),
+                                capacity=(30, 300), depth=9)
+    sol = eina.solve(inst, time_limit=0.05)
+    assert not eina.verify(inst, sol) and sol.total > 0
+    assert sol.method in ("heuristic", "milp")
+    shares = sol.shares()
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_eina_baselines_are_feasible_plans() -> None:
+    rng = random.Random(8)
+    for _ in range(5):
+        inst = eina.random_instance(rng, aggregators=6, pss=2, idle=1, workers=(2, 5), capacity=(20, 60))
+        atp = eina.atp(inst)
+        assert not eina.verify(inst, atp)
+        grid = eina.grid(inst, seed=1)
+        assert all(r >= 0 for r in grid.rates.values())
+        assert eina.solve_milp(inst).total >= atp.total - 1e-6
+
+
+# --- every planner on DCs ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("planner", [pytest.param(p, marks=pytest.mark.slow) if p == "eina" else p
+                                     for p in lanmodel.PLANNERS])
+def test_every_planner_keeps_every_capacity_on_random_dcs(planner: str) -> None:
+    rng = random.Random(hash(planner) % 1000)
+    for trial in range(12):
+        lan = random_lan(rng, rng.randint(2, 9), racks=trial % 2 == 0, mixed=trial % 3 == 0)
+        for tor in (True, False):
+            plan = dcplan.plan_dc(lan, planner, dcplan.Options(tor=tor, time_limit=10))
+            loads_respected(lan, plan)
+            if not tor:
+                lanmodel.two_level(plan)  # what the scheduler pushes: always runnable
+        for name, baseline in (("atp", dcplan.atp_plan), ("grid", dcplan.grid_plan)):
+            loads_respected(lan, baseline(lan, dcplan.Options()))
+            assert name
+
+
+@pytest.mark.parametrize("name", ["lan-hetero-4", pytest.param("lan-planning", marks=pytest.mark.slow)])
+def test_every_planner_runs_on_every_described_dc(name: str) -> None:
+    s = scenario.load(name)
+    for node in s.nodes:
+        if node.lan is None:
+            continue
+        base = dcplan.baselines(node.lan)
+        assert set(base) == set(dcplan.BASELINES)
+        for planner in lanmodel.PLANNERS:
+            plan = dcplan.plan_dc(node.lan, planner)
+            assert plan.prediction.gbit > 0 and math.isfinite(plan.prediction.gbit)
+            if not node.lan.racks and planner != "flat":
+                assert plan.notes  # says how it degrades without racks
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "netstorm.cli", "plan", *args], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def test_cli_json_shape() -> None:
+    out = _cli("lan-planning", "--dc", "2", "--dc-planner", "pahina", "--json")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["dc"] == 2 and r["planner"] == "pahina"
+    assert set(r["assignment"]) == set(r["rates"]) == {str(i) for i in range(8)}
+    assert all(v is None or isinstance(v, int | str) for v in r["assignment"].values())
+    assert set(r["aggregators"]) == {v for v in r["assignment"].values() if v is not None}
+    assert isinstance(r["predicted_gbit"], float) and set(r["baselines"]) == set(dcplan.BASELINES)
+    assert r["baselines"]["flat"] > 0 and set(r["planners"]) == set(lanmodel.PLANNERS)
+    assert r["predicted_gbit"] == r["planners"]["pahina"]
+    assert "clusters" in r["runtime"]
+
+
+def test_cli_refuses_a_dc_without_a_lan() -> None:
+    out = _cli("lan-planning", "--dc", "4")
+    assert out.returncode == 1 and "has no described LAN" in out.stderr
+    out = _cli("lan-planning", "--dc", "9")
+    assert out.returncode == 1 and "no DC 9" in out.stderr
+
+
+def test_cli_text_names_the_chosen_planner_and_every_baseline() -> None:
+    out = _cli("lan-hetero-4", "--dc", "3", "--dc-planner", "aleph")
+    assert out.returncode == 0, out.stderr
+    assert "planner aleph" in out.stdout and "flat (baseline)" in out.stdout and "ring (baseline)" in out.stdout
