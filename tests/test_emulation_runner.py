@@ -75,6 +75,31 @@ def test_netstorm_system_on_emu4_is_exact_and_records_its_policies(tmp_path: Pat
     assert shown and set(shown) <= {p["version"] for p in versions["policies"]}
 
 
+def test_paper_system_on_emu4_runs_the_paper_design_and_records_it(tmp_path: Path) -> None:
+    from netstorm import scenario
+    from netstorm.config import DESIGN_SWITCHES, PAPER_DESIGN
+    from netstorm.planning.plan import plan
+
+    out = tmp_path / "result.json"
+    argv = ["emulate", str(DATA / "emu-4.toml"), "--system", "paper", "--iterations", "2", "--model", "1M",
+            "--out", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", *argv], capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["command"].split() == ["netstorm", *argv]
+    paper = result["systems"]["paper"]
+    assert paper["exact"] and paper["iterations_completed"] == 2 and paper["limit_errors"] == []
+    assert {k: paper["switches"][k] for k in DESIGN_SWITCHES} == PAPER_DESIGN
+    assert paper["switches"]["enable_awareness"] and paper["switches"]["enable_aux_path"]
+    # The first policy's trees are Algorithm 2's at the scenario's rates, as the result's planned trees.
+    rates = scenario.load(str(DATA / "emu-4.toml")).rates()
+    want = {str(r): {str(n): p for n, p in sorted(t.parent.items())}
+            for r, t in plan(rates, packing=False, aux=False).trees.items()}
+    assert paper["trees"] == want
+    assert paper["policy_trees"]["0"] == want
+
+
 def test_report_rejects_what_is_not_a_result(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text('{"hello": 1}')
