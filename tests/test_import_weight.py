@@ -35,10 +35,12 @@ LIGHT_MODULES = (
     "netstorm.policy",
     "netstorm.planning",
     "netstorm.planning.allot",
+    "netstorm.planning.lanmodel",
+    "netstorm.lanreport",
 )
 
 PLANNING_MODULES = ("allot", "auxpath", "baselines", "fapt", "limit", "offload", "packing", "plan", "predict",
-                    "rategraph", "rootpacking")
+                    "rategraph", "rootpacking", "lanmodel", "aleph", "pahina", "eina", "milp", "dcplan", "dcreport")
 
 
 def heavy_modules_loaded_by(module: str) -> list[str]:
