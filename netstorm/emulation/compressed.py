@@ -124,8 +124,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s}
     if not rows:
         return lines
-    header = f"{'system':<22}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'trips':>7}{'+latency s':>11}" \
-             f"{'link/node':>10}"
+    header = f"{'system':<22}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'vote s':>8}{'trips':>7}" \
+             f"{'+latency s':>11}{'link/node':>10}{'cum err':>9}"
     lines += ["", header, "-" * len(header)]
     for name, s in rows.items():
         base = rows.get(name.split("+")[0])
@@ -135,11 +135,15 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         mean_s = statistics.fmean(times[1:]) if len(times) > 1 else float("nan")
         link = s.get("link_over_node_bytes", float("nan"))
         trips, added = s.get("round_trips_per_iteration", 1), s.get("added_latency_s", 0.0)
-        lines.append(f"{name:<22}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{trips:>7.2f}{added:>11.3f}"
-                     f"{link:>10.3f}")
+        vote = _mean_after_first(s["vote_round_s"]) if s.get("vote_round_s") else float("nan")
+        cum = s["cum_rel_error"][-1] if s.get("cum_rel_error") else float("nan")
+        lines.append(f"{name:<22}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{vote:>8.2f}{trips:>7.2f}"
+                     f"{added:>11.3f}{link:>10.3f}{cum:>9.3f}")
     lines.append("WAN MB/it: chunk frames the nodes queued on WAN links (headers included), mean over iterations "
-                 "2..N; link/node: the emulated links' tx bytes over the nodes' count (TCP/IP headers, ACKs, "
-                 "multi-hop routes); +latency: what the rounds beyond one would add at the scenario's latency")
+                 "2..N; vote s: the vote round's time (slowest DC); link/node: the emulated links' tx bytes over "
+                 "the nodes' count (TCP/IP headers, ACKs, multi-hop routes); +latency: what the rounds beyond "
+                 "one would add at the scenario's latency; cum err: ||sum of decoded - sum of exact|| / ||sum of "
+                 "exact|| after the last iteration (what error feedback still holds back)")
     return lines
 
 
