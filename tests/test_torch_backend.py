@@ -69,10 +69,10 @@ class Ranks:
     def until(self, predicate: Any, what: str, within: float) -> tuple[int, dict[str, Any]]:
         """The first line (of any rank) ``predicate(index, record)`` accepts, or fail naming ``what``; a line
         accepted once is consumed."""
-        for position, (index, record) in enumerate(self.seen):
-            if predicate(index, record):
+        for position, (seen_index, seen_record) in enumerate(self.seen):
+            if predicate(seen_index, seen_record):
                 del self.seen[position]
-                return index, record
+                return seen_index, seen_record
         deadline = time.monotonic() + within
         while True:
             left = deadline - time.monotonic()
