@@ -129,7 +129,7 @@ class Config:
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
     # LAN tier.
-    edge_pool_slots: int = 4096
+    edge_pool_slots: int = 1024
     """Aggregation slots a LAN gateway (and each LAN aggregator) reuses across chunks and iterations, as
     SwitchML does: a worker keeps at most this many chunks in flight, and the slot map takes
     pool * (64 + 4 * lanes) bytes whatever the model (at most 56 MB). 0: one slot per chunk of the model."""
