@@ -140,8 +140,8 @@ class Config:
     """Two-level LAN aggregation: "A:M,M;B:M" makes LAN worker A aggregate workers M... (and itself) with
     the XDP program on its own host and forward the partial sum to the gateway; empty: one level."""
     edge_retransmit: float = 0.005
-    """Seconds a LAN worker waits for progress (an ACK) before it resends its unacknowledged chunks; also
-    the gateway's slot timer period."""
+    """Seconds a LAN worker waits past a gap in the ACKs (a later chunk acknowledged, this one not) before
+    it resends the missing chunks; the wait grows to the measured ACK round trip when that is longer."""
     edge_group: str = "239.77.0.1:9701"
     """Multicast group ADDRESS:PORT the gateway sends ACKs and results to, one datagram replicated by the
     LAN for every worker; empty: one unicast copy per worker."""
