@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "secret": "secret",
     "status": "status",
+    "lan-aggregator": "lan_aggregator",
 }
 
 

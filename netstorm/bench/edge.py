@@ -35,6 +35,7 @@ import numpy as np
 HELP = "LAN edge aggregation per CPU core: XDP (bpf_timer) against the userspace fallback on one veth LAN"
 PORT = 9500
 JOB = 1
+GROUP = ("239.77.0.50", 9501)
 TARGET_RATIO = 10.0
 
 
@@ -47,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--secret-file", default=None, metavar="FILE",
                         help="job secret: authenticate every LAN datagram with its token (default: none)")
+    parser.add_argument("--mtu", type=int, default=1500, help="LAN MTU: lanes per datagram follow (default 1500)")
+    parser.add_argument("--pool-slots", type=int, default=None, metavar="SLOTS",
+                        help="aggregation slots reused across chunks (default: the edge_pool_slots default)")
+    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -89,12 +94,13 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.xdp import XdpAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
-    from netstorm.lan.header import MAX_LANES
-    from netstorm.lan.layout import EdgeLayout
+    from netstorm.lan.header import lanes_for_mtu
+    from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
-    lanes = MAX_LANES
-    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
+    lanes = lanes_for_mtu(args.mtu)
+    pool = DEFAULT_POOL if args.pool_slots is None else args.pool_slots
+    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
     rng = np.random.default_rng(1)
     workers = args.workers
     contribs = [[[rng.standard_normal(args.elements).astype(np.float32)] for _ in range(workers)]
@@ -107,7 +113,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with Lan(workers) as lan:
+    with Lan(workers, mtu=args.mtu) as lan:
         try:
             if path == "xdp":
                 xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << workers) - 1,
@@ -117,9 +123,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 stats_fd = _enable_bpf_stats()
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
-                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret)
+                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=GROUP)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
-                                job=JOB, loss=args.loss, seed=7, secret=secret) for i, ns in enumerate(lan.workers)]
+                                job=JOB, loss=args.loss, seed=7, secret=secret, gso=not args.no_gso,
+                                group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
+            kernel_map_bytes = xdp.kernel_map_bytes() if xdp is not None else 0
             result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp))
         finally:
             if stats_fd >= 0:
@@ -127,6 +135,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             if xdp is not None:
                 xdp.close()
     result["mode"] = mode
+    result["kernel_map_bytes"] = kernel_map_bytes
+    result["lanes"], result["pool_slots"], result["mtu"] = lanes, layout.num_slots, args.mtu
     return result
 
 
@@ -197,6 +207,9 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "gateway_cpu_seconds_per_gb": gateway_cpu / aggregated_gb if aggregated_gb else float("nan"),
         "wall_seconds": wall,
         "wall_pps": packets / wall,
+        "wall_gbit": len(nodes) * len(contribs) * agent.layout.sizes[0] * 4 * 8 / 1e9 / wall,
+        "sender_calls": sum(n.batch.calls for n in nodes),
+        "sender_datagrams": sum(n.batch.datagrams for n in nodes),
         "exact": exact,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],

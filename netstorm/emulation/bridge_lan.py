@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import socket
+from collections.abc import Callable
 
 from netstorm.emulation import netns
 from netstorm.emulation.errors import EmulationError
@@ -24,9 +25,10 @@ _runs = itertools.count()
 
 class Lan:
     """Gateway ``<prefix>g`` (eth0, 10.77.0.1) and workers ``<prefix>w<i>`` (eth0, 10.77.0.10+i) on a
-    bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues."""
+    bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues; every link has
+    the IPv4 ``mtu``."""
 
-    def __init__(self, workers: int, *, queues: int = 2) -> None:
+    def __init__(self, workers: int, *, queues: int = 2, mtu: int = 1500) -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
         self.prefix = f"ns{os.getpid()}x{next(_runs)}"
@@ -44,11 +46,13 @@ class Lan:
                      f"numtxqueues {q} numrxqueues {q}"]
             lines += [f"link add w{i} type veth peer name eth0 netns {ns}" for i, ns in enumerate(self.workers)]
             lines += [f"link set {end} master br0 up" for end in ("g", *(f"w{i}" for i in range(workers)))]
+            if mtu != 1500:
+                lines += [f"link set {end} mtu {mtu}" for end in ("br0", "g", *(f"w{i}" for i in range(workers)))]
             netns.ip_batch(lines, namespace=self.bridge, what=f"build the LAN bridge {self.bridge}")
             for ns, address in ((self.gateway, GATEWAY_IP),
                                 *((ns, self.worker_ip(i)) for i, ns in enumerate(self.workers))):
-                netns.ip_batch([f"addr add {address}/24 dev eth0", "link set eth0 up", "link set lo up"],
-                               namespace=ns, what=f"address {ns}")
+                netns.ip_batch([f"addr add {address}/24 dev eth0", f"link set eth0 mtu {mtu}", "link set eth0 up",
+                                "link set lo up"], namespace=ns, what=f"address {ns}")
         except BaseException:
             self.close()
             raise
@@ -68,6 +72,13 @@ class Lan:
             return sock
 
         return netns.run_in(ns, make)
+
+    def group_opener(self, ns: str) -> Callable[[tuple[str, int], str], socket.socket]:
+        """Opens a LAN worker's multicast group socket inside ``ns`` (netstorm/lan/sender.py's
+        ``group_opener``: this process drives every namespace from one thread)."""
+        from netstorm.lan.sender import group_socket
+
+        return lambda group, local: netns.run_in(ns, lambda: group_socket(group, local))
 
     def gateway_ifindex(self) -> int:
         return netns.run_in(self.gateway, lambda: socket.if_nametoindex("eth0"))
