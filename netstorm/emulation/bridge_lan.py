@@ -5,6 +5,11 @@ Every namespace name carries a per-run prefix (pid and a counter), every interfa
 namespaces (nothing is created in the caller's namespace), and ``close`` deletes them all, also after a
 failure. Sockets are opened *inside* a namespace from a short-lived thread that enters it
 (``netns.run_in``), so one process and one event loop can drive the gateway and all workers.
+
+With ``rates`` every worker's port is shaped with HTB (``shaping.lan_port_lines``): its downlink on the
+bridge port toward it, its uplink on its own veth end; ``gateway_gbit`` shapes the gateway's port the
+same way. ``rate_scale`` multiplies every rate, for rates above what the host's veth bridge can move
+(the emulation's ``lan_bw_scale``).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import contextlib
 import itertools
 import os
 import socket
+from collections.abc import Sequence
 
-from netstorm.emulation import netns
+from netstorm.emulation import netns, shaping
 from netstorm.emulation.errors import EmulationError
 
 SUBNET = "10.77.0"
@@ -26,9 +32,18 @@ class Lan:
     """Gateway ``<prefix>g`` (eth0, 10.77.0.1) and workers ``<prefix>w<i>`` (eth0, 10.77.0.10+i) on a
     bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues."""
 
-    def __init__(self, workers: int, *, queues: int = 2) -> None:
+    def __init__(self, workers: int, *, queues: int = 2, rates: Sequence[tuple[float, float]] | None = None,
+                 gateway_gbit: float | None = None, rate_scale: float = 1.0) -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
+        if rates is not None and len(rates) != workers:
+            raise EmulationError(f"rates for {len(rates)} workers given to a LAN of {workers}")
+        if not rate_scale > 0:
+            raise EmulationError(f"the LAN rate scale must be positive, got {rate_scale}")
+        self.rates: list[tuple[float, float]] | None = (
+            [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
+        """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
+        self.gateway_gbit = gateway_gbit * rate_scale if gateway_gbit is not None else None
         self.prefix = f"ns{os.getpid()}x{next(_runs)}"
         self.gateway = f"{self.prefix}g"
         self.bridge = f"{self.prefix}b"
@@ -49,9 +64,26 @@ class Lan:
                                 *((ns, self.worker_ip(i)) for i, ns in enumerate(self.workers))):
                 netns.ip_batch([f"addr add {address}/24 dev eth0", "link set eth0 up", "link set lo up"],
                                namespace=ns, what=f"address {ns}")
+            self._shape()
         except BaseException:
             self.close()
             raise
+
+    def _shape(self) -> None:
+        bridge_lines: list[str] = []
+        if self.gateway_gbit is not None:
+            bridge_lines += shaping.lan_port_lines("g", self.gateway_gbit)
+            netns.tc_batch(shaping.lan_port_lines("eth0", self.gateway_gbit), namespace=self.gateway,
+                           what=f"shape the gateway port of {self.gateway}")
+        for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
+            bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
+            netns.tc_batch(shaping.lan_port_lines("eth0", up), namespace=ns, what=f"shape the uplink of {ns}")
+        netns.tc_batch(bridge_lines, namespace=self.bridge, what=f"shape the LAN ports of {self.bridge}")
+
+    @staticmethod
+    def bridge_port(i: int) -> str:
+        """Worker ``i``'s port on the bridge (in the bridge namespace); its egress is the worker's downlink."""
+        return f"w{i}"
 
     @staticmethod
     def worker_ip(i: int) -> str:

@@ -1,0 +1,184 @@
+"""Per-worker LAN shaping: each worker's uplink and downlink are HTB classes at its scenario rates, read
+back from the kernel, and a worker shaped far below another finishes the same transfer last, both ways."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from netstorm.emulation import shaping
+from netstorm.emulation.errors import EmulationError
+
+TC_TEXT = """\
+class htb 1:10 parent 1:1 prio 0 rate 2Gbit ceil 40Gbit burst 5000000b cburst 5000000b
+ Sent 90 bytes 1 pkt (dropped 0, overlimits 0 requeues 0)
+ backlog 0b 0p requeues 0
+class htb 1:1 root rate 2500Mbit ceil 2500Mbit burst 1250Kb cburst 1250Kb
+ Sent 1234567 bytes 890 pkt (dropped 0, overlimits 0 requeues 0)
+class htb 1:20 parent 1:1 prio 1 rate 800Kbit ceil 1Mbit burst 1600b cburst 1600b
+"""
+
+
+def test_tc_class_text_parses_into_rates_buckets_and_counters() -> None:
+    classes = shaping.parse_classes(TC_TEXT)
+    assert set(classes) == {"1:1", "1:10", "1:20"}
+    link = classes["1:1"]
+    assert link.parent is None and link.rate_bit == 2.5e9 and link.ceil_bit == 2.5e9
+    assert link.burst_bytes == 1250 * 1024 and (link.sent_bytes, link.sent_packets) == (1234567, 890)
+    assert classes["1:10"].parent == "1:1" and classes["1:10"].ceil_bit == 40e9 and classes["1:10"].sent_bytes == 90
+    assert classes["1:20"].rate_bit == 800e3 and classes["1:20"].ceil_bit == 1e6 and classes["1:20"].sent_bytes == 0
+
+
+def test_a_lan_port_is_the_wan_tree_with_a_bucket_for_gbit_rates() -> None:
+    lines = shaping.lan_port_lines("w3", 10.0)
+    assert lines[0] == "qdisc add dev w3 root handle 1: htb default 20"
+    assert "classid 1:1 htb rate 10000000kbit ceil 10000000kbit burst 1250000 cburst 1250000" in lines[1]
+    assert "classid 1:10" in lines[2] and "prio 0" in lines[2] and "classid 1:20" in lines[3]
+    assert lines[4].endswith("flowid 1:10")
+    assert shaping.lan_burst(0.001) == shaping.LAN_MIN_BURST
+    with pytest.raises(EmulationError, match="positive"):
+        shaping.lan_port_lines("w0", 0.0)
+
+
+def test_rates_must_match_the_workers_and_the_scale_be_positive() -> None:
+    from netstorm.emulation.bridge_lan import Lan
+
+    with pytest.raises(EmulationError, match="rates for 1 workers"):
+        Lan(2, rates=[(1.0, 1.0)])
+    with pytest.raises(EmulationError, match="scale must be positive"):
+        Lan(1, rates=[(1.0, 1.0)], rate_scale=0.0)
+
+
+@pytest.mark.root
+def test_every_worker_port_holds_its_scaled_rates_in_the_kernel() -> None:
+    from netstorm.emulation.bridge_lan import Lan
+
+    rates = [(1.0, 4.0), (2.5, 0.5), (10.0, 10.0)]
+    with Lan(3, rates=rates, gateway_gbit=40.0, rate_scale=0.5) as lan:
+        for i, (up, down) in enumerate(rates):
+            downlink = shaping.read_classes(lan.bridge, lan.bridge_port(i))
+            uplink = shaping.read_classes(lan.workers[i], "eth0")
+            for classes, gbit in ((downlink, down * 0.5), (uplink, up * 0.5)):
+                assert set(classes) == {"1:1", "1:10", "1:20"}
+                link = classes["1:1"]
+                assert link.rate_bit == pytest.approx(gbit * 1e9) and link.ceil_bit == link.rate_bit
+                assert link.burst_bytes == pytest.approx(shaping.lan_burst(gbit), rel=0.01)  # kernel ticks round it
+                leaves = classes["1:10"].rate_bit + classes["1:20"].rate_bit
+                assert leaves == pytest.approx(link.rate_bit, rel=1e-3)  # tc prints whole Mbit
+                assert classes["1:10"].ceil_bit == classes["1:20"].ceil_bit == link.rate_bit
+        for ns, dev in ((lan.bridge, "g"), (lan.gateway, "eth0")):
+            assert shaping.read_classes(ns, dev)["1:1"].rate_bit == pytest.approx(20e9)
+        assert lan.rates == [(0.5, 2.0), (1.25, 0.25), (5.0, 5.0)]
+
+
+@pytest.mark.root
+def test_an_unshaped_lan_has_no_classes() -> None:
+    from netstorm.emulation.bridge_lan import Lan
+
+    with Lan(1) as lan:
+        assert shaping.read_classes(lan.bridge, lan.bridge_port(0)) == {}
+        assert shaping.read_classes(lan.workers[0], "eth0") == {}
+
+
+PAYLOAD = 1 << 20
+SLOW_GBIT = 0.02
+FAST_GBIT = 2.0
+"""A 100x ratio: the slow port needs at least 0.35 s for the payload beyond its bucket, the fast one a
+few ms, so the order of completion says which port was shaped, whatever else the host is doing."""
+DEADLINE_S = 60.0
+
+
+def _transfers(lan: object, *, upward: bool) -> tuple[list[int], dict[int, int]]:
+    """Send PAYLOAD between the gateway and each worker over TCP, the slow worker's transfer started
+    first; the order in which the receivers got every byte, and the bytes each got."""
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+
+    assert isinstance(lan, Lan)
+    done: list[int] = []
+    got: dict[int, int] = {}
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    listeners: dict[int, socket.socket] = {}
+    for i in range(len(lan.workers)):
+        ns, host = (lan.gateway, GATEWAY_IP) if upward else (lan.workers[i], lan.worker_ip(i))
+
+        def listen(host: str = host, port: int = 9611 + i) -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+            s.listen(1)
+            s.settimeout(DEADLINE_S)
+            return s
+
+        listeners[i] = run_in(ns, listen)
+
+    def receive(i: int) -> None:
+        try:
+            conn, _ = listeners[i].accept()
+            conn.settimeout(DEADLINE_S)
+            total = 0
+            while chunk := conn.recv(1 << 16):
+                total += len(chunk)
+            conn.close()
+            with lock:
+                got[i] = total
+                done.append(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    def send(i: int, connected: threading.Event) -> None:
+        try:
+            ns = lan.workers[i] if upward else lan.gateway
+            target = (GATEWAY_IP, 9611 + i) if upward else (lan.worker_ip(i), 9611 + i)
+            conn = run_in(ns, lambda: socket.create_connection(target, timeout=DEADLINE_S))
+            connected.set()
+            conn.sendall(b"\0" * PAYLOAD)
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(1)  # the receiver closes after the last byte
+            conn.close()
+        except BaseException as exc:
+            errors.append(exc)
+            connected.set()
+
+    threads = [threading.Thread(target=receive, args=(i,)) for i in range(len(lan.workers))]
+    for t in threads:
+        t.start()
+    senders = []
+    for i in range(len(lan.workers)):  # worker 0, the slow one, connected first
+        connected = threading.Event()
+        t = threading.Thread(target=send, args=(i, connected))
+        t.start()
+        senders.append(t)
+        assert connected.wait(DEADLINE_S), f"transfer {i} did not connect"
+    for t in threads + senders:
+        t.join(DEADLINE_S)
+    for s in listeners.values():
+        s.close()
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads + senders), "a transfer did not finish within its deadline"
+    return done, got
+
+
+@pytest.mark.root
+def test_a_slow_uplink_finishes_after_a_fast_one_started_later() -> None:
+    from netstorm.emulation.bridge_lan import Lan
+
+    with Lan(2, rates=[(SLOW_GBIT, FAST_GBIT), (FAST_GBIT, FAST_GBIT)]) as lan:
+        done, got = _transfers(lan, upward=True)
+        assert done == [1, 0] and got == {0: PAYLOAD, 1: PAYLOAD}
+        for i in (0, 1):  # every byte passed the worker's own uplink class
+            assert shaping.read_classes(lan.workers[i], "eth0")["1:1"].sent_bytes >= PAYLOAD
+
+
+@pytest.mark.root
+def test_a_slow_downlink_finishes_after_a_fast_one_started_later() -> None:
+    from netstorm.emulation.bridge_lan import Lan
+
+    with Lan(2, rates=[(FAST_GBIT, SLOW_GBIT), (FAST_GBIT, FAST_GBIT)]) as lan:
+        done, got = _transfers(lan, upward=False)
+        assert done == [1, 0] and got == {0: PAYLOAD, 1: PAYLOAD}
+        for i in (0, 1):  # every byte passed the bridge port toward the worker
+            assert shaping.read_classes(lan.bridge, lan.bridge_port(i))["1:1"].sent_bytes >= PAYLOAD
