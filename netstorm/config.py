@@ -109,6 +109,11 @@ class Config:
     """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
     max_connections_per_source: int = 64
     """Data-plane connections one source address may hold open at a node; more are closed at once."""
+    # Emulation.
+    lan_bw_scale: float = 1.0
+    """Multiply every LAN rate a scenario gives (its workers' uplinks and downlinks, the gateway's port)
+    when the emulator shapes the LAN; scenarios speak of 10-100 Gbit/s ports, and a veth bridge on one
+    host moves a few Gbit/s in all, so rates above that are caps that never bind unless scaled down."""
     # Trust.
     secret_file: str = ""
     """File whose bytes (at least 32; `netstorm secret FILE` writes one) are the job secret: every TCP
@@ -160,6 +165,8 @@ class Config:
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.lan_bw_scale > 0:
+            raise ConfigError(f"lan_bw_scale must be positive, got {self.lan_bw_scale!r}")
         if not 0 <= self.replan_gain < 1:
             raise ConfigError(f"replan_gain must be in [0, 1), got {self.replan_gain!r}")
         if self.stale_half_life <= 0:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 
 import pytest
 
-from netstorm.emulation import shaping
+from netstorm.emulation import netns, shaping
 from netstorm.emulation.errors import EmulationError
 
 TC_TEXT = """\
@@ -182,3 +183,67 @@ def test_a_slow_downlink_finishes_after_a_fast_one_started_later() -> None:
         assert done == [1, 0] and got == {0: PAYLOAD, 1: PAYLOAD}
         for i in (0, 1):  # every byte passed the bridge port toward the worker
             assert shaping.read_classes(lan.bridge, lan.bridge_port(i))["1:1"].sent_bytes >= PAYLOAD
+
+
+LAN_SCENARIO = """\
+name = "lan-shaped"
+[[node]]
+id = 1
+[[node]]
+id = 2
+[node.lan]
+gateway_gbit = 8.0
+[[node.lan.worker]]
+up_gbit = 0.5
+down_gbit = 2.0
+[[node.lan.worker]]
+up_gbit = 4.0
+[[link]]
+a = 1
+b = 2
+rate_mbit = [100, 100]
+"""
+
+
+def test_the_emulation_plans_each_described_workers_rates_and_leaves_others_unshaped(tmp_path: Path) -> None:
+    from netstorm.emulation.runner import with_lan_workers
+    from netstorm.emulation.topology import build_plan
+    from netstorm.scenario import load
+
+    path = tmp_path / "lan-shaped.toml"
+    path.write_text(LAN_SCENARIO)
+    plan = build_plan(load(path), "ab12")
+    assert set(plan.lans) == {2}
+    assert plan.lans[2].rates == ((0.5, 2.0), (4.0, 4.0)) and plan.lans[2].gateway_gbit == 8.0
+    # --lan-workers with another count replaces the description: uniform, unshaped workers
+    other = build_plan(with_lan_workers(load(path), 3), "ab12")
+    assert all(lan.rates == () and lan.gateway_gbit is None for lan in other.lans.values())
+
+
+def test_the_lan_rate_scale_is_an_option_like_every_other() -> None:
+    from netstorm.config import ConfigError, resolve
+
+    assert resolve().lan_bw_scale == 1.0
+    assert resolve(environ={"NETSTORM_LAN_BW_SCALE": "0.1"}).lan_bw_scale == 0.1
+    with pytest.raises(ConfigError, match="lan_bw_scale must be positive"):
+        resolve(overrides={"lan_bw_scale": 0})
+
+
+@pytest.mark.root
+def test_an_emulated_lan_is_shaped_per_worker_at_the_scaled_rates(tmp_path: Path) -> None:
+    from netstorm.emulation.network import EmulatedNetwork
+    from netstorm.scenario import load
+
+    path = tmp_path / "lan-shaped.toml"
+    path.write_text(LAN_SCENARIO)
+    with EmulatedNetwork(load(path), lan_bw_scale=0.25) as net:
+        lan = net.plan.lans[2]
+        assert any("per-worker LAN HTB rates x0.25" in line for line in net.features.applied)
+        for i, (up, down) in enumerate(((0.5, 2.0), (4.0, 4.0))):
+            uplink = shaping.read_classes(lan.worker_namespaces[i], lan.worker_ifaces[i])["1:1"]
+            downlink = shaping.read_classes(lan.bridge_namespace, lan.worker_bridge_ends[i])["1:1"]
+            assert uplink.rate_bit == pytest.approx(up * 0.25e9) and downlink.rate_bit == pytest.approx(down * 0.25e9)
+        for ns, dev in ((net.namespace(2), lan.gateway_iface), (lan.bridge_namespace, lan.gateway_bridge_end)):
+            assert shaping.read_classes(ns, dev)["1:1"].rate_bit == pytest.approx(2e9)
+        names = lan.namespaces
+    assert not set(names) & set(netns.list_namespaces())

@@ -58,11 +58,14 @@ class EmulatedNetwork:
     """One run's namespaces, shaped links, routes, management network and processes."""
 
     def __init__(self, scenario: Scenario, *, bw_scale: float = 1.0, loss: bool = True,
-                 record: registry.RunRecord | None = None) -> None:
+                 record: registry.RunRecord | None = None, lan_bw_scale: float = 1.0) -> None:
         if bw_scale <= 0:
             raise EmulationError(f"--bw-scale must be positive, got {bw_scale}")
+        if not lan_bw_scale > 0:
+            raise EmulationError(f"lan_bw_scale must be positive, got {lan_bw_scale}")
         self.scenario = scenario
         self.bw_scale = bw_scale
+        self.lan_bw_scale = lan_bw_scale
         self._want_loss = loss
         self.record = record or registry.reserve(netns.list_namespaces())
         self.plan: Plan = build_plan(scenario, self.record.run_id)
@@ -101,6 +104,7 @@ class EmulatedNetwork:
             self._build_mgmt()
             self._build_lans()
             self._shape(self.scenario.rates())
+            self._shape_lans()
             self.features = self._apply_impairments()
         except BaseException:
             self.close()
@@ -170,6 +174,23 @@ class EmulatedNetwork:
                 netns.ip_batch(["link set lo up", f"address add {lan.worker_addresses[i]}/24 dev {iface}",
                                 f"link set {iface} up"], namespace=ns, what=f"LAN worker {i} of DC {dc}")
 
+    def _shape_lans(self) -> None:
+        """Each described LAN's ports at the scenario's rates x ``lan_bw_scale``: a worker's downlink on
+        its bridge port, its uplink on its own interface, the gateway's port both ways
+        (``shaping.lan_port_lines``)."""
+        scale = self.lan_bw_scale
+        for dc, lan in self.plan.lans.items():
+            bridge: list[str] = []
+            if lan.gateway_gbit is not None:
+                bridge += shaping.lan_port_lines(lan.gateway_bridge_end, lan.gateway_gbit * scale)
+                netns.tc_batch(shaping.lan_port_lines(lan.gateway_iface, lan.gateway_gbit * scale),
+                               namespace=self.plan.namespaces[dc], what=f"shape the LAN gateway port of DC {dc}")
+            for i, (up, down) in enumerate(lan.rates):
+                bridge += shaping.lan_port_lines(lan.worker_bridge_ends[i], down * scale)
+                netns.tc_batch(shaping.lan_port_lines(lan.worker_ifaces[i], up * scale),
+                               namespace=lan.worker_namespaces[i], what=f"shape LAN worker {i}'s uplink in DC {dc}")
+            netns.tc_batch(bridge, namespace=lan.bridge_namespace, what=f"shape the LAN ports of DC {dc}")
+
     def _shape(self, rates: Rates) -> None:
         per_ns: dict[str, list[str]] = {}
         for direction, iface in self.plan.interfaces.items():
@@ -181,10 +202,20 @@ class EmulatedNetwork:
 
     def _apply_impairments(self) -> Features:
         applied = ["per-direction HTB rates", "shortest-hop static routes", "unshaped management network"]
+        not_applied: dict[str, str] = {}
         if self.plan.lans:
             workers = ", ".join(f"DC {dc}: {lan.workers}" for dc, lan in sorted(self.plan.lans.items()))
-            applied.append(f"LAN workers behind the DC gateway ({workers}) on an unshaped bridge")
-        not_applied: dict[str, str] = {}
+            applied.append(f"LAN workers behind the DC gateway ({workers}) on a bridge")
+            shaped = {dc: lan for dc, lan in sorted(self.plan.lans.items()) if lan.rates}
+            if shaped:
+                k = self.lan_bw_scale
+                spans = ", ".join(f"DC {dc}: {min(map(min, lan.rates)) * k:g}-{max(map(max, lan.rates)) * k:g}"
+                                  for dc, lan in shaped.items())
+                applied.append(f"per-worker LAN HTB rates x{self.lan_bw_scale:g} (Gbit/s {spans})")
+            unshaped = [str(dc) for dc, lan in sorted(self.plan.lans.items()) if not lan.rates]
+            if unshaped:
+                not_applied["lan rates"] = (f"the scenario describes no LAN for DC {', '.join(unshaped)}: "
+                                            "its bridge is not shaped")
         latency = {lk.latency_ms for lk in self.scenario.links if lk.latency_ms > 0}
         losses = {(lk.a, lk.b): lk.loss for lk in self.scenario.links if lk.loss > 0}
         if (latency or losses) and lossfilter.netem_available(self.plan.mgmt_namespace):

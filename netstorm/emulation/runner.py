@@ -117,6 +117,7 @@ class Options:
     stream: IO[str] = sys.stderr
     lan_workers: int | None = None
     edge_mode: str = "auto"
+    lan_bw_scale: float = 1.0
     overlap: bool = False
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
@@ -203,10 +204,17 @@ def options_from_args(args: argparse.Namespace) -> Options:
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
-                   edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
+                   edge_mode=getattr(args, "edge_mode", "auto"),
+                   lan_bw_scale=lan_bw_scale(given),
+                   overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
+
+
+def lan_bw_scale(given: Mapping[str, Any]) -> float:
+    """The LAN rate scale among the options the user gave (validated), 1 when none."""
+    return resolve(overrides={k: v for k, v in given.items() if k == "lan_bw_scale"}).lan_bw_scale
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -635,7 +643,8 @@ def run(opts: Options) -> dict[str, Any]:
             Path(tmp).mkdir(parents=True, exist_ok=True)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
-        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
+        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss,
+                                                     lan_bw_scale=opts.lan_bw_scale))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
         if net.plan.lans:
