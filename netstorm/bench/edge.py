@@ -16,6 +16,19 @@ Two CPU figures per path (result broadcast and the exactness checks are excluded
 ``pps_per_core`` = DATA datagrams aggregated per CPU-second; ratios are against the userspace fallback of
 the same run. With ``--secret-file`` every datagram carries its token and both paths check it (the cost of
 authentication: run once with and once without).
+
+Against the peer a DC would otherwise run, every path (and ``gloo``: torch.distributed gloo all_reduce
+among the same workers on the same LAN, ``gloo_lan.py``) also reports, on the same inputs
+(``edge_inputs.py``):
+- ``wall_gbit``: the gradient bytes the workers contribute (workers x elements x 4, float32 gradients
+  whatever precision travels), summed over the measured iterations, x8/1e9 per wall-second;
+- ``host_cpu_seconds_per_gb``: CPU-seconds over the same window of every process of the path and of the
+  kernel's packet work (``hostcpu.py``) per GB of those bytes; ``host_busy_seconds_per_gb`` is the whole
+  host's busy time from /proc/stat, which on a shared host also counts other work;
+- ``exact``: every result equals the int64 reference from the same quantised inputs.
+``kernel_map_bytes`` is the memory the kernel charged for the XDP aggregator's maps (``kernelmaps.py``).
+``auto_pick`` is the faster of the two LAN paths in wall_gbit for these conditions: what the
+gateway's ``edge_mode=auto`` takes.
 """
 
 from __future__ import annotations
@@ -32,10 +45,16 @@ from typing import Any
 
 import numpy as np
 
-HELP = "LAN edge aggregation per CPU core: XDP (bpf_timer) against the userspace fallback on one veth LAN"
+from netstorm.bench.hostcpu import CpuWindow, HostCpu
+from netstorm.bench.kernelmaps import kernel_map_bytes
+
+HELP = ("LAN edge aggregation: XDP, the userspace fallback and gloo all_reduce on one veth LAN, per CPU core, "
+        "per wall-second and per host CPU-second")
 PORT = 9500
 JOB = 1
 TARGET_RATIO = 10.0
+PATHS = ("xdp", "userspace", "gloo")
+SEED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--secret-file", default=None, metavar="FILE",
                         help="job secret: authenticate every LAN datagram with its token (default: none)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -87,6 +108,7 @@ def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, time
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
+    from netstorm.bench.edge_inputs import contribution, reference
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
     from netstorm.lan.header import MAX_LANES
@@ -95,14 +117,10 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     lanes = MAX_LANES
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
-    rng = np.random.default_rng(1)
     workers = args.workers
-    contribs = [[[rng.standard_normal(args.elements).astype(np.float32)] for _ in range(workers)]
-                for _ in range(args.iterations)]
-    expected = []
-    for tensors in contribs:
-        total = np.sum([np.rint(w[0].astype(np.float64) * 2.0**args.scale).astype(np.int64) for w in tensors], axis=0)
-        expected.append((total.astype(np.float64) * 2.0**-args.scale).astype(np.float32))
+    contribs = [[[contribution(SEED, k, w, args.elements, args.scale, workers)] for w in range(workers)]
+                for k in range(args.iterations)]
+    expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     xdp = None
     stats_fd = -1
@@ -120,7 +138,10 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                               slot_timeout=args.slot_timeout, max_nacks=50, secret=secret)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
                                 job=JOB, loss=args.loss, seed=7, secret=secret) for i, ns in enumerate(lan.workers)]
-            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp))
+            cpu = HostCpu()
+            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu))
+            if xdp is not None:
+                result["kernel_map_bytes"] = kernel_map_bytes()
         finally:
             if stats_fd >= 0:
                 os.close(stats_fd)
@@ -131,7 +152,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
-                 expected: list[np.ndarray], xdp: Any) -> dict[str, Any]:
+                 expected: list[np.ndarray], xdp: Any, cpu: Any) -> dict[str, Any]:
     timeout = 60.0
     exact = True
     errors: list[BaseException] = []
@@ -148,6 +169,7 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
                        for n in nodes]
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
+            cpu.start()
             wall0 = time.perf_counter()
             for t in threads:
                 t.start()
@@ -161,6 +183,7 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
 
             await asyncio.to_thread(join_all)
             wall = time.perf_counter() - wall0
+            window = cpu.stop()
             prog1 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             agent_cpu = agent.receive_cpu - cpu0
             delivery_cpu = agent.delivery_cpu - delivery0
@@ -204,7 +227,52 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "dropped_on_purpose": sum(n.dropped for n in nodes),
         "authenticated": agent.tokens.enabled,
         "bad_tokens": agent.bad_tokens,
+        "host_cpu": window,
     }
+
+
+def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from netstorm.bench.gloo_lan import run_gloo
+    from netstorm.emulation.bridge_lan import Lan
+
+    with Lan(args.workers) as lan, tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs:
+        out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
+                       log_dir=Path(logs))
+    return {"wall_seconds": out["wall_seconds"], "exact": out["exact"], "host_cpu": out["host_cpu"],
+            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32"}
+
+
+def with_host_figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``result`` with wall_gbit and the host CPU per GB of contributed gradient bytes (module docstring)."""
+    window: CpuWindow = result.pop("host_cpu")
+    gradient_gb = args.workers * args.elements * 4 * args.iterations / 1e9
+    wall = result["wall_seconds"]
+    return {**result,
+            "gradient_gb": gradient_gb,
+            "wall_gbit": gradient_gb * 8 / wall if wall > 0 else float("inf"),
+            "host_cpu_seconds": window.seconds,
+            "host_cpu_seconds_per_gb": window.seconds / gradient_gb,
+            "host_busy_seconds_per_gb": window.host_seconds / gradient_gb,
+            "host_busy_cores": window.host_seconds / window.wall if window.wall > 0 else 0.0}
+
+
+def parse_paths(text: str) -> list[str]:
+    from netstorm.errors import NetStormError
+
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise NetStormError(f"--paths takes {', '.join(PATHS)}; got {text!r}")
+    return paths
+
+
+def auto_pick(results: dict[str, dict[str, Any]]) -> str | None:
+    """The LAN path ``edge_mode=auto`` should take under the measured conditions: the faster in wall_gbit
+    of the exact ones among xdp and userspace (None when neither ran exactly)."""
+    lan = {name: r for name, r in results.items() if name in ("xdp", "userspace") and r.get("exact")}
+    return max(lan, key=lambda name: lan[name]["wall_gbit"]) if lan else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,28 +282,63 @@ def run(args: argparse.Namespace) -> int:
         raise NetStormError("bench edge needs root (network namespaces and XDP)")
     if not 0.0 <= args.loss < 1.0:
         raise NetStormError(f"--loss must be in [0, 1), got {args.loss}")
-    userspace = run_path("userspace", args)
-    xdp = run_path("xdp", args)
-    userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0
-    xdp["ratio_per_core"] = xdp["pps_per_core"] / userspace["pps_per_core"]
-    xdp["gateway_ratio_per_core"] = xdp["gateway_pps_per_core"] / userspace["gateway_pps_per_core"]
-    out = {
+    paths = parse_paths(args.paths)
+    results: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        raw = run_gloo_path(args) if path == "gloo" else run_path(path, args)
+        results[path] = with_host_figures(raw, args)
+    out: dict[str, Any] = {
         "workers": args.workers, "loss": args.loss, "elements": args.elements, "iterations": args.iterations,
-        "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO,
-        "xdp": xdp, "userspace": userspace,
+        "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
     }
+    xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
+    if xdp is not None and userspace is not None:
+        userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0
+        xdp["ratio_per_core"] = xdp["pps_per_core"] / userspace["pps_per_core"]
+        xdp["gateway_ratio_per_core"] = xdp["gateway_pps_per_core"] / userspace["gateway_pps_per_core"]
+    if xdp is not None:
+        out["kernel_map_bytes"] = xdp.pop("kernel_map_bytes")
+    if gloo is not None:
+        for r in results.values():
+            r["wall_gbit_vs_gloo"] = r["wall_gbit"] / gloo["wall_gbit"]
+            r["host_cpu_per_gb_vs_gloo"] = r["host_cpu_seconds_per_gb"] / gloo["host_cpu_seconds_per_gb"]
+    out.update(results)
+    out["auto_pick"] = auto_pick(results)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
-              f"loss {args.loss}; XDP ran in {xdp['mode']} mode; "
-              f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}")
-        for name, r in (("xdp", xdp), ("userspace", userspace)):
-            print(f"  {name:9s} {r['pps_per_core']:12.0f} pkt/s/core {r['gbit_per_core']:7.2f} Gbit/s/core "
-                  f"{r['cpu_seconds_per_gb']:8.3f} CPU-s/GB  ratio {r['ratio_per_core']:6.1f}x  exact={r['exact']}  "
-                  f"timer events {r['timer_events']}")
+        print(table(out, args))
+    return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+def table(out: dict[str, Any], args: argparse.Namespace) -> str:
+    """The human-readable report: each path against gloo, then the per-core view."""
+    lines = [f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
+             f"loss {args.loss}; "
+             f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}"]
+    lines.append(f"  {'path':9s} {'mode':22s} {'wall Gbit/s':>11s} {'vs gloo':>8s} {'host CPU-s/GB':>13s} "
+                 f"{'vs gloo':>8s} {'host busy cores':>15s}  exact")
+    for name in PATHS:
+        r = out.get(name)
+        if r is None:
+            continue
+        vs = (f"{r['wall_gbit_vs_gloo']:7.2f}x", f"{r['host_cpu_per_gb_vs_gloo']:7.2f}x") if "gloo" in out else ("", "")
+        lines.append(f"  {name:9s} {r.get('mode', '')!s:22.22s} {r['wall_gbit']:11.3f} {vs[0]:>8s} "
+                     f"{r['host_cpu_seconds_per_gb']:13.3f} {vs[1]:>8s} {r['host_busy_cores']:15.2f}  {r['exact']}")
+    if "kernel_map_bytes" in out:
+        lines.append(f"  XDP maps in the kernel: {out['kernel_map_bytes'] / 2**20:.1f} MiB")
+    for name in ("xdp", "userspace"):
+        r = out.get(name)
+        if r is not None:
+            lines.append(f"  {name:9s} {r['pps_per_core']:12.0f} pkt/s/core {r['gbit_per_core']:7.2f} Gbit/s/core "
+                         f"{r['cpu_seconds_per_gb']:8.3f} CPU-s/GB  gateway {r['gateway_cpu_seconds_per_gb']:8.3f} "
+                         f"CPU-s/GB  timer events {r['timer_events']}")
+    if "xdp" in out and "userspace" in out:
+        xdp = out["xdp"]
         verdict = "meets" if xdp["ratio_per_core"] >= TARGET_RATIO else "misses"
-        print(f"  XDP/userspace aggregation per core: {xdp['ratio_per_core']:.1f}x ({verdict} the "
-              f"{TARGET_RATIO:.0f}x target); whole gateway incl. per-chunk delivery: "
-              f"{xdp['gateway_ratio_per_core']:.1f}x")
-    return 0 if xdp["exact"] and userspace["exact"] else 1
+        lines.append(f"  XDP/userspace aggregation per core: {xdp['ratio_per_core']:.1f}x ({verdict} the "
+                     f"{TARGET_RATIO:.0f}x target); whole gateway incl. per-chunk delivery: "
+                     f"{xdp['gateway_ratio_per_core']:.1f}x")
+    if out.get("auto_pick"):
+        lines.append(f"  edge_mode=auto takes: {out['auto_pick']}")
+    return "\n".join(lines)
