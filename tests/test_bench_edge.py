@@ -1,0 +1,135 @@
+"""The edge benchmark's parts: inputs whose float32 sums are exact in any order, CPU accounting read from
+the kernel's files, the XDP maps' memory as the kernel charged it, the gloo path's exact all-reduce on a
+namespace LAN, and the whole benchmark's report."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from netstorm.bench import edge
+from netstorm.bench.edge_inputs import bound, contribution, reference
+from netstorm.bench.hostcpu import busy_jiffies, softirq_threads, stat_cpu_seconds
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_float32_sums_of_the_inputs_equal_the_int64_reference_in_every_order(workers: int) -> None:
+    scale, elements = 20, 5000
+    parts = [contribution(3, 1, w, elements, scale, workers) for w in range(workers)]
+    expected = reference(3, 1, workers, elements, scale)
+    assert all(np.abs(p).max() <= bound(workers, scale) + 2.0**-scale for p in parts)
+    for order in itertools.islice(itertools.permutations(range(workers)), 6):
+        total = np.zeros(elements, np.float32)
+        for w in order:
+            total += parts[w]
+        assert np.array_equal(total, expected)
+    # the fixed-point grid: quantising again changes nothing
+    q = parts[0].astype(np.float64) * 2.0**scale
+    assert np.array_equal(q, np.rint(q))
+
+
+def test_each_worker_and_iteration_draws_its_own_inputs() -> None:
+    a = contribution(1, 0, 0, 100, 16, 4)
+    assert np.array_equal(a, contribution(1, 0, 0, 100, 16, 4))
+    assert not np.array_equal(a, contribution(1, 0, 1, 100, 16, 4))
+    assert not np.array_equal(a, contribution(1, 1, 0, 100, 16, 4))
+
+
+def test_busy_time_counts_user_system_irq_and_softirq_but_not_idle_or_steal() -> None:
+    line = "cpu  100 5 40 9000 30 7 11 500 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\n"
+    assert busy_jiffies(line) == 100 + 5 + 40 + 7 + 11
+
+
+def test_a_process_cpu_is_its_utime_plus_stime() -> None:
+    tick = os.sysconf("SC_CLK_TCK")
+    line = "4242 (a (weird) name) S 1 2 3 4 5 6 7 8 9 10 " + f"{3 * tick} {2 * tick} 0 0 20 0 1 0 0"
+    assert stat_cpu_seconds(line) == 5.0
+    assert stat_cpu_seconds(Path("/proc/self/stat").read_text()) > 0
+    assert softirq_threads(), "the kernel runs one ksoftirqd per CPU"
+
+
+def test_auto_picks_the_faster_exact_lan_path_and_never_gloo() -> None:
+    results = {"xdp": {"wall_gbit": 1.0, "exact": True}, "userspace": {"wall_gbit": 2.0, "exact": True},
+               "gloo": {"wall_gbit": 9.0, "exact": True}}
+    assert edge.auto_pick(results) == "userspace"
+    results["userspace"]["exact"] = False
+    assert edge.auto_pick(results) == "xdp"
+    assert edge.auto_pick({"gloo": results["gloo"]}) is None
+
+
+def test_paths_are_checked() -> None:
+    from netstorm.errors import NetStormError
+
+    assert edge.parse_paths("gloo, xdp") == ["gloo", "xdp"]
+    with pytest.raises(NetStormError, match="--paths"):
+        edge.parse_paths("xdp,nccl")
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_kernel_map_bytes_is_what_the_kernel_charged_for_the_loaded_maps() -> None:
+    from bpf.xdp import XdpAggregator
+    from netstorm.bench.kernelmaps import kernel_map_bytes, map_memory
+    from netstorm.lan.layout import EdgeLayout
+
+    before = map_memory()
+    small = XdpAggregator(EdgeLayout.uniform([10_000], scale=16, lanes=358), job=1, port=9490, expected=3,
+                          timeout=1.0)
+    try:
+        with_small = map_memory()
+        big = XdpAggregator(EdgeLayout.uniform([2_000_000], scale=16, lanes=358), job=1, port=9491,
+                            expected=3, timeout=1.0)
+        try:
+            with_both = map_memory()
+        finally:
+            big.close()
+    finally:
+        small.close()
+    small_maps = set(with_small) - set(before)
+    big_maps = set(with_both) - set(with_small)
+    assert small_maps and big_maps and not small_maps & big_maps
+    # every map is charged at least its entries; the bigger model's maps cost more
+    assert sum(with_both[m] for m in big_maps) > sum(with_small[m] for m in small_maps) > 0
+    assert set(map_memory()) == set(before) and kernel_map_bytes() == sum(before.values())
+
+
+@pytest.mark.root
+@pytest.mark.torch
+@pytest.mark.slow
+def test_gloo_all_reduces_exactly_among_the_lan_workers(tmp_path: Path) -> None:
+    from netstorm.bench.gloo_lan import run_gloo
+    from netstorm.emulation.bridge_lan import Lan
+
+    with Lan(3) as lan:
+        out = run_gloo(lan, elements=30_000, iterations=3, scale=20, seed=5, log_dir=tmp_path)
+    assert out["exact"] is True
+    assert out["wall_seconds"] > 0 and out["ranks_cpu_seconds"] > 0
+    assert out["host_cpu"].seconds >= out["ranks_cpu_seconds"]
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.torch
+@pytest.mark.slow
+def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    edge.add_arguments(parser)
+    args = parser.parse_args(["--workers", "2", "--elements", "20000", "--iterations", "2", "--json"])
+    assert edge.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for name in edge.PATHS:
+        r = out[name]
+        assert r["exact"] is True
+        for key in ("wall_gbit", "host_cpu_seconds_per_gb", "host_busy_seconds_per_gb", "wall_gbit_vs_gloo"):
+            assert r[key] > 0, (name, key)
+        assert r["gradient_gb"] == 2 * 20000 * 4 * 2 / 1e9
+    assert out["gloo"]["wall_gbit_vs_gloo"] == 1.0
+    for key in ("gateway_cpu_seconds_per_gb", "pps_per_core", "ratio_per_core", "timer_events"):
+        assert key in out["xdp"] and key in out["userspace"]
+    assert out["kernel_map_bytes"] > 0 and out["auto_pick"] in ("xdp", "userspace")
