@@ -247,3 +247,30 @@ def test_an_emulated_lan_is_shaped_per_worker_at_the_scaled_rates(tmp_path: Path
             assert shaping.read_classes(ns, dev)["1:1"].rate_bit == pytest.approx(2e9)
         names = lan.namespaces
     assert not set(names) & set(netns.list_namespaces())
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.slow
+def test_auto_edge_mode_measures_both_paths_on_a_shaped_lan_and_runs_the_faster(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    path = tmp_path / "lan-shaped.toml"
+    path.write_text(LAN_SCENARIO)
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(path), "--system", "netstorm",
+                           "--iterations", "2", "--model", "100k", "--edge-mode", "auto", "--lan-bw-scale", "0.5",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["systems"]["netstorm"]["exact"]
+    assert any("per-worker LAN HTB rates x0.5" in a for a in result["features"]["applied"])
+    calibration = result["features"]["edge_mode"]["auto"]["2"]
+    assert calibration["workers"] == 2 and calibration["elements"] == 100_000
+    measured = {p: calibration[p] for p in ("xdp", "userspace") if calibration[p] is not None}
+    assert measured, calibration
+    assert calibration["pick"] == max(measured, key=lambda p: measured[p])
+    ran = result["features"]["edge_mode"]["netstorm"]["2"]
+    assert ran.startswith(calibration["pick"])

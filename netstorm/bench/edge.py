@@ -125,7 +125,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with Lan(workers) as lan:
+    with Lan(workers, rates=getattr(args, "rates", None)) as lan:
         try:
             if path == "xdp":
                 xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << workers) - 1,
@@ -273,6 +273,34 @@ def auto_pick(results: dict[str, dict[str, Any]]) -> str | None:
     of the exact ones among xdp and userspace (None when neither ran exactly)."""
     lan = {name: r for name, r in results.items() if name in ("xdp", "userspace") and r.get("exact")}
     return max(lan, key=lambda name: lan[name]["wall_gbit"]) if lan else None
+
+
+CALIBRATION_ELEMENTS = 400_000
+"""Largest model a calibration sends per iteration: enough datagrams per worker for the per-packet
+costs to dominate, small enough to take a few seconds per path."""
+
+
+def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] | None = None,
+              iterations: int = 2) -> dict[str, Any]:
+    """Both LAN paths on a namespace LAN like the one to serve (its workers, their shaped rates, the
+    model up to CALIBRATION_ELEMENTS): each path's wall_gbit (None with the reason where it could not
+    run) and ``pick``, the faster exact one. This is ``edge_mode=auto`` measured, not assumed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workers", str(workers), "--elements", str(max(1, min(elements, CALIBRATION_ELEMENTS))),
+                              "--iterations", str(iterations)])
+    args.rates = rates
+    out: dict[str, Any] = {"workers": workers, "elements": args.elements, "iterations": iterations}
+    measured: dict[str, dict[str, Any]] = {}
+    for path in ("xdp", "userspace"):
+        try:
+            measured[path] = with_host_figures(run_path(path, args), args)
+            out[path] = measured[path]["wall_gbit"]
+        except Exception as exc:  # the path cannot run here: the other one is the pick
+            out[path] = None
+            out[f"{path}_error"] = f"{type(exc).__name__}: {exc}"
+    out["pick"] = auto_pick(measured) or "userspace"
+    return out
 
 
 def run(args: argparse.Namespace) -> int:

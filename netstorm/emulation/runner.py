@@ -316,6 +316,8 @@ class SystemRun:
         """Services and trainers a chaos fault killed and no repair has restarted yet."""
         self.chaos: ChaosPlayer | None = None
         self.started_wall = time.time()
+        self.edge_picks: dict[int, str] = {}
+        """The LAN path each gateway runs where ``--edge-mode auto`` measured them (``calibrate_edges``)."""
 
     def _spawn(self, name: str, where: int | str | tuple[int, int], argv: list[str], *, trainer: bool = False,
                append: bool = False) -> subprocess.Popen[bytes]:
@@ -433,7 +435,7 @@ class SystemRun:
             return []
         lan_ids = [c.id for c in self.contributors if c.dc == dc and c.worker is not None]
         return ["--edge-workers", str(lan.workers), "--edge-listen", f"{lan.gateway_address}:{EDGE_PORT}",
-                "--edge-interface", lan.gateway_iface, "--edge-mode", self.opts.edge_mode,
+                "--edge-interface", lan.gateway_iface, "--edge-mode", self.edge_picks.get(dc, self.opts.edge_mode),
                 "--edge-scale", str(edge_scale(lan_ids))]
 
     def edge_modes(self) -> dict[str, str]:
@@ -652,11 +654,16 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["edge_mode"] = {"requested": opts.edge_mode}
         for line in net.features.lines():
             progress.line(line)
+        picks: dict[int, str] = {}
+        if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
+            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress)
+            result["features"]["edge_mode"]["auto"] = calibrations
         for system in opts.systems:
             net.set_rates(scenario.rates())
             per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
             budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
             runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s)
+            runner.edge_picks = picks
 
             def on_change(entry: dict[str, Any], runner: SystemRun = runner) -> None:
                 _on_rates(entry, runner, progress)
@@ -693,6 +700,29 @@ def run(opts: Options) -> dict[str, Any]:
                     f"DC {dc} {mode}" for dc, mode in outcome["edge_mode"].items()))
             _warn_cpu(outcome, progress, system.name)
     return result
+
+
+def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int,
+                    progress: Progress) -> tuple[dict[int, str], dict[str, Any]]:
+    """``--edge-mode auto``: measure both LAN paths once per distinct LAN (worker count and shaped rates) on
+    a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the faster; the
+    calibrations go into the result. A gateway whose XDP then fails to load still falls back by itself."""
+    from netstorm.bench.edge import calibrate
+
+    done: dict[tuple[int, tuple[tuple[float, float], ...]], dict[str, Any]] = {}
+    picks: dict[int, str] = {}
+    out: dict[str, Any] = {}
+    for dc, lan in sorted(plan.lans.items()):
+        rates = tuple((up * lan_bw_scale, down * lan_bw_scale) for up, down in lan.rates)
+        key = (lan.workers, rates)
+        if key not in done:
+            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None)
+            c = done[key]
+            progress.line(f"edge_mode auto: {lan.workers} workers{' shaped' if rates else ''}: xdp {c['xdp']} Gbit/s, "
+                          f"userspace {c['userspace']} Gbit/s -> {c['pick']}")
+        picks[dc] = done[key]["pick"]
+        out[str(dc)] = done[key]
+    return picks, out
 
 
 def planned_trees(system: systems.System, rates: Rates) -> dict[str, dict[str, int | None]]:
