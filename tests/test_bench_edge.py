@@ -117,10 +117,14 @@ def test_gloo_all_reduces_exactly_among_the_lan_workers(tmp_path: Path) -> None:
 @pytest.mark.bcc
 @pytest.mark.torch
 @pytest.mark.slow
-def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from netstorm.bench.edge_report import markdown
+
     parser = argparse.ArgumentParser()
     edge.add_arguments(parser)
-    args = parser.parse_args(["--workers", "2", "--elements", "20000", "--iterations", "2", "--json"])
+    saved = tmp_path / "edge-test.json"
+    args = parser.parse_args(["--workers", "2", "--elements", "20000", "--iterations", "2", "--json",
+                              "--out", str(saved)])
     assert edge.run(args) == 0
     out = json.loads(capsys.readouterr().out)
     for name in edge.PATHS:
@@ -133,3 +137,7 @@ def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFix
     for key in ("gateway_cpu_seconds_per_gb", "pps_per_core", "ratio_per_core", "timer_events"):
         assert key in out["xdp"] and key in out["userspace"]
     assert out["kernel_map_bytes"] > 0 and out["auto_pick"] in ("xdp", "userspace")
+    doc = json.loads(saved.read_text())
+    assert doc["command"].startswith("netstorm ") and doc["xdp"] == out["xdp"]
+    table = markdown([saved])
+    assert all(f"| edge-test.json | 2 | 0 % | 20,000 | {name} (" in table for name in edge.PATHS)

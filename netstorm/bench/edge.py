@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--out", metavar="FILE", default=None,
+                        help="also write the JSON, with the command line and the host's load, to FILE")
 
 
 def _prog_stats(fd: int) -> tuple[int, int]:
@@ -311,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.loss < 1.0:
         raise NetStormError(f"--loss must be in [0, 1), got {args.loss}")
     paths = parse_paths(args.paths)
+    host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
         raw = run_gloo_path(args) if path == "gloo" else run_path(path, args)
@@ -332,6 +335,14 @@ def run(args: argparse.Namespace) -> int:
             r["host_cpu_per_gb_vs_gloo"] = r["host_cpu_seconds_per_gb"] / gloo["host_cpu_seconds_per_gb"]
     out.update(results)
     out["auto_pick"] = auto_pick(results)
+    out["host"] = {**host, "load_average_after": os.getloadavg()}
+    if args.out:
+        import shlex
+        import sys
+
+        doc = {"command": shlex.join(["netstorm", *sys.argv[1:]]), **out}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.json:
         print(json.dumps(out, indent=2))
     else:
