@@ -141,3 +141,14 @@ def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFix
     assert doc["command"].startswith("netstorm ") and doc["xdp"] == out["xdp"]
     table = markdown([saved])
     assert all(f"| edge-test.json | 2 | 0 % | 20,000 | {name} (" in table for name in edge.PATHS)
+
+
+def test_perf_report_lines_become_shares() -> None:
+    from netstorm.bench.perfprof import parse_report
+
+    text = ("    31.20%  [kernel.kallsyms]  [k] veth_xmit\n"
+            "     9.05%  libpython3.11.so.1.0  [.] _PyEval_EvalFrameDefault\n"
+            "\n# comment\n     0.61%  bpf_prog_6deef7357e7b4530_xdp_agg  [k] bpf_prog_6deef7357e7b4530_xdp_agg\n")
+    rows = parse_report(text)
+    assert [r["percent"] for r in rows] == [31.2, 9.05, 0.61]
+    assert rows[0]["what"] == "[kernel.kallsyms] [k] veth_xmit"

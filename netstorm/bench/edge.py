@@ -69,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--perf", metavar="DIR", default=None,
+                        help="record each LAN path's measured window with perf into DIR and put where its CPU "
+                             "went (by shared object and symbol) into the result")
     parser.add_argument("--out", metavar="FILE", default=None,
                         help="also write the JSON, with the command line and the host's load, to FILE")
 
@@ -141,7 +144,13 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
                                 job=JOB, loss=args.loss, seed=7, secret=secret) for i, ns in enumerate(lan.workers)]
             cpu = HostCpu()
-            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu))
+            perf = None
+            if getattr(args, "perf", None):
+                from netstorm.bench.perfprof import PerfRecorder
+
+                Path(args.perf).mkdir(parents=True, exist_ok=True)
+                perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}.data")
+            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu, perf))
             if xdp is not None:
                 result["kernel_map_bytes"] = kernel_map_bytes()
         finally:
@@ -154,7 +163,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
-                 expected: list[np.ndarray], xdp: Any, cpu: Any) -> dict[str, Any]:
+                 expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None) -> dict[str, Any]:
     timeout = 60.0
     exact = True
     errors: list[BaseException] = []
@@ -171,6 +180,8 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
                        for n in nodes]
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
+            if perf is not None:
+                perf.start()
             cpu.start()
             wall0 = time.perf_counter()
             for t in threads:
@@ -186,6 +197,7 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
             await asyncio.to_thread(join_all)
             wall = time.perf_counter() - wall0
             window = cpu.stop()
+            profile = perf.stop() if perf is not None else None
             prog1 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             agent_cpu = agent.receive_cpu - cpu0
             delivery_cpu = agent.delivery_cpu - delivery0
@@ -230,6 +242,7 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "authenticated": agent.tokens.enabled,
         "bad_tokens": agent.bad_tokens,
         "host_cpu": window,
+        **({"perf": profile} if profile is not None else {}),
     }
 
 

@@ -718,8 +718,10 @@ def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int,
         if key not in done:
             done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None)
             c = done[key]
-            progress.line(f"edge_mode auto: {lan.workers} workers{' shaped' if rates else ''}: xdp {c['xdp']} Gbit/s, "
-                          f"userspace {c['userspace']} Gbit/s -> {c['pick']}")
+            measured = ", ".join(f"{p} {c[p]:.3g} Gbit/s" if c[p] is not None else f"{p} failed ({c[p + '_error']})"
+                                 for p in ("xdp", "userspace"))
+            shaped = " shaped" if rates else ""
+            progress.line(f"edge_mode auto: {lan.workers} workers{shaped}: {measured} -> {c['pick']}")
         picks[dc] = done[key]["pick"]
         out[str(dc)] = done[key]
     return picks, out
