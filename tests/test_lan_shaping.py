@@ -274,3 +274,15 @@ def test_auto_edge_mode_measures_both_paths_on_a_shaped_lan_and_runs_the_faster(
     assert calibration["pick"] == max(measured, key=lambda p: measured[p])
     ran = result["features"]["edge_mode"]["netstorm"]["2"]
     assert ran.startswith(calibration["pick"])
+
+
+@pytest.mark.root
+def test_the_lan_bridge_skips_the_ip_netfilter_hooks() -> None:
+    from netstorm.emulation.bridge_lan import BRIDGE_SYSCTLS, Lan
+
+    with Lan(1) as lan:
+        if Path("/proc/sys/net/bridge").exists():  # br_netfilter loaded: its hooks are off on this bridge
+            out = netns.run(["ip", "netns", "exec", lan.bridge, "sysctl", *BRIDGE_SYSCTLS], what="read")
+            assert all(f"{key} = 0" in out for key in BRIDGE_SYSCTLS)
+        else:  # without br_netfilter no key exists and the bridge was built all the same
+            assert netns.namespace_exists(lan.bridge)

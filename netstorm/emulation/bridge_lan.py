@@ -19,6 +19,7 @@ import itertools
 import os
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 from netstorm.emulation import netns, shaping
 from netstorm.emulation.errors import EmulationError
@@ -26,6 +27,17 @@ from netstorm.emulation.errors import EmulationError
 SUBNET = "10.77.0"
 GATEWAY_IP = f"{SUBNET}.1"
 _runs = itertools.count()
+BRIDGE_SYSCTLS = {"net.bridge.bridge-nf-call-iptables": "0", "net.bridge.bridge-nf-call-ip6tables": "0",
+                  "net.bridge.bridge-nf-call-arptables": "0"}
+"""With br_netfilter loaded (as on this host) every bridged frame also runs the IP netfilter hooks and
+their route lookups; a LAN switch does neither, and nothing filters in the bridge's namespace."""
+
+
+def quiet_bridge(namespace: str) -> None:
+    """Turn off the netfilter hooks for frames bridged in ``namespace`` (nothing to do without
+    br_netfilter, whose keys then do not exist)."""
+    if Path("/proc/sys/net/bridge").exists():
+        netns.sysctl(namespace, BRIDGE_SYSCTLS)
 
 
 class Lan:
@@ -60,6 +72,7 @@ class Lan:
             lines += [f"link add w{i} type veth peer name eth0 netns {ns}" for i, ns in enumerate(self.workers)]
             lines += [f"link set {end} master br0 up" for end in ("g", *(f"w{i}" for i in range(workers)))]
             netns.ip_batch(lines, namespace=self.bridge, what=f"build the LAN bridge {self.bridge}")
+            quiet_bridge(self.bridge)
             for ns, address in ((self.gateway, GATEWAY_IP),
                                 *((ns, self.worker_ip(i)) for i, ns in enumerate(self.workers))):
                 netns.ip_batch([f"addr add {address}/24 dev eth0", "link set eth0 up", "link set lo up"],

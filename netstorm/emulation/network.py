@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import IO
 
 from netstorm.emulation import lossfilter, netns, registry, shaping
+from netstorm.emulation.bridge_lan import quiet_bridge
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.teardown import teardown_record
 from netstorm.emulation.topology import MGMT_HOST, Plan, build_plan
@@ -167,6 +168,7 @@ class EmulatedNetwork:
             for end in (lan.gateway_bridge_end, *lan.worker_bridge_ends):
                 lines += [f"link set {end} master {lan.bridge}", f"link set {end} up"]
             netns.ip_batch(lines, namespace=lan.bridge_namespace, what=f"build the LAN bridge of DC {dc}")
+            quiet_bridge(lan.bridge_namespace)
             netns.ip_batch([f"address add {lan.gateway_address}/24 dev {lan.gateway_iface}",
                             f"link set {lan.gateway_iface} up"],
                            namespace=self.plan.namespaces[dc], what=f"gateway interface of DC {dc}")
