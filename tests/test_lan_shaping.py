@@ -267,7 +267,7 @@ def test_auto_edge_mode_measures_both_paths_on_a_shaped_lan_and_runs_the_faster(
     result = json.loads(out.read_text())
     assert result["systems"]["netstorm"]["exact"]
     assert any("per-worker LAN HTB rates x0.5" in a for a in result["features"]["applied"])
-    calibration = result["features"]["edge_mode"]["auto"]["2"]
+    calibration = result["features"]["edge_calibration"]["2"]
     assert calibration["workers"] == 2 and calibration["elements"] == 100_000
     measured = {p: calibration[p] for p in ("xdp", "userspace") if calibration[p] is not None}
     assert measured, calibration

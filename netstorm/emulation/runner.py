@@ -657,7 +657,7 @@ def run(opts: Options) -> dict[str, Any]:
         picks: dict[int, str] = {}
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
             picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress)
-            result["features"]["edge_mode"]["auto"] = calibrations
+            result["features"]["edge_calibration"] = calibrations
         for system in opts.systems:
             net.set_rates(scenario.rates())
             per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
