@@ -152,3 +152,21 @@ def test_perf_report_lines_become_shares() -> None:
     rows = parse_report(text)
     assert [r["percent"] for r in rows] == [31.2, 9.05, 0.61]
     assert rows[0]["what"] == "[kernel.kallsyms] [k] veth_xmit"
+
+
+def test_the_end_to_end_table_compares_iterations_with_and_without_lan_workers(tmp_path: Path) -> None:
+    from netstorm.bench.edge_report import markdown
+    from netstorm.emulation.results import system_stats
+
+    base = json.loads((Path(__file__).parents[1] / "results" / "internet2-9.json").read_text())
+    base["systems"] = {"netstorm": base["systems"]["netstorm"]}
+    lan = json.loads(json.dumps(base))
+    lan["features"]["lan_workers"] = {"1": 2, "2": 2}
+    lan["systems"]["netstorm"]["iteration_s"] = [t * 1.5 for t in base["systems"]["netstorm"]["iteration_s"]]
+    lan["systems"]["netstorm"]["edge_mode"] = {"1": "xdp (native)", "2": "xdp (native)"}
+    (tmp_path / "edge-e2e.json").write_text(json.dumps(base))
+    (tmp_path / "edge-e2e-lan.json").write_text(json.dumps(lan))
+    table = markdown([tmp_path / "edge-e2e.json", tmp_path / "edge-e2e-lan.json"])
+    ratio = system_stats(lan)["netstorm"]["mean_s"] / system_stats(base)["netstorm"]["mean_s"]
+    assert f"{ratio:.2f}x as long as without (misses the 1.20x target)" in table
+    assert "| edge-e2e-lan.json | 4 | netstorm | xdp (native) |" in table

@@ -1,6 +1,8 @@
-"""``python -m netstorm.bench.edge_report results/edge-*.json``: the markdown table of committed edge
-benchmark results (each file written by ``netstorm bench edge --out``), every path against gloo, so the
-README's and ``results/``'s tables are generated from the JSON rather than typed."""
+"""``python -m netstorm.bench.edge_report results/edge-*.json``: the markdown tables of committed edge
+results, so the README's and ``results/``'s tables are generated from the JSON rather than typed: every
+benchmark file (``netstorm bench edge --out``) path by path against gloo, and the end-to-end pair of
+emulation results (``netstorm emulate ... --out``, one with LAN workers and one without) as the
+slowdown per iteration the LAN tier costs, against its target."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PATHS = ("xdp", "userspace", "gloo")
+E2E_TARGET = 1.2
+"""With LAN workers an iteration may take at most this many times as long as without."""
 
 
 def _cell(r: dict[str, Any] | None, key: str, fmt: str) -> str:
@@ -34,7 +38,42 @@ def rows(doc: dict[str, Any], name: str) -> list[str]:
     return out
 
 
+def end_to_end(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """The emulation results: each system's mean steady iteration with and without LAN workers."""
+    from netstorm.emulation.results import system_stats
+
+    lines = ["| file | LAN workers | system | gateway aggregation | mean iteration s | x limit | exact |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    means: dict[bool, float] = {}
+    for name, doc in docs.items():
+        lan = doc.get("features", {}).get("lan_workers")
+        for system, stats in system_stats(doc).items():
+            s = doc["systems"][system]
+            modes = ", ".join(sorted(set(s.get("edge_mode", {}).values()))) or "-"
+            lines.append(f"| {name} | {sum(lan.values()) if lan else 0} | {system} | {modes} | "
+                         f"{stats['mean_s']:.2f} | {stats['x_limit']:.2f} | {s.get('exact')} |"
+                         + (f" error: {s['error'][:80]!r}" if s.get("error") else ""))
+            if system == "netstorm":
+                means[bool(lan)] = stats["mean_s"]
+    if len(means) == 2:
+        ratio = means[True] / means[False]
+        verdict = "meets" if ratio <= E2E_TARGET else "misses"
+        lines += ["", f"With LAN workers an iteration takes {ratio:.2f}x as long as without ({verdict} the "
+                      f"{E2E_TARGET:.2f}x target)."]
+    return lines
+
+
 def markdown(files: Sequence[Path]) -> str:
+    docs = {path.name: json.loads(path.read_text()) for path in files}
+    emulations = {name: doc for name, doc in docs.items() if "systems" in doc}
+    benches = [path for path in files if path.name not in emulations]
+    out = _bench_table(benches) if benches else ""
+    if emulations:
+        out += ("\n" if out else "") + "\n".join(end_to_end(emulations)) + "\n"
+    return out
+
+
+def _bench_table(files: Sequence[Path]) -> str:
     lines = ["| file | workers | loss | elements | path | wall Gbit/s | vs gloo | host CPU-s/GB | vs gloo | "
              "gateway CPU-s/GB | exact |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
