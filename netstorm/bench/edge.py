@@ -28,7 +28,8 @@ among the same workers on the same LAN, ``gloo_lan.py``) also reports, on the sa
 - ``exact``: every result equals the int64 reference from the same quantised inputs.
 ``kernel_map_bytes`` is the memory the kernel charged for the XDP aggregator's maps (``kernelmaps.py``).
 ``auto_pick`` is the faster of the two LAN paths in wall_gbit for these conditions: what the
-gateway's ``edge_mode=auto`` takes.
+gateway's ``edge_mode=auto`` takes. ``--loss`` drops the LAN paths' first transmissions at the senders;
+gloo runs over TCP on the same LAN and loses nothing.
 """
 
 from __future__ import annotations
