@@ -53,15 +53,22 @@ def test_rates_must_match_the_workers_and_the_scale_be_positive() -> None:
 
 
 @pytest.mark.root
-def test_every_worker_port_holds_its_scaled_rates_in_the_kernel() -> None:
+@pytest.mark.parametrize("uplink", shaping.UPLINK_MODES)
+def test_every_worker_port_holds_its_scaled_rates_in_the_kernel(uplink: str) -> None:
     from netstorm.emulation.bridge_lan import Lan
 
     rates = [(1.0, 4.0), (2.5, 0.5), (10.0, 10.0)]
-    with Lan(3, rates=rates, gateway_gbit=40.0, rate_scale=0.5) as lan:
+    with Lan(3, rates=rates, gateway_gbit=40.0, rate_scale=0.5, uplink=uplink) as lan:
         for i, (up, down) in enumerate(rates):
             downlink = shaping.read_classes(lan.bridge, lan.bridge_port(i))
-            uplink = shaping.read_classes(lan.workers[i], "eth0")
-            for classes, gbit in ((downlink, down * 0.5), (uplink, up * 0.5)):
+            uplink_ns, uplink_dev = lan.uplink_shaper(i)
+            uplink_classes = shaping.read_classes(uplink_ns, uplink_dev)
+            if uplink == "ifb":  # the worker's own end is left alone; its bridge port redirects to the ifb
+                assert shaping.read_classes(lan.workers[i], "eth0") == {}
+                redirect = netns.run(["tc", "-n", lan.bridge, "filter", "show", "dev", lan.bridge_port(i), "ingress"],
+                                     what="read the redirect")
+                assert f"Egress Redirect to device {uplink_dev}" in redirect
+            for classes, gbit in ((downlink, down * 0.5), (uplink_classes, up * 0.5)):
                 assert set(classes) == {"1:1", "1:10", "1:20"}
                 link = classes["1:1"]
                 assert link.rate_bit == pytest.approx(gbit * 1e9) and link.ceil_bit == link.rate_bit
@@ -164,14 +171,15 @@ def _transfers(lan: object, *, upward: bool) -> tuple[list[int], dict[int, int]]
 
 
 @pytest.mark.root
-def test_a_slow_uplink_finishes_after_a_fast_one_started_later() -> None:
+@pytest.mark.parametrize("uplink", shaping.UPLINK_MODES)
+def test_a_slow_uplink_finishes_after_a_fast_one_started_later(uplink: str) -> None:
     from netstorm.emulation.bridge_lan import Lan
 
-    with Lan(2, rates=[(SLOW_GBIT, FAST_GBIT), (FAST_GBIT, FAST_GBIT)]) as lan:
+    with Lan(2, rates=[(SLOW_GBIT, FAST_GBIT), (FAST_GBIT, FAST_GBIT)], uplink=uplink) as lan:
         done, got = _transfers(lan, upward=True)
         assert done == [1, 0] and got == {0: PAYLOAD, 1: PAYLOAD}
-        for i in (0, 1):  # every byte passed the worker's own uplink class
-            assert shaping.read_classes(lan.workers[i], "eth0")["1:1"].sent_bytes >= PAYLOAD
+        for i in (0, 1):  # every byte passed the worker's uplink class
+            assert shaping.read_classes(*lan.uplink_shaper(i))["1:1"].sent_bytes >= PAYLOAD
 
 
 @pytest.mark.root
@@ -227,20 +235,28 @@ def test_the_lan_rate_scale_is_an_option_like_every_other() -> None:
     assert resolve(environ={"NETSTORM_LAN_BW_SCALE": "0.1"}).lan_bw_scale == 0.1
     with pytest.raises(ConfigError, match="lan_bw_scale must be positive"):
         resolve(overrides={"lan_bw_scale": 0})
+    assert resolve().lan_uplink_shaping == "veth"
+    assert resolve(environ={"NETSTORM_LAN_UPLINK_SHAPING": "ifb"}).lan_uplink_shaping == "ifb"
+    with pytest.raises(ConfigError, match="lan_uplink_shaping must be veth or ifb"):
+        resolve(overrides={"lan_uplink_shaping": "police"})
 
 
 @pytest.mark.root
-def test_an_emulated_lan_is_shaped_per_worker_at_the_scaled_rates(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", shaping.UPLINK_MODES)
+def test_an_emulated_lan_is_shaped_per_worker_at_the_scaled_rates(tmp_path: Path, mode: str) -> None:
     from netstorm.emulation.network import EmulatedNetwork
     from netstorm.scenario import load
 
     path = tmp_path / "lan-shaped.toml"
     path.write_text(LAN_SCENARIO)
-    with EmulatedNetwork(load(path), lan_bw_scale=0.25) as net:
+    with EmulatedNetwork(load(path), lan_bw_scale=0.25, lan_uplink=mode) as net:
         lan = net.plan.lans[2]
-        assert any("per-worker LAN HTB rates x0.25" in line for line in net.features.applied)
+        assert any("per-worker LAN HTB rates x0.25" in line and f"uplinks on {mode}" in line
+                   for line in net.features.applied)
         for i, (up, down) in enumerate(((0.5, 2.0), (4.0, 4.0))):
-            uplink = shaping.read_classes(lan.worker_namespaces[i], lan.worker_ifaces[i])["1:1"]
+            where = ((lan.bridge_namespace, lan.worker_uplink_ifbs[i]) if mode == "ifb"
+                     else (lan.worker_namespaces[i], lan.worker_ifaces[i]))
+            uplink = shaping.read_classes(*where)["1:1"]
             downlink = shaping.read_classes(lan.bridge_namespace, lan.worker_bridge_ends[i])["1:1"]
             assert uplink.rate_bit == pytest.approx(up * 0.25e9) and downlink.rate_bit == pytest.approx(down * 0.25e9)
         for ns, dev in ((net.namespace(2), lan.gateway_iface), (lan.bridge_namespace, lan.gateway_bridge_end)):
@@ -286,3 +302,68 @@ def test_the_lan_bridge_skips_the_ip_netfilter_hooks() -> None:
             assert all(f"{key} = 0" in out for key in BRIDGE_SYSCTLS)
         else:  # without br_netfilter no key exists and the bridge was built all the same
             assert netns.namespace_exists(lan.bridge)
+
+
+REFLECT = r"""
+#include <uapi/linux/bpf.h>
+#include <uapi/linux/if_ether.h>
+#include <uapi/linux/ip.h>
+#include <uapi/linux/udp.h>
+
+/* Send UDP datagrams for port 9613 straight back where they came from with XDP_TX, as a two-level
+   aggregator forwards its cluster's partial sums: addresses and ports swapped (checksums unchanged). */
+int reflect(struct xdp_md *ctx) {
+    void *data = (void *)(long)ctx->data, *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = data + sizeof(*eth);
+    struct udphdr *udp = (void *)ip + sizeof(*ip);
+    if ((void *)(udp + 1) > end || eth->h_proto != htons(ETH_P_IP) || ip->ihl != 5 || ip->protocol != 17
+        || udp->dest != htons(9613))
+        return XDP_PASS;
+    unsigned char mac[ETH_ALEN];
+    __builtin_memcpy(mac, eth->h_dest, ETH_ALEN);
+    __builtin_memcpy(eth->h_dest, eth->h_source, ETH_ALEN);
+    __builtin_memcpy(eth->h_source, mac, ETH_ALEN);
+    __be32 addr = ip->saddr; ip->saddr = ip->daddr; ip->daddr = addr;
+    __be16 port = udp->source; udp->source = udp->dest; udp->dest = port;
+    return XDP_TX;
+}
+"""
+REFLECTED = 200
+XDP_FLAGS_SKB_MODE = 2
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+@pytest.mark.parametrize("uplink", shaping.UPLINK_MODES)
+def test_only_the_ifb_uplink_shapes_what_an_xdp_program_on_the_worker_transmits(uplink: str) -> None:
+    """A worker's XDP program bounces datagrams back to the gateway (XDP_TX). Every one comes back; the
+    uplink class counts them in ifb mode and not in veth mode, where XDP output skips the qdisc."""
+    from bcc import BPF
+
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+
+    with Lan(1, rates=[(1.0, 1.0)], uplink=uplink) as lan:
+        module = BPF(text=REFLECT.encode())
+        fn = module.load_func(b"reflect", BPF.XDP)
+        run_in(lan.workers[0], lambda: BPF.attach_xdp(b"eth0", fn, XDP_FLAGS_SKB_MODE))
+        try:
+            sock = lan.udp_socket(lan.gateway, GATEWAY_IP, 9614)
+            sock.setblocking(True)
+            sock.settimeout(DEADLINE_S)
+            payload = b"\xab" * 1000
+            got = 0
+            for _ in range(REFLECTED):  # one at a time: nothing queues, nothing is dropped
+                sock.sendto(payload, (lan.worker_ip(0), 9613))
+                data, source = sock.recvfrom(2048)
+                got += data == payload and source == (lan.worker_ip(0), 9613)
+            sock.close()
+        finally:
+            run_in(lan.workers[0], lambda: BPF.remove_xdp(b"eth0", XDP_FLAGS_SKB_MODE))
+        assert got == REFLECTED
+        sent = shaping.read_classes(*lan.uplink_shaper(0))["1:1"].sent_packets
+        if uplink == "ifb":
+            assert sent >= REFLECTED
+        else:
+            assert sent < REFLECTED  # only the worker's own few packets (neighbour discovery) passed it

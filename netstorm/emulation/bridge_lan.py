@@ -7,9 +7,10 @@ failure. Sockets are opened *inside* a namespace from a short-lived thread that 
 (``netns.run_in``), so one process and one event loop can drive the gateway and all workers.
 
 With ``rates`` every worker's port is shaped with HTB (``shaping.lan_port_lines``): its downlink on the
-bridge port toward it, its uplink on its own veth end; ``gateway_gbit`` shapes the gateway's port the
-same way. ``rate_scale`` multiplies every rate, for rates above what the host's veth bridge can move
-(the emulation's ``lan_bw_scale``).
+bridge port toward it, its uplink on its own veth end (``uplink="veth"``) or on an ifb device its bridge
+port's ingress is redirected to (``uplink="ifb"``: XDP-transmitted frames included, see ``shaping``);
+``gateway_gbit`` shapes the gateway's port the same way. ``rate_scale`` multiplies every rate, for rates
+above what the host's veth bridge can move (the emulation's ``lan_bw_scale``).
 """
 
 from __future__ import annotations
@@ -45,13 +46,16 @@ class Lan:
     bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues."""
 
     def __init__(self, workers: int, *, queues: int = 2, rates: Sequence[tuple[float, float]] | None = None,
-                 gateway_gbit: float | None = None, rate_scale: float = 1.0) -> None:
+                 gateway_gbit: float | None = None, rate_scale: float = 1.0, uplink: str = "veth") -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
         if rates is not None and len(rates) != workers:
             raise EmulationError(f"rates for {len(rates)} workers given to a LAN of {workers}")
         if not rate_scale > 0:
             raise EmulationError(f"the LAN rate scale must be positive, got {rate_scale}")
+        if uplink not in shaping.UPLINK_MODES:
+            raise EmulationError(f"uplink shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {uplink!r}")
+        self.uplink = uplink
         self.rates: list[tuple[float, float]] | None = (
             [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
         """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
@@ -90,8 +94,23 @@ class Lan:
                            what=f"shape the gateway port of {self.gateway}")
         for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
             bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
-            netns.tc_batch(shaping.lan_port_lines("eth0", up), namespace=ns, what=f"shape the uplink of {ns}")
+            if self.uplink == "ifb":
+                netns.ip_batch([f"link add {self.uplink_ifb(i)} type ifb", f"link set {self.uplink_ifb(i)} up"],
+                               namespace=self.bridge, what=f"uplink device of worker {i}")
+                bridge_lines += shaping.ifb_uplink_lines(self.bridge_port(i), self.uplink_ifb(i))
+                bridge_lines += shaping.lan_port_lines(self.uplink_ifb(i), up)
+            else:
+                netns.tc_batch(shaping.lan_port_lines("eth0", up), namespace=ns, what=f"shape the uplink of {ns}")
         netns.tc_batch(bridge_lines, namespace=self.bridge, what=f"shape the LAN ports of {self.bridge}")
+
+    def uplink_shaper(self, i: int) -> tuple[str, str]:
+        """(namespace, device) whose egress HTB shapes worker ``i``'s uplink."""
+        return (self.bridge, self.uplink_ifb(i)) if self.uplink == "ifb" else (self.workers[i], "eth0")
+
+    @staticmethod
+    def uplink_ifb(i: int) -> str:
+        """The ifb device (in the bridge namespace) of worker ``i``'s uplink in ``ifb`` mode."""
+        return f"u{i}"
 
     @staticmethod
     def bridge_port(i: int) -> str:

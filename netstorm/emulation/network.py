@@ -59,7 +59,8 @@ class EmulatedNetwork:
     """One run's namespaces, shaped links, routes, management network and processes."""
 
     def __init__(self, scenario: Scenario, *, bw_scale: float = 1.0, loss: bool = True,
-                 record: registry.RunRecord | None = None, lan_bw_scale: float = 1.0) -> None:
+                 record: registry.RunRecord | None = None, lan_bw_scale: float = 1.0,
+                 lan_uplink: str = "veth") -> None:
         if bw_scale <= 0:
             raise EmulationError(f"--bw-scale must be positive, got {bw_scale}")
         if not lan_bw_scale > 0:
@@ -67,6 +68,9 @@ class EmulatedNetwork:
         self.scenario = scenario
         self.bw_scale = bw_scale
         self.lan_bw_scale = lan_bw_scale
+        if lan_uplink not in shaping.UPLINK_MODES:
+            raise EmulationError(f"lan_uplink_shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {lan_uplink!r}")
+        self.lan_uplink = lan_uplink
         self._want_loss = loss
         self.record = record or registry.reserve(netns.list_namespaces())
         self.plan: Plan = build_plan(scenario, self.record.run_id)
@@ -178,8 +182,8 @@ class EmulatedNetwork:
 
     def _shape_lans(self) -> None:
         """Each described LAN's ports at the scenario's rates x ``lan_bw_scale``: a worker's downlink on
-        its bridge port, its uplink on its own interface, the gateway's port both ways
-        (``shaping.lan_port_lines``)."""
+        its bridge port, its uplink on its own interface or through an ifb device (``lan_uplink``, see
+        ``shaping``), the gateway's port both ways (``shaping.lan_port_lines``)."""
         scale = self.lan_bw_scale
         for dc, lan in self.plan.lans.items():
             bridge: list[str] = []
@@ -189,8 +193,15 @@ class EmulatedNetwork:
                                namespace=self.plan.namespaces[dc], what=f"shape the LAN gateway port of DC {dc}")
             for i, (up, down) in enumerate(lan.rates):
                 bridge += shaping.lan_port_lines(lan.worker_bridge_ends[i], down * scale)
-                netns.tc_batch(shaping.lan_port_lines(lan.worker_ifaces[i], up * scale),
-                               namespace=lan.worker_namespaces[i], what=f"shape LAN worker {i}'s uplink in DC {dc}")
+                if self.lan_uplink == "ifb":
+                    ifb = lan.worker_uplink_ifbs[i]
+                    netns.ip_batch([f"link add {ifb} type ifb", f"link set {ifb} up"], namespace=lan.bridge_namespace,
+                                   what=f"uplink device of LAN worker {i} in DC {dc}")
+                    bridge += shaping.ifb_uplink_lines(lan.worker_bridge_ends[i], ifb)
+                    bridge += shaping.lan_port_lines(ifb, up * scale)
+                else:
+                    netns.tc_batch(shaping.lan_port_lines(lan.worker_ifaces[i], up * scale),
+                                   namespace=lan.worker_namespaces[i], what=f"shape LAN worker {i}'s uplink in DC {dc}")
             netns.tc_batch(bridge, namespace=lan.bridge_namespace, what=f"shape the LAN ports of DC {dc}")
 
     def _shape(self, rates: Rates) -> None:
@@ -213,7 +224,8 @@ class EmulatedNetwork:
                 k = self.lan_bw_scale
                 spans = ", ".join(f"DC {dc}: {min(map(min, lan.rates)) * k:g}-{max(map(max, lan.rates)) * k:g}"
                                   for dc, lan in shaped.items())
-                applied.append(f"per-worker LAN HTB rates x{self.lan_bw_scale:g} (Gbit/s {spans})")
+                applied.append(f"per-worker LAN HTB rates x{self.lan_bw_scale:g} (Gbit/s {spans}; uplinks on "
+                               f"{self.lan_uplink})")
             unshaped = [str(dc) for dc, lan in sorted(self.plan.lans.items()) if not lan.rates]
             if unshaped:
                 not_applied["lan rates"] = (f"the scenario describes no LAN for DC {', '.join(unshaped)}: "

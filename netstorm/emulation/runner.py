@@ -118,6 +118,7 @@ class Options:
     lan_workers: int | None = None
     edge_mode: str = "auto"
     lan_bw_scale: float = 1.0
+    lan_uplink: str = "veth"
     overlap: bool = False
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
@@ -205,16 +206,18 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
                    edge_mode=getattr(args, "edge_mode", "auto"),
-                   lan_bw_scale=lan_bw_scale(given),
+                   lan_bw_scale=lan_options(given).lan_bw_scale,
+                   lan_uplink=lan_options(given).lan_uplink_shaping,
                    overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
 
-def lan_bw_scale(given: Mapping[str, Any]) -> float:
-    """The LAN rate scale among the options the user gave (validated), 1 when none."""
-    return resolve(overrides={k: v for k, v in given.items() if k == "lan_bw_scale"}).lan_bw_scale
+def lan_options(given: Mapping[str, Any]) -> Any:
+    """The options the user gave for shaping LANs (``lan_bw_scale``, ``lan_uplink_shaping``), validated,
+    over the defaults."""
+    return resolve(overrides={k: v for k, v in given.items() if k in ("lan_bw_scale", "lan_uplink_shaping")})
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -646,7 +649,7 @@ def run(opts: Options) -> dict[str, Any]:
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
         net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss,
-                                                     lan_bw_scale=opts.lan_bw_scale))
+                                                     lan_bw_scale=opts.lan_bw_scale, lan_uplink=opts.lan_uplink))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
         if net.plan.lans:

@@ -91,13 +91,19 @@ _UNITS = {"bit": 1e-6, "Kbit": 1e-3, "Mbit": 1.0, "Gbit": 1e3}
 
 # LAN ports -------------------------------------------------------------------------------------------
 #
-# A LAN worker's rates are shaped on the two egresses that carry them, with the same HTB tree as a WAN
-# direction (link class, ACK class, data class): its downlink on the bridge port toward the worker
-# (everything the bridge forwards to it, whoever sent it, including frames another port's XDP program
-# redirected), its uplink on the worker's own veth end (everything its sockets send). Both are plain
-# egress qdiscs, so no ifb device and no ingress policer (this kernel has neither police nor netem) is
-# needed. What an XDP program on the worker's own interface transmits (XDP_TX, redirects) skips that
-# egress qdisc, as XDP output skips every qdisc.
+# A LAN worker's rates are shaped with the same HTB tree as a WAN direction (link class, ACK class, data
+# class). Its downlink is the egress of the bridge port toward it (everything the bridge forwards to it,
+# whoever sent it, including frames another port's XDP program redirected). Its uplink, by
+# ``UPLINK_MODES``:
+# - ``veth`` (default): the egress of the worker's own veth end, which carries everything its sockets
+#   send; no extra device, no extra hop. What an XDP program on that interface transmits (XDP_TX,
+#   redirects: a two-level aggregator forwarding its cluster's partial sums) skips that qdisc, as XDP
+#   output skips every qdisc.
+# - ``ifb``: the bridge port's ingress redirected (u32 match-all, mirred) to an ifb device whose egress
+#   is shaped; it sees every frame the worker emits, XDP's included, for one more device hop per frame.
+# This kernel has HTB, TBF, ifb and mirred, but no ``police`` action and no netem.
+
+UPLINK_MODES = ("veth", "ifb")
 
 LAN_BURST_S = 0.001
 """HTB bucket depth of a LAN class, in seconds at its rate. At Gbit/s rates tc's default bucket is a few
@@ -131,6 +137,14 @@ def lan_port_lines(device: str, gbit: float) -> list[str]:
         f"{opts} prio 1",
         f"filter add dev {device} parent 1: protocol ip prio 1 u32 {ACK_FILTER} flowid 1:10",
     ]
+
+
+def ifb_uplink_lines(port: str, ifb: str) -> list[str]:
+    """tc batch lines sending every frame arriving on bridge port ``port`` (the worker's uplink) through
+    ``ifb``'s egress first (shape ``ifb`` with ``lan_port_lines``)."""
+    return [f"qdisc add dev {port} handle ffff: ingress",
+            f"filter add dev {port} parent ffff: protocol all prio 1 u32 match u32 0 0 "
+            f"action mirred egress redirect dev {ifb}"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,8 @@ class LanPlan:
     """Each worker's (uplink, downlink) in Gbit/s from the scenario, unscaled; empty: the LAN is unshaped."""
     gateway_gbit: float | None = None
     """The gateway's port rate per direction, when the scenario describes the LAN."""
+    worker_uplink_ifbs: tuple[str, ...] = ()
+    """In the bridge namespace: the ifb device of each worker's uplink (``lan_uplink_shaping = "ifb"``)."""
 
     @property
     def namespaces(self) -> list[str]:
@@ -211,5 +213,6 @@ def _lan_plan(run_id: str, dc: int, index: int, workers: int, spec: LanSpec | No
         worker_bridge_ends=tuple(_ifname(run_id, f"v{dc}-{i}") for i in range(workers)),
         worker_addresses=tuple(f"{subnet}.{10 + i}" for i in range(workers)),
         rates=tuple((w.up_gbit, w.down_gbit) for w in spec.workers) if spec is not None else (),
+        worker_uplink_ifbs=tuple(_ifname(run_id, f"u{dc}-{i}") for i in range(workers)),
         gateway_gbit=spec.gateway_gbit if spec is not None else None,
     )
