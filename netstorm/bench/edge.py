@@ -67,6 +67,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--secret-file", default=None, metavar="FILE",
                         help="job secret: authenticate every LAN datagram with its token (default: none)")
+    parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
+                        help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
+    parser.add_argument("--lan-uplink", choices=("veth", "ifb"), default="veth",
+                        help="where a shaped uplink is metered (lan_uplink_shaping; default veth)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -111,6 +115,14 @@ def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, time
         errors.append(exc)
 
 
+def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
+    """Each worker's shaped (up, down) Gbit/s: ``args.rates`` (a calibration's), else ``--lan-gbit``."""
+    if getattr(args, "rates", None):
+        return list(args.rates)
+    gbit = getattr(args, "lan_gbit", None)
+    return [(gbit, gbit)] * args.workers if gbit else None
+
+
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
@@ -131,7 +143,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with Lan(workers, rates=getattr(args, "rates", None)) as lan:
+    with Lan(workers, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan:
         try:
             if path == "xdp":
                 xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << workers) - 1,
@@ -253,7 +265,8 @@ def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.bench.gloo_lan import run_gloo
     from netstorm.emulation.bridge_lan import Lan
 
-    with Lan(args.workers) as lan, tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs:
+    with (Lan(args.workers, rates=_rates(args), uplink=args.lan_uplink) as lan,
+          tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs):
         out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
                        log_dir=Path(logs))
     return {"wall_seconds": out["wall_seconds"], "exact": out["exact"], "host_cpu": out["host_cpu"],
@@ -334,6 +347,7 @@ def run(args: argparse.Namespace) -> int:
         results[path] = with_host_figures(raw, args)
     out: dict[str, Any] = {
         "workers": args.workers, "loss": args.loss, "elements": args.elements, "iterations": args.iterations,
+        "lan_gbit": args.lan_gbit, "lan_uplink": args.lan_uplink,
         "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
     }
     xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
@@ -368,7 +382,9 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
     """The human-readable report: each path against gloo, then the per-core view."""
     lines = [f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
              f"loss {args.loss}; "
-             f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}"]
+             f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}; "
+             + (f"every port shaped to {args.lan_gbit:g} Gbit/s (uplinks on {args.lan_uplink})" if args.lan_gbit
+                else "LAN unshaped")]
     lines.append(f"  {'path':9s} {'mode':22s} {'wall Gbit/s':>11s} {'vs gloo':>8s} {'host CPU-s/GB':>13s} "
                  f"{'vs gloo':>8s} {'host busy cores':>15s}  exact")
     for name in PATHS:
