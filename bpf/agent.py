@@ -31,11 +31,12 @@ import numpy as np
 from bpf.fallback import UserspaceAggregator
 from bpf.xdp import TOKEN_WINDOW, SlotEvent, XdpAggregator
 from netstorm.lan import udp
+from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, TOKEN_AT, Flag, Header, Kind, lanes_of
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import control_packet, result_packets, with_token
+from netstorm.lan.packets import ack_packets, control_packet, result_packets, with_token
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,8 @@ class IterationSums:
 
     def __post_init__(self) -> None:
         self.pending = {(t, c) for t, n in enumerate(self.layout.chunks) for c in range(n)}
-        self.raw = np.zeros((self.layout.num_slots, self.layout.lanes), np.int32)
-        self.scales = np.zeros(self.layout.num_slots, np.int64)
+        self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
+        self.scales = np.zeros(self.layout.num_chunks, np.int64)
 
     @property
     def done(self) -> bool:
@@ -87,7 +88,7 @@ class IterationSums:
         if head.count != stop - start or lanes.size < head.count:
             raise WireError(f"AGG for tensor {head.tensor} chunk {head.chunk} has {head.count} lanes, "
                             f"expected {stop - start}")
-        row = self.layout.first_slot[head.tensor] + head.chunk
+        row = self.layout.seq(head.tensor, head.chunk)
         self.raw[row, : head.count] = lanes[: head.count]
         self.scales[row] = head.scale
         self.pending.discard(key)
@@ -127,7 +128,12 @@ class EdgeAgent:
 
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
                  xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20,
-                 secret: bytes | None = None) -> None:
+                 secret: bytes | None = None, group: tuple[str, int] | None = None,
+                 topology: LanTopology | None = None, retransmit: float = 0.005) -> None:
+        """``layout`` fixes the pool (``layout.pool``) and lanes per datagram; ``group`` is the multicast
+        (address, port) for ACKs and results (None: a unicast copy per worker); ``topology`` says which
+        workers aggregate which (None: one level); ``retransmit`` is what workers are told to wait for
+        progress before resending."""
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
         if mode == "xdp" and xdp is None:
@@ -139,7 +145,20 @@ class EdgeAgent:
         self.mode = mode
         self.xdp = xdp
         self.slot_timeout = slot_timeout
-        self.expected = (1 << workers) - 1
+        self.group = group
+        self.topology = topology if topology is not None else LanTopology(workers)
+        if self.topology.workers != workers:
+            raise ValueError(f"the LAN topology has {self.topology.workers} workers, the agent {workers}")
+        self.retransmit = retransmit
+        self.expected = self.topology.gateway_mask()
+        self._aggregators: dict[int, Address] = {}
+        """Cluster aggregator services that said HELLO: where their members send DATA."""
+        self._acks: dict[int, list[int]] = {}
+        """iteration -> chunk sequence numbers to ACK after this batch of datagrams."""
+        self.acks_sent = 0
+        self.batch = udp.BatchSender(sock)
+        if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
+            udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
                                              max_nacks=max_nacks) if mode == "userspace" else None)
         self.tokens = LanTokens(secret, job)
@@ -260,9 +279,12 @@ class EdgeAgent:
             for old in [k for k in self._finished if k < iteration - 4]:
                 del self._finished[old]
 
-    async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int) -> None:
+    async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int,
+                           unicast: bool = False) -> None:
         """Send every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
-        contributor count); kept for PULLs until 4 iterations later."""
+        contributor count), once to the multicast group (``unicast``, or without a group: a copy to each
+        worker, as for the first result, which a worker may be asked for before it joined the group);
+        kept for PULLs until 4 iterations later."""
         self.expect(iteration + 1)   # the workers' next DATA
         rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
@@ -271,13 +293,17 @@ class EdgeAgent:
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
         absent = [w for w in range(self.workers) if w not in self.addresses]
-        for w in range(self.workers):
-            address = self.addresses.get(w)
-            if address is None:
-                continue
-            mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
-            for row in mine:
-                await self._out.put((row.tobytes(), address))
+        if self.group is not None and not unicast:
+            # one copy of each datagram; the LAN replicates it to every member of the group
+            mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
+            await self.batch.send(mine, self.group)
+        else:
+            for w in range(self.workers):
+                address = self.addresses.get(w)
+                if address is None:
+                    continue
+                mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
+                await self.batch.send(mine, address)
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
                               "HELLO); the others got their results")
@@ -343,14 +369,73 @@ class EdgeAgent:
         if self.agg_token and head.token != self.agg_token:
             self.forged += 1
             return
-        if head.job != self.job or not self._accepts(head.iteration):
+        if head.job != self.job:
+            return
+        if not self._accepts(head.iteration):
+            if head.iteration in self._finished:   # a re-emitted aggregate: its ACK was lost, say it again
+                self._ack(head.iteration, self.layout.seq(head.tensor, head.chunk))
             return
         sums = self._sums(head.iteration)
         self._emit(sums.on_agg(head, lanes_of(data)))
+        if (head.tensor, head.chunk) not in sums.pending:
+            self._ack(head.iteration, self.layout.seq(head.tensor, head.chunk))
         if sums.done:
             waiter = self._waiters.get(head.iteration)
             if waiter is not None:
                 waiter.set()
+
+    def _ack(self, iteration: int, seq: int) -> None:
+        self._acks.setdefault(iteration, []).append(seq)
+
+    def _flush_acks(self) -> None:
+        """Send the ACKs gathered while handling a batch of datagrams: one multicast datagram per 256
+        chunks (or a unicast copy per worker without a group)."""
+        acks, self._acks = self._acks, {}
+        for iteration, seqs in acks.items():
+            if self.group is not None:
+                targets = [(self.group, self.tokens.group(iteration))]
+            else:
+                targets = [(address, self.tokens.gateway(w, iteration)) for w, address in self.addresses.items()]
+            for datagram in ack_packets(np.asarray(seqs), job=self.job, iteration=iteration):
+                for address, token in targets:
+                    stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
+                    self.acks_sent += 1
+                    try:
+                        self.sock.sendto(stamped, address)
+                    except BlockingIOError:
+                        with contextlib.suppress(asyncio.QueueFull):
+                            self._out.put_nowait((stamped, address))
+
+    def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
+        """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
+        seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES)
+        sums = self._open.get(head.iteration)
+        if sums is not None:
+            done = [int(q) for q in seqs if q < self.layout.num_chunks and self.layout.locate(int(q)) not in
+                    sums.pending]
+        elif head.iteration in self._finished:
+            done = [int(q) for q in seqs]
+        else:
+            return
+        token = self.tokens.gateway(head.worker, head.iteration)
+        for datagram in ack_packets(np.asarray(done), job=self.job, iteration=head.iteration):
+            stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
+            self._out.put_nowait((stamped, address))
+
+    def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
+        """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
+        said HELLO; the worker asks again)."""
+        head = self.topology.aggregator_of(worker)
+        send_to: tuple[str, int] | None = None
+        if head is not None and not aggregator:
+            found = self._aggregators.get(head)
+            if found is None:
+                return None
+            send_to = (found[0], self.sock.getsockname()[1])
+        members = self.topology.clusters.get(worker, ()) if aggregator else ()
+        return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
+                          send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
+                          first_iteration=self._base)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
         for event in events:
@@ -361,6 +446,8 @@ class EdgeAgent:
     def _on_ring(self) -> None:
         assert self.xdp is not None
         self._on_events(self.xdp.drain_events())
+        if self._acks:
+            self._flush_acks()
 
     def _handle(self, data: bytes, address: Address) -> None:
         kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0
@@ -376,20 +463,24 @@ class EdgeAgent:
             head = Header.decode(data)
             if head.job != self.job:
                 raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
-            if head.kind in (Kind.HELLO, Kind.PULL) and head.worker >= self.workers:
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and head.worker >= self.workers:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
             rows = self._results.get(head.iteration) if head.kind == Kind.PULL else None
             if head.kind == Kind.PULL and rows is None:
                 return
+            if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
+                return
             # HELLO nonces are the sender's choice: their tokens are derived, never cached
-            if head.kind in (Kind.HELLO, Kind.PULL) and not self.tokens.valid(
-                    Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind == Kind.PULL):
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and not self.tokens.valid(
+                    Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind != Kind.HELLO):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
             if head.kind == Kind.HELLO:
-                self._on_hello(head, address)
+                self._on_hello(head, data, address)
+            elif head.kind == Kind.QUERY:
+                self._answer_query(head, data, address)
             elif head.kind == Kind.PULL:
                 if rows is not None:
                     index = self.layout.slot(head.tensor, head.chunk)
@@ -402,24 +493,34 @@ class EdgeAgent:
             else:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
 
-    def _on_hello(self, head: Header, address: Address) -> None:
+    def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
         """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is
         found again; ``iteration`` carries the worker's nonce, and with a secret a nonce already seen from
-        another address is a replay and refused."""
+        another address is a replay and refused. A HELLO flagged AGGREGATOR comes from a cluster
+        aggregator's service: its address becomes where the cluster's members send DATA. The answer carries
+        the worker's deployment; a member whose aggregator has not said HELLO yet gets none (it asks again)."""
         seen = self._nonces.setdefault(head.worker, deque(maxlen=HELLO_NONCES))
-        if self.tokens.enabled and head.iteration in seen and self.addresses.get(head.worker) != address:
+        bound = self._aggregators if head.flags & Flag.AGGREGATOR else self.addresses
+        if self.tokens.enabled and head.iteration in seen and bound.get(head.worker) != address:
             self.forged += 1
             raise WireError(f"HELLO as worker {head.worker} from {address} replays an earlier nonce")
         if head.iteration not in seen:
             seen.append(head.iteration)
-        self.addresses[head.worker] = address
-        self._hello.set()
-        # the answer tells the worker our layout (tensors, slots) and scale, so it can check its own
+        aggregator = bool(head.flags & Flag.AGGREGATOR)
+        if aggregator and head.worker not in self.topology.clusters:
+            raise WireError(f"aggregator HELLO from worker {head.worker}, which aggregates no cluster here")
+        deployment = self.deployment(head.worker, aggregator=aggregator)
+        if deployment is None:
+            return
+        bound[head.worker] = address
+        if not aggregator:
+            self._hello.set()
+        # the answer tells the worker our layout (tensors, chunks) and scale, so it can check its own
         reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, iteration=head.iteration,
-                               tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_slots,
-                               scale=self.layout.scales[0],
+                               tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_chunks,
+                               scale=self.layout.scales[0], flags=head.flags & Flag.AGGREGATOR,
                                token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
-        self._out.put_nowait((reply, address))
+        self._out.put_nowait((reply + deployment.encode(), address))
 
     def _drain(self) -> None:
         """Handle what is queued on the socket (up to 256 datagrams per wake-up; the kernel keeps the rest)."""
@@ -437,6 +538,8 @@ class EdgeAgent:
                 log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
             except asyncio.QueueFull:
                 log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)", address)
+        if self._acks:
+            self._flush_acks()
         self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:

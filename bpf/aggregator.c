@@ -1,4 +1,4 @@
-/* XDP aggregation of LAN workers' fixed-point gradients at the DC gateway.
+/* XDP aggregation of LAN workers' fixed-point gradients at the DC gateway, and at a LAN aggregator worker.
  *
  * A DATA packet for (iteration, tensor, chunk) is added into its slot under the slot's bpf_spin_lock, so
  * packets of one slot arriving on several receive queues (CPUs) at once serialise per slot while other
@@ -19,6 +19,21 @@
  * so an AGG arriving from the wire is dropped the same way, and the aggregate this program passes up
  * carries cfg.agg_token, a value only the agent knows, in place of the completing worker's token.
  *
+ * Slots are a pool (netstorm/lan/layout.py): chunk seq uses slot seq % pool, and a slot is taken over only by
+ * a newer key (a later iteration, or a later chunk of the same iteration); an older key's packet is a
+ * straggler and is dropped (its worker learns from an ACK, or by asking, that the chunk completed).
+ *
+ * Precision (PAHInA): DATA lanes are int32 fixed point at the header's scale, or fp16, bf16 or int8 at the
+ * sender's wscale; each lane is converted exactly (integer shifts, rounding half to even) to int32 fixed
+ * point at the header's scale, the slot's common scale, before it is added. A narrow packet is grown at its
+ * tail (bpf_xdp_adjust_tail) before anything else, so whichever packet completes the slot has room for the
+ * int32 aggregate.
+ *
+ * Forwarding (cfg.forward, a cluster's aggregator, two-level LAN): the packet that completes a slot is
+ * rewritten into this aggregator's own DATA for the gateway (worker cfg.up_worker, the token the agent
+ * installed for it, addresses of cfg) and sent out of cfg.up_ifindex: XDP_TX when it came in there, else
+ * bpf_redirect (the aggregator's own packets, which reach the program on the loopback device).
+ *
  * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP
  * (replaced by the shared table's name), NS_TOKEN_WINDOW (a power of two), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
  * timer, see prime_timers), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
@@ -33,18 +48,27 @@
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
-    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, NS_NSTATS
+    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, NS_NSTATS
 };
 
 struct ns_cfg {
     u64 expected;               /* contributor mask installed by the agent */
     u64 timeout_ns;             /* slot timer period */
     u16 job;
-    u16 port;                   /* gateway UDP port, host order */
+    u16 port;                   /* this program's UDP port, host order */
     u8 max_nacks;               /* timer expiries reported per key before the slot gives up */
     u8 auth;                    /* 1: DATA must carry the token installed for its worker and iteration */
-    u8 pad[2];
+    u8 forward;                 /* 1: completed slots go to the gateway as DATA (a cluster aggregator) */
+    u8 up_worker;               /* forwarding: this aggregator's worker id at the gateway */
     u64 agg_token;              /* written into every aggregate passed up (the agent checks it) */
+    u32 up_ifindex;             /* forwarding: the interface towards the gateway */
+    u32 up_ip;                  /* forwarding: gateway IPv4, network order */
+    u32 own_ip;                 /* forwarding: this host's IPv4 on up_ifindex, network order */
+    u16 up_port;                /* forwarding: gateway UDP port, network order */
+    u16 own_port;               /* forwarding: source UDP port, network order */
+    u8 up_mac[6];
+    u8 own_mac[6];
+    u32 pad;
 };
 
 struct ns_token {
@@ -77,6 +101,62 @@ static __always_inline void bump(u32 index)
     u64 *value = ns_stats.lookup(&index);
     if (value)
         *value += 1;
+}
+
+/* Hide a value from the optimiser, so mask arithmetic stays arithmetic instead of becoming a branch (BPF has
+ * no conditional move; per-lane branches would multiply the verifier's states). */
+#define NS_OPAQUE(x) asm volatile("" : "+r"(x))
+
+/* m * 2**k rounded half to even, branch-free (m < 2**24, |k| < 2**16); *ovf gets 1 when it leaves int32. */
+static __always_inline s64 ns_shift(u64 m, s64 k, u64 *ovf)
+{
+    u64 neg = (u64)k >> 63;             /* 1: shift right */
+    NS_OPAQUE(neg);
+    u64 mask = -neg;
+    u64 left = (u64)k & ~mask;
+    u64 right = (u64)(-k) & mask;
+    u64 big = (u64)(40 - (s64)left) >> 63;     /* left > 40: saturate (m != 0 overflows anyway) */
+    NS_OPAQUE(big);
+    left = (left & ~(-big)) | (40 & -big);
+    big = (u64)(40 - (s64)right) >> 63;        /* right > 40: the result is 0 */
+    NS_OPAQUE(big);
+    right = (right & ~(-big)) | (40 & -big);
+    u64 up = m << (left & 63);
+    u64 q = m >> (right & 63);
+    u64 unit = 1ULL << (right & 63);
+    u64 rem = m & (unit - 1);
+    u64 half = unit >> 1;
+    u64 above = (half - rem) >> 63;                    /* rem > half */
+    u64 tie = (((rem ^ half) - 1) >> 63) & ((0 - right) >> 63); /* rem == half, right > 0 */
+    q += above | (tie & q & 1);
+    u64 v = (q & mask) | (up & ~mask);
+    *ovf |= v >> 31;
+    return (s64)v;
+}
+
+/* One int8 lane (value q * 2**-wscale) as int32 fixed point at scale s. */
+static __always_inline s64 ns_int8(u32 raw, s64 s, s64 wscale, u64 *ovf)
+{
+    s64 q = (s8)raw;
+    u64 sign = (u64)q >> 63;
+    u64 m = (u64)((q ^ -(s64)sign) + (s64)sign);
+    s64 v = ns_shift(m, s - wscale, ovf);
+    return (v ^ -(s64)sign) + (s64)sign;
+}
+
+/* One 16-bit float lane (fp16: 5 exponent and 10 mantissa bits, bias 15; bf16: 8 and 7, bias 127) as int32
+ * fixed point at scale s: the value is m * 2**(e - bias - mbits), or f * 2**(1 - bias - mbits) when e = 0.
+ * The format arrives as numbers (ebits, mbits, bias), so one loop serves both. */
+static __always_inline s64 ns_float16(u32 raw, u64 ebits, u64 mbits, s64 bias, s64 s, u64 *ovf)
+{
+    u64 emask = (1ULL << (ebits & 15)) - 1;
+    u64 e = (raw >> (mbits & 15)) & emask;
+    u64 nz = (e + emask) >> (ebits & 15);          /* e != 0 */
+    *ovf |= (e + 1) >> (ebits & 15);               /* e all ones: inf or nan */
+    u64 sign = (raw >> 15) & 1;
+    u64 m = (raw & ((1ULL << (mbits & 15)) - 1)) | (nz << (mbits & 15));
+    s64 v = ns_shift(m, (s64)e - bias - (s64)mbits + (s64)(1 - nz) + s, ovf);
+    return (v ^ -(s64)sign) + (s64)sign;
 }
 
 /* Timer callback: the kernel calls it with (map, key, value); bcc would rewrite a three-parameter
@@ -127,6 +207,59 @@ int ns_timer_cb(void *map)
     return 0;
 }
 
+static __always_inline u16 ns_csum_fold(u32 sum)
+{
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    return ~sum;
+}
+
+/* Rewrite a completed aggregate (already in the packet, kind set by the caller) into this aggregator's DATA
+ * for the gateway and send it; returns the XDP verdict. */
+static __always_inline int ns_forward(struct xdp_md *ctx, struct ns_cfg *cfg, u32 iteration)
+{
+    void *data = (void *)(long)ctx->data;
+    void *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = (void *)(eth + 1);
+    struct udphdr *udp = (void *)(ip + 1);
+    struct ns_hdr *h = (void *)(udp + 1);
+    if ((void *)(h + 1) > end)
+        return XDP_DROP;
+    u32 up = cfg->up_worker;
+    u32 at = up * NS_TOKEN_WINDOW + (iteration & (NS_TOKEN_WINDOW - 1));
+    struct ns_token *tok = ns_tokens.lookup(&at);
+    u64 token = 0;
+    if (cfg->auth) {
+        if (!tok || tok->iteration != iteration || !tok->token)
+            return XDP_DROP;
+        token = tok->token;
+    }
+    h->kind = NS_KIND_DATA;
+    h->worker = up;
+    h->token = token;
+    h->precision = NS_PREC_FIXED32;
+    h->wscale = 0;
+    __builtin_memcpy(eth->h_dest, cfg->up_mac, 6);
+    __builtin_memcpy(eth->h_source, cfg->own_mac, 6);
+    ip->saddr = cfg->own_ip;
+    ip->daddr = cfg->up_ip;
+    ip->ttl = 64;
+    ip->check = 0;
+    u32 sum = 0;
+    u16 *words = (u16 *)ip;
+    for (int i = 0; i < 10; i++)
+        sum += words[i];
+    ip->check = ns_csum_fold(sum);
+    udp->source = cfg->own_port;
+    udp->dest = cfg->up_port;
+    udp->check = 0;
+    bump(ST_FORWARDED);
+    if (ctx->ingress_ifindex == cfg->up_ifindex)
+        return XDP_TX;
+    return bpf_redirect(cfg->up_ifindex, 0);
+}
+
 int ns_aggregate(struct xdp_md *ctx)
 {
     void *data = (void *)(long)ctx->data;
@@ -168,6 +301,54 @@ int ns_aggregate(struct xdp_md *ctx)
     if (h->magic != NS_MAGIC || h->version != NS_VERSION || h->kind != NS_KIND_DATA || h->job != cfg->job)
         return XDP_PASS;
     bump(ST_RX);
+    u32 prec = h->precision;
+    if (prec > NS_PREC_INT8) {
+        bump(ST_BAD);
+        return XDP_PASS;
+    }
+    if (prec != NS_PREC_FIXED32) {
+        /* narrow lanes: grow the packet at its tail to int32 lanes and convert in place, last lane first (lane
+         * i's int32 bytes only cover narrow lanes >= i, already converted), before any slot is touched */
+        u32 width = prec == NS_PREC_INT8 ? 1 : 2;
+        u64 have = (u64)((long)end - (long)(h + 1));
+        if (have != NS_LANES * width) {
+            bump(ST_BAD);
+            return XDP_PASS;
+        }
+        if (bpf_xdp_adjust_tail(ctx, (int)(NS_LANES * (4 - width)))) {
+            bump(ST_BAD);
+            return XDP_DROP;
+        }
+        data = (void *)(long)ctx->data;
+        end = (void *)(long)ctx->data_end;
+        eth = data;
+        ip = (void *)(eth + 1);
+        udp = (void *)(ip + 1);
+        h = (void *)(udp + 1);
+        s32 *wide = (s32 *)(h + 1);
+        if ((void *)(wide + NS_LANES) > end)
+            return XDP_DROP;
+        s64 s = h->scale, wscale = h->wscale;
+        u64 bad = 0;
+        if (prec == NS_PREC_INT8) {
+            u8 *narrow = (u8 *)wide;
+            for (s32 i = NS_LANES - 1; i >= 0; i--)
+                wide[i] = (s32)ns_int8(narrow[i], s, wscale, &bad);
+        } else {
+            u16 *narrow = (u16 *)wide;
+            u64 ebits = prec == NS_PREC_FP16 ? 5 : 8, mbits = prec == NS_PREC_FP16 ? 10 : 7;
+            s64 bias = prec == NS_PREC_FP16 ? 15 : 127;
+            NS_OPAQUE(ebits);       /* one verifier path for both formats */
+            NS_OPAQUE(mbits);
+            NS_OPAQUE(bias);
+            for (s32 i = NS_LANES - 1; i >= 0; i--)
+                wide[i] = (s32)ns_float16(narrow[i], ebits, mbits, bias, s, &bad);
+        }
+        if (bad)
+            h->flags |= NS_FLAG_OVERFLOW;   /* a lane left int32 at this scale: the slot will ask to rescale */
+        h->precision = NS_PREC_FIXED32;
+        h->wscale = 0;
+    }
     u32 count = h->count;
     u32 worker = h->worker;
     /* DATA always carries NS_LANES lanes (zero beyond count): fixed-trip loops keep the verifier linear. */
@@ -200,12 +381,13 @@ int ns_aggregate(struct xdp_md *ctx)
     }
     u32 iteration = h->iteration, tensor = h->tensor, chunk = h->chunk;
     s8 scale = h->scale;
-    int first = 0, last = 0, stat = -1;
+    int first = 0, last = 0, stat = -1, add = 0;
     u64 ovf = 0;
 
     bpf_spin_lock(&slot->lock);
     int same = slot->iteration == iteration && slot->tensor == tensor && slot->chunk == chunk;
     s32 age = (s32)(iteration - slot->iteration);
+    int newer = age > 0 || (age == 0 && (tensor > slot->tensor || (tensor == slot->tensor && chunk > slot->chunk)));
     if (same && scale == slot->scale && slot->bitmap) {
         if (count != slot->count) {
             stat = ST_BAD;
@@ -213,51 +395,50 @@ int ns_aggregate(struct xdp_md *ctx)
             if (slot->busy) {
                 stat = ST_DUP;
             } else {
-                last = 1;           /* a retransmission after completion: hand the aggregate up again */
+                last = 1;           /* a retransmission after completion: hand the aggregate on again */
                 stat = ST_REEMIT;
             }
         } else {
-            for (u32 i = 0; i < NS_LANES; i++) {
-                s64 sum = (s64)slot->lanes[i] + (s64)in[i];
-                ovf |= (u64)(sum + 0x80000000LL) >> 32;
-                slot->lanes[i] = (s32)sum;
-            }
-            slot->bitmap |= bit;
-            slot->flags |= (h->flags & NS_FLAG_OVERFLOW) | (ovf ? NS_FLAG_OVERFLOW : 0);
-            if (h->need < slot->need)
-                slot->need = h->need;
-            if (slot->bitmap == expected) {
-                slot->busy = 0;
-                last = 1;
-                stat = ST_COMPLETE;
-            }
+            add = 1;
         }
-    } else if ((same && scale < slot->scale) || age > 0 || !slot->bitmap) {
+    } else if ((same && scale < slot->scale) || newer || !slot->bitmap) {
         if (slot->busy && !same)
-            stat = ST_BUSY_EVICTED;     /* a newer iteration took over a slot that never completed */
+            stat = ST_BUSY_EVICTED;     /* a newer key took over a slot that never completed */
         slot->iteration = iteration;
         slot->tensor = tensor;
         slot->chunk = chunk;
         slot->index = index;
         slot->scale = scale;
         slot->count = count;
-        slot->need = h->need;
-        slot->flags = h->flags & NS_FLAG_OVERFLOW;
+        slot->need = NS_NEED_NONE;
+        slot->flags = 0;
         slot->nacks = 0;
-        slot->bitmap = bit;
-        for (u32 i = 0; i < NS_LANES; i++) {
-            slot->lanes[i] = in[i];
-        }
+        slot->bitmap = 0;
+        slot->busy = 1;
+        s32 zero = 0;
+        NS_OPAQUE(zero);            /* not a memset, which BPF cannot call */
+        for (u32 i = 0; i < NS_LANES; i++)
+            slot->lanes[i] = zero;
         first = 1;
-        if (bit == expected) {
+        add = 1;
+    } else {
+        stat = same ? ST_STALE : (age == 0 ? ST_COLLISION : ST_STALE);
+    }
+    if (add) {
+        for (u32 i = 0; i < NS_LANES; i++) {
+            s64 sum = (s64)slot->lanes[i] + (s64)in[i];
+            ovf |= (u64)(sum + 0x80000000LL) >> 32;
+            slot->lanes[i] = (s32)sum;
+        }
+        slot->bitmap |= bit;
+        slot->flags |= (h->flags & NS_FLAG_OVERFLOW) | (ovf ? NS_FLAG_OVERFLOW : 0);
+        if (h->need < slot->need)
+            slot->need = h->need;
+        if (slot->bitmap == expected) {
             slot->busy = 0;
             last = 1;
             stat = ST_COMPLETE;
-        } else {
-            slot->busy = 1;
         }
-    } else {
-        stat = same ? ST_STALE : (age == 0 ? ST_COLLISION : ST_STALE);
     }
     if (last) {
         for (u32 i = 0; i < NS_LANES; i++) {
@@ -284,9 +465,23 @@ int ns_aggregate(struct xdp_md *ctx)
             bump(ST_TIMER_FAIL);
     }
     if (last) {
-        h->token = cfg->agg_token;
         if (!first)
             bpf_timer_cancel(&slot->timer);
+        {
+            /* a narrow packet grew: its IPv4 and UDP lengths follow (unchanged for an int32 one) */
+            u16 ulen = sizeof(struct udphdr) + sizeof(*h) + NS_LANES * 4;
+            udp->len = htons(ulen);
+            ip->tot_len = htons(ulen + sizeof(struct iphdr));
+            ip->check = 0;
+            u32 sum = 0;
+            u16 *words = (u16 *)ip;
+            for (int i = 0; i < 10; i++)
+                sum += words[i];
+            ip->check = ns_csum_fold(sum);
+        }
+        if (cfg->forward)
+            return ns_forward(ctx, cfg, iteration);
+        h->token = cfg->agg_token;
         udp->check = 0;         /* lanes changed; a zero UDP checksum over IPv4 means "none" */
         return XDP_PASS;
     }

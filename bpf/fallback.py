@@ -5,6 +5,10 @@ layout to what the XDP program passes up) and, from ``expire(now)``, the same sl
 callback writes to the ring buffer. The agent (bpf/agent.py) runs it behind an asyncio UDP socket.
 Sums are int64 in numpy, so overflow is detected exactly and flagged like the kernel path does. Tokens
 are checked like the kernel checks them: against the values the agent installed per (worker, iteration).
+Slots are the same pool (a newer key takes a slot over, an older one is a straggler and dropped), and
+narrow-precision lanes are converted to int32 fixed point at the datagram's scale exactly as the kernel
+does (netstorm/lan/precision.py). With ``upstream`` (a cluster aggregator in userspace) a completed slot
+becomes this aggregator's DATA for the gateway, as the XDP program's forwarding makes it.
 """
 
 from __future__ import annotations
@@ -17,8 +21,21 @@ import numpy as np
 from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
-from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, HEADER_STRUCT, MAGIC, VERSION, Flag, Kind
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    HEADER_STRUCT,
+    MAGIC,
+    NEED_NONE,
+    VERSION,
+    Flag,
+    Kind,
+    Precision,
+)
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.precision import to_fixed
+
+_PRECISIONS = {int(p): p for p in Precision}
 
 
 @dataclass
@@ -40,8 +57,13 @@ class _Slot:
 class UserspaceAggregator:
     """Slots keyed like the kernel's: one per layout chunk, taken over by newer iterations."""
 
-    def __init__(self, layout: EdgeLayout, *, job: int, expected: int, timeout: float, max_nacks: int = 20) -> None:
+    def __init__(self, layout: EdgeLayout, *, job: int, expected: int, timeout: float, max_nacks: int = 20,
+                 up_worker: int | None = None) -> None:
         self.layout = layout
+        self.up_worker = up_worker
+        """A cluster aggregator's worker id at the gateway: completed slots come out as its DATA (None: AGG)."""
+        self.up_tokens: dict[int, int] = {}
+        """iteration -> this aggregator's own token at the gateway (with tokens)."""
         self.job = job
         self.expected = expected
         self.timeout = timeout
@@ -64,18 +86,24 @@ class UserspaceAggregator:
             self._tokens[worker * TOKEN_WINDOW + (iteration & (TOKEN_WINDOW - 1))] = (iteration & 0xFFFFFFFF, token)
 
     def on_data(self, data: bytes | bytearray | memoryview, now: float) -> bytes | None:
-        """Add one DATA datagram; returns the AGG datagram when it completed its slot (or re-emits it)."""
+        """Add one DATA datagram; returns the AGG datagram when it completed its slot (or re-emits it), or,
+        as a cluster aggregator, the DATA datagram that carries the cluster's sum on to the gateway."""
         lanes = self.layout.lanes
-        if len(data) != HEADER_BYTES + 4 * lanes:
+        if len(data) < HEADER_BYTES:
             self.counters["bad"] += 1
-            raise WireError(f"DATA datagram of {len(data)} bytes, expected {HEADER_BYTES + 4 * lanes}")
+            raise WireError(f"DATA datagram of {len(data)} bytes is shorter than the header")
         (magic, version, kind, job, worker, flags, iteration, tensor, chunk, index, count, scale, need,
-         _total, token) = HEADER_STRUCT.unpack_from(data)
+         _total, token, precision_code, wscale, _reserved) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC or version != VERSION:
             raise WireError(f"not an edge datagram (magic 0x{magic:04x}, version {version})")
         if kind != Kind.DATA or job != self.job:
             raise WireError(f"not a DATA datagram of job {self.job}")
         self.counters["rx"] += 1
+        precision = _PRECISIONS.get(precision_code)
+        if precision is None or len(data) != HEADER_BYTES + precision.lane_bytes * lanes:
+            self.counters["bad"] += 1
+            raise WireError(f"DATA datagram of {len(data)} bytes at precision code {precision_code}, expected "
+                            f"{lanes} lanes")
         if not 0 < count <= lanes or worker >= 64 or index >= len(self.slots) or flags & ~int(Flag.OVERFLOW):
             self.counters["bad"] += 1
             raise WireError(f"DATA from worker {worker} with count {count}, slot {index}: out of range")
@@ -88,11 +116,15 @@ class UserspaceAggregator:
         if not self.expected & bit:
             self.counters["unexpected"] += 1
             return None
-        values = np.frombuffer(data, "<i4", offset=HEADER_BYTES)
+        raw = np.frombuffer(data, np.uint8, offset=HEADER_BYTES)
+        values = to_fixed(raw, precision, wscale, scale)
+        if precision != Precision.FIXED32 and np.any(np.abs(values) > INT32_MAX):
+            flags |= int(Flag.OVERFLOW)   # a lane left int32 at this scale, as the kernel's conversion flags it
         s = self.slots[index]
         same = (s.iteration, s.tensor, s.chunk) == (iteration, tensor, chunk)
         age = ((iteration - s.iteration + 2**31) % 2**32) - 2**31
-        last = False
+        newer = age > 0 or (age == 0 and (tensor, chunk) > (s.tensor, s.chunk))
+        last = add = False
         if same and scale == s.scale and s.bitmap:
             if count != s.count:
                 self.counters["bad"] += 1
@@ -104,39 +136,43 @@ class UserspaceAggregator:
                 self.counters["reemit"] += 1
                 last = True
             else:
-                s.lanes += values
-                s.bitmap |= bit
-                s.flags |= flags & int(Flag.OVERFLOW)
-                s.need = min(s.need, need)
-                if s.bitmap == self.expected:
-                    s.busy = False
-                    last = True
-                    self.counters["complete"] += 1
-        elif (same and scale < s.scale) or age > 0 or not s.bitmap:
+                add = True
+        elif (same and scale < s.scale) or newer or not s.bitmap:
             if s.busy and not same:
                 self.counters["busy_evicted"] += 1
             s.iteration, s.tensor, s.chunk, s.scale, s.count = iteration, tensor, chunk, scale, count
-            s.need, s.flags, s.nacks, s.bitmap = need, flags & int(Flag.OVERFLOW), 0, bit
-            s.lanes[:] = values
-            if bit == self.expected:
-                s.busy = False
-                last = True
-                self.counters["complete"] += 1
-            else:
-                s.busy = True
-                s.deadline = now + self.timeout
-                self._arm(s.deadline, index)
+            s.need, s.flags, s.nacks, s.bitmap, s.busy = NEED_NONE, 0, 0, 0, True
+            s.lanes[:] = 0
+            s.deadline = now + self.timeout
+            self._arm(s.deadline, index)
+            add = True
         else:
             self.counters["stale" if same or age != 0 else "collision"] += 1
             return None
+        if add:
+            s.lanes += values
+            s.bitmap |= bit
+            s.flags |= flags & int(Flag.OVERFLOW)
+            s.need = min(s.need, need)
+            if s.bitmap == self.expected:
+                s.busy = False
+                last = True
+                self.counters["complete"] += 1
         if not last:
             return None
         if np.any(np.abs(s.lanes) > INT32_MAX):
             s.flags |= int(Flag.OVERFLOW)
             self.counters["overflow"] += 1
-        out = bytearray(data)
+        out = bytearray(HEADER_BYTES + 4 * lanes)
+        out[:HEADER_BYTES] = bytes(data[:HEADER_BYTES])
         head = np.frombuffer(out, HEADER_DTYPE, count=1)
-        head["kind"], head["flags"], head["need"], head["token"] = int(Kind.AGG), s.flags, s.need, self.agg_token
+        head["flags"], head["need"], head["precision"], head["wscale"] = s.flags, s.need, 0, 0
+        if self.up_worker is None:
+            head["kind"], head["token"] = int(Kind.AGG), self.agg_token
+        else:
+            head["kind"], head["worker"] = int(Kind.DATA), self.up_worker
+            head["token"] = self.up_tokens.get(iteration & 0xFFFFFFFF, 0)
+            self.counters["forwarded"] += 1
         out[HEADER_BYTES:] = np.clip(s.lanes, -(2**31), INT32_MAX).astype("<i4").tobytes()
         return bytes(out)
 

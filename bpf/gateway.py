@@ -13,6 +13,7 @@ workers' ``init`` returns.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from collections.abc import Callable
@@ -23,8 +24,11 @@ import numpy as np
 from bpf.agent import EdgeAgent
 from bpf.timer_link import LoaderError
 from netstorm.errors import ConfigError
+from netstorm.lan import udp
+from netstorm.lan.deploy import LanTopology
 from netstorm.lan.errors import EdgeTimeout
-from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.header import lanes_for_mtu
+from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
@@ -45,6 +49,20 @@ class EdgeOptions:
     job: int = 1
     secret: bytes | None = field(default=None, repr=False)
     """The job secret: LAN datagrams carry tokens derived from it and are checked (None: unauthenticated)."""
+    pool_slots: int = DEFAULT_POOL
+    """Slots reused across chunks and iterations (``edge_pool_slots``; 0: one per chunk of the model)."""
+    mtu: int = 1500
+    """The LAN's IPv4 MTU (``edge_mtu``): lanes per datagram follow from it."""
+    topology: LanTopology | None = None
+    """Who aggregates whom (``edge_clusters``; None: one level, every worker sends to the gateway)."""
+    group: tuple[str, int] | None = None
+    """Multicast group for ACKs and results (``edge_group``; None: unicast)."""
+    retransmit: float = 0.005
+    """Seconds a worker waits for an ACK before resending (``edge_retransmit``)."""
+
+    @property
+    def lanes(self) -> int:
+        return lanes_for_mtu(self.mtu)
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 64:
@@ -53,6 +71,9 @@ class EdgeOptions:
             raise ConfigError(f"--edge-mode must be auto, xdp or userspace, got {self.mode!r}")
         if self.mode != "userspace" and not self.interface:
             raise ConfigError(f"--edge-mode {self.mode} needs --edge-interface (the LAN-facing interface)")
+        if self.topology is not None and self.topology.workers != self.workers:
+            raise ConfigError(f"edge_clusters describes {self.topology.workers} workers, --edge-workers is "
+                              f"{self.workers}")
 
 
 class GatewayRole:
@@ -76,20 +97,31 @@ class GatewayRole:
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
 
+    def deploy(self, topology: LanTopology) -> None:
+        """Take a new two-level configuration (from the planner) before the LAN starts: the gateway's
+        expected contributors and every worker's HELLO answer follow it."""
+        if self.agent is not None:
+            raise RuntimeError("edge: the LAN topology is deployed before the first iteration")
+        self.options = dataclasses.replace(self.options, topology=topology)
+
     def _start(self, sizes: list[int]) -> EdgeAgent:
         opts = self.options
-        layout = EdgeLayout.uniform(sizes, scale=opts.scale)
+        topology = opts.topology if opts.topology is not None else LanTopology(opts.workers)
+        layout = EdgeLayout.uniform(sizes, scale=opts.scale, lanes=opts.lanes, pool=opts.pool_slots)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.bind(opts.listen)
         sock.setblocking(False)
+        if opts.group is not None:
+            ifindex = socket.if_nametoindex(opts.interface) if opts.interface else 0
+            udp.multicast_from(sock, address=opts.listen[0], ifindex=ifindex)
         xdp = None
         mode = "userspace"
         if opts.mode in ("auto", "xdp"):
             try:
                 from bpf.xdp import XdpAggregator
 
-                xdp = XdpAggregator(layout, job=opts.job, port=opts.listen[1], expected=(1 << opts.workers) - 1,
+                xdp = XdpAggregator(layout, job=opts.job, port=opts.listen[1], expected=topology.gateway_mask(),
                                     timeout=opts.slot_timeout)
                 assert opts.interface is not None
                 attached = xdp.attach(socket.if_nametoindex(opts.interface))
@@ -107,7 +139,7 @@ class GatewayRole:
         self.mode = mode
         agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
                           mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout,
-                          secret=opts.secret)
+                          secret=opts.secret, group=opts.group, topology=topology, retransmit=opts.retransmit)
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
                  "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
@@ -180,8 +212,9 @@ class GatewayRole:
         while True:
             iteration, per_key, workers = await self._results.get()
             try:
-                if iteration == self.init_iteration:
+                first = iteration == self.init_iteration
+                if first:
                     await self.agent.wait_workers(self.iteration_timeout)
-                await self.agent.send_results(iteration, per_key, total=workers)
+                await self.agent.send_results(iteration, per_key, total=workers, unicast=first)
             except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
                 log.error("edge: results of iteration %d: %s", iteration, exc)

@@ -12,6 +12,7 @@ import errno
 import itertools
 import math
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded")
 TOKEN_WINDOW = 8
 """Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
@@ -71,18 +72,35 @@ class _TestRunOpts(ctypes.Structure):
     ]
 
 
+@dataclass(frozen=True)
+class Upstream:
+    """Where a cluster aggregator forwards its completed slots: the gateway, as worker ``worker``."""
+
+    worker: int
+    ifindex: int
+    """The interface towards the gateway."""
+    gateway: tuple[str, int]
+    gateway_mac: bytes
+    own: tuple[str, int]
+    """This host's address on that interface and the source port of forwarded datagrams."""
+    own_mac: bytes
+
+
 class XdpAggregator:
-    """A loaded (not yet attached) aggregation program for one layout, job and UDP port."""
+    """A loaded (not yet attached) aggregation program for one layout, job and UDP port. With ``upstream``
+    it is a cluster aggregator (two-level LAN): completed slots go on to the gateway as its DATA."""
 
     def __init__(self, layout: EdgeLayout, *, job: int, port: int, expected: int, timeout: float,
-                 max_nacks: int = 20) -> None:
+                 max_nacks: int = 20, upstream: Upstream | None = None) -> None:
         self.layout = layout
+        self.upstream = upstream
         name = f"ns_slots_{os.getpid()}_{next(_instances)}"
         # the ring buffer holds one report from every slot at once (power-of-two pages, at least 16)
         pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 64 / 4096)))
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
                   f"-DNS_TOKEN_WINDOW={TOKEN_WINDOW}",
                   f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]
+        self._slot_map = name.encode()
         owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
         # the datagram header comes from the one definition of its layout, shared with the workers
         prog = c_definitions() + (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
@@ -92,7 +110,7 @@ class XdpAggregator:
         self._lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
-        self._attached: tuple[int, int] | None = None
+        self._attached: list[tuple[int, int]] = []
         self._events: list[SlotEvent] = []
         self._ring_open = False
         self._agg_token = 0
@@ -144,6 +162,18 @@ class XdpAggregator:
         value.max_nacks = max_nacks
         value.auth = 1 if self._agg_token else 0
         value.agg_token = self._agg_token
+        up = self.upstream
+        if up is not None:
+            value.forward = 1
+            value.up_worker = up.worker
+            value.up_ifindex = up.ifindex
+            value.up_ip = int.from_bytes(socket.inet_aton(up.gateway[0]), "little")
+            value.own_ip = int.from_bytes(socket.inet_aton(up.own[0]), "little")
+            value.up_port = socket.htons(up.gateway[1])
+            value.own_port = socket.htons(up.own[1])
+            for i in range(6):
+                value.up_mac[i] = up.gateway_mac[i]
+                value.own_mac[i] = up.own_mac[i]
         table[table.Key(0)] = value
 
     def require_tokens(self, agg_token: int) -> None:
@@ -174,16 +204,37 @@ class XdpAggregator:
         for name, flags in tries:
             rc = self._lib.bpf_xdp_attach(ifindex, self.fd, flags, None)
             if rc == 0:
-                self._attached = (ifindex, flags)
+                self._attached.append((ifindex, flags))
                 return name
             errors.append(f"{name}: {os.strerror(-rc)}")
         raise LoaderError(f"attaching XDP to ifindex {ifindex} failed ({'; '.join(errors)})")
 
     def detach(self) -> None:
-        if self._attached is not None:
-            ifindex, flags = self._attached
+        """Detach from every interface ``attach`` put the program on (in the caller's namespace)."""
+        for ifindex, flags in self._attached:
             self._lib.bpf_xdp_detach(ifindex, flags, None)
-            self._attached = None
+        self._attached = []
+
+    def map_fds(self) -> dict[str, int]:
+        """The program's maps by name (slot map, configuration, tokens, counters, ring buffer)."""
+        import bcc
+
+        # the slot map's value type has fields bcc's table wrapper cannot decode: ask for its fd by name
+        fds = {"slots": int(bcc.libbcc.lib.bpf_table_fd(self._owner.module, self._slot_map))}
+        for name in ("ns_cfg", "ns_tokens", "ns_stats", "ns_events"):
+            fds[name] = int(self._module[name.encode()].map_fd)
+        return fds
+
+    def kernel_map_bytes(self) -> int:
+        """Kernel memory the program's maps hold, as the kernel accounts it (``memlock`` in each map's
+        fdinfo): what a pool of slots costs, whatever the model."""
+        total = 0
+        for fd in self.map_fds().values():
+            with open(f"/proc/self/fdinfo/{fd}") as info:
+                for line in info:
+                    if line.startswith("memlock:"):
+                        total += int(line.split()[1])
+        return total
 
     def stats(self) -> dict[str, int]:
         """Counters summed over CPUs."""
@@ -261,7 +312,6 @@ UDP_PAYLOAD = 14 + 20 + 8
 def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",
               dst: str = "10.0.0.1") -> bytes:
     """An Ethernet/IPv4/UDP frame around ``payload`` (for BPF_PROG_TEST_RUN)."""
-    import socket
     import struct
 
     udp_len = 8 + len(payload)

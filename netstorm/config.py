@@ -138,6 +138,23 @@ class Config:
     allow_joiners: bool = False
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
+    # LAN tier.
+    edge_pool_slots: int = 4096
+    """Aggregation slots a LAN gateway (and each LAN aggregator) reuses across chunks and iterations, as
+    SwitchML does: a worker keeps at most this many chunks in flight, and the slot map takes
+    pool * (64 + 4 * lanes) bytes whatever the model (at most 56 MB). 0: one slot per chunk of the model."""
+    edge_mtu: int = 1500
+    """IPv4 MTU of the LAN; the lanes per datagram follow from it (357 at 1500). XDP native mode on veth
+    takes at most 3504 without multi-buffer programs (857 lanes)."""
+    edge_clusters: str = ""
+    """Two-level LAN aggregation: "A:M,M;B:M" makes LAN worker A aggregate workers M... (and itself) with
+    the XDP program on its own host and forward the partial sum to the gateway; empty: one level."""
+    edge_retransmit: float = 0.005
+    """Seconds a LAN worker waits for progress (an ACK) before it resends its unacknowledged chunks; also
+    the gateway's slot timer period."""
+    edge_group: str = "239.77.0.1:9701"
+    """Multicast group ADDRESS:PORT the gateway sends ACKs and results to, one datagram replicated by the
+    LAN for every worker; empty: one unicast copy per worker."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -158,6 +175,12 @@ class Config:
         for name in positive_ints:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.edge_pool_slots < 0:
+            raise ConfigError(f"edge_pool_slots must be >= 0 (0: one per chunk), got {self.edge_pool_slots}")
+        if not 576 <= self.edge_mtu <= 9000:
+            raise ConfigError(f"edge_mtu must be in 576..9000 bytes, got {self.edge_mtu}")
+        if self.edge_retransmit <= 0:
+            raise ConfigError(f"edge_retransmit must be positive seconds, got {self.edge_retransmit!r}")
         if self.max_ahead < 0:
             raise ConfigError(f"max_ahead must be >= 0, got {self.max_ahead!r}")
         if self.num_root_servers < 0:

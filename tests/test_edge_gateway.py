@@ -71,7 +71,7 @@ def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> N
             for sock in ("n1.sock", "n2.sock"):
                 wait_for(tmp_path / sock, procs, 60)
             workers = [AsyncEdgeClient((GATEWAY_IP, EDGE_PORT), i, job=1, timeout=TIMEOUT,
-                                       sock=lan.udp_socket(ns, lan.worker_ip(i)))
+                                       sock=lan.udp_socket(ns, lan.worker_ip(i)), group_opener=lan.group_opener(ns))
                        for i, ns in enumerate(lan.workers)]
             asyncio.run(_drive(tmp_path, workers))
             node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")

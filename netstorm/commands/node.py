@@ -58,10 +58,16 @@ def run(args: argparse.Namespace) -> int:
     edge = None
     if args.edge_workers:
         from bpf.gateway import EdgeOptions
+        from netstorm.lan.deploy import LanTopology
 
         edge = EdgeOptions(workers=args.edge_workers, listen=parse_address(args.edge_listen, "--edge-listen"),
                            interface=args.edge_interface, mode=args.edge_mode, scale=args.edge_scale,
-                           slot_timeout=args.edge_slot_timeout, secret=edge_secret(config))
+                           slot_timeout=args.edge_slot_timeout, secret=edge_secret(config),
+                           pool_slots=config.edge_pool_slots, mtu=config.edge_mtu,
+                           topology=LanTopology.parse(config.edge_clusters, args.edge_workers)
+                           if config.edge_clusters else None,
+                           group=parse_address(config.edge_group, "edge_group") if config.edge_group else None,
+                           retransmit=config.edge_retransmit)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,

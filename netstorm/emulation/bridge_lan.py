@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from netstorm.emulation import netns, shaping
@@ -132,6 +132,13 @@ class Lan:
             return sock
 
         return netns.run_in(ns, make)
+
+    def group_opener(self, ns: str) -> Callable[[tuple[str, int], str], socket.socket]:
+        """Opens a LAN worker's multicast group socket inside ``ns`` (netstorm/lan/sender.py's
+        ``group_opener``: this process drives every namespace from one thread)."""
+        from netstorm.lan.sender import group_socket
+
+        return lambda group, local: netns.run_in(ns, lambda: group_socket(group, local))
 
     def gateway_ifindex(self) -> int:
         return netns.run_in(self.gateway, lambda: socket.if_nametoindex("eth0"))

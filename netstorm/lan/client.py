@@ -23,15 +23,25 @@ import numpy as np
 
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
 from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.sender import EdgeSender
+from netstorm.lan.sender import EdgeSender, GroupOpener
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
 
 
+def parse_precision(address: str) -> Precision:
+    """The ``precision=`` of an edge address (fp32, fp16, bf16 or int8; default fp32)."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(address).query)
+    try:
+        return Precision.parse(query.get("precision", ["fp32"])[0])
+    except WireError as exc:
+        raise TrainerError(f"bad edge address {address!r}: {exc}") from None
+
+
 def parse(address: str) -> tuple[tuple[str, int], int, int]:
-    """((host, port), worker id, job) from ``edge://HOST:PORT?worker=I[&job=J]``."""
+    """((host, port), worker id, job) from ``edge://HOST:PORT?worker=I[&job=J][&precision=P]``."""
     url = urllib.parse.urlsplit(address)
     query = urllib.parse.parse_qs(url.query)
     if url.scheme != "edge" or not url.hostname or not url.port or "worker" not in query:
@@ -50,8 +60,13 @@ class AsyncEdgeClient:
     """One LAN worker of a gateway; create with ``aconnect_edge``."""
 
     def __init__(self, gateway: tuple[str, int], worker: int, *, job: int, timeout: float,
-                 sock: socket.socket | None = None, secret: bytes | None = None) -> None:
+                 sock: socket.socket | None = None, secret: bytes | None = None,
+                 precision: Precision = Precision.FIXED32, group_opener: GroupOpener | None = None) -> None:
         self.gateway = gateway
+        self.group_opener = group_opener
+        self.precision = precision
+        """How this worker's gradients travel (PAHInA's per-worker precision): fp32 as int32 fixed point,
+        fp16, bf16 or int8 with a per-chunk scale; the gateway sums them at one fixed-point scale."""
         self.secret = secret
         """The job secret (its datagrams' tokens); None: unauthenticated, as a gateway without one."""
         self.worker_id = worker
@@ -84,18 +99,21 @@ class AsyncEdgeClient:
         self.shapes = {n: tuple(np.shape(tensors[n])) for n in self.names}
         self.dtypes = {n: np.asarray(tensors[n]).dtype for n in self.names}
         sizes = [max(1, int(np.prod(self.shapes[n], dtype=np.int64))) for n in self.names]
-        probe = EdgeSender(self.sock, self.gateway, worker=self.worker_id,
-                           layout=EdgeLayout.uniform(sizes, scale=0), job=self.job, secret=self.secret)
+        worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id,
+                            layout=EdgeLayout.uniform(sizes, scale=0), job=self.job, secret=self.secret,
+                            precision=self.precision, group_opener=self.group_opener)
         try:
-            reply = await probe.hello(timeout=self.timeout)
+            reply = await worker.hello(timeout=self.timeout)
         except EdgeTimeout as exc:
+            worker.close()
             raise NodeGone(str(exc)) from None
-        layout = EdgeLayout.uniform(sizes, scale=reply.scale)
-        if reply.tensor != len(sizes) or reply.slot != layout.num_slots:
+        # the HELLO answer's deployment set the layout's scale, lanes and pool
+        layout = worker.layout
+        if reply.tensor != len(sizes) or reply.slot != layout.num_chunks:
+            worker.close()
             raise WrongShape(f"edge worker {self.worker_id}: the gateway's model has {reply.tensor} tensors in "
-                             f"{reply.slot} slots, this worker's has {len(sizes)} in {layout.num_slots}")
-        self._worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id, layout=layout, job=self.job,
-                                  secret=self.secret)
+                             f"{reply.slot} chunks, this worker's has {len(sizes)} in {layout.num_chunks}")
+        self._worker = worker
         try:
             self.iteration, flat, self._workers = await self._worker.receive_first(timeout=self.timeout)
         except EdgeTimeout as exc:
@@ -163,6 +181,8 @@ class AsyncEdgeClient:
                 for n, f in zip(self.names, flat, strict=True)}
 
     async def close(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
         self.sock.close()
 
 
@@ -205,10 +225,12 @@ def connect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT, sock: socket
     """A LAN worker of the gateway at ``address``; ``secret`` is the job secret when the job has one (the
     gateway then ignores datagrams without this worker's tokens, and the worker the gateway's)."""
     gateway, worker, job = parse(address)
-    return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret))
+    return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret,
+                                      precision=parse_precision(address)))
 
 
 async def aconnect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
                         sock: socket.socket | None = None, secret: bytes | None = None) -> AsyncEdgeClient:
     gateway, worker, job = parse(address)
-    return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret)
+    return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret,
+                           precision=parse_precision(address))

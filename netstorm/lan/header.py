@@ -1,4 +1,4 @@
-"""The LAN edge wire format: one UDP datagram = a 40-byte header + up to ``MAX_LANES`` 4-byte lanes.
+"""The LAN edge wire format: one UDP datagram = a 44-byte header + up to ``MAX_LANES`` lanes.
 
 The header has a fixed binary layout that two sides parse: this module (workers, the gateway's agent and
 its userspace aggregator) and the XDP program in C (bpf/aggregator.c). ``FIELDS`` is the one definition:
@@ -7,10 +7,13 @@ the numpy dtype and ``struct`` format used here are derived from it, and so is t
 loader puts in front of the program before bcc compiles it. A field added or moved here moves in C too.
 
 All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
-DATA and AGG carry int32 fixed-point lanes; RESULT carries float32 lanes. DATA is always padded with zero
-lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in linear
-time); ``count`` says how many lanes matter. 40 + 358*4 bytes of UDP payload plus 28 bytes of IPv4/UDP
-headers is exactly a 1500-byte MTU.
+DATA carries lanes of the sender's ``precision`` (``Precision``: int32 fixed point at ``scale``, or raw
+fp16, bf16, or int8 at the sender's own ``wscale``, which the aggregator converts exactly to int32 fixed
+point at ``scale``); AGG carries int32 fixed-point lanes; RESULT carries float32 lanes; ACK carries u32
+chunk sequence numbers (a chunk's index in the whole model: its slot's key). DATA is always padded with
+zero lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in
+linear time); ``count`` says how many lanes matter. ``lanes_for_mtu`` gives the lane width an MTU holds:
+44 + 357*4 bytes of UDP payload plus 28 bytes of IPv4/UDP headers fit a 1500-byte MTU.
 
 ``token`` authenticates a datagram when the job has a secret (``netstorm/lan/tokens.py``): a keyed value per
 (sender, worker, iteration) that the receiver compares with the one it derived or installed, zero when
@@ -34,10 +37,12 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 2
-"""2: the 64-bit ``token`` joined the header (version 1 had none)."""
-HEADER_BYTES: Final = 40
-MAX_LANES: Final = 358
+VERSION: Final = 3
+"""3: ``precision`` and ``wscale`` joined the header, and slots became a pool (2 added the ``token``)."""
+HEADER_BYTES: Final = 44
+MAX_LANES: Final = 1024
+"""The wire's limit; a layout's lane width comes from the LAN MTU (``lanes_for_mtu``)."""
+IP_UDP_BYTES: Final = 28
 MAX_WORKERS: Final = 64
 """Worker ids are bits of a 64-bit contributor bitmap."""
 NEED_NONE: Final = 127
@@ -72,6 +77,9 @@ FIELDS: Final = (
           "every other kind"),
     Field("token", "u64", "keyed per-(sender, worker, iteration) token when the job has a secret, else 0; "
           "AGG: the agent's own value, written by the data plane"),
+    Field("precision", "u8", "DATA: lane encoding (Precision: FIXED32, FP16, BF16, INT8); zero elsewhere"),
+    Field("wscale", "s8", "DATA at INT8: the sender's own scale (lanes hold round(x * 2**wscale)); else 0"),
+    Field("reserved", "u16", "zero"),
 )
 """The header, field by field in wire order, without padding."""
 
@@ -105,17 +113,67 @@ class Kind(enum.IntEnum):
     PULL = 5
     """worker -> agent: resend the RESULT of (iteration, tensor, chunk)."""
     HELLO = 6
-    """worker -> agent: announces the worker's address; the agent answers with a HELLO."""
+    """worker -> agent: announces the worker's address; the agent answers with a HELLO whose payload is the
+    worker's deployment (netstorm/lan/deploy.py: pool, lane width, where to send DATA, its cluster)."""
+    ACK = 7
+    """agent -> every worker (one multicast datagram): these chunks' slots completed, send what reuses them."""
+    QUERY = 8
+    """worker -> agent: which of these chunks (u32 sequence numbers) completed? Answered by a unicast ACK."""
+
+
+class Precision(enum.IntEnum):
+    """How a DATA datagram's lanes encode the sender's values; the aggregator converts each exactly to int32
+    fixed point at the datagram's ``scale`` (the slot's common scale) before adding."""
+
+    FIXED32 = 0
+    """int32 lanes round(x * 2**scale), quantised by the sender (what an fp32 worker sends)."""
+    FP16 = 1
+    """IEEE half-precision bits (2 bytes)."""
+    BF16 = 2
+    """bfloat16 bits (2 bytes)."""
+    INT8 = 3
+    """int8 lanes round(x * 2**wscale) at the sender's own ``wscale`` (1 byte)."""
+
+    @property
+    def lane_bytes(self) -> int:
+        return LANE_BYTES[self]
+
+    @classmethod
+    def parse(cls, name: str) -> Precision:
+        """``fp32``, ``fp16``, ``bf16`` or ``int8``."""
+        try:
+            return PRECISION_NAMES[name.strip().lower()]
+        except KeyError:
+            raise WireError(f"unknown precision {name!r}: expected one of {', '.join(PRECISION_NAMES)}") from None
+
+
+LANE_BYTES: Final = {Precision.FIXED32: 4, Precision.FP16: 2, Precision.BF16: 2, Precision.INT8: 1}
+PRECISION_NAMES: Final = {"fp32": Precision.FIXED32, "fp16": Precision.FP16, "bf16": Precision.BF16,
+                          "int8": Precision.INT8}
+
+
+def lanes_for_mtu(mtu: int) -> int:
+    """The widest lane count whose int32/float32 datagram fits an ``mtu``-byte IPv4 packet."""
+    lanes = (mtu - IP_UDP_BYTES - HEADER_BYTES) // 4
+    if not 1 <= lanes <= MAX_LANES:
+        raise WireError(f"an MTU of {mtu} bytes holds {lanes} lanes; the wire carries 1..{MAX_LANES}")
+    return lanes
 
 
 class Flag(enum.IntFlag):
     NONE = 0
     OVERFLOW = 1
     RESCALE = 2
+    AGGREGATOR = 4
+    """On a HELLO: from a cluster aggregator's service (it gets its deployment; results still go to the
+    worker's own HELLO address)."""
 
 
 _KINDS: Final = {int(k): k for k in Kind}
-_FLAGS: Final = {int(f): Flag(f) for f in range(4)}
+_PRECISIONS: Final = {int(p): p for p in Precision}
+MAX_DEPLOY_BYTES: Final = 1024
+"""Largest HELLO payload (a worker's deployment)."""
+_FLAGS: Final = {int(f): Flag(f) for f in range(8)}
 """Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
 
 
@@ -136,11 +194,15 @@ class Header:
     """RESULT only: workers whose gradients the result sums."""
     token: int = 0
     """The sender's token (netstorm/lan/tokens.py), 0 without a job secret."""
+    precision: Precision = Precision.FIXED32
+    wscale: int = 0
+    reserved: int = 0
+    """Always zero (decode rejects anything else)."""
 
     def encode(self) -> bytes:
         return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
                                   self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
-                                  self.need, self.total, self.token)
+                                  self.need, self.total, self.token, int(self.precision), self.wscale, self.reserved)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Header:
@@ -148,7 +210,7 @@ class Header:
         if len(data) < HEADER_BYTES:
             raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
         (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
-         total, token) = HEADER_STRUCT.unpack_from(data)
+         total, token, precision_code, wscale, reserved) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC:
             raise WireError(f"bad magic 0x{magic:04x}")
         if version != VERSION:
@@ -160,11 +222,20 @@ class Header:
             raise WireError(f"count {count} exceeds {MAX_LANES} lanes")
         if worker >= MAX_WORKERS:
             raise WireError(f"worker {worker} out of range 0..{MAX_WORKERS - 1}")
+        if reserved:
+            raise WireError(f"reserved header word 0x{reserved:04x} is not zero")
+        precision = _PRECISIONS.get(precision_code)
+        if precision is None or (precision != Precision.FIXED32 and kind != Kind.DATA):
+            raise WireError(f"{kind.name} datagram with precision code {precision_code}")
         payload = len(data) - HEADER_BYTES
-        if kind in (Kind.DATA, Kind.AGG, Kind.RESULT):
+        if kind in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY):
             # lanes may be padded (with zeros) up to the layout's lane width; count says how many matter
-            if payload % 4 or not 4 * count <= payload <= 4 * MAX_LANES:
+            width = precision.lane_bytes
+            if payload % width or not width * count <= payload <= width * MAX_LANES:
                 raise WireError(f"{kind.name} datagram with {payload} payload bytes cannot hold {count} lanes")
+        elif kind == Kind.HELLO:
+            if payload > MAX_DEPLOY_BYTES:
+                raise WireError(f"HELLO datagram with {payload} payload bytes (at most {MAX_DEPLOY_BYTES})")
         elif payload:
             raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
         flag = _FLAGS.get(flags)
@@ -173,7 +244,8 @@ class Header:
         if total and kind != Kind.RESULT:
             raise WireError(f"{kind.name} datagram with total {total}: only RESULT carries one")
         return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
-                   count=count, scale=scale, need=need, flags=flag, total=total, token=token)
+                   count=count, scale=scale, need=need, flags=flag, total=total, token=token, precision=precision,
+                   wscale=wscale)
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:
@@ -197,6 +269,7 @@ def c_definitions() -> str:
              f"#define NS_NEED_NONE {NEED_NONE}"]
     lines += [f"#define NS_KIND_{k.name} {int(k)}" for k in Kind]
     lines += [f"#define NS_FLAG_{f.name} {int(f)}" for f in Flag if f.name and f is not Flag.NONE]
+    lines += [f"#define NS_PREC_{p.name} {int(p)}" for p in Precision]
     lines.append("struct ns_hdr {")
     lines += [f"    {d.ljust(width)}/* {f.meaning} */" for d, f in zip(declarations, FIELDS, strict=True)]
     lines.append("} __attribute__((packed));")

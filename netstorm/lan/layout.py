@@ -1,12 +1,15 @@
 """Sizing the edge data plane from the model: which packet-sized chunk of which tensor uses which slot.
 
 Every tensor is cut into chunks of at most ``lanes`` elements, one chunk per datagram. Chunk c of tensor t
-uses slot ``first[t] + c``, so one iteration's chunks never share a slot and the slot map holds exactly
-one model's worth of slots: a slot is taken over by the next iteration only after its own iteration
-completed (workers are synchronous), which makes reuse across iterations safe without clearing the map.
+has the sequence number ``seq = first[t] + c`` (its place in the whole model) and uses slot
+``seq % pool``: a fixed pool of slots is reused across chunks and iterations, as in SwitchML. A worker
+sends the chunk that reuses a slot only after the ACK of the slot's previous chunk came back (the agent
+multicasts ACKs as slots complete), so at most ``pool`` chunks per worker are in flight and a slot is
+only ever taken over by a newer key (later chunk of the same iteration, or a later iteration). With
+``pool = 0`` the pool is one slot per chunk of the model (no reuse within an iteration).
 
-Memory: each slot holds a 40-byte key/bitmap/timer block plus ``lanes`` int32 lanes, so a model of P
-float32 parameters needs about P * 4 * (1 + 40 / (4 * lanes)) bytes of slot map (about 1.03x the model).
+Memory: each slot holds a 64-byte key/bitmap/timer block plus ``lanes`` int32 lanes, so the slot map needs
+``pool * (64 + 4 * lanes)`` bytes whatever the model (``MAX_MAP_BYTES`` bounds it).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from netstorm.lan.header import MAX_LANES
 
 SLOT_OVERHEAD_BYTES = 64
 """Bytes of a slot besides its lanes (lock, key, bitmaps, flags, struct bpf_timer), rounded up."""
+MAX_MAP_BYTES = 56 << 20
+"""Largest slot map a layout may ask for, so the program's maps stay within 64 MB in total."""
+DEFAULT_POOL = 4096
+"""Slots in the pool unless configured (``edge_pool_slots``)."""
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,8 @@ class EdgeLayout:
     sizes: tuple[int, ...]
     scales: tuple[int, ...]
     lanes: int = MAX_LANES
+    pool: int = 0
+    """Slots reused across chunks (0: one per chunk of the model)."""
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.scales):
@@ -41,10 +50,15 @@ class EdgeLayout:
             raise WireError(f"tensor sizes must be positive, got {self.sizes}")
         if any(not -128 <= s <= 126 for s in self.scales):
             raise WireError(f"scales must fit an int8 below 127, got {self.scales}")
+        if self.pool < 0:
+            raise WireError(f"pool must be >= 0 slots (0: one per chunk), got {self.pool}")
+        if self.map_bytes > MAX_MAP_BYTES:
+            raise WireError(f"{self.num_slots} slots of {self.slot_bytes} bytes need {self.map_bytes} bytes of "
+                            f"slot map, more than {MAX_MAP_BYTES}: choose a smaller pool (edge_pool_slots)")
 
     @classmethod
-    def uniform(cls, sizes: Sequence[int], scale: int, lanes: int = MAX_LANES) -> EdgeLayout:
-        return cls(tuple(int(s) for s in sizes), tuple(scale for _ in sizes), lanes)
+    def uniform(cls, sizes: Sequence[int], scale: int, lanes: int = MAX_LANES, pool: int = 0) -> EdgeLayout:
+        return cls(tuple(int(s) for s in sizes), tuple(scale for _ in sizes), lanes, pool)
 
     @cached_property
     def chunks(self) -> tuple[int, ...]:
@@ -56,9 +70,14 @@ class EdgeLayout:
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.chunks)[:-1]]))
 
     @property
-    def num_slots(self) -> int:
-        """Slots in the map: one per chunk of the whole model."""
+    def num_chunks(self) -> int:
+        """Chunks (datagrams per worker) of the whole model."""
         return int(sum(self.chunks))
+
+    @property
+    def num_slots(self) -> int:
+        """Slots in the map: the pool, or one per chunk when the pool is 0 or larger than the model."""
+        return self.num_chunks if not self.pool else min(self.pool, self.num_chunks)
 
     @property
     def slot_bytes(self) -> int:
@@ -68,10 +87,22 @@ class EdgeLayout:
     def map_bytes(self) -> int:
         return self.num_slots * self.slot_bytes
 
-    def slot(self, tensor: int, chunk: int) -> int:
+    def seq(self, tensor: int, chunk: int) -> int:
+        """The chunk's sequence number in the whole model (its index in per-chunk arrays)."""
         if not 0 <= tensor < len(self.sizes) or not 0 <= chunk < self.chunks[tensor]:
             raise WireError(f"no chunk {chunk} of tensor {tensor} in this layout")
         return self.first_slot[tensor] + chunk
+
+    def slot(self, tensor: int, chunk: int) -> int:
+        """The pool slot the chunk uses."""
+        return self.seq(tensor, chunk) % self.num_slots
+
+    def locate(self, seq: int) -> tuple[int, int]:
+        """(tensor, chunk) of a sequence number."""
+        if not 0 <= seq < self.num_chunks:
+            raise WireError(f"no chunk with sequence number {seq} in this layout")
+        tensor = int(np.searchsorted(self.first_slot, seq, side="right") - 1)
+        return tensor, seq - self.first_slot[tensor]
 
     def bounds(self, tensor: int, chunk: int) -> tuple[int, int]:
         """Element range [start, stop) of a chunk within its tensor."""
@@ -79,4 +110,4 @@ class EdgeLayout:
         return start, min(start + self.lanes, self.sizes[tensor])
 
     def key(self) -> tuple[object, ...]:
-        return (self.sizes, self.scales, self.lanes)
+        return (self.sizes, self.scales, self.lanes, self.pool)

@@ -6,8 +6,19 @@ import numpy as np
 
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
-from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAGIC, NEED_NONE, TOKEN_AT, VERSION, Flag, Kind
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    MAGIC,
+    NEED_NONE,
+    TOKEN_AT,
+    VERSION,
+    Flag,
+    Kind,
+    Precision,
+)
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.precision import encode_lanes, int8_scales, rounded
 
 
 def chunk_matrix(layout: EdgeLayout, tensor: int, values: np.ndarray) -> np.ndarray:
@@ -46,29 +57,39 @@ def header_rows(n: int, *, kind: Kind, job: int, worker: int, iteration: int, to
 
 
 def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, tensor: int, values: np.ndarray,
-                 chunks: np.ndarray | None = None, scale: int | None = None, token: int = 0) -> np.ndarray:
+                 chunks: np.ndarray | None = None, scale: int | None = None, token: int = 0,
+                 precision: Precision = Precision.FIXED32) -> np.ndarray:
     """DATA datagrams (one row each, uint8) for the given chunks (default all) of one tensor, carrying the
-    worker's ``token`` for the iteration.
+    worker's ``token`` for the iteration, its lanes encoded at ``precision``.
 
-    A row whose values do not fit int32 at ``scale`` carries the OVERFLOW flag (its lanes are clipped and
-    will not be used); ``need`` tells the gateway the scale at which they would fit."""
+    The values are first rounded to the worker's precision (``precision.rounded``); a row whose rounded
+    values do not fit int32 at ``scale`` carries the OVERFLOW flag (its lanes will not be used); ``need``
+    tells the gateway the scale at which they would fit."""
     matrix = chunk_matrix(layout, tensor, values)
     index = np.arange(layout.chunks[tensor]) if chunks is None else np.asarray(chunks, np.int64)
     matrix = matrix[index]
     s = layout.scales[tensor] if scale is None else scale
-    scaled = np.rint(matrix * 2.0**s)
+    wscales = int8_scales(matrix) if precision == Precision.INT8 else np.zeros(len(index), np.int64)
+    exact = rounded(matrix, precision, wscales)
+    scaled = np.rint(exact * 2.0**s)
     overflow = np.any(np.abs(scaled) > INT32_MAX, axis=1)
-    np.clip(scaled, -INT32_MAX, INT32_MAX, out=scaled)
+    if precision == Precision.FIXED32:
+        np.clip(scaled, -INT32_MAX, INT32_MAX, out=scaled)
+        lanes = scaled.astype("<i4")
+    else:
+        lanes = encode_lanes(matrix, precision, wscales)
     rows = header_rows(len(index), kind=Kind.DATA, job=job, worker=worker, iteration=iteration, token=token)
     rows["tensor"] = tensor
     rows["chunk"] = index
-    rows["slot"] = layout.first_slot[tensor] + index
+    rows["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
     start = index * layout.lanes
     rows["count"] = np.minimum(layout.lanes, layout.sizes[tensor] - start)
     rows["scale"] = s
-    rows["need"] = fit_scales(matrix)
+    rows["need"] = fit_scales(exact)
     rows["flags"] = np.where(overflow, int(Flag.OVERFLOW), 0)
-    return _assemble(rows, scaled.astype("<i4"))
+    rows["precision"] = int(precision)
+    rows["wscale"] = wscales
+    return _assemble(rows, lanes)
 
 
 def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int, values: np.ndarray, total: int,
@@ -83,16 +104,29 @@ def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int,
     rows["total"] = total
     rows["tensor"] = tensor
     rows["chunk"] = index
-    rows["slot"] = layout.first_slot[tensor] + index
+    rows["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
     rows["count"] = np.minimum(layout.lanes, layout.sizes[tensor] - index * layout.lanes)
     rows["need"] = NEED_NONE
     return _assemble(rows, matrix[index].astype("<f4"))
 
 
 def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
-    out = np.empty((len(rows), HEADER_BYTES + 4 * lanes.shape[1]), np.uint8)
+    out = np.empty((len(rows), HEADER_BYTES + lanes.dtype.itemsize * lanes.shape[1]), np.uint8)
     out[:, :HEADER_BYTES] = rows.view(np.uint8).reshape(len(rows), HEADER_BYTES)
     out[:, HEADER_BYTES:] = np.ascontiguousarray(lanes).view(np.uint8).reshape(len(rows), -1)
+    return out
+
+
+def ack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, per_packet: int = 256) -> list[bytes]:
+    """ACK datagrams listing completed chunks' sequence numbers (u32 lanes), ``per_packet`` at most each."""
+    out = []
+    seqs = np.asarray(seqs, "<u4")
+    for start in range(0, len(seqs), per_packet):
+        part = seqs[start: start + per_packet]
+        rows = header_rows(1, kind=Kind.ACK, job=job, worker=0, iteration=iteration, token=token)
+        rows["count"] = len(part)
+        rows["need"] = NEED_NONE
+        out.append(rows.tobytes() + part.tobytes())
     return out
 
 

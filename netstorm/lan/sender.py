@@ -1,10 +1,20 @@
-"""The LAN worker's side: send a gradient as fixed-point DATA datagrams to the gateway, answer NACKs from
-what it kept, and receive the float32 result (PULLing chunks whose RESULT was lost) with the number of
-workers it sums, which every RESULT datagram carries (``Header.total``).
+"""The LAN worker's side: send a gradient as DATA datagrams to the gateway (or to its cluster's aggregator),
+keep at most a pool's worth of chunks in flight, resend what is not acknowledged in time, and receive the
+float32 result (PULLing chunks whose RESULT was lost) with the number of workers it sums, which every RESULT
+datagram carries (``Header.total``).
+
+Flow control is SwitchML's: chunk ``seq`` uses slot ``seq % pool`` and is sent only once the ACK of the
+chunk that used the slot before it came back (``layout.py``). ACKs and results arrive by multicast (one
+datagram the LAN replicates for every worker) on a second socket joined to the group the gateway names in
+its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is found by the worker: a
+chunk unacknowledged for longer than the retransmission timeout (``retransmit``, or a few ACK round trips
+when the queue is longer) is resent, all such chunks in one batch, together with a QUERY for them, whose
+answer covers ACKs that were themselves lost. Duplicates cost nothing: the aggregator's contributor bitmap
+drops them. Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
-NACK and the HELLO answer only with the gateway's token for it (netstorm/lan/tokens.py): a datagram
-forged by anyone without the secret changes nothing it receives."""
+NACK, ACK and the HELLO answer only with the gateway's token for it or for the group
+(netstorm/lan/tokens.py): a datagram forged by anyone without the secret changes nothing it receives."""
 
 from __future__ import annotations
 
@@ -12,53 +22,110 @@ import asyncio
 import contextlib
 import secrets
 import socket
+import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from netstorm.lan import udp
+from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, lanes_of
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, Precision, lanes_of
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import control_packet, data_packets
+from netstorm.lan.packets import control_packet, data_packets, header_rows
 from netstorm.lan.tokens import LanTokens, Sender
 
 Address = tuple[str, int]
+GroupOpener = Callable[[Address, str], socket.socket]
+"""Opens the socket that receives a multicast group (address, port) on the interface with a local address."""
+QUERY_CHUNKS = 256
+"""Chunk numbers one QUERY datagram asks about."""
+
+
+def group_socket(group: Address, local_ip: str) -> socket.socket:
+    """A non-blocking UDP socket that receives the gateway's multicast group on the interface of
+    ``local_ip`` (several workers on one host share the port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    sock.bind((group[0], group[1]))
+    membership = struct.pack("4s4s", socket.inet_aton(group[0]), socket.inet_aton(local_ip))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
+    sock.setblocking(False)
+    return sock
+
+
+def local_address(sock: socket.socket, peer: Address) -> str:
+    """The address ``sock`` sends from towards ``peer``."""
+    host = sock.getsockname()[0]
+    if host not in ("0.0.0.0", ""):
+        return str(host)
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(peer)
+        return str(probe.getsockname()[0])
+    finally:
+        probe.close()
 
 
 class EdgeSender:
-    """One LAN worker's sender. ``loss`` drops that fraction of first transmissions on purpose (loss injection)."""
+    """One LAN worker's sender. ``loss`` drops that fraction of first transmissions on purpose (loss
+    injection); ``precision`` is how its lanes travel (Precision: FIXED32 for an fp32 worker, FP16, BF16,
+    INT8)."""
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
-                 loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5, secret: bytes | None = None) -> None:
+                 loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5, secret: bytes | None = None,
+                 precision: Precision = Precision.FIXED32, gso: bool = True,
+                 group_opener: GroupOpener | None = None) -> None:
         self.sock = sock
+        self.group_opener = group_opener or group_socket
+        """How the multicast socket is opened (a harness driving namespaces opens it inside the worker's)."""
         self.gateway = gateway
         self.worker = worker
         self.layout = layout
         self.job = job
         self.loss = loss
+        self.precision = precision
         self.rng = np.random.default_rng(seed * 1000 + worker)
         self.pull_interval = pull_interval
         self.retransmitted = 0
         self.dropped = 0
         self.rescaled = 0
+        self.queries = 0
         self.tokens = LanTokens(secret, job)
         self.forged = 0
         """Datagrams dropped for not carrying the gateway's token for this worker."""
         self.duplicate = 0.0
         """Fraction of first transmissions sent twice (duplicate injection)."""
+        self.deployment: Deployment | None = None
+        self.send_to: Address = gateway
+        """Where DATA goes: the gateway, or this worker's cluster aggregator (from the deployment)."""
+        self.group_sock: socket.socket | None = None
+        self.retransmit = 0.005
+        self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
+        self._early: list[bytes] = []
+        """Datagrams that arrived while waiting for the HELLO answer."""
         self._total = 0
         """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
+        self._rtt = 0.0
+        """Smoothed time from a chunk's first send to its ACK (the retransmission timeout follows it)."""
 
-    async def hello(self, *, timeout: float) -> Header:  # noqa: ASYNC109
-        """Announce this worker until the gateway answers (it learns our address from it). The answer
-        carries the gateway's tensor count (``tensor``), slots (``slot``) and fixed-point ``scale``. The
-        HELLO's ``iteration`` is a fresh nonce: with a secret the gateway echoes it under its token, so an
-        answer cannot be forged or replayed, and our HELLO cannot be replayed from another address."""
+    @property
+    def sockets(self) -> list[socket.socket]:
+        return [self.sock] if self.group_sock is None else [self.sock, self.group_sock]
+
+    async def hello(self, *, timeout: float, aggregator: bool = False) -> Header:  # noqa: ASYNC109
+        """Announce this worker until the gateway answers with its deployment (the gateway learns our
+        address from it), then apply it: the pool, lanes, where DATA goes, the multicast group. The answer's
+        header carries the gateway's tensor count (``tensor``), chunks (``slot``) and fixed-point ``scale``.
+        The HELLO's ``iteration`` is a fresh nonce: with a secret the gateway echoes it under its token, so an
+        answer cannot be forged or replayed, and our HELLO cannot be replayed from another address.
+        ``aggregator``: this is a cluster aggregator's service, not the worker's trainer."""
         nonce = secrets.randbits(32)
         hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker, iteration=nonce,
+                               flags=Flag.AGGREGATOR if aggregator else Flag.NONE,
                                token=self.tokens.of(Sender.WORKER, self.worker, nonce, keep=False))
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES)
         try:
@@ -68,18 +135,38 @@ class EdgeSender:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(0.2):
                             n, _ = await udp.recvfrom_into(self.sock, buf)
+                            if n >= HEADER_BYTES and buf[KIND_AT] != Kind.HELLO:
+                                # a result can overtake the answer to our HELLO: keep it for the receive loop
+                                self._early.append(bytes(buf[:n]))
+                                self._early = self._early[-4096:]
                             if n >= HEADER_BYTES and buf[KIND_AT] == Kind.HELLO:
                                 with contextlib.suppress(WireError):
-                                    reply = Header.decode(bytes(buf[:n]))
+                                    data = bytes(buf[:n])
+                                    reply = Header.decode(data)
                                     if not self.tokens.enabled or (
                                             reply.iteration == nonce and reply.worker == self.worker and
                                             self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
                                                               keep=False)):
+                                        self._deploy(Deployment.decode(data[HEADER_BYTES:]), reply.scale)
                                         return reply
                                     self.forged += 1
         except TimeoutError:
             raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
                               f"within {timeout} s") from None
+
+    def _deploy(self, deployment: Deployment, scale: int) -> None:
+        self.deployment = deployment
+        self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes), lanes=deployment.lanes,
+                                 pool=deployment.pool)
+        self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
+        self.retransmit = deployment.retransmit
+        if deployment.group is not None and self.group_sock is None:
+            self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
+
+    def close(self) -> None:
+        if self.group_sock is not None:
+            self.group_sock.close()
+            self.group_sock = None
 
     async def push_pull(
         self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float  # noqa: ASYNC109
@@ -90,20 +177,31 @@ class EdgeSender:
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
         rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
-                                            tensor=t, values=v, token=token) for t, v in enumerate(values)])
+                                            tensor=t, values=v, token=token, precision=self.precision)
+                               for t, v in enumerate(values)])
+        flight = _Flight(len(rows), self.layout.num_slots)
         results = [np.zeros(size, np.float32) for size in self.layout.sizes]
-        missing = np.ones(self.layout.num_slots, bool)
-        keep = rows.copy()
-        for i, row in enumerate(rows):
-            if self.loss and self.rng.random() < self.loss:
-                self.dropped += 1
-                continue
-            await udp.sendto(self.sock, row.tobytes(), self.gateway)
-            if self.duplicate and self.rng.random() < self.duplicate:
-                await udp.sendto(self.sock, row.tobytes(), self.gateway)
-            if i % 64 == 63:
-                self._serve_pending(iteration, keep, values, results, missing)
-        await self._gather(iteration, keep, values, results, missing, timeout)
+        missing = np.ones(self.layout.num_chunks, bool)
+        deadline = time.monotonic() + timeout
+        while not flight.acked.all():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EdgeTimeout(f"edge worker {self.worker}: iteration {iteration}: {flight.unacked()} chunks "
+                                  f"never acknowledged by gateway {self.gateway} within {timeout} s")
+            start, stop = flight.sendable()
+            if stop > start:
+                await self._send_rows(rows, np.arange(start, stop), first=True)
+                flight.sent(start, stop, time.monotonic())
+            wait = self._rto()
+            got = await self._receive(min(remaining, wait))
+            for data in got:
+                self._on_datagram(data, iteration, rows, values, results, missing, flight)
+            await self._flush()
+            now = time.monotonic()
+            late = flight.late(now, self._rto())
+            if late.size:
+                await self._resend(iteration, rows, late, flight, now)
+        await self._gather(iteration, rows, values, results, missing, deadline - time.monotonic())
         return results, self._total
 
     async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray], int]:  # noqa: ASYNC109
@@ -111,67 +209,128 @@ class EdgeSender:
         its iteration, the result, and how many workers' gradients it sums."""
         self._total = 0
         results = [np.zeros(size, np.float32) for size in self.layout.sizes]
-        missing = np.ones(self.layout.num_slots, bool)
+        missing = np.ones(self.layout.num_chunks, bool)
         keep = np.zeros((0, 0), np.uint8)
         iteration = await self._gather(None, keep, [], results, missing, timeout)
         return iteration, results, self._total
 
+    # ------------------------------------------------------------------ internals
+    def _rto(self) -> float:
+        return max(self.retransmit, 3 * self._rtt)
+
+    async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
+        """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
+        if first and self.loss:
+            keep = self.rng.random(index.size) >= self.loss
+            self.dropped += int(index.size - keep.sum())
+            index = index[keep]
+        if first and self.duplicate:
+            twice = index[self.rng.random(index.size) < self.duplicate]
+            index = np.sort(np.concatenate([index, twice]))
+        if not index.size:
+            return
+        block = rows[index] if index.size != rows.shape[0] or index[0] != 0 else rows
+        await self.batch.send(block, self.send_to)
+
+    async def _resend(self, iteration: int, rows: np.ndarray, late: np.ndarray, flight: _Flight, now: float) -> None:
+        """Resend every chunk unacknowledged past the timeout, and ask the gateway which of them completed
+        (their ACKs may be what was lost)."""
+        self.retransmitted += int(late.size)
+        await self._send_rows(rows, late, first=False)
+        flight.resent(late, now)
+        for start in range(0, late.size, QUERY_CHUNKS):
+            part = late[start: start + QUERY_CHUNKS].astype("<u4")
+            head = header_rows(1, kind=Kind.QUERY, job=self.job, worker=self.worker, iteration=iteration,
+                               token=self.tokens.worker(self.worker, iteration))
+            head["count"] = part.size
+            head["need"] = 127
+            self.queries += 1
+            await udp.sendto(self.sock, head.tobytes() + part.tobytes(), self.gateway)
+
+    async def _receive(self, timeout: float) -> list[bytes]:  # noqa: ASYNC109
+        """Every datagram queued on our sockets, waiting up to ``timeout`` for the first."""
+        out = self._drain()
+        if out or timeout <= 0:
+            return out
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        socks = self.sockets
+        for sock in socks:
+            loop.add_reader(sock.fileno(), wake)
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await ready
+        finally:
+            for sock in socks:
+                loop.remove_reader(sock.fileno())
+        return self._drain()
+
+    def _drain(self) -> list[bytes]:
+        out, self._early = self._early, []
+        for sock in self.sockets:
+            for _ in range(1024):
+                try:
+                    out.append(sock.recv(HEADER_BYTES + 4 * MAX_LANES + 64))
+                except BlockingIOError:
+                    break
+        return out
+
     async def _gather(self, iteration: int | None, keep: np.ndarray, values: list[np.ndarray],
                       results: list[np.ndarray], missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
         """Receive RESULT datagrams (answering NACKs meanwhile) until every chunk is in."""
-        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
         deadline = time.monotonic() + timeout
+        quiet = self.pull_interval
         while missing.any():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 what = "the first result" if iteration is None else f"iteration {iteration}"
                 raise EdgeTimeout(f"edge worker {self.worker}: {what}: {int(missing.sum())} result "
                                   f"chunks from gateway {self.gateway} missing after {timeout} s")
-            try:
-                async with asyncio.timeout(min(remaining, self.pull_interval)):
-                    n, _ = await udp.recvfrom_into(self.sock, buf)
-            except TimeoutError:
+            # once results flow, a gap of a few retransmission timeouts means some were lost
+            wait = quiet if missing.all() else max(4 * self._rto(), 0.02)
+            got = await self._receive(min(remaining, wait))
+            if not got:
                 if iteration is not None:
                     await self._pull(iteration, missing)
                 continue
-            data = bytes(buf[:n])
-            if iteration is None and n >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
-                try:
-                    head = Header.decode(data)
-                except WireError:
-                    continue
-                if not self.tokens.valid(Sender.GATEWAY, self.worker, head.iteration, head.token, keep=False):
-                    self.forged += 1
-                    continue
-                iteration = head.iteration
-            if iteration is not None:
-                self._on_datagram(data, iteration, keep, values, results, missing)
+            for data in got:
+                if iteration is None and len(data) >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
+                    try:
+                        head = Header.decode(data)
+                    except WireError:
+                        continue
+                    if not self._from_gateway(head.iteration, head.token):
+                        self.forged += 1
+                        continue
+                    iteration = head.iteration
+                if iteration is not None:
+                    self._on_datagram(data, iteration, keep, values, results, missing, None)
             await self._flush()
         assert iteration is not None
         return iteration
 
-    # ------------------------------------------------------------------ internals
-    def _serve_pending(self, iteration: int, keep: np.ndarray, values: list[np.ndarray],
-                       results: list[np.ndarray], missing: np.ndarray) -> None:
-        """Handle NACKs that arrived while we were still sending (non-blocking)."""
-        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
-        while True:
-            try:
-                n, _ = self.sock.recvfrom_into(buf)
-            except BlockingIOError:
-                return
-            self._on_datagram(bytes(buf[:n]), iteration, keep, values, results, missing)
+    def _from_gateway(self, iteration: int, token: int) -> bool:
+        """Whether ``token`` is the gateway's for this worker, or for the whole group, in ``iteration``."""
+        if not self.tokens.enabled:
+            return True
+        return self.tokens.valid(Sender.GATEWAY, self.worker, iteration, token) or \
+            self.tokens.valid(Sender.GROUP, 0, iteration, token)
 
     def _on_datagram(self, data: bytes, iteration: int, keep: np.ndarray, values: list[np.ndarray],
-                     results: list[np.ndarray], missing: np.ndarray) -> None:
+                     results: list[np.ndarray], missing: np.ndarray, flight: _Flight | None) -> None:
         try:
             head = Header.decode(data)
         except WireError:
             return
         if head.job != self.job or head.iteration != iteration & 0xFFFFFFFF:
             return
-        if head.kind in (Kind.RESULT, Kind.NACK) and not self.tokens.valid(Sender.GATEWAY, self.worker, iteration,
-                                                                          head.token):
+        if head.kind in (Kind.RESULT, Kind.NACK, Kind.ACK) and not self._from_gateway(iteration, head.token):
             self.forged += 1
             return
         if head.kind == Kind.RESULT:
@@ -179,26 +338,33 @@ class EdgeSender:
                 raise WireError(f"edge worker {self.worker}: iteration {iteration}'s RESULT datagrams disagree on "
                                 f"how many workers they sum ({self._total}, then {head.total})")
             self._total = head.total
-            index = self.layout.slot(head.tensor, head.chunk)
+            index = self.layout.seq(head.tensor, head.chunk)
             if missing[index]:
                 start, stop = self.layout.bounds(head.tensor, head.chunk)
                 results[head.tensor][start:stop] = lanes_of(data, "<f4")[: stop - start]
                 missing[index] = False
+        elif head.kind == Kind.ACK and flight is not None:
+            seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES).astype(np.int64)
+            sample = flight.ack(seqs[seqs < flight.acked.size], time.monotonic())
+            if sample is not None:
+                self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
         elif head.kind == Kind.NACK and keep.size:
-            index = self.layout.slot(head.tensor, head.chunk)
+            index = self.layout.seq(head.tensor, head.chunk)
             if head.flags & Flag.RESCALE:
                 keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
                                            tensor=head.tensor, values=values[head.tensor],
                                            chunks=np.array([head.chunk]), scale=head.scale,
-                                           token=self.tokens.worker(self.worker, iteration))[0]
+                                           token=self.tokens.worker(self.worker, iteration),
+                                           precision=self.precision)[0]
                 self.rescaled += 1
-            self.retransmitted += 1
-            self._queued.append(keep[index].tobytes())
+            if flight is None or flight.was_sent(index):
+                self.retransmitted += 1
+                self._queued.append(keep[index].tobytes())
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
         for datagram in queued:
-            await udp.sendto(self.sock, datagram, self.gateway)
+            await udp.sendto(self.sock, datagram, self.send_to)
 
     async def _pull(self, iteration: int, missing: np.ndarray) -> None:
         """Retransmit queued answers, then ask for up to 256 result chunks that never arrived."""
@@ -206,9 +372,56 @@ class EdgeSender:
         if missing.all():
             return  # the gateway has not started sending results (its WAN step is still running)
         for index in np.flatnonzero(missing)[:256]:
-            tensor = int(np.searchsorted(self.layout.first_slot, index, side="right") - 1)
-            chunk = int(index) - self.layout.first_slot[tensor]
+            tensor, chunk = self.layout.locate(int(index))
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                        iteration=iteration, tensor=tensor, chunk=chunk,
                                                        token=self.tokens.worker(self.worker, iteration)),
                              self.gateway)
+
+
+class _Flight:
+    """Which chunks of one iteration were sent, when, and which came back acknowledged (the pool's window)."""
+
+    def __init__(self, chunks: int, pool: int) -> None:
+        self.pool = pool
+        self.acked = np.zeros(chunks, bool)
+        self.sent_at = np.full(chunks, np.inf)
+        self.first_sent = np.full(chunks, np.inf)
+        self.next = 0
+        """Chunks below this were sent at least once."""
+
+    def sendable(self) -> tuple[int, int]:
+        """The chunks [start, stop) the window allows now: chunk j once j < pool or chunk j - pool is acked."""
+        start = stop = self.next
+        n = self.acked.size
+        while stop < n and (stop < self.pool or self.acked[stop - self.pool]):
+            stop += 1
+        return start, stop
+
+    def sent(self, start: int, stop: int, now: float) -> None:
+        self.sent_at[start:stop] = now
+        self.first_sent[start:stop] = now
+        self.next = stop
+
+    def resent(self, index: np.ndarray, now: float) -> None:
+        self.sent_at[index] = now
+
+    def was_sent(self, index: int) -> bool:
+        return index < self.next
+
+    def ack(self, seqs: np.ndarray, now: float) -> float | None:
+        """Mark ``seqs`` acknowledged; an ACK round-trip sample from chunks sent once, if any."""
+        fresh = seqs[~self.acked[seqs]]
+        self.acked[seqs] = True
+        if not fresh.size:
+            return None
+        once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
+        return float(now - np.max(self.sent_at[once])) if once.size else None
+
+    def late(self, now: float, rto: float) -> np.ndarray:
+        """Sent chunks unacknowledged for longer than ``rto``."""
+        window = slice(0, self.next)
+        return np.flatnonzero(~self.acked[window] & (now - self.sent_at[window] > rto))
+
+    def unacked(self) -> int:
+        return int((~self.acked).sum())

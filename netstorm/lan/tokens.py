@@ -32,6 +32,8 @@ class Sender(enum.IntEnum):
     """DATA, HELLO and PULL, from the worker named in the header."""
     GATEWAY = 2
     """RESULT, NACK and the HELLO answer, to the worker named."""
+    GROUP = 3
+    """RESULT and ACK sent once to every worker (multicast); worker 0 in the token's fields."""
 
 
 def token(secret: bytes, sender: Sender, job: int, worker: int, iteration: int) -> int:
@@ -73,6 +75,9 @@ class LanTokens:
 
     def gateway(self, worker: int, iteration: int) -> int:
         return self.of(Sender.GATEWAY, worker, iteration)
+
+    def group(self, iteration: int) -> int:
+        return self.of(Sender.GROUP, 0, iteration)
 
     def valid(self, sender: Sender, worker: int, iteration: int, value: int, *, keep: bool = True) -> bool:
         """Whether ``value`` is the token of (sender, worker, iteration); always True without a secret."""

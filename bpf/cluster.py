@@ -1,0 +1,198 @@
+"""A LAN worker's aggregator role in a two-level LAN (ALEPH): its host runs the aggregation program for its
+cluster, and each completed slot goes on to the gateway as this worker's DATA, so the gateway sums one
+datagram per cluster instead of one per member.
+
+``ClusterAggregator`` says HELLO to the gateway (flagged AGGREGATOR), which answers with its deployment
+(pool, lanes, scale, the members, the multicast group) and from then on tells the members to send their
+DATA here. With ``mode="xdp"`` the program is attached to the LAN interface (the members' packets) and,
+in generic mode, to the loopback device (this host's own trainer sends to the same address, and a host's
+packets to itself never cross its NIC); a completed slot is rewritten and sent out of the LAN interface
+by the program itself (XDP_TX or bpf_redirect): no userspace work per packet. With ``mode="userspace"``
+the fallback aggregates behind a UDP socket and sends the forwarded DATA itself.
+
+Tokens: members' DATA must carry their tokens, checked here as at the gateway; the forwarded DATA carries
+this worker's own token. Both are installed per iteration for a window that starts at the deployment's
+``first_iteration`` and moves with the iterations the gateway's multicast ACKs and results name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from pathlib import Path
+
+from bpf.fallback import UserspaceAggregator
+from bpf.xdp import TOKEN_WINDOW, Upstream, XdpAggregator
+from netstorm.lan.deploy import Deployment
+from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Kind
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.sender import EdgeSender, GroupOpener
+from netstorm.lan.tokens import LanTokens
+
+log = logging.getLogger("netstorm.edge.cluster")
+Address = tuple[str, int]
+_ITERATION_AT = OFFSETS["iteration"]
+
+
+def _mac_of(interface: str) -> bytes:
+    return bytes.fromhex(Path(f"/sys/class/net/{interface}/address").read_text().strip().replace(":", ""))
+
+
+def _neighbour_mac(ip: str) -> bytes:
+    """The link-layer address the kernel resolved for ``ip`` (we have just exchanged datagrams with it)."""
+    for line in Path("/proc/net/arp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0] == ip and parts[3] != "00:00:00:00:00:00":
+            return bytes.fromhex(parts[3].replace(":", ""))
+    raise EdgeTimeout(f"edge aggregator: no resolved link-layer address for the gateway {ip}")
+
+
+class ClusterAggregator:
+    """The aggregator service of LAN worker ``worker``, for the gateway at ``gateway``; ``sock`` is bound to
+    this host's LAN address and the gateway's port (where its members send)."""
+
+    def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, job: int, interface: str,
+                 mode: str = "xdp", secret: bytes | None = None, group_opener: GroupOpener | None = None,
+                 attach: str = "auto") -> None:
+        if mode not in ("xdp", "userspace"):
+            raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
+        self.sock = sock
+        self.gateway = gateway
+        self.worker = worker
+        self.job = job
+        self.interface = interface
+        self.mode = mode
+        self.attach_mode = attach
+        self.tokens = LanTokens(secret, job)
+        self.deployment: Deployment | None = None
+        self.xdp: XdpAggregator | None = None
+        self.fallback: UserspaceAggregator | None = None
+        self.attached: list[str] = []
+        self._hello = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], 0), job=job,
+                                 secret=secret, group_opener=group_opener)
+        self._installed = -1
+        self._stop = asyncio.Event()
+
+    async def start(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
+        """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program."""
+        reply = await self._hello.hello(timeout=timeout, aggregator=True)
+        deployment = self._hello.deployment
+        assert deployment is not None
+        self.deployment = deployment
+        members = (1 << self.worker) | sum(1 << m for m in deployment.members)
+        layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=reply.scale, lanes=deployment.lanes,
+                                    pool=deployment.pool)
+        own_ip, port = self.sock.getsockname()[0], self.sock.getsockname()[1]
+        agg_token = 0
+        if self.mode == "xdp":
+            upstream = Upstream(worker=self.worker, ifindex=socket.if_nametoindex(self.interface), gateway=self.gateway,
+                                gateway_mac=_neighbour_mac(self.gateway[0]), own=(own_ip, port),
+                                own_mac=_mac_of(self.interface))
+            xdp = await asyncio.to_thread(XdpAggregator, layout, job=self.job, port=port, expected=members,
+                                          timeout=1.0, max_nacks=0, upstream=upstream)
+            self.xdp = xdp
+            if self.tokens.enabled:
+                agg_token = 1
+                xdp.require_tokens(agg_token)
+            self.attached.append(xdp.attach(upstream.ifindex, mode=self.attach_mode))
+            self.attached.append(xdp.attach(socket.if_nametoindex("lo"), mode="generic"))
+        else:
+            self.fallback = UserspaceAggregator(layout, job=self.job, expected=members, timeout=1.0, max_nacks=0,
+                                                up_worker=self.worker)
+            if self.tokens.enabled:
+                agg_token = 1
+                self.fallback.require_tokens(agg_token)
+        if deployment.first_iteration is not None:
+            self._install(deployment.first_iteration)
+        log.info("edge aggregator: worker %d aggregates %s for gateway %s:%d (%s)", self.worker,
+                 sorted(deployment.members), *self.gateway, self.mode)
+        return deployment
+
+    def kernel_map_bytes(self) -> int:
+        return self.xdp.kernel_map_bytes() if self.xdp is not None else 0
+
+    def stats(self) -> dict[str, int]:
+        if self.xdp is not None:
+            return self.xdp.stats()
+        return dict(self.fallback.counters) if self.fallback is not None else {}
+
+    def _install(self, base: int) -> None:
+        """Tokens of every member and of this worker for iterations base .. base + TOKEN_WINDOW - 1."""
+        last = base + TOKEN_WINDOW - 1
+        if not self.tokens.enabled or last <= self._installed or self.deployment is None:
+            return
+        first = max(base, self._installed + 1)
+        workers = (self.worker, *self.deployment.members)
+        entries = [(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1) for w in workers]
+        target = self.xdp if self.xdp is not None else self.fallback
+        assert target is not None
+        target.install_tokens(entries)
+        if self.fallback is not None:
+            self.fallback.up_tokens.update({k & 0xFFFFFFFF: self.tokens.worker(self.worker, k)
+                                            for k in range(first, last + 1)})
+        self._installed = last
+
+    async def run(self) -> None:
+        """Until ``close``: follow the iterations (tokens) from the gateway's multicast and, in userspace
+        mode, aggregate the members' DATA and forward completed slots."""
+        loop = asyncio.get_running_loop()
+        group = self._hello.group_sock
+        buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
+
+        def on_group() -> None:
+            assert group is not None
+            while True:
+                try:
+                    data = group.recv(len(buf))
+                except BlockingIOError:
+                    return
+                if len(data) >= HEADER_BYTES and data[KIND_AT] in (Kind.ACK, Kind.RESULT):
+                    iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
+                    # an ACK of iteration k: its DATA is in flight; a RESULT of k: k + 1 comes next
+                    self._install(iteration if data[KIND_AT] == Kind.ACK else iteration + 1)
+
+        def on_data() -> None:
+            assert self.fallback is not None
+            view = memoryview(buf)
+            for _ in range(256):
+                try:
+                    n = self.sock.recv_into(buf)
+                except BlockingIOError:
+                    return
+                if n < HEADER_BYTES or buf[KIND_AT] != Kind.DATA:
+                    continue
+                try:
+                    out = self.fallback.on_data(bytes(view[:n]), loop.time())
+                except WireError as exc:
+                    log.warning("edge aggregator: rejected datagram: %s", exc)
+                    continue
+                if out is not None:
+                    with contextlib.suppress(BlockingIOError):
+                        self.sock.sendto(out, self.gateway)
+
+        if group is not None:
+            loop.add_reader(group.fileno(), on_group)
+        if self.fallback is not None:
+            loop.add_reader(self.sock.fileno(), on_data)
+        try:
+            await self._stop.wait()
+        finally:
+            if group is not None:
+                loop.remove_reader(group.fileno())
+            if self.fallback is not None:
+                loop.remove_reader(self.sock.fileno())
+
+    def follow(self, iteration: int) -> None:
+        """Install tokens from ``iteration`` on (for a harness that knows the iterations)."""
+        self._install(iteration)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._hello.close()
+        if self.xdp is not None:
+            self.xdp.close()
+            self.xdp = None
+
