@@ -170,3 +170,63 @@ def test_the_end_to_end_table_compares_iterations_with_and_without_lan_workers(t
     ratio = system_stats(lan)["netstorm"]["mean_s"] / system_stats(base)["netstorm"]["mean_s"]
     assert f"{ratio:.2f}x as long as without (misses the 1.20x target)" in table
     assert "| edge-e2e-lan.json | 4 | netstorm | xdp (native) |" in table
+
+
+def test_two_levels_deal_the_members_to_the_aggregators_in_turn() -> None:
+    from netstorm.bench.edge_levels import topology
+    from netstorm.errors import NetStormError
+
+    assert topology(4, 1, 3).clusters == {}
+    topo = topology(7, 2, 2)
+    assert topo.clusters == {0: (2, 4, 6), 1: (3, 5)} and topo.levels == 2
+    assert topo.gateway_mask() == 0b11  # the gateway hears the two aggregators only
+    with pytest.raises(NetStormError, match="--aggregators"):
+        topology(4, 2, 4)
+    with pytest.raises(NetStormError, match="--levels"):
+        topology(4, 3, 1)
+
+
+def test_precisions_cycle_over_the_workers_and_unknown_ones_are_refused() -> None:
+    from netstorm.bench.edge_levels import parse_precisions
+    from netstorm.errors import NetStormError
+
+    assert parse_precisions("fp32,fp16", 5) == ["fp32", "fp16", "fp32", "fp16", "fp32"]
+    with pytest.raises(NetStormError, match="--precision"):
+        parse_precisions("fp32,fp8", 2)
+
+
+def test_the_mixed_reference_sums_what_each_precision_represents() -> None:
+    from netstorm.bench.edge_levels import mixed_reference
+
+    scale, lanes = 20, 100
+    parts = [contribution(2, 0, w, 1000, scale, 4) for w in range(4)]
+    assert np.array_equal(mixed_reference(parts, ["fp32"] * 4, lanes, scale), reference(2, 0, 4, 1000, scale))
+    mixed = mixed_reference(parts, ["fp32", "fp16", "bf16", "int8"], lanes, scale)
+    # fp16 keeps 11 significant bits, bf16 8, int8 7 plus a per-chunk scale: each moves the sum, by less
+    # than its worker's rounding allows
+    exact = reference(2, 0, 4, 1000, scale).astype(np.float64)
+    bound = np.abs(parts[1]) * 2.0**-11 + np.abs(parts[2]) * 2.0**-8 + np.abs(parts[3]).max() * 2.0**-7 + 2.0**-scale
+    assert not np.array_equal(mixed, exact.astype(np.float32))
+    assert np.all(np.abs(mixed - exact) <= bound * 2)
+
+
+@pytest.mark.root
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [["--levels", "2", "--aggregators", "2", "--workers", "5"],
+                                     ["--precision", "fp32,fp16,bf16,int8", "--workers", "4"]],
+                         ids=["two-levels", "mixed-precision"])
+def test_the_userspace_path_is_exact_with_two_levels_and_mixed_precisions(
+        options: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    edge.add_arguments(parser)
+    args = parser.parse_args(["--paths", "userspace", "--elements", "30000", "--iterations", "3", "--pool", "16",
+                              "--json", *options])
+    assert edge.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    r = out["userspace"]
+    assert r["exact"] is True and r["pool"] == 16
+    if "--levels" in options:
+        assert r["levels"] == 2 and r["clusters"] == {"0": [2, 4], "1": [3]}
+        assert set(r["aggregators"]) == {"0", "1"} and all(a["ready"] for a in r["aggregators"].values())
+    else:
+        assert r["precisions"] == ["fp32", "fp16", "bf16", "int8"]

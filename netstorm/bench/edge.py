@@ -67,6 +67,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--secret-file", default=None, metavar="FILE",
                         help="job secret: authenticate every LAN datagram with its token (default: none)")
+    parser.add_argument("--levels", type=int, choices=(1, 2), default=1,
+                        help="1: every worker sends to the gateway; 2: --aggregators workers aggregate clusters "
+                             "(XDP on their own hosts) and forward partial sums to the gateway (default 1)")
+    parser.add_argument("--aggregators", type=int, default=1, metavar="K",
+                        help="cluster aggregators with --levels 2: workers 0..K-1, the others dealt to them in turn")
+    parser.add_argument("--precision", default="fp32", metavar="P[,P...]",
+                        help="lane precision per worker, cycled: fp32, fp16, bf16, int8 (default fp32; gloo "
+                             "always all-reduces float32)")
+    parser.add_argument("--pool", type=int, default=None, metavar="SLOTS",
+                        help="slots the aggregators reuse across chunks (edge_pool_slots; 0: one per chunk)")
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file of options (the LAN tier's)")
     parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
                         help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
     parser.add_argument("--lan-uplink", choices=("veth", "ifb"), default="veth",
@@ -124,66 +135,112 @@ def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
 
 
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One LAN path (``xdp`` or ``userspace``) on a fresh namespace LAN, with the run's LAN options."""
+    import tempfile
+
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
     from netstorm.bench.edge_inputs import contribution, reference
+    from netstorm.bench.edge_levels import Aggregators, mixed_reference, parse_precisions, topology, wire_precision
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
-    from netstorm.lan.header import MAX_LANES
+    from netstorm.lan.header import lanes_for_mtu
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
-    lanes = MAX_LANES
-    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
+    cfg = _lan_config(args)
+    lanes = lanes_for_mtu(cfg.edge_mtu)
+    pool = args.pool if args.pool is not None else cfg.edge_pool_slots
+    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
     workers = args.workers
+    precisions = parse_precisions(args.precision, workers)
+    topo = topology(workers, args.levels, args.aggregators)
     contribs = [[[contribution(SEED, k, w, args.elements, args.scale, workers)] for w in range(workers)]
                 for k in range(args.iterations)]
-    expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
+    if all(p == "fp32" for p in precisions):
+        expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
+    else:
+        expected = [mixed_reference([c[0] for c in contribs[k]], precisions, lanes, args.scale)
+                    for k in range(args.iterations)]
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
+    group = _address(cfg.edge_group) if cfg.edge_group else None
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with Lan(workers, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan:
+    with (Lan(workers, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan,
+          tempfile.TemporaryDirectory(prefix="netstorm-bench-edge-") as logs):
+        aggregators = (Aggregators(lan, topo, gateway=(GATEWAY_IP, PORT), job=JOB, mode=path,
+                                   secret_file=args.secret_file, log_dir=Path(logs)) if topo.clusters else None)
         try:
             if path == "xdp":
-                xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << workers) - 1,
+                xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=topo.gateway_mask(),
                                     timeout=args.slot_timeout, max_nacks=50)
                 ifindex = lan.gateway_ifindex()
                 mode = run_in(lan.gateway, lambda: xdp.attach(ifindex))
                 stats_fd = _enable_bpf_stats()
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
-                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret)
+                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
+                              topology=topo, retransmit=cfg.edge_retransmit)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
-                                job=JOB, loss=args.loss, seed=7, secret=secret) for i, ns in enumerate(lan.workers)]
+                                job=JOB, loss=args.loss, seed=7, secret=secret,
+                                precision=wire_precision(precisions[i]), group_opener=lan.group_opener(ns))
+                     for i, ns in enumerate(lan.workers)]
             cpu = HostCpu()
             perf = None
             if getattr(args, "perf", None):
                 from netstorm.bench.perfprof import PerfRecorder
 
                 Path(args.perf).mkdir(parents=True, exist_ok=True)
-                perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}.data")
-            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu, perf))
+                perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}-l{args.levels}.data")
+            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu, perf, aggregators))
             if xdp is not None:
-                result["kernel_map_bytes"] = kernel_map_bytes()
+                result["kernel_map_bytes"] = kernel_map_bytes() + sum(
+                    kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
         finally:
+            if aggregators is not None:
+                aggregators.close()
             if stats_fd >= 0:
                 os.close(stats_fd)
             if xdp is not None:
                 xdp.close()
     result["mode"] = mode
+    result["levels"] = topo.levels
+    result["clusters"] = {str(a): list(m) for a, m in topo.clusters.items()}
+    result["precisions"] = precisions
+    result["pool"] = layout.num_slots
+    if aggregators is not None:
+        result["aggregators"] = {str(w): {**aggregators.ready.get(w, {}), **aggregators.final.get(w, {})}
+                                 for w in aggregators.heads}
     return result
 
 
+def _lan_config(args: argparse.Namespace) -> Any:
+    """The LAN tier's options (config file, environment, defaults) for the benchmark."""
+    from netstorm.config import resolve
+
+    return resolve(file=getattr(args, "config", None))
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
 async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
-                 expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None) -> dict[str, Any]:
+                 expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
+                 aggregators: Any = None) -> dict[str, Any]:
     timeout = 60.0
     exact = True
     errors: list[BaseException] = []
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())
         try:
-            await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+            if aggregators is not None:  # their HELLO first: members are told to send to them
+                aggregators.spawn()
+                await asyncio.to_thread(aggregators.wait_ready)
+                cpu.add(aggregators.pids)
+            await asyncio.gather(*(n.hello(timeout=30) for n in nodes))
             await agent.wait_workers(timeout=10)
             # the workers' sockets now move to their own threads and loops
             first = 1
@@ -340,6 +397,10 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 <= args.loss < 1.0:
         raise NetStormError(f"--loss must be in [0, 1), got {args.loss}")
     paths = parse_paths(args.paths)
+    from netstorm.bench.edge_levels import parse_precisions, topology
+
+    precisions = parse_precisions(args.precision, args.workers)   # refuse bad options before any run
+    topo = topology(args.workers, args.levels, args.aggregators)
     host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
@@ -347,7 +408,9 @@ def run(args: argparse.Namespace) -> int:
         results[path] = with_host_figures(raw, args)
     out: dict[str, Any] = {
         "workers": args.workers, "loss": args.loss, "elements": args.elements, "iterations": args.iterations,
-        "lan_gbit": args.lan_gbit, "lan_uplink": args.lan_uplink,
+        "lan_gbit": args.lan_gbit, "lan_uplink": args.lan_uplink, "levels": args.levels,
+        "clusters": {str(a): list(m) for a, m in topo.clusters.items()}, "precisions": precisions,
+        "pool": args.pool if args.pool is not None else _lan_config(args).edge_pool_slots,
         "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
     }
     xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
@@ -384,7 +447,9 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
              f"loss {args.loss}; "
              f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}; "
              + (f"every port shaped to {args.lan_gbit:g} Gbit/s (uplinks on {args.lan_uplink})" if args.lan_gbit
-                else "LAN unshaped")]
+                else "LAN unshaped")
+             + f"; {out['levels']} level(s){' clusters ' + str(out['clusters']) if out['clusters'] else ''}, "
+               f"pool {out['pool']} slots, precisions {','.join(sorted(set(out['precisions'])))}"]
     lines.append(f"  {'path':9s} {'mode':22s} {'wall Gbit/s':>11s} {'vs gloo':>8s} {'host CPU-s/GB':>13s} "
                  f"{'vs gloo':>8s} {'host busy cores':>15s}  exact")
     for name in PATHS:

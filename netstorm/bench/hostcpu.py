@@ -1,7 +1,8 @@
 """Host CPU spent on a path over a measured window: its processes and the kernel's work for them.
 
 Two figures per window:
-- ``seconds``: the CPU time of the path's own processes (user + system, every thread; with tick
+- ``seconds``: the CPU time of the path's own processes (this one and any it names, such as a two-level
+  LAN's aggregators; user + system, every thread; with tick
   accounting a tick that lands in softirq or irq context is charged to the task it interrupted, and on
   veth the receive side's softirq runs in the sending task's context) plus the CPU time of the kernel's
   softirq threads (``ksoftirqd/N``, where softirq work goes once it piles up). That is every process of
@@ -78,19 +79,24 @@ class CpuWindow:
 
 
 class HostCpu:
-    """``start()`` ... ``stop(extra)`` around the measured work of this process (every thread);
-    ``extra`` adds CPU-seconds that other processes of the path measured for themselves over the window."""
+    """``start()`` ... ``stop(extra)`` around the measured work of this process (every thread) and of the
+    processes ``pids`` (alive through the window); ``extra`` adds CPU-seconds that other processes of the
+    path measured for themselves over the window."""
 
-    def __init__(self) -> None:
-        self._softirq = softirq_threads()
-        self._t0 = self._own0 = self._soft0 = self._host0 = 0.0
+    def __init__(self, pids: Iterable[int] = ()) -> None:
+        self._others = [*softirq_threads(), *pids]
+        self._t0 = self._own0 = self._others0 = self._host0 = 0.0
+
+    def add(self, pids: Iterable[int]) -> None:
+        """Count ``pids`` too (before ``start``)."""
+        self._others += list(pids)
 
     def start(self) -> None:
-        self._own0, self._soft0 = _self_seconds(), _threads_seconds(self._softirq)
+        self._own0, self._others0 = _self_seconds(), _threads_seconds(self._others)
         self._host0, self._t0 = _host_seconds(), time.monotonic()
 
     def stop(self, extra: float = 0.0) -> CpuWindow:
         wall = time.monotonic() - self._t0
         host = _host_seconds() - self._host0
-        own = _self_seconds() - self._own0 + _threads_seconds(self._softirq) - self._soft0
+        own = _self_seconds() - self._own0 + _threads_seconds(self._others) - self._others0
         return CpuWindow(own + extra, host, wall)
