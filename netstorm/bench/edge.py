@@ -219,7 +219,7 @@ def _lan_config(args: argparse.Namespace) -> Any:
     """The LAN tier's options (config file, environment, defaults) for the benchmark."""
     from netstorm.config import resolve
 
-    return resolve(file=getattr(args, "config", None))
+    return resolve(file=getattr(args, "config", None), overrides=getattr(args, "lan_overrides", None))
 
 
 def _address(text: str) -> tuple[str, int]:
@@ -367,15 +367,17 @@ costs to dominate, small enough to take a few seconds per path."""
 
 
 def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] | None = None,
-              iterations: int = 2) -> dict[str, Any]:
+              iterations: int = 2, options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Both LAN paths on a namespace LAN like the one to serve (its workers, their shaped rates, the
-    model up to CALIBRATION_ELEMENTS): each path's wall_gbit (None with the reason where it could not
-    run) and ``pick``, the faster exact one. This is ``edge_mode=auto`` measured, not assumed."""
+    model up to CALIBRATION_ELEMENTS, the run's LAN tier ``options`` such as ``edge_pool_slots``): each
+    path's wall_gbit (None with the reason where it could not run) and ``pick``, the faster exact one.
+    This is ``edge_mode=auto`` measured, not assumed."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--workers", str(workers), "--elements", str(max(1, min(elements, CALIBRATION_ELEMENTS))),
                               "--iterations", str(iterations)])
     args.rates = rates
+    args.lan_overrides = options or {}
     out: dict[str, Any] = {"workers": workers, "elements": args.elements, "iterations": iterations}
     measured: dict[str, dict[str, Any]] = {}
     for path in ("xdp", "userspace"):

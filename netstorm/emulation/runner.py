@@ -119,6 +119,8 @@ class Options:
     edge_mode: str = "auto"
     lan_bw_scale: float = 1.0
     lan_uplink: str = "veth"
+    lan_tier: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The LAN tier's options the user gave (``edge_*``), for the ``--edge-mode auto`` calibration."""
     overlap: bool = False
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
@@ -208,6 +210,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    edge_mode=getattr(args, "edge_mode", "auto"),
                    lan_bw_scale=lan_options(given).lan_bw_scale,
                    lan_uplink=lan_options(given).lan_uplink_shaping,
+                   lan_tier={k: v for k, v in given.items() if k.startswith("edge_")},
                    overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
@@ -659,7 +662,7 @@ def run(opts: Options) -> dict[str, Any]:
             progress.line(line)
         picks: dict[int, str] = {}
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
-            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress)
+            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress, opts.lan_tier)
             result["features"]["edge_calibration"] = calibrations
         for system in opts.systems:
             net.set_rates(scenario.rates())
@@ -705,8 +708,8 @@ def run(opts: Options) -> dict[str, Any]:
     return result
 
 
-def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int,
-                    progress: Progress) -> tuple[dict[int, str], dict[str, Any]]:
+def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,
+                    options: dict[str, Any] | None = None) -> tuple[dict[int, str], dict[str, Any]]:
     """``--edge-mode auto``: measure both LAN paths once per distinct LAN (worker count and shaped rates) on
     a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the faster; the
     calibrations go into the result. A gateway whose XDP then fails to load still falls back by itself."""
@@ -719,7 +722,7 @@ def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int,
         rates = tuple((up * lan_bw_scale, down * lan_bw_scale) for up, down in lan.rates)
         key = (lan.workers, rates)
         if key not in done:
-            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None)
+            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None, options=options)
             c = done[key]
             measured = ", ".join(f"{p} {c[p]:.3g} Gbit/s" if c[p] is not None else f"{p} failed ({c[p + '_error']})"
                                  for p in ("xdp", "userspace"))
