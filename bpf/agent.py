@@ -29,12 +29,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
-from bpf.xdp import TOKEN_WINDOW, SlotEvent, XdpAggregator
+from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.fixedpoint import rescale_for
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, TOKEN_AT, Flag, Header, Kind, lanes_of
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    KIND_AT,
+    MAX_LANES,
+    OFFSETS,
+    TOKEN_AT,
+    Flag,
+    Header,
+    Kind,
+    Precision,
+    lanes_of,
+)
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import ack_packets, control_packet, result_packets, with_token
 from netstorm.lan.tokens import LanTokens, Sender
@@ -488,6 +499,11 @@ class EdgeAgent:
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
                     self._out.put_nowait((row.tobytes(), address))
+            elif head.kind == Kind.DATA and head.precision != Precision.FIXED32 and self.xdp is not None:
+                # narrow lanes the program could not widen in place: widened here, aggregated there
+                verdict, out = self.xdp.run_widened(data)
+                if verdict == XDP_PASS and len(out) >= HEADER_BYTES and out[KIND_AT] == Kind.AGG:
+                    self._on_agg(out)
             elif head.kind == Kind.DATA:
                 raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
             else:

@@ -27,7 +27,8 @@
  * sender's wscale; each lane is converted exactly (integer shifts, rounding half to even) to int32 fixed
  * point at the header's scale, the slot's common scale, before it is added. A narrow packet is grown at its
  * tail (bpf_xdp_adjust_tail) before anything else, so whichever packet completes the slot has room for the
- * int32 aggregate.
+ * int32 aggregate; a frame without that much tailroom is passed up, and the agent widens it in userspace and
+ * runs it through this program (BPF_PROG_TEST_RUN), so the slot logic stays here.
  *
  * Forwarding (cfg.forward, a cluster's aggregator, two-level LAN): the packet that completes a slot is
  * rewritten into this aggregator's own DATA for the gateway (worker cfg.up_worker, the token the agent
@@ -48,7 +49,8 @@
 
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
-    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, NS_NSTATS
+    ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, ST_WIDEN_UP,
+    NS_NSTATS
 };
 
 struct ns_cfg {
@@ -316,8 +318,10 @@ int ns_aggregate(struct xdp_md *ctx)
             return XDP_PASS;
         }
         if (bpf_xdp_adjust_tail(ctx, (int)(NS_LANES * (4 - width)))) {
-            bump(ST_BAD);
-            return XDP_DROP;
+            /* no tailroom in this frame (generic mode, or a driver's small buffers): the agent widens it at
+             * ingress and runs it through this program from process context */
+            bump(ST_WIDEN_UP);
+            return XDP_PASS;
         }
         data = (void *)(long)ctx->data;
         end = (void *)(long)ctx->data_end;

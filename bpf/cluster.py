@@ -24,7 +24,7 @@ import socket
 from pathlib import Path
 
 from bpf.fallback import UserspaceAggregator
-from bpf.xdp import TOKEN_WINDOW, Upstream, XdpAggregator
+from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Kind
@@ -38,12 +38,19 @@ _ITERATION_AT = OFFSETS["iteration"]
 
 
 def _mac_of(interface: str) -> bytes:
-    return bytes.fromhex(Path(f"/sys/class/net/{interface}/address").read_text().strip().replace(":", ""))
+    """The interface's link-layer address (SIOCGIFHWADDR: valid in the calling thread's namespace)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        info = fcntl.ioctl(probe.fileno(), 0x8927, struct.pack("256s", interface.encode()[:15]))
+    return bytes(info[18:24])
 
 
 def _neighbour_mac(ip: str) -> bytes:
-    """The link-layer address the kernel resolved for ``ip`` (we have just exchanged datagrams with it)."""
-    for line in Path("/proc/net/arp").read_text().splitlines()[1:]:
+    """The link-layer address the kernel resolved for ``ip`` (we have just exchanged datagrams with it), from
+    the calling thread's namespace."""
+    for line in Path("/proc/thread-self/net/arp").read_text().splitlines()[1:]:
         parts = line.split()
         if parts and parts[0] == ip and parts[3] != "00:00:00:00:00:00":
             return bytes.fromhex(parts[3].replace(":", ""))
@@ -74,16 +81,31 @@ class ClusterAggregator:
         self._hello = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], 0), job=job,
                                  secret=secret, group_opener=group_opener)
         self._installed = -1
+        self._scale = 0
         self._stop = asyncio.Event()
 
     async def start(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
         """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program."""
+        deployment = await self.hello(timeout=timeout)
+        await asyncio.to_thread(self.load)
+        return deployment
+
+    async def hello(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
+        """Ask the gateway for this cluster's deployment (members, pool, lanes, scale, group)."""
         reply = await self._hello.hello(timeout=timeout, aggregator=True)
-        deployment = self._hello.deployment
-        assert deployment is not None
-        self.deployment = deployment
+        assert self._hello.deployment is not None
+        self.deployment = self._hello.deployment
+        self._scale = reply.scale
+        return self.deployment
+
+    def load(self) -> None:
+        """Load and attach the aggregation program (blocking: compiling takes seconds; interfaces and
+        addresses are those of the calling thread's namespace)."""
+        deployment = self.deployment
+        if deployment is None:
+            raise RuntimeError("edge aggregator: load before hello")
         members = (1 << self.worker) | sum(1 << m for m in deployment.members)
-        layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=reply.scale, lanes=deployment.lanes,
+        layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=self._scale, lanes=deployment.lanes,
                                     pool=deployment.pool)
         own_ip, port = self.sock.getsockname()[0], self.sock.getsockname()[1]
         agg_token = 0
@@ -91,8 +113,8 @@ class ClusterAggregator:
             upstream = Upstream(worker=self.worker, ifindex=socket.if_nametoindex(self.interface), gateway=self.gateway,
                                 gateway_mac=_neighbour_mac(self.gateway[0]), own=(own_ip, port),
                                 own_mac=_mac_of(self.interface))
-            xdp = await asyncio.to_thread(XdpAggregator, layout, job=self.job, port=port, expected=members,
-                                          timeout=1.0, max_nacks=0, upstream=upstream)
+            xdp = XdpAggregator(layout, job=self.job, port=port, expected=members, timeout=1.0, max_nacks=0,
+                                upstream=upstream)
             self.xdp = xdp
             if self.tokens.enabled:
                 agg_token = 1
@@ -109,7 +131,6 @@ class ClusterAggregator:
             self._install(deployment.first_iteration)
         log.info("edge aggregator: worker %d aggregates %s for gateway %s:%d (%s)", self.worker,
                  sorted(deployment.members), *self.gateway, self.mode)
-        return deployment
 
     def kernel_map_bytes(self) -> int:
         return self.xdp.kernel_map_bytes() if self.xdp is not None else 0
@@ -155,7 +176,6 @@ class ClusterAggregator:
                     self._install(iteration if data[KIND_AT] == Kind.ACK else iteration + 1)
 
         def on_data() -> None:
-            assert self.fallback is not None
             view = memoryview(buf)
             for _ in range(256):
                 try:
@@ -164,8 +184,14 @@ class ClusterAggregator:
                     return
                 if n < HEADER_BYTES or buf[KIND_AT] != Kind.DATA:
                     continue
+                out: bytes | None = None
                 try:
-                    out = self.fallback.on_data(bytes(view[:n]), loop.time())
+                    if self.fallback is not None:
+                        out = self.fallback.on_data(bytes(view[:n]), loop.time())
+                    elif self.xdp is not None:
+                        # narrow lanes the program passed up for want of tailroom: widened here, summed there
+                        verdict, after = self.xdp.run_widened(bytes(view[:n]))
+                        out = after if verdict in (XDP_TX, XDP_REDIRECT) else None
                 except WireError as exc:
                     log.warning("edge aggregator: rejected datagram: %s", exc)
                     continue
@@ -173,17 +199,19 @@ class ClusterAggregator:
                     with contextlib.suppress(BlockingIOError):
                         self.sock.sendto(out, self.gateway)
 
-        if group is not None:
-            loop.add_reader(group.fileno(), on_group)
-        if self.fallback is not None:
-            loop.add_reader(self.sock.fileno(), on_data)
+        # fd numbers taken now: close() may close the sockets before this task unwinds
+        group_fd = group.fileno() if group is not None else -1
+        data_fd = self.sock.fileno()
+        if group_fd >= 0:
+            loop.add_reader(group_fd, on_group)
+        if data_fd >= 0:
+            loop.add_reader(data_fd, on_data)
         try:
             await self._stop.wait()
         finally:
-            if group is not None:
-                loop.remove_reader(group.fileno())
-            if self.fallback is not None:
-                loop.remove_reader(self.sock.fileno())
+            for fd in (group_fd, data_fd):
+                if fd >= 0:
+                    loop.remove_reader(fd)
 
     def follow(self, iteration: int) -> None:
         """Install tokens from ``iteration`` on (for a harness that knows the iterations)."""

@@ -31,7 +31,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened")
 TOKEN_WINDOW = 8
 """Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
@@ -114,6 +114,7 @@ class XdpAggregator:
         self._events: list[SlotEvent] = []
         self._ring_open = False
         self._agg_token = 0
+        self._port = port
         self.configure(job=job, port=port, expected=expected, timeout=timeout, max_nacks=max_nacks)
         self.prime_timers()
 
@@ -280,7 +281,7 @@ class XdpAggregator:
     def test_run(self, frame: bytes) -> tuple[int, bytes]:
         """Run the program once on an Ethernet frame without an interface: (XDP verdict, frame after)."""
         data_in = ctypes.create_string_buffer(frame, len(frame))
-        data_out = ctypes.create_string_buffer(len(frame) + 256)
+        data_out = ctypes.create_string_buffer(len(frame) + 4096)   # a narrow DATA frame grows
         opts = _TestRunOpts()
         opts.sz = ctypes.sizeof(_TestRunOpts)
         opts.data_in = ctypes.cast(data_in, ctypes.c_void_p)
@@ -293,6 +294,14 @@ class XdpAggregator:
             raise LoaderError(f"BPF_PROG_TEST_RUN failed: {os.strerror(-rc)}")
         return int(opts.retval), data_out.raw[: opts.data_size_out]
 
+    def run_widened(self, data: bytes) -> tuple[int, bytes]:
+        """A narrow-precision DATA datagram the program passed up for want of tailroom, widened to int32
+        fixed point here (as the program converts) and run through the program: (verdict, datagram after),
+        the datagram an AGG when it completed a slot, or the forwarded DATA of a cluster aggregator."""
+        frame = udp_frame(widen(data, self.layout.lanes), dport=self._port)
+        verdict, out = self.test_run(frame)
+        return verdict, out[UDP_PAYLOAD:]
+
     def close(self) -> None:
         self.detach()
         if self.fd >= 0:
@@ -302,11 +311,31 @@ class XdpAggregator:
         self._owner.cleanup()
 
 
-XDP_DROP, XDP_PASS = 1, 2
+XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 1, 2, 3, 4
 TIMER_INIT_KIND = 0x7F
 """The loader's own kind (never on the wire): initialise the timer of the slot the frame names."""
 UDP_PAYLOAD = 14 + 20 + 8
 """Where the datagram starts in the Ethernet/IPv4/UDP frames ``udp_frame`` builds."""
+
+
+def widen(data: bytes, lanes: int) -> bytes:
+    """A DATA datagram's narrow lanes as int32 fixed point at its scale (the program's conversion, in numpy),
+    flagged OVERFLOW where a lane leaves int32."""
+    from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, Flag, Precision
+    from netstorm.lan.precision import to_fixed
+
+    head = np.frombuffer(data[:HEADER_BYTES], HEADER_DTYPE).copy()
+    precision = Precision(int(head["precision"][0]))
+    if precision == Precision.FIXED32:
+        return data
+    fixed = to_fixed(np.frombuffer(data, np.uint8, offset=HEADER_BYTES), precision, int(head["wscale"][0]),
+                     int(head["scale"][0]))
+    if np.any(np.abs(fixed) > 2**31 - 1):
+        head["flags"] |= int(Flag.OVERFLOW)
+    head["precision"], head["wscale"] = 0, 0
+    lanes_out = np.zeros(lanes, "<i4")
+    lanes_out[: fixed.size] = np.clip(fixed, -(2**31), 2**31 - 1)[:lanes]
+    return head.tobytes() + lanes_out.tobytes()
 
 
 def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",

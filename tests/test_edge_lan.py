@@ -68,8 +68,8 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
 
 async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
-                  timeout: float = 20.0, secret: bytes | None = None,
-                  group: tuple[str, int] | None = GROUP) -> dict[str, Any]:  # noqa: ASYNC109
+                  timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
+                  group: tuple[str, int] | None = GROUP) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -85,7 +85,8 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
             attached = run_in(lan.gateway, lambda: xdp.attach(ifindex))
         try:
             agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=workers,
-                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1, secret=secret, group=group)
+                              job=JOB, mode=mode, xdp=xdp, slot_timeout=0.1, secret=secret, group=group,
+                              retransmit=1.0)   # workers wait longer than the slot timer: NACKs recover
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
                                 job=JOB, loss=loss, seed=3, secret=secret, group_opener=lan.group_opener(ns))
                      for i, ns in enumerate(lan.workers)]

@@ -25,7 +25,7 @@ from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, result_packets
 from tests.dataplane import until
 
-LAYOUT = EdgeLayout.uniform([3000, 7], scale=12, lanes=358)
+LAYOUT = EdgeLayout.uniform([3000, 7], scale=12, lanes=357)
 JOB = 21
 PORT = 9450
 SECRET = b"the job secret, 32 bytes or more"

@@ -31,7 +31,17 @@ import numpy as np
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, Flag, Header, Kind, Precision, lanes_of
+from netstorm.lan.header import (
+    HEADER_BYTES,
+    HEADER_DTYPE,
+    KIND_AT,
+    MAX_LANES,
+    Flag,
+    Header,
+    Kind,
+    Precision,
+    lanes_of,
+)
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
 from netstorm.lan.tokens import LanTokens, Sender
@@ -350,7 +360,8 @@ class EdgeSender:
                 self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
         elif head.kind == Kind.NACK and keep.size:
             index = self.layout.seq(head.tensor, head.chunk)
-            if head.flags & Flag.RESCALE:
+            current = int(np.frombuffer(keep[index][:HEADER_BYTES].tobytes(), HEADER_DTYPE)["scale"][0])
+            if head.flags & Flag.RESCALE and head.scale < current:   # a repeated request finds it done
                 keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
                                            tensor=head.tensor, values=values[head.tensor],
                                            chunks=np.array([head.chunk]), scale=head.scale,
@@ -367,11 +378,13 @@ class EdgeSender:
             await udp.sendto(self.sock, datagram, self.send_to)
 
     async def _pull(self, iteration: int, missing: np.ndarray) -> None:
-        """Retransmit queued answers, then ask for up to 256 result chunks that never arrived."""
+        """Retransmit queued answers, then ask for up to 256 result chunks that never arrived (one while none
+        has arrived)."""
         await self._flush()
-        if missing.all():
-            return  # the gateway has not started sending results (its WAN step is still running)
-        for index in np.flatnonzero(missing)[:256]:
+        # none yet: the WAN step may still run, or every copy was lost; one PULL probes which (the gateway
+        # answers only once it has the result), and the rest follow once results flow
+        limit = 1 if missing.all() else 256
+        for index in np.flatnonzero(missing)[:limit]:
             tensor, chunk = self.layout.locate(int(index))
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                        iteration=iteration, tensor=tensor, chunk=chunk,

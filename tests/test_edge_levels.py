@@ -1,0 +1,291 @@
+"""The LAN tier in namespaces with a pool much smaller than the model, one and two levels (ALEPH), mixed
+precisions (PAHInA), loss on both levels and on the result path, duplicates, overflow across levels, a
+silent worker, and results multicast by the LAN (checked through the kernel: group memberships, the
+bridge's multicast database, and one transmission per result datagram at the gateway)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netstorm.lan.deploy import LanTopology
+from netstorm.lan.errors import EdgeTimeout
+from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.header import Precision
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import fit_scales
+from netstorm.lan.precision import worker_values
+
+pytestmark = [pytest.mark.root]
+
+SCALE = 16
+LANES = 357
+POOL = 4
+SIZES = (LANES * 9 + 5, 7)
+"""11 chunks per worker through 4 slots: every slot is reused within an iteration and across them."""
+JOB = 12
+PORT = 9460
+GROUP = ("239.77.0.12", 9461)
+_iterations = itertools.count(200, 20)
+
+
+def layout() -> EdgeLayout:
+    return EdgeLayout.uniform(SIZES, scale=SCALE, lanes=LANES, pool=POOL)
+
+
+@pytest.fixture(scope="module")
+def gateway_program() -> Iterator[Any]:
+    from bpf.xdp import XdpAggregator
+
+    agg = XdpAggregator(layout(), job=JOB, port=PORT, expected=1, timeout=0.05)
+    yield agg
+    agg.close()
+
+
+@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def reference(contribs: list[list[np.ndarray]], precisions: list[Precision]) -> list[np.ndarray]:
+    """Exact LAN sums computed as the aggregators do: each worker's values rounded to its precision, as int64
+    fixed point at the common scale (or at the rescaled one where a sum or a lane leaves int32)."""
+    lay = layout()
+    workers = len(contribs)
+    out = []
+    for t, size in enumerate(lay.sizes):
+        result = np.zeros(size, np.float32)
+        mine = [worker_values(w[t], p, LANES) for w, p in zip(contribs, precisions, strict=True)]
+        for c in range(lay.chunks[t]):
+            a, b = lay.bounds(t, c)
+            parts = [m[a:b] for m in mine]
+            scale = SCALE
+            fixed = [np.rint(p * 2.0**scale).astype(np.int64) for p in parts]
+            total = np.sum(fixed, axis=0)
+            if np.any(np.abs(total) > 2**31 - 1) or any(np.any(np.abs(f) > 2**31 - 1) for f in fixed):
+                need = min(int(fit_scales(p.reshape(1, -1))[0]) for p in parts)
+                scale = rescale_for(need, workers)
+                total = np.sum([np.rint(p * 2.0**scale).astype(np.int64) for p in parts], axis=0)
+            result[a:b] = (total.astype(np.float64) * 2.0**-scale).astype(np.float32)
+        out.append(result)
+    return out
+
+
+def _tx_packets(device: str = "eth0") -> int:
+    for line in Path("/proc/thread-self/net/dev").read_text().splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        if name.strip() == device:
+            return int(rest.split()[9])
+    raise AssertionError(f"no {device} in /proc/net/dev")
+
+
+async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, topology: LanTopology | None = None,
+                  precisions: list[Precision] | None = None, loss: float = 0.0, wire_loss: float = 0.0,
+                  duplicate: float = 0.0, silent: int | None = None, big: bool = False,
+                  timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
+                  tmp: Path | None = None) -> dict[str, Any]:
+    from bpf.agent import EdgeAgent
+    from bpf.cluster import ClusterAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    topology = topology or LanTopology(workers)
+    precisions = precisions or [Precision.FIXED32] * workers
+    rng = np.random.default_rng(workers * 31 + iterations)
+    lay = layout()
+    out: dict[str, Any] = {"checked": 0}
+    with Lan(workers) as lan:
+        if wire_loss:
+            from netstorm.emulation import lossfilter
+
+            assert tmp is not None
+            ports = {(lan.bridge, port): wire_loss for port in ("g", *(f"w{i}" for i in range(workers)))}
+            lossfilter.attach(ports, tmp / "bpf")
+        xdp = None
+        before_stats: dict[str, int] = {}
+        if mode == "xdp":
+            xdp = program
+            before_stats = xdp.stats()
+            xdp.configure(job=JOB, port=PORT, expected=topology.gateway_mask(), timeout=0.05, max_nacks=50)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        clusters: list[ClusterAggregator] = []
+        try:
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), lay, workers=workers, job=JOB, mode=mode,
+                              xdp=xdp, slot_timeout=0.05, max_nacks=50, secret=secret, group=GROUP,
+                              topology=topology, retransmit=0.01)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=lay,
+                                job=JOB, loss=loss, seed=5, secret=secret, precision=precisions[i],
+                                group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
+            for node in nodes:
+                node.duplicate = duplicate
+            first = next(_iterations)
+            agent.expect(first)
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    for head in topology.clusters:
+                        ns = lan.workers[head]
+                        cluster = ClusterAggregator(lan.udp_socket(ns, lan.worker_ip(head), PORT), (GATEWAY_IP, PORT),
+                                                    worker=head, job=JOB, interface="eth0", mode=mode, secret=secret,
+                                                    group_opener=lan.group_opener(ns), attach="generic")
+                        clusters.append(cluster)
+                        await cluster.hello(timeout=10)
+                        await asyncio.to_thread(run_in, ns, cluster.load)
+                        tg.create_task(cluster.run())
+                    await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+                    await agent.wait_workers(timeout=10)
+                    out["igmp"] = [run_in(ns, lambda: Path("/proc/thread-self/net/igmp").read_text())
+                                   for ns in lan.workers]
+                    out["tx_per_result"] = []
+                    for k in range(iterations):
+                        iteration = first + k
+                        for cluster in clusters:
+                            cluster.follow(iteration)
+                        contribs = [[rng.standard_normal(s).astype(np.float32) for s in lay.sizes]
+                                    for _ in range(workers)]
+                        if big:
+                            for w in contribs:
+                                w[1][:] = 2.0**14 * 0.75   # fits at scale 16, a sum of several workers does not
+                        pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
+                                  for n in nodes if n.worker != silent]
+                        sums = await agent.collect(iteration, timeout=timeout)
+                        expected = reference(contribs, precisions)
+                        for got, want in zip(sums, expected, strict=True):
+                            np.testing.assert_array_equal(got, want)
+                        total = workers + k
+                        before = run_in(lan.gateway, _tx_packets)
+                        await agent.send_results(iteration, sums, total=total)
+                        out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
+                        for task in pushes:
+                            got_sums, got_total = await task
+                            assert got_total == total
+                            for got, want in zip(got_sums, expected, strict=True):
+                                np.testing.assert_array_equal(got, want)
+                        out["checked"] += 1
+                finally:
+                    agent.close()
+                    out["cluster_stats"] = [c.stats() for c in clusters]
+                    for cluster in clusters:
+                        cluster.close()
+                    await serving
+            out["mdb"] = run_in(lan.bridge, lambda: _bridge_mdb(lan.bridge))
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            out["stats"] = {k: v - before_stats.get(k, 0) for k, v in stats.items()}   # this run's alone
+            out["kernel_map_bytes"] = xdp.kernel_map_bytes() if xdp is not None else 0
+            out["retransmitted"] = sum(n.retransmitted for n in nodes)
+            out["dropped"] = sum(n.dropped for n in nodes)
+            out["rescaled"] = sum(n.rescaled for n in nodes)
+            out["acks"] = agent.acks_sent
+            return out
+        finally:
+            for node in nodes if "nodes" in locals() else []:
+                node.close()
+            if xdp is not None:
+                xdp.detach()
+                xdp.require_tokens(0)
+
+
+def _bridge_mdb(namespace: str) -> str:
+    import subprocess
+
+    return subprocess.run(["bridge", "-n", namespace, "mdb", "show"], capture_output=True, text=True).stdout
+
+
+def group_hex() -> str:
+    """The group address as /proc/net/igmp prints it (the address's bytes in host order, in hex)."""
+    import socket
+
+    return socket.inet_aton(GROUP[0])[::-1].hex().upper()
+
+
+@pytest.mark.slow
+def test_one_level_pool_smaller_than_the_model_exact_over_iterations(mode: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    out = asyncio.run(run_lan(mode, program, workers=4, iterations=4))
+    assert out["checked"] == 4
+    assert layout().num_chunks > 2 * POOL
+    # the results went out once each and the LAN copied them to every worker
+    assert all(igmp_has_group(text) for text in out["igmp"])
+    assert all(x < 1.5 for x in out["tx_per_result"]), out["tx_per_result"]
+
+
+def igmp_has_group(text: str) -> bool:
+    return group_hex() in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers,clusters", [(2, "0:1"), (5, "1:0,2;3:4"), (8, "0:1,2,3;4:5,6")])
+def test_two_levels_exact_sums(mode: str, workers: int, clusters: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    topology = LanTopology.parse(clusters, workers)
+    out = asyncio.run(run_lan(mode, program, workers=workers, iterations=3, topology=topology))
+    assert out["checked"] == 3
+    # each aggregator forwarded one datagram per chunk per iteration at least (retransmissions re-forward)
+    for stats in out["cluster_stats"]:
+        assert stats["forwarded"] >= 3 * layout().num_chunks
+    # the gateway saw one contribution per cluster and per unclustered worker, not one per worker
+    assert out["stats"]["rx"] < 3 * layout().num_chunks * workers
+
+
+@pytest.mark.slow
+def test_one_percent_loss_on_both_levels_and_the_result_path_with_duplicates(mode: str, tmp_path: Path,
+                                                                             request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    topology = LanTopology.parse("0:1,2", 5)
+    out = asyncio.run(run_lan(mode, program, workers=5, iterations=4, topology=topology, loss=0.01,
+                              wire_loss=0.01, duplicate=0.02, tmp=tmp_path, secret=b"k" * 32))
+    assert out["checked"] == 4
+    assert out["retransmitted"] > 0
+    assert out["stats"]["dup"] + sum(s["dup"] for s in out["cluster_stats"]) > 0
+
+
+@pytest.mark.slow
+def test_mixed_precisions_against_numpy_on_two_levels(mode: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    precisions = [Precision.FIXED32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.FP16]
+    topology = LanTopology.parse("1:2,3", 5)
+    out = asyncio.run(run_lan(mode, program, workers=5, iterations=2, topology=topology, precisions=precisions))
+    assert out["checked"] == 2
+
+
+@pytest.mark.slow
+def test_overflow_and_rescale_across_levels(mode: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    topology = LanTopology.parse("0:1,2", 4)
+    out = asyncio.run(run_lan(mode, program, workers=4, iterations=1, topology=topology, big=True))
+    assert out["checked"] == 1 and out["rescaled"] >= 4
+
+
+@pytest.mark.slow
+def test_a_worker_that_never_sends_is_a_named_timeout(mode: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    with pytest.raises(ExceptionGroup) as info:
+        asyncio.run(run_lan(mode, program, workers=3, iterations=1, silent=2, timeout=1.5))
+    timeouts = [e for e in info.value.exceptions if isinstance(e, EdgeTimeout)]
+    assert any("missing workers [2]" in str(e) or "incomplete" in str(e) for e in timeouts), info.value.exceptions
+
+
+@pytest.mark.bcc
+def test_the_program_and_its_maps_are_in_the_kernel_and_bounded_by_the_pool(gateway_program: Any) -> None:
+    """kernel_map_bytes comes from the kernel's own accounting of the program's maps, and a model of AlexNet's
+    size needs no more than its pool."""
+    got = gateway_program.kernel_map_bytes()
+    assert got >= layout().map_bytes
+    big = EdgeLayout.uniform([61_000_000], scale=SCALE, lanes=LANES, pool=4096)
+    assert big.map_bytes <= 64 << 20
+
+
+@pytest.mark.slow
+def test_mixed_precisions_against_numpy_on_one_level(mode: str, request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    precisions = [Precision.FP16, Precision.BF16, Precision.INT8, Precision.FIXED32]
+    out = asyncio.run(run_lan(mode, program, workers=4, iterations=2, precisions=precisions))
+    assert out["checked"] == 2
