@@ -1,9 +1,10 @@
 """``netstorm bench edge``: LAN aggregation per CPU core, XDP against the userspace fallback, same run.
 
 Both paths run on the same namespace LAN (a gateway and N workers on a bridge, the gateway's veth with
-two queues), the same model, the same iterations and the same injected loss. Workers are threads with
-their own event loops; the gateway's agent runs on the main thread. Each iteration's LAN sum is checked
-exactly against numpy (int64 fixed-point sums) before its result goes back to the workers.
+two queues), the same model, the same iterations and the same injected loss. Each worker is a process in
+its own namespace (``edge_worker.py``), as gloo's ranks are; the gateway's agent runs in this process.
+Each iteration's LAN sum is checked exactly against numpy (int64 fixed-point sums) before its result goes
+back to the workers, and every worker checks every result it received after its measured window.
 
 Two CPU figures per path (result broadcast and the exactness checks are excluded from both):
 - aggregation (``pps_per_core``, ``ratio_per_core``, ``cpu_seconds_per_gb``): xdp = the XDP program's run
@@ -39,8 +40,6 @@ import asyncio
 import ctypes
 import json
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +113,6 @@ def _enable_bpf_stats() -> int:
     return fd
 
 
-def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, timeout: float,
-                   errors: list[BaseException]) -> None:
-    async def main() -> None:
-        for k, tensors in enumerate(contribs):
-            await node.push_pull(first + k, tensors, timeout=timeout)
-
-    try:
-        asyncio.run(main())
-    except BaseException as exc:
-        errors.append(exc)
-
-
 def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
     """Each worker's shaped (up, down) Gbit/s: ``args.rates`` (a calibration's), else ``--lan-gbit``."""
     if getattr(args, "rates", None):
@@ -141,12 +128,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
     from netstorm.bench.edge_inputs import contribution, reference
-    from netstorm.bench.edge_levels import Aggregators, mixed_reference, parse_precisions, topology, wire_precision
+    from netstorm.bench.edge_levels import Aggregators, Workers, mixed_reference, parse_precisions, topology
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
     from netstorm.lan.header import lanes_for_mtu
     from netstorm.lan.layout import EdgeLayout
-    from netstorm.lan.sender import EdgeSender
 
     cfg = _lan_config(args)
     lanes = lanes_for_mtu(cfg.edge_mtu)
@@ -155,12 +141,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     workers = args.workers
     precisions = parse_precisions(args.precision, workers)
     topo = topology(workers, args.levels, args.aggregators)
-    contribs = [[[contribution(SEED, k, w, args.elements, args.scale, workers)] for w in range(workers)]
-                for k in range(args.iterations)]
     if all(p == "fp32" for p in precisions):
         expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
     else:
-        expected = [mixed_reference([c[0] for c in contribs[k]], precisions, lanes, args.scale)
+        expected = [mixed_reference([contribution(SEED, k, w, args.elements, args.scale, workers)
+                                     for w in range(workers)], precisions, lanes, args.scale)
                     for k in range(args.iterations)]
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     group = _address(cfg.edge_group) if cfg.edge_group else None
@@ -182,10 +167,9 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
                               slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
                               topology=topo, retransmit=cfg.edge_retransmit)
-            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
-                                job=JOB, loss=args.loss, seed=7, secret=secret,
-                                precision=wire_precision(precisions[i]), group_opener=lan.group_opener(ns))
-                     for i, ns in enumerate(lan.workers)]
+            first = 1
+            procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
+                            precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))
             cpu = HostCpu()
             perf = None
             if getattr(args, "perf", None):
@@ -193,7 +177,10 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
                 Path(args.perf).mkdir(parents=True, exist_ok=True)
                 perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}-l{args.levels}.data")
-            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp, cpu, perf, aggregators))
+            try:
+                result = asyncio.run(_drive(agent, procs, expected, xdp, cpu, perf, aggregators, first=first))
+            finally:
+                procs.close()
             if xdp is not None:
                 result["kernel_map_bytes"] = kernel_map_bytes() + sum(
                     kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
@@ -227,12 +214,10 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
-                 expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
-                 aggregators: Any = None) -> dict[str, Any]:
-    timeout = 60.0
+async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
+                 aggregators: Any = None, *, first: int) -> dict[str, Any]:
+    timeout = 120.0
     exact = True
-    errors: list[BaseException] = []
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())
         try:
@@ -240,42 +225,32 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
                 aggregators.spawn()
                 await asyncio.to_thread(aggregators.wait_ready)
                 cpu.add(aggregators.pids)
-            await asyncio.gather(*(n.hello(timeout=30) for n in nodes))
-            await agent.wait_workers(timeout=10)
-            # the workers' sockets now move to their own threads and loops
-            first = 1
+            workers.spawn()
+            await asyncio.to_thread(workers.wait_ready)
+            await agent.wait_workers(timeout=30)
             agent.expect(first)   # the first iteration's tokens are in place before any DATA
-            threads = [threading.Thread(target=_worker_thread,
-                                        args=(n, [c[n.worker] for c in contribs], first, timeout, errors))
-                       for n in nodes]
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
             if perf is not None:
                 perf.start()
             cpu.start()
-            wall0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for k in range(len(contribs)):
+            workers.go()
+            for k in range(len(expected)):
                 sums = await agent.collect(first + k, timeout=timeout)
                 exact &= bool(np.array_equal(sums[0], expected[k]))
-                await agent.send_results(first + k, sums, total=len(nodes))  # this LAN alone
-            def join_all() -> None:
-                for t in threads:
-                    t.join()
-
-            await asyncio.to_thread(join_all)
-            wall = time.perf_counter() - wall0
-            window = cpu.stop()
+                await agent.send_results(first + k, sums, total=len(workers.procs))  # this LAN alone
+            await asyncio.to_thread(workers.wait_done, timeout)
+            window = cpu.stop(extra=sum(w["cpu"] for w in workers.windows))
             profile = perf.stop() if perf is not None else None
             prog1 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             agent_cpu = agent.receive_cpu - cpu0
             delivery_cpu = agent.delivery_cpu - delivery0
+            await asyncio.to_thread(workers.wait_checked, timeout + 60.0 * len(expected))
         finally:
             agent.close()
             await serving
-    if errors:
-        raise errors[0]
+    wall = max(w["t1"] for w in workers.windows) - min(w["t0"] for w in workers.windows)
+    exact &= all(c["exact"] for c in workers.checks)
     if xdp is not None:
         stats = xdp.stats()
         packets = stats["rx"]
@@ -307,8 +282,9 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "exact": exact,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],
-        "retransmitted": sum(n.retransmitted for n in nodes),
-        "dropped_on_purpose": sum(n.dropped for n in nodes),
+        "retransmitted": sum(w["retransmitted"] for w in workers.windows),
+        "dropped_on_purpose": sum(w["dropped"] for w in workers.windows),
+        "workers_cpu_seconds": sum(w["cpu"] for w in workers.windows),
         "authenticated": agent.tokens.enabled,
         "bad_tokens": agent.bad_tokens,
         "host_cpu": window,

@@ -141,3 +141,64 @@ def _readline(proc: subprocess.Popen[bytes], deadline: float, who: str, log_dir:
                     tail = logs[0].read_text(errors="replace")[-2000:]
                 raise RuntimeError(f"{who} exited with {proc.wait()}: {tail}")
             return line.decode().strip()
+
+
+class Workers:
+    """The LAN workers, one process each in its namespace (``edge_worker.py``)."""
+
+    def __init__(self, lan: Any, *, gateway: tuple[str, int], job: int, args: Any, lanes: int, pool: int,
+                 precisions: list[str], seed: int, first: int, log_dir: Path) -> None:
+        self.lan = lan
+        self.log_dir = log_dir
+        self.argv = ["--workers", str(len(lan.workers)), "--gateway", f"{gateway[0]}:{gateway[1]}", "--job", str(job),
+                     "--elements", str(args.elements), "--iterations", str(args.iterations), "--first", str(first),
+                     "--scale", str(args.scale), "--lanes", str(lanes), "--pool", str(pool), "--seed", str(seed),
+                     "--precisions", ",".join(precisions), "--loss", str(args.loss),
+                     *(["--secret-file", args.secret_file] if args.secret_file else [])]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.windows: list[dict[str, Any]] = []
+        self.checks: list[dict[str, Any]] = []
+
+    def spawn(self) -> None:
+        from netstorm.emulation import netns
+
+        for i, ns in enumerate(self.lan.workers):
+            log = (self.log_dir / f"worker-{i}.log").open("wb")
+            self.procs.append(netns.spawn(ns, [
+                sys.executable, "-m", "netstorm.bench.edge_worker", "--worker", str(i),
+                "--address", self.lan.worker_ip(i), *self.argv],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log))
+            log.close()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        for i, proc in enumerate(self.procs):
+            line = _readline(proc, deadline, f"worker {i}", self.log_dir)
+            if line != "ready":
+                raise RuntimeError(f"worker {i} said {line!r} instead of ready")
+
+    def go(self) -> None:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
+
+    def wait_done(self, timeout: float) -> None:
+        """Every worker's window line (its iterations are done)."""
+        deadline = time.monotonic() + timeout
+        self.windows = [json.loads(_readline(p, deadline, f"worker {i}", self.log_dir))
+                        for i, p in enumerate(self.procs)]
+
+    def wait_checked(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        self.checks = [json.loads(_readline(p, deadline, f"worker {i}", self.log_dir))
+                       for i, p in enumerate(self.procs)]
+        for i, p in enumerate(self.procs):
+            if p.wait(timeout=max(1.0, deadline - time.monotonic())) != 0:
+                raise RuntimeError(f"worker {i} exited with {p.returncode}")
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
