@@ -216,6 +216,14 @@ class XdpAggregator:
             self._lib.bpf_xdp_detach(ifindex, flags, None)
         self._attached = []
 
+    def prog_id(self) -> int:
+        """The kernel's id of the loaded program (what ``ip link`` and bpftool show for an interface)."""
+        with open(f"/proc/self/fdinfo/{self.fd}") as info:
+            for line in info:
+                if line.startswith("prog_id:"):
+                    return int(line.split()[1])
+        raise LoaderError("the program's fdinfo has no prog_id")
+
     def map_fds(self) -> dict[str, int]:
         """The program's maps by name (slot map, configuration, tokens, counters, ring buffer)."""
         import bcc

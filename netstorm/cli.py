@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "secret": "secret",
     "status": "status",
+    "lan-aggregator": "lan_aggregator",
 }
 
 

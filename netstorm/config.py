@@ -139,7 +139,7 @@ class Config:
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
     # LAN tier.
-    edge_pool_slots: int = 4096
+    edge_pool_slots: int = 1024
     """Aggregation slots a LAN gateway (and each LAN aggregator) reuses across chunks and iterations, as
     SwitchML does: a worker keeps at most this many chunks in flight, and the slot map takes
     pool * (64 + 4 * lanes) bytes whatever the model (at most 56 MB). 0: one slot per chunk of the model."""
@@ -150,8 +150,8 @@ class Config:
     """Two-level LAN aggregation: "A:M,M;B:M" makes LAN worker A aggregate workers M... (and itself) with
     the XDP program on its own host and forward the partial sum to the gateway; empty: one level."""
     edge_retransmit: float = 0.005
-    """Seconds a LAN worker waits for progress (an ACK) before it resends its unacknowledged chunks; also
-    the gateway's slot timer period."""
+    """Seconds a LAN worker waits past a gap in the ACKs (a later chunk acknowledged, this one not) before
+    it resends the missing chunks; the wait grows to the measured ACK round trip when that is longer."""
     edge_group: str = "239.77.0.1:9701"
     """Multicast group ADDRESS:PORT the gateway sends ACKs and results to, one datagram replicated by the
     LAN for every worker; empty: one unicast copy per worker."""

@@ -176,7 +176,8 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                     for cluster in clusters:
                         cluster.close()
                     await serving
-            out["mdb"] = run_in(lan.bridge, lambda: _bridge_mdb(lan.bridge))
+            out["mdb"] = _bridge_mdb(lan.bridge)
+            out["gateway_link"] = _link(lan.gateway)
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
             out["stats"] = {k: v - before_stats.get(k, 0) for k, v in stats.items()}   # this run's alone
             out["kernel_map_bytes"] = xdp.kernel_map_bytes() if xdp is not None else 0
@@ -194,9 +195,16 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
 
 
 def _bridge_mdb(namespace: str) -> str:
+    """The bridge's multicast database: the ports it copies each group to."""
     import subprocess
 
     return subprocess.run(["bridge", "-n", namespace, "mdb", "show"], capture_output=True, text=True).stdout
+
+
+def _link(namespace: str) -> str:
+    import subprocess
+
+    return subprocess.run(["ip", "-n", namespace, "-d", "link", "show", "eth0"], capture_output=True, text=True).stdout
 
 
 def group_hex() -> str:
@@ -212,9 +220,14 @@ def test_one_level_pool_smaller_than_the_model_exact_over_iterations(mode: str, 
     out = asyncio.run(run_lan(mode, program, workers=4, iterations=4))
     assert out["checked"] == 4
     assert layout().num_chunks > 2 * POOL
-    # the results went out once each and the LAN copied them to every worker
+    # the results went out once each and the LAN copied them to every worker: every worker's kernel holds
+    # the group membership, the bridge's multicast database lists the group on every worker's port, and
+    # the gateway's interface sent about one packet per result datagram, not one per worker
     assert all(igmp_has_group(text) for text in out["igmp"])
+    assert all(f"port w{i} grp {GROUP[0]}" in out["mdb"] for i in range(4)), out["mdb"]
     assert all(x < 1.5 for x in out["tx_per_result"]), out["tx_per_result"]
+    if program is not None:   # the aggregation program is what the kernel runs on the gateway's interface
+        assert f"prog/xdp id {program.prog_id()}" in out["gateway_link"], out["gateway_link"]
 
 
 def igmp_has_group(text: str) -> bool:

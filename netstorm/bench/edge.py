@@ -74,8 +74,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", default="fp32", metavar="P[,P...]",
                         help="lane precision per worker, cycled: fp32, fp16, bf16, int8 (default fp32; gloo "
                              "always all-reduces float32)")
-    parser.add_argument("--pool", type=int, default=None, metavar="SLOTS",
-                        help="slots the aggregators reuse across chunks (edge_pool_slots; 0: one per chunk)")
+    parser.add_argument("--pool", "--pool-slots", dest="pool", type=int, default=None, metavar="SLOTS",
+                        help="slots the aggregators reuse across chunks (default edge_pool_slots; 0: one per chunk)")
+    parser.add_argument("--mtu", type=int, default=None,
+                        help="LAN MTU: lanes per datagram follow (default edge_mtu)")
+    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file of options (the LAN tier's)")
     parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
                         help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
@@ -135,7 +138,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.lan.layout import EdgeLayout
 
     cfg = _lan_config(args)
-    lanes = lanes_for_mtu(cfg.edge_mtu)
+    mtu = args.mtu if args.mtu is not None else cfg.edge_mtu
+    lanes = lanes_for_mtu(mtu)
     pool = args.pool if args.pool is not None else cfg.edge_pool_slots
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
     workers = args.workers
@@ -152,7 +156,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with (Lan(workers, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan,
+    with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-edge-") as logs):
         aggregators = (Aggregators(lan, topo, gateway=(GATEWAY_IP, PORT), job=JOB, mode=path,
                                    secret_file=args.secret_file, log_dir=Path(logs)) if topo.clusters else None)
@@ -199,6 +203,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     if aggregators is not None:
         result["aggregators"] = {str(w): {**aggregators.ready.get(w, {}), **aggregators.final.get(w, {})}
                                  for w in aggregators.heads}
+    result["lanes"], result["pool_slots"], result["mtu"] = lanes, layout.num_slots, mtu
     return result
 
 
@@ -279,6 +284,8 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
         "gateway_cpu_seconds_per_gb": gateway_cpu / aggregated_gb if aggregated_gb else float("nan"),
         "wall_seconds": wall,
         "wall_pps": packets / wall,
+        "sender_calls": sum(w["sender_calls"] for w in workers.windows),
+        "sender_datagrams": sum(w["sender_datagrams"] for w in workers.windows),
         "exact": exact,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],

@@ -154,6 +154,7 @@ class Workers:
                      "--elements", str(args.elements), "--iterations", str(args.iterations), "--first", str(first),
                      "--scale", str(args.scale), "--lanes", str(lanes), "--pool", str(pool), "--seed", str(seed),
                      "--precisions", ",".join(precisions), "--loss", str(args.loss),
+                     *(["--no-gso"] if getattr(args, "no_gso", False) else []),
                      *(["--secret-file", args.secret_file] if args.secret_file else [])]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.windows: list[dict[str, Any]] = []

@@ -48,7 +48,7 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
     sock.bind((args.address, 0))
     sock.setblocking(False)
     node = EdgeSender(sock, (host, int(port)), worker=args.worker, layout=layout, job=args.job, loss=args.loss,
-                      seed=7, secret=secret, precision=wire_precision(precisions[args.worker]))
+                      seed=7, secret=secret, precision=wire_precision(precisions[args.worker]), gso=not args.no_gso)
     await node.hello(timeout=args.timeout)
     print("ready", flush=True)
     loop = asyncio.get_running_loop()
@@ -61,7 +61,8 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
         results.append(sums[0])
     t1, cpu1 = time.monotonic(), _cpu_seconds()
     print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": cpu1 - cpu0,
-                      "retransmitted": node.retransmitted, "dropped": node.dropped}), flush=True)
+                      "retransmitted": node.retransmitted, "dropped": node.dropped,
+                      "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
     exact = True
     for k, got in enumerate(results):
         if all(p == "fp32" for p in precisions):
@@ -92,6 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--precisions", required=True, help="every worker's precision, comma-separated")
     parser.add_argument("--loss", type=float, default=0.0)
+    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
     parser.add_argument("--secret-file", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)

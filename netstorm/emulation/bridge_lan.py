@@ -43,10 +43,12 @@ def quiet_bridge(namespace: str) -> None:
 
 class Lan:
     """Gateway ``<prefix>g`` (eth0, 10.77.0.1) and workers ``<prefix>w<i>`` (eth0, 10.77.0.10+i) on a
-    bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues."""
+    bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues; every link has
+    the IPv4 ``mtu``."""
 
-    def __init__(self, workers: int, *, queues: int = 2, rates: Sequence[tuple[float, float]] | None = None,
-                 gateway_gbit: float | None = None, rate_scale: float = 1.0, uplink: str = "veth") -> None:
+    def __init__(self, workers: int, *, queues: int = 2, mtu: int = 1500,
+                 rates: Sequence[tuple[float, float]] | None = None, gateway_gbit: float | None = None,
+                 rate_scale: float = 1.0, uplink: str = "veth") -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
         if rates is not None and len(rates) != workers:
@@ -75,12 +77,14 @@ class Lan:
                      f"numtxqueues {q} numrxqueues {q}"]
             lines += [f"link add w{i} type veth peer name eth0 netns {ns}" for i, ns in enumerate(self.workers)]
             lines += [f"link set {end} master br0 up" for end in ("g", *(f"w{i}" for i in range(workers)))]
+            if mtu != 1500:
+                lines += [f"link set {end} mtu {mtu}" for end in ("br0", "g", *(f"w{i}" for i in range(workers)))]
             netns.ip_batch(lines, namespace=self.bridge, what=f"build the LAN bridge {self.bridge}")
             quiet_bridge(self.bridge)
             for ns, address in ((self.gateway, GATEWAY_IP),
                                 *((ns, self.worker_ip(i)) for i, ns in enumerate(self.workers))):
-                netns.ip_batch([f"addr add {address}/24 dev eth0", "link set eth0 up", "link set lo up"],
-                               namespace=ns, what=f"address {ns}")
+                netns.ip_batch([f"addr add {address}/24 dev eth0", f"link set eth0 mtu {mtu}", "link set eth0 up",
+                                "link set lo up"], namespace=ns, what=f"address {ns}")
             self._shape()
         except BaseException:
             self.close()

@@ -27,7 +27,7 @@ SLOT_OVERHEAD_BYTES = 64
 """Bytes of a slot besides its lanes (lock, key, bitmaps, flags, struct bpf_timer), rounded up."""
 MAX_MAP_BYTES = 56 << 20
 """Largest slot map a layout may ask for, so the program's maps stay within 64 MB in total."""
-DEFAULT_POOL = 4096
+DEFAULT_POOL = 1024
 """Slots in the pool unless configured (``edge_pool_slots``)."""
 
 

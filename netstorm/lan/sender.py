@@ -6,10 +6,12 @@ datagram carries (``Header.total``).
 Flow control is SwitchML's: chunk ``seq`` uses slot ``seq % pool`` and is sent only once the ACK of the
 chunk that used the slot before it came back (``layout.py``). ACKs and results arrive by multicast (one
 datagram the LAN replicates for every worker) on a second socket joined to the group the gateway names in
-its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is found by the worker: a
-chunk unacknowledged for longer than the retransmission timeout (``retransmit``, or a few ACK round trips
-when the queue is longer) is resent, all such chunks in one batch, together with a QUERY for them, whose
-answer covers ACKs that were themselves lost. Duplicates cost nothing: the aggregator's contributor bitmap
+its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is found by the worker, as
+TCP's selective acknowledgements find it: ACKs come back roughly in sending order, so a chunk still
+unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
+all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
+Each round goes out in one batch, with a QUERY for those chunks, whose answer covers ACKs that were
+themselves lost. Duplicates cost nothing: the aggregator's contributor bitmap
 drops them. Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
@@ -51,6 +53,8 @@ GroupOpener = Callable[[Address, str], socket.socket]
 """Opens the socket that receives a multicast group (address, port) on the interface with a local address."""
 QUERY_CHUNKS = 256
 """Chunk numbers one QUERY datagram asks about."""
+STALL_CHUNKS = 8
+"""Oldest unacknowledged chunks resent when no ACK comes at all."""
 
 
 def group_socket(group: Address, local_ip: str) -> socket.socket:
@@ -208,7 +212,8 @@ class EdgeSender:
                 self._on_datagram(data, iteration, rows, values, results, missing, flight)
             await self._flush()
             now = time.monotonic()
-            late = flight.late(now, self._rto())
+            # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
+            late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, results, missing, deadline - time.monotonic())
@@ -226,7 +231,8 @@ class EdgeSender:
 
     # ------------------------------------------------------------------ internals
     def _rto(self) -> float:
-        return max(self.retransmit, 3 * self._rtt)
+        """How long without any ACK before the oldest unacknowledged chunks are resent."""
+        return max(4 * self.retransmit, 2 * self._rtt)
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
@@ -402,6 +408,11 @@ class _Flight:
         self.first_sent = np.full(chunks, np.inf)
         self.next = 0
         """Chunks below this were sent at least once."""
+        self.highest = 0
+        """One past the highest chunk acknowledged."""
+        self.last_ack = float("inf")
+        """When the latest ACK came (inf until the first chunks are sent)."""
+        self.backoff = 1
 
     def sendable(self) -> tuple[int, int]:
         """The chunks [start, stop) the window allows now: chunk j once j < pool or chunk j - pool is acked."""
@@ -415,6 +426,8 @@ class _Flight:
         self.sent_at[start:stop] = now
         self.first_sent[start:stop] = now
         self.next = stop
+        if self.last_ack == float("inf"):
+            self.last_ack = now
 
     def resent(self, index: np.ndarray, now: float) -> None:
         self.sent_at[index] = now
@@ -428,13 +441,28 @@ class _Flight:
         self.acked[seqs] = True
         if not fresh.size:
             return None
+        self.last_ack = now
+        self.backoff = 1
+        self.highest = max(self.highest, int(fresh.max()) + 1)
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
         return float(now - np.max(self.sent_at[once])) if once.size else None
 
-    def late(self, now: float, rto: float) -> np.ndarray:
-        """Sent chunks unacknowledged for longer than ``rto``."""
+    def late(self, now: float, grace: float, stall: float) -> np.ndarray:
+        """Chunks to resend: unacknowledged ones older than a chunk already acknowledged (ACKs come back
+        roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were sent;
+        and, when no ACK came for ``stall`` seconds (doubled after every such round until an ACK comes, as
+        TCP backs off: a slow peer is not a loss), the oldest few unacknowledged ones."""
         window = slice(0, self.next)
-        return np.flatnonzero(~self.acked[window] & (now - self.sent_at[window] > rto))
+        open_ = ~self.acked[window]
+        age = now - self.sent_at[window]
+        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))
+        if now - self.last_ack > stall * self.backoff:
+            oldest = np.flatnonzero(open_ & (age > stall * self.backoff))[:STALL_CHUNKS]
+            if oldest.size:
+                self.backoff = min(64, self.backoff * 2)
+                self.last_ack = now
+            gap = np.union1d(gap, oldest)
+        return gap[:QUERY_CHUNKS]
 
     def unacked(self) -> int:
         return int((~self.acked).sum())
