@@ -219,9 +219,14 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def deadline_s(elements: int, workers: int) -> float:
+    """Seconds an iteration may take: a minute, plus its gradient bytes at 0.1 Gbit/s."""
+    return 60.0 + elements * 4 * workers * 8 / 1e8
+
+
 async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
                  aggregators: Any = None, *, first: int) -> dict[str, Any]:
-    timeout = 120.0
+    timeout = deadline_s(agent.layout.sizes[0], len(workers.procs))
     exact = True
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())
@@ -237,7 +242,7 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
             if perf is not None:
-                perf.start()
+                perf.start([p.pid for p in workers.procs])
             cpu.start()
             workers.go()
             for k in range(len(expected)):

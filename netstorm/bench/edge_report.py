@@ -38,6 +38,37 @@ def rows(doc: dict[str, Any], name: str) -> list[str]:
     return out
 
 
+def breakdown(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each LAN path's CPU went, per datagram the gateway aggregated: the XDP program (kernel
+    run-time statistics), the gateway's agent (its thread CPU), the workers' processes (building, sending
+    and resending datagrams, taking ACKs and results), and the rest (the kernel's softirq threads and the
+    gateway process's other work); then the profile of the gateway and worker processes by shared object and
+    symbol, where recorded."""
+    lines = ["| file | path | datagrams | resent | host CPU µs/datagram | XDP program | agent | workers | rest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    profiles = []
+    for name, doc in docs.items():
+        for path in ("xdp", "userspace"):
+            r = doc.get(path)
+            if r is None or "workers_cpu_seconds" not in r or not r.get("packets"):
+                continue
+            per = 1e6 / r["packets"]
+            program = r.get("xdp_program_cpu_seconds", 0.0)
+            agent = r.get("agent_cpu_seconds", 0.0)
+            workers = r["workers_cpu_seconds"]
+            rest = r["host_cpu_seconds"] - program - agent - workers
+            lines.append(f"| {name} | {path} | {r['packets']:,} | {r.get('retransmitted', 0):,} | "
+                         f"{r['host_cpu_seconds'] * per:.1f} | {program * per:.1f} | {agent * per:.1f} | "
+                         f"{workers * per:.1f} | {rest * per:.1f} |")
+            if r.get("perf"):
+                dsos = ", ".join(f"{row['what']} {row['percent']:.0f} %" for row in r["perf"]["by_dso"][:5])
+                symbols = ", ".join(f"{row['what'].split()[-1]} {row['percent']:.0f} %"
+                                    for row in r["perf"]["by_symbol"][:6])
+                profiles.append(f"- `{name}` {path}, the gateway and worker processes by shared object: {dsos}; "
+                                f"top symbols: {symbols}")
+    return [*lines, "", *profiles] if len(lines) > 2 else []
+
+
 def end_to_end(docs: dict[str, dict[str, Any]]) -> list[str]:
     """The emulation results: each system's mean steady iteration with and without LAN workers."""
     from netstorm.emulation.results import system_stats
@@ -68,6 +99,9 @@ def markdown(files: Sequence[Path]) -> str:
     emulations = {name: doc for name, doc in docs.items() if "systems" in doc}
     benches = [path for path in files if path.name not in emulations]
     out = _bench_table(benches) if benches else ""
+    split = breakdown({path.name: docs[path.name] for path in benches})
+    if split:
+        out += "\n" + "\n".join(split) + "\n"
     if emulations:
         out += ("\n" if out else "") + "\n".join(end_to_end(emulations)) + "\n"
     return out

@@ -1,8 +1,8 @@
-"""Where a LAN path's CPU goes: ``perf record`` of this process (every thread, kernel work in their
-context included) over the measured window, summarised by shared object and by symbol.
+"""Where a LAN path's CPU goes: ``perf record`` of this process and the path's worker processes (every
+thread, kernel work in their context included) over the measured window, summarised by shared object and
+by symbol.
 
-The benchmark's gateway agent and its senders are threads of one process, so one recording covers both;
-the shares say how much of the path is the Python interpreter, numpy, libc, the kernel's UDP and veth
+The shares say how much of the path is the Python interpreter, numpy, libc, the kernel's UDP and veth
 path and the XDP program (``bpf_prog_*``). Python 3.11 frames show as the interpreter's C functions,
 which is enough to tell per-packet interpreter work from kernel work.
 """
@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,11 @@ class PerfRecorder:
         self.path = path
         self._proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> None:
+    def start(self, pids: Sequence[int] = ()) -> None:
+        """Record this process and ``pids`` (the path's other processes: its workers)."""
+        targets = ",".join(str(p) for p in (os.getpid(), *pids))
         self._proc = subprocess.Popen(
-            ["perf", "record", "-q", "-F", str(FREQUENCY_HZ), "-p", str(os.getpid()), "-o", str(self.path)],
+            ["perf", "record", "-q", "-F", str(FREQUENCY_HZ), "-p", targets, "-o", str(self.path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         # perf opens its events before it writes the file header: wait for the file, with a deadline
         deadline = time.monotonic() + 10.0
