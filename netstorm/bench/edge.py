@@ -220,13 +220,13 @@ def _address(text: str) -> tuple[str, int]:
 
 
 def deadline_s(elements: int, workers: int) -> float:
-    """Seconds an iteration may take: a minute, plus its gradient bytes at 0.1 Gbit/s."""
-    return 60.0 + elements * 4 * workers * 8 / 1e8
+    """Seconds an iteration may take: a minute, plus its gradient bytes at 0.02 Gbit/s."""
+    return 60.0 + elements * 4 * workers * 8 / 2e7
 
 
 async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
                  aggregators: Any = None, *, first: int) -> dict[str, Any]:
-    timeout = deadline_s(agent.layout.sizes[0], len(workers.procs))
+    timeout = deadline_s(agent.layout.sizes[0], len(workers.lan.workers))
     exact = True
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())

@@ -130,7 +130,7 @@ def _readline(proc: subprocess.Popen[bytes], deadline: float, who: str, log_dir:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"{who} said nothing before its deadline (log in {log_dir})")
+            raise TimeoutError(f"{who} said nothing before its deadline, {-left:.1f} s ago (log in {log_dir})")
         ready, _, _ = select.select([proc.stdout], [], [], left)
         if ready:
             line = proc.stdout.readline()
@@ -155,7 +155,7 @@ class Workers:
                      "--scale", str(args.scale), "--lanes", str(lanes), "--pool", str(pool), "--seed", str(seed),
                      "--precisions", ",".join(precisions), "--loss", str(args.loss),
                      *(["--no-gso"] if getattr(args, "no_gso", False) else []),
-                     "--timeout", str(60.0 + args.elements * 4 * len(lan.workers) * 8 / 1e8),
+                     "--timeout", str(60.0 + args.elements * 4 * len(lan.workers) * 8 / 2e7),
                      *(["--secret-file", args.secret_file] if args.secret_file else [])]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.windows: list[dict[str, Any]] = []
