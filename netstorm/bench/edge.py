@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from netstorm.bench.hostcpu import CpuWindow, HostCpu
-from netstorm.bench.kernelmaps import kernel_map_bytes
+from netstorm.bench.kernelmaps import kernel_map_bytes, map_memory
 
 HELP = ("LAN edge aggregation: XDP, the userspace fallback and gloo all_reduce on one veth LAN, per CPU core, "
         "per wall-second and per host CPU-second")
@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--maps-only", action="store_true",
+                        help="load the XDP program for the model and pool, report kernel_map_bytes and stop "
+                             "(no traffic)")
     parser.add_argument("--perf", metavar="DIR", default=None,
                         help="record each LAN path's measured window with perf into DIR and put where its CPU "
                              "went (by shared object and symbol) into the result")
@@ -379,6 +382,27 @@ def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] |
     return out
 
 
+def maps_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The XDP aggregator loaded for ``--elements`` and the pool, its maps' memory read from the kernel."""
+    from bpf.xdp import XdpAggregator
+    from netstorm.lan.header import lanes_for_mtu
+    from netstorm.lan.layout import EdgeLayout
+
+    cfg = _lan_config(args)
+    mtu = args.mtu if args.mtu is not None else cfg.edge_mtu
+    pool = args.pool if args.pool is not None else cfg.edge_pool_slots
+    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes_for_mtu(mtu), pool=pool)
+    before = set(map_memory())
+    xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << args.workers) - 1, timeout=args.slot_timeout)
+    try:
+        maps = {m: b for m, b in map_memory().items() if m not in before}
+    finally:
+        xdp.close()
+    return {"elements": args.elements, "chunks": layout.num_chunks, "pool_slots": layout.num_slots,
+            "lanes": layout.lanes, "mtu": mtu, "kernel_map_bytes": sum(maps.values()),
+            "maps": {str(m): b for m, b in sorted(maps.items())}}
+
+
 def run(args: argparse.Namespace) -> int:
     from netstorm.errors import NetStormError
 
@@ -386,6 +410,19 @@ def run(args: argparse.Namespace) -> int:
         raise NetStormError("bench edge needs root (network namespaces and XDP)")
     if not 0.0 <= args.loss < 1.0:
         raise NetStormError(f"--loss must be in [0, 1), got {args.loss}")
+    if args.maps_only:
+        doc = maps_only(args)
+        if args.out:
+            import shlex
+            import sys
+
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc},
+                                                 indent=1) + "\n")
+        print(json.dumps(doc, indent=2) if args.json else
+              f"XDP aggregator for {args.elements} elements ({doc['chunks']} chunks, pool {doc['pool_slots']} slots): "
+              f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel")
+        return 0
     paths = parse_paths(args.paths)
     from netstorm.bench.edge_levels import parse_precisions, topology
 

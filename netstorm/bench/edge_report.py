@@ -97,8 +97,14 @@ def end_to_end(docs: dict[str, dict[str, Any]]) -> list[str]:
 def markdown(files: Sequence[Path]) -> str:
     docs = {path.name: json.loads(path.read_text()) for path in files}
     emulations = {name: doc for name, doc in docs.items() if "systems" in doc}
-    benches = [path for path in files if path.name not in emulations]
+    maps = {name: doc for name, doc in docs.items() if "maps" in doc}
+    benches = [path for path in files if path.name not in emulations and path.name not in maps]
     out = _bench_table(benches) if benches else ""
+    for name, doc in maps.items():
+        out += (f"\n- `{name}`: `{doc.get('command', '?')}`: the XDP aggregator for {doc['elements']:,} elements "
+                f"({doc['chunks']:,} chunks of {doc['lanes']} lanes, a pool of {doc['pool_slots']:,} slots) holds "
+                f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel ({len(doc['maps'])} maps, "
+                f"their memlock)\n")
     split = breakdown({path.name: docs[path.name] for path in benches})
     if split:
         out += "\n" + "\n".join(split) + "\n"
