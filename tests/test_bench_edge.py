@@ -230,3 +230,19 @@ def test_the_userspace_path_is_exact_with_two_levels_and_mixed_precisions(
         assert set(r["aggregators"]) == {"0", "1"} and all(a["ready"] for a in r["aggregators"].values())
     else:
         assert r["precisions"] == ["fp32", "fp16", "bf16", "int8"]
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_maps_only_reads_the_loaded_programs_maps_whatever_the_model(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    edge.add_arguments(parser)
+    sizes = {}
+    for elements in (200_000, 2_000_000):
+        args = parser.parse_args(["--maps-only", "--elements", str(elements), "--pool", "64", "--json"])
+        assert edge.run(args) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["pool_slots"] == 64 and doc["chunks"] > 64
+        assert doc["kernel_map_bytes"] == sum(doc["maps"].values()) > 64 * doc["lanes"] * 4
+        sizes[elements] = doc["kernel_map_bytes"]
+    assert sizes[200_000] == sizes[2_000_000]  # the pool sets the maps, not the model
