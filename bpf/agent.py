@@ -4,7 +4,10 @@ recovers overflow by re-quantisation, and hands results back to the workers.
 ``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
 ``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
 AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
-``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers.
+``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers. Every
+completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
+group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
+ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
 
 With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
 agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or

@@ -145,7 +145,8 @@ class Config:
     pool * (64 + 4 * lanes) bytes whatever the model (at most 56 MB). 0: one slot per chunk of the model."""
     edge_mtu: int = 1500
     """IPv4 MTU of the LAN; the lanes per datagram follow from it (357 at 1500). XDP native mode on veth
-    takes at most 3504 without multi-buffer programs (857 lanes)."""
+    takes at most 3504 without multi-buffer programs, and the program's per-lane loops must fit the
+    verifier's instruction budget (results/lan-dataplane-verifier-lanes.json says up to which MTU)."""
     edge_clusters: str = ""
     """Two-level LAN aggregation: "A:M,M;B:M" makes LAN worker A aggregate workers M... (and itself) with
     the XDP program on its own host and forward the partial sum to the gateway; empty: one level."""

@@ -245,7 +245,8 @@ class EdgeSender:
             index = np.sort(np.concatenate([index, twice]))
         if not index.size:
             return
-        block = rows[index] if index.size != rows.shape[0] or index[0] != 0 else rows
+        whole = index.size == rows.shape[0] and bool((index == np.arange(index.size)).all())
+        block = rows if whole else rows[index]
         await self.batch.send(block, self.send_to)
 
     async def _resend(self, iteration: int, rows: np.ndarray, late: np.ndarray, flight: _Flight, now: float) -> None:
@@ -302,19 +303,24 @@ class EdgeSender:
         """Receive RESULT datagrams (answering NACKs meanwhile) until every chunk is in."""
         deadline = time.monotonic() + timeout
         quiet = self.pull_interval
+        progress = time.monotonic()
+        """When a result chunk last arrived: other datagrams (ACKs of workers already in the next iteration)
+        keep coming while ours are lost, so silence is measured on progress."""
         while missing.any():
-            remaining = deadline - time.monotonic()
+            now = time.monotonic()
+            remaining = deadline - now
             if remaining <= 0:
                 what = "the first result" if iteration is None else f"iteration {iteration}"
                 raise EdgeTimeout(f"edge worker {self.worker}: {what}: {int(missing.sum())} result "
                                   f"chunks from gateway {self.gateway} missing after {timeout} s")
             # once results flow, a gap of a few retransmission timeouts means some were lost
             wait = quiet if missing.all() else max(4 * self._rto(), 0.02)
-            got = await self._receive(min(remaining, wait))
-            if not got:
+            if now - progress >= wait:
                 if iteration is not None:
                     await self._pull(iteration, missing)
-                continue
+                progress = now
+            got = await self._receive(min(remaining, wait - (now - progress)))
+            before = int(missing.sum())
             for data in got:
                 if iteration is None and len(data) >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
                     try:
@@ -327,6 +333,8 @@ class EdgeSender:
                     iteration = head.iteration
                 if iteration is not None:
                     self._on_datagram(data, iteration, keep, values, results, missing, None)
+            if int(missing.sum()) < before:
+                progress = time.monotonic()
             await self._flush()
         assert iteration is not None
         return iteration
