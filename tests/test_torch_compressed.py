@@ -168,3 +168,23 @@ def test_the_compressed_hook_without_compression_matches_ddps_own_all_reduce(tmp
     # DDP divides before the sum, the hook after it: the same mean up to float32 rounding
     np.testing.assert_allclose(hooked[0], plain[0], rtol=1e-5, atol=1e-6)
     assert not np.allclose(plain[0], _train(tmp_path, "topk", extra=("--fediac-k", "0.01"))[1][0], atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fediac", "fp16"])
+def test_every_other_collective_stays_exact_under_compression(tmp_path: Path, method: str) -> None:
+    """Broadcasts, gathers, integer sums and barriers bypass the compression (with fp16, in the int32 lane)."""
+    from tests.test_torch_backend import ROOT, Ranks, env_rank, free_port
+
+    with local_cluster(3, tmp_path / "run", flags=["--compression", method], ready_timeout=90) as cluster:
+        argv = [sys.executable, str(ROOT / "tests" / "torch_ranks.py")]
+        port = free_port()
+        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1),
+                                            NETSTORM_COMPRESSION=method) for r in range(3)], tmp_path)
+        try:
+            reports = dict(ranks.until(lambda i, rec: "ok" in rec, "a rank's report", within=240) for _ in range(3))
+            codes = ranks.wait(within=60)
+        finally:
+            ranks.stop()
+    assert codes == [0, 0, 0], [log.read_text()[-2000:] for log in ranks.logs]
+    assert all(r["ok"] and r["checks"] == 16 for r in reports.values()), reports
