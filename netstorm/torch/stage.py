@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,8 +57,7 @@ class RoundClient(Protocol):
     @property
     def iteration(self) -> int: ...
 
-    def init(self, tensors: dict[str, np.ndarray], *, compression: str = ..., votes: int = ...
-             ) -> dict[str, np.ndarray]: ...
+    def init(self, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
     def push_pull(self, tensors: dict[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]: ...
 
@@ -121,7 +120,8 @@ class Stage:
         if self.compression.method == "none":
             client.init(tensors)
         else:
-            client.init(tensors, compression=self.compression.method, votes=self.compression.votes)
+            init: Any = client.init  # a node's client (netstorm.Client) takes the compression at init
+            init(tensors, compression=self.compression.method, votes=self.compression.votes)
         if self.buckets is not None:
             self.buckets.start(client.num_workers, client.node_id, int(getattr(client, "gia_threshold", 0)))
 
