@@ -107,6 +107,8 @@ class EdgeSender:
         self.dropped = 0
         self.rescaled = 0
         self.queries = 0
+        self.pulls = 0
+        """PULL datagrams sent for result chunks that did not arrive."""
         self.tokens = LanTokens(secret, job)
         self.forged = 0
         """Datagrams dropped for not carrying the gateway's token for this worker."""
@@ -400,6 +402,7 @@ class EdgeSender:
         limit = 1 if missing.all() else 256
         for index in np.flatnonzero(missing)[:limit]:
             tensor, chunk = self.layout.locate(int(index))
+            self.pulls += 1
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                        iteration=iteration, tensor=tensor, chunk=chunk,
                                                        token=self.tokens.worker(self.worker, iteration)),
