@@ -161,8 +161,8 @@ class GatewayRole:
         self.plan = plan
         self.pending = None
         self._planned.set()
-        log.info("edge: %s plan %d deployed: clusters %s, %d workers to the gateway directly", plan.planner,
-                 plan.version, dict(topology.clusters), len(topology.unclustered))
+        log.info("edge: %s plan %d deployed: clusters %s; the aggregators and unclustered workers %s send to the "
+                 "gateway", plan.planner, plan.version, dict(topology.clusters), list(topology.unclustered))
 
     async def wait_plan(self) -> None:
         """Wait up to ``plan_wait`` seconds for the first plan (only when the LAN was announced)."""
