@@ -67,3 +67,27 @@ def planned_tiers(scenario: Scenario, config: Config) -> dict[int, DcTier]:
             raise ValueError(f"DC {dc.id}: the {config.dc_planner} plan of its LAN cannot run in the data plane")
         tiers[dc.id] = DcTier(dc.id, plan)
     return tiers
+
+
+def comparison(runs: dict[str, dict[str, Any]], system: str = "netstorm") -> dict[str, Any]:
+    """Per planner and DC, from result files of one scenario: the DC's iteration time (mean over iterations
+    2..N of its slowest LAN worker's), its aggregation throughput (the gradient bits its LAN workers push
+    per second of that time) and whether every sum was exact."""
+    rows: dict[str, Any] = {}
+    for planner, result in runs.items():
+        run = result["systems"][system]
+        model_bits = 8 * int(result["model"]["bytes"])
+        per_dc: dict[str, Any] = {}
+        for dc, tier in sorted(run.get("lan_tier", {}).items()):
+            series = [s for label, s in run["per_lan_worker_iteration_s"].items() if label.startswith(f"{dc}w")]
+            done = min((len(s) for s in series), default=0)
+            slowest = [max(s[k] for s in series) for k in range(1, done)]
+            mean_s = sum(slowest) / len(slowest) if slowest else None
+            per_dc[dc] = {"workers": len(series), "aggregators": tier["aggregators"],
+                          "iteration_s": round(mean_s, 4) if mean_s else None,
+                          "aggregation_gbit": round(len(series) * model_bits / mean_s / 1e9, 4) if mean_s else None,
+                          "predicted_gbit": tier["predicted_gbit"]}
+        rows[planner] = {"dc_planner": result["features"].get("dc_planner"), "exact": run["exact"],
+                         "iterations_completed": run["iterations_completed"], "iteration_s": run["iteration_s"],
+                         "host_cpu": run.get("cpu"), "dcs": per_dc}
+    return rows
