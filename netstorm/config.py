@@ -127,6 +127,16 @@ class Config:
     """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
     max_connections_per_source: int = 64
     """Data-plane connections one source address may hold open at a node; more are closed at once."""
+    # Emulation.
+    lan_bw_scale: float = 1.0
+    """Multiply every LAN rate a scenario gives (its workers' uplinks and downlinks, the gateway's port)
+    when the emulator shapes the LAN; scenarios speak of 10-100 Gbit/s ports, and a veth bridge on one
+    host moves a few Gbit/s in all, so rates above that are caps that never bind unless scaled down."""
+    lan_uplink_shaping: str = "veth"
+    """Where the emulator shapes a LAN worker's uplink: "veth", the egress of the worker's own interface
+    (no extra hop; frames an XDP program there transmits, such as a two-level aggregator's forwarded
+    partial sums, skip it), or "ifb", its bridge port's ingress redirected through an ifb device (every
+    frame the worker emits, one more device hop each)."""
     # Trust.
     secret_file: str = ""
     """File whose bytes (at least 32; `netstorm secret FILE` writes one) are the job secret: every TCP
@@ -248,6 +258,10 @@ class Config:
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.lan_bw_scale > 0:
+            raise ConfigError(f"lan_bw_scale must be positive, got {self.lan_bw_scale!r}")
+        if self.lan_uplink_shaping not in ("veth", "ifb"):
+            raise ConfigError(f"lan_uplink_shaping must be veth or ifb, got {self.lan_uplink_shaping!r}")
         if not 0 <= self.replan_gain < 1:
             raise ConfigError(f"replan_gain must be in [0, 1), got {self.replan_gain!r}")
         if self.stale_half_life <= 0:

@@ -80,6 +80,23 @@ def test_an_iteration_faster_than_its_limit_is_an_error_left_out_of_the_mean() -
     assert [e["iteration"] for e in results.limit_errors(netstorm, result)] == [1, 2]
 
 
+def test_a_step_that_failed_everywhere_is_no_limit_error_and_no_part_of_the_mean() -> None:
+    result = _result()
+    netstorm = result["systems"]["netstorm"]
+    netstorm["iteration_s"] = [9.0, 1.5, 0.3, 2.5]
+    netstorm["limit_s"] = [1.0, 1.0, 1.0, 1.0]
+    netstorm["chaos"] = {"steps": [
+        {"step": 1, "contributors": [1, 2], "failed": []},
+        {"step": 2, "contributors": [], "failed": [1, 2]},   # the error arrived after 0.3 s
+        {"step": 3, "contributors": [1], "failed": [2]},     # one DC failed, the other summed: it counts
+    ]}
+    assert results.failed_steps(netstorm) == {2}
+    assert results.limit_errors(netstorm, result) == []
+    assert results.system_stats(result)["netstorm"]["mean_s"] == pytest.approx(2.0)
+    netstorm["chaos"]["steps"][1]["contributors"] = [1]  # had it summed somewhere, 0.3 s would be an error
+    assert [e["iteration"] for e in results.limit_errors(netstorm, result)] == [2]
+
+
 def _result() -> dict:
     def system(times: list[float], cpu: float = 20.0) -> dict:
         return {"kind": "netstorm", "iteration_s": times, "limit_s": [1.0] * len(times), "exact": True,

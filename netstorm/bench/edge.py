@@ -1,9 +1,10 @@
 """``netstorm bench edge``: LAN aggregation per CPU core, XDP against the userspace fallback, same run.
 
 Both paths run on the same namespace LAN (a gateway and N workers on a bridge, the gateway's veth with
-two queues), the same model, the same iterations and the same injected loss. Workers are threads with
-their own event loops; the gateway's agent runs on the main thread. Each iteration's LAN sum is checked
-exactly against numpy (int64 fixed-point sums) before its result goes back to the workers.
+two queues), the same model, the same iterations and the same injected loss. Each worker is a process in
+its own namespace (``edge_worker.py``), as gloo's ranks are; the gateway's agent runs in this process.
+Each iteration's LAN sum is checked exactly against numpy (int64 fixed-point sums) before its result goes
+back to the workers, and every worker checks every result it received after its measured window.
 
 Two CPU figures per path (result broadcast and the exactness checks are excluded from both):
 - aggregation (``pps_per_core``, ``ratio_per_core``, ``cpu_seconds_per_gb``): xdp = the XDP program's run
@@ -16,6 +17,20 @@ Two CPU figures per path (result broadcast and the exactness checks are excluded
 ``pps_per_core`` = DATA datagrams aggregated per CPU-second; ratios are against the userspace fallback of
 the same run. With ``--secret-file`` every datagram carries its token and both paths check it (the cost of
 authentication: run once with and once without).
+
+Against the peer a DC would otherwise run, every path (and ``gloo``: torch.distributed gloo all_reduce
+among the same workers on the same LAN, ``gloo_lan.py``) also reports, on the same inputs
+(``edge_inputs.py``):
+- ``wall_gbit``: the gradient bytes the workers contribute (workers x elements x 4, float32 gradients
+  whatever precision travels), summed over the measured iterations, x8/1e9 per wall-second;
+- ``host_cpu_seconds_per_gb``: CPU-seconds over the same window of every process of the path and of the
+  kernel's packet work (``hostcpu.py``) per GB of those bytes; ``host_busy_seconds_per_gb`` is the whole
+  host's busy time from /proc/stat, which on a shared host also counts other work;
+- ``exact``: every result equals the int64 reference from the same quantised inputs.
+``kernel_map_bytes`` is the memory the kernel charged for the XDP aggregator's maps (``kernelmaps.py``).
+``auto_pick`` is the faster of the two LAN paths in wall_gbit for these conditions: what the
+gateway's ``edge_mode=auto`` takes. ``--loss`` drops the LAN paths' first transmissions at the senders;
+gloo runs over TCP on the same LAN and loses nothing.
 """
 
 from __future__ import annotations
@@ -25,18 +40,21 @@ import asyncio
 import ctypes
 import json
 import os
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-HELP = "LAN edge aggregation per CPU core: XDP (bpf_timer) against the userspace fallback on one veth LAN"
+from netstorm.bench.hostcpu import CpuWindow, HostCpu
+from netstorm.bench.kernelmaps import kernel_map_bytes, map_memory
+
+HELP = ("LAN edge aggregation: XDP, the userspace fallback and gloo all_reduce on one veth LAN, per CPU core, "
+        "per wall-second and per host CPU-second")
 PORT = 9500
 JOB = 1
-GROUP = ("239.77.0.50", 9501)
 TARGET_RATIO = 10.0
+PATHS = ("xdp", "userspace", "gloo")
+SEED = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,11 +66,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slot-timeout", type=float, default=2.0, help="slot timer period in seconds")
     parser.add_argument("--secret-file", default=None, metavar="FILE",
                         help="job secret: authenticate every LAN datagram with its token (default: none)")
-    parser.add_argument("--mtu", type=int, default=1500, help="LAN MTU: lanes per datagram follow (default 1500)")
-    parser.add_argument("--pool-slots", type=int, default=None, metavar="SLOTS",
-                        help="aggregation slots reused across chunks (default: the edge_pool_slots default)")
+    parser.add_argument("--levels", type=int, choices=(1, 2), default=1,
+                        help="1: every worker sends to the gateway; 2: --aggregators workers aggregate clusters "
+                             "(XDP on their own hosts) and forward partial sums to the gateway (default 1)")
+    parser.add_argument("--aggregators", type=int, default=1, metavar="K",
+                        help="cluster aggregators with --levels 2: workers 0..K-1, the others dealt to them in turn")
+    parser.add_argument("--precision", default="fp32", metavar="P[,P...]",
+                        help="lane precision per worker, cycled: fp32, fp16, bf16, int8 (default fp32; gloo "
+                             "always all-reduces float32)")
+    parser.add_argument("--pool", "--pool-slots", dest="pool", type=int, default=None, metavar="SLOTS",
+                        help="slots the aggregators reuse across chunks (default edge_pool_slots; 0: one per chunk)")
+    parser.add_argument("--mtu", type=int, default=None,
+                        help="LAN MTU: lanes per datagram follow (default edge_mtu)")
     parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML file of options (the LAN tier's)")
+    parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
+                        help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
+    parser.add_argument("--lan-uplink", choices=("veth", "ifb"), default="veth",
+                        help="where a shaped uplink is metered (lan_uplink_shaping; default veth)")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--maps-only", action="store_true",
+                        help="load the XDP program for the model and pool, report kernel_map_bytes and stop "
+                             "(no traffic)")
+    parser.add_argument("--perf", metavar="DIR", default=None,
+                        help="record each LAN path's measured window with perf into DIR and put where its CPU "
+                             "went (by shared object and symbol) into the result")
+    parser.add_argument("--out", metavar="FILE", default=None,
+                        help="also write the JSON, with the command line and the host's load, to FILE")
 
 
 def _prog_stats(fd: int) -> tuple[int, int]:
@@ -77,108 +119,151 @@ def _enable_bpf_stats() -> int:
     return fd
 
 
-def _worker_thread(node: Any, contribs: list[list[np.ndarray]], first: int, timeout: float,
-                   errors: list[BaseException]) -> None:
-    async def main() -> None:
-        for k, tensors in enumerate(contribs):
-            await node.push_pull(first + k, tensors, timeout=timeout)
-
-    try:
-        asyncio.run(main())
-    except BaseException as exc:
-        errors.append(exc)
+def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
+    """Each worker's shaped (up, down) Gbit/s: ``args.rates`` (a calibration's), else ``--lan-gbit``."""
+    if getattr(args, "rates", None):
+        return list(args.rates)
+    gbit = getattr(args, "lan_gbit", None)
+    return [(gbit, gbit)] * args.workers if gbit else None
 
 
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One LAN path (``xdp`` or ``userspace``) on a fresh namespace LAN, with the run's LAN options."""
+    import tempfile
+
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
+    from netstorm.bench.edge_inputs import contribution, reference
+    from netstorm.bench.edge_levels import Aggregators, Workers, mixed_reference, parse_precisions, topology
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
     from netstorm.lan.header import lanes_for_mtu
-    from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
-    from netstorm.lan.sender import EdgeSender
+    from netstorm.lan.layout import EdgeLayout
 
-    lanes = lanes_for_mtu(args.mtu)
-    pool = DEFAULT_POOL if args.pool_slots is None else args.pool_slots
+    cfg = _lan_config(args)
+    mtu = args.mtu if args.mtu is not None else cfg.edge_mtu
+    lanes = lanes_for_mtu(mtu)
+    pool = args.pool if args.pool is not None else cfg.edge_pool_slots
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
-    rng = np.random.default_rng(1)
     workers = args.workers
-    contribs = [[[rng.standard_normal(args.elements).astype(np.float32)] for _ in range(workers)]
-                for _ in range(args.iterations)]
-    expected = []
-    for tensors in contribs:
-        total = np.sum([np.rint(w[0].astype(np.float64) * 2.0**args.scale).astype(np.int64) for w in tensors], axis=0)
-        expected.append((total.astype(np.float64) * 2.0**-args.scale).astype(np.float32))
+    precisions = parse_precisions(args.precision, workers)
+    topo = topology(workers, args.levels, args.aggregators)
+    if all(p == "fp32" for p in precisions):
+        expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
+    else:
+        expected = [mixed_reference([contribution(SEED, k, w, args.elements, args.scale, workers)
+                                     for w in range(workers)], precisions, lanes, args.scale)
+                    for k in range(args.iterations)]
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
+    group = _address(cfg.edge_group) if cfg.edge_group else None
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with Lan(workers, mtu=args.mtu) as lan:
+    with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan,
+          tempfile.TemporaryDirectory(prefix="netstorm-bench-edge-") as logs):
+        aggregators = (Aggregators(lan, topo, gateway=(GATEWAY_IP, PORT), job=JOB, mode=path,
+                                   secret_file=args.secret_file, log_dir=Path(logs)) if topo.clusters else None)
         try:
             if path == "xdp":
-                xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << workers) - 1,
+                xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=topo.gateway_mask(),
                                     timeout=args.slot_timeout, max_nacks=50)
                 ifindex = lan.gateway_ifindex()
                 mode = run_in(lan.gateway, lambda: xdp.attach(ifindex))
                 stats_fd = _enable_bpf_stats()
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
-                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=GROUP)
-            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout,
-                                job=JOB, loss=args.loss, seed=7, secret=secret, gso=not args.no_gso,
-                                group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
-            kernel_map_bytes = xdp.kernel_map_bytes() if xdp is not None else 0
-            result = asyncio.run(_drive(agent, nodes, contribs, expected, xdp))
+                              slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
+                              topology=topo, retransmit=cfg.edge_retransmit)
+            first = 1
+            procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
+                            precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))
+            cpu = HostCpu()
+            perf = None
+            if getattr(args, "perf", None):
+                from netstorm.bench.perfprof import PerfRecorder
+
+                Path(args.perf).mkdir(parents=True, exist_ok=True)
+                perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}-l{args.levels}.data")
+            try:
+                result = asyncio.run(_drive(agent, procs, expected, xdp, cpu, perf, aggregators, first=first))
+            finally:
+                procs.close()
+            if xdp is not None:
+                result["kernel_map_bytes"] = kernel_map_bytes() + sum(
+                    kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
         finally:
+            if aggregators is not None:
+                aggregators.close()
             if stats_fd >= 0:
                 os.close(stats_fd)
             if xdp is not None:
                 xdp.close()
     result["mode"] = mode
-    result["kernel_map_bytes"] = kernel_map_bytes
-    result["lanes"], result["pool_slots"], result["mtu"] = lanes, layout.num_slots, args.mtu
+    result["levels"] = topo.levels
+    result["clusters"] = {str(a): list(m) for a, m in topo.clusters.items()}
+    result["precisions"] = precisions
+    result["pool"] = layout.num_slots
+    if aggregators is not None:
+        result["aggregators"] = {str(w): {**aggregators.ready.get(w, {}), **aggregators.final.get(w, {})}
+                                 for w in aggregators.heads}
+    result["lanes"], result["pool_slots"], result["mtu"] = lanes, layout.num_slots, mtu
     return result
 
 
-async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarray]]],
-                 expected: list[np.ndarray], xdp: Any) -> dict[str, Any]:
-    timeout = 60.0
+def _lan_config(args: argparse.Namespace) -> Any:
+    """The LAN tier's options (config file, environment, defaults) for the benchmark."""
+    from netstorm.config import resolve
+
+    return resolve(file=getattr(args, "config", None), overrides=getattr(args, "lan_overrides", None))
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+def deadline_s(elements: int, workers: int) -> float:
+    """Seconds an iteration may take: a minute, plus its gradient bytes at 0.02 Gbit/s."""
+    return 60.0 + elements * 4 * workers * 8 / 2e7
+
+
+async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
+                 aggregators: Any = None, *, first: int) -> dict[str, Any]:
+    timeout = deadline_s(agent.layout.sizes[0], len(workers.lan.workers))
     exact = True
-    errors: list[BaseException] = []
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())
         try:
-            await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
-            await agent.wait_workers(timeout=10)
-            # the workers' sockets now move to their own threads and loops
-            first = 1
+            if aggregators is not None:  # their HELLO first: members are told to send to them
+                aggregators.spawn()
+                await asyncio.to_thread(aggregators.wait_ready)
+                cpu.add(aggregators.pids)
+            workers.spawn()
+            await asyncio.to_thread(workers.wait_ready)
+            await agent.wait_workers(timeout=30)
             agent.expect(first)   # the first iteration's tokens are in place before any DATA
-            threads = [threading.Thread(target=_worker_thread,
-                                        args=(n, [c[n.worker] for c in contribs], first, timeout, errors))
-                       for n in nodes]
             prog0 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             cpu0, delivery0 = agent.receive_cpu, agent.delivery_cpu
-            wall0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for k in range(len(contribs)):
+            if perf is not None:
+                perf.start([p.pid for p in workers.procs])
+            cpu.start()
+            workers.go()
+            for k in range(len(expected)):
                 sums = await agent.collect(first + k, timeout=timeout)
                 exact &= bool(np.array_equal(sums[0], expected[k]))
-                await agent.send_results(first + k, sums, total=len(nodes))  # this LAN alone
-            def join_all() -> None:
-                for t in threads:
-                    t.join()
-
-            await asyncio.to_thread(join_all)
-            wall = time.perf_counter() - wall0
+                await agent.send_results(first + k, sums, total=len(workers.procs))  # this LAN alone
+            await asyncio.to_thread(workers.wait_done, timeout)
+            window = cpu.stop(extra=sum(w["cpu"] for w in workers.windows))
+            profile = perf.stop() if perf is not None else None
             prog1 = _prog_stats(xdp.fd) if xdp is not None else (0, 0)
             agent_cpu = agent.receive_cpu - cpu0
             delivery_cpu = agent.delivery_cpu - delivery0
+            await asyncio.to_thread(workers.wait_checked, timeout + 60.0 * len(expected))
         finally:
             agent.close()
             await serving
-    if errors:
-        raise errors[0]
+    wall = max(w["t1"] for w in workers.windows) - min(w["t0"] for w in workers.windows)
+    exact &= all(c["exact"] for c in workers.checks)
     if xdp is not None:
         stats = xdp.stats()
         packets = stats["rx"]
@@ -207,17 +292,115 @@ async def _drive(agent: Any, nodes: list[Any], contribs: list[list[list[np.ndarr
         "gateway_cpu_seconds_per_gb": gateway_cpu / aggregated_gb if aggregated_gb else float("nan"),
         "wall_seconds": wall,
         "wall_pps": packets / wall,
-        "wall_gbit": len(nodes) * len(contribs) * agent.layout.sizes[0] * 4 * 8 / 1e9 / wall,
-        "sender_calls": sum(n.batch.calls for n in nodes),
-        "sender_datagrams": sum(n.batch.datagrams for n in nodes),
+        "sender_calls": sum(w["sender_calls"] for w in workers.windows),
+        "sender_datagrams": sum(w["sender_datagrams"] for w in workers.windows),
         "exact": exact,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],
-        "retransmitted": sum(n.retransmitted for n in nodes),
-        "dropped_on_purpose": sum(n.dropped for n in nodes),
+        "retransmitted": sum(w["retransmitted"] for w in workers.windows),
+        "dropped_on_purpose": sum(w["dropped"] for w in workers.windows),
+        "workers_cpu_seconds": sum(w["cpu"] for w in workers.windows),
         "authenticated": agent.tokens.enabled,
         "bad_tokens": agent.bad_tokens,
+        "host_cpu": window,
+        **({"perf": profile} if profile is not None else {}),
     }
+
+
+def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
+    import tempfile
+
+    from netstorm.bench.gloo_lan import run_gloo
+    from netstorm.emulation.bridge_lan import Lan
+
+    with (Lan(args.workers, rates=_rates(args), uplink=args.lan_uplink) as lan,
+          tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs):
+        out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
+                       log_dir=Path(logs))
+    return {"wall_seconds": out["wall_seconds"], "exact": out["exact"], "host_cpu": out["host_cpu"],
+            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32"}
+
+
+def with_host_figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """``result`` with wall_gbit and the host CPU per GB of contributed gradient bytes (module docstring)."""
+    window: CpuWindow = result.pop("host_cpu")
+    gradient_gb = args.workers * args.elements * 4 * args.iterations / 1e9
+    wall = result["wall_seconds"]
+    return {**result,
+            "gradient_gb": gradient_gb,
+            "wall_gbit": gradient_gb * 8 / wall if wall > 0 else float("inf"),
+            "host_cpu_seconds": window.seconds,
+            "host_cpu_seconds_per_gb": window.seconds / gradient_gb,
+            "host_busy_seconds_per_gb": window.host_seconds / gradient_gb,
+            "host_busy_cores": window.host_seconds / window.wall if window.wall > 0 else 0.0}
+
+
+def parse_paths(text: str) -> list[str]:
+    from netstorm.errors import NetStormError
+
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown or not paths:
+        raise NetStormError(f"--paths takes {', '.join(PATHS)}; got {text!r}")
+    return paths
+
+
+def auto_pick(results: dict[str, dict[str, Any]]) -> str | None:
+    """The LAN path ``edge_mode=auto`` should take under the measured conditions: the faster in wall_gbit
+    of the exact ones among xdp and userspace (None when neither ran exactly)."""
+    lan = {name: r for name, r in results.items() if name in ("xdp", "userspace") and r.get("exact")}
+    return max(lan, key=lambda name: lan[name]["wall_gbit"]) if lan else None
+
+
+CALIBRATION_ELEMENTS = 400_000
+"""Largest model a calibration sends per iteration: enough datagrams per worker for the per-packet
+costs to dominate, small enough to take a few seconds per path."""
+
+
+def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] | None = None,
+              iterations: int = 2, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Both LAN paths on a namespace LAN like the one to serve (its workers, their shaped rates, the
+    model up to CALIBRATION_ELEMENTS, the run's LAN tier ``options`` such as ``edge_pool_slots``): each
+    path's wall_gbit (None with the reason where it could not run) and ``pick``, the faster exact one.
+    This is ``edge_mode=auto`` measured, not assumed."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--workers", str(workers), "--elements", str(max(1, min(elements, CALIBRATION_ELEMENTS))),
+                              "--iterations", str(iterations)])
+    args.rates = rates
+    args.lan_overrides = options or {}
+    out: dict[str, Any] = {"workers": workers, "elements": args.elements, "iterations": iterations}
+    measured: dict[str, dict[str, Any]] = {}
+    for path in ("xdp", "userspace"):
+        try:
+            measured[path] = with_host_figures(run_path(path, args), args)
+            out[path] = measured[path]["wall_gbit"]
+        except Exception as exc:  # the path cannot run here: the other one is the pick
+            out[path] = None
+            out[f"{path}_error"] = f"{type(exc).__name__}: {exc}"
+    out["pick"] = auto_pick(measured) or "userspace"
+    return out
+
+
+def maps_only(args: argparse.Namespace) -> dict[str, Any]:
+    """The XDP aggregator loaded for ``--elements`` and the pool, its maps' memory read from the kernel."""
+    from bpf.xdp import XdpAggregator
+    from netstorm.lan.header import lanes_for_mtu
+    from netstorm.lan.layout import EdgeLayout
+
+    cfg = _lan_config(args)
+    mtu = args.mtu if args.mtu is not None else cfg.edge_mtu
+    pool = args.pool if args.pool is not None else cfg.edge_pool_slots
+    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes_for_mtu(mtu), pool=pool)
+    before = set(map_memory())
+    xdp = XdpAggregator(layout, job=JOB, port=PORT, expected=(1 << args.workers) - 1, timeout=args.slot_timeout)
+    try:
+        maps = {m: b for m, b in map_memory().items() if m not in before}
+    finally:
+        xdp.close()
+    return {"elements": args.elements, "chunks": layout.num_chunks, "pool_slots": layout.num_slots,
+            "lanes": layout.lanes, "mtu": mtu, "kernel_map_bytes": sum(maps.values()),
+            "maps": {str(m): b for m, b in sorted(maps.items())}}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -227,28 +410,96 @@ def run(args: argparse.Namespace) -> int:
         raise NetStormError("bench edge needs root (network namespaces and XDP)")
     if not 0.0 <= args.loss < 1.0:
         raise NetStormError(f"--loss must be in [0, 1), got {args.loss}")
-    userspace = run_path("userspace", args)
-    xdp = run_path("xdp", args)
-    userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0
-    xdp["ratio_per_core"] = xdp["pps_per_core"] / userspace["pps_per_core"]
-    xdp["gateway_ratio_per_core"] = xdp["gateway_pps_per_core"] / userspace["gateway_pps_per_core"]
-    out = {
+    if args.maps_only:
+        doc = maps_only(args)
+        if args.out:
+            import shlex
+            import sys
+
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps({"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc},
+                                                 indent=1) + "\n")
+        print(json.dumps(doc, indent=2) if args.json else
+              f"XDP aggregator for {args.elements} elements ({doc['chunks']} chunks, pool {doc['pool_slots']} slots): "
+              f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel")
+        return 0
+    paths = parse_paths(args.paths)
+    from netstorm.bench.edge_levels import parse_precisions, topology
+
+    precisions = parse_precisions(args.precision, args.workers)   # refuse bad options before any run
+    topo = topology(args.workers, args.levels, args.aggregators)
+    host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
+    results: dict[str, dict[str, Any]] = {}
+    for path in paths:
+        raw = run_gloo_path(args) if path == "gloo" else run_path(path, args)
+        results[path] = with_host_figures(raw, args)
+    out: dict[str, Any] = {
         "workers": args.workers, "loss": args.loss, "elements": args.elements, "iterations": args.iterations,
-        "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO,
-        "xdp": xdp, "userspace": userspace,
+        "lan_gbit": args.lan_gbit, "lan_uplink": args.lan_uplink, "levels": args.levels,
+        "clusters": {str(a): list(m) for a, m in topo.clusters.items()}, "precisions": precisions,
+        "pool": args.pool if args.pool is not None else _lan_config(args).edge_pool_slots,
+        "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
     }
+    xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
+    if xdp is not None and userspace is not None:
+        userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0
+        xdp["ratio_per_core"] = xdp["pps_per_core"] / userspace["pps_per_core"]
+        xdp["gateway_ratio_per_core"] = xdp["gateway_pps_per_core"] / userspace["gateway_pps_per_core"]
+    if xdp is not None:
+        out["kernel_map_bytes"] = xdp.pop("kernel_map_bytes")
+    if gloo is not None:
+        for r in results.values():
+            r["wall_gbit_vs_gloo"] = r["wall_gbit"] / gloo["wall_gbit"]
+            r["host_cpu_per_gb_vs_gloo"] = r["host_cpu_seconds_per_gb"] / gloo["host_cpu_seconds_per_gb"]
+    out.update(results)
+    out["auto_pick"] = auto_pick(results)
+    out["host"] = {**host, "load_average_after": os.getloadavg()}
+    if args.out:
+        import shlex
+        import sys
+
+        doc = {"command": shlex.join(["netstorm", *sys.argv[1:]]), **out}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        print(f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
-              f"loss {args.loss}; XDP ran in {xdp['mode']} mode; "
-              f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}")
-        for name, r in (("xdp", xdp), ("userspace", userspace)):
-            print(f"  {name:9s} {r['pps_per_core']:12.0f} pkt/s/core {r['gbit_per_core']:7.2f} Gbit/s/core "
-                  f"{r['cpu_seconds_per_gb']:8.3f} CPU-s/GB  ratio {r['ratio_per_core']:6.1f}x  exact={r['exact']}  "
-                  f"timer events {r['timer_events']}")
+        print(table(out, args))
+    return 0 if all(r["exact"] for r in results.values()) else 1
+
+
+def table(out: dict[str, Any], args: argparse.Namespace) -> str:
+    """The human-readable report: each path against gloo, then the per-core view."""
+    lines = [f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
+             f"loss {args.loss}; "
+             f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}; "
+             + (f"every port shaped to {args.lan_gbit:g} Gbit/s (uplinks on {args.lan_uplink})" if args.lan_gbit
+                else "LAN unshaped")
+             + f"; {out['levels']} level(s){' clusters ' + str(out['clusters']) if out['clusters'] else ''}, "
+               f"pool {out['pool']} slots, precisions {','.join(sorted(set(out['precisions'])))}"]
+    lines.append(f"  {'path':9s} {'mode':22s} {'wall Gbit/s':>11s} {'vs gloo':>8s} {'host CPU-s/GB':>13s} "
+                 f"{'vs gloo':>8s} {'host busy cores':>15s}  exact")
+    for name in PATHS:
+        r = out.get(name)
+        if r is None:
+            continue
+        vs = (f"{r['wall_gbit_vs_gloo']:7.2f}x", f"{r['host_cpu_per_gb_vs_gloo']:7.2f}x") if "gloo" in out else ("", "")
+        lines.append(f"  {name:9s} {r.get('mode', '')!s:22.22s} {r['wall_gbit']:11.3f} {vs[0]:>8s} "
+                     f"{r['host_cpu_seconds_per_gb']:13.3f} {vs[1]:>8s} {r['host_busy_cores']:15.2f}  {r['exact']}")
+    if "kernel_map_bytes" in out:
+        lines.append(f"  XDP maps in the kernel: {out['kernel_map_bytes'] / 2**20:.1f} MiB")
+    for name in ("xdp", "userspace"):
+        r = out.get(name)
+        if r is not None:
+            lines.append(f"  {name:9s} {r['pps_per_core']:12.0f} pkt/s/core {r['gbit_per_core']:7.2f} Gbit/s/core "
+                         f"{r['cpu_seconds_per_gb']:8.3f} CPU-s/GB  gateway {r['gateway_cpu_seconds_per_gb']:8.3f} "
+                         f"CPU-s/GB  timer events {r['timer_events']}")
+    if "xdp" in out and "userspace" in out:
+        xdp = out["xdp"]
         verdict = "meets" if xdp["ratio_per_core"] >= TARGET_RATIO else "misses"
-        print(f"  XDP/userspace aggregation per core: {xdp['ratio_per_core']:.1f}x ({verdict} the "
-              f"{TARGET_RATIO:.0f}x target); whole gateway incl. per-chunk delivery: "
-              f"{xdp['gateway_ratio_per_core']:.1f}x")
-    return 0 if xdp["exact"] and userspace["exact"] else 1
+        lines.append(f"  XDP/userspace aggregation per core: {xdp['ratio_per_core']:.1f}x ({verdict} the "
+                     f"{TARGET_RATIO:.0f}x target); whole gateway incl. per-chunk delivery: "
+                     f"{xdp['gateway_ratio_per_core']:.1f}x")
+    if out.get("auto_pick"):
+        lines.append(f"  edge_mode=auto takes: {out['auto_pick']}")
+    return "\n".join(lines)

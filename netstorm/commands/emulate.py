@@ -81,11 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _hold(args: argparse.Namespace) -> int:
     from netstorm.emulation.network import EmulatedNetwork
-    from netstorm.emulation.runner import with_lan_workers
+    from netstorm.emulation.runner import _given_options, lan_options, with_lan_workers
     from netstorm.scenario import load
 
     scenario = with_lan_workers(load(args.scenario), args.lan_workers)
-    with EmulatedNetwork(scenario, bw_scale=args.bw_scale, loss=not args.no_loss) as net:
+    lan = lan_options(_given_options(args))
+    with EmulatedNetwork(scenario, bw_scale=args.bw_scale, loss=not args.no_loss, lan_bw_scale=lan.lan_bw_scale,
+                         lan_uplink=lan.lan_uplink_shaping) as net:
         for line in net.features.lines():
             print(line)
         for dc in net.plan.node_ids:

@@ -5,6 +5,12 @@ Every namespace name carries a per-run prefix (pid and a counter), every interfa
 namespaces (nothing is created in the caller's namespace), and ``close`` deletes them all, also after a
 failure. Sockets are opened *inside* a namespace from a short-lived thread that enters it
 (``netns.run_in``), so one process and one event loop can drive the gateway and all workers.
+
+With ``rates`` every worker's port is shaped with HTB (``shaping.lan_port_lines``): its downlink on the
+bridge port toward it, its uplink on its own veth end (``uplink="veth"``) or on an ifb device its bridge
+port's ingress is redirected to (``uplink="ifb"``: XDP-transmitted frames included, see ``shaping``);
+``gateway_gbit`` shapes the gateway's port the same way. ``rate_scale`` multiplies every rate, for rates
+above what the host's veth bridge can move (the emulation's ``lan_bw_scale``).
 """
 
 from __future__ import annotations
@@ -13,14 +19,26 @@ import contextlib
 import itertools
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from netstorm.emulation import netns
+from netstorm.emulation import netns, shaping
 from netstorm.emulation.errors import EmulationError
 
 SUBNET = "10.77.0"
 GATEWAY_IP = f"{SUBNET}.1"
 _runs = itertools.count()
+BRIDGE_SYSCTLS = {"net.bridge.bridge-nf-call-iptables": "0", "net.bridge.bridge-nf-call-ip6tables": "0",
+                  "net.bridge.bridge-nf-call-arptables": "0"}
+"""With br_netfilter loaded (as on this host) every bridged frame also runs the IP netfilter hooks and
+their route lookups; a LAN switch does neither, and nothing filters in the bridge's namespace."""
+
+
+def quiet_bridge(namespace: str) -> None:
+    """Turn off the netfilter hooks for frames bridged in ``namespace`` (nothing to do without
+    br_netfilter, whose keys then do not exist)."""
+    if Path("/proc/sys/net/bridge").exists():
+        netns.sysctl(namespace, BRIDGE_SYSCTLS)
 
 
 class Lan:
@@ -28,9 +46,22 @@ class Lan:
     bridge in ``<prefix>b``. The gateway's veth pair has ``queues`` receive/transmit queues; every link has
     the IPv4 ``mtu``."""
 
-    def __init__(self, workers: int, *, queues: int = 2, mtu: int = 1500) -> None:
+    def __init__(self, workers: int, *, queues: int = 2, mtu: int = 1500,
+                 rates: Sequence[tuple[float, float]] | None = None, gateway_gbit: float | None = None,
+                 rate_scale: float = 1.0, uplink: str = "veth") -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
+        if rates is not None and len(rates) != workers:
+            raise EmulationError(f"rates for {len(rates)} workers given to a LAN of {workers}")
+        if not rate_scale > 0:
+            raise EmulationError(f"the LAN rate scale must be positive, got {rate_scale}")
+        if uplink not in shaping.UPLINK_MODES:
+            raise EmulationError(f"uplink shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {uplink!r}")
+        self.uplink = uplink
+        self.rates: list[tuple[float, float]] | None = (
+            [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
+        """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
+        self.gateway_gbit = gateway_gbit * rate_scale if gateway_gbit is not None else None
         self.prefix = f"ns{os.getpid()}x{next(_runs)}"
         self.gateway = f"{self.prefix}g"
         self.bridge = f"{self.prefix}b"
@@ -49,13 +80,46 @@ class Lan:
             if mtu != 1500:
                 lines += [f"link set {end} mtu {mtu}" for end in ("br0", "g", *(f"w{i}" for i in range(workers)))]
             netns.ip_batch(lines, namespace=self.bridge, what=f"build the LAN bridge {self.bridge}")
+            quiet_bridge(self.bridge)
             for ns, address in ((self.gateway, GATEWAY_IP),
                                 *((ns, self.worker_ip(i)) for i, ns in enumerate(self.workers))):
                 netns.ip_batch([f"addr add {address}/24 dev eth0", f"link set eth0 mtu {mtu}", "link set eth0 up",
                                 "link set lo up"], namespace=ns, what=f"address {ns}")
+            self._shape()
         except BaseException:
             self.close()
             raise
+
+    def _shape(self) -> None:
+        bridge_lines: list[str] = []
+        if self.gateway_gbit is not None:
+            bridge_lines += shaping.lan_port_lines("g", self.gateway_gbit)
+            netns.tc_batch(shaping.lan_port_lines("eth0", self.gateway_gbit), namespace=self.gateway,
+                           what=f"shape the gateway port of {self.gateway}")
+        for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
+            bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
+            if self.uplink == "ifb":
+                netns.ip_batch([f"link add {self.uplink_ifb(i)} type ifb", f"link set {self.uplink_ifb(i)} up"],
+                               namespace=self.bridge, what=f"uplink device of worker {i}")
+                bridge_lines += shaping.ifb_uplink_lines(self.bridge_port(i), self.uplink_ifb(i))
+                bridge_lines += shaping.lan_port_lines(self.uplink_ifb(i), up)
+            else:
+                netns.tc_batch(shaping.lan_port_lines("eth0", up), namespace=ns, what=f"shape the uplink of {ns}")
+        netns.tc_batch(bridge_lines, namespace=self.bridge, what=f"shape the LAN ports of {self.bridge}")
+
+    def uplink_shaper(self, i: int) -> tuple[str, str]:
+        """(namespace, device) whose egress HTB shapes worker ``i``'s uplink."""
+        return (self.bridge, self.uplink_ifb(i)) if self.uplink == "ifb" else (self.workers[i], "eth0")
+
+    @staticmethod
+    def uplink_ifb(i: int) -> str:
+        """The ifb device (in the bridge namespace) of worker ``i``'s uplink in ``ifb`` mode."""
+        return f"u{i}"
+
+    @staticmethod
+    def bridge_port(i: int) -> str:
+        """Worker ``i``'s port on the bridge (in the bridge namespace); its egress is the worker's downlink."""
+        return f"w{i}"
 
     @staticmethod
     def worker_ip(i: int) -> str:

@@ -20,6 +20,7 @@ from types import TracebackType
 from typing import IO
 
 from netstorm.emulation import lossfilter, netns, registry, shaping
+from netstorm.emulation.bridge_lan import quiet_bridge
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.teardown import teardown_record
 from netstorm.emulation.topology import MGMT_HOST, Plan, build_plan
@@ -58,11 +59,18 @@ class EmulatedNetwork:
     """One run's namespaces, shaped links, routes, management network and processes."""
 
     def __init__(self, scenario: Scenario, *, bw_scale: float = 1.0, loss: bool = True,
-                 record: registry.RunRecord | None = None) -> None:
+                 record: registry.RunRecord | None = None, lan_bw_scale: float = 1.0,
+                 lan_uplink: str = "veth") -> None:
         if bw_scale <= 0:
             raise EmulationError(f"--bw-scale must be positive, got {bw_scale}")
+        if not lan_bw_scale > 0:
+            raise EmulationError(f"lan_bw_scale must be positive, got {lan_bw_scale}")
         self.scenario = scenario
         self.bw_scale = bw_scale
+        self.lan_bw_scale = lan_bw_scale
+        if lan_uplink not in shaping.UPLINK_MODES:
+            raise EmulationError(f"lan_uplink_shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {lan_uplink!r}")
+        self.lan_uplink = lan_uplink
         self._want_loss = loss
         self.record = record or registry.reserve(netns.list_namespaces())
         self.plan: Plan = build_plan(scenario, self.record.run_id)
@@ -101,6 +109,7 @@ class EmulatedNetwork:
             self._build_mgmt()
             self._build_lans()
             self._shape(self.scenario.rates())
+            self._shape_lans()
             self.features = self._apply_impairments()
         except BaseException:
             self.close()
@@ -163,12 +172,37 @@ class EmulatedNetwork:
             for end in (lan.gateway_bridge_end, *lan.worker_bridge_ends):
                 lines += [f"link set {end} master {lan.bridge}", f"link set {end} up"]
             netns.ip_batch(lines, namespace=lan.bridge_namespace, what=f"build the LAN bridge of DC {dc}")
+            quiet_bridge(lan.bridge_namespace)
             netns.ip_batch([f"address add {lan.gateway_address}/24 dev {lan.gateway_iface}",
                             f"link set {lan.gateway_iface} up"],
                            namespace=self.plan.namespaces[dc], what=f"gateway interface of DC {dc}")
             for i, (ns, iface) in enumerate(zip(lan.worker_namespaces, lan.worker_ifaces, strict=True)):
                 netns.ip_batch(["link set lo up", f"address add {lan.worker_addresses[i]}/24 dev {iface}",
                                 f"link set {iface} up"], namespace=ns, what=f"LAN worker {i} of DC {dc}")
+
+    def _shape_lans(self) -> None:
+        """Each described LAN's ports at the scenario's rates x ``lan_bw_scale``: a worker's downlink on
+        its bridge port, its uplink on its own interface or through an ifb device (``lan_uplink``, see
+        ``shaping``), the gateway's port both ways (``shaping.lan_port_lines``)."""
+        scale = self.lan_bw_scale
+        for dc, lan in self.plan.lans.items():
+            bridge: list[str] = []
+            if lan.gateway_gbit is not None:
+                bridge += shaping.lan_port_lines(lan.gateway_bridge_end, lan.gateway_gbit * scale)
+                netns.tc_batch(shaping.lan_port_lines(lan.gateway_iface, lan.gateway_gbit * scale),
+                               namespace=self.plan.namespaces[dc], what=f"shape the LAN gateway port of DC {dc}")
+            for i, (up, down) in enumerate(lan.rates):
+                bridge += shaping.lan_port_lines(lan.worker_bridge_ends[i], down * scale)
+                if self.lan_uplink == "ifb":
+                    ifb = lan.worker_uplink_ifbs[i]
+                    netns.ip_batch([f"link add {ifb} type ifb", f"link set {ifb} up"], namespace=lan.bridge_namespace,
+                                   what=f"uplink device of LAN worker {i} in DC {dc}")
+                    bridge += shaping.ifb_uplink_lines(lan.worker_bridge_ends[i], ifb)
+                    bridge += shaping.lan_port_lines(ifb, up * scale)
+                else:
+                    netns.tc_batch(shaping.lan_port_lines(lan.worker_ifaces[i], up * scale),
+                                   namespace=lan.worker_namespaces[i], what=f"shape LAN worker {i}'s uplink in DC {dc}")
+            netns.tc_batch(bridge, namespace=lan.bridge_namespace, what=f"shape the LAN ports of DC {dc}")
 
     def _shape(self, rates: Rates) -> None:
         per_ns: dict[str, list[str]] = {}
@@ -181,10 +215,21 @@ class EmulatedNetwork:
 
     def _apply_impairments(self) -> Features:
         applied = ["per-direction HTB rates", "shortest-hop static routes", "unshaped management network"]
+        not_applied: dict[str, str] = {}
         if self.plan.lans:
             workers = ", ".join(f"DC {dc}: {lan.workers}" for dc, lan in sorted(self.plan.lans.items()))
-            applied.append(f"LAN workers behind the DC gateway ({workers}) on an unshaped bridge")
-        not_applied: dict[str, str] = {}
+            applied.append(f"LAN workers behind the DC gateway ({workers}) on a bridge")
+            shaped = {dc: lan for dc, lan in sorted(self.plan.lans.items()) if lan.rates}
+            if shaped:
+                k = self.lan_bw_scale
+                spans = ", ".join(f"DC {dc}: {min(map(min, lan.rates)) * k:g}-{max(map(max, lan.rates)) * k:g}"
+                                  for dc, lan in shaped.items())
+                applied.append(f"per-worker LAN HTB rates x{self.lan_bw_scale:g} (Gbit/s {spans}; uplinks on "
+                               f"{self.lan_uplink})")
+            unshaped = [str(dc) for dc, lan in sorted(self.plan.lans.items()) if not lan.rates]
+            if unshaped:
+                not_applied["lan rates"] = (f"the scenario describes no LAN for DC {', '.join(unshaped)}: "
+                                            "its bridge is not shaped")
         latency = {lk.latency_ms for lk in self.scenario.links if lk.latency_ms > 0}
         losses = {(lk.a, lk.b): lk.loss for lk in self.scenario.links if lk.loss > 0}
         if (latency or losses) and lossfilter.netem_available(self.plan.mgmt_namespace):

@@ -183,6 +183,13 @@ LIMIT_TOLERANCE_S = 2e-4
 is rounding, not an iteration that beat it."""
 
 
+def failed_steps(system: dict[str, Any]) -> set[int]:
+    """Steps of a ``--chaos`` run that failed at every DC: a failure's time is how long the error took to
+    arrive, not a synchronization, so no limit bounds it and no mean counts it."""
+    steps = (system.get("chaos") or {}).get("steps") or []
+    return {int(st["step"]) for st in steps if st.get("failed") and not st.get("contributors")}
+
+
 def limit_errors(system: dict[str, Any], result: dict[str, Any]) -> list[dict[str, Any]]:
     """The iterations of ``system`` faster than their limit (compute included): none can be, since the
     limit is the least time M can cross the min cut at the rates in force, so each is an error of the run
@@ -191,8 +198,11 @@ def limit_errors(system: dict[str, Any], result: dict[str, Any]) -> list[dict[st
     if system.get("compression", "none") != "none":
         return []
     limits = system.get("limit_s") or []
+    failed = failed_steps(system)
     out: list[dict[str, Any]] = []
     for k, (seconds, limit) in enumerate(zip(system["iteration_s"], limits, strict=False)):
+        if k in failed:
+            continue
         bound = with_compute(float(limit), result)
         if seconds + LIMIT_TOLERANCE_S < bound:
             out.append({"iteration": k, "iteration_s": seconds, "limit_s": round(bound, 4),
@@ -202,10 +212,11 @@ def limit_errors(system: dict[str, Any], result: dict[str, Any]) -> list[dict[st
 
 def system_stats(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per system: mean steady iteration time, mean limit over the same iterations (compute included),
-    their ratio. Iterations that beat their limit (``limit_errors``) are left out of all three."""
+    their ratio. Iterations that beat their limit (``limit_errors``) and steps that failed everywhere
+    (``failed_steps``) are left out of all three."""
     out: dict[str, dict[str, float]] = {}
     for name, s in result["systems"].items():
-        wrong = {e["iteration"] for e in limit_errors(s, result)}
+        wrong = {e["iteration"] for e in limit_errors(s, result)} | failed_steps(s)
         n = len(s["iteration_s"])
         kept = range(1, n) if n >= 2 else range(n)  # as ``steady`` keeps them
         per_limit = s.get("limit_s") or []

@@ -130,6 +130,10 @@ class Options:
     stream: IO[str] = sys.stderr
     lan_workers: int | None = None
     edge_mode: str = "auto"
+    lan_bw_scale: float = 1.0
+    lan_uplink: str = "veth"
+    lan_tier: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The LAN tier's options the user gave (``edge_*``), for the ``--edge-mode auto`` calibration."""
     overlap: bool = False
     credentials: Credentials | None = None
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
@@ -245,11 +249,21 @@ def options_from_args(args: argparse.Namespace) -> Options:
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
                    flags, args.run_dir, lan_workers=lan_workers,
-                   edge_mode=getattr(args, "edge_mode", "auto"), overlap=bool(getattr(args, "overlap", False)),
+                   edge_mode=getattr(args, "edge_mode", "auto"),
+                   lan_bw_scale=lan_options(given).lan_bw_scale,
+                   lan_uplink=lan_options(given).lan_uplink_shaping,
+                   lan_tier={k: v for k, v in given.items() if k.startswith("edge_")},
+                   overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos, trainer=trainer, train=getattr(args, "train", "blobs"),
                    compressions=compression_list, compression_flags=compression_flags,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
+
+
+def lan_options(given: Mapping[str, Any]) -> Any:
+    """The options the user gave for shaping LANs (``lan_bw_scale``, ``lan_uplink_shaping``), validated,
+    over the defaults."""
+    return resolve(overrides={k: v for k, v in given.items() if k in ("lan_bw_scale", "lan_uplink_shaping")})
 
 
 def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
@@ -357,6 +371,8 @@ class SystemRun:
         """Services and trainers a chaos fault killed and no repair has restarted yet."""
         self.chaos: ChaosPlayer | None = None
         self.started_wall = time.time()
+        self.edge_picks: dict[int, str] = {}
+        """The LAN path each gateway runs where ``--edge-mode auto`` measured them (``calibrate_edges``)."""
 
     def _spawn(self, name: str, where: int | str | tuple[int, int], argv: list[str], *, trainer: bool = False,
                append: bool = False) -> subprocess.Popen[bytes]:
@@ -499,7 +515,7 @@ class SystemRun:
             return []
         lan_ids = [c.id for c in self.contributors if c.dc == dc and c.worker is not None]
         return ["--edge-workers", str(lan.workers), "--edge-listen", f"{lan.gateway_address}:{EDGE_PORT}",
-                "--edge-interface", lan.gateway_iface, "--edge-mode", self.opts.edge_mode,
+                "--edge-interface", lan.gateway_iface, "--edge-mode", self.edge_picks.get(dc, self.opts.edge_mode),
                 "--edge-scale", str(edge_scale(lan_ids))]
 
     def edge_modes(self) -> dict[str, str]:
@@ -745,7 +761,8 @@ def run(opts: Options) -> dict[str, Any]:
             Path(tmp).mkdir(parents=True, exist_ok=True)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
-        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
+        net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss,
+                                                     lan_bw_scale=opts.lan_bw_scale, lan_uplink=opts.lan_uplink))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}
         if net.plan.lans:
@@ -754,6 +771,10 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["dc_planner"] = run_config(opts.config_flags).dc_planner
         for line in net.features.lines():
             progress.line(line)
+        picks: dict[int, str] = {}
+        if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
+            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress, opts.lan_tier)
+            result["features"]["edge_calibration"] = calibrations
         rows = [(dataclasses.replace(system, name=compressed.row_name(system.name, c)) if c != "none" else system, c)
                 for system in opts.systems for c in opts.compressions if system.kind == "netstorm" or c == "none"]
         for system, compression in rows:
@@ -761,6 +782,7 @@ def run(opts: Options) -> dict[str, Any]:
             per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
             budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
             runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s, compression)
+            runner.edge_picks = picks
 
             def on_change(entry: dict[str, Any], runner: SystemRun = runner) -> None:
                 _on_rates(entry, runner, progress)
@@ -801,6 +823,31 @@ def run(opts: Options) -> dict[str, Any]:
                     f"DC {dc} {mode}" for dc, mode in outcome["edge_mode"].items()))
             _warn_cpu(outcome, progress, system.name)
     return result
+
+
+def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,
+                    options: dict[str, Any] | None = None) -> tuple[dict[int, str], dict[str, Any]]:
+    """``--edge-mode auto``: measure both LAN paths once per distinct LAN (worker count and shaped rates) on
+    a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the faster; the
+    calibrations go into the result. A gateway whose XDP then fails to load still falls back by itself."""
+    from netstorm.bench.edge import calibrate
+
+    done: dict[tuple[int, tuple[tuple[float, float], ...]], dict[str, Any]] = {}
+    picks: dict[int, str] = {}
+    out: dict[str, Any] = {}
+    for dc, lan in sorted(plan.lans.items()):
+        rates = tuple((up * lan_bw_scale, down * lan_bw_scale) for up, down in lan.rates)
+        key = (lan.workers, rates)
+        if key not in done:
+            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None, options=options)
+            c = done[key]
+            measured = ", ".join(f"{p} {c[p]:.3g} Gbit/s" if c[p] is not None else f"{p} failed ({c[p + '_error']})"
+                                 for p in ("xdp", "userspace"))
+            shaped = " shaped" if rates else ""
+            progress.line(f"edge_mode auto: {lan.workers} workers{shaped}: {measured} -> {c['pick']}")
+        picks[dc] = done[key]["pick"]
+        out[str(dc)] = done[key]
+    return picks, out
 
 
 def planned_trees(system: systems.System, rates: Rates, *, packing: bool = True, num_roots: int = 0

@@ -15,7 +15,9 @@ than 64 KB super-packets, which keeps the shaped rate within a few per cent at t
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Any
 
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.netns import run
@@ -85,3 +87,125 @@ def read_rate_mbit(namespace: str, device: str) -> float:
 
 _CLASS_RE = re.compile(r"class htb 1:1 .*?\brate ([0-9.]+)(bit|Kbit|Mbit|Gbit)\b")
 _UNITS = {"bit": 1e-6, "Kbit": 1e-3, "Mbit": 1.0, "Gbit": 1e3}
+
+
+# LAN ports -------------------------------------------------------------------------------------------
+#
+# A LAN worker's rates are shaped with the same HTB tree as a WAN direction (link class, ACK class, data
+# class). Its downlink is the egress of the bridge port toward it (everything the bridge forwards to it,
+# whoever sent it, including frames another port's XDP program redirected). Its uplink, by
+# ``UPLINK_MODES``:
+# - ``veth`` (default): the egress of the worker's own veth end, which carries everything its sockets
+#   send; no extra device, no extra hop. What an XDP program on that interface transmits (XDP_TX,
+#   redirects: a two-level aggregator forwarding its cluster's partial sums) skips that qdisc, as XDP
+#   output skips every qdisc.
+# - ``ifb``: the bridge port's ingress redirected (u32 match-all, mirred) to an ifb device whose egress
+#   is shaped; it sees every frame the worker emits, XDP's included, for one more device hop per frame.
+# This kernel has HTB, TBF, ifb and mirred, but no ``police`` action and no netem.
+
+UPLINK_MODES = ("veth", "ifb")
+
+LAN_BURST_S = 0.001
+"""HTB bucket depth of a LAN class, in seconds at its rate. At Gbit/s rates tc's default bucket is a few
+hundred bytes, so the class could send only one packet per timer wake-up and would run far below its rate;
+a millisecond's worth lets it send back-to-back packets between wake-ups."""
+LAN_MIN_BURST = 2 * 65536
+"""Smallest LAN bucket in bytes: two of the largest (GSO) packets a socket hands a veth."""
+LAN_QUANTUM = 60000
+"""Bytes a LAN class sends per round when its classes share the link (HTB warns above 200000, and r2q's
+rate/10 would pass that at Gbit/s rates)."""
+
+
+def lan_burst(gbit: float) -> int:
+    """HTB burst in bytes for a LAN class at ``gbit``."""
+    return max(LAN_MIN_BURST, round(gbit * 1e9 / 8 * LAN_BURST_S))
+
+
+def lan_port_lines(device: str, gbit: float) -> list[str]:
+    """tc batch lines that shape ``device``'s egress to ``gbit`` Gbit/s (a LAN port), pure ACKs first."""
+    if gbit <= 0:
+        raise EmulationError(f"a LAN rate must be positive, got {gbit} Gbit/s")
+    rate = kbit(gbit * 1000)
+    ack = max(8, round(rate * ACK_SHARE))
+    burst = lan_burst(gbit)
+    opts = f"burst {burst} cburst {burst} quantum {LAN_QUANTUM}"
+    return [
+        f"qdisc add dev {device} root handle 1: htb default 20",
+        f"class add dev {device} parent 1: classid 1:1 htb rate {rate}kbit ceil {rate}kbit {opts}",
+        f"class add dev {device} parent 1:1 classid 1:10 htb rate {ack}kbit ceil {rate}kbit {opts} prio 0",
+        f"class add dev {device} parent 1:1 classid 1:20 htb rate {max(8, rate - ack)}kbit ceil {rate}kbit "
+        f"{opts} prio 1",
+        f"filter add dev {device} parent 1: protocol ip prio 1 u32 {ACK_FILTER} flowid 1:10",
+    ]
+
+
+def ifb_uplink_lines(port: str, ifb: str) -> list[str]:
+    """tc batch lines sending every frame arriving on bridge port ``port`` (the worker's uplink) through
+    ``ifb``'s egress first (shape ``ifb`` with ``lan_port_lines``)."""
+    return [f"qdisc add dev {port} handle ffff: ingress",
+            f"filter add dev {port} parent ffff: protocol all prio 1 u32 match u32 0 0 "
+            f"action mirred egress redirect dev {ifb}"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HtbClass:
+    """One HTB class as the kernel reports it (``tc -s class show``)."""
+
+    classid: str
+    parent: str | None
+    rate_bit: float
+    ceil_bit: float
+    burst_bytes: int
+    sent_bytes: int
+    sent_packets: int
+
+
+def read_classes(namespace: str, device: str) -> dict[str, HtbClass]:
+    """Every HTB class of ``device`` with its rate, ceiling, bucket and counters, read from the kernel.
+
+    Parsed from tc's text: iproute2 6.1 prints HTB classes as text even with ``-j``."""
+    out = run(["tc", "-n", namespace, "-s", "class", "show", "dev", device], what=f"read HTB classes of {device}")
+    return parse_classes(out)
+
+
+def parse_classes(text: str) -> dict[str, HtbClass]:
+    """``tc -s class show`` output -> classes by id (only HTB classes)."""
+    classes: dict[str, HtbClass] = {}
+    current: dict[str, Any] | None = None
+
+    def close() -> None:
+        if current is not None:
+            classes[current["classid"]] = HtbClass(**current)
+
+    for line in text.splitlines():
+        head = _HEAD_RE.match(line)
+        if head:
+            close()
+            current = {"classid": head.group(1), "parent": head.group(2), "rate_bit": _bits(line, "rate"),
+                       "ceil_bit": _bits(line, "ceil"), "burst_bytes": _bytes(line, "burst"),
+                       "sent_bytes": 0, "sent_packets": 0}
+            continue
+        sent = _SENT_RE.search(line)
+        if sent and current is not None:
+            current["sent_bytes"], current["sent_packets"] = int(sent.group(1)), int(sent.group(2))
+    close()
+    return classes
+
+
+_HEAD_RE = re.compile(r"^class htb (\S+) (?:root|parent (\S+))")
+_SENT_RE = re.compile(r"Sent (\d+) bytes (\d+) pkt")
+_SIZE_UNITS = {"b": 1, "Kb": 1024, "Mb": 1024 * 1024}
+
+
+def _bits(line: str, key: str) -> float:
+    m = re.search(rf"\b{key} ([0-9.]+)(bit|Kbit|Mbit|Gbit)\b", line)
+    if not m:
+        raise EmulationError(f"tc printed no {key} in {line.strip()!r}")
+    return float(m.group(1)) * _UNITS[m.group(2)] * 1e6
+
+
+def _bytes(line: str, key: str) -> int:
+    m = re.search(rf"\b{key} ([0-9.]+)(b|Kb|Mb)\b", line)
+    if not m:
+        raise EmulationError(f"tc printed no {key} in {line.strip()!r}")
+    return round(float(m.group(1)) * _SIZE_UNITS[m.group(2)])

@@ -11,8 +11,10 @@ Addressing (namespaces isolate addresses, so every run may use the same ones):
   DC k's management interface has 10.102.0.(k+2)/24. It is not shaped.
 - LAN of the DC at index k (scenario ``lan_workers`` > 0): 10.103.k.0/24 on a bridge in its own
   namespace beside the DC's; the DC's gateway-facing interface (the one the XDP aggregator attaches to)
-  has 10.103.k.1, LAN worker i (one namespace each) 10.103.k.(10+i). The LAN is not shaped and not routed
-  onto the overlay: LAN workers talk to their gateway only.
+  has 10.103.k.1, LAN worker i (one namespace each) 10.103.k.(10+i). The LAN is not routed onto the
+  overlay: LAN workers talk to their gateway only. Where the scenario describes the DC's LAN
+  (``[node.lan]``), each worker's port is shaped to its uplink and downlink and the gateway's port to
+  ``gateway_gbit`` (``LanPlan.rates``); an undescribed LAN is not shaped.
 Routes: in DC s, the node address of every other DC d goes via the next hop of
 ``netstorm.routing.shortest_hop_routes`` with ``src`` set to s's node address, so replies come back to
 the node address and any pair, adjacent or not, talks over the overlay as plain IP would.
@@ -25,6 +27,7 @@ import ipaddress
 import re
 
 from netstorm.emulation.errors import EmulationError
+from netstorm.lan_scenario import LanSpec
 from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Scenario
 
@@ -90,6 +93,12 @@ class LanPlan:
     """Inside each worker's namespace."""
     worker_bridge_ends: tuple[str, ...]
     worker_addresses: tuple[str, ...]
+    rates: tuple[tuple[float, float], ...] = ()
+    """Each worker's (uplink, downlink) in Gbit/s from the scenario, unscaled; empty: the LAN is unshaped."""
+    gateway_gbit: float | None = None
+    """The gateway's port rate per direction, when the scenario describes the LAN."""
+    worker_uplink_ifbs: tuple[str, ...] = ()
+    """In the bridge namespace: the ifb device of each worker's uplink (``lan_uplink_shaping = "ifb"``)."""
 
     @property
     def namespaces(self) -> list[str]:
@@ -180,15 +189,17 @@ def build_plan(scenario: Scenario, run_id: str) -> Plan:
         dc: MgmtPort(dc, _ifname(run_id, f"m{dc}"), _ifname(run_id, f"b{dc}"), f"10.102.0.{k + 2}/24")
         for k, dc in enumerate(ids)
     }
-    lans = {dc: _lan_plan(run_id, dc, k, scenario.node(dc).lan_workers) for k, dc in enumerate(ids)
-            if scenario.node(dc).lan_workers > 0}
+    lans = {dc: _lan_plan(run_id, dc, k, scenario.node(dc).lan_workers, scenario.node(dc).lan)
+            for k, dc in enumerate(ids) if scenario.node(dc).lan_workers > 0}
     return Plan(run_id, ids, namespaces, node_addresses, interfaces, tuple(routes), paths,
                 namespace_name(run_id, "mgmt"), _ifname(run_id, "br"), mgmt_ports, lans)
 
 
-def _lan_plan(run_id: str, dc: int, index: int, workers: int) -> LanPlan:
+def _lan_plan(run_id: str, dc: int, index: int, workers: int, spec: LanSpec | None = None) -> LanPlan:
     if workers > MAX_LAN_WORKERS:
         raise EmulationError(f"DC {dc}: at most {MAX_LAN_WORKERS} LAN workers per gateway, got {workers}")
+    if spec is not None and len(spec.workers) != workers:
+        raise EmulationError(f"DC {dc}: its LAN describes {len(spec.workers)} workers, {workers} asked for")
     subnet = f"10.103.{index}"
     return LanPlan(
         dc=dc,
@@ -201,4 +212,7 @@ def _lan_plan(run_id: str, dc: int, index: int, workers: int) -> LanPlan:
         worker_ifaces=tuple(_ifname(run_id, f"w{dc}-{i}") for i in range(workers)),
         worker_bridge_ends=tuple(_ifname(run_id, f"v{dc}-{i}") for i in range(workers)),
         worker_addresses=tuple(f"{subnet}.{10 + i}" for i in range(workers)),
+        rates=tuple((w.up_gbit, w.down_gbit) for w in spec.workers) if spec is not None else (),
+        worker_uplink_ifbs=tuple(_ifname(run_id, f"u{dc}-{i}") for i in range(workers)),
+        gateway_gbit=spec.gateway_gbit if spec is not None else None,
     )

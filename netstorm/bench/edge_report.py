@@ -1,0 +1,146 @@
+"""``python -m netstorm.bench.edge_report results/edge-*.json``: the markdown tables of committed edge
+results, so the README's and ``results/``'s tables are generated from the JSON rather than typed: every
+benchmark file (``netstorm bench edge --out``) path by path against gloo, and the end-to-end pair of
+emulation results (``netstorm emulate ... --out``, one with LAN workers and one without) as the
+slowdown per iteration the LAN tier costs, against its target."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PATHS = ("xdp", "userspace", "gloo")
+E2E_TARGET = 1.2
+"""With LAN workers an iteration may take at most this many times as long as without."""
+
+
+def _cell(r: dict[str, Any] | None, key: str, fmt: str) -> str:
+    if r is None or r.get(key) is None:
+        return "-"
+    return format(r[key], fmt)
+
+
+def rows(doc: dict[str, Any], name: str) -> list[str]:
+    out = []
+    for path in PATHS:
+        r = doc.get(path)
+        if r is None:
+            continue
+        vs = f"{r['wall_gbit_vs_gloo']:.2f}x" if "wall_gbit_vs_gloo" in r else "-"
+        cpu_vs = f"{r['host_cpu_per_gb_vs_gloo']:.2f}x" if "host_cpu_per_gb_vs_gloo" in r else "-"
+        gateway = _cell(r, "gateway_cpu_seconds_per_gb", ".2f")
+        out.append(f"| {name} | {doc['workers']} | {doc['loss'] * 100:g} % | {doc['elements']:,} | {path} "
+                   f"({r.get('mode', '')}) | {r['wall_gbit']:.3f} | {vs} | {r['host_cpu_seconds_per_gb']:.2f} | "
+                   f"{cpu_vs} | {gateway} | {r['exact']} |")
+    return out
+
+
+def breakdown(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each LAN path's CPU went, per datagram the gateway aggregated: the XDP program (kernel
+    run-time statistics), the gateway's agent (its thread CPU), the workers' processes (building, sending
+    and resending datagrams, taking ACKs and results), and the rest (the kernel's softirq threads and the
+    gateway process's other work); then the profile of the gateway and worker processes by shared object and
+    symbol, where recorded."""
+    lines = ["| file | path | datagrams | resent | host CPU µs/datagram | XDP program | agent | workers | rest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    profiles = []
+    for name, doc in docs.items():
+        for path in ("xdp", "userspace"):
+            r = doc.get(path)
+            if r is None or "workers_cpu_seconds" not in r or not r.get("packets"):
+                continue
+            per = 1e6 / r["packets"]
+            program = r.get("xdp_program_cpu_seconds", 0.0)
+            agent = r.get("agent_cpu_seconds", 0.0)
+            workers = r["workers_cpu_seconds"]
+            rest = r["host_cpu_seconds"] - program - agent - workers
+            lines.append(f"| {name} | {path} | {r['packets']:,} | {r.get('retransmitted', 0):,} | "
+                         f"{r['host_cpu_seconds'] * per:.1f} | {program * per:.1f} | {agent * per:.1f} | "
+                         f"{workers * per:.1f} | {rest * per:.1f} |")
+            if r.get("perf"):
+                dsos = ", ".join(f"{row['what']} {row['percent']:.0f} %" for row in r["perf"]["by_dso"][:5])
+                symbols = ", ".join(f"{row['what'].split()[-1]} {row['percent']:.0f} %"
+                                    for row in r["perf"]["by_symbol"][:6])
+                profiles.append(f"- `{name}` {path}, the gateway and worker processes by shared object: {dsos}; "
+                                f"top symbols: {symbols}")
+    return [*lines, "", *profiles] if len(lines) > 2 else []
+
+
+def end_to_end(docs: dict[str, dict[str, Any]]) -> list[str]:
+    """The emulation results: each system's mean steady iteration with and without LAN workers."""
+    from netstorm.emulation.results import system_stats
+
+    lines = ["| file | LAN workers | system | gateway aggregation | mean iteration s | x limit | exact |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    means: dict[bool, float] = {}
+    for name, doc in docs.items():
+        lan = doc.get("features", {}).get("lan_workers")
+        for system, stats in system_stats(doc).items():
+            s = doc["systems"][system]
+            modes = ", ".join(sorted(set(s.get("edge_mode", {}).values()))) or "-"
+            lines.append(f"| {name} | {sum(lan.values()) if lan else 0} | {system} | {modes} | "
+                         f"{stats['mean_s']:.2f} | {stats['x_limit']:.2f} | {s.get('exact')} |"
+                         + (f" error: {s['error'][:80]!r}" if s.get("error") else ""))
+            if system == "netstorm":
+                means[bool(lan)] = stats["mean_s"]
+    if len(means) == 2:
+        ratio = means[True] / means[False]
+        verdict = "meets" if ratio <= E2E_TARGET else "misses"
+        lines += ["", f"With LAN workers an iteration takes {ratio:.2f}x as long as without ({verdict} the "
+                      f"{E2E_TARGET:.2f}x target)."]
+    return lines
+
+
+def markdown(files: Sequence[Path]) -> str:
+    docs = {path.name: json.loads(path.read_text()) for path in files}
+    emulations = {name: doc for name, doc in docs.items() if "systems" in doc}
+    maps = {name: doc for name, doc in docs.items() if "maps" in doc}
+    benches = [path for path in files if path.name not in emulations and path.name not in maps]
+    out = _bench_table(benches) if benches else ""
+    for name, doc in maps.items():
+        out += (f"\n- `{name}`: `{doc.get('command', '?')}`: the XDP aggregator for {doc['elements']:,} elements "
+                f"({doc['chunks']:,} chunks of {doc['lanes']} lanes, a pool of {doc['pool_slots']:,} slots) holds "
+                f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel ({len(doc['maps'])} maps, "
+                f"their memlock)\n")
+    split = breakdown({path.name: docs[path.name] for path in benches})
+    if split:
+        out += "\n" + "\n".join(split) + "\n"
+    if emulations:
+        out += ("\n" if out else "") + "\n".join(end_to_end(emulations)) + "\n"
+    return out
+
+
+def _bench_table(files: Sequence[Path]) -> str:
+    lines = ["| file | workers | loss | elements | path | wall Gbit/s | vs gloo | host CPU-s/GB | vs gloo | "
+             "gateway CPU-s/GB | exact |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    notes = []
+    for path in files:
+        doc = json.loads(path.read_text())
+        lines += rows(doc, path.name)
+        extra = []
+        if "kernel_map_bytes" in doc:
+            extra.append(f"XDP maps in the kernel {doc['kernel_map_bytes'] / 2**20:.1f} MiB")
+        if doc.get("auto_pick"):
+            extra.append(f"edge_mode=auto takes {doc['auto_pick']}")
+        load = doc.get("host", {}).get("load_average_before")
+        if load:
+            extra.append(f"host load average before {load[0]:.1f}")
+        notes.append(f"- `{path.name}`: `{doc.get('command', '?')}`" + (f"; {'; '.join(extra)}" if extra else ""))
+    return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    files = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    if not files:
+        print("usage: python -m netstorm.bench.edge_report results/edge-*.json", file=sys.stderr)
+        return 2
+    sys.stdout.write(markdown(files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""One LAN worker of the edge benchmark, as its own process in its own namespace (a worker is a host).
+
+``python -m netstorm.bench.edge_worker --worker I --address IP --gateway HOST:PORT ...``
+
+Workers used to be threads of the benchmark's process, beside the gateway's agent: every packet's Python
+work then queued behind one interpreter lock with the agent's and the other workers', and a worker's
+retransmission timer fired on ACKs that had arrived but not yet been read. As processes they contend for
+the CPU as hosts sharing it do, not for one lock, as gloo's ranks do in the same benchmark.
+
+Like a gloo rank it draws its own inputs (``edge_inputs``), says HELLO, prints ``ready``, waits for ``go``
+on its stdin, pushes and pulls every iteration, prints its window (``t0``, ``t1`` on the shared monotonic
+clock, its CPU, its retransmissions) and only then checks every result against the exact reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def work(args: argparse.Namespace, secret: bytes | None) -> int:
+    from netstorm.bench.edge_inputs import contribution, reference
+    from netstorm.bench.edge_levels import mixed_reference, wire_precision
+    from netstorm.lan.layout import EdgeLayout
+    from netstorm.lan.sender import EdgeSender
+
+    host, _, port = args.gateway.rpartition(":")
+    precisions = args.precisions.split(",")
+    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=args.lanes, pool=args.pool)
+    inputs = [contribution(args.seed, k, args.worker, args.elements, args.scale, args.workers)
+              for k in range(args.iterations)]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    sock.bind((args.address, 0))
+    sock.setblocking(False)
+    node = EdgeSender(sock, (host, int(port)), worker=args.worker, layout=layout, job=args.job, loss=args.loss,
+                      seed=7, secret=secret, precision=wire_precision(precisions[args.worker]), gso=not args.no_gso)
+    await node.hello(timeout=args.timeout)
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+        return 2
+    results = []
+    cpu0, t0 = _cpu_seconds(), time.monotonic()
+    for k in range(args.iterations):
+        sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
+        results.append(sums[0])
+    t1, cpu1 = time.monotonic(), _cpu_seconds()
+    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": cpu1 - cpu0,
+                      "retransmitted": node.retransmitted, "dropped": node.dropped,
+                      "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
+    exact = True
+    for k, got in enumerate(results):
+        if all(p == "fp32" for p in precisions):
+            want = reference(args.seed, k, args.workers, args.elements, args.scale)
+        else:
+            parts = [contribution(args.seed, k, w, args.elements, args.scale, args.workers)
+                     for w in range(args.workers)]
+            want = mixed_reference(parts, precisions, args.lanes, args.scale)
+        exact &= bool(np.array_equal(got, want))
+    print(json.dumps({"worker": args.worker, "exact": exact}), flush=True)
+    node.close()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netstorm.bench.edge_worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--worker", type=int, required=True)
+    parser.add_argument("--workers", type=int, required=True)
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--gateway", required=True, help="HOST:PORT of the gateway's agent")
+    parser.add_argument("--job", type=int, required=True)
+    parser.add_argument("--elements", type=int, required=True)
+    parser.add_argument("--iterations", type=int, required=True)
+    parser.add_argument("--first", type=int, required=True, help="the first iteration's number")
+    parser.add_argument("--scale", type=int, required=True)
+    parser.add_argument("--lanes", type=int, required=True)
+    parser.add_argument("--pool", type=int, required=True)
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--precisions", required=True, help="every worker's precision, comma-separated")
+    parser.add_argument("--loss", type=float, default=0.0)
+    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--secret-file", default=None)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    return asyncio.run(work(args, Path(args.secret_file).read_bytes() if args.secret_file else None))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
