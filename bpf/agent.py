@@ -497,7 +497,9 @@ class EdgeAgent:
                 self._answer_query(head, data, address)
             elif head.kind == Kind.PULL:
                 if rows is not None:
-                    index = self.layout.slot(head.tensor, head.chunk)
+                    # results are kept one row per chunk of the model (its sequence number), not per pool
+                    # slot: with a pool smaller than the model the slot names several chunks
+                    index = self.layout.seq(head.tensor, head.chunk)
                     row = rows[index: index + 1]
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))

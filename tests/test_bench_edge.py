@@ -130,8 +130,10 @@ def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFix
     for name in edge.PATHS:
         r = out[name]
         assert r["exact"] is True
-        for key in ("wall_gbit", "host_cpu_seconds_per_gb", "host_busy_seconds_per_gb", "wall_gbit_vs_gloo"):
+        for key in ("wall_gbit", "host_cpu_seconds_per_gb", "wall_gbit_vs_gloo"):
             assert r[key] > 0, (name, key)
+        # the whole host's busy time comes from /proc/stat in clock ticks: a short window may see none
+        assert r["host_busy_seconds_per_gb"] >= 0, name
         assert r["gradient_gb"] == 2 * 20000 * 4 * 2 / 1e9
     assert out["gloo"]["wall_gbit_vs_gloo"] == 1.0
     for key in ("gateway_cpu_seconds_per_gb", "pps_per_core", "ratio_per_core", "timer_events"):

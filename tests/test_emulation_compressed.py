@@ -46,3 +46,21 @@ def test_a_round_trip_is_up_and_down_the_deepest_tree_at_the_link_latencies() ->
     note = compressed.latency_note({"round_trips": [1, 2, 2]}, {str(a): chain}, scenario)
     assert note == {"round_trips_per_iteration": 2.0, "tree_round_trip_s": round(2 * hop, 4),
                     "added_latency_s": round(2 * hop, 4)}
+
+
+def test_accuracy_lines_give_bytes_and_time_to_dense_final_accuracy() -> None:
+    result = {"systems": {
+        "netstorm": {"wan_bytes": [10**6, 10**6, 10**6, 10**6], "iteration_s": [2.0, 2.0, 2.0, 2.0],
+                     "accuracy": [0.2, 0.5, 0.7, 0.8], "added_latency_s": 0.0},
+        "netstorm+fediac": {"wan_bytes": [10**6, 4 * 10**5, 4 * 10**5, 4 * 10**5], "iteration_s": [2.0, 1.0, 1.0, 1.0],
+                            "accuracy": [0.2, 0.6, 0.81, 0.79], "added_latency_s": 0.5},
+        "netstorm+topk": {"wan_bytes": [9 * 10**5] * 4, "iteration_s": [1.0, 1.0, 1.0, 1.0],
+                          "accuracy": [0.1, 0.2, 0.3, 0.4], "added_latency_s": 0.5},
+    }}
+    lines = compressed.accuracy_lines(result)
+    rows = {line.split()[0]: line.split() for line in lines[3:-1]}
+    assert rows["netstorm"][1:5] == ["0.800", "+0.0", "1.00", "it"] and rows["netstorm"][5:8] == ["4", "4.0", "8.0"]
+    # fediac: 400 of 1000 bytes after the first iteration, dense's 0.8 first reached at iteration 3,
+    # 1.8 MB and 4 s until then, and 3 iterations x 0.5 s of a vote round trip at the latency
+    assert rows["netstorm+fediac"][1:] == ["0.790", "-1.0", "0.40", "it", "3", "1.8", "4.0", "1.5"]
+    assert rows["netstorm+topk"][1:5] == ["0.400", "-40.0", "0.90", "not"]

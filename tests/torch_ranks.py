@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import sys
 
 import torch
@@ -46,16 +47,21 @@ def main() -> int:
         total = torch.stack([value(r, dtype, 7).to(torch.int64) for r in range(world)]).sum(dim=0)
         assert torch.equal(t, total.to(dtype)), dtype
         checks += 1
+    # with fp16 compression the nodes send float sums as float16: float all-reduces are as close as that
+    half = os.environ.get("NETSTORM_COMPRESSION") == "fp16"
     t = value(rank, torch.float32, 1000)
     dist.all_reduce(t)
     expected = torch.stack([value(r, torch.float32, 1000).double() for r in range(world)]).sum(dim=0).float()
-    assert torch.allclose(t, expected, rtol=1e-6, atol=1e-4)
+    assert torch.allclose(t, expected, rtol=2e-3 if half else 1e-6, atol=1e-1 if half else 1e-4)
     checks += 1
     for dtype in (torch.float16, torch.bfloat16):
         t = value(rank, dtype, 11)
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         mean = torch.stack([value(r, dtype, 11).float() for r in range(world)]).sum(dim=0) / world
-        assert torch.equal(t, mean.to(dtype)), (dtype, t, mean)
+        if half:
+            assert torch.allclose(t.float(), mean.to(dtype).float(), rtol=1e-2, atol=1e-1), (dtype, t, mean)
+        else:
+            assert torch.equal(t, mean.to(dtype)), (dtype, t, mean)
         checks += 1
     works = [dist.all_reduce(torch.full((3,), float(rank + i)), async_op=True) for i in range(4)]
     for w in works:

@@ -144,6 +144,57 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
                  "the nodes' count (TCP/IP headers, ACKs, multi-hop routes); +latency: what the rounds beyond "
                  "one would add at the scenario's latency; cum err: ||sum of decoded - sum of exact|| / ||sum of "
                  "exact|| after the last iteration (what error feedback still holds back)")
+    return lines + accuracy_lines(result)
+
+
+BYTES_TARGET = 0.60
+"""FediAC's WAN bytes per iteration over dense's that the target allows."""
+ACCURACY_POINTS = 2.0
+"""How far (percentage points) a compressed row's final accuracy may end below dense's."""
+
+
+def _reach(accuracy: Sequence[float | None], goal: float) -> int | None:
+    """Iterations (1-based count) until held-out accuracy first reaches ``goal``."""
+    for k, value in enumerate(accuracy):
+        if value is not None and value >= goal:
+            return k + 1
+    return None
+
+
+def accuracy_lines(result: dict[str, Any]) -> list[str]:
+    """For rows that trained a real model: against the uncompressed row of the same system, final accuracy,
+    WAN bytes per iteration, and the bytes and training time each needs to reach dense's final accuracy
+    (as the FediAC paper reports it), with what the rounds beyond one would add by then at the scenario's
+    latency."""
+    rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s and s.get("accuracy")}
+    lines: list[str] = []
+    for name, s in rows.items():
+        base = rows.get(name.split("+")[0])
+        if base is None:
+            continue
+        if not lines:
+            header = (f"{'system':<22}{'final acc':>10}{'vs dense':>9}{'B/it vs':>8}{'to dense final':>15}"
+                      f"{'MB to it':>10}{'s to it':>9}{'+lat s':>8}")
+            lines += ["", header, "-" * len(header)]
+        goal = [a for a in base["accuracy"] if a is not None][-1]
+        final = [a for a in s["accuracy"] if a is not None][-1]
+        ratio = _mean_after_first(s["wan_bytes"]) / _mean_after_first(base["wan_bytes"])
+        reached = _reach(s["accuracy"], goal)
+        head = f"{name:<22}{final:>10.3f}{100 * (final - goal):>+9.1f}{ratio:>8.2f}"
+        if reached is None:
+            lines.append(f"{head}{'not reached':>15}{'-':>10}{'-':>9}{'-':>8}")
+            continue
+        mbytes = sum(s["wan_bytes"][:reached]) / 1e6
+        seconds = sum(s["iteration_s"][:reached])
+        added = float(s.get("added_latency_s", 0.0)) * reached
+        lines.append(f"{head}{f'it {reached}':>15}{mbytes:>10.1f}{seconds:>9.1f}{added:>8.1f}")
+    if lines:
+        lines.append(f"final acc: held-out accuracy after the last iteration; vs dense: points against the "
+                     f"uncompressed row; B/it vs: WAN bytes per iteration over dense's (the target for fediac: "
+                     f"<= {BYTES_TARGET:.2f}, and a final accuracy within {ACCURACY_POINTS:g} points); to dense "
+                     f"final: the first iteration at dense's final accuracy, with the WAN MB and the training "
+                     f"seconds until then; +lat s: what the rounds beyond one per iteration would add by then at "
+                     f"the scenario's latency (not emulated here)")
     return lines
 
 

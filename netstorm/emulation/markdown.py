@@ -15,10 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from netstorm.emulation import results
+from netstorm.emulation import compressed, results
 from netstorm.emulation.figures import FigureReport, Profile, Table
 
-PLOT_KINDS = ("iterations", "rates", "trees")
+PLOT_KINDS = ("iterations", "rates", "trees", "accuracy")
 """The plots ``plots.draw_all`` writes per result, as ``<stem>-<kind>.png``."""
 
 RESULTS_HEADER = """\
@@ -127,6 +127,9 @@ def _result_section(stem: str, result: dict[str, Any], directory: Path, level: s
     lines += ["```text", *head, "```", "", system_table(result), ""]
     if notes:
         lines += ["```text", *notes, "```", ""]
+    rows = [line for line in compressed.summary_lines(result) if line]  # rows of `emulate --compression`
+    if rows:
+        lines += ["```text", *rows, "```", ""]
     plots = [name for name in (f"{stem}-{kind}.png" for kind in PLOT_KINDS) if (directory / name).exists()]
     if plots:
         lines += [" ".join(f"[{name}]({name})" for name in plots), ""]

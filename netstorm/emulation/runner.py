@@ -480,7 +480,8 @@ class SystemRun:
                 self._spawn(f"trainer-{c.label}", where, self._python(*torch_ddp_args(
                     "netstorm", opts.train, rank=net.plan.node_ids.index(c.dc), world=len(net.plan.node_ids),
                     dc=c.dc, iterations=opts.iterations, out=self.logs[c.label].path,
-                    socket=str(self.dir / f"node-{c.dc}.sock"))), trainer=True)
+                    socket=str(self.dir / f"node-{c.dc}.sock"),
+                    compression=["--compression", self.compression, *opts.compression_flags])), trainer=True)
                 continue
             # a chaos run's trainers carry their step in the model and ride out failed iterations
             chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []

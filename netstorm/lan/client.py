@@ -25,7 +25,7 @@ from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTenso
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.sender import EdgeSender, GroupOpener
+from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
@@ -72,7 +72,10 @@ class AsyncEdgeClient:
         self.worker_id = worker
         self.job = job
         self.timeout = timeout
-        self.sock = sock or socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            receive_buffer(sock, RCVBUF_BYTES)   # PULLed results come back here in bursts
+        self.sock = sock
         self.sock.setblocking(False)
         self.names: tuple[str, ...] = ()
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -55,6 +55,11 @@ QUERY_CHUNKS = 256
 """Chunk numbers one QUERY datagram asks about."""
 STALL_CHUNKS = 8
 """Oldest unacknowledged chunks resent when no ACK comes at all."""
+PULL_CHUNKS = 1024
+"""Missing result chunks PULLed per probe once results flow: a burst that overflowed the group socket can
+leave most of a large model's results missing, and each probe waits a few retransmission timeouts."""
+RCVBUF_BYTES = 8 << 20
+"""Receive buffer asked for the group socket (forced past ``net.core.rmem_max`` where allowed)."""
 
 
 def group_socket(group: Address, local_ip: str) -> socket.socket:
@@ -62,12 +67,22 @@ def group_socket(group: Address, local_ip: str) -> socket.socket:
     ``local_ip`` (several workers on one host share the port)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    receive_buffer(sock, RCVBUF_BYTES)
     sock.bind((group[0], group[1]))
     membership = struct.pack("4s4s", socket.inet_aton(group[0]), socket.inet_aton(local_ip))
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, membership)
     sock.setblocking(False)
     return sock
+
+
+def receive_buffer(sock: socket.socket, size: int) -> None:
+    """Ask for ``size`` bytes of receive buffer: past ``net.core.rmem_max`` with the privilege to
+    (``SO_RCVBUFFORCE``), else up to it. A whole model's results arrive in one burst; what the buffer
+    cannot hold is PULLed back, one probe at a time."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_RCVBUFFORCE", 33), size)
+    except OSError:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
 
 
 def local_address(sock: socket.socket, peer: Address) -> str:
@@ -107,6 +122,8 @@ class EdgeSender:
         self.dropped = 0
         self.rescaled = 0
         self.queries = 0
+        self.pulls = 0
+        """PULL datagrams sent for result chunks that did not arrive."""
         self.tokens = LanTokens(secret, job)
         self.forged = 0
         """Datagrams dropped for not carrying the gateway's token for this worker."""
@@ -392,14 +409,15 @@ class EdgeSender:
             await udp.sendto(self.sock, datagram, self.send_to)
 
     async def _pull(self, iteration: int, missing: np.ndarray) -> None:
-        """Retransmit queued answers, then ask for up to 256 result chunks that never arrived (one while none
-        has arrived)."""
+        """Retransmit queued answers, then ask for up to PULL_CHUNKS result chunks that never arrived (one
+        while none has arrived)."""
         await self._flush()
         # none yet: the WAN step may still run, or every copy was lost; one PULL probes which (the gateway
         # answers only once it has the result), and the rest follow once results flow
-        limit = 1 if missing.all() else 256
+        limit = 1 if missing.all() else PULL_CHUNKS
         for index in np.flatnonzero(missing)[:limit]:
             tensor, chunk = self.layout.locate(int(index))
+            self.pulls += 1
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                        iteration=iteration, tensor=tensor, chunk=chunk,
                                                        token=self.tokens.worker(self.worker, iteration)),

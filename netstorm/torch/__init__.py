@@ -2,6 +2,7 @@
 
 ``import netstorm.torch`` registers the backend, so ``dist.init_process_group("netstorm")`` (under
 torchrun, Slurm or a Kubernetes PyTorchJob) makes DDP synchronize through the DC's general node;
+``compressed_hook`` sends DDP's gradient buckets through the job's compression (FediAC, top-k, fp16);
 ``netstorm_hook`` keeps gloo or NCCL inside a DC and uses NetStorm only across DCs; the optimizer
 wrapper serves one trainer per DC without a process group. Requires the ``torch`` extra;
 ``import netstorm`` never imports this package (or torch).
@@ -14,11 +15,11 @@ try:
 except ImportError as exc:  # the torch extra is optional; say which one to install
     raise ImportError(f"netstorm.torch needs PyTorch (pip install 'netstorm[torch]'): {exc}") from exc
 
-from netstorm.torch.backend import BACKEND, NetStormBackendError, ProcessGroupNetStorm, register, stats
+from netstorm.torch.backend import BACKEND, NetStormBackendError, ProcessGroupNetStorm, compressed_hook, register, stats
 from netstorm.torch.hook import NetStormHookState, netstorm_hook
 from netstorm.torch.optimizer import DistributedOptimizer
 
 register()
 
 __all__ = ["BACKEND", "DistributedOptimizer", "NetStormBackendError", "NetStormHookState", "ProcessGroupNetStorm",
-           "netstorm_hook", "register", "stats"]
+           "compressed_hook", "netstorm_hook", "register", "stats"]

@@ -17,6 +17,14 @@ padded but its last bucket; a barrier or a small broadcast costs one whole round
 ``Stage`` also keeps the integration's own cost apart from the node's: the seconds spent waiting in the
 client for the node's sums (``node_s``) and those spent copying into and out of the round
 (``copy_s``); the backend adds its encoding and decoding (``overhead_s``).
+
+With the job's compression (``compression`` option) the round registers more, so that the layout stays
+fixed: for fediac and topk the integer tensors of their two rounds (``netstorm.compression.session``),
+each ``round`` elements long, which ``reduce_compressed`` drives for a gradient bucket with error
+feedback kept per bucket piece (``compressed.py``); for fp16, whose nodes send every float chunk as
+float16, an int32 tensor that carries the exact collectives (broadcast, allgather, integer sums,
+barrier) so their 16-bit pieces are not rounded. Every push carries every registered tensor, the ones
+not in play as zeros, which the nodes send as header-only frames.
 """
 
 from __future__ import annotations
@@ -24,12 +32,17 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
+from netstorm.compression.options import CompressionOptions
+from netstorm.torch.compressed import BucketRounds
+
 ROUND_NAME = "netstorm.torch.round"
-"""The one tensor a rank registers."""
+"""The one float tensor a rank registers (every collective without compression travels in it)."""
+EXACT_NAME = "netstorm.torch.exact"
+"""With fp16 compression: the int32 tensor the exact collectives travel in."""
 
 
 class RoundClient(Protocol):
@@ -67,6 +80,16 @@ class StageStats:
     """Copies into and out of the round."""
     overhead_s: float = 0.0
     """Encoding, decoding and bookkeeping around the node (the backend's and the hook's), copies included."""
+    wan_bytes: int = 0
+    """Bytes this DC's node queued on WAN links over the node iterations (the client's per-iteration count)."""
+    compressed: int = 0
+    """Bucket pieces that went through the compression's rounds."""
+    vote_s: float = 0.0
+    """Seconds in the compression's vote rounds (the extra round trip a sparse method costs)."""
+    gia: int = 0
+    """Indices agreed on, summed over the compressed pieces."""
+    bits: int = 0
+    """FediAC's b in the newest compressed piece (0 before b is known)."""
 
     def copy(self) -> StageStats:
         return dataclasses.replace(self)
@@ -75,16 +98,32 @@ class StageStats:
 class Stage:
     """A connected, registered rank: ``reduce(payload)`` returns the sum (or mean) over all ranks."""
 
-    def __init__(self, client: RoundClient, round_elements: int) -> None:
+    def __init__(self, client: RoundClient, round_elements: int, compression: CompressionOptions | None = None,
+                 seed: int = 0) -> None:
         if round_elements < 1:
             raise ValueError(f"a round needs at least one element, got {round_elements}")
         self.client = client
         self.round = round_elements
+        self.compression = compression if compression is not None else CompressionOptions()
         self._buffer = np.zeros(round_elements, dtype=np.float32)
         self._lock = threading.Lock()
         self.stats = StageStats()
+        self.buckets: BucketRounds | None = None
+        tensors: dict[str, np.ndarray] = {ROUND_NAME: self._buffer}
+        if self.compression.sparse:
+            self.buckets = BucketRounds(self.compression, ROUND_NAME, round_elements, seed)
+            tensors = self.buckets.registered()
+        elif self.compression.method == "fp16":
+            tensors[EXACT_NAME] = np.zeros(round_elements, dtype=np.int32)
+        self._zeros = {name: np.zeros_like(value) for name, value in tensors.items()}
         # The init round: every DC's rank registers the same layout (hash-checked) and waits for the others.
-        client.init({ROUND_NAME: self._buffer})
+        if self.compression.method == "none":
+            client.init(tensors)
+        else:
+            init: Any = client.init  # a node's client (netstorm.Client) takes the compression at init
+            init(tensors, compression=self.compression.method, votes=self.compression.votes)
+        if self.buckets is not None:
+            self.buckets.start(client.num_workers, client.node_id, int(getattr(client, "gia_threshold", 0)))
 
     @property
     def workers(self) -> int:
@@ -100,30 +139,97 @@ class Stage:
         """The newest node iteration this rank has completed (-1 before the first)."""
         return self.client.iteration
 
-    def reduce(self, payload: np.ndarray, *, average: bool = False) -> np.ndarray:
+    def reduce(self, payload: np.ndarray, *, average: bool = False, exact: bool = False) -> np.ndarray:
         """The element-wise sum (or mean over ``workers``) of ``payload`` over every rank, in as many node
-        iterations as it takes; every rank must call it with a payload of the same size."""
+        iterations as it takes; every rank must call it with a payload of the same size. ``exact``: the
+        payload holds whole 16-bit pieces (``codec.bits``) that must come back unrounded (with fp16
+        compression they travel in the int32 tensor)."""
         size = int(payload.size)
         out = np.empty(size, dtype=np.float32)
+        lane = EXACT_NAME if exact and EXACT_NAME in self._zeros else ROUND_NAME
+        plain = len(self._zeros) == 1
         with self._lock:
             self.stats.collectives += 1
             self.stats.elements += size
             for start in range(0, max(size, 1), self.round):
                 stop = min(size, start + self.round)
                 began = time.perf_counter()
-                self._buffer[:stop - start] = payload[start:stop]
-                self._buffer[stop - start:] = 0.0
+                if lane == ROUND_NAME:
+                    buffer = self._buffer
+                    buffer[:stop - start] = payload[start:stop]
+                    buffer[stop - start:] = 0.0
+                else:
+                    buffer = np.zeros(self.round, dtype=np.int32)
+                    buffer[:stop - start] = payload[start:stop]
+                push = {ROUND_NAME: self._buffer} if plain else {**self._zeros, lane: buffer}
                 self.stats.padded += self.round - (stop - start)
                 pushed = time.perf_counter()
-                result = self.client.push_pull({ROUND_NAME: self._buffer}, average=average)[ROUND_NAME]
+                result = self._push_pull(push, average=average and plain)[lane]
                 pulled = time.perf_counter()
                 out[start:stop] = result[:stop - start]
+                if average and not plain:
+                    out[start:stop] /= np.float32(self.workers)
                 done = time.perf_counter()
-                self.stats.iterations += 1
                 self.stats.node_s += pulled - pushed
                 self.stats.copy_s += (pushed - began) + (done - pulled)
                 self.stats.overhead_s += (pushed - began) + (done - pulled)
         return out
+
+    def reduce_compressed(self, payload: np.ndarray, bucket: tuple[int, ...]) -> np.ndarray:
+        """The sum over every rank of a gradient ``payload`` through the job's compression, error feedback
+        kept per piece of ``bucket`` (a key the same at every rank, e.g. DDP's bucket index and size).
+        Without a sparse method it is ``reduce`` (fp16 then travels as float16 on the WAN)."""
+        if self.buckets is None:
+            return self.reduce(payload)
+        buckets = self.buckets
+        size = int(payload.size)
+        out = np.empty(size, dtype=np.float32)
+        with self._lock:
+            self.stats.collectives += 1
+            self.stats.elements += size
+            for piece, start in enumerate(range(0, max(size, 1), self.round)):
+                stop = min(size, start + self.round)
+                began = time.perf_counter()
+                self._buffer[:stop - start] = payload[start:stop]
+                self._buffer[stop - start:] = 0.0
+                self.stats.padded += self.round - (stop - start)
+                steps = buckets.iteration((*bucket, piece), self._buffer)
+                push = next(steps)
+                spent = time.perf_counter() - began
+                node = 0.0
+                trips: list[float] = []
+                while True:
+                    pushed = time.perf_counter()
+                    result = self._push_pull(push, average=False)
+                    trips.append(time.perf_counter() - pushed)
+                    resumed = time.perf_counter()
+                    try:
+                        push = steps.send(result)
+                    except StopIteration as done:
+                        summed: np.ndarray = done.value
+                        break
+                    finally:
+                        spent += time.perf_counter() - resumed
+                node += sum(trips)
+                finished = time.perf_counter()
+                out[start:stop] = summed[:stop - start]
+                spent += time.perf_counter() - finished
+                self.stats.node_s += node
+                self.stats.overhead_s += spent
+                self.stats.compressed += 1
+                last = buckets.last
+                self.stats.gia += last.gia
+                self.stats.bits = last.bits
+                if len(trips) == 2:
+                    self.stats.vote_s += trips[0]
+        return out
+
+    def _push_pull(self, push: dict[str, np.ndarray], *, average: bool) -> dict[str, np.ndarray]:
+        """One node iteration; counts it and the WAN bytes the node queued for it."""
+        result = self.client.push_pull(push, average=average)
+        self.stats.iterations += 1
+        self.stats.wan_bytes += int(getattr(self.client, "wan_bytes", 0))
+        return result
 
     def charge(self, seconds: float) -> None:
         """Add the caller's own encoding or decoding time to the integration's cost."""

@@ -30,15 +30,17 @@ TRAINERS = ("synthetic", "torch-ddp")
 
 
 def torch_ddp_args(backend: str, task: str, *, rank: int, world: int, dc: int, iterations: int, out: Path,
-                   socket: str | None = None, store: str | None = None, address: str | None = None) -> list[str]:
-    """The torch-ddp trainer's command line after the interpreter (``netstorm/trainers/torch_ddp.py``)."""
+                   socket: str | None = None, store: str | None = None, address: str | None = None,
+                   compression: Sequence[str] = ()) -> list[str]:
+    """The torch-ddp trainer's command line after the interpreter (``netstorm/trainers/torch_ddp.py``);
+    ``compression``: its ``--compression`` and ``--fediac-*`` flags."""
     argv = ["-m", "netstorm.trainers.torch_ddp", "--backend", backend, "--task", task, "--rank", str(rank),
             "--world", str(world), "--dc", str(dc), "--iterations", str(iterations), "--out", str(out)]
     if socket is not None:
         argv += ["--socket", socket]
     if store is not None and address is not None:
         argv += ["--store", store, "--address", address]
-    return argv
+    return argv + list(compression)
 
 
 class LaunchError(NetStormError):

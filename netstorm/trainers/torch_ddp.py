@@ -16,12 +16,21 @@ same under DDP) and, on netstorm, ``overhead_s``: the backend's own seconds in t
 copies, decoding: everything but the node's synchronization, ``node_s``). ``sync_s`` is the time from
 the end of backward's own computation to the end of the step's synchronization: what DDP's overlap did
 not hide.
+
+``--compression fediac|topk|fp16`` (with ``--fediac-k``, ``--fediac-bits``, ``--fediac-votes``; defaults
+from NETSTORM_<NAME> or the Config defaults, as every option resolves) runs the job's compression on
+backend ``netstorm``: the options reach the process group through the environment it resolves its
+config from, and DDP's bucket goes through ``compressed_hook`` (two rounds for fediac and topk, error
+feedback per bucket). Every netstorm line then carries ``wan_bytes`` (what this DC's node queued on WAN
+links in the step), ``round_trips`` (node iterations), ``gia``, ``bits`` and ``round_s`` (the vote
+round's seconds first), the fields ``netstorm emulate --compression`` reads.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -55,6 +64,15 @@ def gloo_group(args: argparse.Namespace, timeout: datetime.timedelta) -> Any:
     return group
 
 
+def parameters_digest(model: Any) -> str:
+    """A hash of every parameter's bytes: equal at every DC after a step exactly when the models are."""
+    import torch
+
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in model.parameters()])
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()
+
+
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
     import torch
     import torch.distributed as dist
@@ -70,6 +88,9 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         import netstorm.torch
 
         os.environ["NETSTORM_SOCKET"] = args.socket
+        for name in ("compression", "fediac_k", "fediac_bits", "fediac_votes"):
+            if getattr(args, name) is not None:  # the process group resolves its options from the environment
+                os.environ["NETSTORM_" + name.upper()] = str(getattr(args, name))
         os.environ.setdefault("NETSTORM_TORCH_ROUND", str(spec.parameters))
         dist.init_process_group("netstorm", store=dist.HashStore(), rank=args.rank, world_size=args.world,
                                 timeout=timeout)
@@ -79,6 +100,11 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     model = tasks.build_model(args.task, args.seed)
     bucket_mb = 4 * spec.parameters / 2**20 + 1.0  # one bucket: the whole gradient
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
+    compression = "none"
+    if args.backend == "netstorm":
+        compression = group.stage.compression.method
+        if compression != "none" or args.comm_hook == "compressed":
+            ddp.register_comm_hook(group, netstorm.torch.compressed_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=0.9)
     x, y = tasks.make_data(args.task, args.seed + 1 + args.rank, spec.batch * args.iterations)
     held_x, held_y = tasks.make_data(args.task, HELD_OUT_SEED, HELD_OUT) if args.rank == 0 else (None, None)
@@ -100,10 +126,27 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
             record["node_s"] = after.node_s - before.node_s
             record["sync_s"] = record["node_s"] + record["overhead_s"]
             record["node_iterations"] = after.iterations - before.iterations
+            record["wan_bytes"] = after.wan_bytes - before.wan_bytes
+            record["round_trips"] = record["node_iterations"]
+            if compression != "none":
+                record["compression"] = compression
+            if after.compressed > before.compressed:
+                record["gia"] = after.gia - before.gia
+                record["bits"] = after.bits
+                vote = after.vote_s - before.vote_s
+                record["round_s"] = [vote, record["node_s"] - vote]
+        if args.digest:
+            record["params_digest"] = parameters_digest(model)
         if held_x is not None and held_y is not None:
             record["loss"], record["accuracy"] = tasks.evaluate(model, held_x, held_y)
         stream.write(json.dumps(record) + "\n")
         stream.flush()
+    if args.save is not None:
+        import numpy as np
+
+        with torch.no_grad():
+            flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in model.parameters()])
+        np.save(Path(args.save) / f"rank-{args.rank}.npy", flat.numpy())
     group.barrier().wait()  # leave together: a rank that exits early breaks the others' last collective
     if args.backend == "netstorm":
         dist.destroy_process_group()
@@ -124,9 +167,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="gloo: the address gloo's data connections use")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any collective may take")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
+    parser.add_argument("--compression", default=None, choices=("none", "fediac", "topk", "fp16"),
+                        help="netstorm: gradient compression (default: NETSTORM_COMPRESSION, else none)")
+    parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
+    parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
+    parser.add_argument("--fediac-votes", type=int, default=None, help="threshold a (0: derived)")
+    parser.add_argument("--comm-hook", choices=("default", "compressed"), default="default",
+                        help="netstorm: DDP's bucket all-reduce (default) or compressed_hook even without compression")
+    parser.add_argument("--digest", action="store_true", help="add params_digest (a hash of the model) to each line")
+    parser.add_argument("--save", default=None, help="directory: write the final parameters to rank-R.npy there")
     args = parser.parse_args(argv)
     if args.backend == "netstorm" and not args.socket:
         parser.error("--backend netstorm needs --socket")
+    if args.backend == "gloo" and args.compression not in (None, "none"):
+        parser.error("--compression runs on --backend netstorm")
     if args.backend == "gloo" and not (args.store and args.address):
         parser.error("--backend gloo needs --store and --address")
     if args.out is None:
