@@ -8,6 +8,17 @@ result has been read; ``workers`` (how many workers' gradients the result sums, 
 LAN workers with it, so they can average exactly as a trainer at a node does. The first iteration (the
 trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
 workers' ``init`` returns.
+
+Planned LAN tier (``dc_planner``): a gateway given its LAN's description (``lan``) announces it to the
+scheduler (``announce``), which answers with a ``LanPlan``; ``apply_lan_plan`` turns the plan's two-level
+form into the deployment. The deployment is fixed for the life of the LAN tier: workers learn their part
+(where to send, which members an aggregator sums) in the answer to their HELLO, and the gateway's
+expected contributors are loaded into the aggregator when it starts. So the first plan is waited for
+(``plan_wait`` seconds) before the LAN tier starts, and becomes its deployment from the first summed
+iteration; a plan with a different deployment arriving once the tier runs is kept as ``pending`` and
+not applied: the running iterations keep the deployment their workers were told, so every sum stays
+exact, and the pending plan takes effect when the LAN tier next starts (the node's restart). A plan
+with the running deployment (new rates only) is taken at once.
 """
 
 from __future__ import annotations
@@ -23,12 +34,15 @@ import numpy as np
 
 from bpf.agent import EdgeAgent
 from bpf.timer_link import LoaderError
+from netstorm.control import LanPlan, LanReport
 from netstorm.errors import ConfigError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
 from netstorm.lan.errors import EdgeTimeout
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
+from netstorm.lan_scenario import LanSpec
+from netstorm.lanreport import report_from_spec
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
@@ -59,6 +73,11 @@ class EdgeOptions:
     """Multicast group for ACKs and results (``edge_group``; None: unicast)."""
     retransmit: float = 0.005
     """Seconds a worker waits for an ACK before resending (``edge_retransmit``)."""
+    lan: LanSpec | None = None
+    """The LAN's description (``--edge-scenario``): announced to the scheduler, which plans the tier."""
+    plan_wait: float = 0.0
+    """Seconds the LAN tier waits at start for the scheduler's first plan (``edge_plan_wait``; 0: it
+    starts with the configured topology, and plans wait for the next start)."""
 
     @property
     def lanes(self) -> int:
@@ -74,6 +93,18 @@ class EdgeOptions:
         if self.topology is not None and self.topology.workers != self.workers:
             raise ConfigError(f"edge_clusters describes {self.topology.workers} workers, --edge-workers is "
                               f"{self.workers}")
+        if self.lan is not None and len(self.lan.workers) != self.workers:
+            raise ConfigError(f"the LAN description has {len(self.lan.workers)} workers, --edge-workers is "
+                              f"{self.workers}")
+        if self.plan_wait < 0:
+            raise ConfigError(f"edge_plan_wait must be >= 0 seconds, got {self.plan_wait!r}")
+
+
+def topology_from_plan(plan: LanPlan, workers: int) -> LanTopology:
+    """The data plane's configuration of a ``LanPlan``: its clusters; every worker it sends straight to
+    the gateway (or does not name) is unclustered. ConfigError when it names workers this LAN lacks."""
+    clusters, _direct = plan.two_level()
+    return LanTopology(workers, {a: tuple(m) for a, m in clusters.items()})
 
 
 class GatewayRole:
@@ -96,6 +127,53 @@ class GatewayRole:
         self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout]] = {}
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
+        self.plan: LanPlan | None = None
+        """The scheduler's plan the running (or next) deployment follows."""
+        self.pending: LanPlan | None = None
+        """A newer plan with another deployment, received once the LAN tier ran: applied at its next start."""
+        self._planned = asyncio.Event()
+
+    def announce(self, node_id: int, t: float = 0.0) -> LanReport | None:
+        """The ``LanReport`` describing this gateway's LAN (None without a description)."""
+        if self.options.lan is None:
+            return None
+        return report_from_spec(node_id, self.options.lan, t=t)
+
+    def apply_lan_plan(self, plan: LanPlan) -> None:
+        """Take the scheduler's plan of this LAN: its two-level form is the deployment if the LAN tier has
+        not started, else it waits as ``pending`` (see the module's docstring)."""
+        if self.plan is not None and plan.version <= self.plan.version:
+            return
+        try:
+            topology = topology_from_plan(plan, self.options.workers)
+        except ConfigError as exc:
+            log.error("edge: %s plan %d ignored: %s", plan.planner, plan.version, exc)
+            return
+        current = self.options.topology if self.options.topology is not None else LanTopology(self.options.workers)
+        if self.agent is None:
+            self.options = dataclasses.replace(self.options, topology=topology)
+        elif topology != current:
+            self.pending = plan
+            log.warning("edge: %s plan %d arrived while the LAN tier runs; its deployment (clusters %s) takes "
+                        "effect when the tier next starts, the running one keeps its sums exact", plan.planner,
+                        plan.version, dict(topology.clusters))
+            return
+        self.plan = plan
+        self.pending = None
+        self._planned.set()
+        log.info("edge: %s plan %d deployed: clusters %s; the aggregators and unclustered workers %s send to the "
+                 "gateway", plan.planner, plan.version, dict(topology.clusters), list(topology.unclustered))
+
+    async def wait_plan(self) -> None:
+        """Wait up to ``plan_wait`` seconds for the first plan (only when the LAN was announced)."""
+        if self.options.lan is None or self.options.plan_wait <= 0 or self._planned.is_set():
+            return
+        try:
+            async with asyncio.timeout(self.options.plan_wait):
+                await self._planned.wait()
+        except TimeoutError:
+            log.warning("edge: no LAN plan within %.1f s; the LAN tier starts with the configured topology",
+                        self.options.plan_wait)
 
     def deploy(self, topology: LanTopology) -> None:
         """Take a new two-level configuration (from the planner) before the LAN starts: the gateway's
@@ -167,6 +245,7 @@ class GatewayRole:
         """This DC's contribution of tensor ``key``: the gateway trainer's values plus the LAN sum."""
         async with self._starting:
             if self.agent is None:
+                await self.wait_plan()
                 # compiling and loading the XDP program takes seconds: keep the node's loop (heartbeats) free
                 self.agent = await asyncio.to_thread(self._start, sizes)
                 self._started.set()

@@ -215,6 +215,9 @@ class Config:
     edge_group: str = "239.77.0.1:9701"
     """Multicast group ADDRESS:PORT the gateway sends ACKs and results to, one datagram replicated by the
     LAN for every worker; empty: one unicast copy per worker."""
+    edge_plan_wait: float = 10.0
+    """Seconds a gateway that announced its LAN (``--edge-scenario``) waits at start for the scheduler's
+    first plan of its tier (``dc_planner``) before starting with ``edge_clusters``; 0: no wait."""
 
     def replace(self, **changes: Any) -> Config:
         """A copy with ``changes`` applied and validated."""
@@ -239,6 +242,8 @@ class Config:
             raise ConfigError(f"edge_pool_slots must be >= 0 (0: one per chunk), got {self.edge_pool_slots}")
         if not 576 <= self.edge_mtu <= 9000:
             raise ConfigError(f"edge_mtu must be in 576..9000 bytes, got {self.edge_mtu}")
+        if self.edge_plan_wait < 0:
+            raise ConfigError(f"edge_plan_wait must be >= 0 seconds, got {self.edge_plan_wait!r}")
         if self.edge_retransmit <= 0:
             raise ConfigError(f"edge_retransmit must be positive seconds, got {self.edge_retransmit!r}")
         if self.max_ahead < 0:

@@ -242,6 +242,9 @@ class GeneralNode:
             control.on_member_up(self.member_up)
         if hasattr(control, "on_lan_plan"):
             control.on_lan_plan(self._lan_plan)
+            pushed = getattr(control, "lan_plan", None)
+            if isinstance(pushed, LanPlan):  # pushed before this node ran
+                self._lan_plan(pushed)
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg

@@ -4,7 +4,8 @@ Rates x0.25 and a 5 MB model keep the run network-bound on a small host; the dyn
 scaled to 18 s so the rates change several times while it runs. Everything else is ``netstorm
 emulate`` with these settings, so a larger run is that command with other flags. ``--lan-workers N``
 puts N LAN workers behind every DC's gateway (aggregated in XDP where it loads); a scenario file with
-``lan_workers`` brings its own.
+``lan_workers`` brings its own; ``--dc-planner P`` plans the tier of every DC whose LAN the scenario
+describes (``--scenario lan-hetero-4``), and the result file says which planner each DC ran.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "built-in ones); each is one more trainer process, so keep N small on a small host")
     parser.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
                         help="how gateways aggregate their LAN workers (default auto: xdp where it loads)")
+    parser.add_argument("--dc-planner", choices=("flat", "aleph", "pahina", "eina"), default=None,
+                        help="plan the LAN tier of every DC whose LAN the scenario describes (dc_planner; e.g. "
+                             "--scenario lan-hetero-4): its aggregator workers run netstorm lan-aggregator")
     parser.add_argument("--secret-file", metavar="FILE", default=None,
                         help="job secret every process of the run proves (see `netstorm secret`; default none: "
                              "the emulated network is private to this host)")
@@ -72,6 +76,8 @@ def _lan_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--edge-mode", args.edge_mode]
     if args.lan_workers is not None:
         flags += ["--lan-workers", str(args.lan_workers)]
+    if getattr(args, "dc_planner", None):
+        flags += ["--dc-planner", args.dc_planner]
     if getattr(args, "secret_file", None):
         flags += ["--secret-file", str(Path(args.secret_file).resolve())]
     if getattr(args, "wan_tls", None) is not None:

@@ -46,6 +46,8 @@ async def serve(gateway: tuple[str, int], worker: int, listen: str, interface: s
     from bpf.cluster import ClusterAggregator
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    # a cluster's members push their chunks at once, as they do at the gateway (same buffer as there)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     sock.bind((listen, gateway[1]))
     sock.setblocking(False)
     cluster = ClusterAggregator(sock, gateway, worker=worker, job=job, interface=interface, mode=mode,

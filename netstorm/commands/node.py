@@ -14,6 +14,7 @@ from netstorm.control import parse_address
 
 if TYPE_CHECKING:
     from bpf.gateway import EdgeOptions
+    from netstorm.lan_scenario import LanSpec
 
 NAME = "node"
 HELP = "run the general node of one DC: peers over TCP, trainers over a Unix socket (and TCP)"
@@ -46,7 +47,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="fixed-point scale: LAN lanes carry round(x * 2**scale) (default 16)")
     edge.add_argument("--edge-slot-timeout", type=float, default=0.2,
                       help="seconds before a slot missing workers makes the gateway NACK them (default 0.2)")
+    edge.add_argument("--edge-scenario", metavar="SCENARIO",
+                      help="scenario (name or file) whose DC --id describes this LAN: announced to the scheduler, "
+                           "which plans the tier with dc_planner and pushes the plan")
     config_mod.add_arguments(parser)
+
+
+def lan_description(scenario: str | None, node_id: int) -> LanSpec | None:
+    """The LAN of DC ``node_id`` as ``scenario`` describes it (None without a scenario); ConfigError when the
+    DC describes none."""
+    if not scenario:
+        return None
+    from netstorm.errors import ConfigError
+    from netstorm.scenario import load
+
+    lan = load(scenario).node(node_id).lan
+    if lan is None:
+        raise ConfigError(f"--edge-scenario {scenario}: DC {node_id} describes no LAN ([node.lan])")
+    return lan
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
                            topology=LanTopology.parse(config.edge_clusters, args.edge_workers)
                            if config.edge_clusters else None,
                            group=parse_address(config.edge_group, "edge_group") if config.edge_group else None,
-                           retransmit=config.edge_retransmit)
+                           retransmit=config.edge_retransmit,
+                           lan=lan_description(getattr(args, "edge_scenario", None), args.id),
+                           plan_wait=config.edge_plan_wait)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
@@ -132,6 +152,9 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
                 role = GatewayRole(edge, iteration_timeout=control.config.iteration_timeout)
                 role.on_started = control.report_edge  # the emulator reads the mode back from the scheduler
                 node.edge = role
+                report = role.announce(node_id, clock.now())
+                if report is not None:
+                    control.report_lan(report)  # the scheduler answers with a LanPlan (GeneralNode._lan_plan)
                 edge_task = tg.create_task(role.run())
                 print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"
                       f"{edge.listen[1]} (edge://HOST:{edge.listen[1]}?worker=I)", flush=True)

@@ -44,6 +44,7 @@ from netstorm.emulation.contributors import contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
 from netstorm.emulation.errors import EmulationError
+from netstorm.emulation.lantier import DcTier, planned_tiers, run_config
 from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.scenario import Rates, Scenario, load
@@ -348,6 +349,8 @@ class SystemRun:
         self.model_bytes = model_bytes
         self.limit_for = limit_for
         self.contributors = [c for c in contributors(net.plan) if system.kind == "netstorm" or c.worker is None]
+        self.lan_tiers: dict[int, DcTier] = {}
+        """Per DC with a described LAN, the plan of its tier (``dc_planner``) the scheduler pushes."""
         self.logs = {c.label: TrainerLog(self.dir / f"trainer-{c.label}.jsonl", c.label) for c in self.contributors}
         for tlog in self.logs.values():  # a reused --run-dir must not feed a previous run's lines in
             tlog.path.unlink(missing_ok=True)
@@ -441,8 +444,11 @@ class SystemRun:
         self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
                                     namespace=net.plan.mgmt_namespace, credentials=opts.credentials)
         self.watch.start()
+        self.lan_tiers = planned_tiers(self.scenario, run_config(opts.config_flags)) if net.plan.lans else {}
         for dc in net.plan.node_ids:
             gateway = self._gateway_flags(dc)
+            if dc in self.lan_tiers:  # the gateway announces its LAN; the scheduler plans and pushes the tier
+                gateway += ["--edge-scenario", scenario_path]
             # -v: the log names each link's load per iteration
             self._spawn(f"node-{dc}", dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
@@ -455,6 +461,7 @@ class SystemRun:
                 if time.monotonic() > deadline:
                     raise EmulationError(f"node {dc} did not open its trainer socket {sock} in time")
                 time.sleep(0.1)
+        self._start_lan_aggregators()
         # With LAN workers nobody sees the whole job, so every contributor is told its size and id sum.
         job = ["--contributors", str(len(self.contributors)),
                "--contributor-sum", str(sum(c.id for c in self.contributors))] if net.plan.lans else []
@@ -484,6 +491,17 @@ class SystemRun:
                 *(["--overlap"] if opts.overlap else []), *chaos, *self._secret_flags(),
                 "--out", str(self.logs[c.label].path)),
                 trainer=True)
+
+    def _start_lan_aggregators(self) -> None:
+        """``netstorm lan-aggregator`` on the host of each aggregator worker the planned tiers name."""
+        for dc, tier in self.lan_tiers.items():
+            lan = self.net.plan.lans[dc]
+            mode = "userspace" if self.opts.edge_mode == "userspace" else "xdp"
+            for worker in tier.aggregators:
+                self._spawn(f"lan-aggregator-{dc}-{worker}", (dc, worker), self._python(
+                    "-m", "netstorm.cli", "-v", "lan-aggregator", "--gateway", f"{lan.gateway_address}:{EDGE_PORT}",
+                    "--worker", str(worker), "--listen", lan.worker_addresses[worker],
+                    "--interface", lan.worker_ifaces[worker], "--mode", mode, *self.opts.config_flags))
 
     def _secret_flags(self) -> list[str]:
         """``--secret-file`` as the scheduler and nodes got it, for the trainers (LAN workers' tokens)."""
@@ -695,6 +713,7 @@ class SystemRun:
                                   for dc in self.net.plan.lans}
             if per_lan:
                 out["per_lan_worker_iteration_s"] = per_lan
+                out["lan_tier"] = {str(dc): tier.record() for dc, tier in sorted(self.lan_tiers.items())}
                 out["edge_mode"] = self.edge_modes()
             else:
                 out["lan_note"] = "gloo has no LAN tier: one rank per DC, the LAN workers did not take part"
@@ -750,6 +769,7 @@ def run(opts: Options) -> dict[str, Any]:
         if net.plan.lans:
             result["features"]["lan_workers"] = {str(dc): lan.workers for dc, lan in sorted(net.plan.lans.items())}
             result["features"]["edge_mode"] = {"requested": opts.edge_mode}
+            result["features"]["dc_planner"] = run_config(opts.config_flags).dc_planner
         for line in net.features.lines():
             progress.line(line)
         picks: dict[int, str] = {}
