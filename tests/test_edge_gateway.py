@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,6 +50,25 @@ def wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -
         time.sleep(0.05)
 
 
+def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    """Until something accepts TCP on 127.0.0.1:``port`` inside ``namespace`` (the scheduler is up)."""
+    def accepts() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return True
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + timeout
+    while not run_in(namespace, accepts):
+        for proc in procs:
+            if proc.poll() is not None:
+                raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"nothing listened on port {port} in {namespace} within {timeout} s")
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
 def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> None:
     with Lan(2) as lan:
@@ -61,7 +81,7 @@ def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> N
         try:
             procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
                                            f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
-            time.sleep(0.5)
+            wait_listening(lan.gateway, sched_port, procs, timeout=30)
             procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
                                            str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
                                            f"{GATEWAY_IP}:{EDGE_PORT}", "--edge-interface", "eth0", "--edge-mode",
