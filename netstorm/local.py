@@ -5,8 +5,10 @@ scheduler prints its address, the nodes register theirs with it. Each child logs
 ``RUN_DIR/<name>.log``. Once every node has registered and its trainer socket ``RUN_DIR/node-<i>.sock``
 exists, one line ``READY <run-dir>`` goes to stdout so scripts can wait on it. SIGINT/SIGTERM stop every
 child (SIGTERM, then SIGKILL after a grace period); children also get SIGTERM from the kernel if this
-process dies, so none is ever orphaned. A child that dies at startup makes the whole run exit non-zero
-with that child's log tail.
+process dies, so none is ever orphaned. A child that dies makes the whole run exit non-zero with that
+child's log tail; with ``keep_going`` (``--keep-going``) a node that dies after READY is only reported, so
+the job goes on without that DC as it would on real hosts (the scheduler declares it dead and re-plans):
+the run ends on a signal, the scheduler's death, or the last node's.
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ class LocalCluster:
     startup_timeout: float = 120.0
     credentials: Credentials | None = None
     """The job secret the children prove (their --secret-file), for asking the scheduler's status."""
+    keep_going: bool = False
+    """A node that dies after startup is reported, not fatal: the others and the scheduler keep running."""
     children: list[Child] = dataclasses.field(default_factory=list)
     scheduler_address: tuple[str, int] | None = None
 
@@ -226,6 +230,27 @@ class LocalCluster:
                 task.cancel()
         return waits[next(iter(done))]
 
+    async def wait_fatal_exit(self) -> Child:
+        """The first child whose exit ends the run: any child, or with ``keep_going`` the scheduler or
+        the last running node (each node that dies before is reported on stderr with its log tail)."""
+        reported: set[int] = set()
+        while True:
+            running = [c for c in self.children if c.process.returncode is None]
+            if running:
+                async with asyncio.TaskGroup() as tasks:
+                    waits = [tasks.create_task(c.process.wait()) for c in running]
+                    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    for task in pending:
+                        task.cancel()
+            exited = [c for c in self.children if c.process.returncode is not None and id(c) not in reported]
+            nodes_left = [c for c in self.children if c.name != "scheduler" and c.process.returncode is None]
+            for child in exited:
+                if not self.keep_going or child.name == "scheduler" or not nodes_left:
+                    return child
+                print(f"netstorm local: {child.describe_exit()}\nnetstorm local: the job goes on without "
+                      f"{child.name} (--keep-going)", file=sys.stderr, flush=True)
+                reported.add(id(child))
+
     async def stop(self) -> None:
         """SIGTERM every child (nodes first), SIGKILL stragglers after GRACE_S, remove trainer sockets."""
         nodes = [c for c in self.children if c.name != "scheduler"]
@@ -294,6 +319,6 @@ async def _supervise(cluster: LocalCluster, stop: asyncio.Event) -> None:
     for node_id in cluster.node_ids:
         print(f"node {node_id}: trainers connect with netstorm.connect({str(cluster.socket_path(node_id))!r})")
     print(f"READY {cluster.run_dir}", flush=True)
-    exited = await _unless_stopped(cluster.wait_any_exit(), stop)
+    exited = await _unless_stopped(cluster.wait_fatal_exit(), stop)
     if exited is not None:
         raise LocalError(f"a child died: {exited.result().describe_exit()}")

@@ -158,3 +158,55 @@ def test_children_ignoring_sigterm_share_one_grace_period_before_sigkill(tmp_pat
     took = asyncio.run(main())
     # Waiting a fresh grace period per child would take stubborn * grace (4 s).
     assert grace <= took < (stubborn - 1) * grace
+
+
+class Lines:
+    """A pipe's lines, read by a thread, so a test waits for one with a deadline."""
+
+    def __init__(self, pipe: object) -> None:
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
+
+    def _read(self, pipe: object) -> None:
+        for line in pipe:  # type: ignore[attr-defined]
+            with self._changed:
+                self.lines.append(line.rstrip("\n"))
+                self._changed.notify_all()
+
+    def wait_for(self, text: str, timeout: float) -> None:
+        with self._changed:
+            if not self._changed.wait_for(lambda: any(text in line for line in self.lines), timeout):
+                raise AssertionError(f"no {text!r} within {timeout} s; lines so far: {self.lines}")
+
+
+@pytest.mark.slow
+def test_keep_going_runs_on_without_a_dead_node_until_the_last_one_dies(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = start_local(run_dir, "internet2-9", "--nodes", "1,2,3", "--keep-going", "--heartbeat-interval", "0.5")
+    try:
+        read_until_ready(proc, STARTUP)
+        err = Lines(proc.stderr)
+        os.kill(node_pid(run_dir, 3), signal.SIGKILL)
+        err.wait_for("the job goes on without node-3", 60)
+        scheduler_log = run_dir / "scheduler.log"
+        deadline = 60.0
+        while "node 3 is down" not in scheduler_log.read_text():  # the scheduler re-plans without it
+            assert deadline > 0, scheduler_log.read_text()
+            deadline -= 0.1
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+                raise AssertionError(f"netstorm local exited ({proc.returncode}): {err.lines}")
+        assert proc.poll() is None and len(processes_of(run_dir)) == 3  # the scheduler and nodes 1 and 2
+        assert (run_dir / "node-1.sock").exists() and (run_dir / "node-2.sock").exists()
+        os.kill(node_pid(run_dir, 2), signal.SIGKILL)
+        err.wait_for("the job goes on without node-2", 60)
+        assert proc.poll() is None
+        os.kill(node_pid(run_dir, 1), signal.SIGKILL)  # the last node: nothing is left to run
+        assert proc.wait(timeout=60) == 1
+        err.wait_for("node-1 was killed by signal 9", 10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert processes_of(run_dir) == []

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="multiply the scenario's rates by X for the first plan (default 1)")
     parser.add_argument("--startup-timeout", type=float, default=120.0, metavar="S",
                         help="seconds for every node to register and serve (default 120)")
+    parser.add_argument("--keep-going", action="store_true",
+                        help="a node that dies is reported and the job goes on without its DC (default: the "
+                             "run stops with its log tail)")
     config_module.add_arguments(parser)
 
 
@@ -59,5 +62,5 @@ def run(args: argparse.Namespace) -> int:
         scenario=str(Path(scenario.source).resolve()) if Path(scenario.source).exists() else args.scenario,
         node_ids=nodes, run_dir=run_dir.resolve(), scheduler_args=scheduler_args, common_args=config_flags(args),
         verbose=args.verbose, startup_timeout=max(args.startup_timeout, config.connect_timeout),
-        credentials=Credentials.from_config(config))
+        credentials=Credentials.from_config(config), keep_going=args.keep_going)
     return asyncio.run(run_local(cluster))
