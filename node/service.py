@@ -174,6 +174,7 @@ class GeneralNode:
         self._timer_at: float | None = None
         self._link_marks: dict[int, LinkCounters] = {}
         self._stopping = asyncio.Event()
+        self._stop_reason = ""
         self._ready = asyncio.Event()
         self._tg: asyncio.TaskGroup | None = None
         self.edge: EdgeHook | None = None
@@ -259,6 +260,11 @@ class GeneralNode:
                     fetch.cancel()
         finally:
             self._tg = None
+            # a fetch cancelled before its first step never reached its handler: fail its waiter here
+            for iteration, waiter in list(self._policy_waits.items()):
+                if not waiter.done():
+                    self._policy_unavailable(iteration, waiter, self._stopped_error(
+                        f"before the policy of iteration {iteration} arrived"))
             if self._server is not None:
                 self._server.close()
             for inbound in list(self._inbound):
@@ -294,8 +300,18 @@ class GeneralNode:
         joining = getattr(self.control, "joining", None)
         return tuple(joining(iteration)) if joining is not None else ()
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "asked to stop") -> None:
+        """Stop serving; ``reason`` is what the errors of whatever was still waiting will say (the first
+        reason given wins: later ones are consequences of it)."""
+        if not self._stopping.is_set():
+            self._stop_reason = reason
         self._stopping.set()
+
+    def _stopped_error(self, what: str) -> NetStormError:
+        """The error of ``what`` cut short by this node's stop: why it stopped, and which members were
+        already gone (often the real cause: a supervisor stops its survivors when one DC dies)."""
+        gone = "".join(f"; {why}" for _, why in sorted(self.core.down.items()))
+        return NetStormError(f"node {self.node_id} stopped ({self._stop_reason}) {what}{gone}")
 
     @property
     def stopped(self) -> bool:
@@ -429,8 +445,8 @@ class GeneralNode:
             self._policy_unavailable(iteration, waiter, exc)
             return
         except asyncio.CancelledError:
-            self._policy_unavailable(iteration, waiter, NetStormError(
-                f"node {self.node_id} stopped before the policy of iteration {iteration} arrived"))
+            self._policy_unavailable(iteration, waiter, self._stopped_error(
+                f"before the policy of iteration {iteration} arrived"))
             raise
         del self._policy_waits[iteration]
         waiter.set_result(policy)

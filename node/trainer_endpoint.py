@@ -344,7 +344,7 @@ class TrainerEndpoint:
                 # iteration hands it the model. It leaves; restarted, it is admitted afresh.
                 log.error("node %d: the hand-over of the live model (iteration %d) failed: this node leaves "
                           "the job; restart it to rejoin", node.node_id, iteration)
-                node.stop()
+                node.stop(f"the hand-over of the live model (iteration {iteration}) failed")
             raise
         self.ranks.initialized = True
         if session.inline:

@@ -131,11 +131,11 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
 
     def scheduler_lost(error: Exception) -> None:
         log.error("node %d: lost the scheduler: %s; stopping", node_id, error)
-        node.stop()
+        node.stop(f"lost the scheduler: {error}")
     control.on_lost(scheduler_lost)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, node.stop)
+        loop.add_signal_handler(sig, node.stop, f"{signal.Signals(sig).name} received")
     try:
         await endpoint.serve_unix(socket_path, group=socket_group)
         if trainer_tcp is not None:
