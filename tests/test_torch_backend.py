@@ -251,7 +251,9 @@ def test_a_dc_killed_mid_step_gives_the_others_a_torch_error_naming_dc_and_itera
         tmp_path: Path, ranks_started: list[Ranks]) -> None:
     out = tmp_path / "out"
     out.mkdir()
-    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
+    # --keep-going: the survivors run on as they would on real hosts, so their error is the job's own
+    # (the iteration lost with DC 3, or a sum without it), never the supervisor stopping them.
+    with local_cluster(3, tmp_path / "run", flags=["--keep-going"], ready_timeout=90) as cluster:
         port = free_port()
         argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "6",
                 "--stall", "2:3", "--timeout", "60"]

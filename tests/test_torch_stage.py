@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from netstorm.torch.stage import ROUND_NAME, Stage
+from netstorm.torch.stage import ROUND_NAME, GroupIncomplete, Stage
 
 pytestmark = pytest.mark.torch
 
@@ -70,3 +70,16 @@ def test_collectives_in_order_each_gets_its_own_iterations() -> None:
     np.testing.assert_array_equal(a, np.full(6, 3.0))
     np.testing.assert_array_equal(b, np.full(2, 6.0))
     assert len(ranks.pushes) == 3 and stage.snapshot().padded == 2 + 2
+
+
+def test_a_sum_that_lost_a_dc_is_an_error_not_a_smaller_sum() -> None:
+    """The nodes go on without a DC that left; a process group's collective cannot, so the rank raises
+    instead of handing DDP the survivors' sum to divide by the whole group's size."""
+    ranks = Ranks([0.0, 0.0])
+    ranks.contributors = (1, 2, 3)  # type: ignore[attr-defined]
+    stage = Stage(ranks, 4)
+    np.testing.assert_array_equal(stage.reduce(np.ones(4, np.float32)), np.full(4, 2.0))
+    ranks.num_workers = 2  # DC 3 left: the next iteration's sum counts two trainers
+    ranks.contributors = (1, 2)  # type: ignore[attr-defined]
+    with pytest.raises(GroupIncomplete, match=r"counts 2 trainers \(DCs \[1, 2\]\).*all 3: node 3 left the job"):
+        stage.reduce(np.ones(4, np.float32))

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from netstorm.compression.options import CompressionOptions
+from netstorm.errors import IterationError
 from netstorm.torch.compressed import BucketRounds
 
 ROUND_NAME = "netstorm.torch.round"
@@ -95,6 +96,12 @@ class StageStats:
         return dataclasses.replace(self)
 
 
+class GroupIncomplete(IterationError):
+    """A node iteration's sum counts fewer (or more) trainers than the process group has ranks: a DC left
+    the job (the nodes go on without it) and a collective over the whole group can no longer be formed.
+    Raised instead of handing DDP a sum it would divide by the group's size."""
+
+
 class Stage:
     """A connected, registered rank: ``reduce(payload)`` returns the sum (or mean) over all ranks."""
 
@@ -122,6 +129,10 @@ class Stage:
         else:
             init: Any = client.init  # a node's client (netstorm.Client) takes the compression at init
             init(tensors, compression=self.compression.method, votes=self.compression.votes)
+        self.group_workers = client.num_workers
+        """Trainers every sum must count: the job's at init, the process group's ranks."""
+        self._group_dcs: tuple[int, ...] = ()
+        """The DCs of the first complete sum (named when one of them is missing later)."""
         if self.buckets is not None:
             self.buckets.start(client.num_workers, client.node_id, int(getattr(client, "gia_threshold", 0)))
 
@@ -229,6 +240,16 @@ class Stage:
         result = self.client.push_pull(push, average=average)
         self.stats.iterations += 1
         self.stats.wan_bytes += int(getattr(self.client, "wan_bytes", 0))
+        dcs = tuple(getattr(self.client, "contributors", ()))
+        if self.client.num_workers == self.group_workers:
+            self._group_dcs = self._group_dcs or dcs
+        else:
+            gone = sorted(set(self._group_dcs) - set(dcs))
+            left = f"{', '.join(f'node {d}' for d in gone)} left the job" if gone else "a DC left the job"
+            raise GroupIncomplete(
+                f"node iteration {self.client.iteration}: the sum counts {self.client.num_workers} trainers"
+                f"{f' (DCs {list(dcs)})' if dcs else ''}, but every collective of this group needs all "
+                f"{self.group_workers}: {left}")
         return result
 
     def charge(self, seconds: float) -> None:
