@@ -165,7 +165,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s}
     if not rows:
         return lines
-    header = f"{'system':<30}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'vote s':>8}{'trips':>7}" \
+    wide = max([22, *(len(name) + 2 for name in rows)])
+    header = f"{'system':<{wide}}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'vote s':>8}{'trips':>7}" \
              f"{'+latency s':>11}{'link/node':>10}{'cum err':>9}"
     lines += ["", header, "-" * len(header)]
     for name, s in rows.items():
@@ -178,7 +179,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         trips, added = s.get("round_trips_per_iteration", 1), s.get("added_latency_s", 0.0)
         vote = _mean_after_first(s["vote_round_s"]) if s.get("vote_round_s") else float("nan")
         cum = s["cum_rel_error"][-1] if s.get("cum_rel_error") else float("nan")
-        lines.append(f"{name:<30}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{vote:>8.2f}{trips:>7.2f}"
+        lines.append(f"{name:<{wide}}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{vote:>8.2f}{trips:>7.2f}"
                      f"{added:>11.3f}{link:>10.3f}{cum:>9.3f}")
     lines.append("WAN MB/it: chunk frames the nodes queued on WAN links (headers included), mean over iterations "
                  "2..N; vote s: the vote round's time (slowest DC); link/node: the emulated links' tx bytes over "
@@ -208,20 +209,21 @@ def accuracy_lines(result: dict[str, Any]) -> list[str]:
     (as the FediAC paper reports it), with what the rounds beyond one would add by then at the scenario's
     latency."""
     rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s and s.get("accuracy")}
+    wide = max([22, *(len(name) + 2 for name in rows)])
     lines: list[str] = []
     for name, s in rows.items():
         base = rows.get(name.split("+")[0])
         if base is None:
             continue
         if not lines:
-            header = (f"{'system':<30}{'final acc':>10}{'vs dense':>9}{'B/it vs':>8}{'to dense final':>15}"
+            header = (f"{'system':<{wide}}{'final acc':>10}{'vs dense':>9}{'B/it vs':>8}{'to dense final':>15}"
                       f"{'MB to it':>10}{'s to it':>9}{'+lat s':>8}")
             lines += ["", header, "-" * len(header)]
         goal = [a for a in base["accuracy"] if a is not None][-1]
         final = [a for a in s["accuracy"] if a is not None][-1]
         ratio = _mean_after_first(s["wan_bytes"]) / _mean_after_first(base["wan_bytes"])
         reached = _reach(s["accuracy"], goal)
-        head = f"{name:<30}{final:>10.3f}{100 * (final - goal):>+9.1f}{ratio:>8.2f}"
+        head = f"{name:<{wide}}{final:>10.3f}{100 * (final - goal):>+9.1f}{ratio:>8.2f}"
         if reached is None:
             lines.append(f"{head}{'not reached':>15}{'-':>10}{'-':>9}{'-':>8}")
             continue
