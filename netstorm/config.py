@@ -179,6 +179,10 @@ class Config:
     fediac_votes: int = 0
     """FediAC's threshold a: an index is sent when at least this many contributors voted it; 0 takes
     ceil(0.15 x contributors), the paper's a = 3 at 20 contributors."""
+    fediac_gia_reuse: int = 1
+    """Iterations one FediAC GIA serves (ours, not the paper's): above 1, the iterations after a vote skip
+    the vote round and send values at the kept GIA, scaled by the previous round's max; 1 votes every
+    iteration, as the paper does."""
     # DC planning.
     dc_planner: str = "flat"
     """How the scheduler plans the tier inside each DC whose LAN it knows: flat (every worker to the

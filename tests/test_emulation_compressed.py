@@ -20,6 +20,21 @@ def test_rows_are_named_per_compression() -> None:
     assert compressed.row_name("netstorm", "fediac") == "netstorm+fediac"
 
 
+def test_an_entry_sets_its_rows_options() -> None:
+    entries = compressed.parse("none,fediac,fediac:gia_reuse=4,fediac:k=0.2:bits=12")
+    assert entries == ["none", "fediac", "fediac:gia_reuse=4", "fediac:k=0.2:bits=12"]
+    assert [compressed.method_of(e) for e in entries] == ["none", "fediac", "fediac", "fediac"]
+    assert compressed.row_flags("fediac:gia_reuse=4") == ["--fediac-gia-reuse", "4"]
+    assert compressed.row_flags("fediac:k=0.2:bits=12") == ["--fediac-k", "0.2", "--fediac-bits", "12"]
+    assert compressed.row_flags("fediac") == []
+    assert compressed.row_name("netstorm", "fediac:gia_reuse=4") == "netstorm+fediac:gia_reuse=4"
+    for bad, why in (("fediac:reuse=4", "NAME=VALUE"), ("fediac:gia_reuse=x", "number"),
+                     ("fediac:gia_reuse=0", "fediac_gia_reuse"), ("fediac:bits", "NAME=VALUE"),
+                     ("gzip:k=1", "gzip")):
+        with pytest.raises(EmulationError, match=why):
+            compressed.parse(bad)
+
+
 def test_collect_sums_the_dcs_bytes_per_iteration_and_checks_they_agree() -> None:
     records: dict[str, list[dict[str, Any]]] = {
         "1": [{"iteration": 0, "wan_bytes": 100, "round_trips": 1, "gia": 0, "rel_error": 0.0},

@@ -118,6 +118,29 @@ def test_fediac_with_b_derived_starts_with_one_dense_round_then_sends_integers()
     assert all(np.array_equal(s, sparse[0]) for s in sparse)
 
 
+def test_a_reused_gia_belongs_to_its_bucket_piece() -> None:
+    """With fediac_gia_reuse each bucket piece keeps its own GIA and m: a reused iteration of bucket A
+    sends values at A's indices, however many of B's iterations ran in between, at every rank alike."""
+    options = CompressionOptions("fediac", k=0.1, bits=12, votes=2, gia_reuse=2)
+    ranks = _ranks(options, 400)
+    a, b = (0, 400, 0), (1, 400, 0)
+    first = _round(ranks, a, _payloads(1, 400))
+    assert ranks[0].last.round_trips == 2 and not ranks[0].last.reused
+    gia_a = ranks[0].states[a].gia
+    assert gia_a is not None and set(np.flatnonzero(first[0])) <= set(gia_a)
+    _round(ranks, b, _payloads(2, 400))
+    assert ranks[0].last.round_trips == 2  # B has no GIA yet: it votes
+    gia_b = ranks[0].states[b].gia
+    assert gia_b is not None and not np.array_equal(gia_a, gia_b)
+    again = _round(ranks, a, _payloads(3, 400))
+    assert all(r.last.reused and r.last.round_trips == 1 and r.last.gia == ranks[0].last.gia for r in ranks)
+    assert all(np.array_equal(other, again[0]) for other in again)
+    # values land only on A's kept GIA (a reused value may round to 0, so a subset)
+    assert set(np.flatnonzero(again[0])) <= set(gia_a) and np.count_nonzero(again[0]) > 0
+    _round(ranks, a, _payloads(4, 400))
+    assert ranks[0].last.round_trips == 2  # A's GIA served its two iterations: A votes again
+
+
 def test_bucket_rounds_refuse_a_dense_method() -> None:
     from netstorm.torch.compressed import BucketRounds
 
@@ -158,6 +181,21 @@ def test_compressed_ddp_keeps_every_dc_identical_after_every_step(tmp_path: Path
         # after the first step (b derived by a dense round for fediac) every step has a vote round
         assert all(int(r["gia"]) > 0 and len(r["round_s"]) == 2 for r in records[0][1:])
         assert all(int(r["round_trips"]) >= 2 for r in records[0][1:])
+
+
+@pytest.mark.slow
+def test_fediac_gia_reuse_under_ddp_skips_every_other_vote_and_keeps_the_dcs_identical(tmp_path: Path) -> None:
+    records, params = _train(tmp_path, "fediac", iterations=5, extra=("--fediac-k", "0.05", "--fediac-gia-reuse", "2"))
+    assert np.array_equal(params[1], params[0]) and np.array_equal(params[2], params[0])
+    for recs in records:
+        assert len({r["params_digest"] for r in recs}) == 5
+        trips = [int(r["round_trips"]) for r in recs]
+        votes = [float(r["round_s"][0]) for r in recs[1:]]
+        # step 0 is dense (b derived); then a vote (steps 1, 3), and its GIA reused once (steps 2, 4);
+        # step 1 also carries DDP's broadcast of its rebuilt buckets
+        assert trips[2] == 1 and trips[3] == 2 and trips[4] == 1, trips
+        assert votes[1] == 0.0 and votes[3] == 0.0 and votes[0] > 0.0 and votes[2] > 0.0, votes
+        assert [r["gia"] for r in recs[1:]] == [r["gia"] for r in records[0][1:]]
 
 
 @pytest.mark.slow

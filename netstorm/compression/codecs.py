@@ -9,6 +9,11 @@ what this contributor did not send, the rounding error included: after ``values`
 Both methods send the values at the agreed indices compacted to the front of a model-sized tensor, in
 ascending index order, so every contributor's j-th value is the same coordinate and trees add them
 element-wise; the node elides the all-zero tail (frames carry only up to the last nonzero element).
+
+What a contributor carries from one iteration to the next is its ``CodecState``: the residual and, for
+FediAC's GIA reuse (``fediac_gia_reuse``, ours, off by default), the GIA of the last vote, how many
+iterations it has served, and the global m of the last round. A caller that compresses several
+independent tensors with one codec (DDP's buckets) swaps the state per tensor.
 """
 
 from __future__ import annotations
@@ -18,6 +23,24 @@ import dataclasses
 import numpy as np
 
 from netstorm.compression import quantize, voting
+
+
+@dataclasses.dataclass
+class CodecState:
+    """What one contributor carries between iterations of one tensor."""
+
+    residual: np.ndarray
+    """Error feedback: what was not sent, rounding error included."""
+    gia: np.ndarray | None = None
+    """The GIA of the last vote round (kept only when it may be reused)."""
+    served: int = 0
+    """Iterations the kept GIA has served, its vote's included."""
+    peak: float = 0.0
+    """The global m of the newest round: the next reused iteration scales by it."""
+
+    @classmethod
+    def fresh(cls, elements: int) -> CodecState:
+        return cls(np.zeros(elements, dtype=np.float64))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,9 +65,11 @@ class FediacCodec:
     """FediAC (Algorithm 1) for one contributor: sampled votes, global scale, stochastic rounding."""
 
     def __init__(self, elements: int, *, contributors: int, k: int, threshold: int, bits: int,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, reuse: int = 1) -> None:
         if not 1 <= threshold <= contributors:
             raise ValueError(f"threshold a = {threshold} must be in 1..{contributors} (the contributors)")
+        if reuse < 1:
+            raise ValueError(f"a GIA serves at least the iteration of its vote, got reuse = {reuse}")
         quantize.scale(bits, contributors, 1.0)  # b must leave room for N
         self.elements = elements
         self.contributors = contributors
@@ -52,8 +77,22 @@ class FediacCodec:
         self.threshold = threshold
         self.bits = bits
         self.rng = rng
-        self.residual = np.zeros(elements, dtype=np.float64)
+        self.reuse = reuse
+        self.state = CodecState.fresh(elements)
         self._update: np.ndarray | None = None
+
+    @property
+    def residual(self) -> np.ndarray:
+        return self.state.residual
+
+    @residual.setter
+    def residual(self, value: np.ndarray) -> None:
+        self.state.residual = value
+
+    def must_vote(self) -> bool:
+        """Whether this iteration votes: always at ``reuse = 1`` (the paper), else when the kept GIA has
+        served ``reuse`` iterations (or there is none yet)."""
+        return self.state.gia is None or self.state.served >= self.reuse
 
     def votes(self, update: np.ndarray) -> VoteRound:
         """U = update + e; k magnitude-proportional draws; the one-hot of max |U| for the global m."""
@@ -66,15 +105,37 @@ class FediacCodec:
         u = self._need_update()
         gia = voting.consensus(counts, self.threshold)
         peak = quantize.global_peak(scale_sum)
+        if self.reuse > 1:
+            self.state.gia, self.state.served, self.state.peak = gia, 1, peak
+        return self._quantized(u, gia, peak)
+
+    def reused(self, update: np.ndarray) -> tuple[ValueRound, np.ndarray]:
+        """An iteration without a vote (``fediac_gia_reuse``, ours): U = update + e quantized at the kept
+        GIA with the m of the previous round, f U clipped to the range that m promised (an update that
+        outgrew m cannot overflow the b-bit sum; the clipped part stays in the residual), and the one-hot
+        of this U's max |U|, to send with the values, for the next reused iteration's m."""
+        if self.state.gia is None:
+            raise ValueError("reused() before any vote: there is no GIA to reuse")
+        u = np.asarray(update, dtype=np.float64).reshape(-1) + self.residual
+        sent = self._quantized(u, self.state.gia, self.state.peak)
+        self.state.served += 1
+        return sent, quantize.scale_histogram(u)
+
+    def observed(self, scale_sum: np.ndarray) -> None:
+        """The summed one-hots sent with a reused iteration's values: the next one's m."""
+        self.state.peak = quantize.global_peak(scale_sum)
+
+    def _quantized(self, u: np.ndarray, gia: np.ndarray, peak: float) -> ValueRound:
         out = np.zeros(self.elements, dtype=np.int64)
         self.residual = u.copy()
+        self._update = None
         if peak == 0.0 or gia.size == 0:
             return ValueRound(out, gia, 1.0)
         f = quantize.scale(self.bits, self.contributors, peak)
-        rounded = quantize.stochastic_round(f * u[gia], self.rng)
+        limit = (2 ** (self.bits - 1) - self.contributors) / self.contributors
+        rounded = quantize.stochastic_round(np.clip(f * u[gia], -limit, limit), self.rng)
         out[:gia.size] = rounded
         self.residual[gia] = u[gia] - rounded / f
-        self._update = None
         return ValueRound(out, gia, f)
 
     def decode(self, summed: np.ndarray, sent: ValueRound) -> np.ndarray:
@@ -95,8 +156,19 @@ class TopkCodec:
     def __init__(self, elements: int, *, k: int) -> None:
         self.elements = elements
         self.k = k
-        self.residual = np.zeros(elements, dtype=np.float64)
+        self.state = CodecState.fresh(elements)
         self._update: np.ndarray | None = None
+
+    @property
+    def residual(self) -> np.ndarray:
+        return self.state.residual
+
+    @residual.setter
+    def residual(self, value: np.ndarray) -> None:
+        self.state.residual = value
+
+    def must_vote(self) -> bool:
+        return True
 
     def votes(self, update: np.ndarray) -> VoteRound:
         u = np.asarray(update, dtype=np.float64).reshape(-1) + self.residual

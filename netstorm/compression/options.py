@@ -1,8 +1,9 @@
 """What a job asks of compression: the method and FediAC's k, b and a, as the config scheme gives them.
 
-The values are the ``compression``, ``fediac_k``, ``fediac_bits`` and ``fediac_votes`` options of
-``netstorm.config.Config``; the sentinels (0 bits, 0 votes) mean "derive it as the paper does", which
-needs the model size and the contributor count, known only after registration.
+The values are the ``compression``, ``fediac_k``, ``fediac_bits``, ``fediac_votes`` and
+``fediac_gia_reuse`` options of ``netstorm.config.Config``; the sentinels (0 bits, 0 votes) mean
+"derive it as the paper does", which needs the model size and the contributor count, known only after
+registration.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class CompressionOptions:
     """Bits b of a quantized value; 0 derives b from a dense first round (the paper's Corollary 1)."""
     votes: int = 0
     """Threshold a: an index joins the GIA with at least this many votes; 0 = ceil(0.15 x contributors)."""
+    gia_reuse: int = 1
+    """Iterations one FediAC GIA serves (ours; 1 = the paper: a vote round every iteration)."""
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -48,12 +51,14 @@ class CompressionOptions:
             raise ConfigError(f"fediac_bits must be 0 (derived) or 2..{MAX_BITS}, got {self.bits!r}")
         if self.votes < 0:
             raise ConfigError(f"fediac_votes must be >= 0 (0 = derived), got {self.votes!r}")
+        if self.gia_reuse < 1:
+            raise ConfigError(f"fediac_gia_reuse must be >= 1 (1 = a vote every iteration), got {self.gia_reuse!r}")
 
     @classmethod
     def of(cls, config: Any) -> CompressionOptions:
-        """The options of a ``Config`` (or anything with the four attributes)."""
+        """The options of a ``Config`` (or anything with its compression attributes)."""
         return cls(cast(Method, config.compression), float(config.fediac_k), int(config.fediac_bits),
-                   int(config.fediac_votes))
+                   int(config.fediac_votes), int(getattr(config, "fediac_gia_reuse", 1)))
 
     @property
     def sparse(self) -> bool:

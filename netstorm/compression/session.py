@@ -17,8 +17,18 @@ With ``fediac_bits = 0`` the first iteration is dense (the model's float32 tenso
 first round through a server) and b is derived from its sum, which every DC holds identically
 (``bitwidth.derive_bits``), so every DC derives the same b.
 
-``Rounds`` is the protocol as a generator (what to push, fed each result) with no I/O; ``CompressedClient``
-and ``AsyncCompressedClient`` drive it over ``netstorm.Client`` and ``netstorm.AsyncClient``.
+With ``fediac_gia_reuse = N > 1`` (ours, off by default) a GIA serves N iterations: the one of its
+vote and N - 1 more that skip the vote round and push only values, quantized with the m agreed in the
+previous round (clipped to what that m allows; ``FediacCodec.reused``) and carrying this iteration's
+scale one-hot for the next one. The GIA is the same at every DC because the iterations are (every DC
+runs the same rounds), and error feedback stays exact: the residual keeps what the reused GIA left out.
+
+``Rounds`` is the protocol as a sans-I/O core: ``begin`` takes an iteration's gradients, ``received``
+each round's sums (with the round's seconds and WAN bytes, for the stats), and each returns the next
+action, ``Push`` (these tensors, one node iteration) or ``Done`` (the decoded sum). ``CompressedClient``
+and ``AsyncCompressedClient`` are thin shells that carry the pushes over ``netstorm.Client`` and
+``netstorm.AsyncClient``; ``Rounds.iteration`` is the same core as a generator, for callers that
+interleave it with their own work (DDP's stage, in-process replays).
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Generator, Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -59,6 +69,26 @@ class RoundStats:
     """Bytes this DC's node queued on WAN links over the iteration's rounds (``Client.wan_bytes``)."""
     round_s: tuple[float, ...] = ()
     """Seconds each round's push_pull took (the vote round first): the vote round trip, measured."""
+    reused: bool = False
+    """The iteration sent values at a kept GIA without a vote round (``fediac_gia_reuse``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Push:
+    """Action: push these tensors (one node iteration), then hand their sums to ``Rounds.received``."""
+
+    tensors: Tensors
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """Action: the iteration is over; ``tensors`` is the decoded sum (the mean when asked for)."""
+
+    tensors: Tensors
+
+
+Action = Push | Done
+Phase = Literal["idle", "plain", "dense", "votes", "values"]
 
 
 class Rounds:
@@ -79,6 +109,10 @@ class Rounds:
         self._rng = np.random.default_rng([seed, 0])
         self.derived_bits = 0
         self.applied = 0
+        self._phase: Phase = "idle"
+        self._average = False
+        self._gradients: Mapping[str, np.ndarray] = {}
+        self._sent: ValueRound | None = None
 
     # ---- registration -------------------------------------------------------------------------------
 
@@ -99,6 +133,10 @@ class Rounds:
         self._zeros = {name: np.zeros_like(value) for name, value in out.items()}
         return out
 
+    def init_args(self) -> dict[str, Any]:
+        """The keywords of the node client's ``init`` for this compression."""
+        return {"compression": self.options.method, "votes": self.options.votes}
+
     def start(self, contributors: int, node_id: int, applied: int = 0) -> None:
         """After init: the contributor count N (every DC's trainer and LAN workers), this DC's id, and the
         threshold the roots apply to the vote counts (0: none, this DC applies it)."""
@@ -115,46 +153,96 @@ class Rounds:
         else:
             self._rng = rng
 
+    def joined(self, client: Any, result: Mapping[str, np.ndarray]) -> Tensors:
+        """``start`` from a node client that has just returned ``result`` from ``init``; the model's part."""
+        self.start(client.num_workers, client.node_id, int(getattr(client, "gia_threshold", 0)))
+        return {name: result[name] for name in self.names}
+
     def _fediac(self, rng: np.random.Generator) -> None:
         # counts the roots already thresholded come back as the 0/1 GIA: a threshold of 1 reads it
         threshold = 1 if self.applied else self.options.votes_of(self.contributors)
         self.codec = FediacCodec(self.elements, contributors=self.contributors,
-                                 k=self.options.k_of(self.elements), threshold=threshold, bits=self.bits, rng=rng)
+                                 k=self.options.k_of(self.elements), threshold=threshold, bits=self.bits, rng=rng,
+                                 reuse=self.options.gia_reuse)
 
-    # ---- one iteration ------------------------------------------------------------------------------
+    # ---- one iteration: events in, actions out ------------------------------------------------------
 
-    def iteration(self, gradients: Mapping[str, np.ndarray]) -> Round:
-        """Yield what to push in each round, receive each round's sums, return the decoded sum."""
+    def begin(self, gradients: Mapping[str, np.ndarray], *, average: bool = False) -> Action:
+        """Start an iteration with this DC's ``gradients``: the first push."""
+        if self._phase != "idle":
+            raise RuntimeError(f"begin() during an iteration (waiting for the {self._phase} round's sums)")
         self.last = RoundStats()
+        self._average = average
         if not self.options.sparse:
-            self.last.round_trips = 1
-            result = yield {name: np.asarray(gradients[name]) for name in self.names}
-            return {name: result[name] for name in self.names}
+            self._phase = "plain"
+            return Push({name: np.asarray(gradients[name]) for name in self.names})
         if self.codec is None:  # fediac with b derived: one dense round first
-            return (yield from self._dense_round(gradients))
-        flat = self._flatten(gradients)
+            self._phase = "dense"
+            push = dict(self._zeros)
+            push.update({name: np.asarray(gradients[name], dtype=np.float32) for name in self.names})
+            return Push(push)
         codec = self.codec
-        phase1 = codec.votes(flat)
+        flat = self._flatten(gradients)
         push = dict(self._zeros)
+        if isinstance(codec, FediacCodec) and not codec.must_vote():
+            sent, histogram = codec.reused(flat)
+            self._phase, self._sent = "values", sent
+            self.last.reused = True
+            push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype)
+            push[SCALE] = histogram
+            return Push(push)
+        phase1 = codec.votes(flat)
         push[VOTES] = phase1.votes
         if isinstance(codec, FediacCodec):
             push[SCALE] = phase1.scale
-        result = yield push
-        counts = np.asarray(result[VOTES])
-        sent: ValueRound = (codec.values(counts, np.asarray(result[SCALE])) if isinstance(codec, FediacCodec)
-                            else codec.values(counts))
-        push = dict(self._zeros)
-        push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype)
-        result = yield push
-        decoded = codec.decode(np.asarray(result[VALUES]), sent)
-        self.last = RoundStats(round_trips=2, gia=int(sent.gia.size), bits=self.bits,
-                               bitmap_bytes=math.ceil(self.elements / 8))
-        return self._unflatten(decoded)
+        self._phase = "votes"
+        return Push(push)
 
-    def _dense_round(self, gradients: Mapping[str, np.ndarray]) -> Round:
-        push = dict(self._zeros)
-        push.update({name: np.asarray(gradients[name], dtype=np.float32) for name in self.names})
-        result = yield push
+    def received(self, result: Mapping[str, np.ndarray], *, seconds: float = 0.0, wan_bytes: int = 0) -> Action:
+        """The sums of the last push (and, for the stats, how long its round took and the WAN bytes the
+        node queued for it): the next push, or the iteration's result."""
+        last = self.last
+        last.round_trips += 1
+        last.round_s = (*last.round_s, seconds)
+        last.wan_bytes += wan_bytes
+        phase, self._phase = self._phase, "idle"
+        if phase == "plain":
+            return self._done({name: result[name] for name in self.names})
+        if phase == "dense":
+            return self._done(self._derive(result))
+        codec = self.codec
+        if codec is None or phase == "idle":
+            raise RuntimeError("received() outside an iteration")
+        if phase == "votes":
+            counts = np.asarray(result[VOTES])
+            agreed = (codec.values(counts, np.asarray(result[SCALE])) if isinstance(codec, FediacCodec)
+                      else codec.values(counts))
+            push = dict(self._zeros)
+            push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype)
+            self._phase, self._sent = "values", agreed
+            return Push(push)
+        sent, self._sent = self._sent, None
+        if sent is None:
+            raise RuntimeError("the values round's sums without its push")
+        if last.reused and isinstance(codec, FediacCodec):
+            codec.observed(np.asarray(result[SCALE]))
+        decoded = codec.decode(np.asarray(result[VALUES]), sent)
+        last.gia, last.bits, last.bitmap_bytes = int(sent.gia.size), self.bits, math.ceil(self.elements / 8)
+        return self._done(self._unflatten(decoded))
+
+    def iteration(self, gradients: Mapping[str, np.ndarray]) -> Round:
+        """The core as a generator: yields what to push in each round, is sent each round's sums, returns
+        the decoded sum."""
+        action = self.begin(gradients)
+        while isinstance(action, Push):
+            action = self.received((yield action.tensors))
+        return action.tensors
+
+    def _done(self, tensors: Tensors) -> Done:
+        return Done(_averaged(tensors, self.contributors if self._average else 0))
+
+    def _derive(self, result: Mapping[str, np.ndarray]) -> Tensors:
+        """The dense first round's sum, and b derived from it (the same at every DC)."""
         summed = {name: np.asarray(result[name]) for name in self.names}
         mean = self._flatten(summed) / max(1, self.contributors)
         threshold = self.options.votes_of(self.contributors)
@@ -166,7 +254,7 @@ class Rounds:
         self.bits = max(least, min(DERIVED_BITS_MAX, derived))
         self.derived_bits = derived
         self._fediac(self._rng)
-        self.last = RoundStats(round_trips=1, dense=True, bits=self.bits)
+        self.last.dense, self.last.bits = True, self.bits
         return summed
 
     def _flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -201,39 +289,16 @@ class _AsyncClient(Protocol):
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
 
-class CompressedClient:
-    """``init`` and ``push_pull`` of a ``netstorm.Client`` with the job's compression applied."""
+class _Shell:
+    """What both shells share: the core, its stats, and the underlying client's identity."""
+
+    client: Any
 
     def __init__(self, client: Any, options: CompressionOptions, seed: int = 0) -> None:
-        self.client: _Client = client
+        self.client = client
         self.options = options
         self.seed = seed
         self.rounds: Rounds | None = None
-
-    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.rounds = Rounds(self.options, tensors, self.seed)
-        result = self.client.init(self.rounds.registered(tensors), compression=self.options.method,
-                                  votes=self.options.votes)
-        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
-        return {name: result[name] for name in self.rounds.names}
-
-    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        rounds = self._need_rounds()
-        steps = rounds.iteration(tensors)
-        push = next(steps)
-        wan = 0
-        times: list[float] = []
-        while True:
-            start = time.perf_counter()
-            result = self.client.push_pull(push)
-            times.append(time.perf_counter() - start)
-            wan += getattr(self.client, "wan_bytes", 0)
-            try:
-                push = steps.send(result)
-            except StopIteration as done:
-                rounds.last.wan_bytes = wan
-                rounds.last.round_s = tuple(times)
-                return _averaged(done.value, rounds.contributors if average else 0)
 
     @property
     def last(self) -> RoundStats:
@@ -242,72 +307,60 @@ class CompressedClient:
     @property
     def num_workers(self) -> int:
         """Contributors to each sum (the underlying client's count)."""
-        return self.client.num_workers
+        return int(self.client.num_workers)
 
     @property
     def node_id(self) -> int:
-        return self.client.node_id
+        return int(self.client.node_id)
 
     def _need_rounds(self) -> Rounds:
         if self.rounds is None:
             raise RuntimeError("call init before push_pull")
         return self.rounds
 
+    def _wan_bytes(self) -> int:
+        return int(getattr(self.client, "wan_bytes", 0))
 
-class AsyncCompressedClient:
+
+class CompressedClient(_Shell):
+    """``init`` and ``push_pull`` of a ``netstorm.Client`` with the job's compression applied."""
+
+    client: _Client
+
+    def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        rounds = self.rounds = Rounds(self.options, tensors, self.seed)
+        return rounds.joined(self.client, self.client.init(rounds.registered(tensors), **rounds.init_args()))
+
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        rounds = self._need_rounds()
+        action = rounds.begin(tensors, average=average)
+        while isinstance(action, Push):
+            began = time.perf_counter()
+            result = self.client.push_pull(action.tensors)
+            action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        return action.tensors
+
+
+class AsyncCompressedClient(_Shell):
     """The same over ``netstorm.AsyncClient``."""
 
-    def __init__(self, client: Any, options: CompressionOptions, seed: int = 0) -> None:
-        self.client: _AsyncClient = client
-        self.options = options
-        self.seed = seed
-        self.rounds: Rounds | None = None
+    client: _AsyncClient
 
     async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        self.rounds = Rounds(self.options, tensors, self.seed)
-        result = await self.client.init(self.rounds.registered(tensors), compression=self.options.method,
-                                  votes=self.options.votes)
-        self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
-        return {name: result[name] for name in self.rounds.names}
+        rounds = self.rounds = Rounds(self.options, tensors, self.seed)
+        return rounds.joined(self.client, await self.client.init(rounds.registered(tensors), **rounds.init_args()))
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        if self.rounds is None:
-            raise RuntimeError("call init before push_pull")
-        rounds = self.rounds
-        steps = rounds.iteration(tensors)
-        push = next(steps)
-        wan = 0
-        times: list[float] = []
-        while True:
-            start = time.perf_counter()
-            result = await self.client.push_pull(push)
-            times.append(time.perf_counter() - start)
-            wan += getattr(self.client, "wan_bytes", 0)
-            try:
-                push = steps.send(result)
-            except StopIteration as done:
-                rounds.last.wan_bytes = wan
-                rounds.last.round_s = tuple(times)
-                return _averaged(done.value, rounds.contributors if average else 0)
-
-    @property
-    def last(self) -> RoundStats:
-        if self.rounds is None:
-            raise RuntimeError("call init before push_pull")
-        return self.rounds.last
-
-    @property
-    def num_workers(self) -> int:
-        """Contributors to each sum (the underlying client's count)."""
-        return self.client.num_workers
-
-    @property
-    def node_id(self) -> int:
-        return self.client.node_id
+        rounds = self._need_rounds()
+        action = rounds.begin(tensors, average=average)
+        while isinstance(action, Push):
+            began = time.perf_counter()
+            result = await self.client.push_pull(action.tensors)
+            action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        return action.tensors
 
 
 def _averaged(tensors: Tensors, contributors: int) -> Tensors:
     if not contributors:
         return tensors
     return {name: (value / np.float32(contributors)).astype(value.dtype) for name, value in tensors.items()}
-

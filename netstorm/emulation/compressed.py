@@ -2,8 +2,13 @@
 bytes from the trainers' lines, the link counters' check, and the latency the extra rounds would add.
 
 Each NetStorm system runs once per compression on the same network; the row is named ``netstorm`` for
-none and ``netstorm+fediac`` etc. otherwise. Latency is not emulated on this host (no netem), so a vote
-round costs next to nothing here; ``added_latency_s`` is what each extra round per iteration would add at
+none and ``netstorm+fediac`` etc. otherwise. An entry may set the method's options for its row alone,
+``fediac:gia_reuse=4`` (``METHOD:NAME=VALUE:...``, NAME one of ``fediac_``'s k, bits, votes, gia_reuse),
+so one run compares FediAC with and without an option on the same network; the row is named for the
+entry (``netstorm+fediac:gia_reuse=4``) and its trainers get the entry's flags after the run's.
+
+Latency is not emulated on this host (no netem), so a vote round costs next to nothing here;
+``added_latency_s`` is what each extra round per iteration would add at
 the scenario's link latencies on the trees planned at its initial rates: one trip up and down the
 deepest tree, a hop's latency per edge (the shortest path's when an edge is not a direct link).
 """
@@ -15,18 +20,54 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from netstorm.compression.options import METHODS
+from netstorm.compression.options import METHODS, CompressionOptions
 from netstorm.emulation.errors import EmulationError
+from netstorm.errors import ConfigError
 from netstorm.scenario import Scenario
+
+ROW_OPTIONS = {"k": float, "bits": int, "votes": int, "gia_reuse": int}
+"""What a ``--compression`` entry may set for its row: the ``fediac_<name>`` options."""
 
 
 def parse(text: str | None) -> list[str]:
-    """``"none,fediac"`` -> the methods in that order (default: none only)."""
+    """``"none,fediac,fediac:gia_reuse=4"`` -> the entries in that order (default: none only)."""
     names = [n.strip().lower() for n in (text or "none").split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
+    unknown = [n for n in names if method_of(n) not in METHODS]
     if unknown or not names:
         raise EmulationError(f"unknown compression(s) {unknown or text!r}; known: {', '.join(METHODS)}")
+    for name in names:
+        row_options(name)
     return list(dict.fromkeys(names))
+
+
+def method_of(entry: str) -> str:
+    """The method of a ``--compression`` entry (what the nodes are told)."""
+    return entry.split(":")[0]
+
+
+def row_options(entry: str) -> dict[str, float | int]:
+    """The options an entry sets for its row, validated as the trainers will take them."""
+    out: dict[str, float | int] = {}
+    for item in entry.split(":")[1:]:
+        name, _, value = item.partition("=")
+        if name not in ROW_OPTIONS or not value:
+            raise EmulationError(f"compression {entry!r}: {item!r} is not NAME=VALUE with NAME one of "
+                                 f"{', '.join(ROW_OPTIONS)}")
+        try:
+            out[name] = ROW_OPTIONS[name](value)
+        except ValueError:
+            raise EmulationError(f"compression {entry!r}: {name} takes a number, not {value!r}") from None
+    try:
+        CompressionOptions(method_of(entry), **out)  # type: ignore[arg-type]
+    except ConfigError as exc:
+        raise EmulationError(f"compression {entry!r}: {exc}") from None
+    return out
+
+
+def row_flags(entry: str) -> list[str]:
+    """The trainer flags of an entry's options (``--fediac-gia-reuse 4``)."""
+    return [flag for name, value in row_options(entry).items()
+            for flag in ("--fediac-" + name.replace("_", "-"), str(value))]
 
 
 def row_name(system: str, compression: str) -> str:
@@ -124,7 +165,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
     rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s}
     if not rows:
         return lines
-    header = f"{'system':<22}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'vote s':>8}{'trips':>7}" \
+    wide = max([22, *(len(name) + 2 for name in rows)])
+    header = f"{'system':<{wide}}{'WAN MB/it':>10}{'vs none':>9}{'iter s':>9}{'vote s':>8}{'trips':>7}" \
              f"{'+latency s':>11}{'link/node':>10}{'cum err':>9}"
     lines += ["", header, "-" * len(header)]
     for name, s in rows.items():
@@ -137,7 +179,7 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         trips, added = s.get("round_trips_per_iteration", 1), s.get("added_latency_s", 0.0)
         vote = _mean_after_first(s["vote_round_s"]) if s.get("vote_round_s") else float("nan")
         cum = s["cum_rel_error"][-1] if s.get("cum_rel_error") else float("nan")
-        lines.append(f"{name:<22}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{vote:>8.2f}{trips:>7.2f}"
+        lines.append(f"{name:<{wide}}{per_it / 1e6:>10.3f}{ratio:>9.2f}{mean_s:>9.2f}{vote:>8.2f}{trips:>7.2f}"
                      f"{added:>11.3f}{link:>10.3f}{cum:>9.3f}")
     lines.append("WAN MB/it: chunk frames the nodes queued on WAN links (headers included), mean over iterations "
                  "2..N; vote s: the vote round's time (slowest DC); link/node: the emulated links' tx bytes over "
@@ -167,20 +209,21 @@ def accuracy_lines(result: dict[str, Any]) -> list[str]:
     (as the FediAC paper reports it), with what the rounds beyond one would add by then at the scenario's
     latency."""
     rows = {name: s for name, s in result["systems"].items() if "wan_bytes" in s and s.get("accuracy")}
+    wide = max([22, *(len(name) + 2 for name in rows)])
     lines: list[str] = []
     for name, s in rows.items():
         base = rows.get(name.split("+")[0])
         if base is None:
             continue
         if not lines:
-            header = (f"{'system':<22}{'final acc':>10}{'vs dense':>9}{'B/it vs':>8}{'to dense final':>15}"
+            header = (f"{'system':<{wide}}{'final acc':>10}{'vs dense':>9}{'B/it vs':>8}{'to dense final':>15}"
                       f"{'MB to it':>10}{'s to it':>9}{'+lat s':>8}")
             lines += ["", header, "-" * len(header)]
         goal = [a for a in base["accuracy"] if a is not None][-1]
         final = [a for a in s["accuracy"] if a is not None][-1]
         ratio = _mean_after_first(s["wan_bytes"]) / _mean_after_first(base["wan_bytes"])
         reached = _reach(s["accuracy"], goal)
-        head = f"{name:<22}{final:>10.3f}{100 * (final - goal):>+9.1f}{ratio:>8.2f}"
+        head = f"{name:<{wide}}{final:>10.3f}{100 * (final - goal):>+9.1f}{ratio:>8.2f}"
         if reached is None:
             lines.append(f"{head}{'not reached':>15}{'-':>10}{'-':>9}{'-':>8}")
             continue

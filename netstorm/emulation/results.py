@@ -251,14 +251,15 @@ def summary(result: dict[str, Any]) -> str:
                          for name, m in modes.items()) or "none ran"))
     star = stats.get("star", {}).get("mean_s")
     gloo = stats.get("gloo", {}).get("mean_s")
-    header = f"{'system':<10}{'iter s':>10}{'limit s':>10}{'x limit':>9}{'vs STAR':>9}{'vs gloo':>9}" \
+    wide = max([10, *(len(name) + 1 for name in result["systems"])])  # row names like netstorm+fediac:k=0.2
+    header = f"{'system':<{wide}}{'iter s':>10}{'limit s':>10}{'x limit':>9}{'vs STAR':>9}{'vs gloo':>9}" \
              f"{'exact':>7}{'CPU %':>7}{'done':>6}"
     lines += ["", header, "-" * len(header)]
     for name, s in result["systems"].items():
         st = stats[name]
         vs_star = f"{star / st['mean_s']:.2f}x" if star and st["mean_s"] == st["mean_s"] else "-"
         vs_gloo = f"{gloo / st['mean_s']:.2f}x" if gloo and st["mean_s"] == st["mean_s"] else "-"
-        lines.append(f"{name:<10}{st['mean_s']:>10.2f}{st['limit_s']:>10.2f}{st['x_limit']:>9.2f}{vs_star:>9}"
+        lines.append(f"{name:<{wide}}{st['mean_s']:>10.2f}{st['limit_s']:>10.2f}{st['x_limit']:>9.2f}{vs_star:>9}"
                      f"{vs_gloo:>9}{'yes' if s.get('exact') else 'NO':>7}{s['cpu']['mean_pct']:>7.0f}"
                      f"{s['iterations_completed']:>4}/{result['iterations']}")
     lines.append("")

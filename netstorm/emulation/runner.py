@@ -150,9 +150,11 @@ class Options:
 
         return TASKS[self.train].parameters if self.trainer == "torch-ddp" else model_parameters(self.model)
     compressions: list[str] = dataclasses.field(default_factory=lambda: ["none"])
-    """Each NetStorm system runs once per compression (``--compression none,fediac,topk,fp16``)."""
+    """Each NetStorm system runs once per compression entry (``--compression none,fediac,topk,fp16``; an
+    entry may set its row's options, ``fediac:gia_reuse=4``)."""
     compression_flags: list[str] = dataclasses.field(default_factory=list)
-    """The trainers' FediAC options (fediac_k, fediac_bits, fediac_votes) as the user gave them."""
+    """The trainers' FediAC options (fediac_k, fediac_bits, fediac_votes, fediac_gia_reuse) as the user
+    gave them."""
 
 
 def _config_flags(args: argparse.Namespace) -> list[str]:
@@ -244,7 +246,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
     compression_list = compressed.parse(given.get("compression"))
     if compression_list != ["none"] and (chaos or lan_workers):
         raise EmulationError("--compression runs without --chaos and LAN workers")
-    compression_flags = [flag for name in ("fediac_k", "fediac_bits", "fediac_votes") if name in given
+    compression_flags = [flag for name in ("fediac_k", "fediac_bits", "fediac_votes", "fediac_gia_reuse")
+                         if name in given
                          for flag in ("--" + name.replace("_", "-"), str(given[name]))]
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,
                    args.seed, args.compute_s, args.time_scale, args.timeout, not args.no_loss,
@@ -339,7 +342,9 @@ class SystemRun:
 
     def __init__(self, net: EmulatedNetwork, scenario: Scenario, system: systems.System, opts: Options,
                  workdir: Path, model_bytes: int, limit_for: Any, compression: str = "none") -> None:
-        self.compression = compression
+        self.compression = compressed.method_of(compression)
+        self.trainer_compression = ["--compression", self.compression, *opts.compression_flags,
+                                    *compressed.row_flags(compression)]
         self.net = net
         self.scenario = scenario
         self.system = system
@@ -466,8 +471,7 @@ class SystemRun:
         job = ["--contributors", str(len(self.contributors)),
                "--contributor-sum", str(sum(c.id for c in self.contributors))] if net.plan.lans else []
         if self.compression != "none":  # the known exact sum lets a compressed trainer report its error
-            job = ["--contributor-sum", str(sum(c.id for c in self.contributors)), "--compression",
-                   self.compression, *opts.compression_flags]
+            job = ["--contributor-sum", str(sum(c.id for c in self.contributors)), *self.trainer_compression]
         for c in self.contributors:
             if c.worker is None:
                 where: int | tuple[int, int] = c.dc
@@ -481,7 +485,7 @@ class SystemRun:
                     "netstorm", opts.train, rank=net.plan.node_ids.index(c.dc), world=len(net.plan.node_ids),
                     dc=c.dc, iterations=opts.iterations, out=self.logs[c.label].path,
                     socket=str(self.dir / f"node-{c.dc}.sock"),
-                    compression=["--compression", self.compression, *opts.compression_flags])), trainer=True)
+                    compression=self.trainer_compression)), trainer=True)
                 continue
             # a chaos run's trainers carry their step in the model and ride out failed iterations
             chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []
@@ -639,7 +643,8 @@ class SystemRun:
         """WAN bytes per iteration as the nodes counted them, checked against the links' counters."""
         records = {c.label: self.logs[c.label].records for c in self.contributors if c.worker is None}
         stats = compressed.collect(records, self.opts.iterations)
-        stats.update(compression=self.compression, link_tx_bytes=link_bytes,
+        stats.update(compression=self.compression, compression_flags=self.trainer_compression[2:],
+                     link_tx_bytes=link_bytes,
                      link_over_node_bytes=round(link_bytes / stats["wan_bytes_total"], 4)
                      if stats["wan_bytes_total"] else None)
         stats.update(compressed.latency_note(stats, planned_trees(self.system, self.scenario.rates()),

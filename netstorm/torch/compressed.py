@@ -6,8 +6,9 @@ each bucket to the ``netstorm`` process group, whose ``Stage`` cuts it into piec
 elements and runs each piece through ``netstorm.compression.session.Rounds`` (votes, then values at the
 agreed indices). One protocol (one FediAC b, one seed, one vote threshold) serves every bucket; what is
 per bucket is the residual, because error feedback must add back the part of *this* bucket's gradient
-that was not sent. The key is DDP's bucket index with the bucket's size, so a bucket rebuild (new
-sizes after the first step) starts fresh residuals instead of adding one layer's leftovers to another's.
+that was not sent (with ``fediac_gia_reuse``, the kept GIA and m too: a bucket's indices are not
+another's). The key is DDP's bucket index with the bucket's size, so a bucket rebuild (new sizes after
+the first step) starts fresh residuals instead of adding one layer's leftovers to another's.
 
 Only gradient buckets go through here: DDP's broadcasts and shape checks, and any ``all_reduce`` a user
 calls, stay exact. ``BucketRounds`` does no I/O and imports no torch; the stage drives it.
@@ -19,6 +20,7 @@ from collections.abc import Generator
 
 import numpy as np
 
+from netstorm.compression.codecs import CodecState
 from netstorm.compression.options import CompressionOptions
 from netstorm.compression.session import Rounds, RoundStats, Tensors
 
@@ -34,7 +36,7 @@ class BucketRounds:
         self.name = name
         self.elements = elements
         self.rounds = Rounds(options, {name: np.zeros(elements, dtype=np.float32)}, seed)
-        self.residuals: dict[Key, np.ndarray] = {}
+        self.states: dict[Key, CodecState] = {}
 
     def registered(self) -> Tensors:
         """The round tensor and the compression's integer tensors, to register once."""
@@ -45,6 +47,11 @@ class BucketRounds:
         self.rounds.start(contributors, node_id, applied)
 
     @property
+    def residuals(self) -> dict[Key, np.ndarray]:
+        """Each bucket piece's residual (error feedback)."""
+        return {key: state.residual for key, state in self.states.items()}
+
+    @property
     def last(self) -> RoundStats:
         return self.rounds.last
 
@@ -53,10 +60,7 @@ class BucketRounds:
         decoded sum over every rank (float32, ``elements`` long)."""
         rounds = self.rounds
         codec = rounds.codec
-        if codec is not None:
-            residual = self.residuals.get(key)
-            codec.residual = residual if residual is not None else np.zeros(self.elements, dtype=np.float64)
-        result = yield from rounds.iteration({self.name: payload})
         if codec is not None:  # the dense first round (b derived) leaves nothing behind
-            self.residuals[key] = codec.residual
+            codec.state = self.states.setdefault(key, CodecState.fresh(self.elements))
+        result = yield from rounds.iteration({self.name: payload})
         return np.asarray(result[self.name], dtype=np.float32).reshape(-1)

@@ -14,6 +14,13 @@ element: every rank of its DC raises the error instead of waiting for a broadcas
 
 Buckets of any size go through the leader's ``Stage`` (``stage.py``); they run in order on one worker
 thread per state, so backward keeps computing while a bucket crosses the WAN.
+
+With the job's compression (``compression = fediac|topk|fp16``, resolved as every option is, or given
+to ``connect``) the leader sends its DC's sum through ``Stage.reduce_compressed`` as the backend's
+``compressed_hook`` does: each leader is one contributor, error feedback is kept per bucket piece
+(keyed by DDP's bucket index and size), and fp16 travels as float16 on the WAN. The rank count then
+cannot ride in the bucket (a sparse method would drop it, and FediAC would quantize it), so the leaders
+sum their DCs' rank counts once, exactly, before their first bucket, and keep the total.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from netstorm.compression.options import CompressionOptions
 from netstorm.torch import codec
 from netstorm.torch.backend import NetStormBackendError, NetStormWork
 from netstorm.torch.stage import Stage, StageStats
@@ -47,16 +55,21 @@ class NetStormHookState:
             raise ValueError("exactly the leader holds a stage (a connection to its DC's node)")
         self.stage = stage
         self._buckets = 0
+        self._ranks = 0.0
+        """Ranks of the whole job, summed by the leaders once (compression only)."""
         self._error: BaseException | None = None
-        self._jobs: queue.Queue[tuple[torch.Tensor, NetStormWork] | None] = queue.Queue()
+        self._jobs: queue.Queue[tuple[torch.Tensor, tuple[int, ...], NetStormWork] | None] = queue.Queue()
         self._worker = threading.Thread(target=self._run, name="netstorm-hook", daemon=True)
         self._worker.start()
 
     @classmethod
     def connect(cls, group: dist.ProcessGroup | None = None, *, leader: int = 0, address: str | None = None,
-                round_elements: int | None = None, timeout: float | None = None) -> NetStormHookState:
+                round_elements: int | None = None, timeout: float | None = None,
+                compression: CompressionOptions | None = None) -> NetStormHookState:
         """The leader connects to its node (``address``, else the ``torch_socket`` template, else
-        NETSTORM_SOCKET) and registers the round; the other ranks of the DC only keep the group."""
+        NETSTORM_SOCKET) and registers the round with the job's compression (``compression``, else the
+        resolved options: NETSTORM_COMPRESSION, NETSTORM_FEDIAC_K, ...); the other ranks of the DC only
+        keep the group. Every leader must use the same compression and round (the layout hash checks)."""
         import netstorm
         from netstorm.config import resolve
         from netstorm.torch.backend import socket_address
@@ -66,8 +79,9 @@ class NetStormHookState:
             config = resolve(environ=os.environ)
             where = address if address is not None else socket_address(config.torch_socket, dist.get_rank())
             client = netstorm.connect(where) if timeout is None else netstorm.connect(where, timeout=timeout)
+            options = compression if compression is not None else CompressionOptions.of(config)
             try:
-                stage = Stage(client, round_elements or config.torch_round)
+                stage = Stage(client, round_elements or config.torch_round, options, seed=dist.get_rank())
             except BaseException:
                 client.close()
                 raise
@@ -77,9 +91,10 @@ class NetStormHookState:
         """The leader's counts and seconds (None on the other ranks)."""
         return self.stage.snapshot() if self.stage is not None else None
 
-    def submit(self, tensor: torch.Tensor) -> NetStormWork:
+    def submit(self, tensor: torch.Tensor, bucket: tuple[int, ...] = ()) -> NetStormWork:
+        """Queue a bucket; ``bucket`` keys its error feedback under compression (the same at every rank)."""
         work = NetStormWork()
-        self._jobs.put((tensor, work))
+        self._jobs.put((tensor, bucket or (0, tensor.numel()), work))
         return work
 
     def close(self) -> None:
@@ -94,13 +109,13 @@ class NetStormHookState:
             job = self._jobs.get()
             if job is None:
                 return
-            tensor, work = job
+            tensor, bucket, work = job
             self._buckets += 1
             if self._error is not None:
                 work.fail(self._error)
                 continue
             try:
-                self._sync(tensor)
+                self._sync(tensor, bucket)
             except Exception as exc:  # the bucket's future carries it to DDP as a torch error
                 error = exc if isinstance(exc, NetStormBackendError) else NetStormBackendError(
                     f"netstorm hook: rank {dist.get_rank()}: bucket #{self._buckets} failed: "
@@ -110,16 +125,13 @@ class NetStormHookState:
                 continue
             work.complete(tensor)
 
-    def _sync(self, tensor: torch.Tensor) -> None:
+    def _sync(self, tensor: torch.Tensor, bucket: tuple[int, ...]) -> None:
         if self.local_size > 1:
             dist.all_reduce(tensor, group=self.group)
         packet = torch.empty(tensor.numel() + 1, dtype=torch.float32)
         if self.stage is not None:
-            began = time.perf_counter()
-            payload = np.concatenate([codec.values(tensor), np.array([self.local_size], np.float32)])
-            self.stage.charge(time.perf_counter() - began)
             try:
-                summed = self.stage.reduce(payload)
+                summed = self._across(tensor, bucket)
             except Exception as exc:
                 failure = NetStormBackendError(
                     f"netstorm hook: DC {self.stage.node_id} (leader rank {dist.get_rank()}): bucket #{self._buckets} "
@@ -142,10 +154,27 @@ class NetStormHookState:
         with torch.no_grad():
             tensor.copy_(packet[:-1].reshape(tensor.shape).to(tensor.dtype))
 
+    def _across(self, tensor: torch.Tensor, bucket: tuple[int, ...]) -> np.ndarray:
+        """The leader's part: the DC sums summed over the DCs, and the job's rank count as the last element."""
+        stage = self.stage
+        assert stage is not None
+        began = time.perf_counter()
+        values = codec.values(tensor)
+        if stage.compression.method == "none":
+            payload = np.concatenate([values, np.array([self.local_size], np.float32)])
+            stage.charge(time.perf_counter() - began)
+            return stage.reduce(payload)
+        stage.charge(time.perf_counter() - began)
+        if not self._ranks:  # small integers: exact in every lane, fp16's included
+            self._ranks = float(stage.reduce(np.array([self.local_size], np.float32), exact=True)[0])
+        summed = stage.reduce_compressed(values, bucket)
+        return np.concatenate([summed, np.array([self._ranks], np.float32)])
+
 
 def netstorm_hook(state: NetStormHookState, bucket: dist.GradBucket) -> Future[torch.Tensor]:
     """DDP comm hook: the bucket's mean over every rank of every DC (see the module docstring)."""
-    return state.submit(bucket.buffer()).get_future()
+    buffer = bucket.buffer()
+    return state.submit(buffer, (bucket.index(), buffer.numel())).get_future()
 
 
 # DDP's register_comm_hook checks the annotations as objects; this module's are strings (postponed).

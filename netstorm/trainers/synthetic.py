@@ -38,8 +38,8 @@ its first result.
 
 With ``--compression fp16`` the nodes send float chunks as float16; these small integers stay exact, so
 the check holds. With ``--compression fediac`` or ``topk`` (and ``--fediac-k``, ``--fediac-bits``,
-``--fediac-votes``; defaults from NETSTORM_<NAME> or the Config defaults) each iteration runs the
-compression's rounds (``netstorm.compression.session``); the sum is then not exact by design, so the
+``--fediac-votes``, ``--fediac-gia-reuse``; defaults from NETSTORM_<NAME> or the Config defaults) each
+iteration runs the compression's rounds (``netstorm.compression.session``); the sum is then not exact by design, so the
 line carries ``exact: null`` and, when the expected sum is known (``--contributor-sum``), ``rel_error``
 (||decoded - exact|| / ||exact||, this iteration's: error feedback moves part of it to later ones) and
 ``cum_rel_error`` (the same over the running sums since the first iteration: what the residuals still
@@ -261,6 +261,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
     parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
     parser.add_argument("--fediac-votes", type=int, default=None, help="threshold a (0: derived)")
+    parser.add_argument("--fediac-gia-reuse", type=int, default=None,
+                        help="iterations one FediAC GIA serves (ours; 1: vote every iteration)")
 
 
 def _connect_edge(address: str, parameters: int, *, timeout: float, secret: bytes | None = None) -> Any:
@@ -338,7 +340,7 @@ def _overlapped_iteration(kv: Any, pattern: GradientPattern, grads: dict[str, np
 def compression_options(args: argparse.Namespace) -> CompressionOptions:
     """The flags over NETSTORM_<NAME> over the Config defaults, as every other option resolves."""
     overrides = {"compression": args.compression, "fediac_k": args.fediac_k, "fediac_bits": args.fediac_bits,
-                 "fediac_votes": args.fediac_votes}
+                 "fediac_votes": args.fediac_votes, "fediac_gia_reuse": args.fediac_gia_reuse}
     return CompressionOptions.of(config.resolve(environ=os.environ, overrides=overrides))
 
 

@@ -17,13 +17,14 @@ copies, decoding: everything but the node's synchronization, ``node_s``). ``sync
 the end of backward's own computation to the end of the step's synchronization: what DDP's overlap did
 not hide.
 
-``--compression fediac|topk|fp16`` (with ``--fediac-k``, ``--fediac-bits``, ``--fediac-votes``; defaults
-from NETSTORM_<NAME> or the Config defaults, as every option resolves) runs the job's compression on
-backend ``netstorm``: the options reach the process group through the environment it resolves its
-config from, and DDP's bucket goes through ``compressed_hook`` (two rounds for fediac and topk, error
-feedback per bucket). Every netstorm line then carries ``wan_bytes`` (what this DC's node queued on WAN
-links in the step), ``round_trips`` (node iterations), ``gia``, ``bits`` and ``round_s`` (the vote
-round's seconds first), the fields ``netstorm emulate --compression`` reads.
+``--compression fediac|topk|fp16`` (with ``--fediac-k``, ``--fediac-bits``, ``--fediac-votes``,
+``--fediac-gia-reuse``; defaults from NETSTORM_<NAME> or the Config defaults, as every option resolves)
+runs the job's compression on backend ``netstorm``: the options reach the process group through the
+environment it resolves its config from, and DDP's bucket goes through ``compressed_hook`` (two rounds
+for fediac and topk, one for a fediac iteration that reuses its GIA; error feedback per bucket). Every
+netstorm line then carries ``wan_bytes`` (what this DC's node queued on WAN links in the step),
+``round_trips`` (node iterations), ``gia``, ``bits`` and ``round_s`` (the vote round's seconds first, 0
+when the GIA was reused), the fields ``netstorm emulate --compression`` reads.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         import netstorm.torch
 
         os.environ["NETSTORM_SOCKET"] = args.socket
-        for name in ("compression", "fediac_k", "fediac_bits", "fediac_votes"):
+        for name in ("compression", "fediac_k", "fediac_bits", "fediac_votes", "fediac_gia_reuse"):
             if getattr(args, name) is not None:  # the process group resolves its options from the environment
                 os.environ["NETSTORM_" + name.upper()] = str(getattr(args, name))
         os.environ.setdefault("NETSTORM_TORCH_ROUND", str(spec.parameters))
@@ -172,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
     parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
     parser.add_argument("--fediac-votes", type=int, default=None, help="threshold a (0: derived)")
+    parser.add_argument("--fediac-gia-reuse", type=int, default=None,
+                        help="iterations one FediAC GIA serves (ours; 1: vote every iteration)")
     parser.add_argument("--comm-hook", choices=("default", "compressed"), default="default",
                         help="netstorm: DDP's bucket all-reduce (default) or compressed_hook even without compression")
     parser.add_argument("--digest", action="store_true", help="add params_digest (a hash of the model) to each line")
