@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 async def work(args: argparse.Namespace, secret: bytes | None) -> int:
@@ -60,7 +61,8 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
         sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
         results.append(sums[0])
     t1, cpu1 = time.monotonic(), _cpu_seconds()
-    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": cpu1 - cpu0,
+    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
+                      "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
                       "retransmitted": node.retransmitted, "dropped": node.dropped,
                       "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
     exact = True
