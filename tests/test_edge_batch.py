@@ -344,3 +344,30 @@ def test_the_agent_drains_a_socket_in_batches(agent: EdgeAgent) -> None:
             np.testing.assert_array_equal(have, np.asarray(want, np.float32))
     finally:
         tx.close()
+
+
+def test_coalesced_datagrams_are_cut_back_into_rows() -> None:
+    """A GSO send to a socket with UDP_GRO arrives whole (on loopback as over the bridge); its segments,
+    the shorter last one too, come back as the datagrams sent, in order."""
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        rx.bind(("127.0.0.1", 0))
+        rx.setblocking(False)
+        tx.bind(("127.0.0.1", 0))
+        assert udp.enable_gro(rx), "UDP_GRO (Linux 5.0) is refused"
+        sent = [bytes([k]) * 1000 for k in range(40)] + [b"\x07" * 300]
+        payload = b"".join(sent)
+        tx.sendmsg([payload], [(socket.SOL_UDP, udp.UDP_SEGMENT, (1000).to_bytes(2, "little"))], 0,
+                   rx.getsockname())
+        tx.sendto(b"single", rx.getsockname())
+        batch = DatagramBatch(256)
+        deadline = time.monotonic() + 10
+        while batch.count < len(sent) + 1 and time.monotonic() < deadline:
+            udp.receive_batch(rx, batch, gro=True)
+        assert [batch.datagram(i) for i in range(batch.count)] == [*sent, b"single"]
+        assert batch.coalesced == 1
+        assert batch.address(0) == batch.address(batch.count - 1) == tx.getsockname()
+    finally:
+        rx.close()
+        tx.close()

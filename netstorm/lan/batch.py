@@ -56,6 +56,10 @@ class DatagramBatch:
         self.names = np.zeros((rows, 16), np.uint8)
         """Each datagram's sender as the kernel wrote it (``struct sockaddr_in``)."""
         self.count = 0
+        self.coalesced = 0
+        """Buffers received holding several datagrams (UDP_GRO), over the batch's life."""
+        self.staging: np.ndarray | None = None
+        """Where a coalesced buffer (UDP_GRO) lands before its segments are cut into rows."""
         self.vectors: object = None
         """The receive vectors pointing at ``buf`` (``udp.receive_batch`` builds them on first use)."""
 

@@ -105,7 +105,7 @@ class EdgeSender:
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
                  loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5, secret: bytes | None = None,
-                 precision: Precision = Precision.FIXED32, gso: bool = True,
+                 precision: Precision = Precision.FIXED32, gso: bool = True, gro: bool = True,
                  group_opener: GroupOpener | None = None) -> None:
         self.sock = sock
         self.group_opener = group_opener or group_socket
@@ -138,6 +138,13 @@ class EdgeSender:
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
         """Datagrams that arrived while waiting for the HELLO answer."""
+        self.gro = gro
+        """Take coalesced datagrams whole (UDP_GRO) once deployed: a result burst the gateway sent in GSO
+        batches then reaches this worker's socket a batch per receive instead of one datagram each."""
+        self._coalesced: set[int] = set()
+        """File numbers of our sockets that have UDP_GRO on."""
+        self.rounds = 0
+        """Receive rounds (batches taken), each a fixed cost in Python whatever it holds."""
         self._batch = DatagramBatch()
         """Where received datagrams land, a batch at a time (allocated once)."""
         self._arrays: tuple[EdgeLayout, np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -196,6 +203,8 @@ class EdgeSender:
         self.retransmit = deployment.retransmit
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
+        if self.gro:   # after HELLO, whose answer is read with an ordinary receive
+            self._coalesced = {s.fileno() for s in self.sockets if udp.enable_gro(s)}
 
     def close(self) -> None:
         if self.group_sock is not None:
@@ -312,10 +321,12 @@ class EdgeSender:
         socket and batch; what does not fit stays queued in the kernel for the next round)."""
         batch = self._batch
         batch.clear()
+        self.rounds += 1
         while self._early and batch.put(self._early[0]):
             self._early.pop(0)
         for sock in self.sockets:
-            while batch.count < batch.rows and udp.receive_batch(sock, batch):
+            gro = sock.fileno() in self._coalesced
+            while batch.count < batch.rows and udp.receive_batch(sock, batch, gro=gro):
                 pass
         return batch.count
 

@@ -179,10 +179,35 @@ class _Vectors:
                                    _Msghdr.namelen.offset, strides=(ctypes.sizeof(_Mmsghdr),))
 
 
-def receive_batch(sock: socket.socket, batch: DatagramBatch) -> int:
+UDP_GRO = 104
+"""Linux's UDP receive offload option (linux/udp.h): the socket takes coalesced datagrams whole."""
+GRO_BYTES = 65536
+"""Largest coalesced datagram a socket with UDP_GRO may receive (one GSO send)."""
+GRO_SEGMENTS = 128
+"""Most datagrams the kernel coalesces into one (UDP_MAX_SEGMENTS, 64 before Linux 6.x raised it)."""
+
+
+def enable_gro(sock: socket.socket) -> bool:
+    """Ask the kernel to hand ``sock`` coalesced datagrams whole (UDP_GRO): a GSO batch the gateway sent,
+    which the bridge replicates unsegmented, then arrives as one buffer of up to 64 datagrams instead of
+    being cut at the socket into one queued datagram each. False where the kernel does not have it."""
+    if not hasattr(socket, "SOL_UDP"):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        return False
+    return True
+
+
+def receive_batch(sock: socket.socket, batch: DatagramBatch, *, gro: bool = False) -> int:
     """Append what ``sock`` has queued to ``batch`` without waiting, up to its free rows, with one
     ``recvmmsg`` where libc has it; the number appended. Each one's sender lands in ``batch.names``. A
-    datagram longer than a row gets a length past the row (rejected by ``valid_headers``)."""
+    datagram longer than a row gets a length past the row (rejected by ``valid_headers``). ``gro``: the
+    socket has UDP_GRO on (``enable_gro``), so what it holds may be coalesced datagrams, which are cut back
+    into one row each at the segment size the kernel reports."""
+    if gro:
+        return _receive_coalesced(sock, batch)
     start = batch.count
     free = batch.rows - start
     if free <= 0:
@@ -220,4 +245,53 @@ def _receive_each(sock: socket.socket, batch: DatagramBatch) -> int:
         batch.count += 1
         if sock.family == socket.AF_INET:
             batch.set_address(batch.count - 1, address)
+    return batch.count - start
+
+
+_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
+    """``receive_batch`` for a socket with UDP_GRO: one ``recvmsg`` per coalesced buffer into a staging area,
+    then one copy that lays its segments into rows. Stops while the batch could not take a whole buffer,
+    so nothing received is ever dropped for want of rows."""
+    stage = batch.staging
+    if stage is None:
+        stage = batch.staging = np.zeros(GRO_BYTES, np.uint8)
+    view = stage.data
+    start = batch.count
+    width = batch.buf.shape[1]
+    while batch.rows - batch.count > GRO_SEGMENTS:
+        try:
+            n, ancillary, flags, address = sock.recvmsg_into([view], _CMSG_SPACE, MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            break
+        size = n
+        for level, kind, data in ancillary:
+            if level == socket.SOL_UDP and kind == UDP_GRO and len(data) >= 2:
+                size = int.from_bytes(data[:4], sys.byteorder) or n
+        if flags & MSG_TRUNC:
+            size = n = width + 1        # cannot be split truthfully: one rejected row
+        at = batch.count
+        if n <= size:
+            batch.lengths[at] = n
+            kept = min(n, width)
+            batch.buf[at, :kept] = stage[:kept]
+            rows = 1
+        else:
+            full, rest = divmod(n, size)
+            if full > GRO_SEGMENTS:      # more than the kernel coalesces: keep what the rows hold
+                full, rest = GRO_SEGMENTS, 0
+            rows = full + (1 if rest else 0)
+            kept = min(size, width)
+            batch.buf[at: at + full, :kept] = stage[: full * size].reshape(full, size)[:, :kept]
+            batch.lengths[at: at + full] = size
+            if rest:
+                batch.buf[at + full, : min(rest, width)] = stage[full * size: full * size + min(rest, width)]
+                batch.lengths[at + full] = rest
+        batch.coalesced += rows > 1
+        if sock.family == socket.AF_INET:
+            for row in range(at, at + rows):
+                batch.set_address(row, address)
+        batch.count += rows
     return batch.count - start
