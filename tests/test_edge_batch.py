@@ -371,25 +371,3 @@ def test_coalesced_datagrams_are_cut_back_into_rows() -> None:
     finally:
         rx.close()
         tx.close()
-
-
-def test_a_chunk_left_behind_by_a_later_ack_is_resent_a_reordering_window_after_that_ack() -> None:
-    """RACK's rule: the wait runs from the ACK that showed the gap, not from the send; a chunk resent
-    once waits the round-trip grace after its resend; nothing is resent without a later ACK."""
-    flight = _Flight(10, 16)
-    flight.sent(0, 10, 0.0)
-    assert flight.late(5.0, grace=100.0, stall=1000.0, reorder=0.005).size == 0   # no evidence yet
-    flight.ack(np.array([5, 6, 7, 8, 9]), 5.0)
-    assert flight.late(5.001, grace=100.0, stall=1000.0, reorder=0.005).size == 0  # within the window
-    late = flight.late(5.01, grace=100.0, stall=1000.0, reorder=0.005)
-    assert late.tolist() == [0, 1, 2, 3, 4]
-    flight.resent(late, 5.01)
-    flight.ack(np.array([2]), 5.02)
-    assert flight.late(5.05, grace=100.0, stall=1000.0, reorder=0.005).size == 0   # resent: grace applies
-    assert flight.late(105.1, grace=100.0, stall=1000.0, reorder=0.005).tolist() == [0, 1, 3, 4]
-    # without a reordering window, every chunk waits the grace from its send (the former rule)
-    other = _Flight(10, 16)
-    other.sent(0, 10, 0.0)
-    other.ack(np.array([9]), 5.0)
-    assert other.late(5.01, grace=100.0, stall=1000.0).size == 0
-    assert other.late(100.5, grace=100.0, stall=1000.0).tolist() == list(range(9))

@@ -241,7 +241,7 @@ class EdgeSender:
             await self._flush()
             now = time.monotonic()
             # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
-            late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto(), reorder=self.retransmit)
+            late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
@@ -514,8 +514,6 @@ class _Flight:
         self.acked = np.zeros(chunks, bool)
         self.sent_at = np.full(chunks, np.inf)
         self.first_sent = np.full(chunks, np.inf)
-        self.revealed = np.full(chunks, np.inf)
-        """When a later chunk's ACK first showed this one missing (RACK's time of the evidence)."""
         self.next = 0
         """Chunks below this were sent at least once."""
         self.highest = 0
@@ -556,32 +554,19 @@ class _Flight:
             return None
         self.last_ack = now
         self.backoff = 1
-        before = self.highest
         self.highest = max(self.highest, int(fresh.max()) + 1)
-        if self.highest > before:   # the chunks this ACK leaves behind a later one: evidence of loss from now
-            passed = np.arange(before, self.highest)
-            gaps = passed[~self.acked[passed]]
-            self.revealed[gaps] = np.minimum(self.revealed[gaps], now)
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
         return float(now - np.max(self.sent_at[once])) if once.size else None
 
-    def late(self, now: float, grace: float, stall: float, reorder: float | None = None) -> np.ndarray:
+    def late(self, now: float, grace: float, stall: float) -> np.ndarray:
         """Chunks to resend: unacknowledged ones older than a chunk already acknowledged (ACKs come back
-        roughly in sending order, so a gap means a loss). A chunk sent once is resent ``reorder`` seconds
-        after the ACK that first left it behind (as TCP's RACK waits a reordering window after the evidence,
-        not a round trip after the send: the round trip of a chunk queued behind a whole pool is long, and
-        waiting it out made every loss cost an iteration a round trip); a chunk already resent, ``grace``
-        after its latest send. ``reorder`` None: ``grace`` for every chunk. And, when no ACK came for
-        ``stall`` seconds (doubled after every such round until an ACK comes, as TCP backs off: a slow peer
-        is not a loss), the oldest few unacknowledged ones."""
+        roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were sent;
+        and, when no ACK came for ``stall`` seconds (doubled after every such round until an ACK comes, as
+        TCP backs off: a slow peer is not a loss), the oldest few unacknowledged ones."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
-        due = age > grace
-        if reorder is not None:
-            once = self.sent_at[window] == self.first_sent[window]
-            due = np.where(once, (now - self.revealed[window] > reorder) & (age > reorder), due)
-        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & due)
+        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))
         if now - self.last_ack > stall * self.backoff:
             oldest = np.flatnonzero(open_ & (age > stall * self.backoff))[:STALL_CHUNKS]
             if oldest.size:
