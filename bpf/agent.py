@@ -34,13 +34,13 @@ import numpy as np
 from bpf.fallback import UserspaceAggregator
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
+from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
     KIND_AT,
-    MAX_LANES,
     OFFSETS,
     TOKEN_AT,
     Flag,
@@ -55,6 +55,8 @@ from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
+RECEIVE_BATCH = 256
+"""Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
 _ITERATION_AT = OFFSETS["iteration"]
@@ -64,30 +66,54 @@ _ITERATION_AT = OFFSETS["iteration"]
 class IterationSums:
     """One iteration's LAN sums, filled chunk by chunk from AGG datagrams.
 
-    Each completed slot's int32 lanes and scale are stored as they come (one row copy per datagram);
-    the conversion to floats runs once per tensor, vectorised, when the iteration is complete."""
+    Each completed slot's int32 lanes and scale are stored as they come (one row copy per datagram, or one
+    fancy-indexed copy per batch of them, ``take``); the conversion to floats runs once per tensor,
+    vectorised, when the iteration is complete. Which chunks are still pending is a mask over the
+    model's chunk sequence numbers."""
 
     layout: EdgeLayout
     iteration: int
     workers: int
     job: int
-    pending: set[tuple[int, int]] = field(init=False)
     missing: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     rescaled: int = 0
 
     def __post_init__(self) -> None:
-        self.pending = {(t, c) for t, n in enumerate(self.layout.chunks) for c in range(n)}
+        self.open = np.ones(self.layout.num_chunks, bool)
+        """Chunks (by sequence number) whose aggregate has not arrived."""
+        self.remaining = self.layout.num_chunks
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
+        self._chunks = np.asarray(self.layout.chunks, np.int64)
+        self._first = np.asarray(self.layout.first_slot, np.int64)
+        self._sizes = np.asarray(self.layout.sizes, np.int64)
 
     @property
     def done(self) -> bool:
-        return not self.pending
+        return not self.remaining
+
+    @property
+    def pending(self) -> set[tuple[int, int]]:
+        """(tensor, chunk) of every chunk still pending."""
+        return {self.layout.locate(int(q)) for q in np.flatnonzero(self.open)}
+
+    def is_pending(self, tensor: int, chunk: int) -> bool:
+        """Whether (tensor, chunk) is a chunk of the layout whose aggregate has not arrived."""
+        if not 0 <= tensor < len(self.layout.sizes) or not 0 <= chunk < self.layout.chunks[tensor]:
+            return False
+        return bool(self.open[self.layout.first_slot[tensor] + chunk])
+
+    def _complete(self, seqs: np.ndarray) -> None:
+        fresh = np.unique(seqs[self.open[seqs]])
+        self.open[fresh] = False
+        self.remaining -= int(fresh.size)
+        if self.missing:
+            for q in fresh:
+                self.missing.pop(self.layout.locate(int(q)), None)
 
     def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
         """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
-        key = (head.tensor, head.chunk)
-        if key not in self.pending:
+        if not self.is_pending(head.tensor, head.chunk):
             return []
         if head.flags & Flag.OVERFLOW:
             scale = rescale_for(head.need, self.workers)
@@ -105,14 +131,34 @@ class IterationSums:
         row = self.layout.seq(head.tensor, head.chunk)
         self.raw[row, : head.count] = lanes[: head.count]
         self.scales[row] = head.scale
-        self.pending.discard(key)
-        self.missing.pop(key, None)
+        self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
+        self.remaining -= 1
+        self.missing.pop((head.tensor, head.chunk), None)
         return []
+
+    def take(self, heads: np.ndarray, lanes: np.ndarray) -> tuple[np.ndarray, int]:
+        """Take many aggregates at once (``heads``: their headers, valid and without OVERFLOW; ``lanes``:
+        their int32 lanes, one row each): the sequence numbers of every one naming a chunk of the layout
+        with its exact lane count (completed now or before, so each is ACKed), and how many did not."""
+        tensor = heads["tensor"].astype(np.int64)
+        chunk = heads["chunk"].astype(np.int64)
+        known = tensor < self._sizes.size
+        tensor = np.where(known, tensor, 0)
+        known &= chunk < self._chunks[tensor]
+        known &= heads["count"] == np.minimum(self.layout.lanes, self._sizes[tensor] - chunk * self.layout.lanes)
+        seq = (self._first[tensor] + chunk)[known]
+        new = self.open[seq]
+        taken = seq[new]
+        # lanes past a tensor's last element are padding: result() cuts them off
+        self.raw[taken] = lanes[known][new, : self.layout.lanes]
+        self.scales[taken] = heads["scale"][known][new]
+        self._complete(taken)
+        return seq, int((~known).sum())
 
     def on_event(self, event: SlotEvent) -> list[tuple[int, bytes]]:
         """NACK exactly the workers a slot report says are missing."""
         key = (event.tensor, event.chunk)
-        if key not in self.pending:
+        if not self.is_pending(*key):
             return []
         self.missing[key] = event.missing
         nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=self.iteration, tensor=event.tensor,
@@ -128,11 +174,15 @@ class IterationSums:
             out.append(block.reshape(-1)[:size].astype(np.float32))
         return out
 
+    def first_pending(self, n: int) -> list[tuple[int, int]]:
+        """(tensor, chunk) of the first ``n`` pending chunks, in model order."""
+        return [self.layout.locate(int(q)) for q in np.flatnonzero(self.open)[:n]]
+
     def describe_missing(self) -> str:
-        shown = sorted(self.pending)[:5]
+        shown = self.first_pending(5)
         parts = [f"tensor {t} chunk {c} missing workers {self.missing.get((t, c), 'unknown (no report yet)')}"
                  for t, c in shown]
-        more = f" and {len(self.pending) - len(shown)} more" if len(self.pending) > len(shown) else ""
+        more = f" and {self.remaining - len(shown)} more" if self.remaining > len(shown) else ""
         return "; ".join(parts) + more
 
 
@@ -204,8 +254,7 @@ class EdgeAgent:
         self.errors = 0
         self._tasks: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
-        self._buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
-        self._view = memoryview(self._buf)
+        self._rx = DatagramBatch(RECEIVE_BATCH)
 
     async def run(self) -> None:
         """Serve until ``close``: receiving (a reader callback), sending, slot timers (userspace) or the
@@ -364,7 +413,7 @@ class EdgeAgent:
         """A slot can complete while its AGG datagram is lost before our socket: a duplicate from one
         contributor makes the aggregator re-emit it. Pending slots that are merely incomplete are
         unaffected (the duplicate is dropped) and stay with the timer."""
-        for t, c in sorted(sums.pending)[:256]:
+        for t, c in sums.first_pending(256):
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
             address = self.addresses.get(0)
@@ -391,7 +440,7 @@ class EdgeAgent:
             return
         sums = self._sums(head.iteration)
         self._emit(sums.on_agg(head, lanes_of(data)))
-        if (head.tensor, head.chunk) not in sums.pending:
+        if not sums.is_pending(head.tensor, head.chunk):
             self._ack(head.iteration, self.layout.seq(head.tensor, head.chunk))
         if sums.done:
             waiter = self._waiters.get(head.iteration)
@@ -425,8 +474,7 @@ class EdgeAgent:
         seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES)
         sums = self._open.get(head.iteration)
         if sums is not None:
-            done = [int(q) for q in seqs if q < self.layout.num_chunks and self.layout.locate(int(q)) not in
-                    sums.pending]
+            done = [int(q) for q in seqs if q < self.layout.num_chunks and not sums.open[q]]
         elif head.iteration in self._finished:
             done = [int(q) for q in seqs]
         else:
@@ -544,24 +592,102 @@ class EdgeAgent:
         self._out.put_nowait((reply + deployment.encode(), address))
 
     def _drain(self) -> None:
-        """Handle what is queued on the socket (up to 256 datagrams per wake-up; the kernel keeps the rest)."""
+        """Handle what is queued on the socket: one ``recvmmsg`` of up to a batch (the kernel keeps the
+        rest for the next wake-up), every header checked at once (``valid_headers``); valid AGG datagrams
+        are taken together (``_take_aggs``), anything else one by one (``_handle``), where an invalid one
+        is rejected and logged as before, without affecting the rest of the batch."""
         started = time.thread_time()
-        buf, view = self._buf, self._view
-        for _ in range(256):
-            try:
-                n, address = self.sock.recvfrom_into(buf)
-            except BlockingIOError:
-                break
-            try:
-                self._handle(bytes(view[:n]), address)
-            except WireError as exc:
-                self.errors += 1
-                log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
-            except asyncio.QueueFull:
-                log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)", address)
+        batch = self._rx
+        batch.clear()
+        udp.receive_batch(self.sock, batch)
+        if batch.count:
+            heads = batch.headers()
+            aggs = valid_headers(heads, batch.lengths) & (heads["kind"] == Kind.AGG)
+            if self.fallback is None and aggs.any():
+                self._take_aggs(np.flatnonzero(aggs))
+            else:
+                aggs[:] = False
+            kinds = heads["kind"]
+            now = time.monotonic()
+            for row in np.flatnonzero(~aggs).tolist():
+                data = batch.datagram(row)
+                try:
+                    if self.fallback is not None and kinds[row] == Kind.DATA:
+                        # the userspace aggregator's DATA: no answer goes back, so no address is needed
+                        agg = self.fallback.on_data(data, now)
+                        if agg is not None:
+                            self._on_agg(agg)
+                    else:
+                        self._handle(data, batch.address(row))
+                except WireError as exc:
+                    self.errors += 1
+                    log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
+                except asyncio.QueueFull:
+                    log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)",
+                                batch.address(row))
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started
+
+    def _take_aggs(self, rows: np.ndarray) -> None:
+        """The valid AGG datagrams of a batch at once: the agent's token checked, other jobs dropped, each
+        iteration's aggregates taken into its sums with one copy (``IterationSums.take``) and ACKed; an
+        aggregate of an iteration already collected (re-emitted because its ACK was lost) is ACKed again.
+        An aggregate flagged OVERFLOW (rare: a RESCALE round follows) goes through ``on_agg``."""
+        started = time.thread_time()
+        try:
+            batch = self._rx
+            heads = batch.headers()
+            if self.agg_token:
+                genuine = heads["token"][rows] == np.uint64(self.agg_token)
+                self.forged += int((~genuine).sum())
+                rows = rows[genuine]
+            rows = rows[heads["job"][rows] == self.job]
+            iterations = heads["iteration"][rows]
+            for value in np.unique(iterations):
+                iteration = int(value)
+                mine = rows[iterations == value]
+                if not self._accepts(iteration):
+                    if iteration in self._finished:   # re-emitted aggregates: their ACKs were lost, say them again
+                        self._ack_many(iteration, self._sequence_numbers(heads[mine]))
+                    continue
+                sums = self._sums(iteration)
+                overflow = (heads["flags"][mine] & Flag.OVERFLOW) != 0
+                for row in mine[overflow]:
+                    data = batch.datagram(int(row))
+                    try:
+                        self._take_agg(data)
+                    except WireError as exc:
+                        self.errors += 1
+                        log.warning("edge gateway: rejected aggregate: %s", exc)
+                plain = mine[~overflow]
+                if plain.size:
+                    seqs, bad = sums.take(heads[plain], batch.lanes("<i4")[plain])
+                    if bad:
+                        self.errors += bad
+                        log.warning("edge gateway: rejected %d aggregates of iteration %d naming no chunk of the "
+                                    "layout (or with a wrong lane count)", bad, iteration)
+                    self._ack_many(iteration, seqs)
+                if sums.done:
+                    waiter = self._waiters.get(iteration)
+                    if waiter is not None:
+                        waiter.set()
+        finally:
+            self.delivery_cpu += time.thread_time() - started
+
+    def _sequence_numbers(self, heads: np.ndarray) -> np.ndarray:
+        """The chunk sequence numbers the headers name (those naming no chunk of the layout left out)."""
+        chunks = np.asarray(self.layout.chunks, np.int64)
+        tensor = heads["tensor"].astype(np.int64)
+        chunk = heads["chunk"].astype(np.int64)
+        known = tensor < chunks.size
+        tensor = np.where(known, tensor, 0)
+        known &= chunk < chunks[tensor]
+        return (np.asarray(self.layout.first_slot, np.int64)[tensor] + chunk)[known]
+
+    def _ack_many(self, iteration: int, seqs: np.ndarray) -> None:
+        if seqs.size:
+            self._acks.setdefault(iteration, []).extend(seqs.tolist())
 
     async def _send(self) -> None:
         while True:

@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mtu", type=int, default=None,
                         help="LAN MTU: lanes per datagram follow (default edge_mtu)")
     parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--no-gro", action="store_true",
+                        help="workers receive one datagram per receive instead of whole GSO batches (UDP_GRO)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file of options (the LAN tier's)")
     parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
                         help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
@@ -300,6 +302,10 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
         "retransmitted": sum(w["retransmitted"] for w in workers.windows),
         "dropped_on_purpose": sum(w["dropped"] for w in workers.windows),
         "workers_cpu_seconds": sum(w["cpu"] for w in workers.windows),
+        "workers_receive_rounds": sum(w["receive_rounds"] for w in workers.windows),
+        "workers_coalesced_receives": sum(w["coalesced_receives"] for w in workers.windows),
+        "workers_cpu_user_seconds": sum(w["cpu_user"] for w in workers.windows),
+        "workers_cpu_system_seconds": sum(w["cpu_system"] for w in workers.windows),
         "authenticated": agent.tokens.enabled,
         "bad_tokens": agent.bad_tokens,
         "host_cpu": window,
@@ -313,12 +319,13 @@ def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.bench.gloo_lan import run_gloo
     from netstorm.emulation.bridge_lan import Lan
 
-    with (Lan(args.workers, rates=_rates(args), uplink=args.lan_uplink) as lan,
+    mtu = args.mtu if args.mtu is not None else _lan_config(args).edge_mtu   # the same LAN as the other paths
+    with (Lan(args.workers, mtu=mtu, rates=_rates(args), uplink=args.lan_uplink) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs):
         out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
                        log_dir=Path(logs))
     return {"wall_seconds": out["wall_seconds"], "exact": out["exact"], "host_cpu": out["host_cpu"],
-            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32"}
+            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32", "mtu": mtu}
 
 
 def with_host_figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
@@ -439,6 +446,8 @@ def run(args: argparse.Namespace) -> int:
         "clusters": {str(a): list(m) for a, m in topo.clusters.items()}, "precisions": precisions,
         "pool": args.pool if args.pool is not None else _lan_config(args).edge_pool_slots,
         "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
+        "mtu": args.mtu if args.mtu is not None else _lan_config(args).edge_mtu,
+        "gso": not args.no_gso, "gro": not getattr(args, "no_gro", False),
     }
     xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
     if xdp is not None and userspace is not None:

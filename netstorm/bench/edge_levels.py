@@ -155,6 +155,7 @@ class Workers:
                      "--scale", str(args.scale), "--lanes", str(lanes), "--pool", str(pool), "--seed", str(seed),
                      "--precisions", ",".join(precisions), "--loss", str(args.loss),
                      *(["--no-gso"] if getattr(args, "no_gso", False) else []),
+                     *(["--no-gro"] if getattr(args, "no_gro", False) else []),
                      "--timeout", str(60.0 + args.elements * 4 * len(lan.workers) * 8 / 2e7),
                      *(["--secret-file", args.secret_file] if args.secret_file else [])]
         self.procs: list[subprocess.Popen[bytes]] = []

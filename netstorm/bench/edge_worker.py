@@ -27,9 +27,10 @@ from pathlib import Path
 import numpy as np
 
 
-def _cpu_seconds() -> float:
+def _cpu_seconds() -> tuple[float, float]:
+    """(user, system) CPU seconds of this process so far."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime, usage.ru_stime
 
 
 async def work(args: argparse.Namespace, secret: bytes | None) -> int:
@@ -48,7 +49,8 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
     sock.bind((args.address, 0))
     sock.setblocking(False)
     node = EdgeSender(sock, (host, int(port)), worker=args.worker, layout=layout, job=args.job, loss=args.loss,
-                      seed=7, secret=secret, precision=wire_precision(precisions[args.worker]), gso=not args.no_gso)
+                      seed=7, secret=secret, precision=wire_precision(precisions[args.worker]), gso=not args.no_gso,
+                      gro=not args.no_gro)
     await node.hello(timeout=args.timeout)
     print("ready", flush=True)
     loop = asyncio.get_running_loop()
@@ -60,8 +62,10 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
         sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
         results.append(sums[0])
     t1, cpu1 = time.monotonic(), _cpu_seconds()
-    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": cpu1 - cpu0,
-                      "retransmitted": node.retransmitted, "dropped": node.dropped,
+    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
+                      "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
+                      "retransmitted": node.retransmitted, "receive_rounds": node.rounds,
+                      "coalesced_receives": node._batch.coalesced, "dropped": node.dropped,
                       "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
     exact = True
     for k, got in enumerate(results):
@@ -94,6 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precisions", required=True, help="every worker's precision, comma-separated")
     parser.add_argument("--loss", type=float, default=0.0)
     parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--no-gro", action="store_true", help="one datagram per receive instead of UDP_GRO")
     parser.add_argument("--secret-file", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from netstorm.lan import udp
+from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import (
@@ -42,7 +43,6 @@ from netstorm.lan.header import (
     Header,
     Kind,
     Precision,
-    lanes_of,
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
@@ -105,7 +105,7 @@ class EdgeSender:
 
     def __init__(self, sock: socket.socket, gateway: Address, *, worker: int, layout: EdgeLayout, job: int,
                  loss: float = 0.0, seed: int = 0, pull_interval: float = 0.5, secret: bytes | None = None,
-                 precision: Precision = Precision.FIXED32, gso: bool = True,
+                 precision: Precision = Precision.FIXED32, gso: bool = True, gro: bool = True,
                  group_opener: GroupOpener | None = None) -> None:
         self.sock = sock
         self.group_opener = group_opener or group_socket
@@ -138,6 +138,16 @@ class EdgeSender:
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
         """Datagrams that arrived while waiting for the HELLO answer."""
+        self.gro = gro
+        """Take coalesced datagrams whole (UDP_GRO) once deployed: a result burst the gateway sent in GSO
+        batches then reaches this worker's socket a batch per receive instead of one datagram each."""
+        self._coalesced: set[int] = set()
+        """File numbers of our sockets that have UDP_GRO on."""
+        self.rounds = 0
+        """Receive rounds (batches taken), each a fixed cost in Python whatever it holds."""
+        self._batch = DatagramBatch()
+        """Where received datagrams land, a batch at a time (allocated once)."""
+        self._arrays: tuple[EdgeLayout, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._total = 0
         """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
         self._rtt = 0.0
@@ -193,6 +203,8 @@ class EdgeSender:
         self.retransmit = deployment.retransmit
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
+        if self.gro:   # after HELLO, whose answer is read with an ordinary receive
+            self._coalesced = {s.fileno() for s in self.sockets if udp.enable_gro(s)}
 
     def close(self) -> None:
         if self.group_sock is not None:
@@ -207,11 +219,11 @@ class EdgeSender:
         self._total = 0
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
-        rows = np.concatenate([data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
-                                            tensor=t, values=v, token=token, precision=self.precision)
-                               for t, v in enumerate(values)])
+        parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
+                              values=v, token=token, precision=self.precision) for t, v in enumerate(values)]
+        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         flight = _Flight(len(rows), self.layout.num_slots)
-        results = [np.zeros(size, np.float32) for size in self.layout.sizes]
+        out = self._result_matrix()
         missing = np.ones(self.layout.num_chunks, bool)
         deadline = time.monotonic() + timeout
         while not flight.acked.all():
@@ -224,27 +236,26 @@ class EdgeSender:
                 await self._send_rows(rows, np.arange(start, stop), first=True)
                 flight.sent(start, stop, time.monotonic())
             wait = self._rto()
-            got = await self._receive(min(remaining, wait))
-            for data in got:
-                self._on_datagram(data, iteration, rows, values, results, missing, flight)
+            await self._receive(min(remaining, wait))
+            self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
             # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
             late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
-        await self._gather(iteration, rows, values, results, missing, deadline - time.monotonic())
-        return results, self._total
+        await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
+        return self._split(out), self._total
 
     async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray], int]:  # noqa: ASYNC109
         """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``):
         its iteration, the result, and how many workers' gradients it sums."""
         self._total = 0
-        results = [np.zeros(size, np.float32) for size in self.layout.sizes]
+        out = self._result_matrix()
         missing = np.ones(self.layout.num_chunks, bool)
         keep = np.zeros((0, 0), np.uint8)
-        iteration = await self._gather(None, keep, [], results, missing, timeout)
-        return iteration, results, self._total
+        iteration = await self._gather(None, keep, [], out, missing, timeout)
+        return iteration, self._split(out), self._total
 
     # ------------------------------------------------------------------ internals
     def _rto(self) -> float:
@@ -281,11 +292,11 @@ class EdgeSender:
             self.queries += 1
             await udp.sendto(self.sock, head.tobytes() + part.tobytes(), self.gateway)
 
-    async def _receive(self, timeout: float) -> list[bytes]:  # noqa: ASYNC109
-        """Every datagram queued on our sockets, waiting up to ``timeout`` for the first."""
-        out = self._drain()
-        if out or timeout <= 0:
-            return out
+    async def _receive(self, timeout: float) -> int:  # noqa: ASYNC109
+        """Fill the batch with what is queued on our sockets, waiting up to ``timeout`` for the first
+        datagram; how many it holds."""
+        if self._drain() or timeout <= 0:
+            return self._batch.count
         loop = asyncio.get_running_loop()
         ready: asyncio.Future[None] = loop.create_future()
 
@@ -305,18 +316,32 @@ class EdgeSender:
                 loop.remove_reader(sock.fileno())
         return self._drain()
 
-    def _drain(self) -> list[bytes]:
-        out, self._early = self._early, []
+    def _drain(self) -> int:
+        """Refill the batch: datagrams kept from before, then each socket's queue (one ``recvmmsg`` per
+        socket and batch; what does not fit stays queued in the kernel for the next round)."""
+        batch = self._batch
+        batch.clear()
+        self.rounds += 1
+        while self._early and batch.put(self._early[0]):
+            self._early.pop(0)
         for sock in self.sockets:
-            for _ in range(1024):
-                try:
-                    out.append(sock.recv(HEADER_BYTES + 4 * MAX_LANES + 64))
-                except BlockingIOError:
-                    break
-        return out
+            gro = sock.fileno() in self._coalesced
+            while batch.count < batch.rows and udp.receive_batch(sock, batch, gro=gro):
+                pass
+        return batch.count
+
+    def _result_matrix(self) -> np.ndarray:
+        """One row of float32 lanes per chunk of the model: RESULT lanes land here by sequence number."""
+        return np.zeros((self.layout.num_chunks, self.layout.lanes), np.float32)
+
+    def _split(self, out: np.ndarray) -> list[np.ndarray]:
+        """Each tensor's result: a view of its chunks' rows, without the last chunk's padding."""
+        layout = self.layout
+        return [out[first: first + chunks].reshape(-1)[:size]
+                for first, chunks, size in zip(layout.first_slot, layout.chunks, layout.sizes, strict=True)]
 
     async def _gather(self, iteration: int | None, keep: np.ndarray, values: list[np.ndarray],
-                      results: list[np.ndarray], missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
+                      out: np.ndarray, missing: np.ndarray, timeout: float) -> int:  # noqa: ASYNC109
         """Receive RESULT datagrams (answering NACKs meanwhile) until every chunk is in."""
         deadline = time.monotonic() + timeout
         quiet = self.pull_interval
@@ -336,25 +361,31 @@ class EdgeSender:
                 if iteration is not None:
                     await self._pull(iteration, missing)
                 progress = now
-            got = await self._receive(min(remaining, wait - (now - progress)))
+            await self._receive(min(remaining, wait - (now - progress)))
             before = int(missing.sum())
-            for data in got:
-                if iteration is None and len(data) >= HEADER_BYTES and data[KIND_AT] == Kind.RESULT:
-                    try:
-                        head = Header.decode(data)
-                    except WireError:
-                        continue
-                    if not self._from_gateway(head.iteration, head.token):
-                        self.forged += 1
-                        continue
-                    iteration = head.iteration
-                if iteration is not None:
-                    self._on_datagram(data, iteration, keep, values, results, missing, None)
+            if iteration is None:
+                iteration = self._first_iteration()
+            if iteration is not None:
+                self._take(iteration, keep, values, out, missing, None)
             if int(missing.sum()) < before:
                 progress = time.monotonic()
             await self._flush()
         assert iteration is not None
         return iteration
+
+    def _first_iteration(self) -> int | None:
+        """The iteration of the batch's first RESULT that carries the gateway's token (a joining worker
+        takes whatever iteration the gateway is sending)."""
+        batch = self._batch
+        heads = batch.headers()
+        candidates = np.flatnonzero(valid_headers(heads, batch.lengths) & (heads["kind"] == Kind.RESULT) &
+                                    (heads["job"] == self.job))
+        for row in candidates:
+            iteration, token = int(heads["iteration"][row]), int(heads["token"][row])
+            if self._from_gateway(iteration, token):
+                return iteration
+            self.forged += 1
+        return None
 
     def _from_gateway(self, iteration: int, token: int) -> bool:
         """Whether ``token`` is the gateway's for this worker, or for the whole group, in ``iteration``."""
@@ -363,45 +394,96 @@ class EdgeSender:
         return self.tokens.valid(Sender.GATEWAY, self.worker, iteration, token) or \
             self.tokens.valid(Sender.GROUP, 0, iteration, token)
 
-    def _on_datagram(self, data: bytes, iteration: int, keep: np.ndarray, values: list[np.ndarray],
-                     results: list[np.ndarray], missing: np.ndarray, flight: _Flight | None) -> None:
+    def _take(self, iteration: int, keep: np.ndarray, values: list[np.ndarray], out: np.ndarray,
+              missing: np.ndarray, flight: _Flight | None) -> None:
+        """Handle the batch at once: every datagram's header is checked as ``Header.decode`` would
+        (``batch.valid_headers``), those of another job or iteration or without the gateway's token are
+        dropped, RESULT lanes are scattered into ``out`` by sequence number, and the chunk numbers of every
+        ACK go to the window in one call. Only NACKs (rare: a slot timer fired) are handled one by one."""
+        batch = self._batch
+        if not batch.count:
+            return
+        heads = batch.headers()
+        kind = heads["kind"]
+        ok = valid_headers(heads, batch.lengths)
+        ok &= (heads["job"] == self.job) & (heads["iteration"] == iteration & 0xFFFFFFFF)
+        if self.tokens.enabled:
+            tokens = heads["token"]
+            genuine = (tokens == np.uint64(self.tokens.gateway(self.worker, iteration))) | \
+                (tokens == np.uint64(self.tokens.group(iteration)))
+            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK)) & ~genuine
+            self.forged += int(forged.sum())
+            ok &= ~forged
+        self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
+        if flight is not None:
+            self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight)
+        if keep.size:
+            for row in np.flatnonzero(ok & (kind == Kind.NACK)):
+                self._on_nack(Header.decode(batch.datagram(int(row))), iteration, keep, values, flight)
+
+    def _take_results(self, rows: np.ndarray, out: np.ndarray, missing: np.ndarray) -> None:
+        """Scatter the lanes of RESULT ``rows`` to their chunks' rows of ``out``; a row naming no chunk of
+        the layout, or not exactly its lane count, is dropped."""
+        if not rows.size:
+            return
+        heads = self._batch.headers()
+        totals = heads["total"][rows]
+        total = self._total or int(totals[0])
+        if np.any(totals != total):
+            raise WireError(f"edge worker {self.worker}: the RESULT datagrams of one iteration disagree on how "
+                            f"many workers they sum ({sorted({total, *map(int, totals)})})")
+        self._total = total
+        layout = self.layout
+        tensor = heads["tensor"][rows].astype(np.int64)
+        chunk = heads["chunk"][rows].astype(np.int64)
+        known = tensor < len(layout.sizes)
+        tensor = np.where(known, tensor, 0)
+        chunks, first, sizes = self._layout_arrays()
+        known &= chunk < chunks[tensor]
+        known &= heads["count"][rows] == np.minimum(layout.lanes, sizes[tensor] - chunk * layout.lanes)
+        seq = first[tensor] + chunk
+        fresh = known & missing[np.where(known, seq, 0)]
+        rows, seq = rows[fresh], seq[fresh]
+        out[seq] = self._batch.lanes("<f4")[rows, : layout.lanes]
+        missing[seq] = False
+
+    def _take_acks(self, rows: np.ndarray, flight: _Flight) -> None:
+        """Every chunk number the ACK ``rows`` list, to the window at once (with a round-trip sample)."""
+        if not rows.size:
+            return
+        counts = self._batch.headers()["count"][rows].astype(np.int64)
+        width = int(counts.max())
+        listed = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
+        sample = flight.ack(listed[listed < flight.acked.size], time.monotonic())
+        if sample is not None:
+            self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
+
+    def _layout_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The layout's chunks, first sequence number and size per tensor, as arrays (made once per layout)."""
+        if self._arrays is None or self._arrays[0] is not self.layout:
+            layout = self.layout
+            self._arrays = (layout, np.asarray(layout.chunks, np.int64), np.asarray(layout.first_slot, np.int64),
+                            np.asarray(layout.sizes, np.int64))
+        return self._arrays[1], self._arrays[2], self._arrays[3]
+
+    def _on_nack(self, head: Header, iteration: int, keep: np.ndarray, values: list[np.ndarray],
+                 flight: _Flight | None) -> None:
+        """Resend the named chunk (re-quantised first when the NACK asks for a smaller scale)."""
         try:
-            head = Header.decode(data)
+            index = self.layout.seq(head.tensor, head.chunk)
         except WireError:
             return
-        if head.job != self.job or head.iteration != iteration & 0xFFFFFFFF:
-            return
-        if head.kind in (Kind.RESULT, Kind.NACK, Kind.ACK) and not self._from_gateway(iteration, head.token):
-            self.forged += 1
-            return
-        if head.kind == Kind.RESULT:
-            if self._total and head.total != self._total:
-                raise WireError(f"edge worker {self.worker}: iteration {iteration}'s RESULT datagrams disagree on "
-                                f"how many workers they sum ({self._total}, then {head.total})")
-            self._total = head.total
-            index = self.layout.seq(head.tensor, head.chunk)
-            if missing[index]:
-                start, stop = self.layout.bounds(head.tensor, head.chunk)
-                results[head.tensor][start:stop] = lanes_of(data, "<f4")[: stop - start]
-                missing[index] = False
-        elif head.kind == Kind.ACK and flight is not None:
-            seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES).astype(np.int64)
-            sample = flight.ack(seqs[seqs < flight.acked.size], time.monotonic())
-            if sample is not None:
-                self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
-        elif head.kind == Kind.NACK and keep.size:
-            index = self.layout.seq(head.tensor, head.chunk)
-            current = int(np.frombuffer(keep[index][:HEADER_BYTES].tobytes(), HEADER_DTYPE)["scale"][0])
-            if head.flags & Flag.RESCALE and head.scale < current:   # a repeated request finds it done
-                keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
-                                           tensor=head.tensor, values=values[head.tensor],
-                                           chunks=np.array([head.chunk]), scale=head.scale,
-                                           token=self.tokens.worker(self.worker, iteration),
-                                           precision=self.precision)[0]
-                self.rescaled += 1
-            if flight is None or flight.was_sent(index):
-                self.retransmitted += 1
-                self._queued.append(keep[index].tobytes())
+        current = int(np.frombuffer(keep[index][:HEADER_BYTES].tobytes(), HEADER_DTYPE)["scale"][0])
+        if head.flags & Flag.RESCALE and head.scale < current:   # a repeated request finds it done
+            keep[index] = data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration,
+                                       tensor=head.tensor, values=values[head.tensor],
+                                       chunks=np.array([head.chunk]), scale=head.scale,
+                                       token=self.tokens.worker(self.worker, iteration),
+                                       precision=self.precision)[0]
+            self.rescaled += 1
+        if flight is None or flight.was_sent(index):
+            self.retransmitted += 1
+            self._queued.append(keep[index].tobytes())
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
@@ -442,11 +524,14 @@ class _Flight:
 
     def sendable(self) -> tuple[int, int]:
         """The chunks [start, stop) the window allows now: chunk j once j < pool or chunk j - pool is acked."""
-        start = stop = self.next
+        start = self.next
         n = self.acked.size
-        while stop < n and (stop < self.pool or self.acked[stop - self.pool]):
-            stop += 1
-        return start, stop
+        if start >= n:
+            return start, start
+        # chunk j needs chunk j - pool acknowledged, which was sent, so j < next + pool
+        candidates = np.arange(start, min(n, start + self.pool))
+        allowed = (candidates < self.pool) | self.acked[np.maximum(candidates - self.pool, 0)]
+        return start, start + (int(np.argmin(allowed)) if not allowed.all() else candidates.size)
 
     def sent(self, start: int, stop: int, now: float) -> None:
         self.sent_at[start:stop] = now

@@ -4,10 +4,18 @@ sock_recvfrom_into). A full send buffer makes the sender wait for writability: v
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import errno
 import socket
+import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from netstorm.lan.batch import DatagramBatch
 
 Address = tuple[str, int]
 
@@ -112,3 +120,177 @@ def multicast_from(sock: socket.socket, *, address: str = "0.0.0.0", ifindex: in
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, mreqn)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, 0)
+
+
+MSG_DONTWAIT = 0x40
+MSG_TRUNC = 0x20
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _Msghdr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_void_p), ("namelen", ctypes.c_uint32), ("iov", ctypes.POINTER(_Iovec)),
+                ("iovlen", ctypes.c_size_t), ("control", ctypes.c_void_p), ("controllen", ctypes.c_size_t),
+                ("flags", ctypes.c_int)]
+
+
+class _Mmsghdr(ctypes.Structure):
+    _fields_ = [("hdr", _Msghdr), ("len", ctypes.c_uint)]
+
+
+def _recvmmsg() -> Callable[..., int] | None:
+    """libc's ``recvmmsg`` (Linux), or None where there is none (one ``recvfrom_into`` per datagram then)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.recvmmsg
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RECVMMSG = _recvmmsg()
+
+
+class _Vectors:
+    """The ``mmsghdr`` array pointing at a batch's rows and at one sockaddr per row, built once per batch."""
+
+    def __init__(self, batch: DatagramBatch) -> None:
+        rows, width = batch.buf.shape
+        self.iov = (_Iovec * rows)()
+        self.msgs = (_Mmsghdr * rows)()
+        base, names = batch.buf.ctypes.data, batch.names.ctypes.data
+        for i in range(rows):
+            self.iov[i].base, self.iov[i].len = base + i * width, width
+            hdr = self.msgs[i].hdr
+            hdr.name, hdr.namelen = names + 16 * i, 16
+            hdr.iov, hdr.iovlen = ctypes.pointer(self.iov[i]), 1
+        raw = memoryview(self.msgs).cast("B")
+        self.lens = np.ndarray((rows,), np.uint32, buffer=raw, offset=_Mmsghdr.len.offset,
+                               strides=(ctypes.sizeof(_Mmsghdr),))
+        self.flags = np.ndarray((rows,), np.int32, buffer=raw, offset=_Mmsghdr.hdr.offset +
+                                _Msghdr.flags.offset, strides=(ctypes.sizeof(_Mmsghdr),))
+        self.namelens = np.ndarray((rows,), np.uint32, buffer=raw, offset=_Mmsghdr.hdr.offset +
+                                   _Msghdr.namelen.offset, strides=(ctypes.sizeof(_Mmsghdr),))
+
+
+UDP_GRO = 104
+"""Linux's UDP receive offload option (linux/udp.h): the socket takes coalesced datagrams whole."""
+GRO_BYTES = 65536
+"""Largest coalesced datagram a socket with UDP_GRO may receive (one GSO send)."""
+GRO_SEGMENTS = 128
+"""Most datagrams the kernel coalesces into one (UDP_MAX_SEGMENTS, 64 before Linux 6.x raised it)."""
+
+
+def enable_gro(sock: socket.socket) -> bool:
+    """Ask the kernel to hand ``sock`` coalesced datagrams whole (UDP_GRO): a GSO batch the gateway sent,
+    which the bridge replicates unsegmented, then arrives as one buffer of up to 64 datagrams instead of
+    being cut at the socket into one queued datagram each. False where the kernel does not have it."""
+    if not hasattr(socket, "SOL_UDP"):
+        return False
+    try:
+        sock.setsockopt(socket.SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        return False
+    return True
+
+
+def receive_batch(sock: socket.socket, batch: DatagramBatch, *, gro: bool = False) -> int:
+    """Append what ``sock`` has queued to ``batch`` without waiting, up to its free rows, with one
+    ``recvmmsg`` where libc has it; the number appended. Each one's sender lands in ``batch.names``. A
+    datagram longer than a row gets a length past the row (rejected by ``valid_headers``). ``gro``: the
+    socket has UDP_GRO on (``enable_gro``), so what it holds may be coalesced datagrams, which are cut back
+    into one row each at the segment size the kernel reports."""
+    if gro:
+        return _receive_coalesced(sock, batch)
+    start = batch.count
+    free = batch.rows - start
+    if free <= 0:
+        return 0
+    if _RECVMMSG is None or sock.family != socket.AF_INET:
+        return _receive_each(sock, batch)
+    vec = batch.vectors
+    if not isinstance(vec, _Vectors):
+        vec = batch.vectors = _Vectors(batch)
+    vec.namelens[start:] = 16
+    got = _RECVMMSG(sock.fileno(), ctypes.addressof(vec.msgs[start]), free, MSG_DONTWAIT, None)
+    if got < 0:
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return 0
+        raise OSError(err, f"recvmmsg: {errno.errorcode.get(err, err)}")
+    stop = start + got
+    lengths = vec.lens[start:stop].astype(np.int64)
+    lengths[(vec.flags[start:stop] & MSG_TRUNC) != 0] = batch.buf.shape[1] + 1
+    batch.lengths[start:stop] = lengths
+    batch.count = stop
+    return got
+
+
+def _receive_each(sock: socket.socket, batch: DatagramBatch) -> int:
+    start = batch.count
+    width = batch.buf.shape[1]
+    while batch.count < batch.rows:
+        row = memoryview(batch.buf[batch.count])
+        try:
+            n, address = sock.recvfrom_into(row, width, MSG_TRUNC)
+        except BlockingIOError:
+            break
+        batch.lengths[batch.count] = n if n <= width else width + 1
+        batch.count += 1
+        if sock.family == socket.AF_INET:
+            batch.set_address(batch.count - 1, address)
+    return batch.count - start
+
+
+_CMSG_SPACE = socket.CMSG_SPACE(4) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
+    """``receive_batch`` for a socket with UDP_GRO: one ``recvmsg`` per coalesced buffer into a staging area,
+    then one copy that lays its segments into rows. Stops while the batch could not take a whole buffer,
+    so nothing received is ever dropped for want of rows."""
+    stage = batch.staging
+    if stage is None:
+        stage = batch.staging = np.zeros(GRO_BYTES, np.uint8)
+    view = stage.data
+    start = batch.count
+    width = batch.buf.shape[1]
+    while batch.rows - batch.count > GRO_SEGMENTS:
+        try:
+            n, ancillary, flags, address = sock.recvmsg_into([view], _CMSG_SPACE, MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            break
+        size = n
+        for level, kind, data in ancillary:
+            if level == socket.SOL_UDP and kind == UDP_GRO and len(data) >= 2:
+                size = int.from_bytes(data[:4], sys.byteorder) or n
+        if flags & MSG_TRUNC:
+            size = n = width + 1        # cannot be split truthfully: one rejected row
+        at = batch.count
+        if n <= size:
+            batch.lengths[at] = n
+            kept = min(n, width)
+            batch.buf[at, :kept] = stage[:kept]
+            rows = 1
+        else:
+            full, rest = divmod(n, size)
+            if full > GRO_SEGMENTS:      # more than the kernel coalesces: keep what the rows hold
+                full, rest = GRO_SEGMENTS, 0
+            rows = full + (1 if rest else 0)
+            kept = min(size, width)
+            batch.buf[at: at + full, :kept] = stage[: full * size].reshape(full, size)[:, :kept]
+            batch.lengths[at: at + full] = size
+            if rest:
+                batch.buf[at + full, : min(rest, width)] = stage[full * size: full * size + min(rest, width)]
+                batch.lengths[at + full] = rest
+        batch.coalesced += rows > 1
+        if sock.family == socket.AF_INET:
+            batch.set_address(slice(at, at + rows), address)
+        batch.count += rows
+    return batch.count - start
