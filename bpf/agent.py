@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import secrets
 import socket
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
+from bpf.outbox import Batch, Outbox
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment, LanTopology
@@ -58,6 +60,11 @@ Address = tuple[str, int]
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
 _ITERATION_AT = OFFSETS["iteration"]
+KEEP_MODELS = 8
+"""Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
+YIELD_DATAGRAMS = 64
+"""Datagrams the send task sends before it lets the loop run the receiver (one GSO batch, or 64 single
+sends without GSO)."""
 
 
 @dataclass
@@ -170,7 +177,14 @@ class EdgeAgent:
         self._acks: dict[int, list[int]] = {}
         """iteration -> chunk sequence numbers to ACK after this batch of datagrams."""
         self.acks_sent = 0
-        self.batch = udp.BatchSender(sock)
+        self.outbox = Outbox(batch=udp.GSO_SEGMENTS if hasattr(socket, "SOL_UDP") else 1,
+                             keep=KEEP_MODELS * max(1, layout.num_chunks))
+        """Everything the agent sends, sent by one task (``_send``): see bpf/outbox.py."""
+        self._wake = asyncio.Event()
+        self.send_stalls = 0
+        """Sends the kernel refused for a full buffer (EAGAIN, ENOBUFS) and the send task waited out."""
+        self.send_errors = 0
+        """Batches dropped for another send error (logged): the protocol's own recovery repeats them."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
@@ -196,7 +210,6 @@ class EdgeAgent:
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
-        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=1 << 16)
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
         self.delivery_cpu = 0.0
@@ -295,10 +308,12 @@ class EdgeAgent:
 
     async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int,
                            unicast: bool = False) -> None:
-        """Send every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
+        """Queue for every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
         contributor count), once to the multicast group (``unicast``, or without a group: a copy to each
         worker, as for the first result, which a worker may be asked for before it joined the group);
-        kept for PULLs until 4 iterations later."""
+        kept for PULLs until 4 iterations later. Returns once queued: the send task paces the burst
+        (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly delays
+        only its own."""
         self.expect(iteration + 1)   # the workers' next DATA
         rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
@@ -306,18 +321,20 @@ class EdgeAgent:
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
+        self.outbox.forget(iteration - 4)
         absent = [w for w in range(self.workers) if w not in self.addresses]
         if self.group is not None and not unicast:
             # one copy of each datagram; the LAN replicates it to every member of the group
             mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
-            await self.batch.send(mine, self.group)
+            self.outbox.bulk(mine, self.group, tag=iteration)
         else:
             for w in range(self.workers):
                 address = self.addresses.get(w)
                 if address is None:
                     continue
                 mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
-                await self.batch.send(mine, address)
+                self.outbox.bulk(mine, address, tag=iteration)
+        self._wake.set()
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
                               "HELLO); the others got their results")
@@ -349,15 +366,19 @@ class EdgeAgent:
         token = self.tokens.gateway(worker, iteration).to_bytes(8, "little")
         return datagram[:TOKEN_AT] + token + datagram[TOKEN_AT + 8:]
 
+    def _control(self, datagram: bytes, address: Address) -> bool:
+        """Queue a control datagram for the send task; False when the queue is full (the protocol repeats
+        it: a NACK timer fires again, a worker asks again)."""
+        self._wake.set()
+        return self.outbox.control(datagram, address)
+
     def _emit(self, actions: list[tuple[int, bytes]]) -> None:
         for worker, datagram in actions:
             address = self.addresses.get(worker)
             if address is None:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
                 continue
-            try:
-                self._out.put_nowait((self._stamp(datagram, worker), address))
-            except asyncio.QueueFull:
+            if not self._control(self._stamp(datagram, worker), address):
                 log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
 
     async def _poke_stalled(self, sums: IterationSums) -> None:
@@ -369,7 +390,7 @@ class EdgeAgent:
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
             address = self.addresses.get(0)
             if address is not None:
-                await self._out.put((self._stamp(nack, 0), address))
+                self._control(self._stamp(nack, 0), address)
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
@@ -414,11 +435,7 @@ class EdgeAgent:
                 for address, token in targets:
                     stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
                     self.acks_sent += 1
-                    try:
-                        self.sock.sendto(stamped, address)
-                    except BlockingIOError:
-                        with contextlib.suppress(asyncio.QueueFull):
-                            self._out.put_nowait((stamped, address))
+                    self._control(stamped, address)
 
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
@@ -434,7 +451,7 @@ class EdgeAgent:
         token = self.tokens.gateway(head.worker, head.iteration)
         for datagram in ack_packets(np.asarray(done), job=self.job, iteration=head.iteration):
             stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
-            self._out.put_nowait((stamped, address))
+            self._control(stamped, address)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -503,7 +520,9 @@ class EdgeAgent:
                     row = rows[index: index + 1]
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
-                    self._out.put_nowait((row.tobytes(), address))
+                    # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
+                    self.outbox.bulk(row, address, tag=head.iteration)
+                    self._wake.set()
             elif head.kind == Kind.DATA and head.precision != Precision.FIXED32 and self.xdp is not None:
                 # narrow lanes the program could not widen in place: widened here, aggregated there
                 verdict, out = self.xdp.run_widened(data)
@@ -541,7 +560,7 @@ class EdgeAgent:
                                tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_chunks,
                                scale=self.layout.scales[0], flags=head.flags & Flag.AGGREGATOR,
                                token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
-        self._out.put_nowait((reply + deployment.encode(), address))
+        self._control(reply + deployment.encode(), address)
 
     def _drain(self) -> None:
         """Handle what is queued on the socket (up to 256 datagrams per wake-up; the kernel keeps the rest)."""
@@ -557,16 +576,76 @@ class EdgeAgent:
             except WireError as exc:
                 self.errors += 1
                 log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
-            except asyncio.QueueFull:
-                log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)", address)
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started
 
     async def _send(self) -> None:
+        """The one writer of the socket: takes what the outbox says goes next and sends it. A full send
+        buffer (EAGAIN) waits for the socket to be writable, ENOBUFS (the interface's queue refused it) waits
+        a pause growing from 1 ms to 64 ms; either way the same batch is asked for again, so nothing is lost
+        or reordered and memory stays what the outbox holds. Any other error drops that batch (logged,
+        counted): the protocol repeats what matters (NACK timers, PULLs, QUERYs), and the tier goes on."""
+        pause = 0.001
+        since_yield = 0
         while True:
-            datagram, address = await self._out.get()
-            await udp.sendto(self.sock, datagram, address)
+            now = time.monotonic()
+            batch = self.outbox.next(now)
+            if batch is None:
+                wake = self.outbox.wake_at(now)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(None if wake is None else max(0.0, wake - now)):
+                        await self._wake.wait()
+                continue
+            try:
+                self._transmit(batch)
+            except BlockingIOError:
+                self.send_stalls += 1
+                await self._writable()
+                continue
+            except OSError as exc:
+                if exc.errno == errno.ENOBUFS:
+                    self.send_stalls += 1
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, 0.064)
+                    continue
+                if batch.count > 1 and exc.errno in (errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP):
+                    self.outbox.batch = 1   # no segmentation here: one datagram per call from now on
+                    continue
+                self.send_errors += 1
+                log.warning("edge gateway: %d datagram(s) to %s not sent: %s", batch.count, batch.address, exc)
+            pause = 0.001
+            self.outbox.done(batch, time.monotonic())
+            since_yield += batch.count
+            if since_yield >= YIELD_DATAGRAMS:   # receiving goes on during a burst
+                since_yield = 0
+                await asyncio.sleep(0)
+
+    def _transmit(self, batch: Batch) -> None:
+        """One send system call: several datagrams as one UDP GSO send (cut by the kernel), one as is."""
+        if batch.count > 1:
+            self.sock.sendmsg([batch.data], [(socket.SOL_UDP, udp.UDP_SEGMENT, batch.size.to_bytes(2, "little"))],
+                              0, batch.address)
+        else:
+            self.sock.sendto(batch.data, batch.address)
+
+    async def _writable(self) -> None:
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        loop.add_writer(self.sock.fileno(), wake)
+        try:
+            async with asyncio.timeout(1.0):   # a missed wake-up costs a second, never the tier
+                await ready
+        except TimeoutError:
+            pass
+        finally:
+            loop.remove_writer(self.sock.fileno())
 
     async def _timers(self) -> None:
         assert self.fallback is not None
