@@ -34,6 +34,7 @@ import numpy as np
 
 from bpf.fallback import UserspaceAggregator
 from bpf.outbox import Batch, Outbox
+from bpf.uplinks import UplinkTracker
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment, LanTopology
@@ -60,6 +61,9 @@ Address = tuple[str, int]
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
 _ITERATION_AT = OFFSETS["iteration"]
+_WORKER_AT = OFFSETS["worker"]
+_TENSOR_AT = OFFSETS["tensor"]
+_CHUNK_AT = OFFSETS["chunk"]
 KEEP_MODELS = 8
 """Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
 YIELD_DATAGRAMS = 64
@@ -184,6 +188,8 @@ class EdgeAgent:
         self.send_stalls = 0
         """Sends the kernel refused for a full buffer (EAGAIN, ENOBUFS) and the send task waited out."""
         self.send_errors = 0
+        self.uplinks = UplinkTracker(window=layout.num_slots, keep=TOKEN_WINDOW)
+        """Each worker's first window of DATA per iteration (userspace mode): its achieved uplink."""
         """Batches dropped for another send error (logged): the protocol's own recovery repeats them."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
@@ -487,7 +493,9 @@ class EdgeAgent:
                 raise WireError(f"AGG datagram from {address}: only the XDP data plane makes them")
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:
-            agg = self.fallback.on_data(data, time.monotonic())
+            now = time.monotonic()
+            self._measure(data, now)
+            agg = self.fallback.on_data(data, now)
             if agg is not None:
                 self._on_agg(agg)
         else:
@@ -532,6 +540,24 @@ class EdgeAgent:
                 raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
             else:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+
+    def _measure(self, data: bytes, now: float) -> None:
+        """Count a DATA datagram towards its worker's achieved uplink (bpf/uplinks.py), read straight from the
+        header words (the aggregator validates the datagram itself)."""
+        iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
+        if not self._accepts(iteration):
+            return
+        tensor = int.from_bytes(data[_TENSOR_AT: _TENSOR_AT + 4], "little")
+        chunk = int.from_bytes(data[_CHUNK_AT: _CHUNK_AT + 4], "little")
+        if tensor >= len(self.layout.sizes) or chunk >= self.layout.chunks[tensor]:
+            return
+        worker = data[_WORKER_AT]
+        self.uplinks.on_data(worker, iteration, self.layout.first_slot[tensor] + chunk, len(data), now)
+
+    def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
+        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
+        mode, where DATA never reaches the agent."""
+        return self.uplinks.close(iteration)
 
     def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
         """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is

@@ -6,7 +6,8 @@ The gateway's port queue holds its sends, so its socket's send buffer fills: the
 worker) and the ACKs, NACKs and answers meet a full buffer at once. Two waiters on one socket's
 writability do not both wake (the event loop keeps one writer per descriptor), and that wedged the tier:
 some workers never got their first result. With one writer (bpf/outbox.py) every worker gets it and every
-iteration's sum is exact, also with a send buffer cut to 16 KB, where nearly every send meets a full one."""
+iteration's sum is exact, also with a send buffer cut to 16 KB, where nearly every send meets a full one.
+The gateway also measures each worker's first window of DATA per iteration (its achieved uplink)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from netstorm.lan.header import HEADER_BYTES
 from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root]
@@ -42,6 +44,7 @@ async def run_shaped(*, elements: int, iterations: int, sndbuf: int = 0,
     from netstorm.lan.sender import EdgeSender
 
     lay = EdgeLayout.uniform([elements], scale=FIXED, lanes=357, pool=1024)
+    datagram = HEADER_BYTES + 4 * lay.lanes
     rng = np.random.default_rng(elements)
     contribs = [[rng.standard_normal(elements).astype(np.float32) for _ in RATES] for _ in range(iterations)]
     first = rng.standard_normal(elements).astype(np.float32)
@@ -78,6 +81,11 @@ async def run_shaped(*, elements: int, iterations: int, sndbuf: int = 0,
                     for k in range(1, iterations + 1):
                         sums = await agent.collect(k, timeout=timeout)
                         np.testing.assert_array_equal(sums[0], reference(contribs[k - 1]))
+                        # every worker's first window arrived (the sum is exact), so its burst holds it all
+                        bursts = agent.uplink_bursts(k)
+                        assert [w for w, *_ in bursts] == list(range(len(RATES)))
+                        assert all(nbytes >= lay.num_slots * datagram and last > first
+                                   for _, nbytes, first, last in bursts), bursts
                         await agent.send_results(k, sums, total=len(RATES))
                     results = [await w for w in workers]
                 finally:
