@@ -71,6 +71,46 @@ def test_paths_are_checked() -> None:
         edge.parse_paths("xdp,nccl")
 
 
+def _scenario_args(**given: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    edge.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in given.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_a_scenario_dc_gives_the_workers_their_scaled_rates_precisions_and_the_planned_deployment() -> None:
+    from netstorm import scenario
+    from netstorm.config import Config
+    from netstorm.emulation.lantier import planned_tiers
+
+    args = _scenario_args(lan_scenario="lan-runtime-3", dc=1, lan_bw_scale=0.02, dc_planner="aleph")
+    edge.apply_lan_scenario(args)
+    spec = scenario.load("lan-runtime-3").node(1).lan
+    assert spec is not None and args.workers == len(spec.workers) == 8
+    assert args.rates == [(w.up_gbit * 0.02, w.down_gbit * 0.02) for w in spec.workers]
+    assert args.gateway_gbit == spec.gateway_gbit * 0.02 and args.precision == ",".join(["fp32"] * 8)
+    # the same deployment the emulator runs for this planner (the scheduler's planning core)
+    tier = planned_tiers(scenario.load("lan-runtime-3"), Config(dc_planner="aleph"))[1]
+    assert {a: tuple(m) for a, m in args.topology.clusters.items()} == {a: tuple(m) for a, m in tier.plan.clusters}
+    mixed = _scenario_args(lan_scenario="lan-runtime-3", dc=2, dc_planner="precision-oblivious")
+    edge.apply_lan_scenario(mixed)
+    assert set(mixed.precision.split(",")) == {"fp16", "bf16", "int8"}
+    assert mixed.plan["planner"] == "precision-oblivious" and mixed.plan["predicted_gbit"] > 0
+
+
+def test_scenario_options_are_checked() -> None:
+    from netstorm.errors import NetStormError
+
+    with pytest.raises(NetStormError, match="needs --dc"):
+        edge.apply_lan_scenario(_scenario_args(lan_scenario="lan-runtime-3"))
+    with pytest.raises(NetStormError, match="describes no LAN"):
+        edge.apply_lan_scenario(_scenario_args(lan_scenario="lan-runtime-3", dc=3))
+    with pytest.raises(NetStormError, match="need --lan-scenario"):
+        edge.apply_lan_scenario(_scenario_args(dc_planner="aleph"))
+
+
 @pytest.mark.root
 @pytest.mark.bcc
 def test_kernel_map_bytes_is_what_the_kernel_charged_for_the_loaded_maps() -> None:
