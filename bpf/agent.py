@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import logging
 import secrets
 import socket
@@ -33,8 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
-from bpf.outbox import Batch, Outbox
+from bpf.outbox import Outbox
 from bpf.uplinks import UplinkTracker
+from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment, LanTopology
@@ -66,9 +66,6 @@ _TENSOR_AT = OFFSETS["tensor"]
 _CHUNK_AT = OFFSETS["chunk"]
 KEEP_MODELS = 8
 """Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
-YIELD_DATAGRAMS = 64
-"""Datagrams the send task sends before it lets the loop run the receiver (one GSO batch, or 64 single
-sends without GSO)."""
 
 
 @dataclass
@@ -183,14 +180,11 @@ class EdgeAgent:
         self.acks_sent = 0
         self.outbox = Outbox(batch=udp.GSO_SEGMENTS if hasattr(socket, "SOL_UDP") else 1,
                              keep=KEEP_MODELS * max(1, layout.num_chunks))
-        """Everything the agent sends, sent by one task (``_send``): see bpf/outbox.py."""
-        self._wake = asyncio.Event()
-        self.send_stalls = 0
-        """Sends the kernel refused for a full buffer (EAGAIN, ENOBUFS) and the send task waited out."""
-        self.send_errors = 0
+        """Everything the agent sends, sent by one task (bpf/outbox.py, bpf/writer.py)."""
+        self.writer = SocketWriter(sock, self.outbox, who="edge gateway")
+        self._wake = self.writer.wake
         self.uplinks = UplinkTracker(window=layout.num_slots, keep=TOKEN_WINDOW)
         """Each worker's first window of DATA per iteration (userspace mode): its achieved uplink."""
-        """Batches dropped for another send error (logged): the protocol's own recovery repeats them."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
@@ -237,7 +231,7 @@ class EdgeAgent:
         loop.add_reader(self.sock.fileno(), self._drain)
         try:
             async with asyncio.TaskGroup() as tg:
-                send = tg.create_task(self._send())
+                send = tg.create_task(self.writer.run())
                 timers = tg.create_task(self._timers()) if self.fallback is not None else None
                 await self._stop.wait()
                 for task in (send, timers):
@@ -252,6 +246,16 @@ class EdgeAgent:
         self._stop.set()
 
     # ------------------------------------------------------------------ public verbs
+    @property
+    def send_stalls(self) -> int:
+        """Sends the kernel refused for a full buffer (EAGAIN, ENOBUFS) and the writer waited out."""
+        return self.writer.stalls
+
+    @property
+    def send_errors(self) -> int:
+        """Batches dropped for another send error (logged): the protocol's own recovery repeats them."""
+        return self.writer.errors
+
     @property
     def bad_tokens(self) -> int:
         """Datagrams dropped for a wrong token: DATA in the aggregator (the XDP program's own counter, read
@@ -605,73 +609,6 @@ class EdgeAgent:
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started
-
-    async def _send(self) -> None:
-        """The one writer of the socket: takes what the outbox says goes next and sends it. A full send
-        buffer (EAGAIN) waits for the socket to be writable, ENOBUFS (the interface's queue refused it) waits
-        a pause growing from 1 ms to 64 ms; either way the same batch is asked for again, so nothing is lost
-        or reordered and memory stays what the outbox holds. Any other error drops that batch (logged,
-        counted): the protocol repeats what matters (NACK timers, PULLs, QUERYs), and the tier goes on."""
-        pause = 0.001
-        since_yield = 0
-        while True:
-            now = time.monotonic()
-            batch = self.outbox.next(now)
-            if batch is None:
-                wake = self.outbox.wake_at(now)
-                self._wake.clear()
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(None if wake is None else max(0.0, wake - now)):
-                        await self._wake.wait()
-                continue
-            try:
-                self._transmit(batch)
-            except BlockingIOError:
-                self.send_stalls += 1
-                await self._writable()
-                continue
-            except OSError as exc:
-                if exc.errno == errno.ENOBUFS:
-                    self.send_stalls += 1
-                    await asyncio.sleep(pause)
-                    pause = min(2 * pause, 0.064)
-                    continue
-                if batch.count > 1 and exc.errno in (errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP):
-                    self.outbox.batch = 1   # no segmentation here: one datagram per call from now on
-                    continue
-                self.send_errors += 1
-                log.warning("edge gateway: %d datagram(s) to %s not sent: %s", batch.count, batch.address, exc)
-            pause = 0.001
-            self.outbox.done(batch, time.monotonic())
-            since_yield += batch.count
-            if since_yield >= YIELD_DATAGRAMS:   # receiving goes on during a burst
-                since_yield = 0
-                await asyncio.sleep(0)
-
-    def _transmit(self, batch: Batch) -> None:
-        """One send system call: several datagrams as one UDP GSO send (cut by the kernel), one as is."""
-        if batch.count > 1:
-            self.sock.sendmsg([batch.data], [(socket.SOL_UDP, udp.UDP_SEGMENT, batch.size.to_bytes(2, "little"))],
-                              0, batch.address)
-        else:
-            self.sock.sendto(batch.data, batch.address)
-
-    async def _writable(self) -> None:
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_writer(self.sock.fileno(), wake)
-        try:
-            async with asyncio.timeout(1.0):   # a missed wake-up costs a second, never the tier
-                await ready
-        except TimeoutError:
-            pass
-        finally:
-            loop.remove_writer(self.sock.fileno())
 
     async def _timers(self) -> None:
         assert self.fallback is not None
