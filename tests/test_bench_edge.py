@@ -289,3 +289,23 @@ def test_maps_only_reads_the_loaded_programs_maps_whatever_the_model(capsys: pyt
         assert doc["kernel_map_bytes"] == sum(doc["maps"].values()) > 64 * doc["lanes"] * 4
         sizes[elements] = doc["kernel_map_bytes"]
     assert sizes[200_000] == sizes[2_000_000]  # the pool sets the maps, not the model
+
+
+def test_the_planned_comparison_takes_means_over_repeats_against_flat_gloo_and_oblivious() -> None:
+    from netstorm.bench.edge_report import planned
+
+    def doc(planner: str, seconds: float, gbit: float, gloo: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = {"iterations": 2, "lan_scenario": {"scenario": "s", "dc": 1, "planner": planner},
+                                  "userspace": {"wall_seconds": 2 * seconds, "wall_gbit": gbit, "exact": True}}
+        if gloo is not None:
+            out["gloo"] = {"wall_seconds": 2 * gloo, "wall_gbit": 1.0, "exact": True}
+        return out
+
+    table = planned({"a": doc("flat", 4.0, 1.0, gloo=2.0), "b": doc("aleph", 1.0, 4.0), "c": doc("aleph", 2.0, 2.0),
+                     "d": doc("precision-oblivious", 4.0, 2.0), "e": {"workers": 4}})
+    summary = table["s DC 1"]["summary"]
+    assert summary["aleph"]["iteration_s"] == 1.5 and summary["aleph"]["aggregation_gbit"] == 3.0
+    assert summary["aleph"]["less_time_than_flat"] == pytest.approx(1 - 1.5 / 4.0)
+    assert summary["aleph"]["less_time_than_gloo"] == pytest.approx(1 - 1.5 / 2.0)
+    assert summary["aleph"]["more_throughput_than_oblivious"] == pytest.approx(0.5)
+    assert [r["file"] for r in table["s DC 1"]["runs"]["aleph"]] == ["b", "c"]
