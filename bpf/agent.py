@@ -32,6 +32,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
+from bpf.outbox import Outbox
+from bpf.uplinks import UplinkTracker
+from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
@@ -60,6 +63,11 @@ RECEIVE_BATCH = 256
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
 _ITERATION_AT = OFFSETS["iteration"]
+_WORKER_AT = OFFSETS["worker"]
+_TENSOR_AT = OFFSETS["tensor"]
+_CHUNK_AT = OFFSETS["chunk"]
+KEEP_MODELS = 8
+"""Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
 
 
 @dataclass
@@ -220,7 +228,13 @@ class EdgeAgent:
         self._acks: dict[int, list[int]] = {}
         """iteration -> chunk sequence numbers to ACK after this batch of datagrams."""
         self.acks_sent = 0
-        self.batch = udp.BatchSender(sock)
+        self.outbox = Outbox(batch=udp.GSO_SEGMENTS if hasattr(socket, "SOL_UDP") else 1,
+                             keep=KEEP_MODELS * max(1, layout.num_chunks))
+        """Everything the agent sends, sent by one task (bpf/outbox.py, bpf/writer.py)."""
+        self.writer = SocketWriter(sock, self.outbox, who="edge gateway")
+        self._wake = self.writer.wake
+        self.uplinks = UplinkTracker(window=layout.num_slots, keep=TOKEN_WINDOW)
+        """Each worker's first window of DATA per iteration (userspace mode): its achieved uplink."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
@@ -246,7 +260,6 @@ class EdgeAgent:
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
-        self._out: asyncio.Queue[tuple[bytes, Address]] = asyncio.Queue(maxsize=1 << 16)
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
         self.delivery_cpu = 0.0
@@ -267,7 +280,7 @@ class EdgeAgent:
         loop.add_reader(self.sock.fileno(), self._drain)
         try:
             async with asyncio.TaskGroup() as tg:
-                send = tg.create_task(self._send())
+                send = tg.create_task(self.writer.run())
                 timers = tg.create_task(self._timers()) if self.fallback is not None else None
                 await self._stop.wait()
                 for task in (send, timers):
@@ -282,6 +295,16 @@ class EdgeAgent:
         self._stop.set()
 
     # ------------------------------------------------------------------ public verbs
+    @property
+    def send_stalls(self) -> int:
+        """Sends the kernel refused for a full buffer (EAGAIN, ENOBUFS) and the writer waited out."""
+        return self.writer.stalls
+
+    @property
+    def send_errors(self) -> int:
+        """Batches dropped for another send error (logged): the protocol's own recovery repeats them."""
+        return self.writer.errors
+
     @property
     def bad_tokens(self) -> int:
         """Datagrams dropped for a wrong token: DATA in the aggregator (the XDP program's own counter, read
@@ -344,10 +367,12 @@ class EdgeAgent:
 
     async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int,
                            unicast: bool = False) -> None:
-        """Send every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
+        """Queue for every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
         contributor count), once to the multicast group (``unicast``, or without a group: a copy to each
         worker, as for the first result, which a worker may be asked for before it joined the group);
-        kept for PULLs until 4 iterations later."""
+        kept for PULLs until 4 iterations later. Returns once queued: the send task paces the burst
+        (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly delays
+        only its own."""
         self.expect(iteration + 1)   # the workers' next DATA
         rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
@@ -355,18 +380,20 @@ class EdgeAgent:
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
+        self.outbox.forget(iteration - 4)
         absent = [w for w in range(self.workers) if w not in self.addresses]
         if self.group is not None and not unicast:
             # one copy of each datagram; the LAN replicates it to every member of the group
             mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
-            await self.batch.send(mine, self.group)
+            self.outbox.bulk(mine, self.group, tag=iteration)
         else:
             for w in range(self.workers):
                 address = self.addresses.get(w)
                 if address is None:
                     continue
                 mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
-                await self.batch.send(mine, address)
+                self.outbox.bulk(mine, address, tag=iteration)
+        self._wake.set()
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
                               "HELLO); the others got their results")
@@ -398,15 +425,19 @@ class EdgeAgent:
         token = self.tokens.gateway(worker, iteration).to_bytes(8, "little")
         return datagram[:TOKEN_AT] + token + datagram[TOKEN_AT + 8:]
 
+    def _control(self, datagram: bytes, address: Address) -> bool:
+        """Queue a control datagram for the send task; False when the queue is full (the protocol repeats
+        it: a NACK timer fires again, a worker asks again)."""
+        self._wake.set()
+        return self.outbox.control(datagram, address)
+
     def _emit(self, actions: list[tuple[int, bytes]]) -> None:
         for worker, datagram in actions:
             address = self.addresses.get(worker)
             if address is None:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
                 continue
-            try:
-                self._out.put_nowait((self._stamp(datagram, worker), address))
-            except asyncio.QueueFull:
+            if not self._control(self._stamp(datagram, worker), address):
                 log.warning("edge gateway: send queue full, NACK to worker %d dropped (the timer repeats it)", worker)
 
     async def _poke_stalled(self, sums: IterationSums) -> None:
@@ -418,7 +449,7 @@ class EdgeAgent:
                                   slot=self.layout.slot(t, c), scale=self.layout.scales[t])
             address = self.addresses.get(0)
             if address is not None:
-                await self._out.put((self._stamp(nack, 0), address))
+                self._control(self._stamp(nack, 0), address)
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
@@ -463,11 +494,7 @@ class EdgeAgent:
                 for address, token in targets:
                     stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
                     self.acks_sent += 1
-                    try:
-                        self.sock.sendto(stamped, address)
-                    except BlockingIOError:
-                        with contextlib.suppress(asyncio.QueueFull):
-                            self._out.put_nowait((stamped, address))
+                    self._control(stamped, address)
 
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
@@ -482,7 +509,7 @@ class EdgeAgent:
         token = self.tokens.gateway(head.worker, head.iteration)
         for datagram in ack_packets(np.asarray(done), job=self.job, iteration=head.iteration):
             stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
-            self._out.put_nowait((stamped, address))
+            self._control(stamped, address)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -518,7 +545,9 @@ class EdgeAgent:
                 raise WireError(f"AGG datagram from {address}: only the XDP data plane makes them")
             self._on_agg(data)
         elif kind == Kind.DATA and self.fallback is not None:
-            agg = self.fallback.on_data(data, time.monotonic())
+            now = time.monotonic()
+            self._measure(data, now)
+            agg = self.fallback.on_data(data, now)
             if agg is not None:
                 self._on_agg(agg)
         else:
@@ -551,7 +580,9 @@ class EdgeAgent:
                     row = rows[index: index + 1]
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
-                    self._out.put_nowait((row.tobytes(), address))
+                    # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
+                    self.outbox.bulk(row, address, tag=head.iteration)
+                    self._wake.set()
             elif head.kind == Kind.DATA and head.precision != Precision.FIXED32 and self.xdp is not None:
                 # narrow lanes the program could not widen in place: widened here, aggregated there
                 verdict, out = self.xdp.run_widened(data)
@@ -561,6 +592,24 @@ class EdgeAgent:
                 raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
             else:
                 raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+
+    def _measure(self, data: bytes, now: float) -> None:
+        """Count a DATA datagram towards its worker's achieved uplink (bpf/uplinks.py), read straight from the
+        header words (the aggregator validates the datagram itself)."""
+        iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
+        if not self._accepts(iteration):
+            return
+        tensor = int.from_bytes(data[_TENSOR_AT: _TENSOR_AT + 4], "little")
+        chunk = int.from_bytes(data[_CHUNK_AT: _CHUNK_AT + 4], "little")
+        if tensor >= len(self.layout.sizes) or chunk >= self.layout.chunks[tensor]:
+            return
+        worker = data[_WORKER_AT]
+        self.uplinks.on_data(worker, iteration, self.layout.first_slot[tensor] + chunk, len(data), now)
+
+    def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
+        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
+        mode, where DATA never reaches the agent."""
+        return self.uplinks.close(iteration)
 
     def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
         """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is
@@ -589,7 +638,7 @@ class EdgeAgent:
                                tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_chunks,
                                scale=self.layout.scales[0], flags=head.flags & Flag.AGGREGATOR,
                                token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
-        self._out.put_nowait((reply + deployment.encode(), address))
+        self._control(reply + deployment.encode(), address)
 
     def _drain(self) -> None:
         """Handle what is queued on the socket: one ``recvmmsg`` of up to a batch (the kernel keeps the
@@ -622,9 +671,6 @@ class EdgeAgent:
                 except WireError as exc:
                     self.errors += 1
                     log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
-                except asyncio.QueueFull:
-                    log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)",
-                                batch.address(row))
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started
@@ -688,11 +734,6 @@ class EdgeAgent:
     def _ack_many(self, iteration: int, seqs: np.ndarray) -> None:
         if seqs.size:
             self._acks.setdefault(iteration, []).extend(seqs.tolist())
-
-    async def _send(self) -> None:
-        while True:
-            datagram, address = await self._out.get()
-            await udp.sendto(self.sock, datagram, address)
 
     async def _timers(self) -> None:
         assert self.fallback is not None

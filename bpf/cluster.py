@@ -24,6 +24,8 @@ import socket
 from pathlib import Path
 
 from bpf.fallback import UserspaceAggregator
+from bpf.outbox import Outbox
+from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
@@ -83,6 +85,10 @@ class ClusterAggregator:
         self._installed = -1
         self._scale = 0
         self._stop = asyncio.Event()
+        self.outbox = Outbox(batch=1)
+        """Aggregates forwarded to the gateway (userspace mode), sent by one writer: a full send buffer (this
+        worker's shaped uplink) holds them back instead of dropping them (bpf/writer.py)."""
+        self.writer = SocketWriter(sock, self.outbox, who=f"edge aggregator {worker}")
 
     async def start(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
         """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program."""
@@ -196,8 +202,8 @@ class ClusterAggregator:
                     log.warning("edge aggregator: rejected datagram: %s", exc)
                     continue
                 if out is not None:
-                    with contextlib.suppress(BlockingIOError):
-                        self.sock.sendto(out, self.gateway)
+                    self.outbox.control(out, self.gateway)
+                    self.writer.wake.set()
 
         # fd numbers taken now: close() may close the sockets before this task unwinds
         group_fd = group.fileno() if group is not None else -1
@@ -206,9 +212,13 @@ class ClusterAggregator:
             loop.add_reader(group_fd, on_group)
         if data_fd >= 0:
             loop.add_reader(data_fd, on_data)
+        writer = asyncio.create_task(self.writer.run())
         try:
             await self._stop.wait()
         finally:
+            writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await writer
             for fd in (group_fd, data_fd):
                 if fd >= 0:
                     loop.remove_reader(fd)

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import logging
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ from netstorm.lan.errors import EdgeTimeout
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
 from netstorm.lan_scenario import LanSpec
-from netstorm.lanreport import report_from_spec
+from netstorm.lanreport import LanRateMeter, ReportSchedule, report_from_spec
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
@@ -78,6 +79,11 @@ class EdgeOptions:
     plan_wait: float = 0.0
     """Seconds the LAN tier waits at start for the scheduler's first plan (``edge_plan_wait``; 0: it
     starts with the configured topology, and plans wait for the next start)."""
+    report_change: float = 0.2
+    """A measured worker rate that moved this much (relative) against the last report is reported
+    (``dc_replan_change``, the scheduler's own threshold)."""
+    report_interval: float = 10.0
+    """Least seconds between two measured reports (``dc_replan_hold``; 0: after any iteration)."""
 
     @property
     def lanes(self) -> int:
@@ -132,6 +138,14 @@ class GatewayRole:
         self.pending: LanPlan | None = None
         """A newer plan with another deployment, received once the LAN tier ran: applied at its next start."""
         self._planned = asyncio.Event()
+        self.meter = LanRateMeter(options.lan) if options.lan is not None else None
+        """Each worker's achieved rates, from the data the gateway receives (netstorm/lanreport.py)."""
+        self.schedule = (ReportSchedule(options.lan, options.report_change, options.report_interval)
+                         if options.lan is not None else None)
+        self.on_measured: Callable[[LanSpec], None] | None = None
+        """Called with the measured LAN when it moved enough to tell the scheduler (the node sends it as a
+        ``LanReport``, measured)."""
+        self.clock: Callable[[], float] = time.monotonic
 
     def announce(self, node_id: int, t: float = 0.0) -> LanReport | None:
         """The ``LanReport`` describing this gateway's LAN (None without a description)."""
@@ -273,10 +287,29 @@ class GatewayRole:
         """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
         assert self.agent is not None
         try:
-            return await self.agent.collect(iteration, timeout=self.iteration_timeout)
+            sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
         except EdgeTimeout as exc:
             log.error("edge: %s", exc)
             return exc
+        self._measured(iteration)
+        return sums
+
+    def _measured(self, iteration: int) -> None:
+        """Feed the iteration's uplink bursts to the meter; report the measured LAN when it moved enough."""
+        assert self.agent is not None
+        bursts = self.agent.uplink_bursts(iteration)
+        if self.meter is None or self.schedule is None:
+            return
+        for worker, nbytes, first, last in bursts:
+            if worker < len(self.meter.spec.workers):
+                self.meter.on_burst(worker, "up", nbytes, first, last)
+        measured = self.meter.measured()
+        now = self.clock()
+        if self.on_measured is not None and self.schedule.due(measured, now):
+            self.schedule.sent(measured, now)
+            log.info("edge: measured LAN uplinks (Gbit/s) %s reported to the scheduler",
+                     {w.index: round(w.up_gbit, 4) for w in measured.workers})
+            self.on_measured(measured)
 
     def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None:
         """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes

@@ -200,7 +200,12 @@ class Config:
     aggregate (false: by path cost alone, the paper's Algorithm 1)."""
     dc_replan_change: float = 0.2
     """Relative change of one LAN worker's reported rate, against the rate the DC's plan was made from,
-    that re-plans the DC; 0 re-plans on every report."""
+    that re-plans the DC; 0 re-plans on every report. A gateway reports its measured rates when one moved
+    this much against its last report."""
+    dc_replan_hold: float = 10.0
+    """Least seconds between two plans of one DC made from measured rates (a described LAN that changed
+    shape is planned at once), and between two measured reports of a gateway: a LAN whose measurements
+    wander is not re-planned at every iteration."""
     # LAN tier.
     edge_pool_slots: int = 1024
     """Aggregation slots a LAN gateway (and each LAN aggregator) reuses across chunks and iterations, as
@@ -283,6 +288,8 @@ class Config:
             raise ConfigError(f"eina_depth must be >= 2 (the gateway and one aggregator), got {self.eina_depth!r}")
         if self.dc_replan_change < 0:
             raise ConfigError(f"dc_replan_change must be >= 0, got {self.dc_replan_change!r}")
+        if self.dc_replan_hold < 0:
+            raise ConfigError(f"dc_replan_hold must be >= 0 seconds, got {self.dc_replan_hold!r}")
         if self.heartbeat_timeout <= self.heartbeat_interval:
             raise ConfigError(f"heartbeat_timeout ({self.heartbeat_timeout} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval} s), or every node is declared dead between heartbeats")

@@ -96,3 +96,27 @@ def largest_change(old: LanSpec, new: LanSpec) -> float:
         for x, y in ((a.up_gbit, b.up_gbit), (a.down_gbit, b.down_gbit)):
             change = max(change, abs(y - x) / x)
     return change
+
+
+@dataclass
+class ReportSchedule:
+    """When a gateway sends its measured LAN to the scheduler (sans-I/O, clock injected): once a worker's
+    measured rate moved by more than ``change`` against what it last reported (first: its configured
+    description), and at most once per ``interval`` seconds, so the scheduler hears of a moved LAN without
+    a report per iteration."""
+
+    reported: LanSpec
+    """What the scheduler last heard: the configured description until the first measured report."""
+    change: float
+    interval: float
+    last_t: float | None = None
+
+    def due(self, measured: LanSpec, now: float) -> bool:
+        if self.last_t is not None and now - self.last_t < self.interval:
+            return False
+        moved = largest_change(self.reported, measured)
+        return moved > self.change or (self.change == 0 and moved > 0)
+
+    def sent(self, measured: LanSpec, now: float) -> None:
+        self.reported = measured
+        self.last_t = now

@@ -2,7 +2,11 @@
 
 A gateway node describes its LAN (``LanReport``: as configured, then as measured); a DC is due for a
 plan when it has none, when its LAN changed shape (workers, precisions, racks), or when one worker's
-rate moved by more than ``dc_replan_change`` against the rates its current plan was made from. The
+rate moved by more than ``dc_replan_change`` against the rates its current plan was made from. A plan
+from measured rates waits until ``dc_replan_hold`` seconds after the DC's previous plan (the clock is
+injected: ``now`` in, ``next_deadline`` out for the shell's timer), so measurements that wander re-plan
+a DC at most that often, and the last report of a moved LAN is planned when the hold ends even if no
+report follows it. The
 planner named by ``dc_planner`` runs on the DC's description with workers only as aggregators (the
 data plane runs worker aggregators, two levels deep) and its plan goes to the gateway as a ``LanPlan``
 in the data plane's two-level form. The shell (``scheduler/service.py``) runs ``compute`` in a worker
@@ -41,6 +45,10 @@ class LanPlanning:
         self.planner = config.dc_planner
         self.options = Options.from_config(config, tor=False)
         self.change = config.dc_replan_change
+        self.hold = config.dc_replan_hold
+        self._planned_at: dict[int, float] = {}
+        self._measured: set[int] = set()
+        """DCs whose latest report is a measurement (held down), not a description."""
         self._latest: dict[int, LanSpec] = {}
         self._planned: dict[int, LanSpec] = {}
         self._version: dict[int, int] = {}
@@ -48,26 +56,51 @@ class LanPlanning:
         self.plans: dict[int, LanPlan] = {}
         """DC -> the plan last pushed to it."""
 
-    def report(self, message: LanReport) -> bool:
+    def report(self, message: LanReport, now: float = 0.0) -> bool:
         """Take a gateway's report; True when its DC is now due for a plan."""
         self._latest[message.node_id] = lanreport.spec_from_report(message)
-        return self.due(message.node_id)
+        if message.measured:
+            self._measured.add(message.node_id)
+        else:
+            self._measured.discard(message.node_id)
+        return self.due(message.node_id, now)
 
-    def due(self, node_id: int) -> bool:
+    def _moved(self, node_id: int) -> float:
+        """How far the latest report is from what the current plan was made from (inf: no plan yet, or
+        another shape)."""
+        planned = self._planned.get(node_id)
+        return float("inf") if planned is None else lanreport.largest_change(planned, self._latest[node_id])
+
+    def _held_until(self, node_id: int) -> float:
+        """Until when a DC's plan from measured rates waits (its previous plan plus the hold)."""
+        if node_id not in self._measured or node_id not in self._planned_at:
+            return float("-inf")
+        return self._planned_at[node_id] + self.hold
+
+    def due(self, node_id: int, now: float = 0.0) -> bool:
         if node_id in self._busy or node_id not in self._latest:
             return False
-        planned = self._planned.get(node_id)
-        if planned is None:
+        change = self._moved(node_id)
+        if change == float("inf"):
             return True
-        change = lanreport.largest_change(planned, self._latest[node_id])
-        return change > self.change or (self.change == 0 and change > 0)
+        if not (change > self.change or (self.change == 0 and change > 0)):
+            return False
+        return now >= self._held_until(node_id)
 
-    def pending(self) -> list[int]:
+    def next_deadline(self) -> float | None:
+        """When a DC whose measured LAN moved comes out of its hold (None: no DC waits)."""
+        waiting = [self._held_until(n) for n in self._latest
+                   if n not in self._busy and self._moved(n) != float("inf")
+                   and (self._moved(n) > self.change or (self.change == 0 and self._moved(n) > 0))]
+        return min(waiting, default=None)
+
+    def pending(self, now: float = 0.0) -> list[int]:
         """DCs due for a plan now."""
-        return [n for n in sorted(self._latest) if self.due(n)]
+        return [n for n in sorted(self._latest) if self.due(n, now)]
 
-    def begin(self, node_id: int) -> Job:
+    def begin(self, node_id: int, now: float = 0.0) -> Job:
         self._busy.add(node_id)
+        self._planned_at[node_id] = now
         return Job(node_id, self._latest[node_id], self.planner, self.options)
 
     @staticmethod

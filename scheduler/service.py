@@ -568,16 +568,19 @@ class SchedulerService:
         if problem is not None:
             log.warning("%s: ignored", problem)
             return
-        if self.lan.report(message):
-            self._lan_wake.set()
+        if self.lan.report(message, self.clock()) or self.lan.next_deadline() is not None:
+            self._lan_wake.set()   # planned now, or the loop's timer learns when the DC's hold ends
 
     async def _lan_loop(self) -> None:
         """Plan every DC whose LAN is due (in a worker thread) and push the plan to its gateway."""
         while True:
-            await self._lan_wake.wait()
+            deadline = self.lan.next_deadline()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(None if deadline is None else max(0.0, deadline - self.clock())):
+                    await self._lan_wake.wait()
             self._lan_wake.clear()
-            for node_id in self.lan.pending():
-                job = self.lan.begin(node_id)
+            for node_id in self.lan.pending(self.clock()):
+                job = self.lan.begin(node_id, self.clock())
                 try:
                     plan = await asyncio.to_thread(self.lan.compute, job)
                     message = self.lan.finish(job, plan)
@@ -594,7 +597,7 @@ class SchedulerService:
                         await conn.send(message)
                     except ConnectionError as exc:
                         log.info("could not send %s to %s: %s", message.TYPE, conn.name(), exc)
-                if self.lan.due(node_id):  # reported again while it was planned
+                if self.lan.due(node_id, self.clock()):  # reported again while it was planned
                     self._lan_wake.set()
 
     async def _override(self, conn: _Connection, message: control.PolicyOverride) -> None:

@@ -71,6 +71,46 @@ def test_paths_are_checked() -> None:
         edge.parse_paths("xdp,nccl")
 
 
+def _scenario_args(**given: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    edge.add_arguments(parser)
+    args = parser.parse_args([])
+    for key, value in given.items():
+        setattr(args, key, value)
+    return args
+
+
+def test_a_scenario_dc_gives_the_workers_their_scaled_rates_precisions_and_the_planned_deployment() -> None:
+    from netstorm import scenario
+    from netstorm.config import Config
+    from netstorm.emulation.lantier import planned_tiers
+
+    args = _scenario_args(lan_scenario="lan-runtime-3", dc=1, lan_bw_scale=0.02, dc_planner="aleph")
+    edge.apply_lan_scenario(args)
+    spec = scenario.load("lan-runtime-3").node(1).lan
+    assert spec is not None and args.workers == len(spec.workers) == 8
+    assert args.rates == [(w.up_gbit * 0.02, w.down_gbit * 0.02) for w in spec.workers]
+    assert args.gateway_gbit == spec.gateway_gbit * 0.02 and args.precision == ",".join(["fp32"] * 8)
+    # the same deployment the emulator runs for this planner (the scheduler's planning core)
+    tier = planned_tiers(scenario.load("lan-runtime-3"), Config(dc_planner="aleph"))[1]
+    assert {a: tuple(m) for a, m in args.topology.clusters.items()} == {a: tuple(m) for a, m in tier.plan.clusters}
+    mixed = _scenario_args(lan_scenario="lan-runtime-3", dc=2, dc_planner="precision-oblivious")
+    edge.apply_lan_scenario(mixed)
+    assert set(mixed.precision.split(",")) == {"fp16", "bf16", "int8"}
+    assert mixed.plan["planner"] == "precision-oblivious" and mixed.plan["predicted_gbit"] > 0
+
+
+def test_scenario_options_are_checked() -> None:
+    from netstorm.errors import NetStormError
+
+    with pytest.raises(NetStormError, match="needs --dc"):
+        edge.apply_lan_scenario(_scenario_args(lan_scenario="lan-runtime-3"))
+    with pytest.raises(NetStormError, match="describes no LAN"):
+        edge.apply_lan_scenario(_scenario_args(lan_scenario="lan-runtime-3", dc=3))
+    with pytest.raises(NetStormError, match="need --lan-scenario"):
+        edge.apply_lan_scenario(_scenario_args(dc_planner="aleph"))
+
+
 @pytest.mark.root
 @pytest.mark.bcc
 def test_kernel_map_bytes_is_what_the_kernel_charged_for_the_loaded_maps() -> None:
@@ -249,3 +289,23 @@ def test_maps_only_reads_the_loaded_programs_maps_whatever_the_model(capsys: pyt
         assert doc["kernel_map_bytes"] == sum(doc["maps"].values()) > 64 * doc["lanes"] * 4
         sizes[elements] = doc["kernel_map_bytes"]
     assert sizes[200_000] == sizes[2_000_000]  # the pool sets the maps, not the model
+
+
+def test_the_planned_comparison_takes_means_over_repeats_against_flat_gloo_and_oblivious() -> None:
+    from netstorm.bench.edge_report import planned
+
+    def doc(planner: str, seconds: float, gbit: float, gloo: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = {"iterations": 2, "lan_scenario": {"scenario": "s", "dc": 1, "planner": planner},
+                                  "userspace": {"wall_seconds": 2 * seconds, "wall_gbit": gbit, "exact": True}}
+        if gloo is not None:
+            out["gloo"] = {"wall_seconds": 2 * gloo, "wall_gbit": 1.0, "exact": True}
+        return out
+
+    table = planned({"a": doc("flat", 4.0, 1.0, gloo=2.0), "b": doc("aleph", 1.0, 4.0), "c": doc("aleph", 2.0, 2.0),
+                     "d": doc("precision-oblivious", 4.0, 2.0), "e": {"workers": 4}})
+    summary = table["s DC 1"]["summary"]
+    assert summary["aleph"]["iteration_s"] == 1.5 and summary["aleph"]["aggregation_gbit"] == 3.0
+    assert summary["aleph"]["less_time_than_flat"] == pytest.approx(1 - 1.5 / 4.0)
+    assert summary["aleph"]["less_time_than_gloo"] == pytest.approx(1 - 1.5 / 2.0)
+    assert summary["aleph"]["more_throughput_than_oblivious"] == pytest.approx(0.5)
+    assert [r["file"] for r in table["s DC 1"]["runs"]["aleph"]] == ["b", "c"]

@@ -93,8 +93,8 @@ def test_the_agent_handles_or_rejects_random_datagrams(agents: dict[bool, EdgeAg
     agent = agents[secret]
     with contextlib.suppress(WireError):
         agent._handle(data, ("10.0.0.9", 4000))
-    while not agent._out.empty():   # answers (HELLO) would go out; nothing else may pile up
-        agent._out.get_nowait()
+    while (batch := agent.outbox.next(0.0)) is not None:   # answers (HELLO, PULL) would go out; nothing piles up
+        agent.outbox.done(batch, 0.0)
     assert len(agent._open) <= 8 and set(agent.addresses) <= {0, 1, 2}
 
 

@@ -282,7 +282,7 @@ def test_thousands_of_forged_datagrams_leave_the_gateway_memory_flat(path: str, 
             tracemalloc.stop()
         per_iteration = LAYOUT.num_slots * LAYOUT.lanes * 4
         assert after - before < 4 * per_iteration, (after - before, per_iteration)
-        assert len(agent._open) <= 8 and agent._out.qsize() == 0
+        assert len(agent._open) <= 8 and agent.outbox.pending == 0
     finally:
         sock.close()
         if xdp is not None:

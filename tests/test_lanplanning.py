@@ -85,7 +85,7 @@ def _changed(spec: LanSpec, worker: int, factor: float) -> LanSpec:
 
 
 def test_core_replans_on_a_rate_change_past_the_threshold_only() -> None:
-    core = LanPlanning(Config(dc_planner="aleph", dc_replan_change=0.2))
+    core = LanPlanning(Config(dc_planner="aleph", dc_replan_change=0.2, dc_replan_hold=0.0))
     assert core.report(lanreport.report_from_spec(1, LAN))
     job = core.begin(1)
     assert not core.due(1)  # one plan at a time per DC
@@ -101,6 +101,36 @@ def test_core_replans_on_a_rate_change_past_the_threshold_only() -> None:
     assert second is not None and second.version == 1
     shape = dataclasses.replace(LAN, workers=(*LAN.workers, LanWorker(len(LAN.workers), 5.0, 5.0)))
     assert core.report(lanreport.report_from_spec(1, shape))  # a LAN of another shape
+
+
+def test_measured_rates_replan_a_dc_at_most_once_per_hold_and_the_last_report_is_not_lost() -> None:
+    core = LanPlanning(Config(dc_planner="aleph", dc_replan_change=0.2, dc_replan_hold=10.0))
+    assert core.report(lanreport.report_from_spec(1, LAN), now=100.0)   # described: planned at once
+    job = core.begin(1, now=100.0)
+    assert core.finish(job, core.compute(job)) is not None
+    assert core.next_deadline() is None
+    slow = _changed(LAN, 3, 0.5)
+    assert not core.report(lanreport.report_from_spec(1, slow, measured=True), now=103.0)
+    assert core.next_deadline() == 110.0       # held until ten seconds after the last plan
+    assert core.pending(109.9) == [] and core.pending(110.0) == [1]
+    job = core.begin(1, now=110.0)
+    assert job.spec == slow                    # the report made during the hold is the one planned
+    assert core.finish(job, core.compute(job)) is not None and core.next_deadline() is None
+    # it moves back within the hold: waits; a LAN of another shape (a description) does not
+    assert not core.report(lanreport.report_from_spec(1, LAN, measured=True), now=111.0)
+    shape = dataclasses.replace(LAN, workers=(*LAN.workers, LanWorker(len(LAN.workers), 5.0, 5.0)))
+    assert core.report(lanreport.report_from_spec(1, shape), now=112.0)
+
+
+def test_a_gateway_reports_its_measured_lan_when_it_moved_and_not_more_often_than_the_hold() -> None:
+    schedule = lanreport.ReportSchedule(LAN, change=0.2, interval=10.0)
+    assert not schedule.due(_changed(LAN, 2, 1.1), now=0.0)    # within the threshold of the description
+    slow = _changed(LAN, 2, 0.5)
+    assert schedule.due(slow, now=0.0)
+    schedule.sent(slow, now=0.0)
+    assert not schedule.due(_changed(LAN, 2, 2.0), now=5.0)    # moved, but within the interval
+    assert schedule.due(_changed(LAN, 2, 2.0), now=10.0)
+    assert not schedule.due(slow, now=20.0)                    # what was reported last
 
 
 def test_core_plans_with_worker_aggregators_only() -> None:
@@ -124,7 +154,7 @@ def test_a_failed_plan_keeps_the_previous_one_until_the_lan_changes() -> None:
 
 def test_scheduler_pushes_a_plan_to_the_gateway_and_replans_on_a_measured_change() -> None:
     async def body() -> None:
-        config = dataclasses.replace(FAST, dc_planner="aleph")
+        config = dataclasses.replace(FAST, dc_planner="aleph", dc_replan_hold=0.3)
         async with scheduler(config) as service:
             clients = await connect_all(service)
             try:
@@ -136,6 +166,7 @@ def test_scheduler_pushes_a_plan_to_the_gateway_and_replans_on_a_measured_change
                     first = await plans.get()
                 assert first.node_id == 1 and first.version == 0 and first.planner == "aleph"
                 assert gateway.lan_plan == first and service.lan.plans[1] == first
+                # measured within the hold: no report follows, the scheduler's timer plans it when the hold ends
                 gateway.report_lan(lanreport.report_from_spec(1, _changed(LAN, 0, 0.3), measured=True))
                 async with asyncio.timeout(T):
                     second = await plans.get()

@@ -31,6 +31,14 @@ among the same workers on the same LAN, ``gloo_lan.py``) also reports, on the sa
 ``auto_pick`` is the faster of the two LAN paths in wall_gbit for these conditions: what the
 gateway's ``edge_mode=auto`` takes. ``--loss`` drops the LAN paths' first transmissions at the senders;
 gloo runs over TCP on the same LAN and loses nothing.
+
+A planned tier on a scenario's LAN (``--lan-scenario S --dc N [--lan-bw-scale X] [--dc-planner P]``): the
+DC's workers, each port shaped to its described uplink and downlink and the gateway's port to its rate
+(times X), the precisions as described, and the two-level deployment the scheduler's planning core makes
+with planner P (``flat``, ``aleph``, ``pahina``, ``eina``, or the baseline ``precision-oblivious``). Every
+path then runs on that one LAN, gloo among the same workers included: the LAN tier alone, without a WAN
+step, which is what the planners' papers compare (communication time per iteration and aggregation
+throughput).
 """
 
 from __future__ import annotations
@@ -86,6 +94,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
     parser.add_argument("--lan-uplink", choices=("veth", "ifb"), default="veth",
                         help="where a shaped uplink is metered (lan_uplink_shaping; default veth)")
+    parser.add_argument("--lan-scenario", default=None, metavar="SCENARIO",
+                        help="take the workers, their shaped rates, the gateway's rate and the precisions from "
+                             "this scenario's DC --dc")
+    parser.add_argument("--dc", type=int, default=None, metavar="N", help="the DC of --lan-scenario")
+    parser.add_argument("--lan-bw-scale", type=float, default=1.0, metavar="X",
+                        help="multiply the scenario's LAN rates (default 1)")
+    parser.add_argument("--dc-planner", default=None, metavar="P",
+                        help="with --lan-scenario: deploy planner P's two-level plan (flat, aleph, pahina, eina, "
+                             "precision-oblivious)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -121,6 +138,64 @@ def _enable_bpf_stats() -> int:
     return fd
 
 
+def apply_lan_scenario(args: argparse.Namespace) -> None:
+    """``--lan-scenario``/``--dc``/``--dc-planner`` into the run's workers, rates, precisions and topology."""
+    from netstorm import scenario
+    from netstorm.config import resolve
+    from netstorm.errors import NetStormError
+
+    if args.lan_scenario is None:
+        if args.dc is not None or args.dc_planner is not None:
+            raise NetStormError("--dc and --dc-planner need --lan-scenario")
+        return
+    if args.dc is None:
+        raise NetStormError("--lan-scenario needs --dc N")
+    if not args.lan_bw_scale > 0:
+        raise NetStormError(f"--lan-bw-scale must be positive, got {args.lan_bw_scale}")
+    spec = scenario.load(args.lan_scenario).node(args.dc).lan
+    if spec is None:
+        raise NetStormError(f"DC {args.dc} of {args.lan_scenario} describes no LAN")
+    args.workers = len(spec.workers)
+    args.rates = [(w.up_gbit * args.lan_bw_scale, w.down_gbit * args.lan_bw_scale) for w in spec.workers]
+    args.gateway_gbit = spec.gateway_gbit * args.lan_bw_scale
+    if args.precision == "fp32":
+        args.precision = ",".join(w.precision for w in spec.workers)
+    if args.dc_planner is not None:
+        args.topology, args.plan = planned_topology(spec, args.dc_planner, resolve(file=args.config))
+
+
+def planned_topology(spec: Any, planner: str, config: Any) -> tuple[Any, dict[str, Any]]:
+    """The LanTopology the scheduler's planning core deploys for ``planner`` (or the precision-oblivious
+    baseline, PAHInA's greedy as if every worker sent fp32), and what the plan predicts."""
+    import dataclasses
+
+    from netstorm import lanreport
+    from netstorm.errors import NetStormError
+    from netstorm.lan.deploy import LanTopology
+    from netstorm.planning import pahina
+    from netstorm.planning.lanmodel import two_level
+    from scheduler.lanplanning import LanPlanning
+
+    if planner == "precision-oblivious":
+        plan = pahina.oblivious(spec, tor=False)
+        clusters, _direct = two_level(plan)
+        info = {"planner": planner, "predicted_gbit": plan.prediction.gbit}
+    else:
+        try:
+            core = LanPlanning(dataclasses.replace(config, dc_planner=planner))
+        except Exception as exc:
+            raise NetStormError(f"--dc-planner {planner!r}: {exc}") from None
+        core.report(lanreport.report_from_spec(0, spec))
+        job = core.begin(0)
+        message = core.finish(job, core.compute(job))
+        if message is None:
+            raise NetStormError(f"the {planner} plan of this LAN cannot run in the data plane")
+        clusters = {a: list(m) for a, m in message.clusters}
+        info = {"planner": planner, "predicted_gbit": message.predicted_gbit}
+    topo = LanTopology(len(spec.workers), {a: tuple(m) for a, m in clusters.items()})
+    return topo, {**info, "clusters": {str(a): list(m) for a, m in topo.clusters.items()}}
+
+
 def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
     """Each worker's shaped (up, down) Gbit/s: ``args.rates`` (a calibration's), else ``--lan-gbit``."""
     if getattr(args, "rates", None):
@@ -149,7 +224,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
     workers = args.workers
     precisions = parse_precisions(args.precision, workers)
-    topo = topology(workers, args.levels, args.aggregators)
+    topo = getattr(args, "topology", None) or topology(workers, args.levels, args.aggregators)
     if all(p == "fp32" for p in precisions):
         expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
     else:
@@ -161,7 +236,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     xdp = None
     stats_fd = -1
     mode = "userspace"
-    with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth")) as lan,
+    with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth"),
+              gateway_gbit=getattr(args, "gateway_gbit", None)) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-edge-") as logs):
         aggregators = (Aggregators(lan, topo, gateway=(GATEWAY_IP, PORT), job=JOB, mode=path,
                                    secret_file=args.secret_file, log_dir=Path(logs)) if topo.clusters else None)
@@ -433,8 +509,9 @@ def run(args: argparse.Namespace) -> int:
     paths = parse_paths(args.paths)
     from netstorm.bench.edge_levels import parse_precisions, topology
 
+    apply_lan_scenario(args)
     precisions = parse_precisions(args.precision, args.workers)   # refuse bad options before any run
-    topo = topology(args.workers, args.levels, args.aggregators)
+    topo = getattr(args, "topology", None) or topology(args.workers, args.levels, args.aggregators)
     host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     results: dict[str, dict[str, Any]] = {}
     for path in paths:
@@ -449,6 +526,10 @@ def run(args: argparse.Namespace) -> int:
         "mtu": args.mtu if args.mtu is not None else _lan_config(args).edge_mtu,
         "gso": not args.no_gso, "gro": not getattr(args, "no_gro", False),
     }
+    if args.lan_scenario is not None:
+        out["lan_scenario"] = {"scenario": args.lan_scenario, "dc": args.dc, "lan_bw_scale": args.lan_bw_scale,
+                               "rates_gbit": [list(r) for r in args.rates], "gateway_gbit": args.gateway_gbit,
+                               **getattr(args, "plan", {"planner": None})}
     xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
     if xdp is not None and userspace is not None:
         userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0
@@ -482,7 +563,10 @@ def table(out: dict[str, Any], args: argparse.Namespace) -> str:
     lines = [f"edge aggregation: {args.workers} workers, {args.elements} elements x {args.iterations} iterations, "
              f"loss {args.loss}; "
              f"{'datagrams authenticated by tokens' if args.secret_file else 'no secret'}; "
-             + (f"every port shaped to {args.lan_gbit:g} Gbit/s (uplinks on {args.lan_uplink})" if args.lan_gbit
+             + (f"DC {args.dc} of {args.lan_scenario} at x{args.lan_bw_scale:g}, "
+                f"{(out['lan_scenario'].get('planner') or 'configured')} deployment"
+                if out.get("lan_scenario") else
+                f"every port shaped to {args.lan_gbit:g} Gbit/s (uplinks on {args.lan_uplink})" if args.lan_gbit
                 else "LAN unshaped")
              + f"; {out['levels']} level(s){' clusters ' + str(out['clusters']) if out['clusters'] else ''}, "
                f"pool {out['pool']} slots, precisions {','.join(sorted(set(out['precisions'])))}"]

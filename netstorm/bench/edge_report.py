@@ -98,7 +98,8 @@ def markdown(files: Sequence[Path]) -> str:
     docs = {path.name: json.loads(path.read_text()) for path in files}
     emulations = {name: doc for name, doc in docs.items() if "systems" in doc}
     maps = {name: doc for name, doc in docs.items() if "maps" in doc}
-    benches = [path for path in files if path.name not in emulations and path.name not in maps]
+    benches = [path for path in files if path.name not in emulations and path.name not in maps
+               and "planned" not in docs[path.name]]
     out = _bench_table(benches) if benches else ""
     for name, doc in maps.items():
         out += (f"\n- `{name}`: `{doc.get('command', '?')}`: the XDP aggregator for {doc['elements']:,} elements "
@@ -131,6 +132,54 @@ def _bench_table(files: Sequence[Path]) -> str:
             extra.append(f"host load average before {load[0]:.1f}")
         notes.append(f"- `{path.name}`: `{doc.get('command', '?')}`" + (f"; {'; '.join(extra)}" if extra else ""))
     return "\n".join([*lines, "", *notes]) + "\n"
+
+
+def planned(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario DC, every planner's LAN tier from ``bench edge --lan-scenario`` files (their userspace
+    path) against flat and gloo among the same workers: seconds per iteration (the wall window over the
+    iterations), aggregation throughput (``wall_gbit``: the workers' float32 gradient bits per second),
+    exactness, and the ratios the planners' papers claim: communication time against flat and gloo, and
+    throughput against the precision-oblivious assignment. Repeated runs (the same planner and DC) are
+    listed in file order; ratios use their means."""
+    table: dict[str, Any] = {}
+    for name, doc in docs.items():
+        lan = doc.get("lan_scenario")
+        if lan is None:
+            continue
+        dc = table.setdefault(f"{lan['scenario']} DC {lan['dc']}", {"runs": {}, "gloo": []})
+        for path in ("userspace", "xdp"):
+            r = doc.get(path)
+            if r is not None:
+                dc["runs"].setdefault(lan.get("planner") or "configured", []).append({
+                    "file": name, "path": path, "iteration_s": round(r["wall_seconds"] / doc["iterations"], 4),
+                    "aggregation_gbit": round(r["wall_gbit"], 5), "exact": r["exact"],
+                    "clusters": lan.get("clusters", {}), "predicted_gbit": lan.get("predicted_gbit"),
+                    "retransmitted": r.get("retransmitted"),
+                    "host_load_before": doc.get("host", {}).get("load_average_before")})
+        if doc.get("gloo") is not None:
+            g = doc["gloo"]
+            dc["gloo"].append({"file": name, "iteration_s": round(g["wall_seconds"] / doc["iterations"], 4),
+                               "aggregation_gbit": round(g["wall_gbit"], 5), "exact": g["exact"]})
+
+    def mean(rows: list[dict[str, Any]], key: str) -> float | None:
+        return sum(r[key] for r in rows) / len(rows) if rows else None
+
+    for dc in table.values():
+        flat_s = mean(dc["runs"].get("flat", []), "iteration_s")
+        gloo_s = mean(dc["gloo"], "iteration_s")
+        oblivious = mean(dc["runs"].get("precision-oblivious", []), "aggregation_gbit")
+        ratios = {}
+        for planner, rows in dc["runs"].items():
+            s = mean(rows, "iteration_s")
+            gbit = mean(rows, "aggregation_gbit")
+            assert s is not None and gbit is not None
+            ratios[planner] = {
+                "iteration_s": round(s, 4), "aggregation_gbit": round(gbit, 5),
+                "less_time_than_flat": round(1 - s / flat_s, 4) if flat_s else None,
+                "less_time_than_gloo": round(1 - s / gloo_s, 4) if gloo_s else None,
+                "more_throughput_than_oblivious": round(gbit / oblivious - 1, 4) if oblivious else None}
+        dc["summary"] = ratios
+    return table
 
 
 def main(argv: Sequence[str] | None = None) -> int:

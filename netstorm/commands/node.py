@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
                            group=parse_address(config.edge_group, "edge_group") if config.edge_group else None,
                            retransmit=config.edge_retransmit,
                            lan=lan_description(getattr(args, "edge_scenario", None), args.id),
-                           plan_wait=config.edge_plan_wait)
+                           plan_wait=config.edge_plan_wait, report_change=config.dc_replan_change,
+                           report_interval=config.dc_replan_hold)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,
@@ -148,6 +149,7 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
             edge_task = None
             if edge is not None:
                 from bpf.gateway import GatewayRole
+                from netstorm.lanreport import report_from_spec
 
                 role = GatewayRole(edge, iteration_timeout=control.config.iteration_timeout)
                 role.on_started = control.report_edge  # the emulator reads the mode back from the scheduler
@@ -155,6 +157,8 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
                 report = role.announce(node_id, clock.now())
                 if report is not None:
                     control.report_lan(report)  # the scheduler answers with a LanPlan (GeneralNode._lan_plan)
+                    role.on_measured = lambda spec: control.report_lan(
+                        report_from_spec(node_id, spec, measured=True, t=clock.now()))
                 edge_task = tg.create_task(role.run())
                 print(f"node {node_id} gateway: {edge.workers} LAN workers send to {edge.listen[0]}:"
                       f"{edge.listen[1]} (edge://HOST:{edge.listen[1]}?worker=I)", flush=True)
