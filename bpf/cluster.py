@@ -80,8 +80,10 @@ class ClusterAggregator:
         self.xdp: XdpAggregator | None = None
         self.fallback: UserspaceAggregator | None = None
         self.attached: list[str] = []
+        # gro=False: this socket's DATA is read one datagram per receive below, so the kernel must not
+        # hand it the members' GSO batches coalesced
         self._hello = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], 0), job=job,
-                                 secret=secret, group_opener=group_opener)
+                                 secret=secret, group_opener=group_opener, gro=False)
         self._installed = -1
         self._scale = 0
         self._stop = asyncio.Event()
