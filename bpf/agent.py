@@ -662,7 +662,9 @@ class EdgeAgent:
                 data = batch.datagram(row)
                 try:
                     if self.fallback is not None and kinds[row] == Kind.DATA:
-                        # the userspace aggregator's DATA: no answer goes back, so no address is needed
+                        # the userspace aggregator's DATA: no answer goes back, so no address is needed;
+                        # it counts towards its worker's achieved uplink as in ``_handle``
+                        self._measure(data, now)
                         agg = self.fallback.on_data(data, now)
                         if agg is not None:
                             self._on_agg(agg)
