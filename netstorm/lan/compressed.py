@@ -1,0 +1,115 @@
+"""A LAN worker of a compressed job (FediAC, top-k): the same ``Rounds`` core as a trainer at a node, each
+round sent on its own wire (``introunds.RoundPlan``) so only the lanes that carry data travel.
+
+Votes, the scale one-hot and FediAC's b-bit values go as exact integers at scale 0, which the gateway's XDP
+program (or its userspace fallback) sums like any int32 lane; the gateway adds its own trainer's integers
+and hands the DC's exact sum to the node, so the WAN roots see the full counts of every contributor. The
+worker's ``Rounds`` is seeded with its own contributor id, so its votes and rounding are its own draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from netstorm.compression.options import CompressionOptions
+from netstorm.compression.session import Rounds, RoundStats
+from netstorm.errors import TrainerError, WrongShape
+from netstorm.lan.introunds import RoundPlan, Wire
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.sender import EdgeSender
+
+
+class CompressedEdgeWorker:
+    """One LAN worker's compressed rounds over an ``EdgeSender`` (not yet said HELLO)."""
+
+    def __init__(self, sender: EdgeSender, options: CompressionOptions, *, contributor: int, seed: int = 0,
+                 applied: int = 0, timeout: float = 60.0) -> None:
+        """``contributor``: this worker's id among every contributor of the job (it seeds its draws);
+        ``applied``: the vote threshold the WAN roots apply (0: none; each contributor applies it)."""
+        if not options.sparse:
+            raise TrainerError(f"compression {options.method!r} has no rounds to run on the LAN")
+        self.sender = sender
+        self.options = options
+        self.contributor = contributor
+        self.seed = seed
+        self.applied = applied
+        self.timeout = timeout
+        self.iteration = -1
+        self.rounds: Rounds | None = None
+        self.plan: RoundPlan | None = None
+        self.wire: Wire | None = None
+        self.received: list[tuple[Wire, list[np.ndarray]]] = []
+        """The last iteration's rounds: each wire and the sums that came back on it."""
+        self._registered: dict[str, np.ndarray] = {}
+        self._workers = 0
+
+    @property
+    def num_workers(self) -> int:
+        """Contributors to each sum (what the gateway's results say)."""
+        return self._workers
+
+    @property
+    def last(self) -> RoundStats:
+        return self._need_rounds().last
+
+    async def init(self, model: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Say HELLO, receive the values the DCs agreed on, and start the rounds."""
+        rounds = Rounds(self.options, model, self.seed)
+        registered = rounds.registered(model)
+        names = sorted(registered)
+        sizes = [max(1, int(np.asarray(registered[n]).size)) for n in names]
+        self.sender.layout = EdgeLayout.uniform(sizes, scale=0, lanes=self.sender.layout.lanes)
+        reply = await self.sender.hello(timeout=self.timeout)
+        full = self.sender.layout
+        if reply.tensor != len(sizes) or reply.slot != full.num_chunks:
+            raise WrongShape(f"edge worker {self.sender.worker}: the gateway registered {reply.tensor} tensors in "
+                             f"{reply.slot} chunks, this compressed job {len(sizes)} in {full.num_chunks}")
+        self.iteration, flat, self._workers = await self.sender.receive_first(timeout=self.timeout)
+        if self._workers < 1:
+            raise TrainerError(f"edge worker {self.sender.worker}: the gateway's results do not say how many "
+                               f"contributors they sum, which the compressed rounds need")
+        deployment = self.sender.deployment
+        assert deployment is not None
+        self.plan = RoundPlan(registered, self.options, lanes=full.lanes, pool=deployment.pool, scale=reply.scale,
+                              contributors=self._workers, applied=self.applied)
+        rounds.start(self._workers, self.contributor, self.applied)
+        self.rounds = rounds
+        self._registered = registered
+        self.wire = self.plan.first()
+        initial = self.plan.shaped(flat, registered)
+        return {name: initial[name].astype(np.asarray(model[name]).dtype) for name in rounds.names}
+
+    async def push_pull(self, gradients: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        """One iteration of the job's rounds: the decoded sum (or mean) of every contributor's update."""
+        rounds = self._need_rounds()
+        plan, wire = self.plan, self.wire
+        assert plan is not None and wire is not None
+        steps = rounds.iteration(gradients)
+        push = next(steps)
+        self.received = []
+        while True:
+            lanes = plan.lanes_of(wire, push)
+            self.sender.layout = wire.layout
+            iteration = self.iteration + 1
+            back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
+            self.iteration = iteration
+            self.received.append((wire, back))
+            result = plan.shaped(plan.expand(wire, back), self._registered)
+            wire = self.wire = plan.following(wire, back)
+            try:
+                push = steps.send(result)
+            except StopIteration as done:
+                decoded: dict[str, np.ndarray] = done.value
+                if average:
+                    return {n: (v / np.float32(self._workers)).astype(v.dtype) for n, v in decoded.items()}
+                return decoded
+
+    def close(self) -> None:
+        self.sender.close()
+
+    def _need_rounds(self) -> Rounds:
+        if self.rounds is None:
+            raise TrainerError("push_pull before init")
+        return self.rounds
