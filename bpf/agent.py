@@ -140,7 +140,9 @@ class IterationSums:
         row = self.layout.seq(head.tensor, head.chunk)
         self.raw[row, : head.count] = lanes[: head.count]
         self.scales[row] = head.scale
-        self._complete(np.array([row]))
+        self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
+        self.remaining -= 1
+        self.missing.pop((head.tensor, head.chunk), None)
         return []
 
     def take(self, heads: np.ndarray, lanes: np.ndarray) -> tuple[np.ndarray, int]:
@@ -638,15 +640,24 @@ class EdgeAgent:
                 self._take_aggs(np.flatnonzero(aggs))
             else:
                 aggs[:] = False
-            for row in np.flatnonzero(~aggs):
-                address = batch.address(int(row))
+            kinds = heads["kind"]
+            now = time.monotonic()
+            for row in np.flatnonzero(~aggs).tolist():
+                data = batch.datagram(row)
                 try:
-                    self._handle(batch.datagram(int(row)), address)
+                    if self.fallback is not None and kinds[row] == Kind.DATA:
+                        # the userspace aggregator's DATA: no answer goes back, so no address is needed
+                        agg = self.fallback.on_data(data, now)
+                        if agg is not None:
+                            self._on_agg(agg)
+                    else:
+                        self._handle(data, batch.address(row))
                 except WireError as exc:
                     self.errors += 1
-                    log.warning("edge gateway: rejected datagram from %s: %s", address, exc)
+                    log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
                 except asyncio.QueueFull:
-                    log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)", address)
+                    log.warning("edge gateway: send queue full; answer to %s dropped (it will ask again)",
+                                batch.address(row))
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started

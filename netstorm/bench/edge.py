@@ -319,12 +319,13 @@ def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.bench.gloo_lan import run_gloo
     from netstorm.emulation.bridge_lan import Lan
 
-    with (Lan(args.workers, rates=_rates(args), uplink=args.lan_uplink) as lan,
+    mtu = args.mtu if args.mtu is not None else _lan_config(args).edge_mtu   # the same LAN as the other paths
+    with (Lan(args.workers, mtu=mtu, rates=_rates(args), uplink=args.lan_uplink) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs):
         out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
                        log_dir=Path(logs))
     return {"wall_seconds": out["wall_seconds"], "exact": out["exact"], "host_cpu": out["host_cpu"],
-            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32"}
+            "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32", "mtu": mtu}
 
 
 def with_host_figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:

@@ -37,6 +37,7 @@ BATCH_ROWS: Final = 1024
 """Datagrams one batch holds (about 4 MB of buffer)."""
 _LANED: Final = np.array([k in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY) for k in range(256)])
 """Kinds whose payload is lanes (indexed by kind code)."""
+_MAX_PRECISION: Final = max(int(p) for p in Precision)
 _KNOWN: Final = np.array([k in {int(kind) for kind in Kind} for k in range(256)])
 _LANE_BYTES: Final = np.array([Precision(p).lane_bytes if p in {int(q) for q in Precision} else 1
                                for p in range(256)], np.int64)
@@ -86,9 +87,10 @@ class DatagramBatch:
         name = self.names[row].tobytes()
         return socket.inet_ntoa(name[4:8]), int.from_bytes(name[2:4], "big")
 
-    def set_address(self, row: int, address: tuple[str, int]) -> None:
-        self.names[row, :8] = np.frombuffer(socket.AF_INET.to_bytes(2, "little") + address[1].to_bytes(2, "big") +
-                                            socket.inet_aton(address[0]), np.uint8)
+    def set_address(self, rows: slice | int, address: tuple[str, int]) -> None:
+        """Record ``address`` as the sender of ``rows`` (a receive that did not fill ``names`` itself)."""
+        self.names[rows, :8] = np.frombuffer(socket.AF_INET.to_bytes(2, "little") + address[1].to_bytes(2, "big") +
+                                             socket.inet_aton(address[0]), np.uint8)
 
     def headers(self) -> np.ndarray:
         """The headers of the ``count`` datagrams held, as a structured view (no copy)."""
@@ -121,7 +123,7 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     lanes_fit = (payload % width == 0) & (width * count <= payload) & (payload <= width * MAX_LANES)
     hello = kind == Kind.HELLO
     payload_ok = np.where(laned, lanes_fit, np.where(hello, payload <= MAX_DEPLOY_BYTES, payload == 0))
-    precision_ok = (precision == Precision.FIXED32) | ((precision <= max(Precision)) & (kind == Kind.DATA))
+    precision_ok = (precision == Precision.FIXED32) | ((precision <= _MAX_PRECISION) & (kind == Kind.DATA))
     ok = (lengths >= HEADER_BYTES) & (lengths <= ROW_BYTES)
     ok &= headers["magic"] == MAGIC
     ok &= headers["version"] == VERSION

@@ -291,7 +291,6 @@ def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
                 batch.lengths[at + full] = rest
         batch.coalesced += rows > 1
         if sock.family == socket.AF_INET:
-            for row in range(at, at + rows):
-                batch.set_address(row, address)
+            batch.set_address(slice(at, at + rows), address)
         batch.count += rows
     return batch.count - start
