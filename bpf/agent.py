@@ -264,6 +264,8 @@ class EdgeAgent:
         self._tasks: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
         self._rx = DatagramBatch(RECEIVE_BATCH)
+        self.gia_threshold = 0
+        """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
         self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
         """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
 
@@ -530,7 +532,7 @@ class EdgeAgent:
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
-                          first_iteration=self._base)
+                          first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
         for event in events:

@@ -18,7 +18,7 @@ import pytest
 from netstorm.compression.options import VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Rounds
 from netstorm.lan.errors import IntegerOverflow
-from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size
+from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size, layout_order
 from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
@@ -42,7 +42,8 @@ def model() -> dict[str, np.ndarray]:
 def full_layout() -> EdgeLayout:
     """What the gateway loads: every registered tensor (model and integer ones), as the node registers them."""
     registered = Rounds(OPTIONS, model()).registered(model())
-    return EdgeLayout.uniform([registered[n].size for n in sorted(registered)], scale=16, lanes=LANES, pool=POOL)
+    return EdgeLayout.uniform([registered[n].size for n in layout_order(registered)], scale=16, lanes=LANES,
+                              pool=POOL)
 
 
 @pytest.fixture(scope="module")
@@ -89,11 +90,11 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                 EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i,
                            layout=EdgeLayout.uniform([1], scale=0, lanes=LANES), job=JOB, loss=loss, seed=3,
                            group_opener=lan.group_opener(ns)),
-                OPTIONS, contributor=1 + i, seed=SEED, timeout=30.0) for i, ns in enumerate(lan.workers)]
+                OPTIONS, contributor=1 + i, seed=SEED, applied=0, timeout=30.0) for i, ns in enumerate(lan.workers)]
             # the gateway's trainer (contributor 0), and a reference run of every LAN worker's rounds
             trainer = Rounds(OPTIONS, model(), SEED)
             registered = trainer.registered(model())
-            names = sorted(registered)
+            names = list(layout_order(registered))
             reference = [Rounds(OPTIONS, model(), SEED) for _ in range(workers)]
             for i, ref in enumerate(reference):
                 ref.registered(model())
@@ -172,7 +173,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             assert np.array_equal(counts, np.rint(first_counts))
                 finally:
                     for c in clients:
-                        c.close()
+                        c.sender.close()
                     agent.close()
                     await serving
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]

@@ -186,7 +186,7 @@ class _Client(Protocol):
     node_id: int
 
     def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
-             votes: int = ...) -> dict[str, np.ndarray]: ...
+             votes: int = ..., bits: int = ...) -> dict[str, np.ndarray]: ...
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
@@ -196,7 +196,7 @@ class _AsyncClient(Protocol):
     node_id: int
 
     async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
-                   votes: int = ...) -> dict[str, np.ndarray]: ...
+                   votes: int = ..., bits: int = ...) -> dict[str, np.ndarray]: ...
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
@@ -213,7 +213,7 @@ class CompressedClient:
     def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rounds = Rounds(self.options, tensors, self.seed)
         result = self.client.init(self.rounds.registered(tensors), compression=self.options.method,
-                                  votes=self.options.votes)
+                                  votes=self.options.votes, bits=self.options.bits)
         self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
         return {name: result[name] for name in self.rounds.names}
 
@@ -266,7 +266,7 @@ class AsyncCompressedClient:
     async def init(self, tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         self.rounds = Rounds(self.options, tensors, self.seed)
         result = await self.client.init(self.rounds.registered(tensors), compression=self.options.method,
-                                  votes=self.options.votes)
+                                        votes=self.options.votes, bits=self.options.bits)
         self.rounds.start(self.client.num_workers, self.client.node_id, getattr(self.client, "gia_threshold", 0))
         return {name: result[name] for name in self.rounds.names}
 

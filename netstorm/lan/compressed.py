@@ -9,6 +9,7 @@ worker's ``Rounds`` is seeded with its own contributor id, so its votes and roun
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Mapping
 
 import numpy as np
@@ -16,18 +17,20 @@ import numpy as np
 from netstorm.compression.options import CompressionOptions
 from netstorm.compression.session import Rounds, RoundStats
 from netstorm.errors import TrainerError, WrongShape
-from netstorm.lan.introunds import RoundPlan, Wire
+from netstorm.lan.client import parse, parse_precision
+from netstorm.lan.introunds import RoundPlan, Wire, layout_order
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.sender import EdgeSender
+from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
 
 
 class CompressedEdgeWorker:
     """One LAN worker's compressed rounds over an ``EdgeSender`` (not yet said HELLO)."""
 
     def __init__(self, sender: EdgeSender, options: CompressionOptions, *, contributor: int, seed: int = 0,
-                 applied: int = 0, timeout: float = 60.0) -> None:
-        """``contributor``: this worker's id among every contributor of the job (it seeds its draws);
-        ``applied``: the vote threshold the WAN roots apply (0: none; each contributor applies it)."""
+                 applied: int | None = None, timeout: float = 60.0) -> None:
+        """``contributor``: this worker's id among every contributor of the job (it seeds its draws; a
+        node trainer's is its node id); ``applied``: the vote threshold the WAN roots apply (0: none, each
+        contributor applies it; None: as the gateway's deployment says)."""
         if not options.sparse:
             raise TrainerError(f"compression {options.method!r} has no rounds to run on the LAN")
         self.sender = sender
@@ -58,7 +61,7 @@ class CompressedEdgeWorker:
         """Say HELLO, receive the values the DCs agreed on, and start the rounds."""
         rounds = Rounds(self.options, model, self.seed)
         registered = rounds.registered(model)
-        names = sorted(registered)
+        names = layout_order(registered)
         sizes = [max(1, int(np.asarray(registered[n]).size)) for n in names]
         self.sender.layout = EdgeLayout.uniform(sizes, scale=0, lanes=self.sender.layout.lanes)
         reply = await self.sender.hello(timeout=self.timeout)
@@ -72,6 +75,8 @@ class CompressedEdgeWorker:
                                f"contributors they sum, which the compressed rounds need")
         deployment = self.sender.deployment
         assert deployment is not None
+        if self.applied is None:
+            self.applied = deployment.gia_threshold
         self.plan = RoundPlan(registered, self.options, lanes=full.lanes, pool=deployment.pool, scale=reply.scale,
                               contributors=self._workers, applied=self.applied)
         rounds.start(self._workers, self.contributor, self.applied)
@@ -106,10 +111,26 @@ class CompressedEdgeWorker:
                     return {n: (v / np.float32(self._workers)).astype(v.dtype) for n, v in decoded.items()}
                 return decoded
 
-    def close(self) -> None:
+    async def close(self) -> None:
         self.sender.close()
+        self.sender.sock.close()
 
     def _need_rounds(self) -> Rounds:
         if self.rounds is None:
             raise TrainerError("push_pull before init")
         return self.rounds
+
+
+def aconnect_compressed_edge(address: str, options: CompressionOptions, *, contributor: int, seed: int = 0,
+                             timeout: float = 300.0, sock: socket.socket | None = None,
+                             secret: bytes | None = None, group_opener: GroupOpener | None = None
+                             ) -> CompressedEdgeWorker:
+    """A LAN worker of a compressed job at ``edge://GATEWAY:PORT?worker=I[&job=J]``; ``init`` says HELLO."""
+    gateway, worker, job = parse(address)
+    if sock is None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        receive_buffer(sock, RCVBUF_BYTES)
+    sock.setblocking(False)
+    sender = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], scale=0), job=job,
+                        secret=secret, precision=parse_precision(address), group_opener=group_opener)
+    return CompressedEdgeWorker(sender, options, contributor=contributor, seed=seed, timeout=timeout)

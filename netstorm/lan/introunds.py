@@ -38,6 +38,7 @@ from netstorm.compression import voting
 from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 from netstorm.lan.errors import WireError
 from netstorm.lan.layout import EdgeLayout
+from netstorm.layout import Layout, TensorSpec
 
 EXACT_LANE = 2**24
 """Largest integer a LAN worker's lanes carry exactly: the worker hands its lanes over as float32. Rounds'
@@ -56,7 +57,7 @@ class Wire:
 
     kind: Kind
     tensors: tuple[int, ...]
-    """Index, in the registered order (sorted names), of each tensor on the wire, ascending."""
+    """Index, in the node's layout order (``layout_order``), of each tensor on the wire, ascending."""
     extents: tuple[int, ...]
     """Leading elements of each that travel (the rest are zeros at every contributor)."""
     layout: EdgeLayout
@@ -71,13 +72,14 @@ class RoundPlan:
 
     def __init__(self, registered: Mapping[str, np.ndarray], options: CompressionOptions, *, lanes: int, pool: int,
                  scale: int, contributors: int, applied: int = 0) -> None:
-        """``registered``: every tensor ``Rounds.registered`` gives (names sorted as the node's layout orders
-        them); ``lanes``, ``pool`` and ``scale``: the LAN deployment's; ``contributors`` and ``applied``: as
-        ``Rounds.start`` takes them (N, and the threshold the WAN roots already applied, 0: none)."""
+        """``registered``: every tensor ``Rounds.registered`` gives (in any order: the wire follows the
+        node's layout order); ``lanes``, ``pool`` and ``scale``: the LAN deployment's; ``contributors``
+        and ``applied``: as ``Rounds.start`` takes them (N, and the threshold the WAN roots already
+        applied, 0: none)."""
         if not options.sparse:
             raise ValueError(f"compression {options.method!r} has no integer rounds")
         self.options = options
-        self.names = tuple(sorted(registered))
+        self.names = layout_order(registered)
         self.sizes = tuple(max(1, int(np.asarray(registered[n]).size)) for n in self.names)
         self.integer = tuple(np.asarray(registered[n]).dtype.kind in "iu" for n in self.names)
         self.lanes = lanes
@@ -194,6 +196,13 @@ class GatewayRounds:
         for old in [k for k in self.wires if k < iteration - 4]:
             del self.wires[old]
         return back, following
+
+
+def layout_order(registered: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The registered tensors' names in the order of the node's layout (float tensors first, then integer
+    ones by lane, by name within each): the order of the gateway's tensors, hence of a LAN worker's."""
+    specs = [TensorSpec.of(name, np.asarray(value)) for name, value in registered.items()]
+    return tuple(t.name for t in Layout.build(specs, 1 << 62).tensors)
 
 
 def gia_size(counts: np.ndarray, threshold: int) -> int:
