@@ -8,6 +8,7 @@ An integer sum beyond int32 is flagged by the aggregator and fails the iteration
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from netstorm.compression.options import VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Rounds
 from netstorm.lan.errors import IntegerOverflow
+from netstorm.lan.header import Precision
 from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size, layout_order
 from netstorm.lan.layout import EdgeLayout
 
@@ -25,6 +27,7 @@ pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 MODEL = {"a.weight": (40, 30), "b.bias": (37,)}   # 1237 elements: 4 value chunks at most, 4 + 3 vote chunks
 OPTIONS = CompressionOptions("fediac", k=0.1, bits=10, votes=2)
+"""b = 10: the values travel as int32 lanes, the votes as int8 ones; ``bits=8`` sends both narrow."""
 LANES = 357
 POOL = 3
 """Fewer slots than a vote round's chunks: the pool cycles within every round."""
@@ -65,8 +68,8 @@ def flat(tensors: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
                                                          else np.float64) for n in names]
 
 
-async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int,
-                     loss: float = 0.0) -> dict[str, Any]:
+async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
+                     bits: int = 10) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -74,6 +77,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
     from netstorm.lan.sender import EdgeSender
 
     layout = full_layout()
+    options = dataclasses.replace(OPTIONS, bits=bits)
     contributors = workers + 1
     rng = np.random.default_rng(workers * 11 + iterations)
     with Lan(workers) as lan:
@@ -90,17 +94,17 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                 EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i,
                            layout=EdgeLayout.uniform([1], scale=0, lanes=LANES), job=JOB, loss=loss, seed=3,
                            group_opener=lan.group_opener(ns)),
-                OPTIONS, contributor=1 + i, seed=SEED, applied=0, timeout=30.0) for i, ns in enumerate(lan.workers)]
+                options, contributor=1 + i, seed=SEED, applied=0, timeout=30.0) for i, ns in enumerate(lan.workers)]
             # the gateway's trainer (contributor 0), and a reference run of every LAN worker's rounds
-            trainer = Rounds(OPTIONS, model(), SEED)
+            trainer = Rounds(options, model(), SEED)
             registered = trainer.registered(model())
             names = list(layout_order(registered))
-            reference = [Rounds(OPTIONS, model(), SEED) for _ in range(workers)]
+            reference = [Rounds(options, model(), SEED) for _ in range(workers)]
             for i, ref in enumerate(reference):
                 ref.registered(model())
                 ref.start(contributors, 1 + i)
             trainer.start(contributors, 0)
-            plan = RoundPlan(registered, OPTIONS, lanes=LANES, pool=layout.num_slots, scale=16,
+            plan = RoundPlan(registered, options, lanes=LANES, pool=layout.num_slots, scale=16,
                              contributors=contributors)
             checked: dict[str, int] = {"votes": 0, "values": 0}
             gias: list[int] = []
@@ -153,7 +157,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             if decoded:
                                 break
                             if wire.kind is Kind.VOTES:
-                                g = gia_size(shaped[VOTES], OPTIONS.votes_of(contributors))
+                                g = gia_size(shaped[VOTES], options.votes_of(contributors))
                                 assert following.gia == g and following.layout.sizes == (max(1, g),)
                                 gias.append(g)
                             sent = nexts
@@ -166,6 +170,8 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             votes_wire, votes_back = clients[i].received[0]
                             values_wire, _ = clients[i].received[1]
                             assert votes_wire.kind is Kind.VOTES and values_wire.kind is Kind.VALUES
+                            assert votes_wire.precision is Precision.INT8
+                            assert values_wire.precision is (Precision.INT8 if bits <= 8 else Precision.FIXED32)
                             assert values_wire.gia == gias[-1] == clients[i].last.gia
                             assert values_wire.layout.num_chunks == -(-max(1, values_wire.gia) // LANES)
                             counts = np.rint(votes_back[votes_wire.tensors.index(names.index(VOTES))])
@@ -185,11 +191,11 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                 xdp.detach()
 
 
-@pytest.mark.parametrize("workers", [2, 4])
-def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: str, workers: int,
+@pytest.mark.parametrize(("workers", "bits"), [(2, 10), (3, 8), (4, 10)])
+def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: str, workers: int, bits: int,
                                                                          request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(run_fediac(mode, xdp, workers=workers, iterations=3, loss=0.05))
+    out = asyncio.run(run_fediac(mode, xdp, workers=workers, iterations=3, loss=0.05, bits=bits))
     assert out["votes"] == 3 and out["values"] == 3
     assert all(0 < g < 1237 for g in out["gia"])   # a real sparsification, not all or nothing
     assert out["dropped"] > 0 and out["retransmitted"] > 0

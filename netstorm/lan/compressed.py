@@ -97,6 +97,7 @@ class CompressedEdgeWorker:
         while True:
             lanes = plan.lanes_of(wire, push)
             self.sender.layout = wire.layout
+            self.sender.precision = wire.precision
             iteration = self.iteration + 1
             back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
             self.iteration = iteration

@@ -37,9 +37,11 @@ import numpy as np
 from netstorm.compression import voting
 from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 from netstorm.lan.errors import WireError
+from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.layout import Layout, TensorSpec
 
+INT8_MAX = 127
 EXACT_LANE = 2**24
 """Largest integer a LAN worker's lanes carry exactly: the worker hands its lanes over as float32. Rounds'
 integers stay far below it (a vote is 0 or 1, a b-bit value at most 2**23 with b <= 24)."""
@@ -65,6 +67,10 @@ class Wire:
     """Whether every lane is an exact integer at scale 0 (overflow is then an error, not a rescale)."""
     gia: int = 0
     """The values round's GIA size (0 otherwise)."""
+    precision: Precision = Precision.FIXED32
+    """How the lanes travel: INT8 where every contributor's integer fits -127..127 (a vote, the scale
+    one-hot, values of b <= 8 bits), a quarter of the bytes; the aggregator widens them to int32 exactly
+    (an integer x travels as x * 2**w and is shifted back), so the sums are the same."""
 
 
 class RoundPlan:
@@ -119,7 +125,10 @@ class RoundPlan:
         integer = all(self.integer[t] for t in tensors)
         scales = tuple(0 if self.integer[t] else self.scale for t in tensors)
         layout = EdgeLayout(extents, scales, lanes=self.lanes, pool=self.pool)
-        return Wire(kind, tensors, extents, layout, integer, gia if kind is Kind.VALUES else 0)
+        # |f U| <= (2**(b-1) - N) / N <= 2**(b-1) - 1, so |round(f U)| <= 2**(b-1) - 1: int8 up to b = 8
+        narrow = integer and (kind is Kind.VOTES or 0 < self.options.bits <= 8)
+        return Wire(kind, tensors, extents, layout, integer, gia if kind is Kind.VALUES else 0,
+                    Precision.INT8 if narrow else Precision.FIXED32)
 
     # ---- a contributor's lanes and the full tensors back --------------------------------------------
 
@@ -138,8 +147,10 @@ class RoundPlan:
             if t not in on_wire:
                 continue
             part = flat[:extent]
-            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > EXACT_LANE:
-                raise WireError(f"tensor {name!r}: an integer beyond {EXACT_LANE}, not exact in a float32 lane")
+            bound = INT8_MAX if wire.precision == Precision.INT8 else EXACT_LANE
+            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > bound:
+                raise WireError(f"tensor {name!r}: an integer beyond {bound}, not exact in its "
+                                f"{wire.precision.name} lane")
             lane = np.zeros(extent, np.float32)
             lane[:part.size] = part
             out.append(lane)
