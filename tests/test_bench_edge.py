@@ -143,7 +143,7 @@ def test_the_benchmark_reports_every_path_against_gloo(capsys: pytest.CaptureFix
     # the command is the process's own argv (here pytest's, which may be empty past the program name)
     assert doc["command"].split()[0] == "netstorm" and doc["xdp"] == out["xdp"]
     table = markdown([saved])
-    assert all(f"| edge-test.json | 2 | 0 % | 20,000 | {name} (" in table for name in edge.PATHS)
+    assert all(f"| edge-test.json | 2 | 0 % | 20,000 | 1500 | {name} (" in table for name in edge.PATHS)
 
 
 def test_perf_report_lines_become_shares() -> None:

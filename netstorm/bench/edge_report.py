@@ -32,7 +32,8 @@ def rows(doc: dict[str, Any], name: str) -> list[str]:
         vs = f"{r['wall_gbit_vs_gloo']:.2f}x" if "wall_gbit_vs_gloo" in r else "-"
         cpu_vs = f"{r['host_cpu_per_gb_vs_gloo']:.2f}x" if "host_cpu_per_gb_vs_gloo" in r else "-"
         gateway = _cell(r, "gateway_cpu_seconds_per_gb", ".2f")
-        out.append(f"| {name} | {doc['workers']} | {doc['loss'] * 100:g} % | {doc['elements']:,} | {path} "
+        mtu = r.get("mtu", doc.get("mtu", "-"))
+        out.append(f"| {name} | {doc['workers']} | {doc['loss'] * 100:g} % | {doc['elements']:,} | {mtu} | {path} "
                    f"({r.get('mode', '')}) | {r['wall_gbit']:.3f} | {vs} | {r['host_cpu_seconds_per_gb']:.2f} | "
                    f"{cpu_vs} | {gateway} | {r['exact']} |")
     return out
@@ -44,8 +45,9 @@ def breakdown(docs: dict[str, dict[str, Any]]) -> list[str]:
     and resending datagrams, taking ACKs and results), and the rest (the kernel's softirq threads and the
     gateway process's other work); then the profile of the gateway and worker processes by shared object and
     symbol, where recorded."""
-    lines = ["| file | path | datagrams | resent | host CPU µs/datagram | XDP program | agent | workers | rest |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| file | path | MTU | datagrams | resent | host CPU µs/datagram | XDP program | agent | "
+             "workers (user / system) | rest |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     profiles = []
     for name, doc in docs.items():
         for path in ("xdp", "userspace"):
@@ -57,9 +59,12 @@ def breakdown(docs: dict[str, dict[str, Any]]) -> list[str]:
             agent = r.get("agent_cpu_seconds", 0.0)
             workers = r["workers_cpu_seconds"]
             rest = r["host_cpu_seconds"] - program - agent - workers
-            lines.append(f"| {name} | {path} | {r['packets']:,} | {r.get('retransmitted', 0):,} | "
+            split = (f" ({r['workers_cpu_user_seconds'] * per:.1f} / {r['workers_cpu_system_seconds'] * per:.1f})"
+                     if "workers_cpu_user_seconds" in r else "")
+            lines.append(f"| {name} | {path} | {r.get('mtu', '-')} | {r['packets']:,} | "
+                         f"{r.get('retransmitted', 0):,} | "
                          f"{r['host_cpu_seconds'] * per:.1f} | {program * per:.1f} | {agent * per:.1f} | "
-                         f"{workers * per:.1f} | {rest * per:.1f} |")
+                         f"{workers * per:.1f}{split} | {rest * per:.1f} |")
             if r.get("perf"):
                 dsos = ", ".join(f"{row['what']} {row['percent']:.0f} %" for row in r["perf"]["by_dso"][:5])
                 symbols = ", ".join(f"{row['what'].split()[-1]} {row['percent']:.0f} %"
@@ -114,9 +119,9 @@ def markdown(files: Sequence[Path]) -> str:
 
 
 def _bench_table(files: Sequence[Path]) -> str:
-    lines = ["| file | workers | loss | elements | path | wall Gbit/s | vs gloo | host CPU-s/GB | vs gloo | "
+    lines = ["| file | workers | loss | elements | MTU | path | wall Gbit/s | vs gloo | host CPU-s/GB | vs gloo | "
              "gateway CPU-s/GB | exact |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     notes = []
     for path in files:
         doc = json.loads(path.read_text())

@@ -143,6 +143,8 @@ class EdgeSender:
         batches then reaches this worker's socket a batch per receive instead of one datagram each."""
         self._coalesced: set[int] = set()
         """File numbers of our sockets that have UDP_GRO on."""
+        self._offered: set[int] = set()
+        """File numbers of our sockets UDP_GRO was asked for."""
         self.rounds = 0
         """Receive rounds (batches taken), each a fixed cost in Python whatever it holds."""
         self._batch = DatagramBatch()
@@ -203,8 +205,7 @@ class EdgeSender:
         self.retransmit = deployment.retransmit
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
-        if self.gro:   # after HELLO, whose answer is read with an ordinary receive
-            self._coalesced = {s.fileno() for s in self.sockets if udp.enable_gro(s)}
+
 
     def close(self) -> None:
         if self.group_sock is not None:
@@ -325,6 +326,12 @@ class EdgeSender:
         while self._early and batch.put(self._early[0]):
             self._early.pop(0)
         for sock in self.sockets:
+            if self.gro and sock.fileno() not in self._offered:
+                # on the first receive of our own, not at HELLO: a cluster aggregator says HELLO through
+                # this class but reads its sockets itself, one datagram per receive
+                self._offered.add(sock.fileno())
+                if udp.enable_gro(sock):
+                    self._coalesced.add(sock.fileno())
             gro = sock.fileno() in self._coalesced
             while batch.count < batch.rows and udp.receive_batch(sock, batch, gro=gro):
                 pass
