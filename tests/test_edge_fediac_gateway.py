@@ -96,12 +96,7 @@ def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str) -> Non
                                            str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
             for sock in ("n1.sock", "n2.sock"):
                 wait_for(tmp_path / sock, procs, 60)
-            workers = [aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT}?worker={i}", OPTIONS,
-                                                contributor=CONTRIBUTORS[2 + i], seed=SEED, timeout=TIMEOUT,
-                                                sock=lan.udp_socket(ns, lan.worker_ip(i)),
-                                                group_opener=lan.group_opener(ns))
-                       for i, ns in enumerate(lan.workers)]
-            asyncio.run(_drive(tmp_path, workers, steps=3))
+            asyncio.run(_drive(tmp_path, lan, steps=3))
         except BaseException:
             for name in ("scheduler", "node1", "node2"):
                 text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
@@ -121,7 +116,12 @@ def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str) -> Non
                 log.close()
 
 
-async def _drive(tmp_path: Path, workers: list[CompressedEdgeWorker], steps: int) -> None:
+async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:
+    workers = [await aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT}?worker={i}", OPTIONS,
+                                              contributor=CONTRIBUTORS[2 + i], seed=SEED, timeout=TIMEOUT,
+                                              sock=lan.udp_socket(ns, lan.worker_ip(i)),
+                                              group_opener=lan.group_opener(ns))
+               for i, ns in enumerate(lan.workers)]
     gw_raw = await netstorm.aconnect(str(tmp_path / "n1.sock"), timeout=TIMEOUT)
     dc2_raw = await netstorm.aconnect(str(tmp_path / "n2.sock"), timeout=TIMEOUT)
     gw = AsyncCompressedClient(gw_raw, OPTIONS, SEED)

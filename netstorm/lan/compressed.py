@@ -122,10 +122,10 @@ class CompressedEdgeWorker:
         return self.rounds
 
 
-def aconnect_compressed_edge(address: str, options: CompressionOptions, *, contributor: int, seed: int = 0,
-                             timeout: float = 300.0, sock: socket.socket | None = None,
-                             secret: bytes | None = None, group_opener: GroupOpener | None = None
-                             ) -> CompressedEdgeWorker:
+async def aconnect_compressed_edge(address: str, options: CompressionOptions, *, contributor: int, seed: int = 0,
+                                   timeout: float = 300.0,  # noqa: ASYNC109
+                                   sock: socket.socket | None = None, secret: bytes | None = None,
+                                   group_opener: GroupOpener | None = None) -> CompressedEdgeWorker:
     """A LAN worker of a compressed job at ``edge://GATEWAY:PORT?worker=I[&job=J]``; ``init`` says HELLO."""
     gateway, worker, job = parse(address)
     if sock is None:
