@@ -242,8 +242,10 @@ def options_from_args(args: argparse.Namespace) -> Options:
         if gloo:
             raise EmulationError(f"--chaos needs NetStorm systems; {', '.join(gloo)} cannot rejoin")
     compression_list = compressed.parse(given.get("compression"))
-    if compression_list != ["none"] and (chaos or lan_workers):
-        raise EmulationError("--compression runs without --chaos and LAN workers")
+    if compression_list != ["none"] and chaos:
+        raise EmulationError("--compression runs without --chaos")
+    if lan_workers and "fp16" in compression_list:
+        raise EmulationError("--compression fp16 runs without LAN workers (their lanes are fixed point already)")
     compression_flags = [flag for name in ("fediac_k", "fediac_bits", "fediac_votes") if name in given
                          for flag in ("--" + name.replace("_", "-"), str(given[name]))]
     return Options(args.scenario, systems.parse(args.system), args.iterations, args.model, args.bw_scale,

@@ -9,7 +9,9 @@ worker's ``Rounds`` is seeded with its own contributor id, so its votes and roun
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -94,12 +96,15 @@ class CompressedEdgeWorker:
         steps = rounds.iteration(gradients)
         push = next(steps)
         self.received = []
+        times: list[float] = []
         while True:
             lanes = plan.lanes_of(wire, push)
             self.sender.layout = wire.layout
             self.sender.precision = wire.precision
             iteration = self.iteration + 1
+            started = time.perf_counter()
             back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
+            times.append(time.perf_counter() - started)
             self.iteration = iteration
             self.received.append((wire, back))
             result = plan.shaped(plan.expand(wire, back), self._registered)
@@ -107,6 +112,7 @@ class CompressedEdgeWorker:
             try:
                 push = steps.send(result)
             except StopIteration as done:
+                rounds.last.round_s = tuple(times)
                 decoded: dict[str, np.ndarray] = done.value
                 if average:
                     return {n: (v / np.float32(self._workers)).astype(v.dtype) for n, v in decoded.items()}
@@ -135,3 +141,42 @@ async def aconnect_compressed_edge(address: str, options: CompressionOptions, *,
     sender = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], scale=0), job=job,
                         secret=secret, precision=parse_precision(address), group_opener=group_opener)
     return CompressedEdgeWorker(sender, options, contributor=contributor, seed=seed, timeout=timeout)
+
+
+class CompressedEdgeClient:
+    """The blocking face of ``CompressedEdgeWorker`` (its own event loop, one call at a time)."""
+
+    def __init__(self, inner: CompressedEdgeWorker) -> None:
+        self.inner = inner
+        self._loop = asyncio.new_event_loop()
+
+    @property
+    def num_workers(self) -> int:
+        return self.inner.num_workers
+
+    @property
+    def last(self) -> RoundStats:
+        return self.inner.last
+
+    def init(self, model: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._loop.run_until_complete(self.inner.init(model))
+
+    def push_pull(self, gradients: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        return self._loop.run_until_complete(self.inner.push_pull(gradients, average))
+
+    def close(self) -> None:
+        self._loop.run_until_complete(self.inner.close())
+        self._loop.close()
+
+
+def connect_compressed_edge(address: str, options: CompressionOptions, *, contributor: int, seed: int = 0,
+                            timeout: float = 300.0, sock: socket.socket | None = None,
+                            secret: bytes | None = None) -> CompressedEdgeClient:
+    """The blocking ``aconnect_compressed_edge``."""
+    loop = asyncio.new_event_loop()
+    try:
+        inner = loop.run_until_complete(aconnect_compressed_edge(address, options, contributor=contributor, seed=seed,
+                                                                 timeout=timeout, sock=sock, secret=secret))
+    finally:
+        loop.close()
+    return CompressedEdgeClient(inner)
