@@ -39,7 +39,7 @@ from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
@@ -85,6 +85,10 @@ class IterationSums:
     job: int
     missing: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     rescaled: int = 0
+    integer: bool = False
+    """The lanes are exact integers at scale 0 (a compressed job's round, ``netstorm/lan/introunds.py``): an
+    overflow fails the iteration (``failure``) instead of re-quantising, which would not be exact."""
+    failure: IntegerOverflow | None = None
 
     def __post_init__(self) -> None:
         self.open = np.ones(self.layout.num_chunks, bool)
@@ -122,6 +126,11 @@ class IterationSums:
     def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
         """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
         if not self.is_pending(head.tensor, head.chunk):
+            return []
+        if head.flags & Flag.OVERFLOW and self.integer:
+            self.failure = IntegerOverflow(
+                f"iteration {self.iteration} tensor {head.tensor} chunk {head.chunk}: the integer lanes' sum left "
+                f"int32 (flagged OVERFLOW by the aggregator); integer rounds are not re-quantised")
             return []
         if head.flags & Flag.OVERFLOW:
             scale = rescale_for(head.need, self.workers)
@@ -268,6 +277,27 @@ class EdgeAgent:
         self._tasks: asyncio.TaskGroup | None = None
         self._stop = asyncio.Event()
         self._rx = DatagramBatch(RECEIVE_BATCH)
+        self.gia_threshold = 0
+        """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
+        self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
+        """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
+
+    def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False) -> None:
+        """Iteration ``iteration`` travels on ``layout`` instead of the model's (a compressed job's round
+        carries only the lanes with data, ``netstorm/lan/introunds.py``); planned before its first datagram
+        can arrive, i.e. before the previous iteration's results are sent. Its lanes and pool must fit the
+        aggregator loaded for the model's layout."""
+        if layout.lanes != self.layout.lanes or layout.num_slots > self.layout.num_slots:
+            raise ValueError(f"iteration {iteration}: a layout of {layout.lanes} lanes and {layout.num_slots} slots "
+                             f"does not fit the aggregator's {self.layout.lanes} lanes and {self.layout.num_slots}")
+        self._wires[iteration] = (layout, integer)
+        for old in [k for k in self._wires if k < iteration - 8]:
+            del self._wires[old]
+
+    def layout_of(self, iteration: int) -> EdgeLayout:
+        """The layout ``iteration`` travels on: its planned one, else the model's."""
+        planned = self._wires.get(iteration)
+        return self.layout if planned is None else planned[0]
 
     async def run(self) -> None:
         """Serve until ``close``: receiving (a reader callback), sending, slot timers (userspace) or the
@@ -347,6 +377,8 @@ class EdgeAgent:
         deadline = time.monotonic() + timeout
         try:
             while not sums.done:
+                if sums.failure is not None:
+                    raise sums.failure
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise EdgeTimeout(f"edge gateway: iteration {iteration} incomplete after {timeout} s: "
@@ -374,7 +406,7 @@ class EdgeAgent:
         (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly delays
         only its own."""
         self.expect(iteration + 1)   # the workers' next DATA
-        rows = np.concatenate([result_packets(self.layout, job=self.job, iteration=iteration, tensor=t,
+        rows = np.concatenate([result_packets(self.layout_of(iteration), job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
                                for t, r in enumerate(results)])
         self._results[iteration] = rows
@@ -402,7 +434,9 @@ class EdgeAgent:
     def _sums(self, iteration: int) -> IterationSums:
         sums = self._open.get(iteration)
         if sums is None:
-            sums = IterationSums(self.layout, iteration, self.workers, self.job)
+            planned = self._wires.get(iteration)
+            layout, integer = (self.layout, False) if planned is None else planned
+            sums = IterationSums(layout, iteration, self.workers, self.job, integer=integer)
             self._open[iteration] = sums
         return sums
 
@@ -446,7 +480,7 @@ class EdgeAgent:
         unaffected (the duplicate is dropped) and stay with the timer."""
         for t, c in sums.first_pending(256):
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
-                                  slot=self.layout.slot(t, c), scale=self.layout.scales[t])
+                                  slot=sums.layout.slot(t, c), scale=sums.layout.scales[t])
             address = self.addresses.get(0)
             if address is not None:
                 self._control(self._stamp(nack, 0), address)
@@ -467,13 +501,14 @@ class EdgeAgent:
             return
         if not self._accepts(head.iteration):
             if head.iteration in self._finished:   # a re-emitted aggregate: its ACK was lost, say it again
-                self._ack(head.iteration, self.layout.seq(head.tensor, head.chunk))
+                with contextlib.suppress(WireError):
+                    self._ack(head.iteration, self._finished[head.iteration].layout.seq(head.tensor, head.chunk))
             return
         sums = self._sums(head.iteration)
         self._emit(sums.on_agg(head, lanes_of(data)))
-        if not sums.is_pending(head.tensor, head.chunk):
-            self._ack(head.iteration, self.layout.seq(head.tensor, head.chunk))
-        if sums.done:
+        if not sums.is_pending(head.tensor, head.chunk) and sums.failure is None:
+            self._ack(head.iteration, sums.layout.seq(head.tensor, head.chunk))
+        if sums.done or sums.failure is not None:
             waiter = self._waiters.get(head.iteration)
             if waiter is not None:
                 waiter.set()
@@ -501,7 +536,7 @@ class EdgeAgent:
         seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES)
         sums = self._open.get(head.iteration)
         if sums is not None:
-            done = [int(q) for q in seqs if q < self.layout.num_chunks and not sums.open[q]]
+            done = [int(q) for q in seqs if q < sums.layout.num_chunks and not sums.open[q]]
         elif head.iteration in self._finished:
             done = [int(q) for q in seqs]
         else:
@@ -524,7 +559,7 @@ class EdgeAgent:
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
-                          first_iteration=self._base)
+                          first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
         for event in events:
@@ -576,7 +611,7 @@ class EdgeAgent:
                 if rows is not None:
                     # results are kept one row per chunk of the model (its sequence number), not per pool
                     # slot: with a pool smaller than the model the slot names several chunks
-                    index = self.layout.seq(head.tensor, head.chunk)
+                    index = self.layout_of(head.iteration).seq(head.tensor, head.chunk)
                     row = rows[index: index + 1]
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
@@ -697,7 +732,7 @@ class EdgeAgent:
                 mine = rows[iterations == value]
                 if not self._accepts(iteration):
                     if iteration in self._finished:   # re-emitted aggregates: their ACKs were lost, say them again
-                        self._ack_many(iteration, self._sequence_numbers(heads[mine]))
+                        self._ack_many(iteration, self._sequence_numbers(heads[mine], self._finished[iteration].layout))
                     continue
                 sums = self._sums(iteration)
                 overflow = (heads["flags"][mine] & Flag.OVERFLOW) != 0
@@ -716,22 +751,22 @@ class EdgeAgent:
                         log.warning("edge gateway: rejected %d aggregates of iteration %d naming no chunk of the "
                                     "layout (or with a wrong lane count)", bad, iteration)
                     self._ack_many(iteration, seqs)
-                if sums.done:
+                if sums.done or sums.failure is not None:
                     waiter = self._waiters.get(iteration)
                     if waiter is not None:
                         waiter.set()
         finally:
             self.delivery_cpu += time.thread_time() - started
 
-    def _sequence_numbers(self, heads: np.ndarray) -> np.ndarray:
-        """The chunk sequence numbers the headers name (those naming no chunk of the layout left out)."""
-        chunks = np.asarray(self.layout.chunks, np.int64)
+    def _sequence_numbers(self, heads: np.ndarray, layout: EdgeLayout) -> np.ndarray:
+        """The chunk sequence numbers the headers name (those naming no chunk of ``layout`` left out)."""
+        chunks = np.asarray(layout.chunks, np.int64)
         tensor = heads["tensor"].astype(np.int64)
         chunk = heads["chunk"].astype(np.int64)
         known = tensor < chunks.size
         tensor = np.where(known, tensor, 0)
         known &= chunk < chunks[tensor]
-        return (np.asarray(self.layout.first_slot, np.int64)[tensor] + chunk)[known]
+        return (np.asarray(layout.first_slot, np.int64)[tensor] + chunk)[known]
 
     def _ack_many(self, iteration: int, seqs: np.ndarray) -> None:
         if seqs.size:

@@ -35,15 +35,18 @@ import numpy as np
 
 from bpf.agent import EdgeAgent
 from bpf.timer_link import LoaderError
+from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
 from netstorm.errors import ConfigError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.errors import EdgeTimeout
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow
 from netstorm.lan.header import lanes_for_mtu
+from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
 from netstorm.lan_scenario import LanSpec
 from netstorm.lanreport import LanRateMeter, ReportSchedule, report_from_spec
+from netstorm.layout import Layout
 
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
@@ -130,7 +133,7 @@ class GatewayRole:
         self._xdp: object | None = None
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
-        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout]] = {}
+        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout | IntegerOverflow]] = {}
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
         self.plan: LanPlan | None = None
@@ -146,6 +149,10 @@ class GatewayRole:
         """Called with the measured LAN when it moved enough to tell the scheduler (the node sends it as a
         ``LanReport``, measured)."""
         self.clock: Callable[[], float] = time.monotonic
+        self._compression: tuple[Layout, CompressionOptions] | None = None
+        self.rounds: GatewayRounds | None = None
+        """A compressed job's wires, one per iteration (planned as each result is released)."""
+        self._wired = asyncio.Event()
 
     def announce(self, node_id: int, t: float = 0.0) -> LanReport | None:
         """The ``LanReport`` describing this gateway's LAN (None without a description)."""
@@ -196,6 +203,33 @@ class GatewayRole:
             raise RuntimeError("edge: the LAN topology is deployed before the first iteration")
         self.options = dataclasses.replace(self.options, topology=topology)
 
+    def compressed(self, layout: Layout, options: CompressionOptions) -> None:
+        """The job runs a sparse compression (the node's trainer registered its integer tensors): the LAN
+        workers run the same rounds, each on its own wire (``netstorm/lan/introunds.py``), planned here."""
+        self._compression = (layout, options)
+
+    def _plan_rounds(self, iteration: int, workers: int) -> None:
+        """After the init iteration's result: the first summed iteration's wire."""
+        assert self._compression is not None and self.agent is not None
+        layout, options = self._compression
+        registered = {t.name: np.zeros(t.size, t.dtype) for t in layout.tensors}
+        plan = RoundPlan(registered, options, lanes=self.agent.layout.lanes, pool=self.agent.layout.num_slots,
+                         scale=self.options.scale, contributors=max(1, workers), applied=layout.gia_threshold)
+        self.rounds = GatewayRounds(plan, iteration + 1)
+        wire = self.rounds.wire_of(iteration + 1)
+        self.agent.plan(iteration + 1, wire.layout, integer=wire.integer)
+
+    async def _wire(self, iteration: int) -> GatewayRounds:
+        """The compressed job's rounds once ``iteration``'s wire is planned (its previous result released)."""
+        try:
+            async with asyncio.timeout(self.iteration_timeout):
+                while self.rounds is None or iteration not in self.rounds.wires:
+                    await self._wired.wait()
+        except TimeoutError:
+            raise EdgeTimeout(f"edge: iteration {iteration} has no wire: the previous result was never "
+                              f"released") from None
+        return self.rounds
+
     def _start(self, sizes: list[int]) -> EdgeAgent:
         opts = self.options
         topology = opts.topology if opts.topology is not None else LanTopology(opts.workers)
@@ -232,6 +266,8 @@ class GatewayRole:
         agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
                           mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout,
                           secret=opts.secret, group=opts.group, topology=topology, retransmit=opts.retransmit)
+        if self._compression is not None:
+            agent.gia_threshold = self._compression[0].gia_threshold
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
                  "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
@@ -269,6 +305,8 @@ class GatewayRole:
             self.init_iteration = iteration
         if iteration == self.init_iteration:
             return values
+        if self._compression is not None:
+            await self._wire(iteration)
         task = self._lan.get(iteration)
         if task is None:
             if self._tg is None:
@@ -278,21 +316,22 @@ class GatewayRole:
             for old in [k for k in self._lan if k < iteration - 2]:
                 del self._lan[old]
         sums = await asyncio.shield(task)
-        if isinstance(sums, EdgeTimeout):
-            raise EdgeTimeout(str(sums))   # fails this iteration's contribution, not the node
+        if isinstance(sums, (EdgeTimeout, IntegerOverflow)):
+            raise type(sums)(str(sums))   # fails this iteration's contribution, not the node
         lan = sums[key]
         return lan if values is None else np.asarray(values, np.float32) + lan
 
-    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout:
+    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout | IntegerOverflow:
         """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
         assert self.agent is not None
         try:
             sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
-        except EdgeTimeout as exc:
+        except (EdgeTimeout, IntegerOverflow) as exc:
             log.error("edge: %s", exc)
             return exc
         self._measured(iteration)
-        return sums
+        # a compressed round's sums cover its wire: the rest of every tensor is zeros
+        return sums if self.rounds is None else self.rounds.contribution(iteration, sums)
 
     def _measured(self, iteration: int) -> None:
         """Feed the iteration's uplink bursts to the meter; report the measured LAN when it moved enough."""
@@ -313,7 +352,16 @@ class GatewayRole:
 
     def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None:
         """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes
-        back to the LAN workers."""
+        back to the LAN workers. A compressed job's next wire is planned here, before the result (which
+        its workers answer with that iteration's datagrams) leaves."""
+        if self._compression is not None and self.agent is not None:
+            if iteration == self.init_iteration:
+                self._plan_rounds(iteration, workers)
+            elif self.rounds is not None:
+                per_key, following = self.rounds.released(iteration, per_key)
+                self.agent.plan(iteration + 1, following.layout, integer=following.integer)
+            self._wired.set()
+            self._wired = asyncio.Event()
         try:
             self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:

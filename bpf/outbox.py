@@ -83,6 +83,8 @@ class Outbox:
         self.dropped_bursts = 0
         self.sent_datagrams = 0
         self.sent_bytes = 0
+        self.bulk_queued = 0
+        """Bulk datagrams ever queued (results, PULL answers), sent or not yet."""
 
     # ------------------------------------------------------------------ in
     def control(self, datagram: bytes, address: Address) -> bool:
@@ -105,6 +107,7 @@ class Outbox:
             queue = self._bulk[address] = collections.deque()
             self._order.append(address)
         queue.append(_Burst(np.ascontiguousarray(rows), tag))
+        self.bulk_queued += len(rows)
         self._queued[address] = self._queued.get(address, 0) + len(rows)
         while len(queue) > 1 and self._queued[address] > self.keep:
             old = queue.popleft()

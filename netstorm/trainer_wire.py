@@ -69,6 +69,9 @@ class InitRequest(_Message, frozen=True, tag="init"):
     "fediac" has the roots threshold the vote counts (the rest runs in the trainer)."""
     votes: Count = 0
     """FediAC's threshold a (``fediac_votes``; 0: derived from the job's workers as the trainer would)."""
+    bits: Count = 0
+    """FediAC's b as the trainer runs it (0: derived from a dense first round): a gateway's LAN tier
+    derives each round's wire from it (``netstorm/lan/introunds.py``)."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):

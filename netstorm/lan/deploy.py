@@ -102,6 +102,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     first_iteration: int | None = None
     """The first iteration the gateway expects DATA for, when it knows (an aggregator installs tokens
     from there)."""
+    gia_threshold: int = 0
+    """A FediAC job's vote threshold the WAN roots apply (0: none): the counts then come back as the 0/1
+    GIA, which a LAN worker's rounds read with a threshold of 1, as a node trainer's do."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

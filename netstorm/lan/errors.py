@@ -11,3 +11,8 @@ class WireError(NetStormError):
 
 class EdgeTimeout(NetStormError):
     """A slot or an iteration did not complete in time; the message names the workers that were missing."""
+
+
+class IntegerOverflow(WireError):
+    """An iteration of exact integer lanes (a compressed job's round) summed outside int32: the aggregator
+    flagged it, and re-quantising integers would break their exactness, so the iteration fails."""

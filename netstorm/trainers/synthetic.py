@@ -280,6 +280,21 @@ def _connect_edge(address: str, parameters: int, *, timeout: float, secret: byte
         raise
 
 
+def _connect_compressed_edge(address: str, options: CompressionOptions, parameters: int, *, contributor: int,
+                             timeout: float, secret: bytes | None) -> Any:
+    """A LAN worker of a compressed job, its socket sized like ``_connect_edge``'s."""
+    from netstorm.lan.compressed import connect_compressed_edge
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, max(_MIN_EDGE_RCVBUF, 2 * 4 * parameters))
+        return connect_compressed_edge(address, options, contributor=contributor, timeout=timeout, sock=sock,
+                                       secret=secret)
+    except BaseException:
+        sock.close()
+        raise
+
+
 def _emit(stream: IO[str], record: dict[str, Any]) -> None:
     stream.write(json.dumps(record) + "\n")
     stream.flush()
@@ -402,10 +417,10 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     except NetStormError as exc:
         print(f"synthetic trainer: {exc}", file=sys.stderr)
         return 2
-    if options.method != "none" and (args.edge is not None or args.rejoinable or
+    if options.method != "none" and ((args.edge is not None and not options.sparse) or args.rejoinable or
                                      (args.overlap and options.sparse)):
-        print("synthetic trainer: --compression runs on a node's socket, without --rejoinable (and fediac/topk "
-              "without --overlap: their rounds need the whole gradient)", file=sys.stderr)
+        print("synthetic trainer: --compression runs without --rejoinable, fediac/topk without --overlap (their "
+              "rounds need the whole gradient), and on a LAN worker (--edge) only fediac/topk", file=sys.stderr)
         return 2
     grads = pattern.allocate()
     cumulative = _Cumulative()
@@ -419,11 +434,17 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         # the job secret, when this command was given one: the LAN datagrams' tokens, or the proof a
         # node's TCP endpoint asks for (a Unix socket is guarded by its file permissions instead)
         secret = load_secret(args.secret_file) if args.secret_file else None
-        kv: Any = (_connect_edge(args.edge, pattern.parameters, timeout=args.timeout, secret=secret)
-                   if args.edge is not None
-                   else netstorm.connect(args.socket, timeout=args.timeout, secret_file=args.secret_file))
+        kv: Any
+        if args.edge is not None and options.sparse:
+            # a LAN worker of a compressed job: the rounds on their own wires, seeded with its contributor id
+            kv = _connect_compressed_edge(args.edge, options, pattern.parameters, contributor=dc,
+                                          timeout=args.timeout, secret=secret)
+        elif args.edge is not None:
+            kv = _connect_edge(args.edge, pattern.parameters, timeout=args.timeout, secret=secret)
+        else:
+            kv = netstorm.connect(args.socket, timeout=args.timeout, secret_file=args.secret_file)
         raw = kv
-        if options.sparse:
+        if options.sparse and args.edge is None:
             kv = CompressedClient(raw, options)
         try:
             initial = (kv.init(grads, compression=options.method) if options.method == "fp16"

@@ -1,0 +1,221 @@
+"""FediAC's rounds on the LAN tier: which lanes travel in each round, as exact integer lanes.
+
+A compressed job registers the model's tensors and, beside them, the integer tensors of
+``netstorm.compression.session.Rounds`` (votes, the scale one-hot, the b-bit values). Each round a
+contributor pushes all of them, most as zeros. On the WAN the nodes elide zero tails; on the LAN the
+datagrams would carry every lane of every tensor, twice per iteration. Here only the lanes that carry data
+travel, and each round has its own ``EdgeLayout`` (its *wire*):
+
+- dense (b derived: the first iteration): the model's tensors, at the model's fixed-point scale;
+- votes: the vote array and the scale one-hot, whole;
+- values: the values' first ``g`` lanes, g the GIA's size (they are compacted to the front, in ascending
+  index order, so every contributor's j-th value is the same coordinate).
+
+Integer tensors travel at scale 0: the int32 lane is the integer itself, which the XDP program (and the
+userspace fallback) sums like any int32 lane, exactly; a sum outside int32 is flagged OVERFLOW by the same
+code as the fixed-point path (the paper's scale rules it out), and the gateway fails the iteration then
+(``IntegerOverflow``) instead of re-quantising, which would no longer be exact.
+
+Nobody sends a lane past a wire's extent, and nobody needs to: every party derives the same wire for every
+iteration. The first summed iteration is dense (b derived) or votes; votes and values alternate; g is the
+number of indices whose summed count reaches the threshold, read from the votes round's result, which every
+LAN worker and the gateway hold identically (the gateway sent it). So the gateway plans iteration k+1's
+wire (``RoundPlan.released``) before it sends iteration k's result, which is before any worker can send
+k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the wire: the slot pool cycles
+over the GIA-sized work, not over the model. Results go back over the same wire (the lanes past it are
+zeros in every contributor's tensor, hence in the sum).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from netstorm.compression import voting
+from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
+from netstorm.lan.errors import WireError
+from netstorm.lan.header import Precision
+from netstorm.lan.layout import EdgeLayout
+from netstorm.layout import Layout, TensorSpec
+
+INT8_MAX = 127
+EXACT_LANE = 2**24
+"""Largest integer a LAN worker's lanes carry exactly: the worker hands its lanes over as float32. Rounds'
+integers stay far below it (a vote is 0 or 1, a b-bit value at most 2**23 with b <= 24)."""
+
+
+class Kind(enum.Enum):
+    DENSE = "dense"
+    VOTES = "votes"
+    VALUES = "values"
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """One round's wire: which registered tensors travel, how many leading lanes of each, at which scale."""
+
+    kind: Kind
+    tensors: tuple[int, ...]
+    """Index, in the node's layout order (``layout_order``), of each tensor on the wire, ascending."""
+    extents: tuple[int, ...]
+    """Leading elements of each that travel (the rest are zeros at every contributor)."""
+    layout: EdgeLayout
+    integer: bool
+    """Whether every lane is an exact integer at scale 0 (overflow is then an error, not a rescale)."""
+    gia: int = 0
+    """The values round's GIA size (0 otherwise)."""
+    precision: Precision = Precision.FIXED32
+    """How the lanes travel: INT8 where every contributor's integer fits -127..127 (a vote, the scale
+    one-hot, values of b <= 8 bits), a quarter of the bytes; the aggregator widens them to int32 exactly
+    (an integer x travels as x * 2**w and is shifted back), so the sums are the same."""
+
+
+class RoundPlan:
+    """The wires of a compressed job's rounds, identical at every LAN worker and at the gateway."""
+
+    def __init__(self, registered: Mapping[str, np.ndarray], options: CompressionOptions, *, lanes: int, pool: int,
+                 scale: int, contributors: int, applied: int = 0) -> None:
+        """``registered``: every tensor ``Rounds.registered`` gives (in any order: the wire follows the
+        node's layout order); ``lanes``, ``pool`` and ``scale``: the LAN deployment's; ``contributors``
+        and ``applied``: as ``Rounds.start`` takes them (N, and the threshold the WAN roots already
+        applied, 0: none)."""
+        if not options.sparse:
+            raise ValueError(f"compression {options.method!r} has no integer rounds")
+        self.options = options
+        self.names = layout_order(registered)
+        self.sizes = tuple(max(1, int(np.asarray(registered[n]).size)) for n in self.names)
+        self.integer = tuple(np.asarray(registered[n]).dtype.kind in "iu" for n in self.names)
+        self.lanes = lanes
+        self.pool = pool
+        self.scale = scale
+        self.threshold = 1 if applied else options.votes_of(contributors)
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self.model = tuple(i for i, n in enumerate(self.names) if n not in (VOTES, SCALE, VALUES))
+        self._first = Kind.DENSE if options.method == "fediac" and not options.bits else Kind.VOTES
+
+    # ---- the schedule -------------------------------------------------------------------------------
+
+    def first(self) -> Wire:
+        """The first summed iteration's wire (after ``init``)."""
+        return self.wire(self._first)
+
+    def following(self, wire: Wire, result: Sequence[np.ndarray]) -> Wire:
+        """The next iteration's wire, from this one's result (``result``: one array per wire tensor)."""
+        if wire.kind is Kind.VOTES:
+            counts = np.asarray(result[wire.tensors.index(self._index[VOTES])])
+            return self.wire(Kind.VALUES, gia_size(counts, self.threshold))
+        return self.wire(Kind.VOTES)
+
+    def wire(self, kind: Kind, gia: int = 0) -> Wire:
+        if kind is Kind.DENSE:
+            tensors = self.model
+            extents = tuple(self.sizes[t] for t in tensors)
+        elif kind is Kind.VOTES:
+            tensors = tuple(sorted(self._index[n] for n in (VOTES, SCALE) if n in self._index))
+            extents = tuple(self.sizes[t] for t in tensors)
+        else:
+            values = self._index[VALUES]
+            if not 0 <= gia <= self.sizes[values]:
+                raise WireError(f"a GIA of {gia} indices in a model of {self.sizes[values]} elements")
+            # an empty GIA still sends one lane: a round every contributor takes part in, all zeros
+            tensors, extents = (values,), (max(1, gia),)
+        integer = all(self.integer[t] for t in tensors)
+        scales = tuple(0 if self.integer[t] else self.scale for t in tensors)
+        layout = EdgeLayout(extents, scales, lanes=self.lanes, pool=self.pool)
+        # |f U| <= (2**(b-1) - N) / N <= 2**(b-1) - 1, so |round(f U)| <= 2**(b-1) - 1: int8 up to b = 8
+        narrow = integer and (kind is Kind.VOTES or 0 < self.options.bits <= 8)
+        return Wire(kind, tensors, extents, layout, integer, gia if kind is Kind.VALUES else 0,
+                    Precision.INT8 if narrow else Precision.FIXED32)
+
+    # ---- a contributor's lanes and the full tensors back --------------------------------------------
+
+    def lanes_of(self, wire: Wire, push: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """What travels of ``push`` (every registered tensor, as ``Rounds`` yields them): float32, one array
+        per wire tensor. WireError if a lane outside the wire is nonzero (it would be lost) or an integer
+        lane is beyond what float32 carries exactly."""
+        out = []
+        on_wire = dict(zip(wire.tensors, wire.extents, strict=True))
+        for t, name in enumerate(self.names):
+            flat = np.asarray(push[name]).reshape(-1)
+            extent = on_wire.get(t, 0)
+            if np.any(flat[extent:]):
+                raise WireError(f"{wire.kind.value} round: tensor {name!r} is nonzero past the {extent} lanes "
+                                f"that travel")
+            if t not in on_wire:
+                continue
+            part = flat[:extent]
+            bound = INT8_MAX if wire.precision == Precision.INT8 else EXACT_LANE
+            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > bound:
+                raise WireError(f"tensor {name!r}: an integer beyond {bound}, not exact in its "
+                                f"{wire.precision.name} lane")
+            lane = np.zeros(extent, np.float32)
+            lane[:part.size] = part
+            out.append(lane)
+        return out
+
+    def expand(self, wire: Wire, sums: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Every registered tensor's flat float32 array from a wire's per-tensor arrays (zeros elsewhere)."""
+        full = [np.zeros(size, np.float32) for size in self.sizes]
+        for t, extent, part in zip(wire.tensors, wire.extents, sums, strict=True):
+            full[t][:extent] = np.asarray(part, np.float32).reshape(-1)[:extent]
+        return full
+
+    def restrict(self, wire: Wire, full: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The wire's part of every registered tensor's flat array (what a result sends back)."""
+        return [np.asarray(full[t], np.float32).reshape(-1)[:extent]
+                for t, extent in zip(wire.tensors, wire.extents, strict=True)]
+
+    def shaped(self, full: Sequence[np.ndarray], like: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Flat arrays back as the registered tensors' shapes and dtypes (integer sums exact)."""
+        out = {}
+        for name, flat in zip(self.names, full, strict=True):
+            ref = np.asarray(like[name])
+            out[name] = np.asarray(flat)[:ref.size].reshape(ref.shape)
+            if ref.dtype.kind in "iu":
+                out[name] = np.rint(out[name]).astype(np.int64)
+        return out
+
+
+class GatewayRounds:
+    """The gateway's side of a ``RoundPlan``: the wire of each iteration, the LAN sums as whole registered
+    tensors for the node, and the part of each result that goes back to the LAN."""
+
+    def __init__(self, plan: RoundPlan, first_iteration: int) -> None:
+        self.plan = plan
+        self.wires: dict[int, Wire] = {first_iteration: plan.first()}
+
+    def wire_of(self, iteration: int) -> Wire:
+        wire = self.wires.get(iteration)
+        if wire is None:
+            raise WireError(f"iteration {iteration} has no planned wire: its previous result was not released")
+        return wire
+
+    def contribution(self, iteration: int, lan: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The LAN's sum as every registered tensor (float32, flat): the wire's sums, zeros past it."""
+        return self.plan.expand(self.wire_of(iteration), lan)
+
+    def released(self, iteration: int, full: Sequence[np.ndarray]) -> tuple[list[np.ndarray], Wire]:
+        """Iteration ``iteration``'s result (every registered tensor, flat) is going back to the LAN: the
+        part of it that travels, and the next iteration's wire (planned here, before any worker can send)."""
+        wire = self.wire_of(iteration)
+        back = self.plan.restrict(wire, full)
+        following = self.plan.following(wire, back)
+        self.wires[iteration + 1] = following
+        for old in [k for k in self.wires if k < iteration - 4]:
+            del self.wires[old]
+        return back, following
+
+
+def layout_order(registered: Mapping[str, np.ndarray]) -> tuple[str, ...]:
+    """The registered tensors' names in the order of the node's layout (float tensors first, then integer
+    ones by lane, by name within each): the order of the gateway's tensors, hence of a LAN worker's."""
+    specs = [TensorSpec.of(name, np.asarray(value)) for name, value in registered.items()]
+    return tuple(t.name for t in Layout.build(specs, 1 << 62).tensors)
+
+
+def gia_size(counts: np.ndarray, threshold: int) -> int:
+    """How many indices the GIA holds: the count of summed votes at or above the threshold."""
+    return int(voting.consensus(counts, threshold).size)

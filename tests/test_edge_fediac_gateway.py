@@ -1,0 +1,153 @@
+"""A FediAC job end to end with a LAN tier: a scheduler and two DC nodes (node 1 a gateway for two LAN
+workers on a bridge, XDP or userspace), both DCs' trainers and the LAN workers running the same rounds.
+The node tells its gateway role the job's compression, the gateway plans each round's wire, the LAN
+workers send only those lanes, and the DC's exact integer sums reach the WAN roots, which threshold the
+full counts: every participant decodes exactly what a numpy run of the four contributors' rounds does."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import netstorm
+from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
+from netstorm.compression.session import AsyncCompressedClient, Rounds
+from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+from netstorm.lan.compressed import CompressedEdgeWorker, aconnect_compressed_edge
+from netstorm.lan.introunds import Kind
+from tests.test_edge_gateway import wait_for, wait_listening
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+EDGE_PORT = 9702
+TIMEOUT = 60.0
+OPTIONS = CompressionOptions("fediac", k=0.1, bits=10, votes=2)
+SEED = 9
+SHAPES = {"a.weight": (30, 40), "b.bias": (7,)}
+CONTRIBUTORS = (1, 2, 10, 11)
+"""DC 1's trainer, DC 2's trainer (their node ids seed their draws), the two LAN workers."""
+
+
+def model() -> dict[str, np.ndarray]:
+    return {name: np.zeros(shape, np.float32) for name, shape in SHAPES.items()}
+
+
+def gradient(who: int, step: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(1000 * step + who)
+    return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
+
+
+def reference(steps: int) -> list[dict[str, np.ndarray]]:
+    """The decoded sums of every step: the four contributors' rounds, their tensors summed in numpy and the
+    vote counts thresholded at a = 2 as the WAN roots do (the 0/1 GIA comes back)."""
+    rounds = [Rounds(OPTIONS, model(), SEED) for _ in CONTRIBUTORS]
+    for r, who in zip(rounds, CONTRIBUTORS, strict=True):
+        r.registered(model())
+        r.start(len(CONTRIBUTORS), who, applied=2)
+    out = []
+    for step in range(1, steps + 1):
+        gens = [r.iteration(gradient(who, step)) for r, who in zip(rounds, CONTRIBUTORS, strict=True)]
+        pushes = [next(g) for g in gens]
+        while True:
+            summed = {name: np.sum([np.asarray(p[name], np.int64 if name in (VOTES, SCALE, VALUES) else np.float64)
+                                    for p in pushes], axis=0) for name in pushes[0]}
+            summed[VOTES] = (summed[VOTES] >= 2).astype(np.int64)
+            results = []
+            for g in gens:
+                try:
+                    pushes[gens.index(g)] = g.send(summed)
+                except StopIteration as done:
+                    results.append(done.value)
+            if results:
+                out.append(results[0])
+                for other in results[1:]:
+                    for name in SHAPES:
+                        assert np.array_equal(other[name], results[0][name])
+                break
+    return out
+
+
+@pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str) -> None:
+    with Lan(2) as lan:
+        cli = [sys.executable, "-m", "netstorm.cli"]
+        inside = ["ip", "netns", "exec", lan.gateway]
+        sched_port = 7000 + (os.getpid() + 500) % 1000
+        common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
+        logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
+                                           f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
+            wait_listening(lan.gateway, sched_port, procs, timeout=30)
+            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
+                                           str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
+                                           f"{GATEWAY_IP}:{EDGE_PORT}", "--edge-interface", "eth0", "--edge-mode",
+                                           mode, "--edge-pool-slots", "2"],
+                                          stdout=logs[1], stderr=subprocess.STDOUT))
+            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "2", *common, "--socket",
+                                           str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
+            for sock in ("n1.sock", "n2.sock"):
+                wait_for(tmp_path / sock, procs, 60)
+            asyncio.run(_drive(tmp_path, lan, steps=3))
+        except BaseException:
+            for name in ("scheduler", "node1", "node2"):
+                text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
+                sys.stderr.write(f"--- {name}\n{text[-3000:]}")
+            raise
+        finally:
+            for proc in reversed(procs):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+            for proc in reversed(procs):
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for log in logs:
+                log.close()
+
+
+async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:
+    workers = [await aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT}?worker={i}", OPTIONS,
+                                              contributor=CONTRIBUTORS[2 + i], seed=SEED, timeout=TIMEOUT,
+                                              sock=lan.udp_socket(ns, lan.worker_ip(i)),
+                                              group_opener=lan.group_opener(ns))
+               for i, ns in enumerate(lan.workers)]
+    gw_raw = await netstorm.aconnect(str(tmp_path / "n1.sock"), timeout=TIMEOUT)
+    dc2_raw = await netstorm.aconnect(str(tmp_path / "n2.sock"), timeout=TIMEOUT)
+    gw = AsyncCompressedClient(gw_raw, OPTIONS, SEED)
+    dc2 = AsyncCompressedClient(dc2_raw, OPTIONS, SEED)
+    want = reference(steps)
+    try:
+        await asyncio.gather(gw.init(model()), dc2.init(model()), *(w.init(model()) for w in workers))
+        everyone: list[AsyncCompressedClient | CompressedEdgeWorker] = [gw, dc2, *workers]
+        assert [kv.num_workers for kv in everyone] == [4, 4, 4, 4]
+        for step in range(1, steps + 1):
+            outs = await asyncio.gather(*(kv.push_pull(gradient(who, step))
+                                          for kv, who in zip(everyone, CONTRIBUTORS, strict=True)))
+            for who, out in zip(CONTRIBUTORS, outs, strict=True):
+                for name in SHAPES:
+                    np.testing.assert_array_equal(out[name], want[step - 1][name],
+                                                  err_msg=f"contributor {who}, {name}, step {step}")
+            gia = gw.last.gia
+            assert 0 < gia < 1207
+            for w in workers:
+                assert w.last.gia == gia
+                (votes, _), (values, _) = w.received
+                # only the GIA's lanes travelled in the values round, on a pool of GIA-sized work
+                assert votes.kind is Kind.VOTES and values.kind is Kind.VALUES and values.gia == gia
+                assert values.layout.num_chunks == -(-gia // values.layout.lanes)
+    finally:
+        await gw_raw.close()
+        await dc2_raw.close()
+        for w in workers:
+            await w.close()

@@ -1,0 +1,102 @@
+"""The LAN tier's round wires of a compressed job (no network): which lanes travel in each round, the
+schedule every party derives alike, and the GIA size read from the summed votes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
+from netstorm.compression.session import Rounds
+from netstorm.lan.errors import WireError
+from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size
+
+MODEL = {"w": np.zeros((30, 20), np.float32), "b": np.zeros(11, np.float32)}
+
+
+def plan_for(options: CompressionOptions, contributors: int = 4) -> tuple[RoundPlan, dict[str, np.ndarray]]:
+    registered = Rounds(options, MODEL).registered(MODEL)
+    return RoundPlan(registered, options, lanes=100, pool=2, scale=16, contributors=contributors), registered
+
+
+def test_wires_carry_votes_whole_and_values_up_to_the_gia() -> None:
+    plan, _ = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    names = list(plan.names)
+    votes = plan.first()
+    assert votes.kind is Kind.VOTES and votes.integer
+    assert [names[t] for t in votes.tensors] == sorted([SCALE, VOTES])
+    assert votes.layout.sizes == (768, 611) and votes.layout.scales == (0, 0)
+    counts = np.zeros(611)
+    counts[[3, 50, 400]] = [2, 3, 4]
+    counts[[7, 9]] = 1   # below the threshold a = 2
+    values = plan.following(votes, [np.zeros(768), counts])
+    assert values.kind is Kind.VALUES and values.gia == 3 == gia_size(counts, 2)
+    assert [names[t] for t in values.tensors] == [VALUES] and values.layout.sizes == (3,)
+    assert values.layout.num_chunks == 1 and values.layout.num_slots == 1   # the pool cycles over the GIA
+    assert plan.following(values, [np.zeros(3)]).kind is Kind.VOTES
+    empty = plan.following(votes, [np.zeros(768), np.zeros(611)])
+    assert empty.gia == 0 and empty.layout.sizes == (1,)   # an empty GIA still takes one lane of zeros
+
+
+def test_derived_bits_start_with_a_dense_round_of_the_model_at_its_scale() -> None:
+    plan, _ = plan_for(CompressionOptions("fediac", k=0.1, bits=0))
+    dense = plan.first()
+    assert dense.kind is Kind.DENSE and not dense.integer
+    assert dense.layout.sizes == (11, 600) and dense.layout.scales == (16, 16)
+    assert plan.following(dense, [np.zeros(11), np.zeros(600)]).kind is Kind.VOTES
+
+
+def test_topk_values_travel_at_the_model_scale() -> None:
+    plan, _ = plan_for(CompressionOptions("topk", k=5))
+    votes = plan.first()
+    assert votes.layout.sizes == (611,)   # top-k sends no scale one-hot
+    counts = np.zeros(611)
+    counts[:9] = 1   # the union: threshold 1
+    values = plan.following(votes, [counts])
+    assert values.gia == 9 and not values.integer and values.layout.scales == (16,)
+
+
+def test_lanes_round_trip_and_nothing_past_a_wire_is_dropped_silently() -> None:
+    options = CompressionOptions("fediac", k=0.2, bits=10, votes=1)
+    plan, registered = plan_for(options, contributors=2)
+    rounds = Rounds(options, MODEL, seed=1)
+    rounds.registered(MODEL)
+    rounds.start(2, 0)
+    rng = np.random.default_rng(0)
+    grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in MODEL.items()}
+    steps = rounds.iteration(grads)
+    push = next(steps)
+    wire = plan.first()
+    lanes = plan.lanes_of(wire, push)
+    full = plan.shaped(plan.expand(wire, lanes), registered)
+    for name in registered:
+        assert np.array_equal(full[name].reshape(-1), np.asarray(push[name]).reshape(-1).astype(full[name].dtype))
+    assert [x.size for x in plan.restrict(wire, plan.expand(wire, lanes))] == list(wire.extents)
+    values = plan.following(wire, [lanes[0], lanes[1]])   # alone, every vote of this contributor agrees
+    push = steps.send(full)
+    plan.lanes_of(values, push)
+    bad = dict(push)
+    bad[VALUES] = np.asarray(push[VALUES]).copy()
+    bad[VALUES][values.gia + 1] = 1
+    with pytest.raises(WireError, match="nonzero past"):
+        plan.lanes_of(values, bad)
+    wide = dict(push)
+    wide[VALUES] = np.asarray(push[VALUES]).astype(np.int64)
+    wide[VALUES][0] = 2**24 + 1
+    with pytest.raises(WireError, match="not exact"):
+        plan.lanes_of(values, wide)
+
+
+def test_the_gateway_plans_the_next_wire_from_the_result_it_releases() -> None:
+    plan, registered = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    gateway = GatewayRounds(plan, 10)
+    names = list(plan.names)
+    result = [np.zeros(registered[n].size, np.float32) for n in names]
+    result[names.index(VOTES)][[1, 2, 5]] = [2, 2, 1]
+    back, following = gateway.released(10, result)
+    assert [b.size for b in back] == [768, 611]
+    assert gateway.wire_of(11) is following and following.gia == 2
+    lan = gateway.contribution(11, [np.array([5, -3], np.float32)])
+    assert lan[names.index(VALUES)][:2].tolist() == [5, -3] and not lan[names.index(VALUES)][2:].any()
+    with pytest.raises(WireError, match="no planned wire"):
+        gateway.wire_of(13)
