@@ -100,3 +100,19 @@ def test_the_gateway_plans_the_next_wire_from_the_result_it_releases() -> None:
     assert lan[names.index(VALUES)][:2].tolist() == [5, -3] and not lan[names.index(VALUES)][2:].any()
     with pytest.raises(WireError, match="no planned wire"):
         gateway.wire_of(13)
+
+
+def test_a_lan_worker_refuses_a_reused_gia_which_the_gateways_wires_do_not_follow() -> None:
+    import socket
+
+    from netstorm.errors import TrainerError
+    from netstorm.lan.compressed import CompressedEdgeWorker
+    from netstorm.lan.layout import EdgeLayout
+    from netstorm.lan.sender import EdgeSender
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sender = EdgeSender(sock, ("127.0.0.1", 9), worker=0, layout=EdgeLayout.uniform([1], 0), job=1)
+        with pytest.raises(TrainerError, match="fediac_gia_reuse 2 cannot run on the LAN tier"):
+            CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10, gia_reuse=2), contributor=1)
+        assert CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10), contributor=1).rounds is None
