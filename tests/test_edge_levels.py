@@ -247,10 +247,17 @@ def test_two_levels_exact_sums(mode: str, workers: int, clusters: str, request: 
     # the gateway summed one contribution per cluster and per unclustered worker for every chunk of every
     # iteration, not one per worker: whatever else reached it (retransmissions, many on a loaded host, are
     # duplicates or re-emits; a member's DATA is outside its expected mask) was counted and not added
+    # (or was refused before any slot: a DATA that beat its iteration's tokens into the map is dropped as
+    # bad_token, and recovered by a resend like a lost one)
     st = out["stats"]
     senders = len(topology.clusters) + len(topology.unclustered)
     assert st["complete"] == 3 * layout().num_chunks, st
-    assert st["rx"] - st["dup"] - st["reemit"] - st["stale"] - st["unexpected"] == 3 * layout().num_chunks * senders, st
+    refused = sum(st[k] for k in ("dup", "reemit", "stale", "unexpected", "bad", "bad_token", "collision"))
+    added = st["rx"] - refused
+    if st["busy_evicted"] == 0:
+        assert added == 3 * layout().num_chunks * senders, st
+    else:   # the partial sums of slots a newer key took over were added too, and never completed
+        assert 3 * layout().num_chunks * senders < added < 3 * layout().num_chunks * workers, st
 
 
 @pytest.mark.slow
