@@ -61,7 +61,21 @@ class ValueRound:
     """What the summed values are divided by to decode (f for FediAC, 1 for top-k)."""
 
 
-class FediacCodec:
+class _Residual:
+    """The residual of error feedback, kept in the codec's ``state`` (which DDP keeps per bucket piece)."""
+
+    state: CodecState
+
+    @property
+    def residual(self) -> np.ndarray:
+        return self.state.residual
+
+    @residual.setter
+    def residual(self, value: np.ndarray) -> None:
+        self.state.residual = value
+
+
+class FediacCodec(_Residual):
     """FediAC (Algorithm 1) for one contributor: sampled votes, global scale, stochastic rounding."""
 
     def __init__(self, elements: int, *, contributors: int, k: int, threshold: int, bits: int,
@@ -80,14 +94,6 @@ class FediacCodec:
         self.reuse = reuse
         self.state = CodecState.fresh(elements)
         self._update: np.ndarray | None = None
-
-    @property
-    def residual(self) -> np.ndarray:
-        return self.state.residual
-
-    @residual.setter
-    def residual(self, value: np.ndarray) -> None:
-        self.state.residual = value
 
     def must_vote(self) -> bool:
         """Whether this iteration votes: always at ``reuse = 1`` (the paper), else when the kept GIA has
@@ -148,7 +154,7 @@ class FediacCodec:
         return self._update
 
 
-class TopkCodec:
+class TopkCodec(_Residual):
     """Plain top-k with error feedback over trees: each contributor votes its own k largest |U|, the
     agreed indices are the union (a = 1), and every contributor sends its float32 values there, so
     sums align; the union holds up to N k indices and costs the same vote round as FediAC."""
@@ -158,14 +164,6 @@ class TopkCodec:
         self.k = k
         self.state = CodecState.fresh(elements)
         self._update: np.ndarray | None = None
-
-    @property
-    def residual(self) -> np.ndarray:
-        return self.state.residual
-
-    @residual.setter
-    def residual(self, value: np.ndarray) -> None:
-        self.state.residual = value
 
     def must_vote(self) -> bool:
         return True
