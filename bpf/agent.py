@@ -59,6 +59,8 @@ from netstorm.lan.tokens import LanTokens, Sender
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
+QUERY_LIMIT = 256
+"""Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 """Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
@@ -210,11 +212,12 @@ class EdgeAgent:
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
                  xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20,
                  secret: bytes | None = None, group: tuple[str, int] | None = None,
-                 topology: LanTopology | None = None, retransmit: float = 0.005) -> None:
+                 topology: LanTopology | None = None, retransmit: float = 0.005, query_nacks: bool = True) -> None:
         """``layout`` fixes the pool (``layout.pool``) and lanes per datagram; ``group`` is the multicast
         (address, port) for ACKs and results (None: a unicast copy per worker); ``topology`` says which
         workers aggregate which (None: one level); ``retransmit`` is what workers are told to wait for
-        progress before resending."""
+        progress before resending; ``query_nacks`` tells them to ask before resending and answers a QUERY
+        with NACKs to exactly the workers missing from each incomplete chunk's slot."""
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
         if mode == "xdp" and xdp is None:
@@ -231,6 +234,9 @@ class EdgeAgent:
         if self.topology.workers != workers:
             raise ValueError(f"the LAN topology has {self.topology.workers} workers, the agent {workers}")
         self.retransmit = retransmit
+        self.query_nacks = query_nacks
+        self.query_nacks_sent = 0
+        """NACKs sent in answer to QUERYs (each to one worker missing from a queried slot)."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -533,18 +539,55 @@ class EdgeAgent:
 
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
-        seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES)
+        seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
         sums = self._open.get(head.iteration)
+        pending = seqs[:0]
         if sums is not None:
-            done = [int(q) for q in seqs if q < sums.layout.num_chunks and not sums.open[q]]
+            seqs = seqs[seqs < sums.layout.num_chunks]
+            done, pending = seqs[~sums.open[seqs]], seqs[sums.open[seqs]]
         elif head.iteration in self._finished:
-            done = [int(q) for q in seqs]
+            done = seqs
         else:
             return
         token = self.tokens.gateway(head.worker, head.iteration)
-        for datagram in ack_packets(np.asarray(done), job=self.job, iteration=head.iteration):
+        for datagram in ack_packets(done, job=self.job, iteration=head.iteration):
             stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
             self._control(stamped, address)
+        if self.query_nacks and sums is not None and pending.size:
+            self._emit(self._missing_nacks(sums, head.worker, pending))
+
+    def _missing_nacks(self, sums: IterationSums, asker: int, seqs: np.ndarray) -> list[tuple[int, bytes]]:
+        """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot (read
+        from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot that
+        holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing cluster
+        aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits once its
+        members' DATA is complete, so a member resends), and nobody else."""
+        layout = sums.layout
+        states = self._aggregator.slot_states(seqs % layout.num_slots)
+        clusters = self.topology.clusters
+        asker_head = self.topology.aggregator_of(asker)
+        actions: list[tuple[int, bytes]] = []
+        for seq, state in zip(seqs.tolist(), states, strict=True):
+            tensor, chunk = layout.locate(seq)
+            here = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"])) == \
+                (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
+            if not here:
+                missing, scale = [asker], layout.scales[tensor]
+            else:
+                left, scale = self.expected & ~int(state["bitmap"]), int(state["scale"])
+                missing = []
+                for w in range(self.workers):
+                    if not left >> w & 1:
+                        continue
+                    if w not in clusters:
+                        missing.append(w)
+                    elif asker_head == w:
+                        missing.append(asker)
+            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=tensor,
+                                  chunk=chunk, slot=seq % layout.num_slots, scale=scale)
+            actions.extend((w, nack) for w in missing)
+        self.query_nacks_sent += len(actions)
+        return actions
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -559,6 +602,7 @@ class EdgeAgent:
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
+                          query_nacks=self.query_nacks,
                           first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:

@@ -251,7 +251,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
                               slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
-                              topology=topo, retransmit=cfg.edge_retransmit)
+                              topology=topo, retransmit=cfg.edge_retransmit,
+                              query_nacks=cfg.edge_query_nacks)
             first = 1
             procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
                             precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))

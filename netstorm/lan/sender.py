@@ -10,9 +10,14 @@ its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is
 TCP's selective acknowledgements find it: ACKs come back roughly in sending order, so a chunk still
 unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
 all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
-Each round goes out in one batch, with a QUERY for those chunks, whose answer covers ACKs that were
-themselves lost. Duplicates cost nothing: the aggregator's contributor bitmap
-drops them. Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
+With ``query_nacks`` (the gateway's choice, in its HELLO answer) a suspected chunk is first only asked
+about: one QUERY, which the gateway answers with an ACK for each chunk that completed (its ACK was what got
+lost) and, for each one still incomplete, a NACK to exactly the workers missing from its slot, who resend;
+a chunk still unacknowledged one more timeout later is resent by everyone as before. So one worker's lost
+datagram costs one resend, not one per worker. Without it, each round resends at once, in one batch with
+a QUERY for those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a
+NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
+Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
 NACK, ACK and the HELLO answer only with the gateway's token for it or for the group
@@ -134,6 +139,12 @@ class EdgeSender:
         """Where DATA goes: the gateway, or this worker's cluster aggregator (from the deployment)."""
         self.group_sock: socket.socket | None = None
         self.retransmit = 0.005
+        self.query_nacks = False
+        """Ask about a suspected chunk (and resend on the gateway's NACK) before resending it (deployment)."""
+        self.drop: frozenset[int] = frozenset()
+        """Sequence numbers whose first transmission is dropped on purpose (deterministic loss injection)."""
+        self.resent_by_nack = 0
+        """Chunks resent because a NACK named this worker."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
@@ -203,6 +214,7 @@ class EdgeSender:
                                  pool=deployment.pool)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
         self.retransmit = deployment.retransmit
+        self.query_nacks = deployment.query_nacks
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
 
@@ -243,6 +255,13 @@ class EdgeSender:
             now = time.monotonic()
             # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
             late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
+            if late.size and self.query_nacks:
+                # first time late: only ask (the gateway NACKs whoever is missing); late again: resend
+                asked = flight.queried[late]
+                await self._query(iteration, late[~asked])
+                flight.queried[late] = True
+                flight.resent(late[~asked], now, asked_only=True)
+                late = late[asked]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
@@ -265,6 +284,10 @@ class EdgeSender:
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
+        if first and self.drop:
+            keep = ~np.isin(index, np.fromiter(self.drop, np.int64, len(self.drop)))
+            self.dropped += int(index.size - keep.sum())
+            index = index[keep]
         if first and self.loss:
             keep = self.rng.random(index.size) >= self.loss
             self.dropped += int(index.size - keep.sum())
@@ -284,8 +307,12 @@ class EdgeSender:
         self.retransmitted += int(late.size)
         await self._send_rows(rows, late, first=False)
         flight.resent(late, now)
-        for start in range(0, late.size, QUERY_CHUNKS):
-            part = late[start: start + QUERY_CHUNKS].astype("<u4")
+        await self._query(iteration, late)
+
+    async def _query(self, iteration: int, chunks: np.ndarray) -> None:
+        """Ask the gateway about ``chunks`` (sequence numbers), QUERY_CHUNKS per datagram."""
+        for start in range(0, chunks.size, QUERY_CHUNKS):
+            part = chunks[start: start + QUERY_CHUNKS].astype("<u4")
             head = header_rows(1, kind=Kind.QUERY, job=self.job, worker=self.worker, iteration=iteration,
                                token=self.tokens.worker(self.worker, iteration))
             head["count"] = part.size
@@ -488,9 +515,15 @@ class EdgeSender:
                                        token=self.tokens.worker(self.worker, iteration),
                                        precision=self.precision)[0]
             self.rescaled += 1
+        if flight is not None and not head.flags & Flag.RESCALE and (
+                flight.acked[index] or time.monotonic() - flight.resent_at[index] < self.retransmit):
+            return   # done already, or resent moments ago (several workers' QUERYs name the same chunk)
         if flight is None or flight.was_sent(index):
             self.retransmitted += 1
+            self.resent_by_nack += 1
             self._queued.append(keep[index].tobytes())
+            if flight is not None:
+                flight.resent(np.array([index]), time.monotonic())
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
@@ -521,6 +554,10 @@ class _Flight:
         self.acked = np.zeros(chunks, bool)
         self.sent_at = np.full(chunks, np.inf)
         self.first_sent = np.full(chunks, np.inf)
+        self.queried = np.zeros(chunks, bool)
+        self.resent_at = np.full(chunks, -np.inf)
+        """When each chunk was last really sent again (not only asked about)."""
+        """Chunks already asked about once (the next time they are late they are resent)."""
         self.next = 0
         """Chunks below this were sent at least once."""
         self.highest = 0
@@ -547,8 +584,11 @@ class _Flight:
         if self.last_ack == float("inf"):
             self.last_ack = now
 
-    def resent(self, index: np.ndarray, now: float) -> None:
+    def resent(self, index: np.ndarray, now: float, *, asked_only: bool = False) -> None:
+        """``index`` went out again (or, ``asked_only``, was only asked about): its timeout starts over."""
         self.sent_at[index] = now
+        if not asked_only:
+            self.resent_at[index] = now
 
     def was_sent(self, index: int) -> bool:
         return index < self.next
