@@ -145,6 +145,8 @@ class EdgeSender:
         """Sequence numbers whose first transmission is dropped on purpose (deterministic loss injection)."""
         self.resent_by_nack = 0
         """Chunks resent because a NACK named this worker."""
+        self.stall_resends = 0
+        """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
@@ -248,20 +250,26 @@ class EdgeSender:
             if stop > start:
                 await self._send_rows(rows, np.arange(start, stop), first=True)
                 flight.sent(start, stop, time.monotonic())
-            wait = self._rto()
+            # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
+            grace = self._grace()
+            # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
+            # that later ACKs revealed, also when no datagram comes meanwhile
+            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace))
             await self._receive(min(remaining, wait))
             self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
-            # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
-            late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
-            if late.size and self.query_nacks:
-                # first time late: only ask (the gateway NACKs whoever is missing); late again: resend
-                asked = flight.queried[late]
-                await self._query(iteration, late[~asked])
-                flight.queried[late] = True
-                flight.resent(late[~asked], now, asked_only=True)
-                late = late[asked]
+            gap, stalled = flight.late(now, grace, self._rto())
+            self.stall_resends += int(stalled.size)
+            if self.query_nacks:
+                # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
+                ask = np.setdiff1d(gap, stalled)
+                if ask.size:
+                    await self._query(iteration, ask)
+                    flight.resent(ask, now, asked_only=True)
+                late = stalled
+            else:
+                late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
@@ -278,6 +286,10 @@ class EdgeSender:
         return iteration, self._split(out), self._total
 
     # ------------------------------------------------------------------ internals
+    def _grace(self) -> float:
+        """How long an unacknowledged chunk below an acknowledged one waits before it is taken as lost."""
+        return max(self.retransmit, 1.25 * self._rtt)
+
     def _rto(self) -> float:
         """How long without any ACK before the oldest unacknowledged chunks are resent."""
         return max(4 * self.retransmit, 2 * self._rtt)
@@ -516,7 +528,7 @@ class EdgeSender:
                                        precision=self.precision)[0]
             self.rescaled += 1
         if flight is not None and not head.flags & Flag.RESCALE and (
-                flight.acked[index] or time.monotonic() - flight.resent_at[index] < self.retransmit):
+                flight.acked[index] or time.monotonic() - flight.resent_at[index] < max(self.retransmit, self._rtt)):
             return   # done already, or resent moments ago (several workers' QUERYs name the same chunk)
         if flight is None or flight.was_sent(index):
             self.retransmitted += 1
@@ -554,10 +566,8 @@ class _Flight:
         self.acked = np.zeros(chunks, bool)
         self.sent_at = np.full(chunks, np.inf)
         self.first_sent = np.full(chunks, np.inf)
-        self.queried = np.zeros(chunks, bool)
         self.resent_at = np.full(chunks, -np.inf)
         """When each chunk was last really sent again (not only asked about)."""
-        """Chunks already asked about once (the next time they are late they are resent)."""
         self.next = 0
         """Chunks below this were sent at least once."""
         self.highest = 0
@@ -605,22 +615,31 @@ class _Flight:
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
         return float(now - np.max(self.sent_at[once])) if once.size else None
 
-    def late(self, now: float, grace: float, stall: float) -> np.ndarray:
-        """Chunks to resend: unacknowledged ones older than a chunk already acknowledged (ACKs come back
-        roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were sent;
-        and, when no ACK came for ``stall`` seconds (doubled after every such round until an ACK comes, as
-        TCP backs off: a slow peer is not a loss), the oldest few unacknowledged ones."""
+    def late(self, now: float, grace: float, stall: float) -> tuple[np.ndarray, np.ndarray]:
+        """Chunks taken as lost: (gap) unacknowledged ones older than a chunk already acknowledged (ACKs
+        come back roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were
+        sent, at most QUERY_CHUNKS; (stalled) when no ACK came for ``stall`` seconds (doubled after every
+        such round until an ACK comes, as TCP backs off: a slow peer is not a loss), the oldest few
+        unacknowledged ones."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
-        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))
+        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))[:QUERY_CHUNKS]
+        oldest = gap[:0]
         if now - self.last_ack > stall * self.backoff:
             oldest = np.flatnonzero(open_ & (age > stall * self.backoff))[:STALL_CHUNKS]
             if oldest.size:
                 self.backoff = min(64, self.backoff * 2)
                 self.last_ack = now
-            gap = np.union1d(gap, oldest)
-        return gap[:QUERY_CHUNKS]
+        return gap, oldest
+
+    def gap_due(self, now: float, grace: float) -> float:
+        """Seconds until the oldest unacknowledged chunk below an acknowledged one is ``grace`` old (inf:
+        none is)."""
+        below = ~self.acked[: self.highest]
+        if not below.any():
+            return float("inf")
+        return max(0.0, grace - (now - float(self.sent_at[: self.highest][below].min())))
 
     def unacked(self) -> int:
         return int((~self.acked).sum())
