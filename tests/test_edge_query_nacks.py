@@ -1,5 +1,5 @@
 """Loss recovery by QUERY and NACK (``edge_query_nacks``), on both aggregation paths in network namespaces:
-after one worker's DATA datagram is lost, every worker sees the gap and asks the gateway, the gateway reads
+after one worker's DATA datagram is lost, the workers see the gap and ask the gateway, the gateway reads
 the chunk's slot (the kernel's slot map, or the fallback's slots) and NACKs only the worker missing from
 it, and only that worker resends; without the option every worker resends its copy. The sums stay exact."""
 
@@ -58,8 +58,8 @@ async def one_loss(mode: str, xdp: Any, *, query_nacks: bool) -> dict[str, Any]:
             ifindex = lan.gateway_ifindex()
             run_in(lan.gateway, lambda: xdp.attach(ifindex))
         try:
-            # a gap is acted on 0.3 s after the later chunk's ACK: the NACKed resend's ACK has that long
-            # to come back before the other workers would resend too
+            # a gap is asked about 0.3 s after the later chunk's ACK, and again 0.3 s later: without the
+            # option, each worker resends its copy then
             agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=WORKERS, job=JOB,
                               mode=mode, xdp=xdp, slot_timeout=10.0, group=GROUP, retransmit=0.3,
                               query_nacks=query_nacks, secret=b"q" * 32)
@@ -110,8 +110,9 @@ def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, request: pyte
         for got, ref in zip(result, want, strict=True):
             assert np.array_equal(got, ref)
     assert out["dropped"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
-    # every worker saw the gap and asked; the gateway named only the loser, who resent once
-    assert all(q > 0 for q in out["queries"])
+    # the workers saw the gap and asked (the first answer may settle it before the others ask); the gateway
+    # named only the loser, who resent once
+    assert sum(out["queries"]) > 0
     assert out["query_nacks"] >= 1
     assert out["resent"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
     assert out["stats"]["timer_events"] == 0

@@ -254,12 +254,13 @@ class EdgeSender:
             grace = self._grace()
             # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
             # that later ACKs revealed, also when no datagram comes meanwhile
-            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace))
+            reorder = self.retransmit if self.query_nacks else None
+            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace, reorder))
             await self._receive(min(remaining, wait))
             self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
-            gap, stalled = flight.late(now, grace, self._rto())
+            gap, stalled = flight.late(now, grace, self._rto(), reorder)
             self.stall_resends += int(stalled.size)
             if self.query_nacks:
                 # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
@@ -267,6 +268,7 @@ class EdgeSender:
                 if ask.size:
                     await self._query(iteration, ask)
                     flight.resent(ask, now, asked_only=True)
+                    flight.asked[ask] = True
                 late = stalled
             else:
                 late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
@@ -286,6 +288,11 @@ class EdgeSender:
         return iteration, self._split(out), self._total
 
     # ------------------------------------------------------------------ internals
+    @property
+    def ack_rtt(self) -> float:
+        """The smoothed time from a chunk's first send to its ACK (queueing behind the window included)."""
+        return self._rtt
+
     def _grace(self) -> float:
         """How long an unacknowledged chunk below an acknowledged one waits before it is taken as lost."""
         return max(self.retransmit, 1.25 * self._rtt)
@@ -566,6 +573,10 @@ class _Flight:
         self.acked = np.zeros(chunks, bool)
         self.sent_at = np.full(chunks, np.inf)
         self.first_sent = np.full(chunks, np.inf)
+        self.asked = np.zeros(chunks, bool)
+        """Chunks a QUERY asked about (asked again only a timeout later)."""
+        self.passed_at = np.full(chunks, np.inf)
+        """When a later chunk's ACK first came for each chunk (a gap opened below it)."""
         self.resent_at = np.full(chunks, -np.inf)
         """When each chunk was last really sent again (not only asked about)."""
         self.next = 0
@@ -611,20 +622,32 @@ class _Flight:
             return None
         self.last_ack = now
         self.backoff = 1
-        self.highest = max(self.highest, int(fresh.max()) + 1)
+        highest = max(self.highest, int(fresh.max()) + 1)
+        self.passed_at[self.highest: highest] = now
+        self.highest = highest
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
         return float(now - np.max(self.sent_at[once])) if once.size else None
 
-    def late(self, now: float, grace: float, stall: float) -> tuple[np.ndarray, np.ndarray]:
+    def late(self, now: float, grace: float, stall: float,
+             reorder: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Chunks taken as lost: (gap) unacknowledged ones older than a chunk already acknowledged (ACKs
         come back roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were
         sent, at most QUERY_CHUNKS; (stalled) when no ACK came for ``stall`` seconds (doubled after every
         such round until an ACK comes, as TCP backs off: a slow peer is not a loss), the oldest few
-        unacknowledged ones."""
+        unacknowledged ones. With ``reorder`` (chunks are only asked about, which costs no data) a gap is
+        due ``reorder`` after the later ACK came, not ``grace`` after its own send: the send-to-ACK time
+        includes the queue of the whole window sent before it, while a later chunk's ACK shows at once that
+        this one's datagrams went by; it is asked about again ``grace`` after each QUERY."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
-        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))[:QUERY_CHUNKS]
+        below = open_ & (np.arange(self.next) < self.highest)
+        if reorder is None:
+            due = age > grace
+        else:
+            asked = self.asked[window]
+            due = np.where(asked, age > grace, now - self.passed_at[window] > reorder)
+        gap = np.flatnonzero(below & due)[:QUERY_CHUNKS]
         oldest = gap[:0]
         if now - self.last_ack > stall * self.backoff:
             oldest = np.flatnonzero(open_ & (age > stall * self.backoff))[:STALL_CHUNKS]
@@ -633,13 +656,16 @@ class _Flight:
                 self.last_ack = now
         return gap, oldest
 
-    def gap_due(self, now: float, grace: float) -> float:
-        """Seconds until the oldest unacknowledged chunk below an acknowledged one is ``grace`` old (inf:
-        none is)."""
+    def gap_due(self, now: float, grace: float, reorder: float | None = None) -> float:
+        """Seconds until ``late`` takes the first unacknowledged chunk below an acknowledged one (inf: none
+        is below one)."""
         below = ~self.acked[: self.highest]
         if not below.any():
             return float("inf")
-        return max(0.0, grace - (now - float(self.sent_at[: self.highest][below].min())))
+        due = self.sent_at[: self.highest] + grace
+        if reorder is not None:
+            due = np.where(self.asked[: self.highest], due, self.passed_at[: self.highest] + reorder)
+        return max(0.0, float(due[below].min()) - now)
 
     def unacked(self) -> int:
         return int((~self.acked).sum())
