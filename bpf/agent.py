@@ -59,6 +59,9 @@ from netstorm.lan.tokens import LanTokens, Sender
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
+GAP_CHUNKS = 64
+"""How far below the highest completed chunk an open one must be before the agent NACKs its missing workers
+unasked (the datagrams of chunks sent together may be aggregated slightly out of order)."""
 QUERY_LIMIT = 256
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 """Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
@@ -96,6 +99,10 @@ class IterationSums:
         self.open = np.ones(self.layout.num_chunks, bool)
         """Chunks (by sequence number) whose aggregate has not arrived."""
         self.remaining = self.layout.num_chunks
+        self.highest = 0
+        """One past the highest chunk completed."""
+        self.gap_checked = 0
+        """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
         self._chunks = np.asarray(self.layout.chunks, np.int64)
@@ -119,6 +126,8 @@ class IterationSums:
 
     def _complete(self, seqs: np.ndarray) -> None:
         fresh = np.unique(seqs[self.open[seqs]])
+        if fresh.size:
+            self.highest = max(self.highest, int(fresh[-1]) + 1)
         self.open[fresh] = False
         self.remaining -= int(fresh.size)
         if self.missing:
@@ -152,6 +161,7 @@ class IterationSums:
         self.scales[row] = head.scale
         self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
         self.remaining -= 1
+        self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
         return []
 
@@ -236,7 +246,7 @@ class EdgeAgent:
         self.retransmit = retransmit
         self.query_nacks = query_nacks
         self.query_nacks_sent = 0
-        """NACKs sent in answer to QUERYs (each to one worker missing from a queried slot)."""
+        """NACKs to a worker missing from a slot, in answer to a QUERY or from the agent's own gap rule."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -556,7 +566,21 @@ class EdgeAgent:
         if self.query_nacks and sums is not None and pending.size:
             self._emit(self._missing_nacks(sums, head.worker, pending))
 
-    def _missing_nacks(self, sums: IterationSums, asker: int, seqs: np.ndarray) -> list[tuple[int, bytes]]:
+    def _nack_gaps(self) -> None:
+        """The gateway's own gap rule: workers send chunks in order, so a chunk still open GAP_CHUNKS below
+        the highest completed one lost a datagram; its missing workers are NACKed once, at once, without
+        waiting for their QUERY (which stays the recovery for what this misses or loses)."""
+        for sums in self._open.values():
+            top = sums.highest - GAP_CHUNKS
+            if top <= sums.gap_checked:
+                continue
+            seqs = sums.gap_checked + np.flatnonzero(sums.open[sums.gap_checked: top])
+            sums.gap_checked = top
+            if seqs.size:
+                self._emit(self._missing_nacks(sums, None, seqs[:QUERY_LIMIT]))
+
+    def _missing_nacks(self, sums: IterationSums, asker: int | None,
+                       seqs: np.ndarray) -> list[tuple[int, bytes]]:
         """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot (read
         from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot that
         holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing cluster
@@ -565,14 +589,14 @@ class EdgeAgent:
         layout = sums.layout
         states = self._aggregator.slot_states(seqs % layout.num_slots)
         clusters = self.topology.clusters
-        asker_head = self.topology.aggregator_of(asker)
+        asker_head = None if asker is None else self.topology.aggregator_of(asker)
         actions: list[tuple[int, bytes]] = []
         for seq, state in zip(seqs.tolist(), states, strict=True):
             tensor, chunk = layout.locate(seq)
             here = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"])) == \
                 (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
             if not here:
-                missing, scale = [asker], layout.scales[tensor]
+                missing, scale = ([] if asker is None else [asker]), layout.scales[tensor]
             else:
                 left, scale = self.expected & ~int(state["bitmap"]), int(state["scale"])
                 missing = []
@@ -581,7 +605,7 @@ class EdgeAgent:
                         continue
                     if w not in clusters:
                         missing.append(w)
-                    elif asker_head == w:
+                    elif asker is not None and asker_head == w:
                         missing.append(asker)
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=tensor,
                                   chunk=chunk, slot=seq % layout.num_slots, scale=scale)
@@ -752,6 +776,8 @@ class EdgeAgent:
                 except WireError as exc:
                     self.errors += 1
                     log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
+        if self.query_nacks:
+            self._nack_gaps()
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started

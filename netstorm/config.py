@@ -223,7 +223,8 @@ class Config:
     it resends the missing chunks; the wait grows to the measured ACK round trip when that is longer."""
     edge_query_nacks: bool = True
     """A LAN worker that finds a gap first only asks the gateway (QUERY), which NACKs exactly the workers
-    missing from the chunk's slot; a chunk still late a timeout later is asked about again. False: every
+    missing from the chunk's slot (and does so unasked for a chunk still open well below the highest
+    completed one); a chunk still late a timeout later is asked about again. False: every
     worker resends its copy of a late chunk at once (one loss costs a resend per worker, but no round trip
     to ask)."""
     edge_group: str = "239.77.0.1:9701"

@@ -1,8 +1,9 @@
-"""Loss recovery by QUERY and NACK (``edge_query_nacks``), on both aggregation paths in network namespaces:
-after one worker's DATA datagram is lost, the workers see the gap and ask the gateway, the gateway reads
-the chunk's slot (the kernel's slot map, or the fallback's slots) and NACKs only the worker missing from
-it, and only that worker resends; without the option workers resend on their own timeouts (every one whose
-timeout runs out before the first resend's ACK comes). The sums stay exact."""
+"""Loss recovery by NACKs of exactly the missing (``edge_query_nacks``), on both aggregation paths in
+network namespaces: after one worker's DATA datagram is lost, the gateway sees the gap itself (chunks
+completed after it) or the workers see it and ask (QUERY); the gateway reads the chunk's slot (the
+kernel's slot map, or the fallback's slots) and NACKs only the worker missing from it, and only that worker
+resends; without the option workers resend on their own timeouts (every one whose timeout runs out before
+the first resend's ACK comes). The sums stay exact."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ from netstorm.lan.layout import EdgeLayout
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=357)
+LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
+"""90 chunks: a loss early in them is found by the gateway (more than GAP_CHUNKS completed after it), one
+among the last by the workers' QUERY."""
 JOB = 12
 PORT = 9410
 GROUP = ("239.77.0.12", 9411)
 WORKERS = 4
 LOSER = 1
-LOST = 2
-"""Sequence number of the chunk whose first transmission by worker LOSER is dropped."""
+EARLY, LATE = 2, 88
+"""Sequence numbers of the chunk whose first transmission by worker LOSER is dropped, in the two cases."""
 _iterations = itertools.count(300, 10)
 
 
@@ -43,8 +46,8 @@ def mode(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-async def one_loss(mode: str, xdp: Any, *, query_nacks: bool) -> dict[str, Any]:
-    """One iteration of WORKERS workers where worker LOSER's chunk LOST is lost once; the slot timers are
+async def one_loss(mode: str, xdp: Any, *, query_nacks: bool, lost: int) -> dict[str, Any]:
+    """One iteration of WORKERS workers where worker LOSER's chunk ``lost`` is lost once; the slot timers are
     set far beyond the run (10 s) so only the workers' own detection recovers it."""
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -67,7 +70,7 @@ async def one_loss(mode: str, xdp: Any, *, query_nacks: bool) -> dict[str, Any]:
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
                                 job=JOB, secret=b"q" * 32, group_opener=lan.group_opener(ns))
                      for i, ns in enumerate(lan.workers)]
-            nodes[LOSER].drop = frozenset({LOST})
+            nodes[LOSER].drop = frozenset({lost})
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(agent.run())
                 try:
@@ -101,9 +104,11 @@ def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
     return out
 
 
-def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, request: pytest.FixtureRequest) -> None:
+@pytest.mark.parametrize("lost", [EARLY, LATE], ids=["found-by-gateway", "found-by-query"])
+def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, lost: int,
+                                                       request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(one_loss(mode, xdp, query_nacks=True))
+    out = asyncio.run(one_loss(mode, xdp, query_nacks=True, lost=lost))
     want = exact(out["contribs"])
     for got, ref in zip(out["sums"], want, strict=True):
         assert np.array_equal(got, ref)
@@ -112,9 +117,14 @@ def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, request: pyte
         for got, ref in zip(result, want, strict=True):
             assert np.array_equal(got, ref)
     assert out["dropped"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
-    # the workers saw the gap and asked (the first answer may settle it before the others ask); the gateway
-    # named only the loser, who resent once
-    assert sum(out["queries"]) > 0
+    if lost == EARLY:
+        # the gateway saw the gap itself and NACKed the loser at once, 0.3 s before any worker would ask
+        assert sum(out["queries"]) == 0
+    else:
+        # no later chunks for the gateway to see it: the workers asked (the first answer may settle it
+        # before the others ask)
+        assert sum(out["queries"]) > 0
+    # the gateway named only the loser, who resent once
     assert out["query_nacks"] >= 1
     assert out["resent"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
     assert out["resent_by_nack"] == out["resent"]
@@ -123,7 +133,7 @@ def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, request: pyte
 
 def test_without_query_nacks_workers_resend_on_the_gap(mode: str, request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(one_loss(mode, xdp, query_nacks=False))
+    out = asyncio.run(one_loss(mode, xdp, query_nacks=False, lost=EARLY))
     want = exact(out["contribs"])
     for got, ref in zip(out["sums"], want, strict=True):
         assert np.array_equal(got, ref)
