@@ -131,6 +131,7 @@ class XdpAggregator:
                                                    ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                                    ctypes.POINTER(_BatchOpts)]
         self._value_size = 0
+        self._slots_fd = -1
         self._attached: list[tuple[int, int]] = []
         self._events: list[SlotEvent] = []
         self._ring_open = False
@@ -259,10 +260,11 @@ class XdpAggregator:
         """The key, scale, busy flag and contributor bitmap of the slots ``indices``, read under each slot's
         spin lock (``BPF_F_LOCK``) with one batched lookup per run of consecutive slots (at most SLOT_RUN
         each); a slot the kernel would not give is returned with bitmap 0 and busy 0."""
-        fd = self.map_fds()["slots"]
-        if self._value_size == 0:
-            with open(f"/proc/self/fdinfo/{fd}") as info:
+        if self._value_size == 0:   # the slot map's fd and value size, found once (bcc's lookups are slow)
+            self._slots_fd = self.map_fds()["slots"]
+            with open(f"/proc/self/fdinfo/{self._slots_fd}") as info:
                 self._value_size = next(int(line.split()[1]) for line in info if line.startswith("value_size:"))
+        fd = self._slots_fd
         dtype = slot_dtype(self._value_size)
         out = np.zeros(len(indices), dtype)
         wanted = np.asarray(indices, np.int64)
