@@ -59,6 +59,11 @@ from netstorm.lan.tokens import LanTokens, Sender
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
+GAP_CHUNKS = 64
+"""How far below the highest completed chunk an open one must be before the agent NACKs its missing workers
+unasked (the datagrams of chunks sent together may be aggregated slightly out of order)."""
+QUERY_LIMIT = 256
+"""Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 """Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
@@ -94,6 +99,10 @@ class IterationSums:
         self.open = np.ones(self.layout.num_chunks, bool)
         """Chunks (by sequence number) whose aggregate has not arrived."""
         self.remaining = self.layout.num_chunks
+        self.highest = 0
+        """One past the highest chunk completed."""
+        self.gap_checked = 0
+        """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
         self._chunks = np.asarray(self.layout.chunks, np.int64)
@@ -117,6 +126,8 @@ class IterationSums:
 
     def _complete(self, seqs: np.ndarray) -> None:
         fresh = np.unique(seqs[self.open[seqs]])
+        if fresh.size:
+            self.highest = max(self.highest, int(fresh[-1]) + 1)
         self.open[fresh] = False
         self.remaining -= int(fresh.size)
         if self.missing:
@@ -150,6 +161,7 @@ class IterationSums:
         self.scales[row] = head.scale
         self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
         self.remaining -= 1
+        self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
         return []
 
@@ -210,11 +222,12 @@ class EdgeAgent:
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int, mode: str,
                  xdp: XdpAggregator | None = None, slot_timeout: float = 0.2, max_nacks: int = 20,
                  secret: bytes | None = None, group: tuple[str, int] | None = None,
-                 topology: LanTopology | None = None, retransmit: float = 0.005) -> None:
+                 topology: LanTopology | None = None, retransmit: float = 0.005, query_nacks: bool = True) -> None:
         """``layout`` fixes the pool (``layout.pool``) and lanes per datagram; ``group`` is the multicast
         (address, port) for ACKs and results (None: a unicast copy per worker); ``topology`` says which
         workers aggregate which (None: one level); ``retransmit`` is what workers are told to wait for
-        progress before resending."""
+        progress before resending; ``query_nacks`` tells them to ask before resending and answers a QUERY
+        with NACKs to exactly the workers missing from each incomplete chunk's slot."""
         if mode not in ("xdp", "userspace"):
             raise ValueError(f"mode must be 'xdp' or 'userspace', got {mode!r}")
         if mode == "xdp" and xdp is None:
@@ -231,6 +244,9 @@ class EdgeAgent:
         if self.topology.workers != workers:
             raise ValueError(f"the LAN topology has {self.topology.workers} workers, the agent {workers}")
         self.retransmit = retransmit
+        self.query_nacks = query_nacks
+        self.query_nacks_sent = 0
+        """NACKs to a worker missing from a slot, in answer to a QUERY or from the agent's own gap rule."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -533,18 +549,69 @@ class EdgeAgent:
 
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
-        seqs = np.frombuffer(data, "<u4", count=head.count, offset=HEADER_BYTES)
+        seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
         sums = self._open.get(head.iteration)
+        pending = seqs[:0]
         if sums is not None:
-            done = [int(q) for q in seqs if q < sums.layout.num_chunks and not sums.open[q]]
+            seqs = seqs[seqs < sums.layout.num_chunks]
+            done, pending = seqs[~sums.open[seqs]], seqs[sums.open[seqs]]
         elif head.iteration in self._finished:
-            done = [int(q) for q in seqs]
+            done = seqs
         else:
             return
         token = self.tokens.gateway(head.worker, head.iteration)
-        for datagram in ack_packets(np.asarray(done), job=self.job, iteration=head.iteration):
+        for datagram in ack_packets(done, job=self.job, iteration=head.iteration):
             stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
             self._control(stamped, address)
+        if self.query_nacks and sums is not None and pending.size:
+            self._emit(self._missing_nacks(sums, head.worker, pending))
+
+    def _nack_gaps(self) -> None:
+        """The gateway's own gap rule: workers send chunks in order, so a chunk still open GAP_CHUNKS below
+        the highest completed one lost a datagram; its missing workers are NACKed once, at once, without
+        waiting for their QUERY (which stays the recovery for what this misses or loses)."""
+        for sums in self._open.values():
+            top = sums.highest - GAP_CHUNKS
+            if top <= sums.gap_checked:
+                continue
+            seqs = sums.gap_checked + np.flatnonzero(sums.open[sums.gap_checked: top])
+            sums.gap_checked = top
+            if seqs.size:
+                self._emit(self._missing_nacks(sums, None, seqs[:QUERY_LIMIT]))
+
+    def _missing_nacks(self, sums: IterationSums, asker: int | None,
+                       seqs: np.ndarray) -> list[tuple[int, bytes]]:
+        """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot (read
+        from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot that
+        holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing cluster
+        aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits once its
+        members' DATA is complete, so a member resends), and nobody else."""
+        layout = sums.layout
+        states = self._aggregator.slot_states(seqs % layout.num_slots)
+        clusters = self.topology.clusters
+        asker_head = None if asker is None else self.topology.aggregator_of(asker)
+        actions: list[tuple[int, bytes]] = []
+        for seq, state in zip(seqs.tolist(), states, strict=True):
+            tensor, chunk = layout.locate(seq)
+            here = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"])) == \
+                (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
+            if not here:
+                missing, scale = ([] if asker is None else [asker]), layout.scales[tensor]
+            else:
+                left, scale = self.expected & ~int(state["bitmap"]), int(state["scale"])
+                missing = []
+                for w in range(self.workers):
+                    if not left >> w & 1:
+                        continue
+                    if w not in clusters:
+                        missing.append(w)
+                    elif asker is not None and asker_head == w:
+                        missing.append(asker)
+            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=tensor,
+                                  chunk=chunk, slot=seq % layout.num_slots, scale=scale)
+            actions.extend((w, nack) for w in missing)
+        self.query_nacks_sent += len(actions)
+        return actions
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -559,6 +626,7 @@ class EdgeAgent:
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
+                          query_nacks=self.query_nacks,
                           first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
@@ -708,6 +776,8 @@ class EdgeAgent:
                 except WireError as exc:
                     self.errors += 1
                     log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
+        if self.query_nacks:
+            self._nack_gaps()
         if self._acks:
             self._flush_acks()
         self.receive_cpu += time.thread_time() - started

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent
+from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
 from netstorm.lan.header import (
@@ -175,6 +175,15 @@ class UserspaceAggregator:
             self.counters["forwarded"] += 1
         out[HEADER_BYTES:] = np.clip(s.lanes, -(2**31), INT32_MAX).astype("<i4").tobytes()
         return bytes(out)
+
+    def slot_states(self, indices: np.ndarray) -> np.ndarray:
+        """As XdpAggregator.slot_states: each slot's key, scale, busy flag and contributor bitmap."""
+        out = np.zeros(len(indices), slot_dtype(56))
+        for row, index in enumerate(np.asarray(indices, np.int64)):
+            if 0 <= index < len(self.slots):
+                s = self.slots[index]
+                out[row] = (s.iteration, s.tensor, s.chunk, s.scale, s.busy, s.bitmap)
+        return out
 
     def _arm(self, deadline: float, index: int) -> None:
         """Push a slot's timer. A slot taken over again leaves its older entry behind (skipped at expiry);

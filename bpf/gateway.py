@@ -77,6 +77,8 @@ class EdgeOptions:
     """Multicast group for ACKs and results (``edge_group``; None: unicast)."""
     retransmit: float = 0.005
     """Seconds a worker waits for an ACK before resending (``edge_retransmit``)."""
+    query_nacks: bool = True
+    """Workers ask before resending; QUERYs are answered with NACKs of the missing (``edge_query_nacks``)."""
     lan: LanSpec | None = None
     """The LAN's description (``--edge-scenario``): announced to the scheduler, which plans the tier."""
     plan_wait: float = 0.0
@@ -265,7 +267,8 @@ class GatewayRole:
         self.mode = mode
         agent = EdgeAgent(sock, layout, workers=opts.workers, job=opts.job,
                           mode="xdp" if xdp is not None else "userspace", xdp=xdp, slot_timeout=opts.slot_timeout,
-                          secret=opts.secret, group=opts.group, topology=topology, retransmit=opts.retransmit)
+                          secret=opts.secret, group=opts.group, topology=topology, retransmit=opts.retransmit,
+                          query_nacks=opts.query_nacks)
         if self._compression is not None:
             agent.gia_threshold = self._compression[0].gia_threshold
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",

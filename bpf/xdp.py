@@ -37,7 +37,24 @@ TOKEN_WINDOW = 8
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])
+SLOT_FIELDS = {"names": ["iteration", "tensor", "chunk", "scale", "busy", "bitmap"],
+               "formats": ["<u4", "<u4", "<u4", "i1", "u1", "<u8"], "offsets": [20, 24, 28, 34, 38, 48]}
+"""Where ``struct ns_slot`` (bpf/slot.h) keeps a slot's key and contributors: after the 16-byte bpf_timer and
+the 4-byte bpf_spin_lock; the map value's size comes from the kernel."""
+BPF_F_LOCK = 4
+SLOT_RUN = 64
+"""Slots one batched lookup reads at most (a value is 56 bytes plus the lanes)."""
 _instances = itertools.count()
+
+
+def slot_dtype(itemsize: int) -> np.dtype[Any]:
+    """The slot fields a QUERY answer reads, in rows of ``itemsize`` bytes (the map's value size)."""
+    spec: Any = {**SLOT_FIELDS, "itemsize": itemsize}
+    return np.dtype(spec)
+
+
+class _BatchOpts(ctypes.Structure):
+    _fields_ = [("sz", ctypes.c_size_t), ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
 #: tries per slot before the loader gives up on its timer (each ENOMEM is followed by making room)
 PRIME_ATTEMPTS = 32
 
@@ -110,6 +127,11 @@ class XdpAggregator:
         self._lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
+        self._lib.bpf_map_lookup_batch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                                   ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
+                                                   ctypes.POINTER(_BatchOpts)]
+        self._value_size = 0
+        self._slots_fd = -1
         self._attached: list[tuple[int, int]] = []
         self._events: list[SlotEvent] = []
         self._ring_open = False
@@ -233,6 +255,42 @@ class XdpAggregator:
         for name in ("ns_cfg", "ns_tokens", "ns_stats", "ns_events"):
             fds[name] = int(self._module[name.encode()].map_fd)
         return fds
+
+    def slot_states(self, indices: np.ndarray) -> np.ndarray:
+        """The key, scale, busy flag and contributor bitmap of the slots ``indices``, read under each slot's
+        spin lock (``BPF_F_LOCK``) with one batched lookup per run of consecutive slots (at most SLOT_RUN
+        each); a slot the kernel would not give is returned with bitmap 0 and busy 0."""
+        if self._value_size == 0:   # the slot map's fd and value size, found once (bcc's lookups are slow)
+            self._slots_fd = self.map_fds()["slots"]
+            with open(f"/proc/self/fdinfo/{self._slots_fd}") as info:
+                self._value_size = next(int(line.split()[1]) for line in info if line.startswith("value_size:"))
+        fd = self._slots_fd
+        dtype = slot_dtype(self._value_size)
+        out = np.zeros(len(indices), dtype)
+        wanted = np.asarray(indices, np.int64)
+        runs = np.unique(wanted)
+        start = 0
+        while start < runs.size:
+            stop = start + 1
+            while stop < runs.size and runs[stop] == runs[stop - 1] + 1 and stop - start < SLOT_RUN:
+                stop += 1
+            first, n = int(runs[start]), stop - start
+            values = np.zeros(n, dtype)
+            keys = (ctypes.c_uint32 * n)()
+            count = ctypes.c_uint32(n)
+            prev = ctypes.c_uint32(first - 1)
+            nxt = ctypes.c_uint32(0)
+            opts = _BatchOpts(ctypes.sizeof(_BatchOpts), BPF_F_LOCK, 0)
+            rc = self._lib.bpf_map_lookup_batch(fd, ctypes.byref(prev) if first else None, ctypes.byref(nxt), keys,
+                                                values.ctypes.data, ctypes.byref(count), ctypes.byref(opts))
+            got = int(count.value)
+            if rc == 0 or got:
+                read = values[:got]
+                where = np.searchsorted(runs[start:stop], np.ctypeslib.as_array(keys)[:got])
+                for index, row in zip(runs[start:stop][where], read, strict=True):
+                    out[wanted == index] = row
+            start = stop
+        return out
 
     def kernel_map_bytes(self) -> int:
         """Kernel memory the program's maps hold, as the kernel accounts it (``memlock`` in each map's

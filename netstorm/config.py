@@ -221,6 +221,12 @@ class Config:
     edge_retransmit: float = 0.005
     """Seconds a LAN worker waits past a gap in the ACKs (a later chunk acknowledged, this one not) before
     it resends the missing chunks; the wait grows to the measured ACK round trip when that is longer."""
+    edge_query_nacks: bool = True
+    """A LAN worker that finds a gap first only asks the gateway (QUERY), which NACKs exactly the workers
+    missing from the chunk's slot (and does so unasked for a chunk still open well below the highest
+    completed one); a chunk still late a timeout later is asked about again. False: every
+    worker resends its copy of a late chunk at once (one loss costs a resend per worker, but no round trip
+    to ask)."""
     edge_group: str = "239.77.0.1:9701"
     """Multicast group ADDRESS:PORT the gateway sends ACKs and results to, one datagram replicated by the
     LAN for every worker; empty: one unicast copy per worker."""

@@ -89,6 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
     parser.add_argument("--no-gro", action="store_true",
                         help="workers receive one datagram per receive instead of whole GSO batches (UDP_GRO)")
+    parser.add_argument("--no-query-nacks", action="store_true",
+                        help="workers resend on a gap at once instead of asking the gateway (edge_query_nacks=false)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML file of options (the LAN tier's)")
     parser.add_argument("--lan-gbit", type=float, default=None, metavar="GBIT",
                         help="shape every worker's uplink and downlink to GBIT with HTB (default: unshaped)")
@@ -251,7 +253,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             sock = lan.udp_socket(lan.gateway, GATEWAY_IP, PORT, rcvbuf=16 << 20)
             agent = EdgeAgent(sock, layout, workers=workers, job=JOB, mode=path, xdp=xdp,
                               slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
-                              topology=topo, retransmit=cfg.edge_retransmit)
+                              topology=topo, retransmit=cfg.edge_retransmit,
+                              query_nacks=cfg.edge_query_nacks)
             first = 1
             procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
                             precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))
@@ -376,6 +379,11 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],
         "retransmitted": sum(w["retransmitted"] for w in workers.windows),
+        "resent_by_nack": sum(w.get("resent_by_nack", 0) for w in workers.windows),
+        "stall_resends": sum(w.get("stall_resends", 0) for w in workers.windows),
+        "queries": sum(w.get("queries", 0) for w in workers.windows),
+        "ack_rtt_seconds": max((w.get("ack_rtt", 0.0) for w in workers.windows), default=0.0),
+        "query_nacks": agent.query_nacks_sent,
         "dropped_on_purpose": sum(w["dropped"] for w in workers.windows),
         "workers_cpu_seconds": sum(w["cpu"] for w in workers.windows),
         "workers_receive_rounds": sum(w["receive_rounds"] for w in workers.windows),
@@ -506,6 +514,8 @@ def run(args: argparse.Namespace) -> int:
               f"XDP aggregator for {args.elements} elements ({doc['chunks']} chunks, pool {doc['pool_slots']} slots): "
               f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel")
         return 0
+    if getattr(args, "no_query_nacks", False):
+        args.lan_overrides = {**(getattr(args, "lan_overrides", None) or {}), "edge_query_nacks": False}
     paths = parse_paths(args.paths)
     from netstorm.bench.edge_levels import parse_precisions, topology
 
@@ -525,6 +535,7 @@ def run(args: argparse.Namespace) -> int:
         "baseline": "userspace", "target_ratio_per_core": TARGET_RATIO, "peer": "gloo",
         "mtu": args.mtu if args.mtu is not None else _lan_config(args).edge_mtu,
         "gso": not args.no_gso, "gro": not getattr(args, "no_gro", False),
+        "query_nacks": _lan_config(args).edge_query_nacks,
     }
     if args.lan_scenario is not None:
         out["lan_scenario"] = {"scenario": args.lan_scenario, "dc": args.dc, "lan_bw_scale": args.lan_bw_scale,

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                            topology=LanTopology.parse(config.edge_clusters, args.edge_workers)
                            if config.edge_clusters else None,
                            group=parse_address(config.edge_group, "edge_group") if config.edge_group else None,
-                           retransmit=config.edge_retransmit,
+                           retransmit=config.edge_retransmit, query_nacks=config.edge_query_nacks,
                            lan=lan_description(getattr(args, "edge_scenario", None), args.id),
                            plan_wait=config.edge_plan_wait, report_change=config.dc_replan_change,
                            report_interval=config.dc_replan_hold)

@@ -99,6 +99,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """For an aggregator: the member ids its XDP program expects besides itself."""
     retransmit: float = 0.005
     """Seconds without progress before the worker resends its unacknowledged chunks."""
+    query_nacks: bool = False
+    """A late chunk is first only asked about (QUERY): the gateway NACKs exactly the workers missing from
+    its slot, who resend; it is resent by everyone only if still late a timeout later."""
     first_iteration: int | None = None
     """The first iteration the gateway expects DATA for, when it knows (an aggregator installs tokens
     from there)."""

@@ -10,9 +10,16 @@ its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is
 TCP's selective acknowledgements find it: ACKs come back roughly in sending order, so a chunk still
 unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
 all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
-Each round goes out in one batch, with a QUERY for those chunks, whose answer covers ACKs that were
-themselves lost. Duplicates cost nothing: the aggregator's contributor bitmap
-drops them. Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
+With ``query_nacks`` (the gateway's choice, in its HELLO answer) a chunk below an acknowledged one is only
+asked about, ``retransmit`` after that later ACK came (not an ACK round trip after its own send, which
+includes the queue of the window sent before it), and again each timeout while it stays open: one QUERY,
+which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost) and, for
+each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
+worker's lost datagram costs one resend, not one per worker; the stall rule and the gateway's slot
+timers stay as the backstops. Without it, each round resends at once, in one batch with a QUERY for
+those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a
+NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
+Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
 NACK, ACK and the HELLO answer only with the gateway's token for it or for the group
@@ -134,6 +141,14 @@ class EdgeSender:
         """Where DATA goes: the gateway, or this worker's cluster aggregator (from the deployment)."""
         self.group_sock: socket.socket | None = None
         self.retransmit = 0.005
+        self.query_nacks = False
+        """Ask about a suspected chunk (and resend on the gateway's NACK) before resending it (deployment)."""
+        self.drop: frozenset[int] = frozenset()
+        """Sequence numbers whose first transmission is dropped on purpose (deterministic loss injection)."""
+        self.resent_by_nack = 0
+        """Chunks resent because a NACK named this worker."""
+        self.stall_resends = 0
+        """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
@@ -203,6 +218,7 @@ class EdgeSender:
                                  pool=deployment.pool)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
         self.retransmit = deployment.retransmit
+        self.query_nacks = deployment.query_nacks
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
 
@@ -236,13 +252,28 @@ class EdgeSender:
             if stop > start:
                 await self._send_rows(rows, np.arange(start, stop), first=True)
                 flight.sent(start, stop, time.monotonic())
-            wait = self._rto()
+            # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
+            grace = self._grace()
+            # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
+            # that later ACKs revealed, also when no datagram comes meanwhile
+            reorder = self.retransmit if self.query_nacks else None
+            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace, reorder))
             await self._receive(min(remaining, wait))
             self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
-            # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
-            late = flight.late(now, max(self.retransmit, 1.25 * self._rtt), self._rto())
+            gap, stalled = flight.late(now, grace, self._rto(), reorder)
+            self.stall_resends += int(stalled.size)
+            if self.query_nacks:
+                # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
+                ask = np.setdiff1d(gap, stalled)
+                if ask.size:
+                    await self._query(iteration, ask)
+                    flight.resent(ask, now, asked_only=True)
+                    flight.asked[ask] = True
+                late = stalled
+            else:
+                late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
@@ -259,12 +290,25 @@ class EdgeSender:
         return iteration, self._split(out), self._total
 
     # ------------------------------------------------------------------ internals
+    @property
+    def ack_rtt(self) -> float:
+        """The smoothed time from a chunk's first send to its ACK (queueing behind the window included)."""
+        return self._rtt
+
+    def _grace(self) -> float:
+        """How long an unacknowledged chunk below an acknowledged one waits before it is taken as lost."""
+        return max(self.retransmit, 1.25 * self._rtt)
+
     def _rto(self) -> float:
         """How long without any ACK before the oldest unacknowledged chunks are resent."""
         return max(4 * self.retransmit, 2 * self._rtt)
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
+        if first and self.drop:
+            keep = ~np.isin(index, np.fromiter(self.drop, np.int64, len(self.drop)))
+            self.dropped += int(index.size - keep.sum())
+            index = index[keep]
         if first and self.loss:
             keep = self.rng.random(index.size) >= self.loss
             self.dropped += int(index.size - keep.sum())
@@ -284,8 +328,12 @@ class EdgeSender:
         self.retransmitted += int(late.size)
         await self._send_rows(rows, late, first=False)
         flight.resent(late, now)
-        for start in range(0, late.size, QUERY_CHUNKS):
-            part = late[start: start + QUERY_CHUNKS].astype("<u4")
+        await self._query(iteration, late)
+
+    async def _query(self, iteration: int, chunks: np.ndarray) -> None:
+        """Ask the gateway about ``chunks`` (sequence numbers), QUERY_CHUNKS per datagram."""
+        for start in range(0, chunks.size, QUERY_CHUNKS):
+            part = chunks[start: start + QUERY_CHUNKS].astype("<u4")
             head = header_rows(1, kind=Kind.QUERY, job=self.job, worker=self.worker, iteration=iteration,
                                token=self.tokens.worker(self.worker, iteration))
             head["count"] = part.size
@@ -488,9 +536,15 @@ class EdgeSender:
                                        token=self.tokens.worker(self.worker, iteration),
                                        precision=self.precision)[0]
             self.rescaled += 1
+        if flight is not None and not head.flags & Flag.RESCALE and (
+                flight.acked[index] or time.monotonic() - flight.resent_at[index] < max(self.retransmit, self._rtt)):
+            return   # done already, or resent moments ago (several workers' QUERYs name the same chunk)
         if flight is None or flight.was_sent(index):
             self.retransmitted += 1
+            self.resent_by_nack += 1
             self._queued.append(keep[index].tobytes())
+            if flight is not None:
+                flight.resent(np.array([index]), time.monotonic())
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
@@ -521,6 +575,12 @@ class _Flight:
         self.acked = np.zeros(chunks, bool)
         self.sent_at = np.full(chunks, np.inf)
         self.first_sent = np.full(chunks, np.inf)
+        self.asked = np.zeros(chunks, bool)
+        """Chunks a QUERY asked about (asked again only a timeout later)."""
+        self.passed_at = np.full(chunks, np.inf)
+        """When a later chunk's ACK first came for each chunk (a gap opened below it)."""
+        self.resent_at = np.full(chunks, -np.inf)
+        """When each chunk was last really sent again (not only asked about)."""
         self.next = 0
         """Chunks below this were sent at least once."""
         self.highest = 0
@@ -547,8 +607,11 @@ class _Flight:
         if self.last_ack == float("inf"):
             self.last_ack = now
 
-    def resent(self, index: np.ndarray, now: float) -> None:
+    def resent(self, index: np.ndarray, now: float, *, asked_only: bool = False) -> None:
+        """``index`` went out again (or, ``asked_only``, was only asked about): its timeout starts over."""
         self.sent_at[index] = now
+        if not asked_only:
+            self.resent_at[index] = now
 
     def was_sent(self, index: int) -> bool:
         return index < self.next
@@ -561,26 +624,50 @@ class _Flight:
             return None
         self.last_ack = now
         self.backoff = 1
-        self.highest = max(self.highest, int(fresh.max()) + 1)
+        highest = max(self.highest, int(fresh.max()) + 1)
+        self.passed_at[self.highest: highest] = now
+        self.highest = highest
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
         return float(now - np.max(self.sent_at[once])) if once.size else None
 
-    def late(self, now: float, grace: float, stall: float) -> np.ndarray:
-        """Chunks to resend: unacknowledged ones older than a chunk already acknowledged (ACKs come back
-        roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were sent;
-        and, when no ACK came for ``stall`` seconds (doubled after every such round until an ACK comes, as
-        TCP backs off: a slow peer is not a loss), the oldest few unacknowledged ones."""
+    def late(self, now: float, grace: float, stall: float,
+             reorder: float | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Chunks taken as lost: (gap) unacknowledged ones older than a chunk already acknowledged (ACKs
+        come back roughly in sending order, so a gap means a loss) once ``grace`` has passed since they were
+        sent, at most QUERY_CHUNKS; (stalled) when no ACK came for ``stall`` seconds (doubled after every
+        such round until an ACK comes, as TCP backs off: a slow peer is not a loss), the oldest few
+        unacknowledged ones. With ``reorder`` (chunks are only asked about, which costs no data) a gap is
+        due ``reorder`` after the later ACK came, not ``grace`` after its own send: the send-to-ACK time
+        includes the queue of the whole window sent before it, while a later chunk's ACK shows at once that
+        this one's datagrams went by; it is asked about again ``grace`` after each QUERY."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
-        gap = np.flatnonzero(open_ & (np.arange(self.next) < self.highest) & (age > grace))
+        below = open_ & (np.arange(self.next) < self.highest)
+        if reorder is None:
+            due = age > grace
+        else:
+            asked = self.asked[window]
+            due = np.where(asked, age > grace, now - self.passed_at[window] > reorder)
+        gap = np.flatnonzero(below & due)[:QUERY_CHUNKS]
+        oldest = gap[:0]
         if now - self.last_ack > stall * self.backoff:
             oldest = np.flatnonzero(open_ & (age > stall * self.backoff))[:STALL_CHUNKS]
             if oldest.size:
                 self.backoff = min(64, self.backoff * 2)
                 self.last_ack = now
-            gap = np.union1d(gap, oldest)
-        return gap[:QUERY_CHUNKS]
+        return gap, oldest
+
+    def gap_due(self, now: float, grace: float, reorder: float | None = None) -> float:
+        """Seconds until ``late`` takes the first unacknowledged chunk below an acknowledged one (inf: none
+        is below one)."""
+        below = ~self.acked[: self.highest]
+        if not below.any():
+            return float("inf")
+        due = self.sent_at[: self.highest] + grace
+        if reorder is not None:
+            due = np.where(self.asked[: self.highest], due, self.passed_at[: self.highest] + reorder)
+        return max(0.0, float(due[below].min()) - now)
 
     def unacked(self) -> int:
         return int((~self.acked).sum())

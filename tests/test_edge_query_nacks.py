@@ -1,0 +1,146 @@
+"""Loss recovery by NACKs of exactly the missing (``edge_query_nacks``), on both aggregation paths in
+network namespaces: after one worker's DATA datagram is lost, the gateway sees the gap itself (chunks
+completed after it) or the workers see it and ask (QUERY); the gateway reads the chunk's slot (the
+kernel's slot map, or the fallback's slots) and NACKs only the worker missing from it, and only that worker
+resends; without the option workers resend on their own timeouts (every one whose timeout runs out before
+the first resend's ACK comes). The sums stay exact."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netstorm.lan.layout import EdgeLayout
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
+"""90 chunks: a loss early in them is found by the gateway (more than GAP_CHUNKS completed after it), one
+among the last by the workers' QUERY."""
+JOB = 12
+PORT = 9410
+GROUP = ("239.77.0.12", 9411)
+WORKERS = 4
+LOSER = 1
+EARLY, LATE = 2, 88
+"""Sequence numbers of the chunk whose first transmission by worker LOSER is dropped, in the two cases."""
+_iterations = itertools.count(300, 10)
+
+
+@pytest.fixture(scope="module")
+def xdp_program() -> Iterator[Any]:
+    from bpf.xdp import XdpAggregator
+
+    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=10.0)
+    yield agg
+    agg.close()
+
+
+@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def one_loss(mode: str, xdp: Any, *, query_nacks: bool, lost: int) -> dict[str, Any]:
+    """One iteration of WORKERS workers where worker LOSER's chunk ``lost`` is lost once; the slot timers are
+    set far beyond the run (10 s) so only the workers' own detection recovers it."""
+    from bpf.agent import EdgeAgent
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    rng = np.random.default_rng(5)
+    contribs = [[rng.standard_normal(s).astype(np.float32) for s in LAYOUT.sizes] for _ in range(WORKERS)]
+    with Lan(WORKERS) as lan:
+        if xdp is not None:
+            xdp.configure(job=JOB, port=PORT, expected=(1 << WORKERS) - 1, timeout=10.0, max_nacks=20)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        try:
+            # a gap is asked about 0.3 s after the later chunk's ACK, and again 0.3 s later: without the
+            # option, each worker resends its copy then
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=WORKERS, job=JOB,
+                              mode=mode, xdp=xdp, slot_timeout=10.0, group=GROUP, retransmit=0.3,
+                              query_nacks=query_nacks, secret=b"q" * 32)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
+                                job=JOB, secret=b"q" * 32, group_opener=lan.group_opener(ns))
+                     for i, ns in enumerate(lan.workers)]
+            nodes[LOSER].drop = frozenset({lost})
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+                    await agent.wait_workers(timeout=10)
+                    iteration = next(_iterations)
+                    pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=30)) for n in nodes]
+                    sums = await agent.collect(iteration, timeout=25)
+                    await agent.send_results(iteration, sums, total=WORKERS)
+                    results = [await task for task in pushes]
+                finally:
+                    agent.close()
+                    await serving
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            return {"sums": sums, "results": results, "stats": stats, "query_nacks": agent.query_nacks_sent,
+                    "contribs": contribs, "dropped": [n.dropped for n in nodes],
+                    "resent": [n.retransmitted for n in nodes], "queries": [n.queries for n in nodes],
+                    "resent_by_nack": [n.resent_by_nack for n in nodes]}
+        finally:
+            if xdp is not None:
+                xdp.detach()
+                xdp.require_tokens(0)
+
+
+def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
+    out = []
+    for t in range(len(LAYOUT.sizes)):
+        scale = LAYOUT.scales[t]
+        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
+        out.append((total.astype(np.float64) * 2.0**-scale).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("lost", [EARLY, LATE], ids=["found-by-gateway", "found-by-query"])
+def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, lost: int,
+                                                       request: pytest.FixtureRequest) -> None:
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(one_loss(mode, xdp, query_nacks=True, lost=lost))
+    want = exact(out["contribs"])
+    for got, ref in zip(out["sums"], want, strict=True):
+        assert np.array_equal(got, ref)
+    for result, total in out["results"]:
+        assert total == WORKERS
+        for got, ref in zip(result, want, strict=True):
+            assert np.array_equal(got, ref)
+    assert out["dropped"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
+    if lost == EARLY:
+        # the gateway saw the gap itself and NACKed the loser at once, 0.3 s before any worker would ask
+        assert sum(out["queries"]) == 0
+    else:
+        # no later chunks for the gateway to see it: the workers asked (the first answer may settle it
+        # before the others ask)
+        assert sum(out["queries"]) > 0
+    # the gateway named only the loser, who resent once
+    assert out["query_nacks"] >= 1
+    assert out["resent"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
+    assert out["resent_by_nack"] == out["resent"]
+    assert out["stats"]["timer_events"] == 0
+
+
+def test_without_query_nacks_workers_resend_on_the_gap(mode: str, request: pytest.FixtureRequest) -> None:
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(one_loss(mode, xdp, query_nacks=False, lost=EARLY))
+    want = exact(out["contribs"])
+    for got, ref in zip(out["sums"], want, strict=True):
+        assert np.array_equal(got, ref)
+    assert out["query_nacks"] == 0
+    # the loser resent on its own gap rule, and so did every worker whose timeout ran out before the first
+    # resend's ACK came (which ones depends on timing): a resend each, none on a NACK
+    assert out["resent"][LOSER] == 1
+    assert all(r <= 1 for r in out["resent"])
+    assert out["resent_by_nack"] == [0] * WORKERS
+    assert out["stats"]["timer_events"] == 0
