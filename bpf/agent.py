@@ -8,6 +8,9 @@ AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the a
 completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
 group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
 ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
+Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
+``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
+also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink.
 
 With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
 agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or

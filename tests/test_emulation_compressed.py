@@ -79,3 +79,13 @@ def test_accuracy_lines_give_bytes_and_time_to_dense_final_accuracy() -> None:
     # 1.8 MB and 4 s until then, and 3 iterations x 0.5 s of a vote round trip at the latency
     assert rows["netstorm+fediac"][1:] == ["0.790", "-1.0", "0.40", "it", "3", "1.8", "4.0", "1.5"]
     assert rows["netstorm+topk"][1:5] == ["0.400", "-40.0", "0.90", "not"]
+
+
+def test_the_summary_of_a_run_that_completed_no_iteration_says_nan_instead_of_failing() -> None:
+    from netstorm.emulation.compressed import summary_lines
+
+    failed: dict[str, Any] = {"systems": {"netstorm": {"wan_bytes": [], "iteration_s": [], "link_over_node_bytes": None,
+                                       "round_trips_per_iteration": 1.0, "added_latency_s": 0.0}}}
+    lines = summary_lines(failed)
+    row = next(line for line in lines if line.startswith("netstorm"))
+    assert row.split()[1:4] == ["nan", "1.00", "nan"]

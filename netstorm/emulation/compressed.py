@@ -175,7 +175,8 @@ def summary_lines(result: dict[str, Any]) -> list[str]:
         ratio = per_it / _mean_after_first(base["wan_bytes"]) if base and base is not s and base["wan_bytes"] else 1.0
         times = s.get("iteration_s", [])
         mean_s = statistics.fmean(times[1:]) if len(times) > 1 else float("nan")
-        link = s.get("link_over_node_bytes", float("nan"))
+        link = s.get("link_over_node_bytes")
+        link = float("nan") if link is None else link   # None: a run that completed no iteration
         trips, added = s.get("round_trips_per_iteration", 1), s.get("added_latency_s", 0.0)
         vote = _mean_after_first(s["vote_round_s"]) if s.get("vote_round_s") else float("nan")
         cum = s["cum_rel_error"][-1] if s.get("cum_rel_error") else float("nan")
