@@ -62,12 +62,12 @@ from netstorm.lan.tokens import LanTokens, Sender
 log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
+"""Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
 GAP_CHUNKS = 64
 """How far below the highest completed chunk an open one must be before the agent NACKs its missing workers
 unasked (the datagrams of chunks sent together may be aggregated slightly out of order)."""
 QUERY_LIMIT = 256
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
-"""Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
 _ITERATION_AT = OFFSETS["iteration"]
@@ -108,8 +108,6 @@ class IterationSums:
         """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
-        self._chunks = np.asarray(self.layout.chunks, np.int64)
-        self._first = np.asarray(self.layout.first_slot, np.int64)
         self._sizes = np.asarray(self.layout.sizes, np.int64)
 
     @property
@@ -172,13 +170,11 @@ class IterationSums:
         """Take many aggregates at once (``heads``: their headers, valid and without OVERFLOW; ``lanes``:
         their int32 lanes, one row each): the sequence numbers of every one naming a chunk of the layout
         with its exact lane count (completed now or before, so each is ACKed), and how many did not."""
-        tensor = heads["tensor"].astype(np.int64)
+        seq, known = self.layout.seqs(heads["tensor"], heads["chunk"])
+        tensor = np.where(known, heads["tensor"].astype(np.int64), 0)
         chunk = heads["chunk"].astype(np.int64)
-        known = tensor < self._sizes.size
-        tensor = np.where(known, tensor, 0)
-        known &= chunk < self._chunks[tensor]
         known &= heads["count"] == np.minimum(self.layout.lanes, self._sizes[tensor] - chunk * self.layout.lanes)
-        seq = (self._first[tensor] + chunk)[known]
+        seq = seq[known]
         new = self.open[seq]
         taken = seq[new]
         # lanes past a tensor's last element are padding: result() cuts them off
@@ -702,15 +698,17 @@ class EdgeAgent:
     def _measure(self, data: bytes, now: float) -> None:
         """Count a DATA datagram towards its worker's achieved uplink (bpf/uplinks.py), read straight from the
         header words (the aggregator validates the datagram itself)."""
-        iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
+        def word(at: int) -> int:
+            return int.from_bytes(data[at: at + 4], "little")
+        self._measure_fields(data[_WORKER_AT], word(_ITERATION_AT), word(_TENSOR_AT), word(_CHUNK_AT), len(data), now)
+
+    def _measure_fields(self, worker: int, iteration: int, tensor: int, chunk: int, nbytes: int, now: float) -> None:
         if not self._accepts(iteration):
             return
-        tensor = int.from_bytes(data[_TENSOR_AT: _TENSOR_AT + 4], "little")
-        chunk = int.from_bytes(data[_CHUNK_AT: _CHUNK_AT + 4], "little")
-        if tensor >= len(self.layout.sizes) or chunk >= self.layout.chunks[tensor]:
+        layout = self.layout_of(iteration)
+        if tensor >= len(layout.sizes) or chunk >= layout.chunks[tensor]:
             return
-        worker = data[_WORKER_AT]
-        self.uplinks.on_data(worker, iteration, self.layout.first_slot[tensor] + chunk, len(data), now)
+        self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
         """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
@@ -770,7 +768,8 @@ class EdgeAgent:
                     if self.fallback is not None and kinds[row] == Kind.DATA:
                         # the userspace aggregator's DATA: no answer goes back, so no address is needed;
                         # it counts towards its worker's achieved uplink as in ``_handle``
-                        self._measure(data, now)
+                        self._measure_fields(int(heads["worker"][row]), int(heads["iteration"][row]),
+                                             int(heads["tensor"][row]), int(heads["chunk"][row]), len(data), now)
                         agg = self.fallback.on_data(data, now)
                         if agg is not None:
                             self._on_agg(agg)
@@ -805,7 +804,8 @@ class EdgeAgent:
                 mine = rows[iterations == value]
                 if not self._accepts(iteration):
                     if iteration in self._finished:   # re-emitted aggregates: their ACKs were lost, say them again
-                        self._ack_many(iteration, self._sequence_numbers(heads[mine], self._finished[iteration].layout))
+                        seqs, known = self._finished[iteration].layout.seqs(heads["tensor"][mine], heads["chunk"][mine])
+                        self._ack_many(iteration, seqs[known])
                     continue
                 sums = self._sums(iteration)
                 overflow = (heads["flags"][mine] & Flag.OVERFLOW) != 0
@@ -830,16 +830,6 @@ class EdgeAgent:
                         waiter.set()
         finally:
             self.delivery_cpu += time.thread_time() - started
-
-    def _sequence_numbers(self, heads: np.ndarray, layout: EdgeLayout) -> np.ndarray:
-        """The chunk sequence numbers the headers name (those naming no chunk of ``layout`` left out)."""
-        chunks = np.asarray(layout.chunks, np.int64)
-        tensor = heads["tensor"].astype(np.int64)
-        chunk = heads["chunk"].astype(np.int64)
-        known = tensor < chunks.size
-        tensor = np.where(known, tensor, 0)
-        known &= chunk < chunks[tensor]
-        return (np.asarray(layout.first_slot, np.int64)[tensor] + chunk)[known]
 
     def _ack_many(self, iteration: int, seqs: np.ndarray) -> None:
         if seqs.size:

@@ -210,3 +210,19 @@ def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
     assert sums.on_agg(ok, np.arange(358, dtype=np.int32)) == []
     assert np.array_equal(sums.result()[1], (np.arange(7) / 2**8).astype(np.float32))
     assert (1, 0) not in sums.pending and "tensor 0 chunk 0" in sums.describe_missing()
+
+
+def test_many_sequence_numbers_at_once_match_one_at_a_time() -> None:
+    from netstorm.lan.layout import EdgeLayout
+
+    layout = EdgeLayout.uniform([10, 1, 25], scale=16, lanes=4, pool=3)
+    tensors = np.array([0, 0, 1, 2, 2, 3, 1, 0, -1], np.int64)
+    chunks = np.array([0, 2, 0, 6, 7, 0, 1, 3, 0], np.int64)
+    seqs, known = layout.seqs(tensors, chunks)
+    for t, c, q, k in zip(tensors.tolist(), chunks.tolist(), seqs.tolist(), known.tolist(), strict=True):
+        try:
+            want: int | None = layout.seq(t, c)
+        except WireError:
+            want = None
+        assert (q if k else None) == want, (t, c)
+    assert known.tolist() == [True, True, True, True, False, False, False, False, False]

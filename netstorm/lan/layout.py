@@ -93,6 +93,16 @@ class EdgeLayout:
             raise WireError(f"no chunk {chunk} of tensor {tensor} in this layout")
         return self.first_slot[tensor] + chunk
 
+    def seqs(self, tensors: np.ndarray, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``seq`` for many chunks at once: their sequence numbers (int64; 0 where not a chunk of this layout)
+        and the mask of those that are."""
+        tensor = np.asarray(tensors, np.int64)
+        chunk = np.asarray(chunks, np.int64)
+        known = (tensor >= 0) & (tensor < len(self.sizes))
+        tensor = np.where(known, tensor, 0)
+        known &= (chunk >= 0) & (chunk < np.asarray(self.chunks, np.int64)[tensor])
+        return np.where(known, np.asarray(self.first_slot, np.int64)[tensor] + chunk, 0), known
+
     def slot(self, tensor: int, chunk: int) -> int:
         """The pool slot the chunk uses."""
         return self.seq(tensor, chunk) % self.num_slots
