@@ -85,18 +85,6 @@ class SocketWriter:
             self.sock.sendto(batch.data, batch.address)
 
     async def _writable(self) -> None:
-        loop = asyncio.get_running_loop()
-        ready: asyncio.Future[None] = loop.create_future()
-
-        def wake() -> None:
-            if not ready.done():
-                ready.set_result(None)
-
-        loop.add_writer(self.sock.fileno(), wake)
-        try:
+        with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(1.0):   # a missed wake-up costs a second, never the tier
-                await ready
-        except TimeoutError:
-            pass
-        finally:
-            loop.remove_writer(self.sock.fileno())
+                await udp.writable(self.sock)

@@ -41,14 +41,19 @@ async def readable(sock: socket.socket) -> None:
     await _ready(sock, loop.add_reader, loop.remove_reader)
 
 
-async def sendto(sock: socket.socket, data: bytes, address: Address) -> None:
+async def writable(sock: socket.socket) -> None:
+    """Until ``sock``'s send buffer has room again."""
     loop = asyncio.get_running_loop()
+    await _ready(sock, loop.add_writer, loop.remove_writer)
+
+
+async def sendto(sock: socket.socket, data: bytes, address: Address) -> None:
     while True:
         try:
             sock.sendto(data, address)
             return
         except BlockingIOError:
-            await _ready(sock, loop.add_writer, loop.remove_writer)
+            await writable(sock)
 
 
 async def recvfrom_into(sock: socket.socket, buf: bytearray) -> tuple[int, Address]:
