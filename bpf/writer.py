@@ -17,7 +17,7 @@ import logging
 import socket
 import time
 
-from bpf.outbox import Batch, Outbox
+from bpf.outbox import Outbox
 from netstorm.lan import udp
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class SocketWriter:
                         await self.wake.wait()
                 continue
             try:
-                self._transmit(batch)
+                udp.send_segmented(self.sock, batch.data, batch.size, batch.address)
             except BlockingIOError:
                 self.stalls += 1
                 await self._writable()
@@ -64,7 +64,7 @@ class SocketWriter:
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, PAUSE_S[1])
                     continue
-                if batch.count > 1 and exc.errno in (errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP):
+                if batch.count > 1 and exc.errno in udp.NO_GSO_ERRNOS:
                     self.outbox.batch = 1   # no segmentation here: one datagram per call from now on
                     continue
                 self.errors += 1
@@ -75,14 +75,6 @@ class SocketWriter:
             if since_yield >= YIELD_DATAGRAMS:
                 since_yield = 0
                 await asyncio.sleep(0)
-
-    def _transmit(self, batch: Batch) -> None:
-        """One send system call: several datagrams as one UDP GSO send (cut by the kernel), one as is."""
-        if batch.count > 1:
-            self.sock.sendmsg([batch.data], [(socket.SOL_UDP, udp.UDP_SEGMENT, batch.size.to_bytes(2, "little"))],
-                              0, batch.address)
-        else:
-            self.sock.sendto(batch.data, batch.address)
 
     async def _writable(self) -> None:
         with contextlib.suppress(TimeoutError):

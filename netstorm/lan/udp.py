@@ -73,6 +73,19 @@ GSO_SEGMENTS = 64
 """Most datagrams one segmented send may carry (UDP_MAX_SEGMENTS)."""
 
 
+NO_GSO_ERRNOS = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP})
+"""What a segmented send fails with where this path cannot segment: send one datagram per call instead."""
+
+
+def send_segmented(sock: socket.socket, data: memoryview | bytes, size: int, address: Address) -> None:
+    """One system call for datagrams of ``size`` bytes laid end to end in ``data``: a UDP GSO ``sendmsg``
+    (cut by the kernel, or the NIC) when it holds more than one, else a plain ``sendto``."""
+    if len(data) > size:
+        sock.sendmsg([data], [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, "little"))], 0, address)
+    else:
+        sock.sendto(data, address)
+
+
 class BatchSender:
     """Sends rows of equal-size datagrams with as few system calls as the kernel allows: UDP GSO (one
     ``sendmsg`` with ``UDP_SEGMENT`` per up to 64 datagrams, cut by the kernel, or by the NIC) where it is
@@ -96,17 +109,12 @@ class BatchSender:
         while at < total:
             part = data[at: at + step]
             try:
-                if per > 1 and len(part) > size:
-                    self.sock.sendmsg([part], [(socket.SOL_UDP, UDP_SEGMENT, size.to_bytes(2, "little"))], 0,
-                                      address)
-                else:
-                    self.sock.sendto(part, address)
+                send_segmented(self.sock, part, size, address)
             except BlockingIOError:
-                loop = asyncio.get_running_loop()
-                await _ready(self.sock, loop.add_writer, loop.remove_writer)
+                await writable(self.sock)
                 continue
             except OSError as exc:
-                if per == 1 or exc.errno not in (5, 22, 90, 95):   # EIO, EINVAL, EMSGSIZE, EOPNOTSUPP
+                if per == 1 or exc.errno not in NO_GSO_ERRNOS:
                     raise
                 self.gso = False    # no segmentation here: one datagram per call from now on
                 per, step = 1, size
