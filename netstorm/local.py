@@ -222,9 +222,10 @@ class LocalCluster:
             await asyncio.gather(*waits, return_exceptions=True)
 
     async def wait_any_exit(self) -> Child:
-        """The first child to exit (the cluster is broken from then on)."""
+        """The first of the running children to exit (any child, when none runs)."""
+        running = [c for c in self.children if c.process.returncode is None] or self.children
         async with asyncio.TaskGroup() as tasks:
-            waits = {tasks.create_task(c.process.wait()): c for c in self.children}
+            waits = {tasks.create_task(c.process.wait()): c for c in running}
             done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for task in pending:
                 task.cancel()
@@ -235,14 +236,10 @@ class LocalCluster:
         the last running node (each node that dies before is reported on stderr with its log tail)."""
         reported: set[int] = set()
         while True:
-            running = [c for c in self.children if c.process.returncode is None]
-            if running:
-                async with asyncio.TaskGroup() as tasks:
-                    waits = [tasks.create_task(c.process.wait()) for c in running]
-                    _, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    for task in pending:
-                        task.cancel()
             exited = [c for c in self.children if c.process.returncode is not None and id(c) not in reported]
+            if not exited:
+                await self.wait_any_exit()
+                continue
             nodes_left = [c for c in self.children if c.name != "scheduler" and c.process.returncode is None]
             for child in exited:
                 if not self.keep_going or child.name == "scheduler" or not nodes_left:
