@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from netstorm.compression.options import CompressionOptions
-from netstorm.compression.session import Rounds, RoundStats
+from netstorm.compression.session import Push, Rounds, RoundStats
 from netstorm.errors import TrainerError, WrongShape
 from netstorm.lan.client import parse, parse_precision
 from netstorm.lan.introunds import RoundPlan, Wire, layout_order
@@ -93,34 +93,27 @@ class CompressedEdgeWorker:
         return {name: initial[name].astype(np.asarray(model[name]).dtype) for name in rounds.names}
 
     async def push_pull(self, gradients: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        """One iteration of the job's rounds: the decoded sum (or mean) of every contributor's update."""
+        """One iteration of the job's rounds: the decoded sum (or mean) of every contributor's update. A
+        shell over the ``Rounds`` core, as the node clients' are: each push goes out on its round's wire."""
         rounds = self._need_rounds()
         plan, wire = self.plan, self.wire
         assert plan is not None and wire is not None
-        steps = rounds.iteration(gradients)
-        push = next(steps)
         self.received = []
-        times: list[float] = []
-        while True:
-            lanes = plan.lanes_of(wire, push)
+        action = rounds.begin(gradients, average=average)
+        while isinstance(action, Push):
+            lanes = plan.lanes_of(wire, action.tensors)
             self.sender.layout = wire.layout
             self.sender.precision = wire.precision
             iteration = self.iteration + 1
             started = time.perf_counter()
             back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
-            times.append(time.perf_counter() - started)
+            seconds = time.perf_counter() - started
             self.iteration = iteration
             self.received.append((wire, back))
             result = plan.shaped(plan.expand(wire, back), self._registered)
             wire = self.wire = plan.following(wire, back)
-            try:
-                push = steps.send(result)
-            except StopIteration as done:
-                rounds.last.round_s = tuple(times)
-                decoded: dict[str, np.ndarray] = done.value
-                if average:
-                    return {n: (v / np.float32(self._workers)).astype(v.dtype) for n, v in decoded.items()}
-                return decoded
+            action = rounds.received(result, seconds=seconds)
+        return dict(action.tensors)
 
     async def close(self) -> None:
         self.sender.close()
