@@ -7,10 +7,6 @@ full counts: every participant decodes exactly what a numpy run of the four cont
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +18,7 @@ from netstorm.compression.session import AsyncCompressedClient, Rounds
 from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
 from netstorm.lan.compressed import CompressedEdgeWorker, aconnect_compressed_edge
 from netstorm.lan.introunds import Kind
-from tests.test_edge_gateway import wait_for, wait_listening
+from tests.test_edge_gateway import gateway_job
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -76,44 +72,9 @@ def reference(steps: int) -> list[dict[str, np.ndarray]]:
 
 @pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
 def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str) -> None:
-    with Lan(2) as lan:
-        cli = [sys.executable, "-m", "netstorm.cli"]
-        inside = ["ip", "netns", "exec", lan.gateway]
-        sched_port = 7000 + (os.getpid() + 500) % 1000
-        common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
-        logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
-                                           f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
-            wait_listening(lan.gateway, sched_port, procs, timeout=30)
-            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
-                                           str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
-                                           f"{GATEWAY_IP}:{EDGE_PORT}", "--edge-interface", "eth0", "--edge-mode",
-                                           mode, "--edge-pool-slots", "2"],
-                                          stdout=logs[1], stderr=subprocess.STDOUT))
-            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "2", *common, "--socket",
-                                           str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
-            for sock in ("n1.sock", "n2.sock"):
-                wait_for(tmp_path / sock, procs, 60)
-            asyncio.run(_drive(tmp_path, lan, steps=3))
-        except BaseException:
-            for name in ("scheduler", "node1", "node2"):
-                text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
-                sys.stderr.write(f"--- {name}\n{text[-3000:]}")
-            raise
-        finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in reversed(procs):
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            for log in logs:
-                log.close()
+    with Lan(2) as lan, gateway_job(tmp_path, lan, mode, edge_port=EDGE_PORT, port_offset=500,
+                                            gateway_flags=("--edge-pool-slots", "2")):
+        asyncio.run(_drive(tmp_path, lan, steps=3))
 
 
 async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:

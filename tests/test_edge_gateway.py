@@ -6,12 +6,14 @@ workers' push_pull is plain edge mode)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -69,55 +71,65 @@ def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes
         time.sleep(0.05)
 
 
+@contextlib.contextmanager
+def gateway_job(tmp_path: Path, lan: Lan, mode: str, *, edge_port: int = EDGE_PORT, port_offset: int = 0,
+                gateway_flags: Sequence[str] = ()) -> Iterator[int]:
+    """A scheduler and two DC nodes in the gateway's namespace, node 1 the gateway of ``lan``'s two workers
+    on ``edge_port`` (``mode``, plus ``gateway_flags``), until both trainer sockets exist; yields the
+    scheduler's port. Their logs are shown if the body fails; every process is stopped (SIGTERM, then
+    SIGKILL) on the way out."""
+    cli = [sys.executable, "-m", "netstorm.cli"]
+    inside = ["ip", "netns", "exec", lan.gateway]
+    sched_port = 7000 + (os.getpid() + port_offset) % 1000
+    common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
+    logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
+                                       f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
+        wait_listening(lan.gateway, sched_port, procs, timeout=30)
+        procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
+                                       str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
+                                       f"{GATEWAY_IP}:{edge_port}", "--edge-interface", "eth0", "--edge-mode",
+                                       mode, *gateway_flags], stdout=logs[1], stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "2", *common, "--socket",
+                                       str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
+        for sock in ("n1.sock", "n2.sock"):
+            wait_for(tmp_path / sock, procs, 60)
+        yield sched_port
+    except BaseException:
+        for name in ("scheduler", "node1", "node2"):
+            text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
+            sys.stderr.write(f"--- {name}\n{text[-3000:]}")
+        raise
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in logs:
+            log.close()
+
+
 @pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
 def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> None:
-    with Lan(2) as lan:
-        cli = [sys.executable, "-m", "netstorm.cli"]
-        inside = ["ip", "netns", "exec", lan.gateway]
-        sched_port = 7000 + os.getpid() % 1000
-        common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
-        logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
-        procs: list[subprocess.Popen[bytes]] = []
-        try:
-            procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
-                                           f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
-            wait_listening(lan.gateway, sched_port, procs, timeout=30)
-            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
-                                           str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",
-                                           f"{GATEWAY_IP}:{EDGE_PORT}", "--edge-interface", "eth0", "--edge-mode",
-                                           mode], stdout=logs[1], stderr=subprocess.STDOUT))
-            procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "2", *common, "--socket",
-                                           str(tmp_path / "n2.sock")], stdout=logs[2], stderr=subprocess.STDOUT))
-            for sock in ("n1.sock", "n2.sock"):
-                wait_for(tmp_path / sock, procs, 60)
-            workers = [AsyncEdgeClient((GATEWAY_IP, EDGE_PORT), i, job=1, timeout=TIMEOUT,
-                                       sock=lan.udp_socket(ns, lan.worker_ip(i)), group_opener=lan.group_opener(ns))
-                       for i, ns in enumerate(lan.workers)]
-            asyncio.run(_drive(tmp_path, workers))
-            node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")
-            assert "gateway: 2 LAN workers" in node_log
-            # the gateway told the scheduler how it aggregates, and the admin interface says so
-            status = run_in(lan.gateway, lambda: asyncio.run(admin.status(("127.0.0.1", sched_port), timeout=TIMEOUT)))
-            assert set(status.edge) == {1}
-            assert status.edge[1] == ("userspace", "") if mode == "userspace" else \
-                status.edge[1] in (("xdp (native)", ""), ("xdp (generic)", ""))
-        except BaseException:
-            for name in ("scheduler", "node1", "node2"):
-                text = (tmp_path / f"{name}.log").read_bytes().decode(errors="replace")
-                sys.stderr.write(f"--- {name}\n{text[-3000:]}")
-            raise
-        finally:
-            for proc in reversed(procs):
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-            for proc in reversed(procs):
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-            for log in logs:
-                log.close()
+    with Lan(2) as lan, gateway_job(tmp_path, lan, mode) as sched_port:
+        workers = [AsyncEdgeClient((GATEWAY_IP, EDGE_PORT), i, job=1, timeout=TIMEOUT,
+                                   sock=lan.udp_socket(ns, lan.worker_ip(i)), group_opener=lan.group_opener(ns))
+                   for i, ns in enumerate(lan.workers)]
+        asyncio.run(_drive(tmp_path, workers))
+        node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")
+        assert "gateway: 2 LAN workers" in node_log
+        # the gateway told the scheduler how it aggregates, and the admin interface says so
+        status = run_in(lan.gateway, lambda: asyncio.run(admin.status(("127.0.0.1", sched_port), timeout=TIMEOUT)))
+        assert set(status.edge) == {1}
+        assert status.edge[1] == ("userspace", "") if mode == "userspace" else \
+            status.edge[1] in (("xdp (native)", ""), ("xdp (generic)", ""))
 
 
 async def _drive(tmp_path: Path, workers: list[AsyncEdgeClient]) -> None:
