@@ -7,6 +7,11 @@ the asyncio ``AsyncEdgeClient``. ``init`` registers nothing itself: the gateway'
 the model at the node, and every LAN worker receives the values the DCs agreed on, exactly like a trainer
 at the node. Tensors are ordered by name, as the node's layout orders them.
 
+The gateway aggregates over UDP (``edge_mode`` xdp or userspace) or over TCP (``edge_mode=tcp``,
+``tcpclient.py``); ``transport=`` in the address says which the worker uses: ``udp``, ``tcp`` or ``auto``
+(the default), which tries the gateway's TCP port and a UDP HELLO in turn until one answers (a gateway
+on a UDP path has no TCP listener, so its refusal is immediate).
+
 Every result comes with the number of workers whose gradients it sums (every contributing DC's trainer
 and LAN workers), the count the node's trainers see too: ``num_workers`` reports it and ``average=True``
 divides the float32 sum by it, so a LAN worker's mean equals the node trainers' bit for bit.
@@ -23,12 +28,25 @@ import numpy as np
 
 from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
 from netstorm.lan.errors import EdgeTimeout, WireError
-from netstorm.lan.header import Precision
+from netstorm.lan.header import Header, Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
+from netstorm.lan.tcpclient import SocketFactory, TcpEdgeWorker
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
+TRANSPORTS = ("auto", "udp", "tcp")
+PROBE_S = 0.5
+"""Seconds ``transport=auto`` gives one UDP HELLO before it tries the TCP port again."""
+
+
+def parse_transport(address: str) -> str:
+    """The ``transport=`` of an edge address (auto, udp or tcp; default auto)."""
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(address).query)
+    transport = query.get("transport", ["auto"])[0]
+    if transport not in TRANSPORTS:
+        raise TrainerError(f"bad edge address {address!r}: transport is one of {', '.join(TRANSPORTS)}")
+    return transport
 
 
 def parse_precision(address: str) -> Precision:
@@ -41,7 +59,7 @@ def parse_precision(address: str) -> Precision:
 
 
 def parse(address: str) -> tuple[tuple[str, int], int, int]:
-    """((host, port), worker id, job) from ``edge://HOST:PORT?worker=I[&job=J][&precision=P]``."""
+    """((host, port), worker id, job) from ``edge://HOST:PORT?worker=I[&job=J][&precision=P][&transport=T]``."""
     url = urllib.parse.urlsplit(address)
     query = urllib.parse.parse_qs(url.query)
     if url.scheme != "edge" or not url.hostname or not url.port or "worker" not in query:
@@ -61,8 +79,12 @@ class AsyncEdgeClient:
 
     def __init__(self, gateway: tuple[str, int], worker: int, *, job: int, timeout: float,
                  sock: socket.socket | None = None, secret: bytes | None = None,
-                 precision: Precision = Precision.FIXED32, group_opener: GroupOpener | None = None) -> None:
+                 precision: Precision = Precision.FIXED32, group_opener: GroupOpener | None = None,
+                 transport: str = "auto", socket_factory: SocketFactory | None = None) -> None:
         self.gateway = gateway
+        self.transport = transport
+        """udp, tcp or auto (whichever the gateway answers on); after ``init``, the one in use."""
+        self.socket_factory = socket_factory
         self.group_opener = group_opener
         self.precision = precision
         """How this worker's gradients travel (PAHInA's per-worker precision): fp32 as int32 fixed point,
@@ -81,7 +103,7 @@ class AsyncEdgeClient:
         self.shapes: dict[str, tuple[int, ...]] = {}
         self.dtypes: dict[str, np.dtype] = {}
         self.iteration = -1
-        self._worker: EdgeSender | None = None
+        self._worker: EdgeSender | TcpEdgeWorker | None = None
         self._pushed: dict[str, np.ndarray] = {}
         self._pulled: dict[str, np.ndarray] = {}
         self._workers = 0
@@ -102,6 +124,11 @@ class AsyncEdgeClient:
         self.shapes = {n: tuple(np.shape(tensors[n])) for n in self.names}
         self.dtypes = {n: np.asarray(tensors[n]).dtype for n in self.names}
         sizes = [max(1, int(np.prod(self.shapes[n], dtype=np.int64))) for n in self.names]
+        if self.transport != "udp":
+            found = await self._connect_tcp(sizes)
+            if isinstance(found, TcpEdgeWorker):
+                return await self._init_tcp(found)
+            return await self._init_udp(*found, sizes)
         worker = EdgeSender(self.sock, self.gateway, worker=self.worker_id,
                             layout=EdgeLayout.uniform(sizes, scale=0), job=self.job, secret=self.secret,
                             precision=self.precision, group_opener=self.group_opener)
@@ -110,6 +137,52 @@ class AsyncEdgeClient:
         except EdgeTimeout as exc:
             worker.close()
             raise NodeGone(str(exc)) from None
+        return await self._init_udp(worker, reply, sizes)
+
+    async def _connect_tcp(self, sizes: list[int]) -> TcpEdgeWorker | tuple[EdgeSender, Header]:
+        """The TCP connection to the gateway (``transport=tcp``), or with ``auto`` the UDP sender and the
+        gateway's answer once it answered a UDP HELLO instead; NodeGone when neither answered in time."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        probe = EdgeSender(self.sock, self.gateway, worker=self.worker_id, layout=EdgeLayout.uniform(sizes, scale=0),
+                           job=self.job, secret=self.secret, precision=self.precision,
+                           group_opener=self.group_opener) if self.transport == "auto" else None
+        while True:
+            tcp = TcpEdgeWorker(self.gateway, worker=self.worker_id, sizes=sizes, job=self.job, secret=self.secret,
+                                precision=self.precision, socket_factory=self.socket_factory)
+            try:
+                await tcp.connect(timeout=max(0.01, min(PROBE_S, deadline - loop.time())))
+                self.transport = "tcp"
+                return tcp
+            except (OSError, TimeoutError):
+                tcp.close()
+            if probe is not None:
+                try:
+                    reply = await probe.hello(timeout=max(0.01, min(PROBE_S, deadline - loop.time())))
+                    self.transport = "udp"
+                    return probe, reply
+                except EdgeTimeout:
+                    pass
+            elif loop.time() < deadline:
+                await asyncio.sleep(min(PROBE_S, deadline - loop.time()))
+            if loop.time() >= deadline:
+                raise NodeGone(f"edge worker {self.worker_id}: gateway {self.gateway} answered neither on TCP nor "
+                               f"(transport {self.transport}) UDP within {self.timeout} s")
+
+    async def _init_tcp(self, tcp: TcpEdgeWorker) -> dict[str, np.ndarray]:
+        try:
+            await tcp.hello(timeout=self.timeout)
+            self._worker = tcp
+            self.iteration, flat, self._workers = await tcp.receive_first(timeout=self.timeout)
+        except EdgeTimeout as exc:
+            tcp.close()
+            raise TrainerTimeout(str(exc)) from None
+        except (WireError, ConnectionError) as exc:
+            tcp.close()
+            raise TrainerError(str(exc)) from None
+        return self._shape(flat)
+
+    async def _init_udp(self, worker: EdgeSender, reply: Header, sizes: list[int]) -> dict[str, np.ndarray]:
         # the HELLO answer's deployment set the layout's scale, lanes and pool
         layout = worker.layout
         if reply.tensor != len(sizes) or reply.slot != layout.num_chunks:
@@ -151,7 +224,7 @@ class AsyncEdgeClient:
             flat, total = await self._worker.push_pull(iteration, values, timeout=self.timeout)
         except EdgeTimeout as exc:
             raise TrainerTimeout(str(exc)) from None
-        except WireError as exc:
+        except (WireError, ConnectionError) as exc:
             raise TrainerError(str(exc)) from None
         self.iteration = iteration
         self._workers = total
@@ -229,11 +302,11 @@ def connect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT, sock: socket
     gateway then ignores datagrams without this worker's tokens, and the worker the gateway's)."""
     gateway, worker, job = parse(address)
     return EdgeClient(AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret,
-                                      precision=parse_precision(address)))
+                                      precision=parse_precision(address), transport=parse_transport(address)))
 
 
 async def aconnect_edge(address: str, *, timeout: float = DEFAULT_TIMEOUT,  # noqa: ASYNC109
                         sock: socket.socket | None = None, secret: bytes | None = None) -> AsyncEdgeClient:
     gateway, worker, job = parse(address)
     return AsyncEdgeClient(gateway, worker, job=job, timeout=timeout, sock=sock, secret=secret,
-                           precision=parse_precision(address))
+                           precision=parse_precision(address), transport=parse_transport(address))
