@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.agent import EdgeAgent
+from bpf.tcpagent import TcpEdgeAgent
 from bpf.timer_link import LoaderError
 from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
@@ -51,6 +52,8 @@ from netstorm.layout import Layout
 log = logging.getLogger("netstorm.edge")
 DEFAULT_SCALE = 16
 DEFAULT_PORT = 9700
+EDGE_MODES = ("auto", "xdp", "userspace", "tcp")
+"""``--edge-mode``: XDP, the userspace fallback, the TCP path, or auto (netstorm/lan/pathpick.py)."""
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,12 @@ class EdgeOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 64:
             raise ConfigError(f"--edge-workers must be in 1..64, got {self.workers}")
-        if self.mode not in ("auto", "xdp", "userspace"):
-            raise ConfigError(f"--edge-mode must be auto, xdp or userspace, got {self.mode!r}")
-        if self.mode != "userspace" and not self.interface:
+        if self.mode not in EDGE_MODES:
+            raise ConfigError(f"--edge-mode must be one of {', '.join(EDGE_MODES)}, got {self.mode!r}")
+        if self.mode == "tcp" and self.topology is not None and self.topology.clusters:
+            raise ConfigError("--edge-mode tcp is one level (every worker streams to the gateway); edge_clusters "
+                              "needs xdp or userspace")
+        if self.mode in ("auto", "xdp") and not self.interface:
             raise ConfigError(f"--edge-mode {self.mode} needs --edge-interface (the LAN-facing interface)")
         if self.topology is not None and self.topology.workers != self.workers:
             raise ConfigError(f"edge_clusters describes {self.topology.workers} workers, --edge-workers is "
@@ -125,7 +131,7 @@ class GatewayRole:
     def __init__(self, options: EdgeOptions, *, iteration_timeout: float) -> None:
         self.options = options
         self.iteration_timeout = iteration_timeout
-        self.agent: EdgeAgent | None = None
+        self.agent: EdgeAgent | TcpEdgeAgent | None = None
         self.mode = "not started"
         self.fallback = ""
         """Why XDP could not load, when ``mode`` fell back to userspace."""
@@ -212,7 +218,7 @@ class GatewayRole:
 
     def _plan_rounds(self, iteration: int, workers: int) -> None:
         """After the init iteration's result: the first summed iteration's wire."""
-        assert self._compression is not None and self.agent is not None
+        assert self._compression is not None and isinstance(self.agent, EdgeAgent)
         layout, options = self._compression
         registered = {t.name: np.zeros(t.size, t.dtype) for t in layout.tensors}
         plan = RoundPlan(registered, options, lanes=self.agent.layout.lanes, pool=self.agent.layout.num_slots,
@@ -232,10 +238,12 @@ class GatewayRole:
                               f"released") from None
         return self.rounds
 
-    def _start(self, sizes: list[int]) -> EdgeAgent:
+    def _start(self, sizes: list[int]) -> EdgeAgent | TcpEdgeAgent:
         opts = self.options
         topology = opts.topology if opts.topology is not None else LanTopology(opts.workers)
         layout = EdgeLayout.uniform(sizes, scale=opts.scale, lanes=opts.lanes, pool=opts.pool_slots)
+        if opts.mode == "tcp":
+            return self._start_tcp(layout)
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
         sock.bind(opts.listen)
@@ -275,6 +283,20 @@ class GatewayRole:
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
                  "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
         return agent
+
+    def _start_tcp(self, layout: EdgeLayout) -> TcpEdgeAgent:
+        """The TCP path: workers stream to ``listen`` over TCP (the same port number as the UDP paths')."""
+        opts = self.options
+        if self._compression is not None:
+            raise ConfigError("--edge-mode tcp carries dense gradients; a compressed job's LAN tier needs xdp or "
+                              "userspace")
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(opts.listen)
+        self.mode = "tcp"
+        log.info("edge: gateway for %d LAN workers on %s:%d, tcp aggregation, %s", opts.workers, *opts.listen,
+                 "frames authenticated by tokens" if opts.secret else "no secret: frames not authenticated")
+        return TcpEdgeAgent(sock, layout, workers=opts.workers, job=opts.job, secret=opts.secret)
 
     async def run(self) -> None:
         """Serve the LAN until cancelled (started by ``netstorm node`` beside the node)."""
@@ -357,7 +379,7 @@ class GatewayRole:
         """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes
         back to the LAN workers. A compressed job's next wire is planned here, before the result (which
         its workers answer with that iteration's datagrams) leaves."""
-        if self._compression is not None and self.agent is not None:
+        if self._compression is not None and isinstance(self.agent, EdgeAgent):
             if iteration == self.init_iteration:
                 self._plan_rounds(iteration, workers)
             elif self.rounds is not None:

@@ -10,6 +10,7 @@ import dataclasses
 import msgspec
 import pytest
 
+from bpf.agent import EdgeAgent
 from bpf.gateway import EdgeOptions, GatewayRole, topology_from_plan
 from netstorm import lanreport, scenario
 from netstorm.config import Config
@@ -73,6 +74,7 @@ def test_the_scheduler_plan_pushed_to_a_gateway_changes_its_deployment() -> None
                 assert role.options.topology == expected and expected.levels == 2
                 agent = role._start([1000, 24])
                 try:
+                    assert isinstance(agent, EdgeAgent)   # the UDP paths: the TCP one is one level
                     assert agent.topology == expected
                     for head, members in expected.clusters.items():   # what each aggregator learns at HELLO
                         told = agent.deployment(head, aggregator=True)

@@ -61,8 +61,10 @@ HELP = ("LAN edge aggregation: XDP, the userspace fallback and gloo all_reduce o
 PORT = 9500
 JOB = 1
 TARGET_RATIO = 10.0
-PATHS = ("xdp", "userspace", "gloo")
+PATHS = ("xdp", "userspace", "tcp", "gloo")
 SEED = 1
+LAN_PATHS = ("xdp", "userspace", "tcp")
+"""The paths a gateway can run (gloo is the peer measured against, not a mode)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -412,6 +414,19 @@ def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
             "ranks_cpu_seconds": out["ranks_cpu_seconds"], "mode": "gloo all_reduce (ring), float32", "mtu": mtu}
 
 
+def run_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One path of the benchmark on its own fresh namespace LAN."""
+    if path == "gloo":
+        return run_gloo_path(args)
+    if path == "tcp":
+        from netstorm.bench.edge_tcp import run_tcp_path
+
+        cfg = _lan_config(args)
+        return run_tcp_path(args, seed=SEED, job=JOB, port=PORT, mtu=args.mtu if args.mtu is not None else cfg.edge_mtu,
+                            rates=_rates(args))
+    return run_path(path, args)
+
+
 def with_host_figures(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """``result`` with wall_gbit and the host CPU per GB of contributed gradient bytes (module docstring)."""
     window: CpuWindow = result.pop("host_cpu")
@@ -436,11 +451,16 @@ def parse_paths(text: str) -> list[str]:
     return paths
 
 
-def auto_pick(results: dict[str, dict[str, Any]]) -> str | None:
-    """The LAN path ``edge_mode=auto`` should take under the measured conditions: the faster in wall_gbit
-    of the exact ones among xdp and userspace (None when neither ran exactly)."""
-    lan = {name: r for name, r in results.items() if name in ("xdp", "userspace") and r.get("exact")}
-    return max(lan, key=lambda name: lan[name]["wall_gbit"]) if lan else None
+def auto_pick(results: dict[str, dict[str, Any]], allowed: tuple[str, ...] = LAN_PATHS) -> str | None:
+    """The LAN path ``edge_mode=auto`` takes under the measured conditions (``netstorm.lan.pathpick``: the
+    fastest exact path, the leaner of two within its tie); None when no LAN path ran exactly."""
+    from netstorm.lan.pathpick import Measured, pick
+
+    measured = {name: Measured(r["wall_gbit"], bool(r.get("exact")), r.get("host_cpu_seconds_per_gb"))
+                for name, r in results.items() if name in allowed}
+    if not any(m.exact for m in measured.values()):
+        return None
+    return pick(measured, allowed).path
 
 
 CALIBRATION_ELEMENTS = 400_000
@@ -449,11 +469,14 @@ costs to dominate, small enough to take a few seconds per path."""
 
 
 def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] | None = None,
-              iterations: int = 2, options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Both LAN paths on a namespace LAN like the one to serve (its workers, their shaped rates, the
+              iterations: int = 2, options: dict[str, Any] | None = None,
+              paths: tuple[str, ...] = LAN_PATHS) -> dict[str, Any]:
+    """The LAN ``paths`` on a namespace LAN like the one to serve (its workers, their shaped rates, the
     model up to CALIBRATION_ELEMENTS, the run's LAN tier ``options`` such as ``edge_pool_slots``): each
-    path's wall_gbit (None with the reason where it could not run) and ``pick``, the faster exact one.
-    This is ``edge_mode=auto`` measured, not assumed."""
+    path's wall_gbit (None with the reason where it could not run) and ``pick`` with its ``reason``
+    (``netstorm.lan.pathpick``). This is ``edge_mode=auto`` measured, not assumed."""
+    from netstorm.lan.pathpick import Measured, pick
+
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(["--workers", str(workers), "--elements", str(max(1, min(elements, CALIBRATION_ELEMENTS))),
@@ -461,15 +484,19 @@ def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] |
     args.rates = rates
     args.lan_overrides = options or {}
     out: dict[str, Any] = {"workers": workers, "elements": args.elements, "iterations": iterations}
-    measured: dict[str, dict[str, Any]] = {}
-    for path in ("xdp", "userspace"):
+    measured: dict[str, Measured] = {}
+    for path in paths:
         try:
-            measured[path] = with_host_figures(run_path(path, args), args)
-            out[path] = measured[path]["wall_gbit"]
-        except Exception as exc:  # the path cannot run here: the other one is the pick
+            r = with_host_figures(run_one(path, args), args)
+            out[path] = r["wall_gbit"]
+            out[f"{path}_host_cpu_seconds_per_gb"] = r["host_cpu_seconds_per_gb"]
+            measured[path] = Measured(r["wall_gbit"], bool(r["exact"]), r["host_cpu_seconds_per_gb"])
+        except Exception as exc:  # the path cannot run here: another one is the pick
             out[path] = None
             out[f"{path}_error"] = f"{type(exc).__name__}: {exc}"
-    out["pick"] = auto_pick(measured) or "userspace"
+            measured[path] = Measured(None, False, error=out[f"{path}_error"])
+    chosen = pick(measured, paths)
+    out["pick"], out["reason"] = chosen.path, chosen.reason
     return out
 
 
@@ -524,9 +551,10 @@ def run(args: argparse.Namespace) -> int:
     topo = getattr(args, "topology", None) or topology(args.workers, args.levels, args.aggregators)
     host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     results: dict[str, dict[str, Any]] = {}
+    if topo.clusters and "tcp" in paths:
+        paths.remove("tcp")   # the TCP path is one level
     for path in paths:
-        raw = run_gloo_path(args) if path == "gloo" else run_path(path, args)
-        results[path] = with_host_figures(raw, args)
+        results[path] = with_host_figures(run_one(path, args), args)
     out: dict[str, Any] = {
         "workers": args.workers, "loss": args.loss, "elements": args.elements, "iterations": args.iterations,
         "lan_gbit": args.lan_gbit, "lan_uplink": args.lan_uplink, "levels": args.levels,

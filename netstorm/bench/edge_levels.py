@@ -147,13 +147,14 @@ class Workers:
     """The LAN workers, one process each in its namespace (``edge_worker.py``)."""
 
     def __init__(self, lan: Any, *, gateway: tuple[str, int], job: int, args: Any, lanes: int, pool: int,
-                 precisions: list[str], seed: int, first: int, log_dir: Path) -> None:
+                 precisions: list[str], seed: int, first: int, log_dir: Path, transport: str = "udp") -> None:
         self.lan = lan
         self.log_dir = log_dir
         self.argv = ["--workers", str(len(lan.workers)), "--gateway", f"{gateway[0]}:{gateway[1]}", "--job", str(job),
                      "--elements", str(args.elements), "--iterations", str(args.iterations), "--first", str(first),
                      "--scale", str(args.scale), "--lanes", str(lanes), "--pool", str(pool), "--seed", str(seed),
-                     "--precisions", ",".join(precisions), "--loss", str(args.loss),
+                     "--precisions", ",".join(precisions), "--transport", transport,
+                     "--loss", str(args.loss if transport == "udp" else 0.0),
                      *(["--no-gso"] if getattr(args, "no_gso", False) else []),
                      *(["--no-gro"] if getattr(args, "no_gro", False) else []),
                      "--timeout", str(60.0 + args.elements * 4 * len(lan.workers) * 8 / 2e7),

@@ -34,8 +34,8 @@ def _cpu_seconds() -> tuple[float, float]:
 
 
 async def work(args: argparse.Namespace, secret: bytes | None) -> int:
-    from netstorm.bench.edge_inputs import contribution, reference
-    from netstorm.bench.edge_levels import mixed_reference, wire_precision
+    from netstorm.bench.edge_inputs import contribution
+    from netstorm.bench.edge_levels import wire_precision
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
@@ -44,6 +44,8 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=args.lanes, pool=args.pool)
     inputs = [contribution(args.seed, k, args.worker, args.elements, args.scale, args.workers)
               for k in range(args.iterations)]
+    if args.transport == "tcp":
+        return await work_tcp(args, secret, inputs)
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
     sock.bind((args.address, 0))
@@ -69,6 +71,17 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
                       "receive_rounds": node.rounds,
                       "coalesced_receives": node._batch.coalesced, "dropped": node.dropped,
                       "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
+    exact = _exact(args, results)
+    print(json.dumps({"worker": args.worker, "exact": exact}), flush=True)
+    node.close()
+    return 0
+
+
+def _exact(args: argparse.Namespace, results: list[np.ndarray]) -> bool:
+    from netstorm.bench.edge_inputs import contribution, reference
+    from netstorm.bench.edge_levels import mixed_reference
+
+    precisions = args.precisions.split(",")
     exact = True
     for k, got in enumerate(results):
         if all(p == "fp32" for p in precisions):
@@ -78,7 +91,38 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
                      for w in range(args.workers)]
             want = mixed_reference(parts, precisions, args.lanes, args.scale)
         exact &= bool(np.array_equal(got, want))
-    print(json.dumps({"worker": args.worker, "exact": exact}), flush=True)
+    return exact
+
+
+async def work_tcp(args: argparse.Namespace, secret: bytes | None, inputs: list[np.ndarray]) -> int:
+    """The same worker on the TCP path (``edge_mode=tcp``)."""
+    from netstorm.bench.edge_levels import wire_precision
+    from netstorm.lan.tcpclient import TcpEdgeWorker
+
+    host, _, port = args.gateway.rpartition(":")
+
+    def bound() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind((args.address, 0))
+        return sock
+
+    node = TcpEdgeWorker((host, int(port)), worker=args.worker, sizes=[args.elements], job=args.job, secret=secret,
+                         precision=wire_precision(args.precisions.split(",")[args.worker]), socket_factory=bound)
+    await node.hello(timeout=args.timeout)
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+        return 2
+    results = []
+    cpu0, t0 = _cpu_seconds(), time.monotonic()
+    for k in range(args.iterations):
+        sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
+        results.append(sums[0])   # a fresh array per iteration
+    t1, cpu1 = time.monotonic(), _cpu_seconds()
+    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
+                      "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
+                      "sender_calls": node.frames_sent}), flush=True)
+    print(json.dumps({"worker": args.worker, "exact": _exact(args, results)}), flush=True)
     node.close()
     return 0
 
@@ -98,6 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pool", type=int, required=True)
     parser.add_argument("--seed", type=int, required=True)
     parser.add_argument("--precisions", required=True, help="every worker's precision, comma-separated")
+    parser.add_argument("--transport", choices=("udp", "tcp"), default="udp")
     parser.add_argument("--loss", type=float, default=0.0)
     parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
     parser.add_argument("--no-gro", action="store_true", help="one datagram per receive instead of UDP_GRO")

@@ -31,8 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lan-workers", type=int, default=None, metavar="N",
                         help="LAN workers behind every DC's gateway (default: the scenario's, none in the "
                              "built-in ones); each is one more trainer process, so keep N small on a small host")
-    parser.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
-                        help="how gateways aggregate their LAN workers (default auto: xdp where it loads)")
+    parser.add_argument("--edge-mode", choices=("auto", "xdp", "userspace", "tcp"), default="auto",
+                        help="how gateways aggregate their LAN workers (default auto: each path measured, the "
+                             "faster taken)")
     parser.add_argument("--dc-planner", choices=("flat", "aleph", "pahina", "eina"), default=None,
                         help="plan the LAN tier of every DC whose LAN the scenario describes (dc_planner; e.g. "
                              "--scenario lan-hetero-4): its aggregator workers run netstorm lan-aggregator")

@@ -39,10 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     edge.add_argument("--edge-workers", type=int, default=0, metavar="N",
                       help="LAN workers to aggregate (ids 0..N-1); 0 disables the gateway role")
     edge.add_argument("--edge-listen", default=f"0.0.0.0:{9700}", metavar="HOST:PORT",
-                      help="UDP address the LAN workers send to (default 0.0.0.0:9700)")
+                      help="address the LAN workers send to: UDP, or TCP with --edge-mode tcp (default 0.0.0.0:9700)")
     edge.add_argument("--edge-interface", metavar="IFACE", help="LAN-facing interface for the XDP aggregator")
-    edge.add_argument("--edge-mode", choices=("auto", "xdp", "userspace"), default="auto",
-                      help="xdp, the userspace fallback, or auto (xdp, falling back when it cannot load)")
+    edge.add_argument("--edge-mode", choices=("auto", "xdp", "userspace", "tcp"), default="auto",
+                      help="xdp, the userspace fallback, tcp (workers stream over TCP, summed in numpy), or auto "
+                           "(xdp, falling back to userspace when it cannot load; the emulator and `bench edge` "
+                           "measure all three and pass the faster)")
     edge.add_argument("--edge-scale", type=int, default=16,
                       help="fixed-point scale: LAN lanes carry round(x * 2**scale) (default 16)")
     edge.add_argument("--edge-slot-timeout", type=float, default=0.2,

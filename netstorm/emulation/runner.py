@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 SCHEDULER_PORT = 7000
 DATA_PORT = 7100
 EDGE_PORT = 9700
-EDGE_MODES = ("auto", "xdp", "userspace")
+EDGE_MODES = ("auto", "xdp", "userspace", "tcp")
 GLOO_STORE_PORT = 29500
 CHUNKS_PER_MODEL = 60
 """Chunks a model is cut into when the user does not set CHUNK_SIZE: the paper's AlexNet (61 M
@@ -93,8 +93,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lan-workers", type=int, default=None, metavar="N",
                         help="LAN workers behind every DC's gateway (default: the scenario's lan_workers)")
     parser.add_argument("--edge-mode", choices=EDGE_MODES, default="auto",
-                        help="LAN aggregation at the gateways: xdp, the userspace fallback, or auto (xdp where "
-                             "it loads; default)")
+                        help="LAN aggregation at the gateways: xdp, the userspace fallback, tcp, or auto (each "
+                             "path measured once per distinct LAN before the run, the faster taken; default)")
     parser.add_argument("--chaos", metavar="SPEC",
                         help="kill and restart DCs and the scheduler, take links down and up, from the first "
                              "iteration's end: e.g. kill-dc:3@20s,restart-dc:3@35s,kill-scheduler@50s,"
@@ -783,7 +783,13 @@ def run(opts: Options) -> dict[str, Any]:
             progress.line(line)
         picks: dict[int, str] = {}
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
-            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress, opts.lan_tier)
+            from netstorm.lan.pathpick import candidates
+
+            paths = candidates(clustered=bool(run_config(opts.config_flags).dc_planner or
+                                              opts.lan_tier.get("edge_clusters")),
+                               compressed=any(c != "none" for c in opts.compressions))
+            picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress, opts.lan_tier,
+                                                  paths=paths)
             result["features"]["edge_calibration"] = calibrations
         rows = [(dataclasses.replace(system, name=compressed.row_name(system.name, c)) if c != "none" else system, c)
                 for system in opts.systems for c in opts.compressions if system.kind == "netstorm" or c == "none"]
@@ -836,10 +842,12 @@ def run(opts: Options) -> dict[str, Any]:
 
 
 def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,
-                    options: dict[str, Any] | None = None) -> tuple[dict[int, str], dict[str, Any]]:
-    """``--edge-mode auto``: measure both LAN paths once per distinct LAN (worker count and shaped rates) on
-    a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the faster; the
-    calibrations go into the result. A gateway whose XDP then fails to load still falls back by itself."""
+                    options: dict[str, Any] | None = None,
+                    paths: tuple[str, ...] = ("xdp", "userspace", "tcp")) -> tuple[dict[int, str], dict[str, Any]]:
+    """``--edge-mode auto``: measure the LAN ``paths`` once per distinct LAN (worker count and shaped rates)
+    on a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the pick
+    (``netstorm.lan.pathpick``); the calibrations go into the result. A gateway whose XDP then fails to
+    load still falls back by itself."""
     from netstorm.bench.edge import calibrate
 
     done: dict[tuple[int, tuple[tuple[float, float], ...]], dict[str, Any]] = {}
@@ -849,10 +857,11 @@ def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: P
         rates = tuple((up * lan_bw_scale, down * lan_bw_scale) for up, down in lan.rates)
         key = (lan.workers, rates)
         if key not in done:
-            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None, options=options)
+            done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None, options=options,
+                                  paths=paths)
             c = done[key]
             measured = ", ".join(f"{p} {c[p]:.3g} Gbit/s" if c[p] is not None else f"{p} failed ({c[p + '_error']})"
-                                 for p in ("xdp", "userspace"))
+                                 for p in paths)
             shaped = " shaped" if rates else ""
             progress.line(f"edge_mode auto: {lan.workers} workers{shaped}: {measured} -> {c['pick']}")
         picks[dc] = done[key]["pick"]
