@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from netstorm.authconn import REFUSE_LINGER_S
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.tcpcore import Completed, Send, TcpGatewayCore
@@ -32,13 +33,15 @@ log = logging.getLogger("netstorm.edge")
 
 
 class TcpEdgeAgent:
-    """The TCP path's gateway side on ``sock`` (a bound TCP socket; listening starts in ``run``)."""
+    """The TCP path's gateway side on ``sock`` (a bound TCP socket: it listens from construction, and
+    connections are served from ``run``)."""
 
     mode = "tcp"
 
     def __init__(self, sock: socket.socket, layout: EdgeLayout, *, workers: int, job: int,
                  secret: bytes | None = None) -> None:
         self.sock = sock
+        sock.listen(128)   # workers may connect before ``run``: the kernel queues them
         self.layout = layout
         self.core = TcpGatewayCore(layout, workers=workers, job=job, secret=secret)
         self._conns: dict[int, FrameProtocol] = {}
@@ -82,7 +85,7 @@ class TcpEdgeAgent:
                 send = self.core.refuse(conn, exc)
                 with contextlib.suppress(ConnectionError):
                     proto.write(send.header)
-                proto.close()
+                proto.refuse_and_close(REFUSE_LINGER_S)
 
         def on_lost(exc: Exception | None) -> None:
             self._conns.pop(conn, None)

@@ -85,6 +85,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def refuse_and_close(self, linger: float) -> None:
+        """After a REFUSAL was written: half-close, keep discarding what the peer still sends for ``linger``
+        seconds, then close (closing with unread input would reset the connection and lose the REFUSAL)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self._failed is None:
+            self._failed = bytearray(1 << 16)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(linger, self.close)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         if self._drained is not None and not self._drained.done():
