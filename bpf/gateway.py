@@ -178,6 +178,10 @@ class GatewayRole:
         except ConfigError as exc:
             log.error("edge: %s plan %d ignored: %s", plan.planner, plan.version, exc)
             return
+        if self.options.mode == "tcp" and topology.clusters:
+            log.error("edge: %s plan %d has clusters; the tcp path is one level and keeps every worker sending "
+                      "to the gateway", plan.planner, plan.version)
+            return
         current = self.options.topology if self.options.topology is not None else LanTopology(self.options.workers)
         if self.agent is None:
             self.options = dataclasses.replace(self.options, topology=topology)

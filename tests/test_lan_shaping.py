@@ -268,7 +268,7 @@ def test_an_emulated_lan_is_shaped_per_worker_at_the_scaled_rates(tmp_path: Path
 @pytest.mark.root
 @pytest.mark.bcc
 @pytest.mark.slow
-def test_auto_edge_mode_measures_both_paths_on_a_shaped_lan_and_runs_the_faster(tmp_path: Path) -> None:
+def test_auto_edge_mode_measures_the_paths_on_a_shaped_lan_and_runs_the_pick(tmp_path: Path) -> None:
     import json
     import subprocess
     import sys
@@ -285,9 +285,12 @@ def test_auto_edge_mode_measures_both_paths_on_a_shaped_lan_and_runs_the_faster(
     assert any("per-worker LAN HTB rates x0.5" in a for a in result["features"]["applied"])
     calibration = result["features"]["edge_calibration"]["2"]
     assert calibration["workers"] == 2 and calibration["elements"] == 100_000
-    measured = {p: calibration[p] for p in ("xdp", "userspace") if calibration[p] is not None}
-    assert measured, calibration
-    assert calibration["pick"] == max(measured, key=lambda p: measured[p])
+    from netstorm.lan.pathpick import Measured, pick
+
+    measured = {p: Measured(calibration[p], calibration[p] is not None,
+                            calibration.get(f"{p}_host_cpu_seconds_per_gb")) for p in ("xdp", "userspace", "tcp")}
+    assert any(m.exact for m in measured.values()), calibration
+    assert calibration["pick"] == pick(measured).path
     ran = result["features"]["edge_mode"]["netstorm"]["2"]
     assert ran.startswith(calibration["pick"])
 

@@ -65,7 +65,7 @@ def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mt
         finally:
             procs.close()
             agent.sock.close()
-    result.update({"mode": "tcp (numpy sums)", "lanes": lanes, "mtu": mtu, "precisions": precisions,
+    result.update({"mode": "numpy sums", "lanes": lanes, "mtu": mtu, "precisions": precisions,
                    "levels": 1, "kernel_loss": args.loss})
     return result
 

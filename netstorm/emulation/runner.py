@@ -785,8 +785,8 @@ def run(opts: Options) -> dict[str, Any]:
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
             from netstorm.lan.pathpick import candidates
 
-            paths = candidates(clustered=bool(run_config(opts.config_flags).dc_planner or
-                                              opts.lan_tier.get("edge_clusters")),
+            paths = candidates(clustered=run_config(opts.config_flags).dc_planner != "flat"   # two levels
+                               or bool(opts.lan_tier.get("edge_clusters")),
                                compressed=any(c != "none" for c in opts.compressions))
             picks, calibrations = calibrate_edges(net.plan, opts.lan_bw_scale, parameters, progress, opts.lan_tier,
                                                   paths=paths)

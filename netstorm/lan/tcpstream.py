@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Callable
+from typing import cast
 
 from netstorm.lan.errors import WireError
 from netstorm.lan.tcpwire import Expect, Frame, FrameReader
@@ -35,12 +36,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Once a frame was refused: where further bytes go, unread (the connection is closing)."""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's transports are not asyncio.Transport subclasses, but have its methods
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=HIGH_WATER)
+        self.transport.set_write_buffer_limits(high=HIGH_WATER)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self._failed) if self._failed is not None else self.reader.buffer()
