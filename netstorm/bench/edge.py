@@ -423,7 +423,7 @@ def run_one(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
         cfg = _lan_config(args)
         return run_tcp_path(args, seed=SEED, job=JOB, port=PORT, mtu=args.mtu if args.mtu is not None else cfg.edge_mtu,
-                            rates=_rates(args))
+                            rates=_rates(args), timeout=deadline_s(args.elements, args.workers))
     return run_path(path, args)
 
 

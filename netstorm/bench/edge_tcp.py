@@ -24,7 +24,8 @@ from netstorm.bench.hostcpu import HostCpu
 
 
 def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mtu: int,
-                 rates: list[tuple[float, float]] | None) -> dict[str, Any]:
+                 rates: list[tuple[float, float]] | None, timeout: float) -> dict[str, Any]:
+    """The path on a fresh LAN; ``timeout`` bounds each iteration (``edge.deadline_s``)."""
     from bpf.tcpagent import TcpEdgeAgent
     from netstorm.bench.edge_inputs import contribution, reference
     from netstorm.bench.edge_levels import Workers, mixed_reference, parse_precisions
@@ -61,7 +62,7 @@ def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mt
         procs = Workers(lan, gateway=(GATEWAY_IP, port), job=job, args=args, lanes=lanes, pool=0,
                         precisions=precisions, seed=seed, first=1, log_dir=Path(logs), transport="tcp")
         try:
-            result = asyncio.run(_drive(agent, procs, expected, HostCpu()))
+            result = asyncio.run(_drive(agent, procs, expected, HostCpu(), timeout))
         finally:
             procs.close()
             agent.sock.close()
@@ -70,10 +71,8 @@ def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mt
     return result
 
 
-async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], cpu: Any) -> dict[str, Any]:
-    from netstorm.bench.edge import deadline_s
-
-    timeout = deadline_s(agent.layout.sizes[0], len(workers.lan.workers))
+async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], cpu: Any,
+                 timeout: float) -> dict[str, Any]:  # noqa: ASYNC109
     exact = True
     async with asyncio.TaskGroup() as tg:
         serving = tg.create_task(agent.run())
