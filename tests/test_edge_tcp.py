@@ -5,6 +5,7 @@ frames are refused with the reason; ``edge_mode=auto``'s rule as a pure function
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -17,7 +18,7 @@ from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pathpick import FALLBACK, Measured, candidates, pick
 from netstorm.lan.tcpcore import WINDOW, Completed, Refuse, ResultAssembly, Send, TcpGatewayCore, encode_data
-from netstorm.lan.tcpwire import Data, FrameReader, Hello, Refused, Welcome
+from netstorm.lan.tcpwire import Data, Frame, FrameReader, Hello, Refused, Result, Welcome
 from netstorm.lan.tokens import LanTokens, Sender
 
 JOB = 3
@@ -148,6 +149,14 @@ def test_sums_equal_the_numpy_reference_over_many_iterations_and_precisions(work
             assert np.array_equal(got, want)
 
 
+def assembly_target(assembly: ResultAssembly) -> Callable[[Frame, int], memoryview | None]:
+    def expect(message: Frame, n: int) -> memoryview | None:
+        assert isinstance(message, Result)
+        return assembly.target(message, n)
+
+    return expect
+
+
 def test_results_go_to_every_worker_under_its_own_token_and_assemble_in_place() -> None:
     lan = Lan(3)
     result = [np.arange(s, dtype=np.float32) * 0.5 for s in SIZES]
@@ -156,7 +165,7 @@ def test_results_go_to_every_worker_under_its_own_token_and_assemble_in_place() 
     for worker in range(3):
         assembly = ResultAssembly(SIZES, lan.core.segment, lan.tokens, worker)
         assembly.begin(9)
-        reader = FrameReader(lambda m, n, a=assembly: a.target(m, n), max_payload=tcpwire.MAX_RESULT_PAYLOAD)
+        reader = FrameReader(assembly_target(assembly), max_payload=tcpwire.MAX_RESULT_PAYLOAD)
         stream = b"".join(s.header + bytes(s.payload) for s in sends if s.conn == worker)
         done: list[bool] = []
         feed(reader, stream, 65536, lambda m, a=assembly, d=done: d.append(a.received(m)))
@@ -166,7 +175,7 @@ def test_results_go_to_every_worker_under_its_own_token_and_assemble_in_place() 
     other = ResultAssembly(SIZES, lan.core.segment, lan.tokens, 0)
     other.begin(9)
     with pytest.raises(WireError, match="token"):   # worker 1's copy is not worker 0's
-        other.target(tcpwire.decode_header(sends[-1].header[tcpwire.PREFIX.size:]), sends[-1].payload.nbytes)
+        assembly_target(other)(tcpwire.decode_header(sends[-1].header[tcpwire.PREFIX.size:]), len(sends[-1].payload))
 
 
 def test_forged_and_malformed_frames_are_refused_with_the_reason() -> None:
