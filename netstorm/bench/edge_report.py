@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-PATHS = ("xdp", "userspace", "gloo")
+PATHS = ("xdp", "userspace", "tcp", "gloo")
 E2E_TARGET = 1.2
 """With LAN workers an iteration may take at most this many times as long as without."""
 
