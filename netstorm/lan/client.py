@@ -31,7 +31,7 @@ from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import Header, Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
-from netstorm.lan.tcpclient import SocketFactory, TcpEdgeWorker
+from netstorm.lan.tcpclient import GatewayRefused, SocketFactory, TcpEdgeWorker
 from netstorm.layout import DTYPES
 
 DEFAULT_TIMEOUT = 300.0
@@ -150,12 +150,23 @@ class AsyncEdgeClient:
         while True:
             tcp = TcpEdgeWorker(self.gateway, worker=self.worker_id, sizes=sizes, job=self.job, secret=self.secret,
                                 precision=self.precision, socket_factory=self.socket_factory)
-            try:
+            try:   # a TCP gateway, not merely a TCP listener: it must answer HELLO
                 await tcp.connect(timeout=max(0.01, min(PROBE_S, deadline - loop.time())))
+                wait = deadline - loop.time() if self.transport == "tcp" else PROBE_S
+                await tcp.hello(timeout=max(0.01, min(wait, deadline - loop.time())))
                 self.transport = "tcp"
                 return tcp
-            except (OSError, TimeoutError):
+            except (OSError, TimeoutError, EdgeTimeout) as exc:
                 tcp.close()
+                if self.transport == "tcp" and isinstance(exc, EdgeTimeout):
+                    raise NodeGone(str(exc)) from None
+            except GatewayRefused as exc:
+                tcp.close()
+                raise TrainerError(str(exc)) from None
+            except WireError as exc:   # a listener that is no TCP edge gateway
+                tcp.close()
+                if self.transport == "tcp":
+                    raise TrainerError(str(exc)) from None
             if probe is not None:
                 try:
                     reply = await probe.hello(timeout=max(0.01, min(PROBE_S, deadline - loop.time())))
@@ -170,8 +181,8 @@ class AsyncEdgeClient:
                                f"(transport {self.transport}) UDP within {self.timeout} s")
 
     async def _init_tcp(self, tcp: TcpEdgeWorker) -> dict[str, np.ndarray]:
+        """After the gateway's WELCOME: wait for the first result, as over UDP."""
         try:
-            await tcp.hello(timeout=self.timeout)
             self._worker = tcp
             self.iteration, flat, self._workers = await tcp.receive_first(timeout=self.timeout)
         except EdgeTimeout as exc:

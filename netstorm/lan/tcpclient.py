@@ -24,6 +24,11 @@ from netstorm.lan.tcpstream import FrameProtocol
 from netstorm.lan.tcpwire import Data, Frame, Hello, Refusal, Result, Welcome
 from netstorm.lan.tokens import LanTokens, Sender
 
+
+class GatewayRefused(WireError):
+    """The gateway answered with a REFUSAL (it speaks this protocol and will not take this worker's frames)."""
+
+
 SocketFactory = Callable[[], socket.socket]
 """Makes the worker's TCP socket (a test makes it inside the worker's network namespace)."""
 
@@ -64,8 +69,8 @@ class TcpEdgeWorker:
 
     def _on_frame(self, message: Frame, payload: memoryview) -> None:
         if isinstance(message, Refusal):
-            self._fail(WireError(f"edge worker {self.worker}: gateway {self.gateway} refused ({message.code}): "
-                                 f"{message.message}"))
+            self._fail(GatewayRefused(f"edge worker {self.worker}: gateway {self.gateway} refused ({message.code}): "
+                                      f"{message.message}"))
         elif isinstance(message, Welcome):
             if self.welcome is not None or message.worker != self.worker or message.nonce != self._nonce or \
                     not self.tokens.valid(Sender.GATEWAY, self.worker, self._nonce, message.token, keep=False):
