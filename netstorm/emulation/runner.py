@@ -504,6 +504,9 @@ class SystemRun:
         """``netstorm lan-aggregator`` on the host of each aggregator worker the planned tiers name."""
         for dc, tier in self.lan_tiers.items():
             lan = self.net.plan.lans[dc]
+            if tier.aggregators and self.edge_picks.get(dc, self.opts.edge_mode) == "tcp":
+                raise EmulationError(f"DC {dc}: --edge-mode tcp is one level, and the {tier.plan.planner} plan of its "
+                                     f"LAN has aggregators; use xdp, userspace or auto")
             mode = "userspace" if self.opts.edge_mode == "userspace" else "xdp"
             for worker in tier.aggregators:
                 self._spawn(f"lan-aggregator-{dc}-{worker}", (dc, worker), self._python(
