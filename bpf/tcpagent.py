@@ -53,14 +53,6 @@ class TcpEdgeAgent:
         """Thread CPU seconds spent receiving and summing DATA (the benchmark's gateway figure)."""
         self.delivery_cpu = 0.0
 
-    @property
-    def tokens(self) -> object:
-        return self.core.tokens
-
-    @property
-    def bad_tokens(self) -> int:
-        return self.core.refused
-
     # --- connections -------------------------------------------------------------------------------
 
     def _protocol(self) -> FrameProtocol:

@@ -177,8 +177,9 @@ class AsyncEdgeClient:
             elif loop.time() < deadline:
                 await asyncio.sleep(min(PROBE_S, deadline - loop.time()))
             if loop.time() >= deadline:
-                raise NodeGone(f"edge worker {self.worker_id}: gateway {self.gateway} answered neither on TCP nor "
-                               f"(transport {self.transport}) UDP within {self.timeout} s")
+                tried = "on TCP or UDP" if self.transport == "auto" else "on TCP"
+                raise NodeGone(f"edge worker {self.worker_id}: gateway {self.gateway} did not answer {tried} "
+                               f"within {self.timeout} s")
 
     async def _init_tcp(self, tcp: TcpEdgeWorker) -> dict[str, np.ndarray]:
         """After the gateway's WELCOME: wait for the first result, as over UDP."""
