@@ -3,14 +3,16 @@ recovers overflow by re-quantisation, and hands results back to the workers.
 
 ``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
 ``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
-AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
-``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers. Every
+AGG datagrams and ring-buffer reports reach the agent (the program also times each worker's first window
+of DATA, read back per iteration); in "userspace" mode the agent feeds DATA to ``UserspaceAggregator``
+itself. Both modes speak the same wire format to the same workers. Every
 completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
 group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
 ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
 Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
 ``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
-also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink.
+also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink (in xdp mode the
+program does).
 
 With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
 agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or
@@ -674,6 +676,7 @@ class EdgeAgent:
                 self._on_hello(head, data, address)
             elif head.kind == Kind.QUERY:
                 self._answer_query(head, data, address)
+
             elif head.kind == Kind.PULL:
                 if rows is not None:
                     # results are kept one row per chunk of the model (its sequence number), not per pool
@@ -711,8 +714,10 @@ class EdgeAgent:
         self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
-        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
-        mode, where DATA never reaches the agent."""
+        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival): timed here in
+        userspace mode, by the XDP program in xdp mode (its meter map, read in one batched lookup)."""
+        if self.xdp is not None and self.mode == "xdp":
+            return self.xdp.uplink_spans(iteration, self.workers)
         return self.uplinks.close(iteration)
 
     def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
