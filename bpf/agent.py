@@ -44,6 +44,7 @@ from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
+from netstorm.lan.downlink import DownlinkReports, parse_report
 from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
@@ -261,6 +262,8 @@ class EdgeAgent:
         self._wake = self.writer.wake
         self.uplinks = UplinkTracker(window=layout.num_slots, keep=TOKEN_WINDOW)
         """Each worker's first window of DATA per iteration (userspace mode): its achieved uplink."""
+        self.downlinks = DownlinkReports(workers)
+        """Each worker's result bursts as its REPORTs say (netstorm/lan/downlink.py): its achieved downlink."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
@@ -658,7 +661,7 @@ class EdgeAgent:
             head = Header.decode(data)
             if head.job != self.job:
                 raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
-            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and head.worker >= self.workers:
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY, Kind.REPORT) and head.worker >= self.workers:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
@@ -667,8 +670,10 @@ class EdgeAgent:
                 return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
                 return
+            if head.kind == Kind.REPORT and head.iteration not in self._finished:
+                return
             # HELLO nonces are the sender's choice: their tokens are derived, never cached
-            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and not self.tokens.valid(
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY, Kind.REPORT) and not self.tokens.valid(
                     Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind != Kind.HELLO):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
@@ -676,7 +681,8 @@ class EdgeAgent:
                 self._on_hello(head, data, address)
             elif head.kind == Kind.QUERY:
                 self._answer_query(head, data, address)
-
+            elif head.kind == Kind.REPORT:
+                self.downlinks.on_report(head.worker, head.iteration, parse_report(data)[1])
             elif head.kind == Kind.PULL:
                 if rows is not None:
                     # results are kept one row per chunk of the model (its sequence number), not per pool
@@ -719,6 +725,10 @@ class EdgeAgent:
         if self.xdp is not None and self.mode == "xdp":
             return self.xdp.uplink_spans(iteration, self.workers)
         return self.uplinks.close(iteration)
+
+    def downlink_bursts(self) -> list[tuple[int, int, float, float]]:
+        """The result bursts workers reported since the last call, as (worker, bytes, 0, span)."""
+        return self.downlinks.drain()
 
     def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
         """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is
