@@ -3,14 +3,16 @@ recovers overflow by re-quantisation, and hands results back to the workers.
 
 ``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
 ``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
-AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
-``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers. Every
+AGG datagrams and ring-buffer reports reach the agent (the program also times each worker's first window
+of DATA, read back per iteration); in "userspace" mode the agent feeds DATA to ``UserspaceAggregator``
+itself. Both modes speak the same wire format to the same workers. Every
 completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
 group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
 ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
 Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
 ``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
-also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink.
+also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink (in xdp mode the
+program does).
 
 With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
 agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or
@@ -42,6 +44,7 @@ from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
+from netstorm.lan.downlink import DownlinkReports, parse_report
 from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
@@ -259,6 +262,8 @@ class EdgeAgent:
         self._wake = self.writer.wake
         self.uplinks = UplinkTracker(window=layout.num_slots, keep=TOKEN_WINDOW)
         """Each worker's first window of DATA per iteration (userspace mode): its achieved uplink."""
+        self.downlinks = DownlinkReports(workers)
+        """Each worker's result bursts as its REPORTs say (netstorm/lan/downlink.py): its achieved downlink."""
         if group is not None and sock.getsockname()[0] not in ("0.0.0.0", ""):
             udp.multicast_from(sock, address=sock.getsockname()[0])
         self.fallback = (UserspaceAggregator(layout, job=job, expected=self.expected, timeout=slot_timeout,
@@ -656,7 +661,7 @@ class EdgeAgent:
             head = Header.decode(data)
             if head.job != self.job:
                 raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
-            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and head.worker >= self.workers:
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY, Kind.REPORT) and head.worker >= self.workers:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
@@ -665,8 +670,10 @@ class EdgeAgent:
                 return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
                 return
+            if head.kind == Kind.REPORT and head.iteration not in self._finished:
+                return
             # HELLO nonces are the sender's choice: their tokens are derived, never cached
-            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and not self.tokens.valid(
+            if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY, Kind.REPORT) and not self.tokens.valid(
                     Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind != Kind.HELLO):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
@@ -674,6 +681,8 @@ class EdgeAgent:
                 self._on_hello(head, data, address)
             elif head.kind == Kind.QUERY:
                 self._answer_query(head, data, address)
+            elif head.kind == Kind.REPORT:
+                self.downlinks.on_report(head.worker, head.iteration, parse_report(data)[1])
             elif head.kind == Kind.PULL:
                 if rows is not None:
                     # results are kept one row per chunk of the model (its sequence number), not per pool
@@ -711,9 +720,15 @@ class EdgeAgent:
         self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
-        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
-        mode, where DATA never reaches the agent."""
+        """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival): timed here in
+        userspace mode, by the XDP program in xdp mode (its meter map, read in one batched lookup)."""
+        if self.xdp is not None and self.mode == "xdp":
+            return self.xdp.uplink_spans(iteration, self.workers)
         return self.uplinks.close(iteration)
+
+    def downlink_bursts(self) -> list[tuple[int, int, float, float]]:
+        """The result bursts workers reported since the last call, as (worker, bytes, 0, span)."""
+        return self.downlinks.drain()
 
     def _on_hello(self, head: Header, data: bytes, address: Address) -> None:
         """Bind the worker to the address its (authenticated) HELLO came from, so a restarted worker is

@@ -35,8 +35,17 @@
  * installed for it, addresses of cfg) and sent out of cfg.up_ifindex: XDP_TX when it came in there, else
  * bpf_redirect (the aggregator's own packets, which reach the program on the loopback device).
  *
+ * Uplink meter (bpf/uplinks.py): every DATA packet of an expected worker that passed the token check counts
+ * towards NS_METER_MAP's entry for its worker and iteration (one per worker and iteration of a window, indexed
+ * by iteration modulo NS_TOKEN_WINDOW, then worker, so an iteration's entries are consecutive): its UDP payload
+ * bytes as sent and its arrival time, for the first cfg.meter_packets datagrams (the worker's first window,
+ * sent back to back before any ACK wait). The agent reads an iteration's entries with one batched lookup. A
+ * frame the agent runs through this program itself (a narrow datagram widened in userspace) carries a struct
+ * ns_arrival as XDP metadata: the datagram's arrival time and size on the wire, counted in place of the run's.
+ *
  * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP
- * (replaced by the shared table's name), NS_TOKEN_WINDOW (a power of two), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
+ * (replaced by the shared table's name), NS_METER_MAP and NS_METER_ENTRIES (the meter's table and its
+ * NS_MAX_WORKERS * NS_TOKEN_WINDOW entries), NS_TOKEN_WINDOW (a power of two), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
  * timer, see prime_timers), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
  * BPF_PSEUDO_FUNC reference to ns_timer_cb). */
 #include <linux/if_ether.h>
@@ -70,7 +79,7 @@ struct ns_cfg {
     u16 own_port;               /* forwarding: source UDP port, network order */
     u8 up_mac[6];
     u8 own_mac[6];
-    u32 pad;
+    u32 meter_packets;          /* datagrams per worker and iteration the uplink meter counts (the pool) */
 };
 
 struct ns_token {
@@ -78,6 +87,15 @@ struct ns_token {
     u32 pad;
     u64 token;                  /* never 0 when installed: an empty entry matches nothing */
 };
+
+/* XDP metadata of a frame the agent runs through the program (BPF_PROG_TEST_RUN): when and how large the
+ * datagram it came from arrived, for the uplink meter. */
+struct ns_arrival {
+    u64 ns;
+    u32 bytes;
+    u32 magic;                  /* NS_ARRIVAL_MAGIC */
+};
+#define NS_ARRIVAL_MAGIC 0x4e534152
 
 struct ns_event {
     u32 iteration;
@@ -93,6 +111,7 @@ struct ns_event {
 };
 
 BPF_TABLE("extern", u32, struct ns_slot, NS_SLOT_MAP, NS_SLOTS);
+BPF_TABLE("extern", u32, struct ns_meter, NS_METER_MAP, NS_METER_ENTRIES);
 BPF_ARRAY(ns_cfg, struct ns_cfg, 1);
 BPF_ARRAY(ns_tokens, struct ns_token, NS_MAX_WORKERS * NS_TOKEN_WINDOW);
 BPF_PERCPU_ARRAY(ns_stats, u64, NS_NSTATS);
@@ -209,6 +228,35 @@ int ns_timer_cb(void *map)
     return 0;
 }
 
+/* Count one DATA datagram of ``bytes`` arriving at ``now`` towards its worker's entry for the iteration: a
+ * newer iteration takes the entry over, an older one is ignored, and only the first cfg->meter_packets count. */
+static __always_inline void ns_measure(struct ns_cfg *cfg, u32 worker, u32 iteration, u64 bytes, u64 now)
+{
+    u32 at = (iteration & (NS_TOKEN_WINDOW - 1)) * NS_MAX_WORKERS + (worker & (NS_MAX_WORKERS - 1));
+    struct ns_meter *m = NS_METER_MAP.lookup(&at);
+    if (!m)
+        return;
+    u32 cap = cfg->meter_packets;
+    bpf_spin_lock(&m->lock);
+    s32 age = (s32)(iteration - m->iteration);
+    if (age > 0 || !m->packets) {
+        m->iteration = iteration;
+        m->packets = 0;
+        m->bytes = 0;
+        m->first_ns = now;
+        m->last_ns = now;
+    }
+    if (m->iteration == iteration && m->packets < cap) {
+        m->packets += 1;
+        m->bytes += bytes;
+        if (now < m->first_ns)
+            m->first_ns = now;
+        if (now > m->last_ns)
+            m->last_ns = now;
+    }
+    bpf_spin_unlock(&m->lock);
+}
+
 static __always_inline u16 ns_csum_fold(u32 sum)
 {
     sum = (sum & 0xffff) + (sum >> 16);
@@ -303,6 +351,17 @@ int ns_aggregate(struct xdp_md *ctx)
     if (h->magic != NS_MAGIC || h->version != NS_VERSION || h->kind != NS_KIND_DATA || h->job != cfg->job)
         return XDP_PASS;
     bump(ST_RX);
+    /* the uplink meter's view of this datagram: its size as sent and when it arrived (the agent's metadata
+     * when the agent runs it through here itself) */
+    u64 wire = (u64)((long)end - (long)h);
+    u64 arrived = bpf_ktime_get_ns();
+    {
+        struct ns_arrival *meta = (void *)(long)ctx->data_meta;
+        if ((void *)(meta + 1) <= data && meta->magic == NS_ARRIVAL_MAGIC) {
+            wire = meta->bytes;
+            arrived = meta->ns;
+        }
+    }
     u32 prec = h->precision;
     if (prec > NS_PREC_INT8) {
         bump(ST_BAD);
@@ -377,6 +436,7 @@ int ns_aggregate(struct xdp_md *ctx)
         bump(ST_UNEXPECTED);
         return XDP_DROP;
     }
+    ns_measure(cfg, worker, h->iteration, wire, arrived);
     u32 index = h->slot;
     struct ns_slot *slot = NS_SLOT_MAP.lookup(&index);
     if (!slot) {

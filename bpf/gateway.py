@@ -363,20 +363,22 @@ class GatewayRole:
         return sums if self.rounds is None else self.rounds.contribution(iteration, sums)
 
     def _measured(self, iteration: int) -> None:
-        """Feed the iteration's uplink bursts to the meter; report the measured LAN when it moved enough."""
+        """Feed the iteration's uplink bursts and the downlink bursts workers reported since to the meter;
+        report the measured LAN when it moved enough."""
         assert self.agent is not None
-        bursts = self.agent.uplink_bursts(iteration)
+        bursts = [("up", burst) for burst in self.agent.uplink_bursts(iteration)]
+        bursts += [("down", burst) for burst in self.agent.downlink_bursts()]
         if self.meter is None or self.schedule is None:
             return
-        for worker, nbytes, first, last in bursts:
+        for direction, (worker, nbytes, first, last) in bursts:
             if worker < len(self.meter.spec.workers):
-                self.meter.on_burst(worker, "up", nbytes, first, last)
+                self.meter.on_burst(worker, direction, nbytes, first, last)
         measured = self.meter.measured()
         now = self.clock()
         if self.on_measured is not None and self.schedule.due(measured, now):
             self.schedule.sent(measured, now)
-            log.info("edge: measured LAN uplinks (Gbit/s) %s reported to the scheduler",
-                     {w.index: round(w.up_gbit, 4) for w in measured.workers})
+            log.info("edge: measured LAN (up, down Gbit/s) %s reported to the scheduler",
+                     {w.index: (round(w.up_gbit, 4), round(w.down_gbit, 4)) for w in measured.workers})
             self.on_measured(measured)
 
     def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None:

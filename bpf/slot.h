@@ -27,4 +27,17 @@ struct ns_slot {
     s32 lanes[NS_LANES];        /* running fixed-point sum */
 };
 
+/* One worker's DATA in one iteration, as the program saw it arrive (the agent reads it to time the worker's
+ * uplink, bpf/uplinks.py): its first cfg.meter_packets datagrams, a pool's worth, which the worker sends
+ * back to back before its first ACK wait. NS_METER_MAP holds one per worker and iteration of a window. */
+struct ns_meter {
+    struct bpf_spin_lock lock;  /* guards every field below */
+    u32 iteration;
+    u32 packets;                /* datagrams counted (at most cfg.meter_packets) */
+    u32 pad;
+    u64 bytes;                  /* their UDP payload bytes, as sent (narrow lanes before widening) */
+    u64 first_ns;               /* earliest and latest arrival (bpf_ktime_get_ns: CLOCK_MONOTONIC) */
+    u64 last_ns;
+};
+
 #endif

@@ -1,12 +1,15 @@
-/* Owner module of the slot map. It is shared so the XDP module can name it as an extern table, and one
- * function touches it so bcc emits BTF for the value type (bpf_timer and bpf_spin_lock need it). */
+/* Owner module of the slot map and the uplink meter map. They are shared so the XDP module can name them as
+ * extern tables, and one function touches them so bcc emits BTF for their value types (bpf_timer and
+ * bpf_spin_lock need it). */
 #include "slot.h"
 
 BPF_TABLE_SHARED("array", u32, struct ns_slot, NS_SLOT_MAP, NS_SLOTS);
+BPF_TABLE_SHARED("array", u32, struct ns_meter, NS_METER_MAP, NS_METER_ENTRIES);
 
 int ns_slots_btf_anchor(struct xdp_md *ctx)
 {
     u32 key = 0;
     struct ns_slot *slot = NS_SLOT_MAP.lookup(&key);
-    return slot ? XDP_PASS : XDP_ABORTED;
+    struct ns_meter *meter = NS_METER_MAP.lookup(&key);
+    return slot && meter ? XDP_PASS : XDP_ABORTED;
 }

@@ -8,9 +8,10 @@ took (the chunks after the first window wait for the ACKs of slots every worker 
 worker sends at once into the gateway's port, that is the worker's share of that port: an achieved
 rate, which is what the planner should see, not a capacity the LAN never gives.
 
-Only DATA the agent receives is measured: in userspace mode every worker's, at the gateway (and a
-cluster aggregator's contribution, as its own); in XDP mode the kernel aggregates DATA and only
-aggregates reach the agent, so nothing is measured there (the rates stay as configured).
+This tracker measures the DATA the agent receives: in userspace mode every worker's, at the gateway (and a
+cluster aggregator's contribution, as its own). In XDP mode the kernel aggregates DATA and only aggregates
+reach the agent, so the XDP program keeps the same spans itself (bpf/aggregator.c's meter map: a worker's
+first pool of datagrams per iteration), which ``XdpAggregator.uplink_spans`` reads back in this form.
 """
 
 from __future__ import annotations

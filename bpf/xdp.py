@@ -2,7 +2,8 @@
 
 One instance owns one slot map sized by an EdgeLayout, the configuration map (expected contributor mask,
 timer period, job, UDP port, whether tokens are checked), the token map (the value each worker's DATA must
-carry, per iteration of a window), per-CPU counters and the ring buffer the timer callback writes to.
+carry, per iteration of a window), the uplink meter map (each worker's first window of DATA per iteration:
+bytes, first and last arrival), per-CPU counters and the ring buffer the timer callback writes to.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from bpf import timer_link
 from bpf.timer_link import LoaderError
 from bpf.timer_memory import SlabRoom
-from netstorm.lan.header import OFFSETS, Header, Kind, c_definitions
+from netstorm.lan.header import MAX_WORKERS, OFFSETS, Header, Kind, c_definitions
 from netstorm.lan.layout import EdgeLayout
 
 HERE = Path(__file__).resolve().parent
@@ -41,6 +42,14 @@ SLOT_FIELDS = {"names": ["iteration", "tensor", "chunk", "scale", "busy", "bitma
                "formats": ["<u4", "<u4", "<u4", "i1", "u1", "<u8"], "offsets": [20, 24, 28, 34, 38, 48]}
 """Where ``struct ns_slot`` (bpf/slot.h) keeps a slot's key and contributors: after the 16-byte bpf_timer and
 the 4-byte bpf_spin_lock; the map value's size comes from the kernel."""
+METER_DTYPE = np.dtype({"names": ["iteration", "packets", "bytes", "first_ns", "last_ns"],
+                         "formats": ["<u4", "<u4", "<u8", "<u8", "<u8"], "offsets": [4, 8, 16, 24, 32],
+                         "itemsize": 40})
+"""``struct ns_meter`` (bpf/slot.h) after its 4-byte bpf_spin_lock."""
+METER_ENTRIES = MAX_WORKERS * TOKEN_WINDOW
+"""The meter map: one entry per worker and iteration of the token window, an iteration's entries consecutive."""
+ARRIVAL_MAGIC = 0x4E534152
+"""``struct ns_arrival``'s mark: XDP metadata the agent gives a frame it runs through the program."""
 BPF_F_LOCK = 4
 SLOT_RUN = 64
 """Slots one batched lookup reads at most (a value is 56 bytes plus the lanes)."""
@@ -117,10 +126,16 @@ class XdpAggregator:
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
                   f"-DNS_TOKEN_WINDOW={TOKEN_WINDOW}",
                   f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]
+        cflags.append(f"-DNS_METER_ENTRIES={METER_ENTRIES}")
         self._slot_map = name.encode()
-        owner = (HERE / "slots.c").read_text().replace("NS_SLOT_MAP", name)
+        self._meter_map = f"ns_meter_{name[len('ns_slots_'):]}".encode()
+
+        def named(text: str) -> str:
+            return text.replace("NS_SLOT_MAP", name).replace("NS_METER_MAP", self._meter_map.decode())
+
+        owner = named((HERE / "slots.c").read_text())
         # the datagram header comes from the one definition of its layout, shared with the workers
-        prog = c_definitions() + (HERE / "aggregator.c").read_text().replace("NS_SLOT_MAP", name)
+        prog = c_definitions() + named((HERE / "aggregator.c").read_text())
         self._owner, self._module, self.fd = timer_link.compile_and_load(
             owner, prog, prog_name="ns_aggregate", callback_name="ns_timer_cb", timer_map=name, cflags=cflags)
         self._lib = timer_link.libbpf()
@@ -132,6 +147,10 @@ class XdpAggregator:
                                                    ctypes.POINTER(_BatchOpts)]
         self._value_size = 0
         self._slots_fd = -1
+        self._meter_fd = -1
+        self.meter_packets = layout.num_slots
+        """DATA datagrams per worker and iteration the uplink meter counts (``configure`` installs it): the
+        pool, which a worker sends back to back before its first ACK wait."""
         self._attached: list[tuple[int, int]] = []
         self._events: list[SlotEvent] = []
         self._ring_open = False
@@ -183,6 +202,7 @@ class XdpAggregator:
         value.job = job
         value.port = port
         value.max_nacks = max_nacks
+        value.meter_packets = self.meter_packets
         value.auth = 1 if self._agg_token else 0
         value.agg_token = self._agg_token
         up = self.upstream
@@ -251,7 +271,8 @@ class XdpAggregator:
         import bcc
 
         # the slot map's value type has fields bcc's table wrapper cannot decode: ask for its fd by name
-        fds = {"slots": int(bcc.libbcc.lib.bpf_table_fd(self._owner.module, self._slot_map))}
+        fds = {"slots": int(bcc.libbcc.lib.bpf_table_fd(self._owner.module, self._slot_map)),
+               "meter": int(bcc.libbcc.lib.bpf_table_fd(self._owner.module, self._meter_map))}
         for name in ("ns_cfg", "ns_tokens", "ns_stats", "ns_events"):
             fds[name] = int(self._module[name.encode()].map_fd)
         return fds
@@ -274,23 +295,38 @@ class XdpAggregator:
             stop = start + 1
             while stop < runs.size and runs[stop] == runs[stop - 1] + 1 and stop - start < SLOT_RUN:
                 stop += 1
-            first, n = int(runs[start]), stop - start
-            values = np.zeros(n, dtype)
-            keys = (ctypes.c_uint32 * n)()
-            count = ctypes.c_uint32(n)
-            prev = ctypes.c_uint32(first - 1)
-            nxt = ctypes.c_uint32(0)
-            opts = _BatchOpts(ctypes.sizeof(_BatchOpts), BPF_F_LOCK, 0)
-            rc = self._lib.bpf_map_lookup_batch(fd, ctypes.byref(prev) if first else None, ctypes.byref(nxt), keys,
-                                                values.ctypes.data, ctypes.byref(count), ctypes.byref(opts))
-            got = int(count.value)
-            if rc == 0 or got:
-                read = values[:got]
-                where = np.searchsorted(runs[start:stop], np.ctypeslib.as_array(keys)[:got])
-                for index, row in zip(runs[start:stop][where], read, strict=True):
-                    out[wanted == index] = row
+            keys, read = self._read_run(fd, int(runs[start]), stop - start, dtype)
+            where = np.searchsorted(runs[start:stop], keys)
+            for index, row in zip(runs[start:stop][where], read, strict=True):
+                out[wanted == index] = row
             start = stop
         return out
+
+    def _read_run(self, fd: int, first: int, n: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
+        """Entries ``first`` .. ``first + n - 1`` of an array map whose values have a bpf_spin_lock, each read
+        under it (``BPF_F_LOCK``), in one batched lookup: the keys the kernel gave and their values."""
+        values = np.zeros(n, dtype)
+        keys = (ctypes.c_uint32 * n)()
+        count = ctypes.c_uint32(n)
+        prev = ctypes.c_uint32(first - 1)
+        nxt = ctypes.c_uint32(0)
+        opts = _BatchOpts(ctypes.sizeof(_BatchOpts), BPF_F_LOCK, 0)
+        rc = self._lib.bpf_map_lookup_batch(fd, ctypes.byref(prev) if first else None, ctypes.byref(nxt), keys,
+                                            values.ctypes.data, ctypes.byref(count), ctypes.byref(opts))
+        got = int(count.value) if rc == 0 or count.value else 0
+        return np.ctypeslib.as_array(keys)[:got].astype(np.int64), values[:got]
+
+    def uplink_spans(self, iteration: int, workers: int) -> list[tuple[int, int, float, float]]:
+        """What the program counted of each worker's first window of ``iteration`` (its first pool's worth of
+        DATA): (worker, bytes, first arrival, last arrival), arrivals in ``time.monotonic`` seconds (the
+        kernel's CLOCK_MONOTONIC), workers that sent none left out. One batched lookup of the iteration's
+        ``workers`` consecutive entries, each read under its lock."""
+        if self._meter_fd < 0:
+            self._meter_fd = self.map_fds()["meter"]
+        keys, rows = self._read_run(self._meter_fd, (iteration % TOKEN_WINDOW) * MAX_WORKERS, workers, METER_DTYPE)
+        mine = (rows["iteration"] == iteration & 0xFFFFFFFF) & (rows["packets"] > 0)
+        return [(int(key) % MAX_WORKERS, int(row["bytes"]), int(row["first_ns"]) * 1e-9, int(row["last_ns"]) * 1e-9)
+                for key, row in zip(keys[mine], rows[mine], strict=True)]
 
     def kernel_map_bytes(self) -> int:
         """Kernel memory the program's maps hold, as the kernel accounts it (``memlock`` in each map's
@@ -344,28 +380,36 @@ class XdpAggregator:
         return out
 
     # direct runs ------------------------------------------------------------------------------------
-    def test_run(self, frame: bytes) -> tuple[int, bytes]:
-        """Run the program once on an Ethernet frame without an interface: (XDP verdict, frame after)."""
-        data_in = ctypes.create_string_buffer(frame, len(frame))
-        data_out = ctypes.create_string_buffer(len(frame) + 4096)   # a narrow DATA frame grows
+    def test_run(self, frame: bytes, *, meta: bytes = b"") -> tuple[int, bytes]:
+        """Run the program once on an Ethernet frame without an interface: (XDP verdict, frame after).
+        ``meta`` (a multiple of 4 bytes, at most 32) is the frame's XDP metadata, not part of the result."""
+        data_in = ctypes.create_string_buffer(meta + frame, len(meta) + len(frame))
+        data_out = ctypes.create_string_buffer(len(meta) + len(frame) + 4096)   # a narrow DATA frame grows
         opts = _TestRunOpts()
         opts.sz = ctypes.sizeof(_TestRunOpts)
         opts.data_in = ctypes.cast(data_in, ctypes.c_void_p)
-        opts.data_size_in = len(frame)
+        opts.data_size_in = len(meta) + len(frame)
         opts.data_out = ctypes.cast(data_out, ctypes.c_void_p)
         opts.data_size_out = len(data_out)
         opts.repeat = 1
+        if meta:
+            ctx = _XdpMd(data=len(meta), data_end=len(meta) + len(frame))
+            opts.ctx_in = ctypes.cast(ctypes.pointer(ctx), ctypes.c_void_p)
+            opts.ctx_size_in = ctypes.sizeof(ctx)
         rc = self._lib.bpf_prog_test_run_opts(self.fd, ctypes.byref(opts))
         if rc != 0:
             raise LoaderError(f"BPF_PROG_TEST_RUN failed: {os.strerror(-rc)}")
-        return int(opts.retval), data_out.raw[: opts.data_size_out]
+        return int(opts.retval), data_out.raw[len(meta): opts.data_size_out]
 
-    def run_widened(self, data: bytes) -> tuple[int, bytes]:
+    def run_widened(self, data: bytes, *, arrived_ns: int | None = None) -> tuple[int, bytes]:
         """A narrow-precision DATA datagram the program passed up for want of tailroom, widened to int32
         fixed point here (as the program converts) and run through the program: (verdict, datagram after),
-        the datagram an AGG when it completed a slot, or the forwarded DATA of a cluster aggregator."""
+        the datagram an AGG when it completed a slot, or the forwarded DATA of a cluster aggregator. The
+        uplink meter counts it as it arrived: ``len(data)`` bytes at ``arrived_ns`` (``time.monotonic_ns``,
+        now by default)."""
         frame = udp_frame(widen(data, self.layout.lanes), dport=self._port)
-        verdict, out = self.test_run(frame)
+        when = time.monotonic_ns() if arrived_ns is None else arrived_ns
+        verdict, out = self.test_run(frame, meta=arrival_meta(when, len(data)))
         return verdict, out[UDP_PAYLOAD:]
 
     def close(self) -> None:
@@ -382,6 +426,21 @@ TIMER_INIT_KIND = 0x7F
 """The loader's own kind (never on the wire): initialise the timer of the slot the frame names."""
 UDP_PAYLOAD = 14 + 20 + 8
 """Where the datagram starts in the Ethernet/IPv4/UDP frames ``udp_frame`` builds."""
+
+
+class _XdpMd(ctypes.Structure):
+    """``struct xdp_md`` as BPF_PROG_TEST_RUN takes it: ``data`` is the metadata's length."""
+
+    _fields_ = [("data", ctypes.c_uint32), ("data_end", ctypes.c_uint32), ("data_meta", ctypes.c_uint32),
+                ("ingress_ifindex", ctypes.c_uint32), ("rx_queue_index", ctypes.c_uint32),
+                ("egress_ifindex", ctypes.c_uint32)]
+
+
+def arrival_meta(ns: int, nbytes: int) -> bytes:
+    """``struct ns_arrival``: when (CLOCK_MONOTONIC ns) and how large a datagram arrived, as XDP metadata."""
+    import struct
+
+    return struct.pack("<QII", ns, nbytes, ARRIVAL_MAGIC)
 
 
 def widen(data: bytes, lanes: int) -> bytes:

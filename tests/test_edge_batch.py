@@ -78,7 +78,7 @@ def test_every_rule_of_the_decoder_refuses_its_row_and_only_that_row() -> None:
         "magic": _set(data, "magic", 0x534F),
         "version": _set(data, "version", 2),
         "kind 0": _set(nack, "kind", 0),
-        "kind 9": _set(nack, "kind", 9),
+        "kind 10": _set(nack, "kind", 10),
         "count 1025": _set(data, "count", 1025),
         "worker 64": _set(data, "worker", 64),
         "reserved": _set(data, "reserved", 1),
@@ -88,11 +88,13 @@ def test_every_rule_of_the_decoder_refuses_its_row_and_only_that_row() -> None:
         "payload short of count": _set(data, "count", 65),
         "payload past MAX_LANES": half + b"\0" * (2 * 1025 - (len(half) - HEADER_BYTES)),
         "HELLO payload": hello + b"\0" * 1025,
+        "REPORT payload": _set(nack, "kind", Kind.REPORT) + b"\0" * 65,
         "NACK payload": nack + b"\0" * 4,
         "flags 8": _set(data, "flags", 8),
         "total on DATA": _set(data, "total", 1),
     }
-    good = [data, half, result, nack, hello + b"\0" * 1024, _set(data, "flags", 7), _set(data, "worker", 63)]
+    good = [data, half, result, nack, hello + b"\0" * 1024, _set(nack, "kind", Kind.REPORT) + b"\0" * 64,
+            _set(data, "flags", 7), _set(data, "worker", 63)]
     for name, item in bad.items():
         with pytest.raises(WireError):
             Header.decode(item)

@@ -52,7 +52,7 @@ def test_the_gateway_reports_measured_uplinks_once_they_moved_and_then_at_most_o
     role.clock = lambda: now[0]
     mb = 1_000_000
     slow = 1.0                                  # worker 0 achieves 1 Gbit/s: 1 MB in 8 ms
-    role.agent = SimpleNamespace(uplink_bursts=lambda k: [
+    role.agent = SimpleNamespace(downlink_bursts=lambda: [], uplink_bursts=lambda k: [
         (w, mb, 0.0, mb * 8 / ((slow if w == 0 else spec.workers[w].up_gbit) * 1e9)) for w in range(n)])  # type: ignore[assignment]
     for k in range(2):                          # the meter believes three bursts, not two
         role._measured(k)

@@ -25,6 +25,7 @@ from netstorm.lan.header import (
     MAGIC,
     MAX_DEPLOY_BYTES,
     MAX_LANES,
+    MAX_REPORT_BYTES,
     MAX_WORKERS,
     VERSION,
     Kind,
@@ -111,8 +112,9 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     The same rules, in the same terms: the length holds a header, magic and version, a known kind, at most
     MAX_LANES lanes, a worker id below MAX_WORKERS, a zero reserved word, a known precision (and a narrow
     one only on DATA), a payload that holds ``count`` lanes of that width (and at most MAX_LANES), a HELLO
-    payload of at most MAX_DEPLOY_BYTES, no payload on the other kinds, known flags, and ``total`` only on
-    RESULT. A row shorter than a header is rejected before its (stale) fields count."""
+    payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES, no payload on the
+    other kinds, known flags, and ``total`` only on RESULT. A row shorter than a header is rejected before
+    its (stale) fields count."""
     lengths = np.asarray(lengths, np.int64)[: headers.size]
     kind = headers["kind"].astype(np.int64)
     precision = headers["precision"].astype(np.int64)
@@ -122,7 +124,9 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     laned = _LANED[kind]
     lanes_fit = (payload % width == 0) & (width * count <= payload) & (payload <= width * MAX_LANES)
     hello = kind == Kind.HELLO
-    payload_ok = np.where(laned, lanes_fit, np.where(hello, payload <= MAX_DEPLOY_BYTES, payload == 0))
+    report = kind == Kind.REPORT
+    payload_ok = np.where(laned, lanes_fit, np.where(hello, payload <= MAX_DEPLOY_BYTES,
+                                                     np.where(report, payload <= MAX_REPORT_BYTES, payload == 0)))
     precision_ok = (precision == Precision.FIXED32) | ((precision <= _MAX_PRECISION) & (kind == Kind.DATA))
     ok = (lengths >= HEADER_BYTES) & (lengths <= ROW_BYTES)
     ok &= headers["magic"] == MAGIC

@@ -61,7 +61,7 @@ class Field:
 FIELDS: Final = (
     Field("magic", "u16", "0x534E (MAGIC)"),
     Field("version", "u8", "VERSION"),
-    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO (see Kind)"),
+    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO, ACK, QUERY, REPORT (see Kind)"),
     Field("job", "u16", "training job; the gateway ignores other jobs' packets"),
     Field("worker", "u8", "LAN worker id, 0..63 (bit in the contributor bitmap)"),
     Field("flags", "u8", "OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)"),
@@ -119,6 +119,9 @@ class Kind(enum.IntEnum):
     """agent -> every worker (one multicast datagram): these chunks' slots completed, send what reuses them."""
     QUERY = 8
     """worker -> agent: which of these chunks (u32 sequence numbers) completed? Answered by a unicast ACK."""
+    REPORT = 9
+    """worker -> agent: how its result burst of ``iteration`` arrived (netstorm/lan/downlink.py: bytes and
+    span, msgpack in the payload), so the gateway measures its downlink; never answered."""
 
 
 class Precision(enum.IntEnum):
@@ -173,6 +176,8 @@ _KINDS: Final = {int(k): k for k in Kind}
 _PRECISIONS: Final = {int(p): p for p in Precision}
 MAX_DEPLOY_BYTES: Final = 1024
 """Largest HELLO payload (a worker's deployment)."""
+MAX_REPORT_BYTES: Final = 64
+"""Largest REPORT payload (a worker's downlink report)."""
 _FLAGS: Final = {int(f): Flag(f) for f in range(8)}
 """Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
 
@@ -236,6 +241,9 @@ class Header:
         elif kind == Kind.HELLO:
             if payload > MAX_DEPLOY_BYTES:
                 raise WireError(f"HELLO datagram with {payload} payload bytes (at most {MAX_DEPLOY_BYTES})")
+        elif kind == Kind.REPORT:
+            if payload > MAX_REPORT_BYTES:
+                raise WireError(f"REPORT datagram with {payload} payload bytes (at most {MAX_REPORT_BYTES})")
         elif payload:
             raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
         flag = _FLAGS.get(flags)

@@ -40,6 +40,7 @@ import numpy as np
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment
+from netstorm.lan.downlink import ResultTimer, report_packet
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.header import (
     HEADER_BYTES,
@@ -169,6 +170,10 @@ class EdgeSender:
         """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
         self._rtt = 0.0
         """Smoothed time from a chunk's first send to its ACK (the retransmission timeout follows it)."""
+        self.downlink = ResultTimer()
+        """This iteration's result burst as it arrives (netstorm/lan/downlink.py), reported to the gateway."""
+        self.reports = 0
+        """Downlink REPORT datagrams sent to the gateway."""
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -234,6 +239,7 @@ class EdgeSender:
         """Contribute ``tensors`` to ``iteration``; the result the gateway sends back, and how many workers'
         gradients it sums (0 from a gateway that does not say)."""
         self._total = 0
+        self.downlink.start(iteration)
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
@@ -277,6 +283,7 @@ class EdgeSender:
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
+        await self._report(iteration)
         return self._split(out), self._total
 
     async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray], int]:  # noqa: ASYNC109
@@ -329,6 +336,16 @@ class EdgeSender:
         await self._send_rows(rows, late, first=False)
         flight.resent(late, now)
         await self._query(iteration, late)
+
+    async def _report(self, iteration: int) -> None:
+        """Tell the gateway how this iteration's result burst arrived (its measure of our downlink); a lost
+        report costs one sample."""
+        report = self.downlink.report()
+        if report is None:
+            return
+        self.reports += 1
+        await udp.sendto(self.sock, report_packet(report, job=self.job, worker=self.worker, iteration=iteration,
+                                                  token=self.tokens.worker(self.worker, iteration)), self.gateway)
 
     async def _query(self, iteration: int, chunks: np.ndarray) -> None:
         """Ask the gateway about ``chunks`` (sequence numbers), QUERY_CHUNKS per datagram."""
@@ -501,6 +518,8 @@ class EdgeSender:
         rows, seq = rows[fresh], seq[fresh]
         out[seq] = self._batch.lanes("<f4")[rows, : layout.lanes]
         missing[seq] = False
+        if rows.size:
+            self.downlink.on_results(int(self._batch.lengths[rows].sum()), time.monotonic())
 
     def _take_acks(self, rows: np.ndarray, flight: _Flight) -> None:
         """Every chunk number the ACK ``rows`` list, to the window at once (with a round-trip sample)."""
@@ -558,6 +577,7 @@ class EdgeSender:
         # none yet: the WAN step may still run, or every copy was lost; one PULL probes which (the gateway
         # answers only once it has the result), and the rest follow once results flow
         limit = 1 if missing.all() else PULL_CHUNKS
+        self.downlink.on_pull()
         for index in np.flatnonzero(missing)[:limit]:
             tensor, chunk = self.layout.locate(int(index))
             self.pulls += 1
