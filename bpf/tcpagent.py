@@ -160,3 +160,8 @@ class TcpEdgeAgent:
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
         return self.core.uplink_bursts(iteration)
+
+    def downlink_bursts(self) -> list[tuple[int, int, float, float]]:
+        """None: TCP workers send no downlink REPORT (that is a UDP datagram kind), so on this path the
+        meter keeps the scenario's downlink rates."""
+        return []
