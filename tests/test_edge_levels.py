@@ -89,7 +89,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   precisions: list[Precision] | None = None, loss: float = 0.0, wire_loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
-                  tmp: Path | None = None) -> dict[str, Any]:
+                  tmp: Path | None = None, stream: bool = False) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -154,16 +154,19 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         if big:
                             for w in contribs:
                                 w[1][:] = 2.0**14 * 0.75   # fits at scale 16, a sum of several workers does not
+                        total = workers + k
+                        if stream:   # each chunk's result leaves as the chunk completes
+                            agent.stream_results(iteration, total=total)
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
                         sums = await agent.collect(iteration, timeout=timeout)
                         expected = reference(contribs, precisions)
                         for got, want in zip(sums, expected, strict=True):
                             np.testing.assert_array_equal(got, want)
-                        total = workers + k
-                        before = run_in(lan.gateway, _tx_packets)
-                        await agent.send_results(iteration, sums, total=total)
-                        out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
+                        if not stream:
+                            before = run_in(lan.gateway, _tx_packets)
+                            await agent.send_results(iteration, sums, total=total)
+                            out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
                         for task in pushes:
                             got_sums, got_total = await task
                             assert got_total == total
@@ -185,6 +188,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             out["dropped"] = sum(n.dropped for n in nodes)
             out["rescaled"] = sum(n.rescaled for n in nodes)
             out["acks"] = agent.acks_sent
+            out["streamed"] = agent.streamed_chunks
             return out
         finally:
             for node in nodes if "nodes" in locals() else []:
