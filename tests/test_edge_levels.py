@@ -318,3 +318,59 @@ def test_mixed_precisions_against_numpy_on_one_level(mode: str, request: pytest.
     precisions = [Precision.FP16, Precision.BF16, Precision.INT8, Precision.FIXED32]
     out = asyncio.run(run_lan(mode, program, workers=4, iterations=2, precisions=precisions))
     assert out["checked"] == 2
+
+
+def _neighbour(ip: str) -> str | None:
+    """The link-layer address this namespace's kernel resolved for ``ip`` (None: no complete entry)."""
+    for line in Path("/proc/thread-self/net/arp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0] == ip and parts[3] != "00:00:00:00:00:00":
+            return parts[3]
+    return None
+
+
+def test_members_resolve_their_aggregator_before_the_first_window() -> None:
+    """A member has never sent to its cluster's aggregator when its first window leaves; unresolved, the
+    kernel keeps only about 100 datagrams of it (unres_qlen_bytes) and drops the rest. Its HELLO is also
+    sent to the aggregator once deployed, so the kernel resolves the address first (read from the
+    member's neighbour table; an unclustered worker sends nothing there)."""
+    import time
+
+    from bpf.agent import EdgeAgent
+    from bpf.cluster import ClusterAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    async def scene(lan: Lan) -> list[EdgeSender]:
+        topology = LanTopology.parse("0:1", 3)
+        agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), layout(), workers=3, job=JOB,
+                          mode="userspace", group=GROUP, topology=topology)
+        head_ns = lan.workers[0]
+        head = ClusterAggregator(lan.udp_socket(head_ns, lan.worker_ip(0), PORT), (GATEWAY_IP, PORT), worker=0, job=JOB,
+                                 interface="eth0", mode="userspace", group_opener=lan.group_opener(head_ns))
+        nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout(),
+                            job=JOB, group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(agent.run())
+            try:
+                await head.hello(timeout=10)
+                await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+            finally:
+                agent.close()
+                head.close()
+                await serving
+        return nodes
+
+    with Lan(3) as lan:
+        nodes = asyncio.run(scene(lan))
+        try:
+            assert [n.primed for n in nodes] == [1, 1, 0]   # the head's own DATA goes to its aggregator too
+            deadline = time.monotonic() + 10
+            while run_in(lan.workers[1], lambda: _neighbour(lan.worker_ip(0))) is None:
+                assert time.monotonic() < deadline, "the member never resolved its aggregator's address"
+                time.sleep(0.01)
+            assert run_in(lan.workers[2], lambda: _neighbour(lan.worker_ip(0))) is None
+        finally:
+            for n in nodes:
+                n.close()

@@ -54,7 +54,7 @@ def _exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
     """The sum both workers' fixed-point lanes make, as float32 (what every result must carry)."""
     out = []
     for t in range(len(LAYOUT.sizes)):
-        total = sum(np.rint(c[t].astype(np.float64) * 2.0**16).astype(np.int64) for c in contribs)
+        total = np.sum([np.rint(c[t].astype(np.float64) * 2.0**16).astype(np.int64) for c in contribs], axis=0)
         out.append((total.astype(np.float64) * 2.0**-16).astype(np.float32))
     return out
 

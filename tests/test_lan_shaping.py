@@ -367,3 +367,14 @@ def test_only_the_ifb_uplink_shapes_what_an_xdp_program_on_the_worker_transmits(
             assert sent >= REFLECTED
         else:
             assert sent < REFLECTED  # only the worker's own few packets (neighbour discovery) passed it
+
+
+def test_root_drops_are_read_from_the_root_qdisc_only() -> None:
+    text = ("qdisc htb 1: root refcnt 2 r2q 10 default 0x20 direct_packets_stat 0 direct_qlen 1000\n"
+            " Sent 1234 bytes 10 pkt (dropped 7, overlimits 3 requeues 0)\n"
+            " backlog 0b 0p requeues 0\n"
+            "qdisc pfifo 8001: parent 1:20 limit 1000p\n"
+            " Sent 1000 bytes 8 pkt (dropped 5, overlimits 0 requeues 0)\n")
+    assert shaping.parse_root_drops(text) == 7
+    assert shaping.parse_root_drops(text.split("qdisc pfifo")[0].replace("dropped 7", "dropped 0")) == 0
+    assert shaping.parse_root_drops("") == 0

@@ -274,6 +274,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                                             stream=getattr(args, "results", "stream") == "stream"))
             finally:
                 procs.close()
+            result["lan_drops"] = lan.drops()
             if xdp is not None:
                 result["kernel_map_bytes"] = kernel_map_bytes() + sum(
                     kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
@@ -388,6 +389,8 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
         "duplicates": stats["dup"],
         "retransmitted": sum(w["retransmitted"] for w in workers.windows),
         "streamed_result_chunks": agent.streamed_chunks,
+        "per_worker": {str(w["worker"]): {k: w.get(k, 0) for k in ("retransmitted", "resent_by_nack", "stall_resends",
+                                                                   "queries", "ack_rtt")} for w in workers.windows},
         "resent_by_nack": sum(w.get("resent_by_nack", 0) for w in workers.windows),
         "stall_resends": sum(w.get("stall_resends", 0) for w in workers.windows),
         "queries": sum(w.get("queries", 0) for w in workers.windows),

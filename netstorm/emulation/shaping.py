@@ -192,6 +192,27 @@ def parse_classes(text: str) -> dict[str, HtbClass]:
     return classes
 
 
+def qdisc_drops(namespace: str, device: str) -> int:
+    """Packets ``device``'s root qdisc dropped (HTB counts its leaves' drops there): a shaped port whose
+    queue overflowed."""
+    out = run(["tc", "-n", namespace, "-s", "qdisc", "show", "dev", device], what=f"read the qdisc of {device}")
+    return parse_root_drops(out)
+
+
+def parse_root_drops(text: str) -> int:
+    """``tc -s qdisc show`` output -> the root qdisc's dropped count (0 without a root qdisc)."""
+    root = False
+    for line in text.splitlines():
+        if line.startswith("qdisc "):
+            root = " root " in line
+        elif root:
+            m = _DROPPED_RE.search(line)
+            if m:
+                return int(m.group(1))
+    return 0
+
+
+_DROPPED_RE = re.compile(r"Sent \d+ bytes \d+ pkt \(dropped (\d+)")
 _HEAD_RE = re.compile(r"^class htb (\S+) (?:root|parent (\S+))")
 _SENT_RE = re.compile(r"Sent (\d+) bytes (\d+) pkt")
 _SIZE_UNITS = {"b": 1, "Kb": 1024, "Mb": 1024 * 1024}

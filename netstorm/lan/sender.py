@@ -148,6 +148,8 @@ class EdgeSender:
         self.resent_by_nack = 0
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
+        self.primed = 0
+        """Datagrams sent to resolve the path to our cluster's aggregator before the first DATA (``_prime``)."""
         """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
@@ -206,11 +208,22 @@ class EdgeSender:
                                             self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
                                                               keep=False)):
                                         self._deploy(Deployment.decode(data[HEADER_BYTES:]), reply.scale)
+                                        if self.send_to != self.gateway:
+                                            await self._prime(hello)
                                         return reply
                                     self.forged += 1
         except TimeoutError:
             raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
                               f"within {timeout} s") from None
+
+    async def _prime(self, datagram: bytes) -> None:
+        """Send one datagram (our HELLO, which an aggregator ignores) to where DATA will go, so the kernel
+        resolves that host's link-layer address now. This worker has never sent to its cluster's
+        aggregator: unresolved, the kernel would hold only ``unres_qlen_bytes`` (about 100 datagrams) of
+        the first window and drop the rest, oldest first, and their recovery cost whole windows of resends
+        on a shaped LAN."""
+        self.primed += 1
+        await udp.sendto(self.sock, datagram, self.send_to)
 
     def _deploy(self, deployment: Deployment, scale: int) -> None:
         self.deployment = deployment
