@@ -100,7 +100,7 @@ class Lan:
         for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
             bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
             if self.uplink == "ifb":
-                netns.ip_batch([f"link add {self.uplink_ifb(i)} type ifb", f"link set {self.uplink_ifb(i)} up"],
+                netns.ip_batch(shaping.ifb_device_lines(self.uplink_ifb(i)),
                                namespace=self.bridge, what=f"uplink device of worker {i}")
                 bridge_lines += shaping.ifb_uplink_lines(self.bridge_port(i), self.uplink_ifb(i))
                 bridge_lines += shaping.lan_port_lines(self.uplink_ifb(i), up)

@@ -139,6 +139,17 @@ def lan_port_lines(device: str, gbit: float) -> list[str]:
     ]
 
 
+IFB_QUEUE = 1000
+"""Packets an ifb uplink device queues (its HTB leaves' limit): a veth's default, so a worker's uplink
+queues as much in ``ifb`` mode as in ``veth`` mode. An ifb's own default is 32, which a cluster
+aggregator's XDP-forwarded partial sums (no socket, so no back-pressure) overflowed at once."""
+
+
+def ifb_device_lines(ifb: str) -> list[str]:
+    """ip batch lines that create the ifb device ``ifb`` of a worker's uplink, queueing ``IFB_QUEUE``."""
+    return [f"link add {ifb} txqueuelen {IFB_QUEUE} type ifb", f"link set {ifb} up"]
+
+
 def ifb_uplink_lines(port: str, ifb: str) -> list[str]:
     """tc batch lines sending every frame arriving on bridge port ``port`` (the worker's uplink) through
     ``ifb``'s egress first (shape ``ifb`` with ``lan_port_lines``)."""
