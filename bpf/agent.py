@@ -31,7 +31,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,7 +59,7 @@ from netstorm.lan.header import (
     lanes_of,
 )
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import ack_packets, control_packet, result_packets, with_token
+from netstorm.lan.packets import ack_packets, chunk_result_packets, control_packet, result_packets, with_token
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,9 @@ class IterationSums:
     """The lanes are exact integers at scale 0 (a compressed job's round, ``netstorm/lan/introunds.py``): an
     overflow fails the iteration (``failure``) instead of re-quantising, which would not be exact."""
     failure: IntegerOverflow | None = None
+    on_complete: Callable[[np.ndarray], None] | None = None
+    """Called with the sequence numbers of the chunks each aggregate (or batch of them) completed, as they
+    complete: how a result can leave chunk by chunk (``EdgeAgent.stream_results``)."""
 
     def __post_init__(self) -> None:
         self.open = np.ones(self.layout.num_chunks, bool)
@@ -137,6 +140,8 @@ class IterationSums:
         if self.missing:
             for q in fresh:
                 self.missing.pop(self.layout.locate(int(q)), None)
+        if self.on_complete is not None and fresh.size:
+            self.on_complete(fresh)
 
     def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
         """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
@@ -167,6 +172,8 @@ class IterationSums:
         self.remaining -= 1
         self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
+        if self.on_complete is not None:
+            self.on_complete(np.array([row], np.int64))
         return []
 
     def take(self, heads: np.ndarray, lanes: np.ndarray) -> tuple[np.ndarray, int]:
@@ -215,6 +222,22 @@ class IterationSums:
                  for t, c in shown]
         more = f" and {self.remaining - len(shown)} more" if self.remaining > len(shown) else ""
         return "; ".join(parts) + more
+
+
+@dataclass
+class _Stream:
+    """An iteration whose result leaves chunk by chunk (``EdgeAgent.stream_results``)."""
+
+    sums: IterationSums
+    total: int
+    unicast: bool
+    rows: np.ndarray
+    """RESULT datagrams, one row per chunk of the model, filled as the chunks complete (PULLs are answered
+    from here)."""
+    sent: np.ndarray
+    """Chunks whose result went out."""
+    due: list[np.ndarray] = field(default_factory=list)
+    """Sequence numbers completed since the last flush (one result burst per batch of datagrams)."""
 
 
 class EdgeAgent:
@@ -289,6 +312,10 @@ class EdgeAgent:
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
         self._results: dict[int, np.ndarray] = {}
+        self._streams: dict[int, _Stream] = {}
+        """Iterations whose result is the LAN's own sum, sent chunk by chunk as the chunks complete."""
+        self.streamed_chunks = 0
+        """Result chunks sent before their iteration was complete (``stream_results``)."""
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
         self.delivery_cpu = 0.0
@@ -409,8 +436,13 @@ class EdgeAgent:
                         await waiter.wait()
                 if not sums.done and not waiter.is_set():
                     await self._poke_stalled(sums)
+            if iteration in self._streams:
+                self._finish_stream(iteration)
             return sums.result()
         finally:
+            stream = self._streams.pop(iteration, None)
+            if stream is not None:
+                stream.sums.on_complete = None
             self._waiters.pop(iteration, None)
             self._open.pop(iteration, None)
             self._finished[iteration] = sums
@@ -429,11 +461,75 @@ class EdgeAgent:
         rows = np.concatenate([result_packets(self.layout_of(iteration), job=self.job, iteration=iteration, tensor=t,
                                               values=np.asarray(r, np.float32), total=total)
                                for t, r in enumerate(results)])
+        self._keep_results(iteration, rows)
+        absent = [w for w in range(self.workers) if w not in self.addresses]
+        self._queue_results(iteration, rows, unicast=unicast)
+        if absent:
+            raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
+                              "HELLO); the others got their results")
+
+    def stream_results(self, iteration: int, *, total: int, unicast: bool = False) -> None:
+        """The result of ``iteration`` is this LAN's own sum (no WAN step changes it): from now on each
+        chunk's result (its exact sum over ``total`` workers, rounded to float32 as ``send_results`` would)
+        goes to the workers as soon as the chunk completes, in one burst per batch of aggregates handled,
+        instead of all of them after the last chunk. A worker's uplink then carries the rest of its gradient
+        while its downlink already carries the results, as a ring all-reduce uses both directions at once.
+        Chunks completed before the call go at once. ``collect`` still returns the whole sum; once the
+        iteration is complete its results are kept for PULLs as ``send_results`` keeps them, and the next
+        iteration is expected (``send_results`` is then not called for it)."""
+        if not self._accepts(iteration):
+            raise ValueError(f"iteration {iteration} is outside the window the gateway receives")
+        if iteration in self._streams:
+            return
+        sums = self._sums(iteration)
+        layout = sums.layout
+        rows = np.zeros((layout.num_chunks, HEADER_BYTES + 4 * layout.lanes), np.uint8)
+        stream = _Stream(sums, total, unicast, rows=rows, sent=np.zeros(layout.num_chunks, bool))
+        self._streams[iteration] = stream
+        sums.on_complete = stream.due.append
+        done = np.flatnonzero(~sums.open)
+        if done.size:
+            stream.due.append(done)
+            self._flush_streams()
+
+    # ------------------------------------------------------------------ internals
+    def _flush_streams(self) -> None:
+        """Send the results of the chunks completed since the last flush, for every streamed iteration."""
+        for iteration, stream in self._streams.items():
+            if not stream.due:
+                continue
+            seqs = np.unique(np.concatenate(stream.due))
+            stream.due.clear()
+            seqs = seqs[~stream.sent[seqs]]
+            if not seqs.size:
+                continue
+            sums = stream.sums
+            rows = chunk_result_packets(sums.layout, job=self.job, iteration=iteration, seqs=seqs, raw=sums.raw,
+                                        scales=sums.scales, total=stream.total)
+            stream.rows[seqs] = rows
+            stream.sent[seqs] = True
+            if not sums.done:
+                self.streamed_chunks += int(seqs.size)
+            self._queue_results(iteration, rows, unicast=stream.unicast)
+
+    def _finish_stream(self, iteration: int) -> None:
+        """``iteration`` is complete: its last results leave, all are kept for PULLs, the next is expected."""
+        self._flush_streams()
+        stream = self._streams.pop(iteration)
+        stream.sums.on_complete = None
+        self._keep_results(iteration, stream.rows)
+        self.expect(iteration + 1)
+
+    def _keep_results(self, iteration: int, rows: np.ndarray) -> None:
+        """Keep ``iteration``'s result datagrams for PULLs until 4 iterations later."""
         self._results[iteration] = rows
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
         self.outbox.forget(iteration - 4)
-        absent = [w for w in range(self.workers) if w not in self.addresses]
+
+    def _queue_results(self, iteration: int, rows: np.ndarray, *, unicast: bool) -> None:
+        """Queue result datagrams once to the group (or, ``unicast`` or without a group, a copy to each worker
+        that said HELLO), each with its token."""
         if self.group is not None and not unicast:
             # one copy of each datagram; the LAN replicates it to every member of the group
             mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
@@ -446,11 +542,18 @@ class EdgeAgent:
                 mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
                 self.outbox.bulk(mine, address, tag=iteration)
         self._wake.set()
-        if absent:
-            raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
-                              "HELLO); the others got their results")
 
-    # ------------------------------------------------------------------ internals
+    def _result_row(self, iteration: int, index: int) -> np.ndarray | None:
+        """The RESULT datagram of chunk ``index`` of ``iteration`` if it was sent (None: not kept, or its
+        chunk has not completed yet)."""
+        rows = self._results.get(iteration)
+        if rows is not None:
+            return rows[index: index + 1]
+        stream = self._streams.get(iteration)
+        if stream is not None and 0 <= index < stream.sent.size and stream.sent[index]:
+            return stream.rows[index: index + 1]
+        return None
+
     def _sums(self, iteration: int) -> IterationSums:
         sums = self._open.get(iteration)
         if sums is None:
@@ -665,9 +768,12 @@ class EdgeAgent:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
-            rows = self._results.get(head.iteration) if head.kind == Kind.PULL else None
-            if head.kind == Kind.PULL and rows is None:
-                return
+            row = None
+            if head.kind == Kind.PULL:
+                with contextlib.suppress(WireError):
+                    row = self._result_row(head.iteration, self.layout_of(head.iteration).seq(head.tensor, head.chunk))
+                if row is None:
+                    return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
                 return
             if head.kind == Kind.REPORT and head.iteration not in self._finished:
@@ -684,11 +790,9 @@ class EdgeAgent:
             elif head.kind == Kind.REPORT:
                 self.downlinks.on_report(head.worker, head.iteration, parse_report(data)[1])
             elif head.kind == Kind.PULL:
-                if rows is not None:
+                if row is not None:
                     # results are kept one row per chunk of the model (its sequence number), not per pool
                     # slot: with a pool smaller than the model the slot names several chunks
-                    index = self.layout_of(head.iteration).seq(head.tensor, head.chunk)
-                    row = rows[index: index + 1]
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
                     # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
@@ -797,6 +901,8 @@ class EdgeAgent:
             self._nack_gaps()
         if self._acks:
             self._flush_acks()
+        if self._streams:
+            self._flush_streams()
         self.receive_cpu += time.thread_time() - started
 
     def _take_aggs(self, rows: np.ndarray) -> None:

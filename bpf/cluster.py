@@ -180,8 +180,9 @@ class ClusterAggregator:
                     return
                 if len(data) >= HEADER_BYTES and data[KIND_AT] in (Kind.ACK, Kind.RESULT):
                     iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
-                    # an ACK of iteration k: its DATA is in flight; a RESULT of k: k + 1 comes next
-                    self._install(iteration if data[KIND_AT] == Kind.ACK else iteration + 1)
+                    # an ACK or a RESULT of iteration k: its DATA may still be in flight (results can stream
+                    # while members still send) and k + 1 comes next; the window from k holds both
+                    self._install(iteration)
 
         def on_data() -> None:
             view = memoryview(buf)

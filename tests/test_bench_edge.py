@@ -309,3 +309,9 @@ def test_the_planned_comparison_takes_means_over_repeats_against_flat_gloo_and_o
     assert summary["aleph"]["less_time_than_gloo"] == pytest.approx(1 - 1.5 / 2.0)
     assert summary["aleph"]["more_throughput_than_oblivious"] == pytest.approx(0.5)
     assert [r["file"] for r in table["s DC 1"]["runs"]["aleph"]] == ["b", "c"]
+    assert summary["aleph"]["runs"] == 2 and summary["aleph"]["gbit_range"] == [2.0, 4.0]
+    # a run whose results went down after the whole iteration is kept apart from the streamed ones
+    whole = {**doc("flat", 8.0, 0.5), "results": "whole"}
+    table = planned({"a": doc("flat", 4.0, 1.0, gloo=2.0), "w": whole})
+    assert table["s DC 1"]["summary"]["flat"]["iteration_s"] == 4.0
+    assert table["s DC 1"]["summary"]["flat whole"]["less_time_than_flat"] == pytest.approx(1 - 8.0 / 4.0)

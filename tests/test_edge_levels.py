@@ -89,7 +89,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   precisions: list[Precision] | None = None, loss: float = 0.0, wire_loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
-                  tmp: Path | None = None) -> dict[str, Any]:
+                  tmp: Path | None = None, stream: bool = False) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -154,16 +154,19 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         if big:
                             for w in contribs:
                                 w[1][:] = 2.0**14 * 0.75   # fits at scale 16, a sum of several workers does not
+                        total = workers + k
+                        if stream:   # each chunk's result leaves as the chunk completes
+                            agent.stream_results(iteration, total=total)
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
                         sums = await agent.collect(iteration, timeout=timeout)
                         expected = reference(contribs, precisions)
                         for got, want in zip(sums, expected, strict=True):
                             np.testing.assert_array_equal(got, want)
-                        total = workers + k
-                        before = run_in(lan.gateway, _tx_packets)
-                        await agent.send_results(iteration, sums, total=total)
-                        out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
+                        if not stream:
+                            before = run_in(lan.gateway, _tx_packets)
+                            await agent.send_results(iteration, sums, total=total)
+                            out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
                         for task in pushes:
                             got_sums, got_total = await task
                             assert got_total == total
@@ -185,6 +188,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             out["dropped"] = sum(n.dropped for n in nodes)
             out["rescaled"] = sum(n.rescaled for n in nodes)
             out["acks"] = agent.acks_sent
+            out["streamed"] = agent.streamed_chunks
             return out
         finally:
             for node in nodes if "nodes" in locals() else []:
@@ -298,6 +302,22 @@ def test_a_worker_that_never_sends_is_a_named_timeout(mode: str, request: pytest
     assert any("missing workers [2]" in str(e) or "incomplete" in str(e) for e in timeouts), info.value.exceptions
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("clusters", [None, "0:1,2;3:4"])
+def test_streamed_results_exact_on_one_and_two_levels_with_loss(mode: str, clusters: str | None,
+                                                                  request: pytest.FixtureRequest) -> None:
+    """Each chunk's result leaves as the chunk completes (``EdgeAgent.stream_results``) while workers still
+    send: the sums stay exact with 1 % loss, every slot reused within and across iterations."""
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    workers = 5
+    topology = LanTopology.parse(clusters, workers) if clusters else None
+    out = asyncio.run(run_lan(mode, program, workers=workers, iterations=3, topology=topology, loss=0.01,
+                              stream=True))
+    assert out["checked"] == 3
+    # most results left before their iteration was complete (the last chunk's cannot)
+    assert out["streamed"] >= 3 * (layout().num_chunks - 1) // 2, out["streamed"]
+
+
 @pytest.mark.bcc
 def test_the_program_and_its_maps_are_in_the_kernel_and_bounded_by_the_pool(gateway_program: Any) -> None:
     """kernel_map_bytes comes from the kernel's own accounting of the program's maps, and a model of AlexNet's
@@ -314,3 +334,59 @@ def test_mixed_precisions_against_numpy_on_one_level(mode: str, request: pytest.
     precisions = [Precision.FP16, Precision.BF16, Precision.INT8, Precision.FIXED32]
     out = asyncio.run(run_lan(mode, program, workers=4, iterations=2, precisions=precisions))
     assert out["checked"] == 2
+
+
+def _neighbour(ip: str) -> str | None:
+    """The link-layer address this namespace's kernel resolved for ``ip`` (None: no complete entry)."""
+    for line in Path("/proc/thread-self/net/arp").read_text().splitlines()[1:]:
+        parts = line.split()
+        if parts and parts[0] == ip and parts[3] != "00:00:00:00:00:00":
+            return parts[3]
+    return None
+
+
+def test_members_resolve_their_aggregator_before_the_first_window() -> None:
+    """A member has never sent to its cluster's aggregator when its first window leaves; unresolved, the
+    kernel keeps only about 100 datagrams of it (unres_qlen_bytes) and drops the rest. Its HELLO is also
+    sent to the aggregator once deployed, so the kernel resolves the address first (read from the
+    member's neighbour table; an unclustered worker sends nothing there)."""
+    import time
+
+    from bpf.agent import EdgeAgent
+    from bpf.cluster import ClusterAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    async def scene(lan: Lan) -> list[EdgeSender]:
+        topology = LanTopology.parse("0:1", 3)
+        agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), layout(), workers=3, job=JOB,
+                          mode="userspace", group=GROUP, topology=topology)
+        head_ns = lan.workers[0]
+        head = ClusterAggregator(lan.udp_socket(head_ns, lan.worker_ip(0), PORT), (GATEWAY_IP, PORT), worker=0, job=JOB,
+                                 interface="eth0", mode="userspace", group_opener=lan.group_opener(head_ns))
+        nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=layout(),
+                            job=JOB, group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(agent.run())
+            try:
+                await head.hello(timeout=10)
+                await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+            finally:
+                agent.close()
+                head.close()
+                await serving
+        return nodes
+
+    with Lan(3) as lan:
+        nodes = asyncio.run(scene(lan))
+        try:
+            assert [n.primed for n in nodes] == [1, 1, 0]   # the head's own DATA goes to its aggregator too
+            deadline = time.monotonic() + 10
+            while run_in(lan.workers[1], lambda: _neighbour(lan.worker_ip(0))) is None:
+                assert time.monotonic() < deadline, "the member never resolved its aggregator's address"
+                time.sleep(0.01)
+            assert run_in(lan.workers[2], lambda: _neighbour(lan.worker_ip(0))) is None
+        finally:
+            for n in nodes:
+                n.close()

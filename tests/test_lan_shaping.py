@@ -370,3 +370,42 @@ def test_only_the_ifb_uplink_shapes_what_an_xdp_program_on_the_worker_transmits(
             assert sent >= REFLECTED
         else:
             assert sent < REFLECTED  # only the worker's own few packets (neighbour discovery) passed it
+
+
+def test_root_drops_are_read_from_the_root_qdisc_only() -> None:
+    text = ("qdisc htb 1: root refcnt 2 r2q 10 default 0x20 direct_packets_stat 0 direct_qlen 1000\n"
+            " Sent 1234 bytes 10 pkt (dropped 7, overlimits 3 requeues 0)\n"
+            " backlog 0b 0p requeues 0\n"
+            "qdisc pfifo 8001: parent 1:20 limit 1000p\n"
+            " Sent 1000 bytes 8 pkt (dropped 5, overlimits 0 requeues 0)\n")
+    assert shaping.parse_root_drops(text) == 7
+    assert shaping.parse_root_drops(text.split("qdisc pfifo")[0].replace("dropped 7", "dropped 0")) == 0
+    assert shaping.parse_root_drops("") == 0
+
+
+@pytest.mark.root
+def test_a_shaped_port_that_overflows_shows_its_drops_and_an_ifb_uplink_queues_like_a_veth() -> None:
+    """``Lan.drops`` reads drops from the kernel: a burst forwarded to a worker whose downlink is shaped to
+    1 Mbit/s from many sockets overflows that port's queue. An ifb uplink
+    device queues as many packets as a veth does."""
+    import contextlib
+    import subprocess
+
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+
+    with Lan(1, rates=[(0.001, 0.001)], uplink="ifb") as lan:
+        qlen = {dev: subprocess.run(["ip", "-n", lan.bridge, "-o", "link", "show", dev], capture_output=True,
+                                    text=True, check=True).stdout for dev in ("w0", lan.uplink_ifb(0))}
+        assert all(f"qlen {shaping.IFB_QUEUE}" in text for text in qlen.values()), qlen
+        # a socket's own packets stay charged to its send buffer until they leave the shaped port, so one
+        # socket cannot overflow the queue; many sockets together can
+        socks = [lan.udp_socket(lan.gateway, GATEWAY_IP) for _ in range(40)]
+        for sock in socks:
+            with contextlib.suppress(BlockingIOError):
+                for _ in range(shaping.IFB_QUEUE):
+                    sock.sendto(b"\x00" * 1000, (lan.worker_ip(0), 9))
+        drops = lan.drops()
+        for sock in socks:
+            sock.close()
+        assert drops["ports"]["w0"] > 0, drops
+        assert drops["uplinks"]["w0"] == 0 and drops["ports"]["g"] == 0, drops

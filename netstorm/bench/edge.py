@@ -107,6 +107,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dc-planner", default=None, metavar="P",
                         help="with --lan-scenario: deploy planner P's two-level plan (flat, aleph, pahina, eina, "
                              "precision-oblivious)")
+    parser.add_argument("--results", choices=("stream", "whole"), default="stream",
+                        help="stream: each chunk's result goes down as the chunk completes (the LAN's own sum is "
+                             "the result here); whole: after the whole iteration is summed, as when a WAN step "
+                             "follows (default stream)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -268,9 +272,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 Path(args.perf).mkdir(parents=True, exist_ok=True)
                 perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}-l{args.levels}.data")
             try:
-                result = asyncio.run(_drive(agent, procs, expected, xdp, cpu, perf, aggregators, first=first))
+                result = asyncio.run(_drive(agent, procs, expected, xdp, cpu, perf, aggregators, first=first,
+                                            stream=getattr(args, "results", "stream") == "stream"))
             finally:
                 procs.close()
+            result["lan_drops"] = lan.drops()
             if xdp is not None:
                 result["kernel_map_bytes"] = kernel_map_bytes() + sum(
                     kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
@@ -311,7 +317,7 @@ def deadline_s(elements: int, workers: int) -> float:
 
 
 async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
-                 aggregators: Any = None, *, first: int) -> dict[str, Any]:
+                 aggregators: Any = None, *, first: int, stream: bool = True) -> dict[str, Any]:
     timeout = deadline_s(agent.layout.sizes[0], len(workers.lan.workers))
     exact = True
     async with asyncio.TaskGroup() as tg:
@@ -332,9 +338,12 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
             cpu.start()
             workers.go()
             for k in range(len(expected)):
+                if stream:   # this LAN alone: each chunk's sum is its result, sent as the chunk completes
+                    agent.stream_results(first + k, total=len(workers.procs))
                 sums = await agent.collect(first + k, timeout=timeout)
                 exact &= bool(np.array_equal(sums[0], expected[k]))
-                await agent.send_results(first + k, sums, total=len(workers.procs))  # this LAN alone
+                if not stream:
+                    await agent.send_results(first + k, sums, total=len(workers.procs))
             await asyncio.to_thread(workers.wait_done, timeout)
             window = cpu.stop(extra=sum(w["cpu"] for w in workers.windows))
             profile = perf.stop() if perf is not None else None
@@ -381,6 +390,9 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
         "timer_events": stats["timer_events"],
         "duplicates": stats["dup"],
         "retransmitted": sum(w["retransmitted"] for w in workers.windows),
+        "streamed_result_chunks": agent.streamed_chunks,
+        "per_worker": {str(w["worker"]): {k: w.get(k, 0) for k in ("retransmitted", "resent_by_nack", "stall_resends",
+                                                                   "queries", "ack_rtt")} for w in workers.windows},
         "resent_by_nack": sum(w.get("resent_by_nack", 0) for w in workers.windows),
         "stall_resends": sum(w.get("stall_resends", 0) for w in workers.windows),
         "queries": sum(w.get("queries", 0) for w in workers.windows),
@@ -564,6 +576,7 @@ def run(args: argparse.Namespace) -> int:
         "mtu": args.mtu if args.mtu is not None else _lan_config(args).edge_mtu,
         "gso": not args.no_gso, "gro": not getattr(args, "no_gro", False),
         "query_nacks": _lan_config(args).edge_query_nacks,
+        "results": getattr(args, "results", "stream"),
     }
     if args.lan_scenario is not None:
         out["lan_scenario"] = {"scenario": args.lan_scenario, "dc": args.dc, "lan_bw_scale": args.lan_bw_scale,

@@ -145,7 +145,9 @@ def planned(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     iterations), aggregation throughput (``wall_gbit``: the workers' float32 gradient bits per second),
     exactness, and the ratios the planners' papers claim: communication time against flat and gloo, and
     throughput against the precision-oblivious assignment. Repeated runs (the same planner and DC) are
-    listed in file order; ratios use their means."""
+    listed in file order; ratios use their means, and each planner's ``gbit_range`` is the lowest and
+    highest run. A run that sent its results after the whole iteration (``"results": "whole"``) is listed
+    as ``<planner> whole``, apart from the streamed runs the ratios compare."""
     table: dict[str, Any] = {}
     for name, doc in docs.items():
         lan = doc.get("lan_scenario")
@@ -155,11 +157,13 @@ def planned(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
         for path in ("userspace", "xdp"):
             r = doc.get(path)
             if r is not None:
-                dc["runs"].setdefault(lan.get("planner") or "configured", []).append({
+                key = (lan.get("planner") or "configured") + (" whole" if doc.get("results") == "whole" else "")
+                dc["runs"].setdefault(key, []).append({
                     "file": name, "path": path, "iteration_s": round(r["wall_seconds"] / doc["iterations"], 4),
                     "aggregation_gbit": round(r["wall_gbit"], 5), "exact": r["exact"],
                     "clusters": lan.get("clusters", {}), "predicted_gbit": lan.get("predicted_gbit"),
                     "retransmitted": r.get("retransmitted"),
+                    "streamed_result_chunks": r.get("streamed_result_chunks"),
                     "host_load_before": doc.get("host", {}).get("load_average_before")})
         if doc.get("gloo") is not None:
             g = doc["gloo"]
@@ -179,7 +183,8 @@ def planned(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             gbit = mean(rows, "aggregation_gbit")
             assert s is not None and gbit is not None
             ratios[planner] = {
-                "iteration_s": round(s, 4), "aggregation_gbit": round(gbit, 5),
+                "iteration_s": round(s, 4), "aggregation_gbit": round(gbit, 5), "runs": len(rows),
+                "gbit_range": [min(r["aggregation_gbit"] for r in rows), max(r["aggregation_gbit"] for r in rows)],
                 "less_time_than_flat": round(1 - s / flat_s, 4) if flat_s else None,
                 "less_time_than_gloo": round(1 - s / gloo_s, 4) if gloo_s else None,
                 "more_throughput_than_oblivious": round(gbit / oblivious - 1, 4) if oblivious else None}

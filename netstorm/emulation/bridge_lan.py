@@ -21,6 +21,7 @@ import os
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from netstorm.emulation import netns, shaping
 from netstorm.emulation.errors import EmulationError
@@ -99,7 +100,7 @@ class Lan:
         for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
             bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
             if self.uplink == "ifb":
-                netns.ip_batch([f"link add {self.uplink_ifb(i)} type ifb", f"link set {self.uplink_ifb(i)} up"],
+                netns.ip_batch(shaping.ifb_device_lines(self.uplink_ifb(i)),
                                namespace=self.bridge, what=f"uplink device of worker {i}")
                 bridge_lines += shaping.ifb_uplink_lines(self.bridge_port(i), self.uplink_ifb(i))
                 bridge_lines += shaping.lan_port_lines(self.uplink_ifb(i), up)
@@ -144,6 +145,18 @@ class Lan:
 
         return lambda group, local: netns.run_in(ns, lambda: group_socket(group, local))
 
+    def drops(self) -> dict[str, Any]:
+        """Where this LAN lost packets so far: each shaped port's queue (``ports``: the bridge's egress toward
+        the gateway ``g`` and each worker ``w<i>``, i.e. their downlinks; ``uplinks``: each worker's own
+        egress, or its ifb) and each namespace's UDP receive-buffer overflows (``udp_rcvbuf``, from its
+        /proc/net/snmp), named by host (``g``, ``w<i>``)."""
+        hosts = {"g": self.gateway, **{f"w{i}": ns for i, ns in enumerate(self.workers)}}
+        ports = {end: shaping.qdisc_drops(self.bridge, end) for end in hosts}
+        uplinks = {f"w{i}": shaping.qdisc_drops(*self.uplink_shaper(i)) for i in range(len(self.workers))}
+        uplinks["g"] = shaping.qdisc_drops(self.gateway, "eth0")
+        udp = {name: netns.run_in(ns, _udp_rcvbuf_errors) for name, ns in hosts.items()}
+        return {"ports": ports, "uplinks": uplinks, "udp_rcvbuf": udp}
+
     def gateway_ifindex(self) -> int:
         return netns.run_in(self.gateway, lambda: socket.if_nametoindex("eth0"))
 
@@ -158,3 +171,10 @@ class Lan:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _udp_rcvbuf_errors() -> int:
+    """RcvbufErrors of UDP in the calling thread's namespace."""
+    lines = [line.split() for line in Path("/proc/thread-self/net/snmp").read_text().splitlines()
+             if line.startswith("Udp:")]
+    return int(dict(zip(lines[0], lines[1], strict=True))["RcvbufErrors"])

@@ -195,7 +195,7 @@ class EmulatedNetwork:
                 bridge += shaping.lan_port_lines(lan.worker_bridge_ends[i], down * scale)
                 if self.lan_uplink == "ifb":
                     ifb = lan.worker_uplink_ifbs[i]
-                    netns.ip_batch([f"link add {ifb} type ifb", f"link set {ifb} up"], namespace=lan.bridge_namespace,
+                    netns.ip_batch(shaping.ifb_device_lines(ifb), namespace=lan.bridge_namespace,
                                    what=f"uplink device of LAN worker {i} in DC {dc}")
                     bridge += shaping.ifb_uplink_lines(lan.worker_bridge_ends[i], ifb)
                     bridge += shaping.lan_port_lines(ifb, up * scale)

@@ -139,6 +139,17 @@ def lan_port_lines(device: str, gbit: float) -> list[str]:
     ]
 
 
+IFB_QUEUE = 1000
+"""Packets an ifb uplink device queues (its HTB leaves' limit): a veth's default, so a worker's uplink
+queues as much in ``ifb`` mode as in ``veth`` mode. An ifb's own default is 32, which a cluster
+aggregator's XDP-forwarded partial sums (no socket, so no back-pressure) overflowed at once."""
+
+
+def ifb_device_lines(ifb: str) -> list[str]:
+    """ip batch lines that create the ifb device ``ifb`` of a worker's uplink, queueing ``IFB_QUEUE``."""
+    return [f"link add {ifb} txqueuelen {IFB_QUEUE} type ifb", f"link set {ifb} up"]
+
+
 def ifb_uplink_lines(port: str, ifb: str) -> list[str]:
     """tc batch lines sending every frame arriving on bridge port ``port`` (the worker's uplink) through
     ``ifb``'s egress first (shape ``ifb`` with ``lan_port_lines``)."""
@@ -192,6 +203,27 @@ def parse_classes(text: str) -> dict[str, HtbClass]:
     return classes
 
 
+def qdisc_drops(namespace: str, device: str) -> int:
+    """Packets ``device``'s root qdisc dropped (HTB counts its leaves' drops there): a shaped port whose
+    queue overflowed."""
+    out = run(["tc", "-n", namespace, "-s", "qdisc", "show", "dev", device], what=f"read the qdisc of {device}")
+    return parse_root_drops(out)
+
+
+def parse_root_drops(text: str) -> int:
+    """``tc -s qdisc show`` output -> the root qdisc's dropped count (0 without a root qdisc)."""
+    root = False
+    for line in text.splitlines():
+        if line.startswith("qdisc "):
+            root = " root " in line
+        elif root:
+            m = _DROPPED_RE.search(line)
+            if m:
+                return int(m.group(1))
+    return 0
+
+
+_DROPPED_RE = re.compile(r"Sent \d+ bytes \d+ pkt \(dropped (\d+)")
 _HEAD_RE = re.compile(r"^class htb (\S+) (?:root|parent (\S+))")
 _SENT_RE = re.compile(r"Sent (\d+) bytes (\d+) pkt")
 _SIZE_UNITS = {"b": 1, "Kb": 1024, "Mb": 1024 * 1024}

@@ -178,6 +178,31 @@ def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int,
     return _assemble(rows, matrix[index].astype("<f4"))
 
 
+def chunk_result_packets(layout: EdgeLayout, *, job: int, iteration: int, seqs: np.ndarray, raw: np.ndarray,
+                         scales: np.ndarray, total: int) -> np.ndarray:
+    """RESULT datagrams of single chunks (``seqs``: sequence numbers over the whole model) straight from their
+    exact int32 sums ``raw`` (one row per chunk) and scales: each lane ``raw * 2**-scale`` rounded once to
+    float32, the value ``result_packets`` of the whole tensor would carry, so a result can leave chunk by
+    chunk as the chunks complete. Lanes past a tensor's end are zero, as there."""
+    if not 0 < total <= 0xFFFFFFFF:
+        raise WireError(f"a RESULT sums at least one worker and at most 2**32-1, got total {total}")
+    seqs = np.asarray(seqs, np.int64)
+    first = np.asarray(layout.first_slot, np.int64)
+    tensor = np.searchsorted(first, seqs, side="right") - 1
+    chunk = seqs - first[tensor]
+    count = np.minimum(layout.lanes, np.asarray(layout.sizes, np.int64)[tensor] - chunk * layout.lanes)
+    rows = header_rows(len(seqs), kind=Kind.RESULT, job=job, worker=0, iteration=iteration)
+    rows["total"] = total
+    rows["tensor"] = tensor
+    rows["chunk"] = chunk
+    rows["slot"] = seqs % layout.num_slots
+    rows["count"] = count
+    rows["need"] = NEED_NONE
+    lanes = (raw[seqs, : layout.lanes].astype(np.float64) * np.exp2(-scales[seqs].astype(np.float64))[:, None])
+    lanes[np.arange(layout.lanes)[None, :] >= count[:, None]] = 0.0
+    return _assemble(rows, lanes.astype("<f4"))
+
+
 def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
     out = np.empty((len(rows), HEADER_BYTES + lanes.dtype.itemsize * lanes.shape[1]), np.uint8)
     out[:, :HEADER_BYTES] = rows.view(np.uint8).reshape(len(rows), HEADER_BYTES)

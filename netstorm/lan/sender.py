@@ -149,6 +149,8 @@ class EdgeSender:
         self.resent_by_nack = 0
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
+        self.primed = 0
+        """Datagrams sent to resolve the path to our cluster's aggregator before the first DATA (``_prime``)."""
         """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
@@ -211,11 +213,22 @@ class EdgeSender:
                                             self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
                                                               keep=False)):
                                         self._deploy(Deployment.decode(data[HEADER_BYTES:]), reply.scale)
+                                        if self.send_to != self.gateway:
+                                            await self._prime(hello)
                                         return reply
                                     self.forged += 1
         except TimeoutError:
             raise EdgeTimeout(f"edge worker {self.worker}: gateway {self.gateway} did not answer HELLO "
                               f"within {timeout} s") from None
+
+    async def _prime(self, datagram: bytes) -> None:
+        """Send one datagram (our HELLO, which an aggregator ignores) to where DATA will go, so the kernel
+        resolves that host's link-layer address now. This worker has never sent to its cluster's
+        aggregator: unresolved, the kernel would hold only ``unres_qlen_bytes`` (about 100 datagrams) of
+        the first window and drop the rest, oldest first, and their recovery cost whole windows of resends
+        on a shaped LAN."""
+        self.primed += 1
+        await udp.sendto(self.sock, datagram, self.send_to)
 
     def _deploy(self, deployment: Deployment, scale: int) -> None:
         self.deployment = deployment
@@ -486,18 +499,21 @@ class EdgeSender:
             forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK)) & ~genuine
             self.forged += int(forged.sum())
             ok &= ~forged
-        self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
+        results = self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
         if flight is not None:
-            self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight)
+            # a chunk's result says it completed as its ACK does (a gateway that streams results sends
+            # them while this worker still sends): either frees the chunk's slot for reuse
+            self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight, also=results)
         if keep.size:
             for row in np.flatnonzero(ok & (kind == Kind.NACK)):
                 self._on_nack(Header.decode(batch.datagram(int(row))), iteration, keep, values, flight)
 
-    def _take_results(self, rows: np.ndarray, out: np.ndarray, missing: np.ndarray) -> None:
+    def _take_results(self, rows: np.ndarray, out: np.ndarray, missing: np.ndarray) -> np.ndarray:
         """Scatter the lanes of RESULT ``rows`` to their chunks' rows of ``out``; a row naming no chunk of
-        the layout, or not exactly its lane count, is dropped."""
+        the layout, or not exactly its lane count, is dropped. Returns the sequence numbers of every chunk a
+        valid RESULT named (new or repeated)."""
         if not rows.size:
-            return
+            return np.zeros(0, np.int64)
         heads = self._batch.headers()
         totals = heads["total"][rows]
         total = self._total or int(totals[0])
@@ -515,19 +531,25 @@ class EdgeSender:
         known &= heads["count"][rows] == np.minimum(layout.lanes, sizes[tensor] - chunk * layout.lanes)
         seq = first[tensor] + chunk
         fresh = known & missing[np.where(known, seq, 0)]
+        named = seq[known]
         rows, seq = rows[fresh], seq[fresh]
         out[seq] = self._batch.lanes("<f4")[rows, : layout.lanes]
         missing[seq] = False
         if rows.size:
             self.downlink.on_results(int(self._batch.lengths[rows].sum()), time.monotonic())
+        return named
 
-    def _take_acks(self, rows: np.ndarray, flight: _Flight) -> None:
-        """Every chunk number the ACK ``rows`` list, to the window at once (with a round-trip sample)."""
-        if not rows.size:
+    def _take_acks(self, rows: np.ndarray, flight: _Flight, *, also: np.ndarray | None = None) -> None:
+        """Every chunk number the ACK ``rows`` list (and ``also``: chunks whose result came), to the window
+        at once (with a round-trip sample)."""
+        if not rows.size and (also is None or not also.size):
             return
-        counts = self._batch.headers()["count"][rows].astype(np.int64)
-        width = int(counts.max())
-        listed = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
+        listed = also if also is not None else np.zeros(0, np.int64)
+        if rows.size:
+            counts = self._batch.headers()["count"][rows].astype(np.int64)
+            width = int(counts.max())
+            acked = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
+            listed = np.concatenate([acked, listed])
         sample = flight.ack(listed[listed < flight.acked.size], time.monotonic())
         if sample is not None:
             self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
