@@ -116,3 +116,22 @@ def test_a_lan_worker_refuses_a_reused_gia_which_the_gateways_wires_do_not_follo
         with pytest.raises(TrainerError, match="fediac_gia_reuse 2 cannot run on the LAN tier"):
             CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10, gia_reuse=2), contributor=1)
         assert CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10), contributor=1).rounds is None
+
+
+def test_after_a_failed_iteration_the_gateway_and_a_worker_restart_the_rounds_alike() -> None:
+    plan, registered = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    gateway = GatewayRounds(plan, 20)
+    names = list(plan.names)
+    result = [np.zeros(registered[n].size, np.float32) for n in names]
+    result[names.index(VOTES)][[1, 2, 5]] = [2, 2, 1]
+    _, values = gateway.released(20, result)
+    assert values.kind is Kind.VALUES
+    following = gateway.failed(21)   # the values round failed: the next iteration votes again
+    assert following is not None and following.kind is Kind.VOTES and gateway.wire_of(22) is following
+    assert plan.restart(values) == following
+    assert gateway.failed(21) is None and gateway.failed(40) is None   # reported twice; never planned
+    again = gateway.failed(22)   # the votes round failed: votes again
+    assert again is not None and again.kind is Kind.VOTES
+    dense_plan, _ = plan_for(CompressionOptions("fediac", k=0.1, bits=0, votes=2))
+    first = dense_plan.first()
+    assert first.kind is Kind.DENSE and dense_plan.restart(first).kind is Kind.DENSE   # b is not derived yet

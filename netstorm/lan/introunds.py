@@ -24,6 +24,11 @@ wire (``RoundPlan.released``) before it sends iteration k's result, which is bef
 k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the wire: the slot pool cycles
 over the GIA-sized work, not over the model. Results go back over the same wire (the lanes past it are
 zeros in every contributor's tensor, hence in the sum).
+
+An iteration that fails (a worker missing, a lost round, a DC timing out) ends at every contributor with a
+typed error and no sums; each ``Rounds`` undoes it (``Rounds.abort``) and the next iteration starts the
+rounds again, so the wire after a failed one is votes (or dense again: ``RoundPlan.restart``), which the
+gateway plans when the node reports the failure (``GatewayRounds.failed``) and each worker derives itself.
 """
 
 from __future__ import annotations
@@ -108,6 +113,12 @@ class RoundPlan:
             counts = np.asarray(result[wire.tensors.index(self._index[VOTES])])
             return self.wire(Kind.VALUES, gia_size(counts, self.threshold))
         return self.wire(Kind.VOTES)
+
+    def restart(self, failed: Wire) -> Wire:
+        """The wire after a failed iteration: every contributor starts the whole iteration again
+        (``Rounds.abort``), so votes, or the dense round again if that was the one that failed (b is not
+        derived yet)."""
+        return self.wire(Kind.DENSE if failed.kind is Kind.DENSE else Kind.VOTES)
 
     def wire(self, kind: Kind, gia: int = 0) -> Wire:
         if kind is Kind.DENSE:
@@ -203,10 +214,25 @@ class GatewayRounds:
         wire = self.wire_of(iteration)
         back = self.plan.restrict(wire, full)
         following = self.plan.following(wire, back)
+        self._planned(iteration, following)
+        return back, following
+
+    def failed(self, iteration: int) -> Wire | None:
+        """Iteration ``iteration`` failed (no result goes back): the next one restarts the rounds
+        (``RoundPlan.restart``), as every contributor's ``Rounds`` does after its ``abort``. None when
+        ``iteration`` has no wire (not a summed iteration of this job) or the next one is planned already
+        (a failure reported twice)."""
+        wire = self.wires.get(iteration)
+        if wire is None or iteration + 1 in self.wires:
+            return None
+        following = self.plan.restart(wire)
+        self._planned(iteration, following)
+        return following
+
+    def _planned(self, iteration: int, following: Wire) -> None:
         self.wires[iteration + 1] = following
         for old in [k for k in self.wires if k < iteration - 4]:
             del self.wires[old]
-        return back, following
 
 
 def layout_order(registered: Mapping[str, np.ndarray]) -> tuple[str, ...]:
