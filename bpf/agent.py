@@ -39,10 +39,11 @@ from bpf.outbox import Outbox
 from bpf.uplinks import UplinkTracker
 from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
+from netstorm.errors import NetStormError
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, WireError
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
@@ -76,6 +77,8 @@ _TENSOR_AT = OFFSETS["tensor"]
 _CHUNK_AT = OFFSETS["chunk"]
 KEEP_MODELS = 8
 """Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
+KEEP_FAILED = 8
+"""Failed iterations remembered, so a worker's PULL or QUERY about one is answered with FAILED."""
 
 
 @dataclass
@@ -96,7 +99,8 @@ class IterationSums:
     integer: bool = False
     """The lanes are exact integers at scale 0 (a compressed job's round, ``netstorm/lan/introunds.py``): an
     overflow fails the iteration (``failure``) instead of re-quantising, which would not be exact."""
-    failure: IntegerOverflow | None = None
+    failure: NetStormError | None = None
+    """Why the iteration ends without sums: an integer overflow, or the node failed it (``EdgeAgent.fail``)."""
 
     def __post_init__(self) -> None:
         self.open = np.ones(self.layout.num_chunks, bool)
@@ -296,6 +300,8 @@ class EdgeAgent:
         """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
         self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
         """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
+        self.failed: dict[int, str] = {}
+        """The newest iterations the node failed (``fail``), and why."""
 
     def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False) -> None:
         """Iteration ``iteration`` travels on ``layout`` instead of the model's (a compressed job's round
@@ -444,6 +450,31 @@ class EdgeAgent:
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
                               "HELLO); the others got their results")
+
+    def fail(self, iteration: int, reason: str = "") -> None:
+        """The node failed ``iteration`` (this LAN's sum was incomplete, or the WAN step failed): no result
+        will come. Its sums, if still being collected, end with ``IterationAborted``; the workers are told
+        with one FAILED datagram (to the group, or a unicast copy each), so they end the iteration at once
+        instead of at their own timeout, and go on with the next one, whose tokens are installed here. A
+        worker that missed the datagram learns it from the answer to its next PULL or QUERY."""
+        self.failed[iteration] = reason
+        for old in sorted(self.failed)[:-KEEP_FAILED]:
+            del self.failed[old]
+        sums = self._open.get(iteration)
+        if sums is not None and not sums.done and sums.failure is None:
+            sums.failure = IterationAborted(f"edge gateway: iteration {iteration} failed at the node"
+                                            f"{': ' + reason if reason else ''}")
+            waiter = self._waiters.get(iteration)
+            if waiter is not None:
+                waiter.set()
+        self.expect(iteration + 1)   # the workers' next DATA
+        notice = control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration)
+        if self.group is not None:
+            self._control(control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration,
+                                         token=self.tokens.group(iteration)), self.group)
+        else:
+            for w, address in self.addresses.items():
+                self._control(self._stamp(notice, w), address)
 
     # ------------------------------------------------------------------ internals
     def _sums(self, iteration: int) -> IterationSums:
@@ -661,16 +692,21 @@ class EdgeAgent:
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
             rows = self._results.get(head.iteration) if head.kind == Kind.PULL else None
-            if head.kind == Kind.PULL and rows is None:
+            failed = head.kind in (Kind.PULL, Kind.QUERY) and head.iteration in self.failed
+            if head.kind == Kind.PULL and rows is None and not failed:
                 return
-            if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
+            if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
+                    and not failed:
                 return
             # HELLO nonces are the sender's choice: their tokens are derived, never cached
             if head.kind in (Kind.HELLO, Kind.PULL, Kind.QUERY) and not self.tokens.valid(
                     Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind != Kind.HELLO):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
-            if head.kind == Kind.HELLO:
+            if failed:   # about an iteration the node failed: the worker missed the FAILED notice
+                notice = control_packet(Kind.FAILED, job=self.job, worker=head.worker, iteration=head.iteration)
+                self._control(self._stamp(notice, head.worker), address)
+            elif head.kind == Kind.HELLO:
                 self._on_hello(head, data, address)
             elif head.kind == Kind.QUERY:
                 self._answer_query(head, data, address)

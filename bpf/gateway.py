@@ -37,10 +37,10 @@ from bpf.agent import EdgeAgent
 from bpf.timer_link import LoaderError
 from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
-from netstorm.errors import ConfigError
+from netstorm.errors import ConfigError, NetStormError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
@@ -135,7 +135,7 @@ class GatewayRole:
         self._xdp: object | None = None
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
-        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout | IntegerOverflow]] = {}
+        self._lan: dict[int, asyncio.Task[list[np.ndarray] | NetStormError]] = {}
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
         self.plan: LanPlan | None = None
@@ -319,17 +319,18 @@ class GatewayRole:
             for old in [k for k in self._lan if k < iteration - 2]:
                 del self._lan[old]
         sums = await asyncio.shield(task)
-        if isinstance(sums, (EdgeTimeout, IntegerOverflow)):
+        if isinstance(sums, NetStormError):
             raise type(sums)(str(sums))   # fails this iteration's contribution, not the node
         lan = sums[key]
         return lan if values is None else np.asarray(values, np.float32) + lan
 
-    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout | IntegerOverflow:
-        """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
+    async def _collect(self, iteration: int) -> list[np.ndarray] | NetStormError:
+        """The LAN sums, or why there are none: the timeout naming the missing workers, an integer overflow,
+        or the node failed the iteration meanwhile (kept out of the role's TaskGroup)."""
         assert self.agent is not None
         try:
             sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
-        except (EdgeTimeout, IntegerOverflow) as exc:
+        except (EdgeTimeout, WireError, IterationAborted) as exc:
             log.error("edge: %s", exc)
             return exc
         self._measured(iteration)
@@ -369,6 +370,26 @@ class GatewayRole:
             self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:
             log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
+
+    def failed(self, iteration: int) -> None:
+        """The node failed ``iteration`` (its LAN sum did not come, or the WAN step failed): no result goes
+        back. A compressed job's next wire restarts the rounds (``GatewayRounds.failed``), planned before
+        the workers hear of the failure; then the agent tells them (``EdgeAgent.fail``), so each ends the
+        iteration at once and sends the next one on that wire. Reported once per iteration; repeats and
+        iterations before the LAN tier's first summed one are ignored."""
+        if self.agent is None or self.init_iteration is None or iteration <= self.init_iteration:
+            return
+        if iteration in self.agent.failed:
+            return
+        if self._compression is not None and self.rounds is not None:
+            following = self.rounds.failed(iteration)
+            if following is not None:
+                self.agent.plan(iteration + 1, following.layout, integer=following.integer)
+                self._wired.set()
+                self._wired = asyncio.Event()
+        log.warning("edge: iteration %d failed at the node; the LAN workers are told and go on with %d",
+                    iteration, iteration + 1)
+        self.agent.fail(iteration)
 
     async def _broadcast(self) -> None:
         assert self.agent is not None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +18,8 @@ import pytest
 
 from netstorm.compression.options import VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Rounds
-from netstorm.lan.errors import IntegerOverflow
+from netstorm.errors import NetStormError
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted
 from netstorm.lan.header import Precision
 from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size, layout_order
 from netstorm.lan.layout import EdgeLayout
@@ -68,8 +69,21 @@ def flat(tensors: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
                                                          else np.float64) for n in names]
 
 
+async def outcome(push: Awaitable[dict[str, np.ndarray]]) -> dict[str, np.ndarray] | NetStormError:
+    """A LAN worker's push_pull, its typed error returned rather than raised (a task that raised would end
+    the harness's TaskGroup)."""
+    try:
+        return await push
+    except NetStormError as exc:
+        return exc
+
+
 async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
-                     bits: int = 10) -> dict[str, Any]:
+                     bits: int = 10, fail: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``fail``: (step, round) in which LAN worker 0's uplink fails for the whole round (its DATA never
+    leaves): the gateway's collect times out, the harness fails the iteration as the node would
+    (``GatewayRounds.failed``, ``EdgeAgent.fail``), every contributor must end that step with a typed error
+    and undo it, and the later steps must still be exact."""
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -106,7 +120,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
             trainer.start(contributors, 0)
             plan = RoundPlan(registered, options, lanes=LANES, pool=layout.num_slots, scale=16,
                              contributors=contributors)
-            checked: dict[str, int] = {"votes": 0, "values": 0}
+            checked: dict[str, int] = {"votes": 0, "values": 0, "aborted": 0}
             gias: list[int] = []
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(agent.run())
@@ -122,16 +136,31 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                     for task in inits:
                         await task
                     iteration = first + 1
-                    for _ in range(iterations):
+                    for step_no in range(iterations):
                         grads = [{n: rng.standard_normal(s).astype(np.float32) for n, s in MODEL.items()}
                                  for _ in range(contributors)]
-                        pushes = [tg.create_task(c.push_pull(grads[1 + i])) for i, c in enumerate(clients)]
+                        failing = fail is not None and fail[0] == step_no
+                        if fail is not None and failing:
+                            clients[0].sender.silent = frozenset({iteration + fail[1]})
+                        pushes = [tg.create_task(outcome(c.push_pull(grads[1 + i]))) for i, c in enumerate(clients)]
                         steps = [trainer.iteration(grads[0])] + [r.iteration(grads[1 + i])
                                                                  for i, r in enumerate(reference)]
                         sent = [next(s) for s in steps]
                         decoded: list[dict[str, np.ndarray]] = []
                         while True:
                             wire = gateway.wire_of(iteration)
+                            if failing and iteration in clients[0].sender.silent:
+                                with pytest.raises(EdgeTimeout, match="missing"):
+                                    await agent.collect(iteration, timeout=2)
+                                # what the node does: the next iteration restarts the rounds, the LAN is told
+                                restart = gateway.failed(iteration)
+                                assert restart is not None and restart.kind is Kind.VOTES
+                                agent.plan(iteration + 1, restart.layout, integer=restart.integer)
+                                agent.fail(iteration)
+                                iteration += 1
+                                for core in [trainer, *reference]:
+                                    core.abort()
+                                break
                             lan_sums = await agent.collect(iteration, timeout=30)
                             lan_full = gateway.contribution(iteration, lan_sums)
                             mine = flat(sent[0], names)
@@ -161,8 +190,15 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                                 assert following.gia == g and following.layout.sizes == (max(1, g),)
                                 gias.append(g)
                             sent = nexts
+                        if failing:
+                            # every LAN worker (the silent one too) ends the step with the gateway's word
+                            for task in pushes:
+                                assert isinstance(await task, IterationAborted)
+                            checked["aborted"] += 1
+                            continue
                         for i, task in enumerate(pushes):
                             got = await task
+                            assert isinstance(got, dict), got
                             for name in MODEL:
                                 assert np.array_equal(got[name], decoded[1 + i][name]), name
                                 assert np.array_equal(got[name], decoded[0][name]), name
@@ -201,6 +237,21 @@ def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: s
     assert out["dropped"] > 0 and out["retransmitted"] > 0
     # the aggregator completed the rounds' slots itself (the kernel's counters on the XDP path)
     assert out["stats"]["complete"] >= 3 * (4 + 3 + 1)
+
+
+@pytest.mark.parametrize("fail_round", [0, 1], ids=["votes", "values"])
+def test_a_failed_round_ends_everywhere_with_a_typed_error_and_later_steps_are_exact(
+        mode: str, fail_round: int, request: pytest.FixtureRequest) -> None:
+    """Worker 0's uplink fails for a whole round of step 1: the gateway's collect names it missing, the
+    iteration is failed as the node fails it, every LAN worker ends the step with ``IterationAborted`` (the
+    gateway's FAILED notice, not its own 30 s timeout), every contributor undoes the step, and steps 2 and 3
+    run on the restarted wires with every round's integer sums exact against numpy, the same GIA and the
+    same decoded sum at every contributor as a reference run that also undid step 1."""
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_fediac(mode, xdp, workers=2, iterations=4, fail=(1, fail_round)))
+    assert out["aborted"] == 1
+    assert out["votes"] == 3 + fail_round and out["values"] == 3
+    assert all(0 < g < 1237 for g in out["gia"])
 
 
 async def run_overflow(mode: str, xdp_program: Any) -> dict[str, int]:

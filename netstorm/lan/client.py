@@ -21,8 +21,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.errors import (
+    IterationError,
+    NodeGone,
+    TrainerError,
+    TrainerTimeout,
+    UnknownTensor,
+    WrongDtype,
+    WrongShape,
+)
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
@@ -149,6 +157,9 @@ class AsyncEdgeClient:
         iteration = self.iteration + 1
         try:
             flat, total = await self._worker.push_pull(iteration, values, timeout=self.timeout)
+        except IterationAborted as exc:
+            self.iteration = iteration   # failed at the gateway's node: the next push is the one after it
+            raise IterationError(str(exc)) from None
         except EdgeTimeout as exc:
             raise TrainerTimeout(str(exc)) from None
         except WireError as exc:

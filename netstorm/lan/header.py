@@ -119,6 +119,9 @@ class Kind(enum.IntEnum):
     """agent -> every worker (one multicast datagram): these chunks' slots completed, send what reuses them."""
     QUERY = 8
     """worker -> agent: which of these chunks (u32 sequence numbers) completed? Answered by a unicast ACK."""
+    FAILED = 9
+    """agent -> every worker (one multicast datagram; unicast in answer to a PULL or QUERY): the node failed
+    ``iteration``, no result will come; the workers end it with a typed error and go on with the next."""
 
 
 class Precision(enum.IntEnum):

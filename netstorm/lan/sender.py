@@ -21,8 +21,11 @@ those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops
 NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
 Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
+An iteration the gateway's node failed ends here with ``IterationAborted`` as soon as the gateway's FAILED
+datagram for it arrives (multicast when it fails, or the answer to a PULL or QUERY), not at the timeout.
+
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
-NACK, ACK and the HELLO answer only with the gateway's token for it or for the group
+NACK, ACK, FAILED and the HELLO answer only with the gateway's token for it or for the group
 (netstorm/lan/tokens.py): a datagram forged by anyone without the secret changes nothing it receives."""
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ import numpy as np
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import (
     HEADER_BYTES,
     HEADER_DTYPE,
@@ -145,6 +148,10 @@ class EdgeSender:
         """Ask about a suspected chunk (and resend on the gateway's NACK) before resending it (deployment)."""
         self.drop: frozenset[int] = frozenset()
         """Sequence numbers whose first transmission is dropped on purpose (deterministic loss injection)."""
+        self.silent: frozenset[int] = frozenset()
+        """Iterations none of whose DATA leaves, resends included (fault injection: a worker whose uplink
+        fails for a whole iteration; it still asks, PULLs and receives)."""
+        self._muted = False
         self.resent_by_nack = 0
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
@@ -234,6 +241,7 @@ class EdgeSender:
         """Contribute ``tensors`` to ``iteration``; the result the gateway sends back, and how many workers'
         gradients it sums (0 from a gateway that does not say)."""
         self._total = 0
+        self._muted = iteration in self.silent
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
@@ -305,6 +313,9 @@ class EdgeSender:
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
+        if self._muted:
+            self.dropped += int(index.size)
+            return
         if first and self.drop:
             keep = ~np.isin(index, np.fromiter(self.drop, np.int64, len(self.drop)))
             self.dropped += int(index.size - keep.sum())
@@ -466,9 +477,13 @@ class EdgeSender:
             tokens = heads["token"]
             genuine = (tokens == np.uint64(self.tokens.gateway(self.worker, iteration))) | \
                 (tokens == np.uint64(self.tokens.group(iteration)))
-            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK)) & ~genuine
+            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK) |
+                           (kind == Kind.FAILED)) & ~genuine
             self.forged += int(forged.sum())
             ok &= ~forged
+        if np.any(ok & (kind == Kind.FAILED)):
+            raise IterationAborted(f"edge worker {self.worker}: iteration {iteration} failed (the gateway says so): "
+                                   f"no result will come")
         self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
         if flight is not None:
             self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight)
@@ -548,6 +563,9 @@ class EdgeSender:
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
+        if self._muted:
+            self.dropped += len(queued)
+            return
         for datagram in queued:
             await udp.sendto(self.sock, datagram, self.send_to)
 
