@@ -192,12 +192,12 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             sent = nexts
                         if failing:
                             # every LAN worker (the silent one too) ends the step with the gateway's word
-                            for task in pushes:
-                                assert isinstance(await task, IterationAborted)
+                            for push in pushes:
+                                assert isinstance(await push, IterationAborted)
                             checked["aborted"] += 1
                             continue
-                        for i, task in enumerate(pushes):
-                            got = await task
+                        for i, push in enumerate(pushes):
+                            got = await push
                             assert isinstance(got, dict), got
                             for name in MODEL:
                                 assert np.array_equal(got[name], decoded[1 + i][name]), name
