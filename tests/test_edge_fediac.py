@@ -3,7 +3,10 @@ same ``Rounds`` as the gateway's trainer, push votes, the scale one-hot and b-bi
 lanes on per-round wires (the values only up to the GIA's size), and the DC's sum (the LAN's plus the
 gateway trainer's) equals the numpy sum of every contributor's tensors exactly, under loss; every worker
 ends each iteration with the same GIA and the same decoded sum as a reference run of the same contributors.
-An integer sum beyond int32 is flagged by the aggregator and fails the iteration instead of being rescaled."""
+A contributor whose integers outgrow the round's int8 lanes sends on wider ones and the sum stays exact; an
+integer sum beyond int32 is flagged by the aggregator and fails the iteration instead of being rescaled; a
+round that fails (a worker's uplink lost for it) ends at every contributor with a typed error, and the
+later rounds are exact again."""
 
 from __future__ import annotations
 
@@ -304,3 +307,74 @@ def test_integer_overflow_is_flagged_and_fails_the_iteration(mode: str, request:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
     stats = asyncio.run(run_overflow(mode, xdp))
     assert stats["overflow"] > 0   # flagged by the aggregator's own check, as on the fixed-point path
+
+
+async def run_widening(mode: str, xdp_program: Any) -> dict[str, Any]:
+    """Three LAN workers push one integer round on an int8 wire at scale 0; worker 1's integers reach 1500
+    and worker 2's 100000, past what int8 lanes carry: each of those pushes goes wider (fp16, int32 lanes)
+    while worker 0's stays int8, the slots add the mix, and the sum is numpy's exactly."""
+    from bpf.agent import EdgeAgent
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    layout = full_layout()
+    wire = EdgeLayout((2 * LANES + 10, 20), (0, 0), lanes=LANES, pool=POOL)
+    rng = np.random.default_rng(77)
+    peaks = (100, 1500, 100_000)
+    values = [[rng.integers(-p, p + 1, size).astype(np.float32) for size in wire.sizes] for p in peaks]
+    for w, p in zip(values, peaks, strict=True):
+        w[0][5] = p   # each worker's peak is reached
+    want = [np.sum([w[t].astype(np.int64) for w in values], axis=0) for t in range(len(wire.sizes))]
+    with Lan(3) as lan:
+        xdp = None
+        before: dict[str, int] = {}
+        if mode == "xdp":
+            xdp = xdp_program
+            before = xdp.stats()   # the module's program: its counters hold the other tests' runs too
+            xdp.configure(job=JOB, port=PORT, expected=0b111, timeout=0.1, max_nacks=20)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        try:
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), layout, workers=3, job=JOB,
+                              mode=mode, xdp=xdp, slot_timeout=0.1, retransmit=0.05)
+            senders = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i,
+                                  layout=layout, job=JOB) for i, ns in enumerate(lan.workers)]
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    await asyncio.gather(*(s.hello(timeout=10) for s in senders))
+                    iteration = next(_iterations)
+                    agent.plan(iteration, wire, integer=True)
+                    for s in senders:
+                        s.layout, s.precision, s.integers = wire, Precision.INT8, True
+                    pushes = [tg.create_task(s.push_pull(iteration, values[i], timeout=20))
+                              for i, s in enumerate(senders)]
+                    sums = await agent.collect(iteration, timeout=20)
+                    for got, exact in zip(sums, want, strict=True):
+                        assert np.array_equal(got.astype(np.int64), exact)
+                    await agent.send_results(iteration, sums, total=3)
+                    for task in pushes:
+                        back, total = await task
+                        assert total == 3
+                        for got, exact in zip(back, want, strict=True):
+                            assert np.array_equal(got.astype(np.int64), exact)
+                finally:
+                    for s in senders:
+                        s.close()
+                    agent.close()
+                    await serving
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            return {"widened": [s.widened for s in senders],
+                    "stats": {k: v - before.get(k, 0) for k, v in stats.items()}}
+        finally:
+            if xdp is not None:
+                xdp.detach()
+
+
+def test_integers_past_the_narrow_lane_go_wider_and_the_sum_stays_exact(mode: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_widening(mode, xdp))
+    assert out["widened"] == [0, 1, 1]   # the overflow of int8 lanes, recovered and counted
+    assert out["stats"]["overflow"] == 0 and out["stats"]["complete"] >= 4

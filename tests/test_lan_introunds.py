@@ -135,3 +135,26 @@ def test_after_a_failed_iteration_the_gateway_and_a_worker_restart_the_rounds_al
     dense_plan, _ = plan_for(CompressionOptions("fediac", k=0.1, bits=0, votes=2))
     first = dense_plan.first()
     assert first.kind is Kind.DENSE and dense_plan.restart(first).kind is Kind.DENSE   # b is not derived yet
+
+
+def test_an_integer_push_goes_on_the_narrowest_lane_that_holds_it_exactly() -> None:
+    from netstorm.lan.header import Precision
+    from netstorm.lan.precision import decode_lanes, encode_lanes, int8_scales, integer_precision
+
+    def exact(values: np.ndarray, precision: Precision) -> bool:
+        matrix = values.astype(np.float64)[None, :]
+        wscales = int8_scales(matrix) if precision == Precision.INT8 else np.zeros(1, np.int64)
+        return bool(np.array_equal(decode_lanes(encode_lanes(matrix, precision, wscales), precision, wscales)[0],
+                                   matrix[0]))
+
+    for peak, want in [(1, Precision.INT8), (127, Precision.INT8), (128, Precision.FP16), (2048, Precision.FP16),
+                       (2049, Precision.FIXED32), (2**24, Precision.FIXED32)]:
+        values = np.arange(-peak, peak + 1, max(1, peak // 500), dtype=np.float32)
+        values[-1] = peak
+        got = integer_precision([np.zeros(3, np.float32), values], Precision.INT8)
+        assert got is want, (peak, got)
+        # the chosen lane carries every integer exactly, and the narrower one would not have
+        assert got is Precision.FIXED32 or exact(values, got)
+        if got is not Precision.INT8:
+            assert not exact(values, Precision.INT8 if got is Precision.FP16 else Precision.FP16)
+    assert integer_precision([np.full(4, 9e6, np.float32)], Precision.FIXED32) is Precision.FIXED32

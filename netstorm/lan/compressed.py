@@ -112,6 +112,7 @@ class CompressedEdgeWorker:
                 lanes = plan.lanes_of(wire, action.tensors)
                 self.sender.layout = wire.layout
                 self.sender.precision = wire.precision
+                self.sender.integers = wire.integer
                 started = time.perf_counter()
                 back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
                 seconds = time.perf_counter() - started

@@ -12,9 +12,16 @@ travel, and each round has its own ``EdgeLayout`` (its *wire*):
   index order, so every contributor's j-th value is the same coordinate).
 
 Integer tensors travel at scale 0: the int32 lane is the integer itself, which the XDP program (and the
-userspace fallback) sums like any int32 lane, exactly; a sum outside int32 is flagged OVERFLOW by the same
-code as the fixed-point path (the paper's scale rules it out), and the gateway fails the iteration then
-(``IntegerOverflow``) instead of re-quantising, which would no longer be exact.
+userspace fallback) sums like any int32 lane, exactly. Overflow is handled where it can happen. A round
+travels on int8 lanes where the paper's scale bounds every contributor's integer by 127; the aggregator
+widens every datagram to int32 before adding, at both levels, so no narrow *sum* can overflow; what can is a
+contributor's own integer outgrowing the narrow lane, which that contributor sees before sending, so its
+push goes wider (fp16 up to 2048, else int32 lanes), counted as ``EdgeSender.widened``, and the slot adds
+the mix of precisions exactly. The fixed-point path needs a RESCALE round trip because a slot's scale must
+be common to its contributors; a precision need not be, so no round trip is needed, and rescaling would
+make integers inexact anyway. An int32 sum cannot overflow either (integers are at most 2**24 and a LAN
+has at most 64 workers); were it flagged, the gateway fails the iteration (``IntegerOverflow``) and the
+job recovers as from any failed iteration, below.
 
 Nobody sends a lane past a wire's extent, and nobody needs to: every party derives the same wire for every
 iteration. The first summed iteration is dense (b derived) or votes; votes and values alternate; g is the
@@ -46,7 +53,6 @@ from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.layout import Layout, TensorSpec
 
-INT8_MAX = 127
 EXACT_LANE = 2**24
 """Largest integer a LAN worker's lanes carry exactly: the worker hands its lanes over as float32. Rounds'
 integers stay far below it (a vote is 0 or 1, a b-bit value at most 2**23 with b <= 24)."""
@@ -75,7 +81,9 @@ class Wire:
     precision: Precision = Precision.FIXED32
     """How the lanes travel: INT8 where every contributor's integer fits -127..127 (a vote, the scale
     one-hot, values of b <= 8 bits), a quarter of the bytes; the aggregator widens them to int32 exactly
-    (an integer x travels as x * 2**w and is shifted back), so the sums are the same."""
+    (an integer x travels as x * 2**w and is shifted back), so the sums are the same. It is the narrowest
+    lane of the round: a contributor whose own integers outgrew it sends its push wider (fp16, else int32
+    lanes; ``precision.integer_precision``), and the slot adds the mix exactly."""
 
 
 class RoundPlan:
@@ -158,10 +166,9 @@ class RoundPlan:
             if t not in on_wire:
                 continue
             part = flat[:extent]
-            bound = INT8_MAX if wire.precision == Precision.INT8 else EXACT_LANE
-            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > bound:
-                raise WireError(f"tensor {name!r}: an integer beyond {bound}, not exact in its "
-                                f"{wire.precision.name} lane")
+            # beyond a narrow wire's range the sender widens the push; past 2**24 nothing carries it exactly
+            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > EXACT_LANE:
+                raise WireError(f"tensor {name!r}: an integer beyond {EXACT_LANE}, not exact in a LAN lane")
             lane = np.zeros(extent, np.float32)
             lane[:part.size] = part
             out.append(lane)

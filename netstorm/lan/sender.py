@@ -56,6 +56,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
+from netstorm.lan.precision import integer_precision
 from netstorm.lan.tokens import LanTokens, Sender
 
 Address = tuple[str, int]
@@ -131,6 +132,12 @@ class EdgeSender:
         self.retransmitted = 0
         self.dropped = 0
         self.rescaled = 0
+        self.integers = False
+        """The lanes are exact integers at scale 0 (a compressed job's round): a push whose integers do not
+        all fit ``precision`` goes on the narrowest lane that holds them (``precision.integer_precision``)."""
+        self.widened = 0
+        """Pushes of integers sent on wider lanes than ``precision``: each an overflow of the narrow lane
+        avoided before it was sent, not found by the aggregator (which widens every lane to int32 anyway)."""
         self.queries = 0
         self.pulls = 0
         """PULL datagrams sent for result chunks that did not arrive."""
@@ -244,8 +251,12 @@ class EdgeSender:
         self._muted = iteration in self.silent
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
+        precision = self.precision
+        if self.integers and precision != Precision.FIXED32:
+            precision = integer_precision(values, precision)
+            self.widened += precision != self.precision
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
-                              values=v, token=token, precision=self.precision) for t, v in enumerate(values)]
+                              values=v, token=token, precision=precision) for t, v in enumerate(values)]
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         flight = _Flight(len(rows), self.layout.num_slots)
         out = self._result_matrix()
