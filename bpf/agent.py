@@ -6,8 +6,9 @@ recovers overflow by re-quantisation, and hands results back to the workers.
 AGG datagrams and ring-buffer reports reach the agent; in "userspace" mode the agent feeds DATA to
 ``UserspaceAggregator`` itself. Both modes speak the same wire format to the same workers. Every
 completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
-group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
-ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
+group, so the workers' pool windows move); results go to the group once, or, for an iteration the node
+failed (``fail``), a FAILED notice; a QUERY is answered with the ACKs a worker missed; the HELLO answer
+carries the worker's deployment (``netstorm/lan/deploy.py``).
 Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
 ``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
 also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink.

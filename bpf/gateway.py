@@ -5,7 +5,9 @@ The node calls ``combine(iteration, key, values)`` while its own trainer contrib
 (that is how the gateway's own trainer is included: explicitly, since its packets to its own address
 would never cross the NIC's XDP hook), and ``released(iteration, result, workers)`` once the iteration's
 result has been read; ``workers`` (how many workers' gradients the result sums, over every DC) goes to the
-LAN workers with it, so they can average exactly as a trainer at a node does. The first iteration (the
+LAN workers with it, so they can average exactly as a trainer at a node does; ``failed(iteration)`` when
+the node failed it instead (the LAN workers are told, and a compressed job's rounds restart on the next
+iteration's wire). The first iteration (the
 trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
 workers' ``init`` returns.
 
