@@ -87,8 +87,10 @@ class _Residual:
         return Checkpoint(dataclasses.replace(self.state), None if rng is None else dict(rng.bit_generator.state))
 
     def rollback(self, checkpoint: Checkpoint) -> None:
-        """Undo everything since ``checkpoint``: the iteration it preceded failed before its decode."""
-        self.state = dataclasses.replace(checkpoint.state)
+        """Undo everything since ``checkpoint``: the iteration it preceded failed before its decode. The
+        state is restored in place: a caller that keeps states per tensor (DDP's buckets) holds this one."""
+        for f in dataclasses.fields(CodecState):
+            setattr(self.state, f.name, getattr(checkpoint.state, f.name))
         rng = self._generator()
         if rng is not None and checkpoint.rng is not None:
             rng.bit_generator.state = checkpoint.rng
