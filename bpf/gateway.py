@@ -30,6 +30,7 @@ import dataclasses
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -157,6 +158,9 @@ class GatewayRole:
         self.rounds: GatewayRounds | None = None
         """A compressed job's wires, one per iteration (planned as each result is released)."""
         self._wired = asyncio.Event()
+        self._released: deque[int] = deque(maxlen=8)
+        """The newest iterations whose results went back: a failure reported for one of them is ignored
+        (its workers have, or can PULL, the result)."""
 
     def announce(self, node_id: int, t: float = 0.0) -> LanReport | None:
         """The ``LanReport`` describing this gateway's LAN (None without a description)."""
@@ -360,6 +364,7 @@ class GatewayRole:
         """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes
         back to the LAN workers. A compressed job's next wire is planned here, before the result (which
         its workers answer with that iteration's datagrams) leaves."""
+        self._released.append(iteration)
         if self._compression is not None and self.agent is not None:
             if iteration == self.init_iteration:
                 self._plan_rounds(iteration, workers)
@@ -381,7 +386,7 @@ class GatewayRole:
         iterations before the LAN tier's first summed one are ignored."""
         if self.agent is None or self.init_iteration is None or iteration <= self.init_iteration:
             return
-        if iteration in self.agent.failed:
+        if iteration in self.agent.failed or iteration in self._released:
             return
         if self._compression is not None and self.rounds is not None:
             following = self.rounds.failed(iteration)

@@ -158,3 +158,36 @@ def test_an_integer_push_goes_on_the_narrowest_lane_that_holds_it_exactly() -> N
         if got is not Precision.INT8:
             assert not exact(values, Precision.INT8 if got is Precision.FP16 else Precision.FP16)
     assert integer_precision([np.full(4, 9e6, np.float32)], Precision.FIXED32) is Precision.FIXED32
+
+
+def test_the_gateway_role_plans_the_restart_before_it_tells_the_workers_and_only_once() -> None:
+    from bpf.gateway import EdgeOptions, GatewayRole
+
+    calls: list[tuple[str, int, Kind | None]] = []
+
+    class Agent:   # what the role drives of the EdgeAgent
+        def __init__(self) -> None:
+            self.failed: dict[int, str] = {}
+
+        def plan(self, iteration: int, layout: object, *, integer: bool = False) -> None:
+            calls.append(("plan", iteration, gateway.wire_of(iteration).kind))
+
+        def fail(self, iteration: int) -> None:
+            calls.append(("fail", iteration, None))
+            self.failed[iteration] = ""
+
+    plan, registered = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    role = GatewayRole(EdgeOptions(workers=2, listen=("127.0.0.1", 0), mode="userspace"), iteration_timeout=1.0)
+    gateway = GatewayRounds(plan, 6)
+    role.agent, role.rounds, role.init_iteration = Agent(), gateway, 5   # type: ignore[assignment]
+    role._compression = (None, plan.options)   # type: ignore[assignment]
+    names = list(plan.names)
+    result = [np.zeros(registered[n].size, np.float32) for n in names]
+    result[names.index(VOTES)][[1, 2]] = [2, 2]
+    role.released(6, plan.expand(gateway.wire_of(6), plan.restrict(gateway.wire_of(6), result)), 3)
+    calls.clear()
+    role.failed(6)   # its result went back already: nothing to undo
+    role.failed(7)   # the values round failed: votes next, planned, then the workers are told
+    role.failed(7)   # reported again
+    role.failed(4)   # before the LAN tier's first summed iteration
+    assert calls == [("plan", 8, Kind.VOTES), ("fail", 7, None)]
