@@ -469,13 +469,13 @@ class EdgeAgent:
             if waiter is not None:
                 waiter.set()
         self.expect(iteration + 1)   # the workers' next DATA
-        notice = control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration)
         if self.group is not None:
             self._control(control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration,
                                          token=self.tokens.group(iteration)), self.group)
-        else:
-            for w, address in self.addresses.items():
-                self._control(self._stamp(notice, w), address)
+            return
+        notice = control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration)
+        for w, address in self.addresses.items():
+            self._control(self._stamp(notice, w), address)
 
     # ------------------------------------------------------------------ internals
     def _sums(self, iteration: int) -> IterationSums:
