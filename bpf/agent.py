@@ -7,8 +7,9 @@ AGG datagrams and ring-buffer reports reach the agent (the program also times ea
 of DATA, read back per iteration); in "userspace" mode the agent feeds DATA to ``UserspaceAggregator``
 itself. Both modes speak the same wire format to the same workers. Every
 completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
-group, so the workers' pool windows move); results go to the group once; a QUERY is answered with the
-ACKs a worker missed; the HELLO answer carries the worker's deployment (``netstorm/lan/deploy.py``).
+group, so the workers' pool windows move); results go to the group once, or, for an iteration the node
+failed (``fail``), a FAILED notice; a QUERY is answered with the ACKs a worker missed; the HELLO answer
+carries the worker's deployment (``netstorm/lan/deploy.py``).
 Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
 ``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
 also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink (in xdp mode the
@@ -41,11 +42,12 @@ from bpf.outbox import Outbox
 from bpf.uplinks import UplinkTracker
 from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
+from netstorm.errors import NetStormError
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.downlink import DownlinkReports, parse_report
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, WireError
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted, WireError
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
@@ -79,6 +81,8 @@ _TENSOR_AT = OFFSETS["tensor"]
 _CHUNK_AT = OFFSETS["chunk"]
 KEEP_MODELS = 8
 """Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
+KEEP_FAILED = 8
+"""Failed iterations remembered, so a worker's PULL or QUERY about one is answered with FAILED."""
 
 
 @dataclass
@@ -99,7 +103,8 @@ class IterationSums:
     integer: bool = False
     """The lanes are exact integers at scale 0 (a compressed job's round, ``netstorm/lan/introunds.py``): an
     overflow fails the iteration (``failure``) instead of re-quantising, which would not be exact."""
-    failure: IntegerOverflow | None = None
+    failure: NetStormError | None = None
+    """Why the iteration ends without sums: an integer overflow, or the node failed it (``EdgeAgent.fail``)."""
     on_complete: Callable[[np.ndarray], None] | None = None
     """Called with the sequence numbers of the chunks each aggregate (or batch of them) completed, as they
     complete: how a result can leave chunk by chunk (``EdgeAgent.stream_results``)."""
@@ -328,6 +333,8 @@ class EdgeAgent:
         """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
         self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
         """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
+        self.failed: dict[int, str] = {}
+        """The newest iterations the node failed (``fail``), and why."""
 
     def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False) -> None:
         """Iteration ``iteration`` travels on ``layout`` instead of the model's (a compressed job's round
@@ -554,6 +561,32 @@ class EdgeAgent:
             return stream.rows[index: index + 1]
         return None
 
+    def fail(self, iteration: int, reason: str = "") -> None:
+        """The node failed ``iteration`` (this LAN's sum was incomplete, or the WAN step failed): no result
+        will come. Its sums, if still being collected, end with ``IterationAborted``; the workers are told
+        with one FAILED datagram (to the group, or a unicast copy each), so they end the iteration at once
+        instead of at their own timeout, and go on with the next one, whose tokens are installed here. A
+        worker that missed the datagram learns it from the answer to its next PULL or QUERY."""
+        self.failed[iteration] = reason
+        for old in sorted(self.failed)[:-KEEP_FAILED]:
+            del self.failed[old]
+        sums = self._open.get(iteration)
+        if sums is not None and not sums.done and sums.failure is None:
+            sums.failure = IterationAborted(f"edge gateway: iteration {iteration} failed at the node"
+                                            f"{': ' + reason if reason else ''}")
+            waiter = self._waiters.get(iteration)
+            if waiter is not None:
+                waiter.set()
+        self.expect(iteration + 1)   # the workers' next DATA
+        if self.group is not None:
+            self._control(control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration,
+                                         token=self.tokens.group(iteration)), self.group)
+            return
+        notice = control_packet(Kind.FAILED, job=self.job, worker=0, iteration=iteration)
+        for w, address in self.addresses.items():
+            self._control(self._stamp(notice, w), address)
+
+    # ------------------------------------------------------------------ internals
     def _sums(self, iteration: int) -> IterationSums:
         sums = self._open.get(iteration)
         if sums is None:
@@ -768,13 +801,15 @@ class EdgeAgent:
                 raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
                                 f"0..{self.workers - 1}")
             # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
+            failed = head.kind in (Kind.PULL, Kind.QUERY) and head.iteration in self.failed
             row = None
-            if head.kind == Kind.PULL:
+            if head.kind == Kind.PULL and not failed:
                 with contextlib.suppress(WireError):
                     row = self._result_row(head.iteration, self.layout_of(head.iteration).seq(head.tensor, head.chunk))
                 if row is None:
                     return
-            if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished:
+            if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
+                    and not failed:
                 return
             if head.kind == Kind.REPORT and head.iteration not in self._finished:
                 return
@@ -783,7 +818,10 @@ class EdgeAgent:
                     Sender.WORKER, head.worker, head.iteration, head.token, keep=head.kind != Kind.HELLO):
                 self.forged += 1
                 raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
-            if head.kind == Kind.HELLO:
+            if failed:   # about an iteration the node failed: the worker missed the FAILED notice
+                notice = control_packet(Kind.FAILED, job=self.job, worker=head.worker, iteration=head.iteration)
+                self._control(self._stamp(notice, head.worker), address)
+            elif head.kind == Kind.HELLO:
                 self._on_hello(head, data, address)
             elif head.kind == Kind.QUERY:
                 self._answer_query(head, data, address)

@@ -5,7 +5,9 @@ The node calls ``combine(iteration, key, values)`` while its own trainer contrib
 (that is how the gateway's own trainer is included: explicitly, since its packets to its own address
 would never cross the NIC's XDP hook), and ``released(iteration, result, workers)`` once the iteration's
 result has been read; ``workers`` (how many workers' gradients the result sums, over every DC) goes to the
-LAN workers with it, so they can average exactly as a trainer at a node does. The first iteration (the
+LAN workers with it, so they can average exactly as a trainer at a node does; ``failed(iteration)`` when
+the node failed it instead (the LAN workers are told, and a compressed job's rounds restart on the next
+iteration's wire). The first iteration (the
 trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
 workers' ``init`` returns.
 
@@ -28,6 +30,7 @@ import dataclasses
 import logging
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,10 +41,10 @@ from bpf.tcpagent import TcpEdgeAgent
 from bpf.timer_link import LoaderError
 from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
-from netstorm.errors import ConfigError
+from netstorm.errors import ConfigError, NetStormError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
@@ -141,7 +144,7 @@ class GatewayRole:
         self._xdp: object | None = None
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
-        self._lan: dict[int, asyncio.Task[list[np.ndarray] | EdgeTimeout | IntegerOverflow]] = {}
+        self._lan: dict[int, asyncio.Task[list[np.ndarray] | NetStormError]] = {}
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
         self.plan: LanPlan | None = None
@@ -161,6 +164,9 @@ class GatewayRole:
         self.rounds: GatewayRounds | None = None
         """A compressed job's wires, one per iteration (planned as each result is released)."""
         self._wired = asyncio.Event()
+        self._released: deque[int] = deque(maxlen=8)
+        """The newest iterations whose results went back: a failure reported for one of them is ignored
+        (its workers have, or can PULL, the result)."""
 
     def announce(self, node_id: int, t: float = 0.0) -> LanReport | None:
         """The ``LanReport`` describing this gateway's LAN (None without a description)."""
@@ -345,17 +351,18 @@ class GatewayRole:
             for old in [k for k in self._lan if k < iteration - 2]:
                 del self._lan[old]
         sums = await asyncio.shield(task)
-        if isinstance(sums, (EdgeTimeout, IntegerOverflow)):
+        if isinstance(sums, NetStormError):
             raise type(sums)(str(sums))   # fails this iteration's contribution, not the node
         lan = sums[key]
         return lan if values is None else np.asarray(values, np.float32) + lan
 
-    async def _collect(self, iteration: int) -> list[np.ndarray] | EdgeTimeout | IntegerOverflow:
-        """The LAN sums, or the timeout naming the missing workers (kept out of the role's TaskGroup)."""
+    async def _collect(self, iteration: int) -> list[np.ndarray] | NetStormError:
+        """The LAN sums, or why there are none: the timeout naming the missing workers, an integer overflow,
+        or the node failed the iteration meanwhile (kept out of the role's TaskGroup)."""
         assert self.agent is not None
         try:
             sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
-        except (EdgeTimeout, IntegerOverflow) as exc:
+        except (EdgeTimeout, WireError, IterationAborted) as exc:
             log.error("edge: %s", exc)
             return exc
         self._measured(iteration)
@@ -385,6 +392,7 @@ class GatewayRole:
         """The iteration's result (one flat float32 array per tensor, the sum over ``workers`` workers) goes
         back to the LAN workers. A compressed job's next wire is planned here, before the result (which
         its workers answer with that iteration's datagrams) leaves."""
+        self._released.append(iteration)
         if self._compression is not None and isinstance(self.agent, EdgeAgent):
             if iteration == self.init_iteration:
                 self._plan_rounds(iteration, workers)
@@ -397,6 +405,28 @@ class GatewayRole:
             self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:
             log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
+
+    def failed(self, iteration: int) -> None:
+        """The node failed ``iteration`` (its LAN sum did not come, or the WAN step failed): no result goes
+        back. A compressed job's next wire restarts the rounds (``GatewayRounds.failed``), planned before
+        the workers hear of the failure; then the agent tells them (``EdgeAgent.fail``), so each ends the
+        iteration at once and sends the next one on that wire. Reported once per iteration; repeats and
+        iterations before the LAN tier's first summed one are ignored."""
+        if self.agent is None or self.init_iteration is None or iteration <= self.init_iteration:
+            return
+        if not isinstance(self.agent, EdgeAgent):
+            return   # the TCP path has no FAILED notice: its workers end a failed iteration at their timeout
+        if iteration in self.agent.failed or iteration in self._released:
+            return
+        if self._compression is not None and self.rounds is not None:
+            following = self.rounds.failed(iteration)
+            if following is not None:
+                self.agent.plan(iteration + 1, following.layout, integer=following.integer)
+                self._wired.set()
+                self._wired = asyncio.Event()
+        log.warning("edge: iteration %d failed at the node; the LAN workers are told and go on with %d",
+                    iteration, iteration + 1)
+        self.agent.fail(iteration)
 
     async def _broadcast(self) -> None:
         assert self.agent is not None

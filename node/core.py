@@ -357,6 +357,12 @@ class NodeCore:
                                              f"gone ({reason})", Cause.GONE, _Links({}), now)
         return actions
 
+    def contribution_failed(self, iteration: int, reason: str, now: float) -> list[Action]:
+        """This DC's contribution to ``iteration`` cannot be made (its gateway's LAN tier failed it: a
+        worker missing, an overflow): the iteration fails here at once, so the DC's next push goes to the
+        one after it, instead of waiting for its timeout with the push that cannot come."""
+        return self._fail(iteration, reason, Cause.FAILED, _Links({}), now)
+
     def member_up(self, peer: int, workers: int, joins_at: int = -1) -> None:
         """A DC registered into the running job (restarted, or new): a member again, named by policies
         from its boundary iteration ``joins_at`` on (-1: not admitted yet). The joiner contributes to

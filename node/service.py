@@ -88,6 +88,7 @@ class EdgeHook(Protocol):
     async def combine(self, iteration: int, key: int, values: np.ndarray | None,
                       sizes: list[int]) -> np.ndarray | None: ...
     def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None: ...
+    def failed(self, iteration: int) -> None: ...
     def compressed(self, layout: Layout, options: CompressionOptions) -> None: ...
 
 
@@ -391,7 +392,13 @@ class GeneralNode:
         self._check(iteration)
         if self.edge is not None and lan:
             assert self.layout is not None
-            values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
+            try:
+                values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
+            except NetStormError as exc:
+                # the LAN tier failed this iteration (typed): it fails here at once, and the gateway is told
+                self._apply(self.core.contribution_failed(
+                    iteration, f"iteration {iteration}: node {self.node_id}'s LAN tier failed: {exc}", self._now()))
+                raise
             self._check(iteration)
         self._apply(self.core.contribute(key, iteration, values, self._links(), self._now()))
         return iteration
@@ -631,6 +638,8 @@ class GeneralNode:
             elif isinstance(action, act.IterationFailed):
                 self._wake(action.iteration)
                 log.error("node %d: %s", self.node_id, action.reason)
+                if self.edge is not None:   # its LAN workers end the iteration too, and go on with the next
+                    self.edge.failed(action.iteration)
             elif isinstance(action, Prefetch):
                 if self.control is not None:
                     self.control.prefetch(action.iteration)

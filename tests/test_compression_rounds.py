@@ -243,3 +243,65 @@ def test_begin_during_an_iteration_and_received_outside_one_are_refused() -> Non
     core.begin(gradients(1, 1))
     with pytest.raises(RuntimeError):
         core.begin(gradients(1, 2))
+
+
+@pytest.mark.parametrize(("options", "fail_in"), [
+    (CompressionOptions("fediac", k=0.05, bits=12, votes=2), 0),
+    (CompressionOptions("fediac", k=0.05, bits=12, votes=2), 1),
+    (CompressionOptions("fediac", k=0.05, bits=12, votes=2, gia_reuse=2), 0),
+    (CompressionOptions("topk", k=0.05), 1),
+    (CompressionOptions("fediac", k=0.05, bits=0, votes=2), 0),
+])
+def test_a_failed_iteration_is_undone_and_the_next_is_what_a_run_without_it_makes(
+        options: CompressionOptions, fail_in: int) -> None:
+    """A round's sums never come (its push raised at every DC): ``abort`` puts each core back as it was
+    before ``begin`` (residual, kept GIA, random draws), so later iterations decode exactly what a run
+    that never had the failed one decodes, and the residual is still exactly what was not sent."""
+    failing, clean = cores(options), cores(options)
+    # a history first (residuals, a kept GIA); with b derived none, so the dense round is the one to fail
+    for t in () if options.bits == 0 else (1, 2):
+        step(failing, {dc: gradients(dc, t) for dc in DCS})
+        step(clean, {dc: gradients(dc, t) for dc in DCS})
+    before = {dc: core.codec.residual.copy() for dc, core in failing.items() if core.codec is not None}
+    # the failed iteration: its first round (or its values round) never gets its sums
+    actions = {dc: core.begin(gradients(dc, 99)) for dc, core in failing.items()}
+    if fail_in:
+        total = summed([a.tensors for a in actions.values() if isinstance(a, Push)])
+        actions = {dc: failing[dc].received(total) for dc in DCS}
+        assert all(isinstance(a, Push) for a in actions.values())
+    for core in failing.values():
+        core.abort()
+        core.abort()   # a second abort (the shell's, after the core's own) changes nothing
+    for dc, residual in before.items():
+        codec = failing[dc].codec
+        assert codec is not None and np.array_equal(codec.residual, residual)
+    for t in (3, 4):
+        got, _, _ = step(failing, {dc: gradients(dc, t) for dc in DCS})
+        want, _, _ = step(clean, {dc: gradients(dc, t) for dc in DCS})
+        for dc in DCS:
+            for name in SHAPES:
+                assert np.array_equal(got[dc][name], want[dc][name]), (dc, name, t)
+            a, b = failing[dc].codec, clean[dc].codec
+            assert a is not None and b is not None and np.array_equal(a.residual, b.residual)
+            assert failing[dc].bits == clean[dc].bits
+
+
+def test_the_shells_abort_the_rounds_when_a_push_fails() -> None:
+    from netstorm.compression.session import CompressedClient
+    from netstorm.errors import TrainerTimeout
+
+    class Failing:
+        num_workers, node_id = len(DCS), 1
+
+        def init(self, tensors: Tensors, **_: object) -> Tensors:
+            return dict(tensors)
+
+        def push_pull(self, tensors: Tensors, average: bool = False) -> Tensors:
+            raise TrainerTimeout("iteration 7 timed out")
+
+    client = CompressedClient(Failing(), CompressionOptions("fediac", k=0.05, bits=12, votes=2))
+    client.init(gradients(0, 0))
+    for _ in range(2):   # without the abort, the second begin would be refused mid-iteration
+        with pytest.raises(TrainerTimeout):
+            client.push_pull(gradients(1, 1))
+    assert client.rounds is not None and client.rounds._phase == "idle"

@@ -78,7 +78,7 @@ def test_every_rule_of_the_decoder_refuses_its_row_and_only_that_row() -> None:
         "magic": _set(data, "magic", 0x534F),
         "version": _set(data, "version", 2),
         "kind 0": _set(nack, "kind", 0),
-        "kind 10": _set(nack, "kind", 10),
+        "kind 11": _set(nack, "kind", 11),
         "count 1025": _set(data, "count", 1025),
         "worker 64": _set(data, "worker", 64),
         "reserved": _set(data, "reserved", 1),

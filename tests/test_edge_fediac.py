@@ -3,14 +3,17 @@ same ``Rounds`` as the gateway's trainer, push votes, the scale one-hot and b-bi
 lanes on per-round wires (the values only up to the GIA's size), and the DC's sum (the LAN's plus the
 gateway trainer's) equals the numpy sum of every contributor's tensors exactly, under loss; every worker
 ends each iteration with the same GIA and the same decoded sum as a reference run of the same contributors.
-An integer sum beyond int32 is flagged by the aggregator and fails the iteration instead of being rescaled."""
+A contributor whose integers outgrow the round's int8 lanes sends on wider ones and the sum stays exact; an
+integer sum beyond int32 is flagged by the aggregator and fails the iteration instead of being rescaled; a
+round that fails (a worker's uplink lost for it) ends at every contributor with a typed error, and the
+later rounds are exact again."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import itertools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import numpy as np
@@ -18,7 +21,8 @@ import pytest
 
 from netstorm.compression.options import VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Rounds
-from netstorm.lan.errors import IntegerOverflow
+from netstorm.errors import NetStormError
+from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted
 from netstorm.lan.header import Precision
 from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size, layout_order
 from netstorm.lan.layout import EdgeLayout
@@ -68,8 +72,21 @@ def flat(tensors: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
                                                          else np.float64) for n in names]
 
 
+async def outcome(push: Awaitable[dict[str, np.ndarray]]) -> dict[str, np.ndarray] | NetStormError:
+    """A LAN worker's push_pull, its typed error returned rather than raised (a task that raised would end
+    the harness's TaskGroup)."""
+    try:
+        return await push
+    except NetStormError as exc:
+        return exc
+
+
 async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
-                     bits: int = 10) -> dict[str, Any]:
+                     bits: int = 10, fail: tuple[int, int] | None = None) -> dict[str, Any]:
+    """``fail``: (step, round) in which LAN worker 0's uplink fails for the whole round (its DATA never
+    leaves): the gateway's collect times out, the harness fails the iteration as the node would
+    (``GatewayRounds.failed``, ``EdgeAgent.fail``), every contributor must end that step with a typed error
+    and undo it, and the later steps must still be exact."""
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -106,7 +123,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
             trainer.start(contributors, 0)
             plan = RoundPlan(registered, options, lanes=LANES, pool=layout.num_slots, scale=16,
                              contributors=contributors)
-            checked: dict[str, int] = {"votes": 0, "values": 0}
+            checked: dict[str, int] = {"votes": 0, "values": 0, "aborted": 0}
             gias: list[int] = []
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(agent.run())
@@ -122,16 +139,31 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                     for task in inits:
                         await task
                     iteration = first + 1
-                    for _ in range(iterations):
+                    for step_no in range(iterations):
                         grads = [{n: rng.standard_normal(s).astype(np.float32) for n, s in MODEL.items()}
                                  for _ in range(contributors)]
-                        pushes = [tg.create_task(c.push_pull(grads[1 + i])) for i, c in enumerate(clients)]
+                        failing = fail is not None and fail[0] == step_no
+                        if fail is not None and failing:
+                            clients[0].sender.silent = frozenset({iteration + fail[1]})
+                        pushes = [tg.create_task(outcome(c.push_pull(grads[1 + i]))) for i, c in enumerate(clients)]
                         steps = [trainer.iteration(grads[0])] + [r.iteration(grads[1 + i])
                                                                  for i, r in enumerate(reference)]
                         sent = [next(s) for s in steps]
                         decoded: list[dict[str, np.ndarray]] = []
                         while True:
                             wire = gateway.wire_of(iteration)
+                            if failing and iteration in clients[0].sender.silent:
+                                with pytest.raises(EdgeTimeout, match="missing"):
+                                    await agent.collect(iteration, timeout=2)
+                                # what the node does: the next iteration restarts the rounds, the LAN is told
+                                restart = gateway.failed(iteration)
+                                assert restart is not None and restart.kind is Kind.VOTES
+                                agent.plan(iteration + 1, restart.layout, integer=restart.integer)
+                                agent.fail(iteration)
+                                iteration += 1
+                                for core in [trainer, *reference]:
+                                    core.abort()
+                                break
                             lan_sums = await agent.collect(iteration, timeout=30)
                             lan_full = gateway.contribution(iteration, lan_sums)
                             mine = flat(sent[0], names)
@@ -161,8 +193,15 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                                 assert following.gia == g and following.layout.sizes == (max(1, g),)
                                 gias.append(g)
                             sent = nexts
-                        for i, task in enumerate(pushes):
-                            got = await task
+                        if failing:
+                            # every LAN worker (the silent one too) ends the step with the gateway's word
+                            for push in pushes:
+                                assert isinstance(await push, IterationAborted)
+                            checked["aborted"] += 1
+                            continue
+                        for i, push in enumerate(pushes):
+                            got = await push
+                            assert isinstance(got, dict), got
                             for name in MODEL:
                                 assert np.array_equal(got[name], decoded[1 + i][name]), name
                                 assert np.array_equal(got[name], decoded[0][name]), name
@@ -201,6 +240,21 @@ def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: s
     assert out["dropped"] > 0 and out["retransmitted"] > 0
     # the aggregator completed the rounds' slots itself (the kernel's counters on the XDP path)
     assert out["stats"]["complete"] >= 3 * (4 + 3 + 1)
+
+
+@pytest.mark.parametrize("fail_round", [0, 1], ids=["votes", "values"])
+def test_a_failed_round_ends_everywhere_with_a_typed_error_and_later_steps_are_exact(
+        mode: str, fail_round: int, request: pytest.FixtureRequest) -> None:
+    """Worker 0's uplink fails for a whole round of step 1: the gateway's collect names it missing, the
+    iteration is failed as the node fails it, every LAN worker ends the step with ``IterationAborted`` (the
+    gateway's FAILED notice, not its own 30 s timeout), every contributor undoes the step, and steps 2 and 3
+    run on the restarted wires with every round's integer sums exact against numpy, the same GIA and the
+    same decoded sum at every contributor as a reference run that also undid step 1."""
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_fediac(mode, xdp, workers=2, iterations=4, fail=(1, fail_round)))
+    assert out["aborted"] == 1
+    assert out["votes"] == 3 + fail_round and out["values"] == 3
+    assert all(0 < g < 1237 for g in out["gia"])
 
 
 async def run_overflow(mode: str, xdp_program: Any) -> dict[str, int]:
@@ -253,3 +307,74 @@ def test_integer_overflow_is_flagged_and_fails_the_iteration(mode: str, request:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
     stats = asyncio.run(run_overflow(mode, xdp))
     assert stats["overflow"] > 0   # flagged by the aggregator's own check, as on the fixed-point path
+
+
+async def run_widening(mode: str, xdp_program: Any) -> dict[str, Any]:
+    """Three LAN workers push one integer round on an int8 wire at scale 0; worker 1's integers reach 1500
+    and worker 2's 100000, past what int8 lanes carry: each of those pushes goes wider (fp16, int32 lanes)
+    while worker 0's stays int8, the slots add the mix, and the sum is numpy's exactly."""
+    from bpf.agent import EdgeAgent
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    layout = full_layout()
+    wire = EdgeLayout((2 * LANES + 10, 20), (0, 0), lanes=LANES, pool=POOL)
+    rng = np.random.default_rng(77)
+    peaks = (100, 1500, 100_000)
+    values = [[rng.integers(-p, p + 1, size).astype(np.float32) for size in wire.sizes] for p in peaks]
+    for w, p in zip(values, peaks, strict=True):
+        w[0][5] = p   # each worker's peak is reached
+    want = [np.sum([w[t].astype(np.int64) for w in values], axis=0) for t in range(len(wire.sizes))]
+    with Lan(3) as lan:
+        xdp = None
+        before: dict[str, int] = {}
+        if mode == "xdp":
+            xdp = xdp_program
+            before = xdp.stats()   # the module's program: its counters hold the other tests' runs too
+            xdp.configure(job=JOB, port=PORT, expected=0b111, timeout=0.1, max_nacks=20)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        try:
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), layout, workers=3, job=JOB,
+                              mode=mode, xdp=xdp, slot_timeout=0.1, retransmit=0.05)
+            senders = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i,
+                                  layout=layout, job=JOB) for i, ns in enumerate(lan.workers)]
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    await asyncio.gather(*(s.hello(timeout=10) for s in senders))
+                    iteration = next(_iterations)
+                    agent.plan(iteration, wire, integer=True)
+                    for s in senders:
+                        s.layout, s.precision, s.integers = wire, Precision.INT8, True
+                    pushes = [tg.create_task(s.push_pull(iteration, values[i], timeout=20))
+                              for i, s in enumerate(senders)]
+                    sums = await agent.collect(iteration, timeout=20)
+                    for got, exact in zip(sums, want, strict=True):
+                        assert np.array_equal(got.astype(np.int64), exact)
+                    await agent.send_results(iteration, sums, total=3)
+                    for task in pushes:
+                        back, total = await task
+                        assert total == 3
+                        for got, exact in zip(back, want, strict=True):
+                            assert np.array_equal(got.astype(np.int64), exact)
+                finally:
+                    for s in senders:
+                        s.close()
+                    agent.close()
+                    await serving
+            stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
+            return {"widened": [s.widened for s in senders],
+                    "stats": {k: v - before.get(k, 0) for k, v in stats.items()}}
+        finally:
+            if xdp is not None:
+                xdp.detach()
+
+
+def test_integers_past_the_narrow_lane_go_wider_and_the_sum_stays_exact(mode: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_widening(mode, xdp))
+    assert out["widened"] == [0, 1, 1]   # the overflow of int8 lanes, recovered and counted
+    assert out["stats"]["overflow"] == 0 and out["stats"]["complete"] >= 4

@@ -40,15 +40,16 @@ def gradient(who: int, step: int) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
 
 
-def reference(steps: int) -> list[dict[str, np.ndarray]]:
-    """The decoded sums of every step: the four contributors' rounds, their tensors summed in numpy and the
-    vote counts thresholded at a = 2 as the WAN roots do (the 0/1 GIA comes back)."""
+def reference(steps: int | list[int]) -> list[dict[str, np.ndarray]]:
+    """The decoded sums of every step (1..steps, or the steps listed): the four contributors' rounds, their
+    tensors summed in numpy and the vote counts thresholded at a = 2 as the WAN roots do (the 0/1 GIA comes
+    back)."""
     rounds = [Rounds(OPTIONS, model(), SEED) for _ in CONTRIBUTORS]
     for r, who in zip(rounds, CONTRIBUTORS, strict=True):
         r.registered(model())
         r.start(len(CONTRIBUTORS), who, applied=2)
     out = []
-    for step in range(1, steps + 1):
+    for step in range(1, steps + 1) if isinstance(steps, int) else steps:
         gens = [r.iteration(gradient(who, step)) for r, who in zip(rounds, CONTRIBUTORS, strict=True)]
         pushes = [next(g) for g in gens]
         while True:
@@ -107,6 +108,70 @@ async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:
                 # only the GIA's lanes travelled in the values round, on a pool of GIA-sized work
                 assert votes.kind is Kind.VOTES and values.kind is Kind.VALUES and values.gia == gia
                 assert values.layout.num_chunks == -(-gia // values.layout.lanes)
+    finally:
+        await gw_raw.close()
+        await dc2_raw.close()
+        for w in workers:
+            await w.close()
+
+
+@pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def test_after_a_lan_worker_fails_a_round_the_job_recovers_with_exact_sums(tmp_path: Path, mode: str) -> None:
+    """LAN worker 0's uplink fails for the whole votes round of step 2: the gateway's LAN sum times out,
+    node 1 fails the iteration and tells its gateway role, which plans the restart wire and tells the LAN
+    workers. Every contributor (both DCs' trainers, both LAN workers) ends step 2 with a typed error and
+    undoes it; steps 3 and 4 decode exactly what numpy's run of the four contributors' rounds over steps
+    1, 3 and 4 decodes, with the same GIA everywhere."""
+    with Lan(2) as lan, gateway_job(tmp_path, lan, mode, edge_port=EDGE_PORT + 7, port_offset=507,
+                                    gateway_flags=("--edge-pool-slots", "2"), iteration_timeout=RECOVERY_TIMEOUT[mode]):
+        asyncio.run(_drive_failure(tmp_path, lan))
+
+
+RECOVERY_TIMEOUT = {"userspace": 15.0, "xdp": 40.0}
+"""Both nodes' iteration timeout (and so the gateway's wait for its LAN sum): the failed step costs it. The
+init iteration must fit in it too, and on the XDP path it includes compiling and loading the program."""
+
+
+async def _drive_failure(tmp_path: Path, lan: Lan) -> None:
+    from netstorm.errors import NetStormError
+    from netstorm.lan.errors import IterationAborted
+
+    workers = [await aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT + 7}?worker={i}", OPTIONS,
+                                              contributor=CONTRIBUTORS[2 + i], seed=SEED, timeout=TIMEOUT,
+                                              sock=lan.udp_socket(ns, lan.worker_ip(i)),
+                                              group_opener=lan.group_opener(ns))
+               for i, ns in enumerate(lan.workers)]
+    gw_raw = await netstorm.aconnect(str(tmp_path / "n1.sock"), timeout=TIMEOUT)
+    dc2_raw = await netstorm.aconnect(str(tmp_path / "n2.sock"), timeout=TIMEOUT)
+    gw = AsyncCompressedClient(gw_raw, OPTIONS, SEED)
+    dc2 = AsyncCompressedClient(dc2_raw, OPTIONS, SEED)
+    want = dict(zip([1, 3, 4], reference([1, 3, 4]), strict=True))   # step 2 failed everywhere: undone
+    try:
+        await asyncio.gather(gw.init(model()), dc2.init(model()), *(w.init(model()) for w in workers))
+        everyone: list[AsyncCompressedClient | CompressedEdgeWorker] = [gw, dc2, *workers]
+        for step in (1, 2, 3, 4):
+            if step == 2:   # worker 0's DATA of the votes round never leaves, resends included
+                workers[0].sender.silent = frozenset({workers[0].iteration + 1})
+            outs = await asyncio.gather(*(kv.push_pull(gradient(who, step))
+                                          for kv, who in zip(everyone, CONTRIBUTORS, strict=True)),
+                                        return_exceptions=True)
+            if step == 2:
+                # a typed error at every contributor; the LAN workers' from the gateway's notice, long
+                # before their own 60 s timeout would have ended the wait
+                assert all(isinstance(out, NetStormError) for out in outs), outs
+                assert all(isinstance(out, IterationAborted) for out in outs[2:]), outs[2:]
+                continue
+            for who, out in zip(CONTRIBUTORS, outs, strict=True):
+                assert isinstance(out, dict), (who, out)
+                for name in SHAPES:
+                    np.testing.assert_array_equal(out[name], want[step][name],
+                                                  err_msg=f"contributor {who}, {name}, step {step}")
+            gia = gw.last.gia
+            assert 0 < gia < 1207 and dc2.last.gia == gia
+            for w in workers:
+                assert w.last.gia == gia
+                (votes, _), (values, _) = w.received
+                assert votes.kind is Kind.VOTES and values.kind is Kind.VALUES and values.gia == gia
     finally:
         await gw_raw.close()
         await dc2_raw.close()

@@ -73,20 +73,22 @@ def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes
 
 @contextlib.contextmanager
 def gateway_job(tmp_path: Path, lan: Lan, mode: str, *, edge_port: int = EDGE_PORT, port_offset: int = 0,
-                gateway_flags: Sequence[str] = ()) -> Iterator[int]:
+                gateway_flags: Sequence[str] = (), iteration_timeout: float = 60) -> Iterator[int]:
     """A scheduler and two DC nodes in the gateway's namespace, node 1 the gateway of ``lan``'s two workers
-    on ``edge_port`` (``mode``, plus ``gateway_flags``), until both trainer sockets exist; yields the
+    on ``edge_port`` (``mode``, plus ``gateway_flags``; both nodes fail an iteration after
+    ``iteration_timeout`` seconds), until both trainer sockets exist; yields the
     scheduler's port. Their logs are shown if the body fails; every process is stopped (SIGTERM, then
     SIGKILL) on the way out."""
     cli = [sys.executable, "-m", "netstorm.cli"]
     inside = ["ip", "netns", "exec", lan.gateway]
     sched_port = 7000 + (os.getpid() + port_offset) % 1000
-    common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", "60"]
+    common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}"]
     logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
-                                       f"127.0.0.1:{sched_port}"], stdout=logs[0], stderr=subprocess.STDOUT))
+                                       f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}"],
+                                      stdout=logs[0], stderr=subprocess.STDOUT))
         wait_listening(lan.gateway, sched_port, procs, timeout=30)
         procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
                                        str(tmp_path / "n1.sock"), "--edge-workers", "2", "--edge-listen",

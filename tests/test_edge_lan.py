@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from netstorm.lan.errors import EdgeTimeout
+from netstorm.errors import NetStormError
+from netstorm.lan.errors import EdgeTimeout, IterationAborted
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.layout import EdgeLayout
 
@@ -66,10 +67,21 @@ def reference(contribs: list[list[np.ndarray]], workers: int) -> list[np.ndarray
     return out
 
 
+async def _outcome(push: Awaitable[Any]) -> Any:
+    """A push's result, or its typed error returned (a task that raised would end the TaskGroup)."""
+    try:
+        return await push
+    except NetStormError as exc:
+        return exc
+
+
 async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
-                  group: tuple[str, int] | None = GROUP) -> dict[str, Any]:
+                  group: tuple[str, int] | None = GROUP, lost: int | None = None) -> dict[str, Any]:
+    """``lost``: the iteration (0-based) in which the last worker's DATA never leaves; it is failed as the
+    node fails it (``EdgeAgent.fail``), every worker must end it with ``IterationAborted``, and the next
+    iterations must be exact."""
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -92,7 +104,7 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                      for i, ns in enumerate(lan.workers)]
             for node in nodes:
                 node.duplicate = duplicate
-            checked = 0
+            checked = aborted = 0
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(agent.run())
                 try:
@@ -114,6 +126,18 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                             for w in contribs:
                                 w[2][:] = 2.0**15 * 0.75   # each fits at scale 16, the sum of several does not
                         active = [n for n in nodes if n.worker != silent]
+                        if lost == k:
+                            nodes[-1].silent = frozenset({iteration})
+                            pushes = [tg.create_task(_outcome(n.push_pull(iteration, contribs[n.worker],
+                                                                          timeout=60)))
+                                      for n in active]
+                            with pytest.raises(EdgeTimeout, match=f"missing workers \\[{workers - 1}\\]"):
+                                await agent.collect(iteration, timeout=timeout)
+                            agent.fail(iteration)   # what the node does: the workers end it at once
+                            for task in pushes:
+                                assert isinstance(await task, IterationAborted)
+                            aborted += 1
+                            continue
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in active]
                         sums = await agent.collect(iteration, timeout=timeout)
@@ -132,7 +156,8 @@ async def run_lan(mode: str, xdp_program: Any, *, workers: int, iterations: int,
                     agent.close()
                     await serving
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
-            return {"checked": checked, "stats": stats, "rejected": agent.errors, "bad_tokens": agent.bad_tokens,
+            return {"checked": checked, "aborted": aborted, "stats": stats, "rejected": agent.errors,
+                    "bad_tokens": agent.bad_tokens,
                     "dropped": sum(n.dropped for n in nodes),
                     "retransmitted": sum(n.retransmitted for n in nodes),
                     "rescaled": sum(n.rescaled for n in nodes), "mode": attached if xdp is not None else "userspace"}
@@ -162,6 +187,18 @@ def test_overflow_is_recovered_by_rescaling(mode: str, secret: bytes | None, req
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
     out = asyncio.run(run_lan(mode, xdp, workers=3, iterations=1, big=True, secret=secret))
     assert out["checked"] == 1 and out["rescaled"] == 3
+
+
+@pytest.mark.parametrize(("secret", "group"), [(None, GROUP), (b"s" * 32, None)], ids=["group", "unicast-secret"])
+def test_a_failed_iteration_ends_at_every_worker_with_the_gateways_notice_and_the_next_is_exact(
+        mode: str, secret: bytes | None, group: tuple[str, int] | None, request: pytest.FixtureRequest) -> None:
+    """The last worker's uplink is lost for iteration 1: the gateway's collect names it, the iteration is
+    failed, and both workers end it with ``IterationAborted`` from the FAILED notice (multicast, or a
+    unicast copy each carrying the worker's token), not at their 60 s timeout; iterations 0 and 2 are exact."""
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_lan(mode, xdp, workers=2, iterations=3, lost=1, timeout=2.0, secret=secret, group=group))
+    assert out["checked"] == 2 and out["aborted"] == 1
+    assert out["bad_tokens"] == 0
 
 
 def test_silent_worker_is_a_named_timeout_not_a_hang(mode: str, request: pytest.FixtureRequest) -> None:

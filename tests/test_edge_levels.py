@@ -89,7 +89,10 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   precisions: list[Precision] | None = None, loss: float = 0.0, wire_loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
-                  tmp: Path | None = None, stream: bool = False) -> dict[str, Any]:
+                  tmp: Path | None = None, stream: bool = False,
+                  integers: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """``integers``: each worker's peak; the workers then push exact integers at scale 0 on int8 lanes as a
+    compressed job's round does, each widening its push where its integers outgrow them."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -97,9 +100,9 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
     from netstorm.lan.sender import EdgeSender
 
     topology = topology or LanTopology(workers)
-    precisions = precisions or [Precision.FIXED32] * workers
+    precisions = precisions or [Precision.FIXED32 if integers is None else Precision.INT8] * workers
     rng = np.random.default_rng(workers * 31 + iterations)
-    lay = layout()
+    lay = layout() if integers is None else EdgeLayout.uniform(SIZES, scale=0, lanes=LANES, pool=POOL)
     out: dict[str, Any] = {"checked": 0}
     with Lan(workers) as lan:
         if wire_loss:
@@ -126,6 +129,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                                 group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
             for node in nodes:
                 node.duplicate = duplicate
+                node.integers = integers is not None
             first = next(_iterations)
             agent.expect(first)
             async with asyncio.TaskGroup() as tg:
@@ -154,13 +158,18 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         if big:
                             for w in contribs:
                                 w[1][:] = 2.0**14 * 0.75   # fits at scale 16, a sum of several workers does not
+                        if integers is not None:
+                            contribs = [[rng.integers(-p, p + 1, s).astype(np.float32) for s in lay.sizes]
+                                        for p in integers]
                         total = workers + k
                         if stream:   # each chunk's result leaves as the chunk completes
                             agent.stream_results(iteration, total=total)
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
                         sums = await agent.collect(iteration, timeout=timeout)
-                        expected = reference(contribs, precisions)
+                        expected = (reference(contribs, precisions) if integers is None else
+                                    [np.sum([w[t].astype(np.int64) for w in contribs], axis=0).astype(np.float32)
+                                     for t in range(len(lay.sizes))])
                         for got, want in zip(sums, expected, strict=True):
                             np.testing.assert_array_equal(got, want)
                         if not stream:
@@ -187,6 +196,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             out["retransmitted"] = sum(n.retransmitted for n in nodes)
             out["dropped"] = sum(n.dropped for n in nodes)
             out["rescaled"] = sum(n.rescaled for n in nodes)
+            out["widened"] = [n.widened for n in nodes]
             out["acks"] = agent.acks_sent
             out["streamed"] = agent.streamed_chunks
             return out
@@ -294,6 +304,21 @@ def test_overflow_and_rescale_across_levels(mode: str, request: pytest.FixtureRe
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_integers_past_int8_lanes_go_wider_and_stay_exact_on_two_levels(mode: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    """An integer round on int8 lanes through a cluster aggregator: the members and unclustered workers
+    whose integers outgrow int8 (peaks 1000, 50000) send their pushes wider, the cluster's slots and the
+    gateway's add the mix, and both iterations' sums are numpy's exactly, with no overflow flagged."""
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    topology = LanTopology.parse("1:2,3", 5)   # worker 1 aggregates itself and 2 (int32 lanes), 3 (int8)
+    out = asyncio.run(run_lan(mode, program, workers=5, iterations=2, topology=topology,
+                              integers=(100, 1000, 50_000, 127, 3000)))
+    assert out["checked"] == 2
+    assert out["widened"] == [0, 2, 2, 0, 2]   # every push of the workers past 127, each iteration
+    assert out["stats"]["overflow"] == 0
+
+
 def test_a_worker_that_never_sends_is_a_named_timeout(mode: str, request: pytest.FixtureRequest) -> None:
     program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
     with pytest.raises(ExceptionGroup) as info:

@@ -116,3 +116,78 @@ def test_a_lan_worker_refuses_a_reused_gia_which_the_gateways_wires_do_not_follo
         with pytest.raises(TrainerError, match="fediac_gia_reuse 2 cannot run on the LAN tier"):
             CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10, gia_reuse=2), contributor=1)
         assert CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10), contributor=1).rounds is None
+
+
+def test_after_a_failed_iteration_the_gateway_and_a_worker_restart_the_rounds_alike() -> None:
+    plan, registered = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    gateway = GatewayRounds(plan, 20)
+    names = list(plan.names)
+    result = [np.zeros(registered[n].size, np.float32) for n in names]
+    result[names.index(VOTES)][[1, 2, 5]] = [2, 2, 1]
+    _, values = gateway.released(20, result)
+    assert values.kind is Kind.VALUES
+    following = gateway.failed(21)   # the values round failed: the next iteration votes again
+    assert following is not None and following.kind is Kind.VOTES and gateway.wire_of(22) is following
+    assert plan.restart(values) == following
+    assert gateway.failed(21) is None and gateway.failed(40) is None   # reported twice; never planned
+    again = gateway.failed(22)   # the votes round failed: votes again
+    assert again is not None and again.kind is Kind.VOTES
+    dense_plan, _ = plan_for(CompressionOptions("fediac", k=0.1, bits=0, votes=2))
+    first = dense_plan.first()
+    assert first.kind is Kind.DENSE and dense_plan.restart(first).kind is Kind.DENSE   # b is not derived yet
+
+
+def test_an_integer_push_goes_on_the_narrowest_lane_that_holds_it_exactly() -> None:
+    from netstorm.lan.header import Precision
+    from netstorm.lan.precision import decode_lanes, encode_lanes, int8_scales, integer_precision
+
+    def exact(values: np.ndarray, precision: Precision) -> bool:
+        matrix = values.astype(np.float64)[None, :]
+        wscales = int8_scales(matrix) if precision == Precision.INT8 else np.zeros(1, np.int64)
+        return bool(np.array_equal(decode_lanes(encode_lanes(matrix, precision, wscales), precision, wscales)[0],
+                                   matrix[0]))
+
+    for peak, want in [(1, Precision.INT8), (127, Precision.INT8), (128, Precision.FP16), (2048, Precision.FP16),
+                       (2049, Precision.FIXED32), (2**24, Precision.FIXED32)]:
+        values = np.arange(-peak, peak + 1, max(1, peak // 500), dtype=np.float32)
+        values[-1] = peak
+        got = integer_precision([np.zeros(3, np.float32), values], Precision.INT8)
+        assert got is want, (peak, got)
+        # the chosen lane carries every integer exactly, and the narrower one would not have
+        assert got is Precision.FIXED32 or exact(values, got)
+        if got is not Precision.INT8:
+            assert not exact(values, Precision.INT8 if got is Precision.FP16 else Precision.FP16)
+    assert integer_precision([np.full(4, 9e6, np.float32)], Precision.FIXED32) is Precision.FIXED32
+
+
+def test_the_gateway_role_plans_the_restart_before_it_tells_the_workers_and_only_once() -> None:
+    from bpf.gateway import EdgeOptions, GatewayRole
+
+    calls: list[tuple[str, int, Kind | None]] = []
+
+    class Agent:   # what the role drives of the EdgeAgent
+        def __init__(self) -> None:
+            self.failed: dict[int, str] = {}
+
+        def plan(self, iteration: int, layout: object, *, integer: bool = False) -> None:
+            calls.append(("plan", iteration, gateway.wire_of(iteration).kind))
+
+        def fail(self, iteration: int) -> None:
+            calls.append(("fail", iteration, None))
+            self.failed[iteration] = ""
+
+    plan, registered = plan_for(CompressionOptions("fediac", k=0.1, bits=10, votes=2))
+    role = GatewayRole(EdgeOptions(workers=2, listen=("127.0.0.1", 0), mode="userspace"), iteration_timeout=1.0)
+    gateway = GatewayRounds(plan, 6)
+    role.agent, role.rounds, role.init_iteration = Agent(), gateway, 5   # type: ignore[assignment]
+    role._compression = (None, plan.options)   # type: ignore[assignment]
+    names = list(plan.names)
+    result = [np.zeros(registered[n].size, np.float32) for n in names]
+    result[names.index(VOTES)][[1, 2]] = [2, 2]
+    role.released(6, plan.expand(gateway.wire_of(6), plan.restrict(gateway.wire_of(6), result)), 3)
+    calls.clear()
+    role.failed(6)   # its result went back already: nothing to undo
+    role.failed(7)   # the values round failed: votes next, planned, then the workers are told
+    role.failed(7)   # reported again
+    role.failed(4)   # before the LAN tier's first summed iteration
+    assert calls == [("plan", 8, Kind.VOTES), ("fail", 7, None)]

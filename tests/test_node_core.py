@@ -490,3 +490,16 @@ def test_a_contribution_past_the_window_is_refused_before_it_counts() -> None:
     with pytest.raises(ChunkError, match=r"iteration 2 runs more than max_ahead = 1 iterations past iteration 0"):
         core.open_contribution(0, None, 0.0)
     assert core.next_iteration() == 2 and core.started(2) is None
+
+
+def test_a_contribution_that_cannot_be_made_fails_the_iteration_at_once_and_the_next_moves_on() -> None:
+    """A gateway's LAN sum failed: the iteration fails here at once (no waiting out its timeout with a
+    push that cannot come), once, and every tensor's next push and pull go to the next iteration."""
+    core = joined(1)
+    core.policy_received(0, STAR, idle_links(1), 0.0)
+    iteration = core.open_contribution(0, None, 1.0)
+    [failed] = core.contribution_failed(iteration, "iteration 0: node 1's LAN tier failed: worker 1 missing", 2.0)
+    assert isinstance(failed, IterationFailed) and failed.cause is Cause.FAILED and failed.iteration == 0
+    assert core.failure(0) == failed and core.next_timer() is None
+    assert core.contribution_failed(iteration, "again", 3.0) == []   # every tensor's combine fails alike
+    assert core.next_iteration() == 1 and core.pull_iteration(0) == 1

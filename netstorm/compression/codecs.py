@@ -14,6 +14,11 @@ What a contributor carries from one iteration to the next is its ``CodecState``:
 FediAC's GIA reuse (``fediac_gia_reuse``, ours, off by default), the GIA of the last vote, how many
 iterations it has served, and the global m of the last round. A caller that compresses several
 independent tensors with one codec (DDP's buckets) swaps the state per tensor.
+
+A failed iteration (a round's sums never came: a timeout, a lost contributor) is undone with
+``checkpoint`` and ``rollback``: the state and the random generator go back to what they were before its
+``votes``, so the residual holds exactly what was not applied of the earlier iterations (nothing of the
+failed one was applied anywhere) and the next iteration draws as if the failed one had not run.
 """
 
 from __future__ import annotations
@@ -61,10 +66,39 @@ class ValueRound:
     """What the summed values are divided by to decode (f for FediAC, 1 for top-k)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A codec's state and random generator before an iteration (``_Residual.checkpoint``)."""
+
+    state: CodecState
+    rng: dict[str, object] | None
+
+
 class _Residual:
     """The residual of error feedback, kept in the codec's ``state`` (which DDP keeps per bucket piece)."""
 
     state: CodecState
+    _update: np.ndarray | None
+
+    def checkpoint(self) -> Checkpoint:
+        """What ``rollback`` restores. Cheap: the rounds replace the residual array, never write into it,
+        so a shallow copy of the state keeps the old one."""
+        rng = self._generator()
+        return Checkpoint(dataclasses.replace(self.state), None if rng is None else dict(rng.bit_generator.state))
+
+    def rollback(self, checkpoint: Checkpoint) -> None:
+        """Undo everything since ``checkpoint``: the iteration it preceded failed before its decode. The
+        state is restored in place: a caller that keeps states per tensor (DDP's buckets) holds this one."""
+        for f in dataclasses.fields(CodecState):
+            setattr(self.state, f.name, getattr(checkpoint.state, f.name))
+        rng = self._generator()
+        if rng is not None and checkpoint.rng is not None:
+            rng.bit_generator.state = checkpoint.rng
+        self._update = None
+
+    def _generator(self) -> np.random.Generator | None:
+        """The codec's random draws (None: it draws nothing)."""
+        return None
 
     @property
     def residual(self) -> np.ndarray:
@@ -94,6 +128,9 @@ class FediacCodec(_Residual):
         self.reuse = reuse
         self.state = CodecState.fresh(elements)
         self._update: np.ndarray | None = None
+
+    def _generator(self) -> np.random.Generator | None:
+        return self.rng
 
     def must_vote(self) -> bool:
         """Whether this iteration votes: always at ``reuse = 1`` (the paper), else when the kept GIA has

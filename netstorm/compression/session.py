@@ -29,6 +29,15 @@ action, ``Push`` (these tensors, one node iteration) or ``Done`` (the decoded su
 and ``AsyncCompressedClient`` are thin shells that carry the pushes over ``netstorm.Client`` and
 ``netstorm.AsyncClient``; ``Rounds.iteration`` is the same core as a generator, for callers that
 interleave it with their own work (DDP's stage, in-process replays).
+
+A round that fails (its push_pull raised: a timeout, a lost peer or LAN worker, an overflow) ends the
+iteration with that error at every contributor, since none of them gets the round's sums. The shells
+then call ``abort``: the core goes back to what it was before ``begin`` (the codec's residual, its kept
+GIA and its random generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
+decoded any part of the failed iteration, so the residual must still be exactly what was not applied of
+the earlier ones, which is what it was before; the failed iteration's update stays the caller's (it
+raised), to push again or to drop. The next ``begin`` starts a whole iteration (votes first, or the
+dense round if b is not derived yet), as every other contributor's does.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from netstorm.compression import bitwidth, quantize
-from netstorm.compression.codecs import FediacCodec, TopkCodec, ValueRound
+from netstorm.compression.codecs import Checkpoint, FediacCodec, TopkCodec, ValueRound
 from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 
 DERIVED_BITS_MAX = 16
@@ -113,6 +122,7 @@ class Rounds:
         self._average = False
         self._gradients: Mapping[str, np.ndarray] = {}
         self._sent: ValueRound | None = None
+        self._checkpoint: Checkpoint | None = None
 
     # ---- registration -------------------------------------------------------------------------------
 
@@ -184,6 +194,7 @@ class Rounds:
         codec = self.codec
         flat = self._flatten(gradients)
         push = dict(self._zeros)
+        self._checkpoint = codec.checkpoint()
         if isinstance(codec, FediacCodec) and not codec.must_vote():
             sent, histogram = codec.reused(flat)
             self._phase, self._sent = "values", sent
@@ -229,6 +240,16 @@ class Rounds:
         decoded = codec.decode(np.asarray(result[VALUES]), sent)
         last.gia, last.bits, last.bitmap_bytes = int(sent.gia.size), self.bits, math.ceil(self.elements / 8)
         return self._done(self._unflatten(decoded))
+
+    def abort(self) -> None:
+        """The iteration's last push failed (its sums will never come): undo it (see the module
+        docstring), so the next ``begin`` starts afresh. Nothing to do when no iteration runs."""
+        if self._phase == "idle":
+            return
+        self._phase, self._sent = "idle", None
+        if self.codec is not None and self._checkpoint is not None:
+            self.codec.rollback(self._checkpoint)
+        self._checkpoint = None
 
     def iteration(self, gradients: Mapping[str, np.ndarray]) -> Round:
         """The core as a generator: yields what to push in each round, is sent each round's sums, returns
@@ -334,10 +355,14 @@ class CompressedClient(_Shell):
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
-        while isinstance(action, Push):
-            began = time.perf_counter()
-            result = self.client.push_pull(action.tensors)
-            action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        try:
+            while isinstance(action, Push):
+                began = time.perf_counter()
+                result = self.client.push_pull(action.tensors)
+                action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        except BaseException:
+            rounds.abort()   # the iteration failed everywhere: the next one starts afresh
+            raise
         return action.tensors
 
 
@@ -353,10 +378,14 @@ class AsyncCompressedClient(_Shell):
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
-        while isinstance(action, Push):
-            began = time.perf_counter()
-            result = await self.client.push_pull(action.tensors)
-            action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        try:
+            while isinstance(action, Push):
+                began = time.perf_counter()
+                result = await self.client.push_pull(action.tensors)
+                action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+        except BaseException:
+            rounds.abort()   # the iteration failed everywhere: the next one starts afresh
+            raise
         return action.tensors
 
 

@@ -26,8 +26,16 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from netstorm.errors import NodeGone, TrainerError, TrainerTimeout, UnknownTensor, WrongDtype, WrongShape
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.errors import (
+    IterationError,
+    NodeGone,
+    TrainerError,
+    TrainerTimeout,
+    UnknownTensor,
+    WrongDtype,
+    WrongShape,
+)
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import Header, Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.sender import RCVBUF_BYTES, EdgeSender, GroupOpener, receive_buffer
@@ -234,6 +242,9 @@ class AsyncEdgeClient:
         iteration = self.iteration + 1
         try:
             flat, total = await self._worker.push_pull(iteration, values, timeout=self.timeout)
+        except IterationAborted as exc:
+            self.iteration = iteration   # failed at the gateway's node: the next push is the one after it
+            raise IterationError(str(exc)) from None
         except EdgeTimeout as exc:
             raise TrainerTimeout(str(exc)) from None
         except (WireError, ConnectionError) as exc:

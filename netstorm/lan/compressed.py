@@ -5,6 +5,11 @@ Votes, the scale one-hot and FediAC's b-bit values go as exact integers at scale
 program (or its userspace fallback) sums like any int32 lane; the gateway adds its own trainer's integers
 and hands the DC's exact sum to the node, so the WAN roots see the full counts of every contributor. The
 worker's ``Rounds`` is seeded with its own contributor id, so its votes and rounding are its own draws.
+
+A failed iteration (the gateway's FAILED notice, ``IterationAborted``, or this worker's own timeout) raises
+here as at every other contributor; the worker undoes its rounds (``Rounds.abort``), counts the failed
+round's iteration as spent and starts the next push on the restart wire (``RoundPlan.restart``), which is
+what the gateway plans for it (``GatewayRounds.failed``).
 """
 
 from __future__ import annotations
@@ -100,19 +105,30 @@ class CompressedEdgeWorker:
         assert plan is not None and wire is not None
         self.received = []
         action = rounds.begin(gradients, average=average)
-        while isinstance(action, Push):
-            lanes = plan.lanes_of(wire, action.tensors)
-            self.sender.layout = wire.layout
-            self.sender.precision = wire.precision
-            iteration = self.iteration + 1
-            started = time.perf_counter()
-            back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
-            seconds = time.perf_counter() - started
+        iteration = self.iteration
+        try:
+            while isinstance(action, Push):
+                iteration = self.iteration + 1
+                lanes = plan.lanes_of(wire, action.tensors)
+                self.sender.layout = wire.layout
+                self.sender.precision = wire.precision
+                self.sender.integers = wire.integer
+                started = time.perf_counter()
+                back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
+                seconds = time.perf_counter() - started
+                self.iteration = iteration
+                self.received.append((wire, back))
+                result = plan.shaped(plan.expand(wire, back), self._registered)
+                wire = self.wire = plan.following(wire, back)
+                action = rounds.received(result, seconds=seconds)
+        except BaseException:
+            # the round failed (IterationAborted: the gateway says so; EdgeTimeout; cancelled): so did the
+            # iteration at every contributor. Its number is spent, the rounds are undone (error feedback as
+            # before it), and the next iteration starts them again on the restart wire, as the gateway plans.
+            rounds.abort()
             self.iteration = iteration
-            self.received.append((wire, back))
-            result = plan.shaped(plan.expand(wire, back), self._registered)
-            wire = self.wire = plan.following(wire, back)
-            action = rounds.received(result, seconds=seconds)
+            self.wire = plan.restart(wire)
+            raise
         return dict(action.tensors)
 
     async def close(self) -> None:

@@ -16,3 +16,8 @@ class EdgeTimeout(NetStormError):
 class IntegerOverflow(WireError):
     """An iteration of exact integer lanes (a compressed job's round) summed outside int32: the aggregator
     flagged it, and re-quantising integers would break their exactness, so the iteration fails."""
+
+
+class IterationAborted(NetStormError):
+    """The gateway reports that an iteration failed (its node failed it: a LAN worker or a DC missing, a
+    timeout, an overflow): no result will come, and the next iteration is the one after it."""

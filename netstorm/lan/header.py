@@ -122,6 +122,9 @@ class Kind(enum.IntEnum):
     REPORT = 9
     """worker -> agent: how its result burst of ``iteration`` arrived (netstorm/lan/downlink.py: bytes and
     span, msgpack in the payload), so the gateway measures its downlink; never answered."""
+    FAILED = 10
+    """agent -> every worker (one multicast datagram; unicast in answer to a PULL or QUERY): the node failed
+    ``iteration``, no result will come; the workers end it with a typed error and go on with the next."""
 
 
 class Precision(enum.IntEnum):

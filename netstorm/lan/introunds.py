@@ -12,9 +12,16 @@ travel, and each round has its own ``EdgeLayout`` (its *wire*):
   index order, so every contributor's j-th value is the same coordinate).
 
 Integer tensors travel at scale 0: the int32 lane is the integer itself, which the XDP program (and the
-userspace fallback) sums like any int32 lane, exactly; a sum outside int32 is flagged OVERFLOW by the same
-code as the fixed-point path (the paper's scale rules it out), and the gateway fails the iteration then
-(``IntegerOverflow``) instead of re-quantising, which would no longer be exact.
+userspace fallback) sums like any int32 lane, exactly. Overflow is handled where it can happen. A round
+travels on int8 lanes where the paper's scale bounds every contributor's integer by 127; the aggregator
+widens every datagram to int32 before adding, at both levels, so no narrow *sum* can overflow; what can is a
+contributor's own integer outgrowing the narrow lane, which that contributor sees before sending, so its
+push goes wider (fp16 up to 2048, else int32 lanes), counted as ``EdgeSender.widened``, and the slot adds
+the mix of precisions exactly. The fixed-point path needs a RESCALE round trip because a slot's scale must
+be common to its contributors; a precision need not be, so no round trip is needed, and rescaling would
+make integers inexact anyway. An int32 sum cannot overflow either (integers are at most 2**24 and a LAN
+has at most 64 workers); were it flagged, the gateway fails the iteration (``IntegerOverflow``) and the
+job recovers as from any failed iteration, below.
 
 Nobody sends a lane past a wire's extent, and nobody needs to: every party derives the same wire for every
 iteration. The first summed iteration is dense (b derived) or votes; votes and values alternate; g is the
@@ -24,6 +31,11 @@ wire (``RoundPlan.released``) before it sends iteration k's result, which is bef
 k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the wire: the slot pool cycles
 over the GIA-sized work, not over the model. Results go back over the same wire (the lanes past it are
 zeros in every contributor's tensor, hence in the sum).
+
+An iteration that fails (a worker missing, a lost round, a DC timing out) ends at every contributor with a
+typed error and no sums; each ``Rounds`` undoes it (``Rounds.abort``) and the next iteration starts the
+rounds again, so the wire after a failed one is votes (or dense again: ``RoundPlan.restart``), which the
+gateway plans when the node reports the failure (``GatewayRounds.failed``) and each worker derives itself.
 """
 
 from __future__ import annotations
@@ -41,7 +53,6 @@ from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.layout import Layout, TensorSpec
 
-INT8_MAX = 127
 EXACT_LANE = 2**24
 """Largest integer a LAN worker's lanes carry exactly: the worker hands its lanes over as float32. Rounds'
 integers stay far below it (a vote is 0 or 1, a b-bit value at most 2**23 with b <= 24)."""
@@ -70,7 +81,9 @@ class Wire:
     precision: Precision = Precision.FIXED32
     """How the lanes travel: INT8 where every contributor's integer fits -127..127 (a vote, the scale
     one-hot, values of b <= 8 bits), a quarter of the bytes; the aggregator widens them to int32 exactly
-    (an integer x travels as x * 2**w and is shifted back), so the sums are the same."""
+    (an integer x travels as x * 2**w and is shifted back), so the sums are the same. It is the narrowest
+    lane of the round: a contributor whose own integers outgrew it sends its push wider (fp16, else int32
+    lanes; ``precision.integer_precision``), and the slot adds the mix exactly."""
 
 
 class RoundPlan:
@@ -108,6 +121,12 @@ class RoundPlan:
             counts = np.asarray(result[wire.tensors.index(self._index[VOTES])])
             return self.wire(Kind.VALUES, gia_size(counts, self.threshold))
         return self.wire(Kind.VOTES)
+
+    def restart(self, failed: Wire) -> Wire:
+        """The wire after a failed iteration: every contributor starts the whole iteration again
+        (``Rounds.abort``), so votes, or the dense round again if that was the one that failed (b is not
+        derived yet)."""
+        return self.wire(Kind.DENSE if failed.kind is Kind.DENSE else Kind.VOTES)
 
     def wire(self, kind: Kind, gia: int = 0) -> Wire:
         if kind is Kind.DENSE:
@@ -147,10 +166,9 @@ class RoundPlan:
             if t not in on_wire:
                 continue
             part = flat[:extent]
-            bound = INT8_MAX if wire.precision == Precision.INT8 else EXACT_LANE
-            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > bound:
-                raise WireError(f"tensor {name!r}: an integer beyond {bound}, not exact in its "
-                                f"{wire.precision.name} lane")
+            # beyond a narrow wire's range the sender widens the push; past 2**24 nothing carries it exactly
+            if self.integer[t] and part.size and int(np.max(np.abs(part.astype(np.int64)))) > EXACT_LANE:
+                raise WireError(f"tensor {name!r}: an integer beyond {EXACT_LANE}, not exact in a LAN lane")
             lane = np.zeros(extent, np.float32)
             lane[:part.size] = part
             out.append(lane)
@@ -203,10 +221,25 @@ class GatewayRounds:
         wire = self.wire_of(iteration)
         back = self.plan.restrict(wire, full)
         following = self.plan.following(wire, back)
+        self._planned(iteration, following)
+        return back, following
+
+    def failed(self, iteration: int) -> Wire | None:
+        """Iteration ``iteration`` failed (no result goes back): the next one restarts the rounds
+        (``RoundPlan.restart``), as every contributor's ``Rounds`` does after its ``abort``. None when
+        ``iteration`` has no wire (not a summed iteration of this job) or the next one is planned already
+        (a failure reported twice)."""
+        wire = self.wires.get(iteration)
+        if wire is None or iteration + 1 in self.wires:
+            return None
+        following = self.plan.restart(wire)
+        self._planned(iteration, following)
+        return following
+
+    def _planned(self, iteration: int, following: Wire) -> None:
         self.wires[iteration + 1] = following
         for old in [k for k in self.wires if k < iteration - 4]:
             del self.wires[old]
-        return back, following
 
 
 def layout_order(registered: Mapping[str, np.ndarray]) -> tuple[str, ...]:

@@ -7,15 +7,24 @@ conversion is exact in float64 (fp16, bf16 and int8-times-a-power-of-two values 
 all representable), so the userspace fallback (``to_fixed``), the XDP program (integer shifts with
 round-half-even, bpf/aggregator.c) and a numpy reference agree bit for bit. int8 lanes carry the sender's
 own per-chunk scale (``wscale``) so small gradients keep their resolution.
+
+Exact integers (a compressed job's rounds, at scale 0) travel narrow only where every one fits:
+``integer_precision`` picks, from a round's narrow precision up, the first that carries all of a
+contributor's integers exactly (int8 up to 127, fp16 up to 2048, else int32 lanes).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
 from netstorm.lan.header import Precision
 
 INT8_MAX = 127
+INTEGER_RANGE = {Precision.INT8: INT8_MAX, Precision.BF16: 256, Precision.FP16: 2048}
+"""Largest |integer| each narrow precision carries exactly at scale 0 (int8 at a per-chunk wscale >= 0; the
+significand of fp16 holds 11 bits, bf16's 8)."""
 
 
 def int8_scales(matrix: np.ndarray) -> np.ndarray:
@@ -85,3 +94,17 @@ def worker_values(values: np.ndarray, precision: Precision, lanes: int) -> np.nd
     matrix.reshape(-1)[: flat.size] = flat
     wscales = int8_scales(matrix) if precision == Precision.INT8 else np.zeros(chunks, np.int64)
     return rounded(matrix, precision, wscales).reshape(-1)[: flat.size]
+
+
+def integer_precision(tensors: Sequence[np.ndarray], narrowest: Precision) -> Precision:
+    """The narrowest precision, ``narrowest`` or wider (fp16, then int32 lanes), that carries every integer
+    of ``tensors`` exactly: how a contributor sends an integer round whose own values outgrew the round's
+    narrow lanes. The aggregator widens every datagram to int32 before adding, so contributors of one slot
+    may differ in precision and the sum stays exact."""
+    if narrowest == Precision.FIXED32:
+        return narrowest
+    peak = max((float(np.max(np.abs(t), initial=0.0)) for t in tensors), default=0.0)
+    for precision in (narrowest, Precision.FP16):
+        if precision.lane_bytes >= narrowest.lane_bytes and peak <= INTEGER_RANGE[precision]:
+            return precision
+    return Precision.FIXED32

@@ -21,8 +21,11 @@ those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops
 NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
 Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
+An iteration the gateway's node failed ends here with ``IterationAborted`` as soon as the gateway's FAILED
+datagram for it arrives (multicast when it fails, or the answer to a PULL or QUERY), not at the timeout.
+
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
-NACK, ACK and the HELLO answer only with the gateway's token for it or for the group
+NACK, ACK, FAILED and the HELLO answer only with the gateway's token for it or for the group
 (netstorm/lan/tokens.py): a datagram forged by anyone without the secret changes nothing it receives."""
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.downlink import ResultTimer, report_packet
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
 from netstorm.lan.header import (
     HEADER_BYTES,
     HEADER_DTYPE,
@@ -54,6 +57,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
+from netstorm.lan.precision import integer_precision
 from netstorm.lan.tokens import LanTokens, Sender
 
 Address = tuple[str, int]
@@ -129,6 +133,12 @@ class EdgeSender:
         self.retransmitted = 0
         self.dropped = 0
         self.rescaled = 0
+        self.integers = False
+        """The lanes are exact integers at scale 0 (a compressed job's round): a push whose integers do not
+        all fit ``precision`` goes on the narrowest lane that holds them (``precision.integer_precision``)."""
+        self.widened = 0
+        """Pushes of integers sent on wider lanes than ``precision``: each an overflow of the narrow lane
+        avoided before it was sent, not found by the aggregator (which widens every lane to int32 anyway)."""
         self.queries = 0
         self.pulls = 0
         """PULL datagrams sent for result chunks that did not arrive."""
@@ -146,6 +156,10 @@ class EdgeSender:
         """Ask about a suspected chunk (and resend on the gateway's NACK) before resending it (deployment)."""
         self.drop: frozenset[int] = frozenset()
         """Sequence numbers whose first transmission is dropped on purpose (deterministic loss injection)."""
+        self.silent: frozenset[int] = frozenset()
+        """Iterations none of whose DATA leaves, resends included (fault injection: a worker whose uplink
+        fails for a whole iteration; it still asks, PULLs and receives)."""
+        self._muted = False
         self.resent_by_nack = 0
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
@@ -253,10 +267,15 @@ class EdgeSender:
         gradients it sums (0 from a gateway that does not say)."""
         self._total = 0
         self.downlink.start(iteration)
+        self._muted = iteration in self.silent
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
+        precision = self.precision
+        if self.integers and precision != Precision.FIXED32:
+            precision = integer_precision(values, precision)
+            self.widened += precision != self.precision
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
-                              values=v, token=token, precision=self.precision) for t, v in enumerate(values)]
+                              values=v, token=token, precision=precision) for t, v in enumerate(values)]
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         flight = _Flight(len(rows), self.layout.num_slots)
         out = self._result_matrix()
@@ -325,6 +344,9 @@ class EdgeSender:
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
+        if self._muted:
+            self.dropped += int(index.size)
+            return
         if first and self.drop:
             keep = ~np.isin(index, np.fromiter(self.drop, np.int64, len(self.drop)))
             self.dropped += int(index.size - keep.sum())
@@ -496,9 +518,13 @@ class EdgeSender:
             tokens = heads["token"]
             genuine = (tokens == np.uint64(self.tokens.gateway(self.worker, iteration))) | \
                 (tokens == np.uint64(self.tokens.group(iteration)))
-            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK)) & ~genuine
+            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK) |
+                           (kind == Kind.FAILED)) & ~genuine
             self.forged += int(forged.sum())
             ok &= ~forged
+        if np.any(ok & (kind == Kind.FAILED)):
+            raise IterationAborted(f"edge worker {self.worker}: iteration {iteration} failed (the gateway says so): "
+                                   f"no result will come")
         results = self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
         if flight is not None:
             # a chunk's result says it completed as its ACK does (a gateway that streams results sends
@@ -589,6 +615,9 @@ class EdgeSender:
 
     async def _flush(self) -> None:
         queued, self._queued = self._queued, []
+        if self._muted:
+            self.dropped += len(queued)
+            return
         for datagram in queued:
             await udp.sendto(self.sock, datagram, self.send_to)
 
