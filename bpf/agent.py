@@ -57,6 +57,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import ack_packets, control_packet, result_packets, with_token
+from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
@@ -283,7 +284,9 @@ class EdgeAgent:
         self._open: dict[int, IterationSums] = {}
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
-        self._results: dict[int, np.ndarray] = {}
+        self._results: dict[int, tuple[EdgeLayout, list[np.ndarray]]] = {}
+        """iteration -> its result's chunk layout and each tensor's RESULT datagrams (kept for PULLs), as
+        ``_trimmed`` cuts them: its chunks but the last, then its last."""
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and handling datagrams (not sending: no result broadcast)."""
         self.delivery_cpu = 0.0
@@ -294,18 +297,21 @@ class EdgeAgent:
         self._rx = DatagramBatch(RECEIVE_BATCH)
         self.gia_threshold = 0
         """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
-        self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
-        """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
+        self._wires: dict[int, tuple[EdgeLayout, bool, ResultWire]] = {}
+        """iteration -> its own layout, whether its lanes are exact integers, and how its result goes back,
+        where one was planned."""
 
-    def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False) -> None:
+    def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False,
+             back: ResultWire | None = None) -> None:
         """Iteration ``iteration`` travels on ``layout`` instead of the model's (a compressed job's round
-        carries only the lanes with data, ``netstorm/lan/introunds.py``); planned before its first datagram
-        can arrive, i.e. before the previous iteration's results are sent. Its lanes and pool must fit the
-        aggregator loaded for the model's layout."""
+        carries only the lanes with data, ``netstorm/lan/introunds.py``) and its result goes back as ``back``
+        says (None: float32 lanes on ``layout``); planned before its first datagram can arrive, i.e. before
+        the previous iteration's results are sent. Its lanes and pool must fit the aggregator loaded for the
+        model's layout."""
         if layout.lanes != self.layout.lanes or layout.num_slots > self.layout.num_slots:
             raise ValueError(f"iteration {iteration}: a layout of {layout.lanes} lanes and {layout.num_slots} slots "
                              f"does not fit the aggregator's {self.layout.lanes} lanes and {self.layout.num_slots}")
-        self._wires[iteration] = (layout, integer)
+        self._wires[iteration] = (layout, integer, ResultWire.float32(layout) if back is None else back)
         for old in [k for k in self._wires if k < iteration - 8]:
             del self._wires[old]
 
@@ -313,6 +319,11 @@ class EdgeAgent:
         """The layout ``iteration`` travels on: its planned one, else the model's."""
         planned = self._wires.get(iteration)
         return self.layout if planned is None else planned[0]
+
+    def result_wire(self, iteration: int) -> ResultWire:
+        """How ``iteration``'s result goes back: as planned, else float32 lanes on its layout."""
+        planned = self._wires.get(iteration)
+        return ResultWire.float32(self.layout) if planned is None else planned[2]
 
     async def run(self) -> None:
         """Serve until ``close``: receiving (a reader callback), sending, slot timers (userspace) or the
@@ -414,32 +425,45 @@ class EdgeAgent:
 
     async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int,
                            unicast: bool = False) -> None:
-        """Queue for every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
-        contributor count), once to the multicast group (``unicast``, or without a group: a copy to each
-        worker, as for the first result, which a worker may be asked for before it joined the group);
-        kept for PULLs until 4 iterations later. Returns once queued: the send task paces the burst
-        (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly delays
-        only its own."""
+        """Queue for every worker the result of each chunk, a sum over ``total`` workers (the node's
+        contributor count), in the iteration's planned ``result_wire`` (float32 lanes unless a compressed
+        round planned exact integers or a bitmap), once to the multicast group (``unicast``, or without a
+        group: a copy to each worker, as for the first result, which a worker may be asked for before it
+        joined the group); kept for PULLs until 4 iterations later. Returns once queued: the send task paces
+        the burst (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly
+        delays only its own. WireError if a result does not fit its planned format."""
         self.expect(iteration + 1)   # the workers' next DATA
-        rows = np.concatenate([result_packets(self.layout_of(iteration), job=self.job, iteration=iteration, tensor=t,
-                                              values=np.asarray(r, np.float32), total=total)
-                               for t, r in enumerate(results)])
-        self._results[iteration] = rows
+        back = self.result_wire(iteration)
+        blocks: list[np.ndarray] = []
+        for t, r in enumerate(results):
+            precision, lanes = back.encode(t, np.asarray(r))
+            rows = result_packets(back.layout, job=self.job, iteration=iteration, tensor=t, values=lanes,
+                                  total=total, precision=precision)
+            # a tensor's datagrams share one width (the next tensor's may differ); its last, often short,
+            # chunk goes without the padding lanes
+            blocks.extend(_trimmed(rows, precision))
+        self._results[iteration] = (back.layout, blocks)
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
         self.outbox.forget(iteration - 4)
         absent = [w for w in range(self.workers) if w not in self.addresses]
         if self.group is not None and not unicast:
             # one copy of each datagram; the LAN replicates it to every member of the group
-            mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
-            self.outbox.bulk(mine, self.group, tag=iteration)
+            for rows in blocks:
+                if not len(rows):
+                    continue
+                mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
+                self.outbox.bulk(mine, self.group, tag=iteration)
         else:
             for w in range(self.workers):
                 address = self.addresses.get(w)
                 if address is None:
                     continue
-                mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
-                self.outbox.bulk(mine, address, tag=iteration)
+                for rows in blocks:
+                    if not len(rows):
+                        continue
+                    mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
+                    self.outbox.bulk(mine, address, tag=iteration)
         self._wake.set()
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
@@ -450,7 +474,7 @@ class EdgeAgent:
         sums = self._open.get(iteration)
         if sums is None:
             planned = self._wires.get(iteration)
-            layout, integer = (self.layout, False) if planned is None else planned
+            layout, integer = (self.layout, False) if planned is None else planned[:2]
             sums = IterationSums(layout, iteration, self.workers, self.job, integer=integer)
             self._open[iteration] = sums
         return sums
@@ -676,10 +700,13 @@ class EdgeAgent:
                 self._answer_query(head, data, address)
             elif head.kind == Kind.PULL:
                 if rows is not None:
-                    # results are kept one row per chunk of the model (its sequence number), not per pool
-                    # slot: with a pool smaller than the model the slot names several chunks
-                    index = self.layout_of(head.iteration).seq(head.tensor, head.chunk)
-                    row = rows[index: index + 1]
+                    # results are kept one row per chunk of the result's layout (its tensor and chunk), not per
+                    # pool slot: with a pool smaller than the model the slot names several chunks
+                    layout, blocks = rows
+                    # WireError for a chunk the result does not have; two blocks per tensor (_trimmed)
+                    index = layout.seq(head.tensor, head.chunk) - layout.first_slot[head.tensor]
+                    full, last = blocks[2 * head.tensor: 2 * head.tensor + 2]
+                    row = full[index: index + 1] if index < len(full) else last
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
                     # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
@@ -842,3 +869,11 @@ class EdgeAgent:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
+
+
+def _trimmed(rows: np.ndarray, precision: Precision) -> tuple[np.ndarray, np.ndarray]:
+    """One tensor's RESULT datagrams as (every chunk but the last, the last without its padding lanes):
+    a datagram needs only ``count`` lanes, and a result's last chunk is often short (a bitmap of a few
+    dozen bytes in a lane width of a thousand)."""
+    count = int(rows[-1, OFFSETS["count"]: OFFSETS["count"] + 2].view("<u2")[0])
+    return rows[:-1], np.ascontiguousarray(rows[-1:, : HEADER_BYTES + count * precision.lane_bytes])
