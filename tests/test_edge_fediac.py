@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -72,7 +73,8 @@ def flat(tensors: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
 
 
 async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
-                     bits: int = 10, reuse: int = 1) -> dict[str, Any]:
+                     bits: int = 10, reuse: int = 1, downlink_loss: float = 0.0,
+                     tmp: Path | None = None) -> dict[str, Any]:
     from bpf.agent import EdgeAgent
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -84,6 +86,12 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
     contributors = workers + 1
     rng = np.random.default_rng(workers * 11 + iterations)
     with Lan(workers) as lan:
+        if downlink_loss:
+            from netstorm.emulation import lossfilter
+
+            # the bridge's port towards each worker: its results (and ACKs, NACKs) are lost, and PULLed back
+            assert tmp is not None
+            lossfilter.attach({(lan.bridge, f"w{i}"): downlink_loss for i in range(workers)}, tmp / "bpf")
         xdp = None
         if mode == "xdp":
             xdp = xdp_program
@@ -204,7 +212,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                     await serving
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
             return {**checked, "gia": gias, "stats": stats, "dropped": sum(c.sender.dropped for c in clients),
-                    "result_bytes": result_bytes,
+                    "result_bytes": result_bytes, "pulls": sum(c.sender.pulls for c in clients),
                     "retransmitted": sum(c.sender.retransmitted for c in clients),
                     "values_lanes": names.index(VALUES)}
         finally:
@@ -231,14 +239,16 @@ def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: s
 
 
 @pytest.mark.parametrize("reuse", [2, 3])
-def test_a_reused_gia_runs_values_rounds_alone_on_the_lan(mode: str, reuse: int,
+def test_a_reused_gia_runs_values_rounds_alone_on_the_lan(mode: str, reuse: int, tmp_path: Path,
                                                           request: pytest.FixtureRequest) -> None:
     """``fediac_gia_reuse``: after each vote, reuse - 1 iterations send only values and the scale one-hot at
-    the kept GIA, summed exactly under loss; every worker decodes what the reference run decodes."""
+    the kept GIA, summed exactly under loss both ways; every worker decodes what the reference run decodes,
+    the narrow results it lost PULLed back."""
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
-    out = asyncio.run(run_fediac(mode, xdp, workers=3, iterations=2 * reuse, loss=0.05, bits=10, reuse=reuse))
+    out = asyncio.run(run_fediac(mode, xdp, workers=3, iterations=2 * reuse, loss=0.05, bits=10, reuse=reuse,
+                                 downlink_loss=0.15, tmp=tmp_path))
     assert out["votes"] == out["values"] == 2 and out["reused"] == 2 * (reuse - 1)
-    assert out["dropped"] > 0
+    assert out["dropped"] > 0 and out["pulls"] > 0
     for sent, float32 in out["result_bytes"]["reused"]:   # the sums as integers, the scale as a bitmap
         assert sent < float32 / 2
 
