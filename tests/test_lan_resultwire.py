@@ -98,3 +98,30 @@ def test_a_worker_gathers_exactly_what_the_gateway_encoded_in_fewer_bytes(sender
         for want, have in zip(result, got, strict=True):
             np.testing.assert_array_equal(have, want)
         assert Header.decode(items[0]).kind is Kind.RESULT
+
+
+def test_result_precisions_are_accepted_on_results_only() -> None:
+    """The decoder and the batch parse agree: INT16, INT32 and BITMAP on RESULT, never on DATA or AGG;
+    INT8 on both RESULT and DATA (a DATA's own int8 lanes)."""
+    back = ResultWire.of([100], [Format.INTEGER], lanes=LANES)
+    genuine = result_packets(back.layout, job=JOB, iteration=1, tensor=0, values=np.zeros(100), total=2,
+                             precision=Precision.INT16)[0].tobytes()
+    for kind in (Kind.RESULT, Kind.DATA, Kind.AGG):
+        for precision in Precision:
+            data = _set(_set(genuine, "kind", int(kind)), "precision", int(precision))
+            if kind is not Kind.RESULT:   # only a RESULT carries a total
+                data = data[:OFFSETS["total"]] + bytes(4) + data[OFFSETS["total"] + 4:]
+            allowed = (precision is Precision.FIXED32 and kind is not Kind.DATA) or \
+                (kind is Kind.RESULT and precision is not Precision.FP16 and precision is not Precision.BF16) or \
+                (kind is Kind.DATA and precision in (Precision.FP16, Precision.BF16, Precision.INT8,
+                                                     Precision.FIXED32))
+            # the payload is 2 * 64 bytes: it holds 64 lanes at any width but 4 bytes (int32 and float32)
+            fits = precision.lane_bytes <= 2
+            try:
+                Header.decode(data)
+                decoded = True
+            except WireError:
+                decoded = False
+            batch = batch_of([data])
+            assert decoded == bool(valid_headers(batch.headers(), batch.lengths)[0]) == (allowed and fits), \
+                (kind, precision)
