@@ -113,7 +113,8 @@ class Kind(enum.IntEnum):
     NACK = 3
     """agent -> worker: resend (iteration, tensor, chunk); with RESCALE, re-quantise at ``scale`` first."""
     RESULT = 4
-    """agent -> worker: float32 result of the WAN step for one chunk."""
+    """agent -> worker: the result of the WAN step for one chunk (float32 lanes, or a compressed round's
+    exact integers or bitmap, named by ``precision``)."""
     PULL = 5
     """worker -> agent: resend the RESULT of (iteration, tensor, chunk)."""
     HELLO = 6

@@ -1,7 +1,8 @@
 """The LAN worker's side: send a gradient as DATA datagrams to the gateway (or to its cluster's aggregator),
 keep at most a pool's worth of chunks in flight, resend what is not acknowledged in time, and receive the
-float32 result (PULLing chunks whose RESULT was lost) with the number of workers it sums, which every RESULT
-datagram carries (``Header.total``).
+result (PULLing chunks whose RESULT was lost) with the number of workers it sums, which every RESULT
+datagram carries (``Header.total``): float32 lanes, or, as a compressed round's wire says
+(``netstorm/lan/resultwire.py``), exact integers at the width each datagram names, or a bitmap.
 
 Flow control is SwitchML's: chunk ``seq`` uses slot ``seq % pool`` and is sent only once the ACK of the
 chunk that used the slot before it came back (``layout.py``). ACKs and results arrive by multicast (one
