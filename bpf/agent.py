@@ -62,6 +62,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import ack_packets, chunk_result_packets, control_packet, result_packets, with_token
+from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger(__name__)
@@ -316,7 +317,9 @@ class EdgeAgent:
         self._open: dict[int, IterationSums] = {}
         self._finished: dict[int, IterationSums] = {}
         self._waiters: dict[int, asyncio.Event] = {}
-        self._results: dict[int, np.ndarray] = {}
+        self._results: dict[int, tuple[EdgeLayout, list[np.ndarray]]] = {}
+        """iteration -> its result's chunk layout and each tensor's RESULT datagrams (kept for PULLs), two
+        blocks per tensor: its chunks but the last, then its last (``_trimmed``)."""
         self._streams: dict[int, _Stream] = {}
         """Iterations whose result is the LAN's own sum, sent chunk by chunk as the chunks complete."""
         self.streamed_chunks = 0
@@ -331,20 +334,23 @@ class EdgeAgent:
         self._rx = DatagramBatch(RECEIVE_BATCH)
         self.gia_threshold = 0
         """A FediAC job's threshold the WAN roots apply (told to every worker in its deployment)."""
-        self._wires: dict[int, tuple[EdgeLayout, bool]] = {}
-        """iteration -> its own layout (and whether its lanes are exact integers), where one was planned."""
+        self._wires: dict[int, tuple[EdgeLayout, bool, ResultWire]] = {}
+        """iteration -> its own layout, whether its lanes are exact integers, and how its result goes back,
+        where one was planned."""
         self.failed: dict[int, str] = {}
         """The newest iterations the node failed (``fail``), and why."""
 
-    def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False) -> None:
+    def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False,
+             back: ResultWire | None = None) -> None:
         """Iteration ``iteration`` travels on ``layout`` instead of the model's (a compressed job's round
-        carries only the lanes with data, ``netstorm/lan/introunds.py``); planned before its first datagram
-        can arrive, i.e. before the previous iteration's results are sent. Its lanes and pool must fit the
-        aggregator loaded for the model's layout."""
+        carries only the lanes with data, ``netstorm/lan/introunds.py``) and its result goes back as ``back``
+        says (None: float32 lanes on ``layout``); planned before its first datagram can arrive, i.e. before
+        the previous iteration's results are sent. Its lanes and pool must fit the aggregator loaded for the
+        model's layout."""
         if layout.lanes != self.layout.lanes or layout.num_slots > self.layout.num_slots:
             raise ValueError(f"iteration {iteration}: a layout of {layout.lanes} lanes and {layout.num_slots} slots "
                              f"does not fit the aggregator's {self.layout.lanes} lanes and {self.layout.num_slots}")
-        self._wires[iteration] = (layout, integer)
+        self._wires[iteration] = (layout, integer, ResultWire.float32(layout) if back is None else back)
         for old in [k for k in self._wires if k < iteration - 8]:
             del self._wires[old]
 
@@ -352,6 +358,11 @@ class EdgeAgent:
         """The layout ``iteration`` travels on: its planned one, else the model's."""
         planned = self._wires.get(iteration)
         return self.layout if planned is None else planned[0]
+
+    def result_wire(self, iteration: int) -> ResultWire:
+        """How ``iteration``'s result goes back: as planned, else float32 lanes on its layout."""
+        planned = self._wires.get(iteration)
+        return ResultWire.float32(self.layout) if planned is None else planned[2]
 
     async def run(self) -> None:
         """Serve until ``close``: receiving (a reader callback), sending, slot timers (userspace) or the
@@ -458,19 +469,26 @@ class EdgeAgent:
 
     async def send_results(self, iteration: int, results: Sequence[np.ndarray], *, total: int,
                            unicast: bool = False) -> None:
-        """Queue for every worker the float32 result of each chunk, a sum over ``total`` workers (the node's
-        contributor count), once to the multicast group (``unicast``, or without a group: a copy to each
-        worker, as for the first result, which a worker may be asked for before it joined the group);
-        kept for PULLs until 4 iterations later. Returns once queued: the send task paces the burst
-        (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly delays
-        only its own."""
+        """Queue for every worker the result of each chunk, a sum over ``total`` workers (the node's
+        contributor count), in the iteration's planned ``result_wire`` (float32 lanes unless a compressed
+        round planned exact integers or a bitmap), once to the multicast group (``unicast``, or without a
+        group: a copy to each worker, as for the first result, which a worker may be asked for before it
+        joined the group); kept for PULLs until 4 iterations later. Returns once queued: the send task paces
+        the burst (bpf/outbox.py), one batch per destination in turn, so a worker whose copy leaves slowly
+        delays only its own. WireError if a result does not fit its planned format."""
         self.expect(iteration + 1)   # the workers' next DATA
-        rows = np.concatenate([result_packets(self.layout_of(iteration), job=self.job, iteration=iteration, tensor=t,
-                                              values=np.asarray(r, np.float32), total=total)
-                               for t, r in enumerate(results)])
-        self._keep_results(iteration, rows)
+        back = self.result_wire(iteration)
+        blocks: list[np.ndarray] = []
+        for t, r in enumerate(results):
+            precision, lanes = back.encode(t, np.asarray(r))
+            rows = result_packets(back.layout, job=self.job, iteration=iteration, tensor=t, values=lanes,
+                                  total=total, precision=precision)
+            # a tensor's datagrams share one width (the next tensor's may differ); its last, often short,
+            # chunk goes without the padding lanes
+            blocks.extend(_trimmed(rows, precision))
+        self._keep_results(iteration, back.layout, blocks)
         absent = [w for w in range(self.workers) if w not in self.addresses]
-        self._queue_results(iteration, rows, unicast=unicast)
+        self._queue_results(iteration, blocks, unicast=unicast)
         if absent:
             raise EdgeTimeout(f"edge gateway: iteration {iteration}: no address for workers {absent} (never said "
                               "HELLO); the others got their results")
@@ -483,11 +501,14 @@ class EdgeAgent:
         while its downlink already carries the results, as a ring all-reduce uses both directions at once.
         Chunks completed before the call go at once. ``collect`` still returns the whole sum; once the
         iteration is complete its results are kept for PULLs as ``send_results`` keeps them, and the next
-        iteration is expected (``send_results`` is then not called for it)."""
+        iteration is expected (``send_results`` is then not called for it). Float32 results only: a round
+        planned with a narrower result form (a compressed job's) goes by ``send_results``."""
         if not self._accepts(iteration):
             raise ValueError(f"iteration {iteration} is outside the window the gateway receives")
         if iteration in self._streams:
             return
+        if self.result_wire(iteration) != ResultWire.float32(self.layout_of(iteration)):
+            raise ValueError(f"iteration {iteration} has a planned result form other than float32 lanes")
         sums = self._sums(iteration)
         layout = sums.layout
         rows = np.zeros((layout.num_chunks, HEADER_BYTES + 4 * layout.lanes), np.uint8)
@@ -517,48 +538,66 @@ class EdgeAgent:
             stream.sent[seqs] = True
             if not sums.done:
                 self.streamed_chunks += int(seqs.size)
-            self._queue_results(iteration, rows, unicast=stream.unicast)
+            self._queue_results(iteration, [rows], unicast=stream.unicast)
 
     def _finish_stream(self, iteration: int) -> None:
         """``iteration`` is complete: its last results leave, all are kept for PULLs, the next is expected."""
         self._flush_streams()
         stream = self._streams.pop(iteration)
         stream.sums.on_complete = None
-        self._keep_results(iteration, stream.rows)
+        layout = stream.sums.layout
+        blocks: list[np.ndarray] = []
+        for first, chunks in zip(layout.first_slot, layout.chunks, strict=True):
+            own = stream.rows[first: first + chunks]
+            blocks += [own[:-1], own[-1:]]
+        self._keep_results(iteration, layout, blocks)
         self.expect(iteration + 1)
 
-    def _keep_results(self, iteration: int, rows: np.ndarray) -> None:
-        """Keep ``iteration``'s result datagrams for PULLs until 4 iterations later."""
-        self._results[iteration] = rows
+    def _keep_results(self, iteration: int, layout: EdgeLayout, blocks: list[np.ndarray]) -> None:
+        """Keep ``iteration``'s result datagrams (two blocks per tensor) for PULLs until 4 iterations later."""
+        self._results[iteration] = (layout, blocks)
         for old in [k for k in self._results if k < iteration - 4]:
             del self._results[old]
         self.outbox.forget(iteration - 4)
 
-    def _queue_results(self, iteration: int, rows: np.ndarray, *, unicast: bool) -> None:
-        """Queue result datagrams once to the group (or, ``unicast`` or without a group, a copy to each worker
-        that said HELLO), each with its token."""
+    def _queue_results(self, iteration: int, blocks: list[np.ndarray], *, unicast: bool) -> None:
+        """Queue result datagrams (blocks of rows of one width each) once to the group (or, ``unicast`` or
+        without a group, a copy to each worker that said HELLO), each with its token."""
         if self.group is not None and not unicast:
             # one copy of each datagram; the LAN replicates it to every member of the group
-            mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
-            self.outbox.bulk(mine, self.group, tag=iteration)
+            for rows in blocks:
+                if not len(rows):
+                    continue
+                mine = with_token(rows, self.tokens.group(iteration)) if self.tokens.enabled else rows
+                self.outbox.bulk(mine, self.group, tag=iteration)
         else:
             for w in range(self.workers):
                 address = self.addresses.get(w)
                 if address is None:
                     continue
-                mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
-                self.outbox.bulk(mine, address, tag=iteration)
+                for rows in blocks:
+                    if not len(rows):
+                        continue
+                    mine = with_token(rows, self.tokens.gateway(w, iteration)) if self.tokens.enabled else rows
+                    self.outbox.bulk(mine, address, tag=iteration)
         self._wake.set()
 
-    def _result_row(self, iteration: int, index: int) -> np.ndarray | None:
-        """The RESULT datagram of chunk ``index`` of ``iteration`` if it was sent (None: not kept, or its
-        chunk has not completed yet)."""
-        rows = self._results.get(iteration)
-        if rows is not None:
-            return rows[index: index + 1]
+    def _result_row(self, iteration: int, tensor: int, chunk: int) -> np.ndarray | None:
+        """The RESULT datagram of ``(tensor, chunk)`` of ``iteration`` if it was sent (None: not kept, or its
+        chunk has not completed yet); WireError for a chunk the result does not have."""
+        kept = self._results.get(iteration)
+        if kept is not None:
+            # kept one row per chunk of the result's layout (its tensor and chunk), not per pool slot: with
+            # a pool smaller than the model the slot names several chunks
+            layout, blocks = kept
+            index = layout.seq(tensor, chunk) - layout.first_slot[tensor]
+            full, last = blocks[2 * tensor: 2 * tensor + 2]
+            return full[index: index + 1] if index < len(full) else last
         stream = self._streams.get(iteration)
-        if stream is not None and 0 <= index < stream.sent.size and stream.sent[index]:
-            return stream.rows[index: index + 1]
+        if stream is not None:
+            seq = stream.sums.layout.seq(tensor, chunk)
+            if stream.sent[seq]:
+                return stream.rows[seq: seq + 1]
         return None
 
     def fail(self, iteration: int, reason: str = "") -> None:
@@ -591,7 +630,7 @@ class EdgeAgent:
         sums = self._open.get(iteration)
         if sums is None:
             planned = self._wires.get(iteration)
-            layout, integer = (self.layout, False) if planned is None else planned
+            layout, integer = (self.layout, False) if planned is None else planned[:2]
             sums = IterationSums(layout, iteration, self.workers, self.job, integer=integer)
             self._open[iteration] = sums
         return sums
@@ -805,7 +844,7 @@ class EdgeAgent:
             row = None
             if head.kind == Kind.PULL and not failed:
                 with contextlib.suppress(WireError):
-                    row = self._result_row(head.iteration, self.layout_of(head.iteration).seq(head.tensor, head.chunk))
+                    row = self._result_row(head.iteration, head.tensor, head.chunk)
                 if row is None:
                     return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
@@ -829,8 +868,6 @@ class EdgeAgent:
                 self.downlinks.on_report(head.worker, head.iteration, parse_report(data)[1])
             elif head.kind == Kind.PULL:
                 if row is not None:
-                    # results are kept one row per chunk of the model (its sequence number), not per pool
-                    # slot: with a pool smaller than the model the slot names several chunks
                     if self.tokens.enabled:
                         row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
                     # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
@@ -1001,3 +1038,11 @@ class EdgeAgent:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
+
+
+def _trimmed(rows: np.ndarray, precision: Precision) -> tuple[np.ndarray, np.ndarray]:
+    """One tensor's RESULT datagrams as (every chunk but the last, the last without its padding lanes):
+    a datagram needs only ``count`` lanes, and a result's last chunk is often short (a bitmap of a few
+    dozen bytes in a lane width of a thousand)."""
+    count = int(rows[-1, OFFSETS["count"]: OFFSETS["count"] + 2].view("<u2")[0])
+    return rows[:-1], np.ascontiguousarray(rows[-1:, : HEADER_BYTES + count * precision.lane_bytes])

@@ -22,6 +22,7 @@ from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX
 from netstorm.lan.header import (
+    DATA_PRECISIONS,
     HEADER_BYTES,
     HEADER_DTYPE,
     HEADER_STRUCT,
@@ -35,7 +36,7 @@ from netstorm.lan.header import (
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.precision import to_fixed
 
-_PRECISIONS = {int(p): p for p in Precision}
+_PRECISIONS = {int(p): p for p in DATA_PRECISIONS}
 
 
 @dataclass

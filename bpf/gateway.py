@@ -235,7 +235,7 @@ class GatewayRole:
                          scale=self.options.scale, contributors=max(1, workers), applied=layout.gia_threshold)
         self.rounds = GatewayRounds(plan, iteration + 1)
         wire = self.rounds.wire_of(iteration + 1)
-        self.agent.plan(iteration + 1, wire.layout, integer=wire.integer)
+        self.agent.plan(iteration + 1, wire.layout, integer=wire.integer, back=wire.back)
 
     async def _wire(self, iteration: int) -> GatewayRounds:
         """The compressed job's rounds once ``iteration``'s wire is planned (its previous result released)."""
@@ -398,7 +398,7 @@ class GatewayRole:
                 self._plan_rounds(iteration, workers)
             elif self.rounds is not None:
                 per_key, following = self.rounds.released(iteration, per_key)
-                self.agent.plan(iteration + 1, following.layout, integer=following.integer)
+                self.agent.plan(iteration + 1, following.layout, integer=following.integer, back=following.back)
             self._wired.set()
             self._wired = asyncio.Event()
         try:
@@ -421,7 +421,7 @@ class GatewayRole:
         if self._compression is not None and self.rounds is not None:
             following = self.rounds.failed(iteration)
             if following is not None:
-                self.agent.plan(iteration + 1, following.layout, integer=following.integer)
+                self.agent.plan(iteration + 1, following.layout, integer=following.integer, back=following.back)
                 self._wired.set()
                 self._wired = asyncio.Event()
         log.warning("edge: iteration %d failed at the node; the LAN workers are told and go on with %d",
@@ -439,3 +439,5 @@ class GatewayRole:
                 await self.agent.send_results(iteration, per_key, total=workers, unicast=first)
             except EdgeTimeout as exc:   # a worker that never said HELLO: the others still get results
                 log.error("edge: results of iteration %d: %s", iteration, exc)
+            except WireError as exc:     # a result its planned form cannot carry: the workers' timeout names it
+                log.error("edge: results of iteration %d not sent: %s", iteration, exc)

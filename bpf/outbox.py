@@ -85,6 +85,8 @@ class Outbox:
         self.sent_bytes = 0
         self.bulk_queued = 0
         """Bulk datagrams ever queued (results, PULL answers), sent or not yet."""
+        self.bulk_bytes_queued = 0
+        """Their UDP payload bytes."""
 
     # ------------------------------------------------------------------ in
     def control(self, datagram: bytes, address: Address) -> bool:
@@ -108,6 +110,7 @@ class Outbox:
             self._order.append(address)
         queue.append(_Burst(np.ascontiguousarray(rows), tag))
         self.bulk_queued += len(rows)
+        self.bulk_bytes_queued += int(rows.nbytes)
         self._queued[address] = self._queued.get(address, 0) + len(rows)
         while len(queue) > 1 and self._queued[address] > self.keep:
             old = queue.popleft()

@@ -84,8 +84,8 @@ class AsyncClient(RegistryView):
         return reply, data
 
     async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none",
-                   votes: int = 0, bits: int = 0) -> dict[str, np.ndarray]:
-        request, payload, path = self.registry.prepare_init(tensors, compression, votes, bits)
+                   votes: int = 0, bits: int = 0, gia_reuse: int = 1) -> dict[str, np.ndarray]:
+        request, payload, path = self.registry.prepare_init(tensors, compression, votes, bits, gia_reuse)
         try:
             reply, data = await self._call(request, payload, tw.InitReply, "init")
         finally:

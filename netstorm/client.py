@@ -152,7 +152,7 @@ class Registry:
             self._mmap = None
 
     def prepare_init(self, tensors: Mapping[str, np.ndarray], compression: str = "none",
-                     votes: int = 0, bits: int = 0) -> tuple[tw.InitRequest, bytes, str]:
+                     votes: int = 0, bits: int = 0, gia_reuse: int = 1) -> tuple[tw.InitRequest, bytes, str]:
         """The init request, its inline payload (TCP) and the shared-memory path to unlink afterwards."""
         if not tensors:
             raise TrainerError("init needs at least one tensor")
@@ -171,7 +171,8 @@ class Registry:
         request_tensors = tuple((s.name, s.shape, s.dtype) for s in specs)
         if self.inline:
             payload = b"".join(np.ascontiguousarray(arrays[s.name], dtype="<f4").tobytes() for s in specs)
-            return tw.InitRequest(request_tensors, "", compression, votes, bits), payload, ""  # type: ignore[arg-type]
+            return (tw.InitRequest(request_tensors, "", compression, votes, bits, gia_reuse),  # type: ignore[arg-type]
+                    payload, "")
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
         try:
@@ -181,7 +182,8 @@ class Registry:
         except BaseException:
             release_init(path)
             raise
-        return tw.InitRequest(request_tensors, path, compression, votes, bits), b"", path  # type: ignore[arg-type]
+        return (tw.InitRequest(request_tensors, path, compression, votes, bits, gia_reuse),  # type: ignore[arg-type]
+                b"", path)
 
     def _create_shm(self, size: int) -> str:
         self.close()
@@ -445,13 +447,14 @@ class Client(RegistryView):
     # ---- verbs --------------------------------------------------------------------------------------
 
     def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = "none",
-             votes: int = 0, bits: int = 0) -> dict[str, np.ndarray]:
+             votes: int = 0, bits: int = 0, gia_reuse: int = 1) -> dict[str, np.ndarray]:
         """Register ``tensors``; returns the initial values every DC agrees on. Integer tensors (uint8, int8,
         int16, int32) are summed exactly and come back as int64 sums. ``compression="fp16"`` has the nodes
         send float chunks as float16 (every DC must register alike); FediAC and top-k run in the trainer
         (``netstorm.compression.session``) and say so here, with FediAC's threshold ``votes``, which the
-        roots then apply to the vote counts, and its ``bits`` (a gateway's LAN tier plans its rounds by it)."""
-        request, payload, path = self.registry.prepare_init(tensors, compression, votes, bits)
+        roots then apply to the vote counts, and its ``bits`` and ``gia_reuse`` (a gateway's LAN tier plans
+        its rounds by them)."""
+        request, payload, path = self.registry.prepare_init(tensors, compression, votes, bits, gia_reuse)
         try:
             reply, data = self._call(request, payload, tw.InitReply, "init")
         finally:

@@ -72,6 +72,9 @@ class InitRequest(_Message, frozen=True, tag="init"):
     bits: Count = 0
     """FediAC's b as the trainer runs it (0: derived from a dense first round): a gateway's LAN tier
     derives each round's wire from it (``netstorm/lan/introunds.py``)."""
+    gia_reuse: Count = 1
+    """Iterations one FediAC GIA serves (``fediac_gia_reuse``): a gateway's LAN tier plans the reused
+    iterations' wires by it."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):

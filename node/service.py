@@ -333,12 +333,12 @@ class GeneralNode:
     # ---- the DC's contribution stream ---------------------------------------------------------------
 
     async def register(self, specs: Sequence[TensorSpec], compression: str = "none", votes: int = 0,
-                       bits: int = 0) -> Layout:
+                       bits: int = 0, gia_reuse: int = 1) -> Layout:
         """Fix the layout from the trainer's tensors; the scheduler checks every DC agrees. The job's
         ``compression`` (this node's option or the trainer's) of fp16 sends float chunks as float16; with
         fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
         as the trainer derives it), and the layout hash covers a. A gateway's LAN tier is told a sparse
-        compression (and FediAC's ``bits``): its rounds then travel on their own wires."""
+        compression (and FediAC's ``bits`` and ``gia_reuse``): its rounds then travel on their own wires."""
         fp16 = "fp16" in (compression, self.config.compression)
         gia = None
         if compression == "fediac" and any(spec.name == VOTES for spec in specs):
@@ -353,13 +353,14 @@ class GeneralNode:
         assert self.control is not None
         await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
         if self.layout is not None:  # a concurrent registration won
-            return await self.register(specs, compression, votes, bits)
+            return await self.register(specs, compression, votes, bits, gia_reuse)
         # a DC admitted into a running job starts at its boundary iteration
         self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
         if self.edge is not None and compression in ("fediac", "topk") and any(s.name == VOTES for s in specs):
             self.edge.compressed(layout, CompressionOptions(compression, bits=bits,  # type: ignore[arg-type]
-                                                            votes=votes or self.config.fediac_votes))
+                                                            votes=votes or self.config.fediac_votes,
+                                                            gia_reuse=max(1, gia_reuse)))
         for inbound in list(self._inbound):
             self._check_peer_layout(inbound)
         for inbound in list(self._inbound):

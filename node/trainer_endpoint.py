@@ -301,7 +301,8 @@ class TrainerEndpoint:
         specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
         if not session.inline:  # check the file before the tensors become the node's layout
             session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
-        layout = await node.register(specs, compression=request.compression, votes=request.votes, bits=request.bits)
+        layout = await node.register(specs, compression=request.compression, votes=request.votes, bits=request.bits,
+                                     gia_reuse=request.gia_reuse)
         if not session.inline:
             values = session.shm
         else:

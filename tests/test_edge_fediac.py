@@ -3,10 +3,12 @@ same ``Rounds`` as the gateway's trainer, push votes, the scale one-hot and b-bi
 lanes on per-round wires (the values only up to the GIA's size), and the DC's sum (the LAN's plus the
 gateway trainer's) equals the numpy sum of every contributor's tensors exactly, under loss; every worker
 ends each iteration with the same GIA and the same decoded sum as a reference run of the same contributors.
-A contributor whose integers outgrow the round's int8 lanes sends on wider ones and the sum stays exact; an
-integer sum beyond int32 is flagged by the aggregator and fails the iteration instead of being rescaled; a
-round that fails (a worker's uplink lost for it) ends at every contributor with a typed error, and the
-later rounds are exact again."""
+Results come back narrow (the GIA as a bitmap, the sums as the narrowest integers), counted against what
+float32 lanes would take; with ``fediac_gia_reuse`` the reused iterations run one values round each, the
+GIA the same at every contributor. A contributor whose integers outgrow the round's int8 lanes sends on
+wider ones and the sum stays exact; an integer sum beyond int32 is flagged by the aggregator and fails the
+iteration instead of being rescaled; a round that fails (a worker's uplink lost for it) ends at every
+contributor with a typed error, and the later rounds are exact again."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import asyncio
 import dataclasses
 import itertools
 from collections.abc import Awaitable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,7 +26,7 @@ from netstorm.compression.options import VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Rounds
 from netstorm.errors import NetStormError
 from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted
-from netstorm.lan.header import Precision
+from netstorm.lan.header import HEADER_BYTES, Precision
 from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size, layout_order
 from netstorm.lan.layout import EdgeLayout
 
@@ -82,7 +85,8 @@ async def outcome(push: Awaitable[dict[str, np.ndarray]]) -> dict[str, np.ndarra
 
 
 async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: int, loss: float = 0.0,
-                     bits: int = 10, fail: tuple[int, int] | None = None) -> dict[str, Any]:
+                     bits: int = 10, reuse: int = 1, downlink_loss: float = 0.0,
+                     tmp: Path | None = None, fail: tuple[int, int] | None = None) -> dict[str, Any]:
     """``fail``: (step, round) in which LAN worker 0's uplink fails for the whole round (its DATA never
     leaves): the gateway's collect times out, the harness fails the iteration as the node would
     (``GatewayRounds.failed``, ``EdgeAgent.fail``), every contributor must end that step with a typed error
@@ -94,10 +98,16 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
     from netstorm.lan.sender import EdgeSender
 
     layout = full_layout()
-    options = dataclasses.replace(OPTIONS, bits=bits)
+    options = dataclasses.replace(OPTIONS, bits=bits, gia_reuse=reuse)
     contributors = workers + 1
     rng = np.random.default_rng(workers * 11 + iterations)
     with Lan(workers) as lan:
+        if downlink_loss:
+            from netstorm.emulation import lossfilter
+
+            # the bridge's port towards each worker: its results (and ACKs, NACKs) are lost, and PULLed back
+            assert tmp is not None
+            lossfilter.attach({(lan.bridge, f"w{i}"): downlink_loss for i in range(workers)}, tmp / "bpf")
         xdp = None
         if mode == "xdp":
             xdp = xdp_program
@@ -123,8 +133,10 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
             trainer.start(contributors, 0)
             plan = RoundPlan(registered, options, lanes=LANES, pool=layout.num_slots, scale=16,
                              contributors=contributors)
-            checked: dict[str, int] = {"votes": 0, "values": 0, "aborted": 0}
+            checked: dict[str, int] = {"votes": 0, "values": 0, "reused": 0, "aborted": 0}
             gias: list[int] = []
+            result_bytes: dict[str, list[tuple[int, int]]] = {"votes": [], "values": [], "reused": []}
+            """Per round kind: (bytes the gateway queued for the result, what float32 lanes would take)."""
             async with asyncio.TaskGroup() as tg:
                 serving = tg.create_task(agent.run())
                 try:
@@ -133,7 +145,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                     first = next(_iterations)
                     gateway = GatewayRounds(plan, first + 1)
                     wire = gateway.wire_of(first + 1)
-                    agent.plan(first + 1, wire.layout, integer=wire.integer)
+                    agent.plan(first + 1, wire.layout, integer=wire.integer, back=wire.back)
                     await agent.send_results(first, [np.zeros(s, np.float32) for s in layout.sizes],
                                              total=contributors, unicast=True)
                     for task in inits:
@@ -158,7 +170,8 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                                 # what the node does: the next iteration restarts the rounds, the LAN is told
                                 restart = gateway.failed(iteration)
                                 assert restart is not None and restart.kind is Kind.VOTES
-                                agent.plan(iteration + 1, restart.layout, integer=restart.integer)
+                                agent.plan(iteration + 1, restart.layout, integer=restart.integer,
+                                           back=restart.back)
                                 agent.fail(iteration)
                                 iteration += 1
                                 for core in [trainer, *reference]:
@@ -176,8 +189,13 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             checked[wire.kind.value] += 1
                             result = [np.asarray(d, np.float32) for d in dc]
                             back, following = gateway.released(iteration, result)
-                            agent.plan(iteration + 1, following.layout, integer=following.integer)
+                            agent.plan(iteration + 1, following.layout, integer=following.integer,
+                                       back=following.back)
+                            queued = agent.outbox.bulk_bytes_queued
                             await agent.send_results(iteration, back, total=contributors)
+                            result_bytes[wire.kind.value].append((
+                                agent.outbox.bulk_bytes_queued - queued,
+                                sum(HEADER_BYTES + 4 * e for e in wire.extents)))
                             iteration += 1
                             shaped = plan.shaped(result, registered)
                             nexts = []
@@ -199,12 +217,20 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                                 assert isinstance(await push, IterationAborted)
                             checked["aborted"] += 1
                             continue
+                        if wire.kind is Kind.REUSED:   # one round: values at the kept GIA and the scale
+                            assert wire.gia == gias[-1]
                         for i, push in enumerate(pushes):
                             got = await push
                             assert isinstance(got, dict), got
                             for name in MODEL:
                                 assert np.array_equal(got[name], decoded[1 + i][name]), name
                                 assert np.array_equal(got[name], decoded[0][name]), name
+                            assert clients[i].last.gia == trainer.last.gia == gias[-1]
+                            assert clients[i].last.reused == trainer.last.reused
+                            if trainer.last.reused:
+                                (reused_wire, _), = clients[i].received
+                                assert reused_wire.kind is Kind.REUSED and reused_wire.gia == gias[-1]
+                                continue
                             # every worker read the same GIA and carried only its lanes
                             votes_wire, votes_back = clients[i].received[0]
                             values_wire, _ = clients[i].received[1]
@@ -213,9 +239,11 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                             assert values_wire.precision is (Precision.INT8 if bits <= 8 else Precision.FIXED32)
                             assert values_wire.gia == gias[-1] == clients[i].last.gia
                             assert values_wire.layout.num_chunks == -(-max(1, values_wire.gia) // LANES)
-                            counts = np.rint(votes_back[votes_wire.tensors.index(names.index(VOTES))])
-                            first_counts = clients[0].received[0][1][votes_wire.tensors.index(names.index(VOTES))]
-                            assert np.array_equal(counts, np.rint(first_counts))
+                            # the GIA came back as a bitmap: 0/1, the same at every worker, of the GIA's size
+                            gia = votes_back[votes_wire.tensors.index(names.index(VOTES))]
+                            first_gia = clients[0].received[0][1][votes_wire.tensors.index(names.index(VOTES))]
+                            assert np.array_equal(gia, first_gia) and set(np.unique(gia)) <= {0, 1}
+                            assert int(gia.sum()) == gias[-1]
                 finally:
                     for c in clients:
                         c.sender.close()
@@ -223,6 +251,7 @@ async def run_fediac(mode: str, xdp_program: Any, *, workers: int, iterations: i
                     await serving
             stats = xdp.stats() if xdp is not None else dict(agent.fallback.counters)  # type: ignore[union-attr]
             return {**checked, "gia": gias, "stats": stats, "dropped": sum(c.sender.dropped for c in clients),
+                    "result_bytes": result_bytes, "pulls": sum(c.sender.pulls for c in clients),
                     "retransmitted": sum(c.sender.retransmitted for c in clients),
                     "values_lanes": names.index(VALUES)}
         finally:
@@ -240,6 +269,27 @@ def test_exact_integer_rounds_across_lan_workers_and_the_gateway_trainer(mode: s
     assert out["dropped"] > 0 and out["retransmitted"] > 0
     # the aggregator completed the rounds' slots itself (the kernel's counters on the XDP path)
     assert out["stats"]["complete"] >= 3 * (4 + 3 + 1)
+    # results came back narrow: the votes round's as two bitmaps of a datagram each (1237 and 768 elements),
+    # the values' sums at 8 bits (b = 8: |sum| < 2**7) or 16, never float32's 4 bytes a lane
+    for sent, float32 in out["result_bytes"]["votes"]:
+        assert sent == 2 * HEADER_BYTES + 155 + 96 and float32 == 2 * HEADER_BYTES + 4 * (1237 + 768)
+    for (sent, float32), g in zip(out["result_bytes"]["values"], out["gia"], strict=True):
+        assert sent <= -(-g // LANES) * HEADER_BYTES + g * (1 if bits <= 8 else 2) and sent < float32
+
+
+@pytest.mark.parametrize("reuse", [2, 3])
+def test_a_reused_gia_runs_values_rounds_alone_on_the_lan(mode: str, reuse: int, tmp_path: Path,
+                                                          request: pytest.FixtureRequest) -> None:
+    """``fediac_gia_reuse``: after each vote, reuse - 1 iterations send only values and the scale one-hot at
+    the kept GIA, summed exactly under loss both ways; every worker decodes what the reference run decodes,
+    the narrow results it lost PULLed back."""
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(run_fediac(mode, xdp, workers=3, iterations=2 * reuse, loss=0.05, bits=10, reuse=reuse,
+                                 downlink_loss=0.15, tmp=tmp_path))
+    assert out["votes"] == out["values"] == 2 and out["reused"] == 2 * (reuse - 1)
+    assert out["dropped"] > 0 and out["pulls"] > 0
+    for sent, float32 in out["result_bytes"]["reused"]:   # the sums as integers, the scale as a bitmap
+        assert sent < float32 / 2
 
 
 @pytest.mark.parametrize("fail_round", [0, 1], ids=["votes", "values"])

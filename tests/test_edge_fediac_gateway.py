@@ -2,11 +2,13 @@
 workers on a bridge, XDP or userspace), both DCs' trainers and the LAN workers running the same rounds.
 The node tells its gateway role the job's compression, the gateway plans each round's wire, the LAN
 workers send only those lanes, and the DC's exact integer sums reach the WAN roots, which threshold the
-full counts: every participant decodes exactly what a numpy run of the four contributors' rounds does."""
+full counts: every participant decodes exactly what a numpy run of the four contributors' rounds does. With
+``fediac_gia_reuse = 2`` every other iteration is one values round at the kept GIA, on the WAN and the LAN."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -40,11 +42,11 @@ def gradient(who: int, step: int) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in SHAPES.items()}
 
 
-def reference(steps: int | list[int]) -> list[dict[str, np.ndarray]]:
+def reference(steps: int | list[int], options: CompressionOptions = OPTIONS) -> list[dict[str, np.ndarray]]:
     """The decoded sums of every step (1..steps, or the steps listed): the four contributors' rounds, their
     tensors summed in numpy and the vote counts thresholded at a = 2 as the WAN roots do (the 0/1 GIA comes
     back)."""
-    rounds = [Rounds(OPTIONS, model(), SEED) for _ in CONTRIBUTORS]
+    rounds = [Rounds(options, model(), SEED) for _ in CONTRIBUTORS]
     for r, who in zip(rounds, CONTRIBUTORS, strict=True):
         r.registered(model())
         r.start(len(CONTRIBUTORS), who, applied=2)
@@ -71,24 +73,26 @@ def reference(steps: int | list[int]) -> list[dict[str, np.ndarray]]:
     return out
 
 
+@pytest.mark.parametrize("reuse", [1, 2])
 @pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str) -> None:
+def test_fediac_with_lan_workers_matches_numpy(tmp_path: Path, mode: str, reuse: int) -> None:
     with Lan(2) as lan, gateway_job(tmp_path, lan, mode, edge_port=EDGE_PORT, port_offset=500,
                                             gateway_flags=("--edge-pool-slots", "2")):
-        asyncio.run(_drive(tmp_path, lan, steps=3))
+        asyncio.run(_drive(tmp_path, lan, steps=4 if reuse > 1 else 3,
+                           options=dataclasses.replace(OPTIONS, gia_reuse=reuse)))
 
 
-async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:
-    workers = [await aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT}?worker={i}", OPTIONS,
+async def _drive(tmp_path: Path, lan: Lan, steps: int, options: CompressionOptions) -> None:
+    workers = [await aconnect_compressed_edge(f"edge://{GATEWAY_IP}:{EDGE_PORT}?worker={i}", options,
                                               contributor=CONTRIBUTORS[2 + i], seed=SEED, timeout=TIMEOUT,
                                               sock=lan.udp_socket(ns, lan.worker_ip(i)),
                                               group_opener=lan.group_opener(ns))
                for i, ns in enumerate(lan.workers)]
     gw_raw = await netstorm.aconnect(str(tmp_path / "n1.sock"), timeout=TIMEOUT)
     dc2_raw = await netstorm.aconnect(str(tmp_path / "n2.sock"), timeout=TIMEOUT)
-    gw = AsyncCompressedClient(gw_raw, OPTIONS, SEED)
-    dc2 = AsyncCompressedClient(dc2_raw, OPTIONS, SEED)
-    want = reference(steps)
+    gw = AsyncCompressedClient(gw_raw, options, SEED)
+    dc2 = AsyncCompressedClient(dc2_raw, options, SEED)
+    want = reference(steps, options)
     try:
         await asyncio.gather(gw.init(model()), dc2.init(model()), *(w.init(model()) for w in workers))
         everyone: list[AsyncCompressedClient | CompressedEdgeWorker] = [gw, dc2, *workers]
@@ -102,8 +106,14 @@ async def _drive(tmp_path: Path, lan: Lan, steps: int) -> None:
                                                   err_msg=f"contributor {who}, {name}, step {step}")
             gia = gw.last.gia
             assert 0 < gia < 1207
+            reused = options.gia_reuse > 1 and step % 2 == 0
+            assert gw.last.reused == dc2.last.reused == reused
             for w in workers:
-                assert w.last.gia == gia
+                assert w.last.gia == gia and w.last.reused == reused
+                if reused:   # one round: the values at the kept GIA and the scale one-hot
+                    (again, _), = w.received
+                    assert again.kind is Kind.REUSED and again.gia == gia
+                    continue
                 (votes, _), (values, _) = w.received
                 # only the GIA's lanes travelled in the values round, on a pool of GIA-sized work
                 assert votes.kind is Kind.VOTES and values.kind is Kind.VALUES and values.gia == gia

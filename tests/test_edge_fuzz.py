@@ -39,7 +39,7 @@ def headers(draw: st.DrawFn, kind: st.SearchStrategy[int] = u8, job: st.SearchSt
     return HEADER_STRUCT.pack(MAGIC, VERSION, draw(kind), draw(job), draw(st.one_of(st.integers(0, 70), u8)),
                               draw(st.one_of(st.integers(0, 4), u8)), draw(small), draw(small), draw(small),
                               draw(small), draw(st.one_of(st.integers(0, 400), u16)), draw(s8), draw(s8),
-                              draw(st.one_of(st.just(0), u32)), draw(u64), draw(st.one_of(st.integers(0, 4), u8)),
+                              draw(st.one_of(st.just(0), u32)), draw(u64), draw(st.one_of(st.integers(0, 7), u8)),
                               draw(s8), draw(st.one_of(st.just(0), u16)))
 
 

@@ -9,7 +9,7 @@ import pytest
 from netstorm.errors import ConfigError
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.errors import WireError
-from netstorm.lan.header import HEADER_BYTES, Header, Kind, Precision, lanes_for_mtu
+from netstorm.lan.header import DATA_PRECISIONS, HEADER_BYTES, Header, Kind, Precision, lanes_for_mtu
 from netstorm.lan.layout import MAX_MAP_BYTES, EdgeLayout
 from netstorm.lan.packets import ack_packets, data_packets
 from netstorm.lan.precision import decode_lanes, int8_scales, to_fixed, worker_values
@@ -58,7 +58,7 @@ def test_lanes_fit_the_mtu() -> None:
         lanes_for_mtu(60)
 
 
-@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("precision", DATA_PRECISIONS)
 def test_narrow_lanes_travel_at_their_width_and_widen_exactly(precision: Precision) -> None:
     rng = np.random.default_rng(int(precision))
     lay = EdgeLayout.uniform([300], scale=12, lanes=120)

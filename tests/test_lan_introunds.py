@@ -10,6 +10,7 @@ from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOption
 from netstorm.compression.session import Rounds
 from netstorm.lan.errors import WireError
 from netstorm.lan.introunds import GatewayRounds, Kind, RoundPlan, gia_size
+from netstorm.lan.resultwire import Format
 
 MODEL = {"w": np.zeros((30, 20), np.float32), "b": np.zeros(11, np.float32)}
 
@@ -29,12 +30,21 @@ def test_wires_carry_votes_whole_and_values_up_to_the_gia() -> None:
     counts = np.zeros(611)
     counts[[3, 50, 400]] = [2, 3, 4]
     counts[[7, 9]] = 1   # below the threshold a = 2
-    values = plan.following(votes, [np.zeros(768), counts])
+    scale = np.zeros(768)
+    scale[[100, 130]] = [3, 1]
+    returned = plan.returned(votes, [scale, counts])
+    # the LAN gets the GIA and the occupied scale buckets, not the counts
+    assert np.flatnonzero(returned[1]).tolist() == [3, 50, 400] and set(np.unique(returned[1])) == {0, 1}
+    assert np.flatnonzero(returned[0]).tolist() == [100, 130] and returned[0].max() == 1
+    assert votes.result.formats == (Format.BITMAP, Format.BITMAP)
+    assert votes.result.layout.sizes == (96, 77) and votes.result.layout.lanes == 400   # 8 elements a byte lane
+    values = plan.following(votes, returned)
     assert values.kind is Kind.VALUES and values.gia == 3 == gia_size(counts, 2)
+    assert values.result.formats == (Format.INTEGER,) and values.result.layout.lanes == 100
     assert [names[t] for t in values.tensors] == [VALUES] and values.layout.sizes == (3,)
     assert values.layout.num_chunks == 1 and values.layout.num_slots == 1   # the pool cycles over the GIA
     assert plan.following(values, [np.zeros(3)]).kind is Kind.VOTES
-    empty = plan.following(votes, [np.zeros(768), np.zeros(611)])
+    empty = plan.following(votes, plan.returned(votes, [np.zeros(768), np.zeros(611)]))
     assert empty.gia == 0 and empty.layout.sizes == (1,)   # an empty GIA still takes one lane of zeros
 
 
@@ -51,9 +61,10 @@ def test_topk_values_travel_at_the_model_scale() -> None:
     votes = plan.first()
     assert votes.layout.sizes == (611,)   # top-k sends no scale one-hot
     counts = np.zeros(611)
-    counts[:9] = 1   # the union: threshold 1
-    values = plan.following(votes, [counts])
+    counts[:9] = [1, 2, 3, 4, 1, 1, 1, 2, 1]   # the union: threshold 1
+    values = plan.following(votes, plan.returned(votes, [counts]))
     assert values.gia == 9 and not values.integer and values.layout.scales == (16,)
+    assert values.result.formats == (Format.FLOAT,)
 
 
 def test_lanes_round_trip_and_nothing_past_a_wire_is_dropped_silently() -> None:
@@ -72,7 +83,8 @@ def test_lanes_round_trip_and_nothing_past_a_wire_is_dropped_silently() -> None:
     for name in registered:
         assert np.array_equal(full[name].reshape(-1), np.asarray(push[name]).reshape(-1).astype(full[name].dtype))
     assert [x.size for x in plan.restrict(wire, plan.expand(wire, lanes))] == list(wire.extents)
-    values = plan.following(wire, [lanes[0], lanes[1]])   # alone, every vote of this contributor agrees
+    # alone, every vote of this contributor agrees
+    values = plan.following(wire, plan.returned(wire, [lanes[0], lanes[1]]))
     push = steps.send(full)
     plan.lanes_of(values, push)
     bad = dict(push)
@@ -94,28 +106,12 @@ def test_the_gateway_plans_the_next_wire_from_the_result_it_releases() -> None:
     result = [np.zeros(registered[n].size, np.float32) for n in names]
     result[names.index(VOTES)][[1, 2, 5]] = [2, 2, 1]
     back, following = gateway.released(10, result)
-    assert [b.size for b in back] == [768, 611]
+    assert [b.size for b in back] == [768, 611] and np.flatnonzero(back[1]).tolist() == [1, 2]
     assert gateway.wire_of(11) is following and following.gia == 2
     lan = gateway.contribution(11, [np.array([5, -3], np.float32)])
     assert lan[names.index(VALUES)][:2].tolist() == [5, -3] and not lan[names.index(VALUES)][2:].any()
     with pytest.raises(WireError, match="no planned wire"):
         gateway.wire_of(13)
-
-
-def test_a_lan_worker_refuses_a_reused_gia_which_the_gateways_wires_do_not_follow() -> None:
-    import socket
-
-    from netstorm.errors import TrainerError
-    from netstorm.lan.compressed import CompressedEdgeWorker
-    from netstorm.lan.layout import EdgeLayout
-    from netstorm.lan.sender import EdgeSender
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        sender = EdgeSender(sock, ("127.0.0.1", 9), worker=0, layout=EdgeLayout.uniform([1], 0), job=1)
-        with pytest.raises(TrainerError, match="fediac_gia_reuse 2 cannot run on the LAN tier"):
-            CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10, gia_reuse=2), contributor=1)
-        assert CompressedEdgeWorker(sender, CompressionOptions("fediac", k=0.1, bits=10), contributor=1).rounds is None
 
 
 def test_after_a_failed_iteration_the_gateway_and_a_worker_restart_the_rounds_alike() -> None:
@@ -169,7 +165,7 @@ def test_the_gateway_role_plans_the_restart_before_it_tells_the_workers_and_only
         def __init__(self) -> None:
             self.failed: dict[int, str] = {}
 
-        def plan(self, iteration: int, layout: object, *, integer: bool = False) -> None:
+        def plan(self, iteration: int, layout: object, *, integer: bool = False, back: object = None) -> None:
             calls.append(("plan", iteration, gateway.wire_of(iteration).kind))
 
         def fail(self, iteration: int) -> None:
@@ -191,3 +187,46 @@ def test_the_gateway_role_plans_the_restart_before_it_tells_the_workers_and_only
     role.failed(7)   # reported again
     role.failed(4)   # before the LAN tier's first summed iteration
     assert calls == [("plan", 8, Kind.VOTES), ("fail", 7, None)]
+
+
+@pytest.mark.parametrize("reuse", [2, 3])
+def test_a_reused_gia_sends_values_and_the_scale_on_the_wires_the_rounds_push(reuse: int) -> None:
+    """``fediac_gia_reuse``: the wires follow the Rounds core of every contributor (votes and values, then
+    reuse - 1 iterations of values and the scale one-hot at the kept GIA, then a vote again): nothing a push
+    holds falls outside its wire, and the GIA stays the votes round's."""
+    options = CompressionOptions("fediac", k=0.2, bits=10, votes=1, gia_reuse=reuse)
+    plan, registered = plan_for(options, contributors=1)
+    names = list(plan.names)
+    rounds = Rounds(options, MODEL, seed=4)
+    rounds.registered(MODEL)
+    rounds.start(1, 0, applied=plan.threshold)   # the LAN returns the GIA: read as the roots'
+    rng = np.random.default_rng(2)
+    wire = plan.first()
+    kinds = []
+    gia = -1
+    for _ in range(2 * reuse):
+        grads = {n: rng.standard_normal(v.shape).astype(np.float32) for n, v in MODEL.items()}
+        steps = rounds.iteration(grads)
+        push = next(steps)
+        while True:
+            current = wire
+            kinds.append(current.kind)
+            lanes = plan.lanes_of(current, push)   # WireError if the rounds pushed past the wire
+            returned = plan.returned(current, lanes)
+            back = current.result
+            got = back.decode([back.encode(t, r)[1].astype(np.float32) for t, r in enumerate(returned)])
+            assert all(np.array_equal(a, b) for a, b in zip(got, returned, strict=True))
+            wire = plan.following(current, got)
+            if current.kind is Kind.VOTES:
+                gia = wire.gia
+            elif current.kind is Kind.REUSED:
+                assert current.gia == gia and {names[t] for t in current.tensors} == {VALUES, SCALE}
+                assert back.formats == tuple(Format.BITMAP if names[t] == SCALE else Format.INTEGER
+                                             for t in current.tensors)
+            try:
+                push = steps.send(plan.shaped(plan.expand(current, got), registered))
+            except StopIteration:
+                break
+        assert rounds.last.reused == (current.kind is Kind.REUSED) and rounds.last.gia == gia
+    cycle = [Kind.VOTES, Kind.VALUES] + [Kind.REUSED] * (reuse - 1)
+    assert kinds == cycle * 2

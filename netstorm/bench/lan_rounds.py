@@ -4,10 +4,12 @@ One namespace LAN (a gateway and N workers on a bridge), one aggregation path (`
 model. Dense: every worker pushes the model as int32 fixed-point lanes, as an uncompressed job's LAN
 worker does. FediAC: every worker runs ``CompressedEdgeWorker`` (the votes round, then the values up to
 the GIA's size), and the gateway plans each round's wire and adds its own trainer's integers
-(``GatewayRounds``), as a gateway role does. Per iteration and worker, both report the DATA datagrams and
-bytes sent (retransmissions included, 28 bytes of IPv4/UDP headers each) and the RESULT bytes the gateway
-sent back once (multicast), and the wall time per iteration. (The exactness of FediAC's integer sums is
-what ``tests/test_edge_fediac.py`` checks; this counts bytes.)
+(``GatewayRounds``), as a gateway role does, and returns each round's result in the form its wire names
+(``Wire.back``: the GIA as a bitmap, the sums as the narrowest integers). Per iteration and worker, both
+report the DATA datagrams and bytes sent (retransmissions included, 28 bytes of IPv4/UDP headers each)
+and the RESULT bytes the gateway queued once (multicast: what each worker receives, IPv4/UDP headers
+included), and the wall time per iteration. ``--gia-reuse N`` runs FediAC with ``fediac_gia_reuse``.
+(The exactness of FediAC's integer sums is what ``tests/test_edge_fediac.py`` checks; this counts bytes.)
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=float, default=0.05, help="fediac_k (default the paper's 5 %%)")
     parser.add_argument("--bits", type=int, default=8, help="fediac_bits (default 8: int8 value lanes)")
     parser.add_argument("--pool", type=int, default=1024, help="slot pool (edge_pool_slots)")
+    parser.add_argument("--gia-reuse", type=int, default=1, help="fediac_gia_reuse (default 1: a vote every "
+                        "iteration)")
     parser.add_argument("--out", metavar="FILE", default=None, help="also write the JSON, with the command, to FILE")
 
 
@@ -71,7 +75,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.lan.layout import EdgeLayout
     from netstorm.lan.sender import EdgeSender
 
-    options = CompressionOptions("fediac", k=args.k, bits=args.bits)
+    options = CompressionOptions("fediac", k=args.k, bits=args.bits, gia_reuse=args.gia_reuse)
     lanes = lanes_for_mtu(1500)
     model = {"w": np.zeros(args.elements, np.float32)}
     registered = Rounds(options, model).registered(model)
@@ -82,6 +86,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     host = {"kernel": os.uname().release, "cpus": os.cpu_count(), "load_average_before": os.getloadavg()}
     out: dict[str, Any] = {"workers": args.workers, "elements": args.elements, "iterations": args.iterations,
                            "mode": args.mode, "loss": args.loss, "fediac_k": args.k, "fediac_bits": args.bits,
+                           "fediac_gia_reuse": args.gia_reuse,
                            "lanes": lanes, "pool": args.pool}
     with Lan(args.workers) as lan:
         xdp = None
@@ -113,7 +118,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     iteration = 1000
                     gateway = GatewayRounds(plan, iteration + 1)
                     wire = gateway.wire_of(iteration + 1)
-                    agent.plan(iteration + 1, wire.layout, integer=wire.integer)
+                    agent.plan(iteration + 1, wire.layout, integer=wire.integer, back=wire.back)
                     await agent.send_results(iteration, [np.zeros(s, np.float32) for s in full.sizes],
                                              total=contributors, unicast=True)
                     for task in inits:
@@ -124,6 +129,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                     bytes_up = 0
                     bytes_down = 0
                     gias = []
+                    rounds = []
                     started = time.perf_counter()
                     for _ in range(args.iterations):
                         grads = [{"w": rng.standard_normal(args.elements).astype(np.float32)}
@@ -142,9 +148,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                             dc = [lan_full[t].astype(np.float64) + np.asarray(mine[n], np.float64).reshape(-1)
                                   for t, n in enumerate(names)]
                             back, following = gateway.released(iteration, [d.astype(np.float32) for d in dc])
-                            agent.plan(iteration + 1, following.layout, integer=following.integer)
+                            agent.plan(iteration + 1, following.layout, integer=following.integer,
+                                       back=following.back)
+                            down_bytes = agent.outbox.bulk_bytes_queued
                             await agent.send_results(iteration, back, total=contributors)
-                            bytes_down += (agent.outbox.bulk_queued - down) * _datagram_bytes(lanes, Precision.FIXED32)
+                            bytes_down += agent.outbox.bulk_bytes_queued - down_bytes + \
+                                (agent.outbox.bulk_queued - down) * IP_UDP_BYTES
                             iteration += 1
                             shaped = plan.shaped([d.astype(np.float32) for d in dc], registered)
                             try:
@@ -154,8 +163,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                         for task in pushes:
                             await task
                         gias.append(trainer.last.gia)
+                        rounds.append(trainer.last.round_trips)
                     fediac_s = time.perf_counter() - started
                     fediac_datagrams = sum(s.batch.datagrams - b for s, b in zip(senders, sent0, strict=True))
+                    fediac_pulls = sum(s.pulls for s in senders)
                     # dense: the model as int32 fixed point, every worker, same LAN and aggregator
                     dense = EdgeLayout.uniform([args.elements], scale=16, lanes=lanes, pool=full.num_slots)
                     for s in senders:
@@ -171,8 +182,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
                                    for s, v in zip(senders, values, strict=True)]
                         sums = await agent.collect(iteration, timeout=60)
                         down = agent.outbox.bulk_queued
+                        down_bytes = agent.outbox.bulk_bytes_queued
                         await agent.send_results(iteration, sums, total=args.workers)
-                        down_dense += (agent.outbox.bulk_queued - down) * _datagram_bytes(lanes, Precision.FIXED32)
+                        down_dense += agent.outbox.bulk_bytes_queued - down_bytes + \
+                            (agent.outbox.bulk_queued - down) * IP_UDP_BYTES
                         for task2 in pushes2:
                             await task2
                         iteration += 1
@@ -195,9 +208,12 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     out["fediac"] = {"datagrams_per_worker_iteration": fediac_datagrams / per,
                      "bytes_per_worker_iteration": bytes_up / per,
                      "result_bytes_per_iteration": bytes_down / args.iterations,
-                     "iteration_s": fediac_s / args.iterations, "gia": gias}
+                     "iteration_s": fediac_s / args.iterations, "gia": gias, "round_trips": rounds,
+                     "pulls_per_worker_iteration": fediac_pulls / per}
     out["fediac_over_dense_bytes"] = out["fediac"]["bytes_per_worker_iteration"] / \
         out["dense"]["bytes_per_worker_iteration"]
+    out["fediac_over_dense_result_bytes"] = out["fediac"]["result_bytes_per_iteration"] / \
+        out["dense"]["result_bytes_per_iteration"]
     out["host"] = {**host, "load_average_after": os.getloadavg(),
                    "note": "2-core VM shared with other jobs"}
     return out

@@ -145,7 +145,8 @@ class Rounds:
 
     def init_args(self) -> dict[str, Any]:
         """The keywords of the node client's ``init`` for this compression."""
-        return {"compression": self.options.method, "votes": self.options.votes, "bits": self.options.bits}
+        return {"compression": self.options.method, "votes": self.options.votes, "bits": self.options.bits,
+                "gia_reuse": self.options.gia_reuse}
 
     def start(self, contributors: int, node_id: int, applied: int = 0) -> None:
         """After init: the contributor count N (every DC's trainer and LAN workers), this DC's id, and the
@@ -295,7 +296,7 @@ class _Client(Protocol):
     node_id: int
 
     def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
-             votes: int = ..., bits: int = ...) -> dict[str, np.ndarray]: ...
+             votes: int = ..., bits: int = ..., gia_reuse: int = ...) -> dict[str, np.ndarray]: ...
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 
@@ -305,7 +306,7 @@ class _AsyncClient(Protocol):
     node_id: int
 
     async def init(self, tensors: Mapping[str, np.ndarray], *, compression: str = ...,
-                   votes: int = ..., bits: int = ...) -> dict[str, np.ndarray]: ...
+                   votes: int = ..., bits: int = ..., gia_reuse: int = ...) -> dict[str, np.ndarray]: ...
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = ...) -> dict[str, np.ndarray]: ...
 

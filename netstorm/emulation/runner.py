@@ -248,8 +248,6 @@ def options_from_args(args: argparse.Namespace) -> Options:
         raise EmulationError("--compression runs without --chaos")
     if lan_workers and "fp16" in compression_list:
         raise EmulationError("--compression fp16 runs without LAN workers (their lanes are fixed point already)")
-    if lan_workers and (int(given.get("fediac_gia_reuse", 1)) != 1 or any("gia_reuse" in c for c in compression_list)):
-        raise EmulationError("fediac_gia_reuse runs without LAN workers (the LAN tier votes every iteration)")
     compression_flags = [flag for name in ("fediac_k", "fediac_bits", "fediac_votes", "fediac_gia_reuse")
                          if name in given
                          for flag in ("--" + name.replace("_", "-"), str(given[name]))]

@@ -20,6 +20,7 @@ from typing import Final
 import numpy as np
 
 from netstorm.lan.header import (
+    DATA_PRECISIONS,
     HEADER_BYTES,
     HEADER_DTYPE,
     MAGIC,
@@ -27,6 +28,7 @@ from netstorm.lan.header import (
     MAX_LANES,
     MAX_REPORT_BYTES,
     MAX_WORKERS,
+    RESULT_PRECISIONS,
     VERSION,
     Kind,
     Precision,
@@ -38,7 +40,8 @@ BATCH_ROWS: Final = 1024
 """Datagrams one batch holds (about 4 MB of buffer)."""
 _LANED: Final = np.array([k in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY) for k in range(256)])
 """Kinds whose payload is lanes (indexed by kind code)."""
-_MAX_PRECISION: Final = max(int(p) for p in Precision)
+_DATA_PRECISION: Final = np.array([p in {int(q) for q in DATA_PRECISIONS} for p in range(256)])
+_RESULT_PRECISION: Final = np.array([p in {int(q) for q in RESULT_PRECISIONS} for p in range(256)])
 _KNOWN: Final = np.array([k in {int(kind) for kind in Kind} for k in range(256)])
 _LANE_BYTES: Final = np.array([Precision(p).lane_bytes if p in {int(q) for q in Precision} else 1
                                for p in range(256)], np.int64)
@@ -110,11 +113,11 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Which datagrams ``Header.decode`` accepts, for a batch at once: a bool per row.
 
     The same rules, in the same terms: the length holds a header, magic and version, a known kind, at most
-    MAX_LANES lanes, a worker id below MAX_WORKERS, a zero reserved word, a known precision (and a narrow
-    one only on DATA), a payload that holds ``count`` lanes of that width (and at most MAX_LANES), a HELLO
-    payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES, no payload on the
-    other kinds, known flags, and ``total`` only on RESULT. A row shorter than a header is rejected before
-    its (stale) fields count."""
+    MAX_LANES lanes, a worker id below MAX_WORKERS, a zero reserved word, a known precision (a narrow one
+    only on DATA, RESULT's own on RESULT), a payload that holds ``count`` lanes of that width (and at most
+    MAX_LANES), a HELLO payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES,
+    no payload on the other kinds, known flags, and ``total`` only on RESULT. A row shorter than a header is
+    rejected before its (stale) fields count."""
     lengths = np.asarray(lengths, np.int64)[: headers.size]
     kind = headers["kind"].astype(np.int64)
     precision = headers["precision"].astype(np.int64)
@@ -127,7 +130,8 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     report = kind == Kind.REPORT
     payload_ok = np.where(laned, lanes_fit, np.where(hello, payload <= MAX_DEPLOY_BYTES,
                                                      np.where(report, payload <= MAX_REPORT_BYTES, payload == 0)))
-    precision_ok = (precision == Precision.FIXED32) | ((precision <= _MAX_PRECISION) & (kind == Kind.DATA))
+    precision_ok = (precision == Precision.FIXED32) | (_DATA_PRECISION[precision] & (kind == Kind.DATA)) | \
+        (_RESULT_PRECISION[precision] & (kind == Kind.RESULT))
     ok = (lengths >= HEADER_BYTES) & (lengths <= ROW_BYTES)
     ok &= headers["magic"] == MAGIC
     ok &= headers["version"] == VERSION

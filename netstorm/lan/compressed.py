@@ -5,6 +5,10 @@ Votes, the scale one-hot and FediAC's b-bit values go as exact integers at scale
 program (or its userspace fallback) sums like any int32 lane; the gateway adds its own trainer's integers
 and hands the DC's exact sum to the node, so the WAN roots see the full counts of every contributor. The
 worker's ``Rounds`` is seeded with its own contributor id, so its votes and rounding are its own draws.
+What comes back is what the rounds need, exactly and narrow (``Wire.back``): the GIA as a bitmap (the
+gateway applied the threshold, so the worker's rounds read it as the roots' GIA), the b-bit sums as the
+narrowest integers that hold them. With ``fediac_gia_reuse`` the reused iterations push values and the scale
+one-hot on their own wire, without a vote round, as a trainer at a node does.
 
 A failed iteration (the gateway's FAILED notice, ``IterationAborted``, or this worker's own timeout) raises
 here as at every other contributor; the worker undoes its rounds (``Rounds.abort``), counts the failed
@@ -36,14 +40,10 @@ class CompressedEdgeWorker:
     def __init__(self, sender: EdgeSender, options: CompressionOptions, *, contributor: int, seed: int = 0,
                  applied: int | None = None, timeout: float = 60.0) -> None:
         """``contributor``: this worker's id among every contributor of the job (it seeds its draws; a
-        node trainer's is its node id); ``applied``: the vote threshold the WAN roots apply (0: none, each
-        contributor applies it; None: as the gateway's deployment says)."""
+        node trainer's is its node id); ``applied``: the vote threshold the WAN roots apply (0: none, the
+        gateway applies it to the counts it returns; None: as the gateway's deployment says)."""
         if not options.sparse:
             raise TrainerError(f"compression {options.method!r} has no rounds to run on the LAN")
-        if options.gia_reuse != 1:
-            # the gateway plans each iteration's wire as votes then values; a reused GIA skips the vote
-            raise TrainerError(f"fediac_gia_reuse {options.gia_reuse} cannot run on the LAN tier: its wires "
-                               f"follow the paper's vote every iteration (set fediac_gia_reuse = 1)")
         self.sender = sender
         self.options = options
         self.contributor = contributor
@@ -90,7 +90,8 @@ class CompressedEdgeWorker:
             self.applied = deployment.gia_threshold
         self.plan = RoundPlan(registered, self.options, lanes=full.lanes, pool=deployment.pool, scale=reply.scale,
                               contributors=self._workers, applied=self.applied)
-        rounds.start(self._workers, self.contributor, self.applied)
+        # the gateway returns the GIA, not the counts: the rounds read it as a GIA the roots thresholded
+        rounds.start(self._workers, self.contributor, applied=self.plan.threshold)
         self.rounds = rounds
         self._registered = registered
         self.wire = self.plan.first()
@@ -114,7 +115,8 @@ class CompressedEdgeWorker:
                 self.sender.precision = wire.precision
                 self.sender.integers = wire.integer
                 started = time.perf_counter()
-                back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout)
+                back, self._workers = await self.sender.push_pull(iteration, lanes, timeout=self.timeout,
+                                                                  back=wire.result)
                 seconds = time.perf_counter() - started
                 self.iteration = iteration
                 self.received.append((wire, back))

@@ -9,7 +9,9 @@ loader puts in front of the program before bcc compiles it. A field added or mov
 All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
 DATA carries lanes of the sender's ``precision`` (``Precision``: int32 fixed point at ``scale``, or raw
 fp16, bf16, or int8 at the sender's own ``wscale``, which the aggregator converts exactly to int32 fixed
-point at ``scale``); AGG carries int32 fixed-point lanes; RESULT carries float32 lanes; ACK carries u32
+point at ``scale``); AGG carries int32 fixed-point lanes; RESULT carries float32 lanes, or, for a compressed
+job's integer rounds, int8, int16 or int32 integers or a bitmap (8 elements per byte) named by its ``precision``
+(``RESULT_PRECISIONS``, ``netstorm/lan/resultwire.py``); ACK carries u32
 chunk sequence numbers (a chunk's index in the whole model: its slot's key). DATA is always padded with
 zero lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in
 linear time); ``count`` says how many lanes matter. ``lanes_for_mtu`` gives the lane width an MTU holds:
@@ -37,8 +39,9 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 3
-"""3: ``precision`` and ``wscale`` joined the header, and slots became a pool (2 added the ``token``)."""
+VERSION: Final = 4
+"""4: RESULT may carry narrow integer or bitmap lanes (``precision``), and the REPORT and FAILED kinds; 3:
+``precision`` and ``wscale`` joined the header, and slots became a pool (2 added the ``token``)."""
 HEADER_BYTES: Final = 44
 MAX_LANES: Final = 1024
 """The wire's limit; a layout's lane width comes from the LAN MTU (``lanes_for_mtu``)."""
@@ -61,7 +64,7 @@ class Field:
 FIELDS: Final = (
     Field("magic", "u16", "0x534E (MAGIC)"),
     Field("version", "u8", "VERSION"),
-    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO, ACK, QUERY, REPORT (see Kind)"),
+    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO, ACK, QUERY, REPORT, FAILED (see Kind)"),
     Field("job", "u16", "training job; the gateway ignores other jobs' packets"),
     Field("worker", "u8", "LAN worker id, 0..63 (bit in the contributor bitmap)"),
     Field("flags", "u8", "OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)"),
@@ -77,7 +80,8 @@ FIELDS: Final = (
           "every other kind"),
     Field("token", "u64", "keyed per-(sender, worker, iteration) token when the job has a secret, else 0; "
           "AGG: the agent's own value, written by the data plane"),
-    Field("precision", "u8", "DATA: lane encoding (Precision: FIXED32, FP16, BF16, INT8); zero elsewhere"),
+    Field("precision", "u8", "DATA: lane encoding (Precision: FIXED32, FP16, BF16, INT8); RESULT: FIXED32 "
+          "(float32 lanes), INT8, INT16, INT32 or BITMAP; zero elsewhere"),
     Field("wscale", "s8", "DATA at INT8: the sender's own scale (lanes hold round(x * 2**wscale)); else 0"),
     Field("reserved", "u16", "zero"),
 )
@@ -109,7 +113,8 @@ class Kind(enum.IntEnum):
     NACK = 3
     """agent -> worker: resend (iteration, tensor, chunk); with RESCALE, re-quantise at ``scale`` first."""
     RESULT = 4
-    """agent -> worker: float32 result of the WAN step for one chunk."""
+    """agent -> worker: the result of the WAN step for one chunk (float32 lanes, or a compressed round's
+    exact integers or bitmap, named by ``precision``)."""
     PULL = 5
     """worker -> agent: resend the RESULT of (iteration, tensor, chunk)."""
     HELLO = 6
@@ -138,7 +143,13 @@ class Precision(enum.IntEnum):
     BF16 = 2
     """bfloat16 bits (2 bytes)."""
     INT8 = 3
-    """int8 lanes round(x * 2**wscale) at the sender's own ``wscale`` (1 byte)."""
+    """int8 lanes round(x * 2**wscale) at the sender's own ``wscale`` (1 byte); on a RESULT, exact integers."""
+    INT16 = 4
+    """RESULT only: exact int16 integers (2 bytes)."""
+    INT32 = 5
+    """RESULT only: exact int32 integers (4 bytes)."""
+    BITMAP = 6
+    """RESULT only: 0/1 elements, 8 per byte lane (numpy ``packbits``, little bit order): a GIA."""
 
     @property
     def lane_bytes(self) -> int:
@@ -153,17 +164,30 @@ class Precision(enum.IntEnum):
             raise WireError(f"unknown precision {name!r}: expected one of {', '.join(PRECISION_NAMES)}") from None
 
 
-LANE_BYTES: Final = {Precision.FIXED32: 4, Precision.FP16: 2, Precision.BF16: 2, Precision.INT8: 1}
+LANE_BYTES: Final = {Precision.FIXED32: 4, Precision.FP16: 2, Precision.BF16: 2, Precision.INT8: 1,
+                     Precision.INT16: 2, Precision.INT32: 4, Precision.BITMAP: 1}
+DATA_PRECISIONS: Final = (Precision.FIXED32, Precision.FP16, Precision.BF16, Precision.INT8)
+"""How a DATA datagram's lanes may travel (what the aggregators widen to int32 fixed point)."""
+RESULT_PRECISIONS: Final = (Precision.FIXED32, Precision.INT8, Precision.INT16, Precision.INT32, Precision.BITMAP)
+"""How a RESULT datagram's lanes may travel: float32 (FIXED32's code), or a compressed job's integer round's
+exact integers or bitmap (``netstorm/lan/resultwire.py``)."""
 PRECISION_NAMES: Final = {"fp32": Precision.FIXED32, "fp16": Precision.FP16, "bf16": Precision.BF16,
                           "int8": Precision.INT8}
 
 
 def lanes_for_mtu(mtu: int) -> int:
-    """The widest lane count whose int32/float32 datagram fits an ``mtu``-byte IPv4 packet."""
+    """The widest lane count whose int32/float32 datagram fits an ``mtu``-byte IPv4 packet (narrower lanes:
+    ``lanes_for_bytes``)."""
     lanes = (mtu - IP_UDP_BYTES - HEADER_BYTES) // 4
     if not 1 <= lanes <= MAX_LANES:
         raise WireError(f"an MTU of {mtu} bytes holds {lanes} lanes; the wire carries 1..{MAX_LANES}")
     return lanes
+
+
+def lanes_for_bytes(payload: int, precision: Precision) -> int:
+    """How many lanes of ``precision`` a datagram whose int32 payload is ``payload`` bytes carries in as many
+    bytes (at most MAX_LANES)."""
+    return max(1, min(MAX_LANES, payload // precision.lane_bytes))
 
 
 class Flag(enum.IntFlag):
@@ -177,6 +201,8 @@ class Flag(enum.IntFlag):
 
 _KINDS: Final = {int(k): k for k in Kind}
 _PRECISIONS: Final = {int(p): p for p in Precision}
+_ALLOWED: Final = {Kind.DATA: frozenset(DATA_PRECISIONS), Kind.RESULT: frozenset(RESULT_PRECISIONS)}
+"""Lane encodings each kind may carry (every other kind: FIXED32 only)."""
 MAX_DEPLOY_BYTES: Final = 1024
 """Largest HELLO payload (a worker's deployment)."""
 MAX_REPORT_BYTES: Final = 64
@@ -233,7 +259,7 @@ class Header:
         if reserved:
             raise WireError(f"reserved header word 0x{reserved:04x} is not zero")
         precision = _PRECISIONS.get(precision_code)
-        if precision is None or (precision != Precision.FIXED32 and kind != Kind.DATA):
+        if precision is None or (precision != Precision.FIXED32 and precision not in _ALLOWED.get(kind, ())):
             raise WireError(f"{kind.name} datagram with precision code {precision_code}")
         payload = len(data) - HEADER_BYTES
         if kind in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY):

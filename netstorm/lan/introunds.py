@@ -9,7 +9,9 @@ travel, and each round has its own ``EdgeLayout`` (its *wire*):
 - dense (b derived: the first iteration): the model's tensors, at the model's fixed-point scale;
 - votes: the vote array and the scale one-hot, whole;
 - values: the values' first ``g`` lanes, g the GIA's size (they are compacted to the front, in ascending
-  index order, so every contributor's j-th value is the same coordinate).
+  index order, so every contributor's j-th value is the same coordinate);
+- reused (``fediac_gia_reuse``, ours): the values' first ``g`` lanes at the kept GIA and the scale one-hot,
+  one round without a vote, as on the WAN (``codecs.FediacCodec.reused``).
 
 Integer tensors travel at scale 0: the int32 lane is the integer itself, which the XDP program (and the
 userspace fallback) sums like any int32 lane, exactly. Overflow is handled where it can happen. A round
@@ -24,18 +26,26 @@ has at most 64 workers); were it flagged, the gateway fails the iteration (``Int
 job recovers as from any failed iteration, below.
 
 Nobody sends a lane past a wire's extent, and nobody needs to: every party derives the same wire for every
-iteration. The first summed iteration is dense (b derived) or votes; votes and values alternate; g is the
-number of indices whose summed count reaches the threshold, read from the votes round's result, which every
-LAN worker and the gateway hold identically (the gateway sent it). So the gateway plans iteration k+1's
-wire (``RoundPlan.released``) before it sends iteration k's result, which is before any worker can send
-k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the wire: the slot pool cycles
-over the GIA-sized work, not over the model. Results go back over the same wire (the lanes past it are
-zeros in every contributor's tensor, hence in the sum).
+iteration. The first summed iteration is dense (b derived) or votes; a votes round is followed by its
+values round and, with ``fediac_gia_reuse = N``, by N - 1 reused ones (the wire counts the iterations its
+GIA served, as the codec does), then the next vote; g is the GIA's size, read from the votes round's
+result, which every LAN worker and the gateway hold identically (the gateway sent it). So the gateway
+plans iteration k+1's wire (``GatewayRounds.released``) before it sends iteration k's result, which is
+before any worker can send k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the
+wire: the slot pool cycles over the GIA-sized work, not over the model.
+
+Results go back over the same tensors (the lanes past them are zeros in every contributor's tensor, hence
+in the sum), in the narrowest form that carries what a worker needs exactly (``Wire.back``,
+``netstorm/lan/resultwire.py``): a votes round's counts as the GIA bitmap (the gateway holds the full
+counts, or the roots' 0/1 GIA, and applies the threshold itself: ``RoundPlan.returned``), the scale
+histogram as the bitmap of its occupied buckets (the global m is the top one's edge), the b-bit values'
+sums as int8, int16 or int32, whichever holds them; a LAN worker reads the GIA as the roots' (threshold 1).
 
 An iteration that fails (a worker missing, a lost round, a DC timing out) ends at every contributor with a
 typed error and no sums; each ``Rounds`` undoes it (``Rounds.abort``) and the next iteration starts the
-rounds again, so the wire after a failed one is votes (or dense again: ``RoundPlan.restart``), which the
-gateway plans when the node reports the failure (``GatewayRounds.failed``) and each worker derives itself.
+rounds again, so the wire after a failed one is votes (or dense again, or the same reused values wire: the
+undone codec reuses its kept GIA again; ``RoundPlan.restart``), which the gateway plans when the node
+reports the failure (``GatewayRounds.failed``) and each worker derives itself.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOption
 from netstorm.lan.errors import WireError
 from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.resultwire import Format, ResultWire
 from netstorm.layout import Layout, TensorSpec
 
 EXACT_LANE = 2**24
@@ -62,6 +73,8 @@ class Kind(enum.Enum):
     DENSE = "dense"
     VOTES = "votes"
     VALUES = "values"
+    REUSED = "reused"
+    """Values at a kept GIA with the scale one-hot, no vote (``fediac_gia_reuse``, ours)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +97,14 @@ class Wire:
     (an integer x travels as x * 2**w and is shifted back), so the sums are the same. It is the narrowest
     lane of the round: a contributor whose own integers outgrew it sends its push wider (fp16, else int32
     lanes; ``precision.integer_precision``), and the slot adds the mix exactly."""
+    back: ResultWire | None = None
+    """How the result goes back to the LAN (None: float32 lanes on ``layout``)."""
+    served: int = 0
+    """Iterations the GIA of this values round has served, this one's included (0: not a values round)."""
+
+    @property
+    def result(self) -> ResultWire:
+        return ResultWire.float32(self.layout) if self.back is None else self.back
 
 
 class RoundPlan:
@@ -105,6 +126,7 @@ class RoundPlan:
         self.pool = pool
         self.scale = scale
         self.threshold = 1 if applied else options.votes_of(contributors)
+        """What the gateway applies to the counts it returns (1: the roots' GIA, 0/1 already)."""
         self._index = {name: i for i, name in enumerate(self.names)}
         self.model = tuple(i for i, n in enumerate(self.names) if n not in (VOTES, SCALE, VALUES))
         self._first = Kind.DENSE if options.method == "fediac" and not options.bits else Kind.VOTES
@@ -115,20 +137,42 @@ class RoundPlan:
         """The first summed iteration's wire (after ``init``)."""
         return self.wire(self._first)
 
-    def following(self, wire: Wire, result: Sequence[np.ndarray]) -> Wire:
-        """The next iteration's wire, from this one's result (``result``: one array per wire tensor)."""
+    def following(self, wire: Wire, returned: Sequence[np.ndarray]) -> Wire:
+        """The next iteration's wire, from what this one's result returned to the LAN (``returned``: one
+        array per wire tensor, as ``returned`` makes them: a votes round's GIA as 0/1)."""
         if wire.kind is Kind.VOTES:
-            counts = np.asarray(result[wire.tensors.index(self._index[VOTES])])
-            return self.wire(Kind.VALUES, gia_size(counts, self.threshold))
+            gia = np.asarray(returned[wire.tensors.index(self._index[VOTES])])
+            return self.wire(Kind.VALUES, gia_size(gia, 1), served=1)
+        # the codec's rule (``FediacCodec.must_vote``): a GIA serves ``gia_reuse`` iterations; top-k votes always
+        reuse = self.options.gia_reuse if self.options.method == "fediac" else 1
+        if wire.kind in (Kind.VALUES, Kind.REUSED) and wire.served < reuse:
+            return self.wire(Kind.REUSED, wire.gia, served=wire.served + 1)
         return self.wire(Kind.VOTES)
 
     def restart(self, failed: Wire) -> Wire:
         """The wire after a failed iteration: every contributor starts the whole iteration again
         (``Rounds.abort``), so votes, or the dense round again if that was the one that failed (b is not
-        derived yet)."""
+        derived yet), or the same reused values wire if that was it (the undone codec still keeps the GIA
+        and the count of iterations it served, so it reuses it again)."""
+        if failed.kind is Kind.REUSED:
+            return self.wire(Kind.REUSED, failed.gia, served=failed.served)
         return self.wire(Kind.DENSE if failed.kind is Kind.DENSE else Kind.VOTES)
 
-    def wire(self, kind: Kind, gia: int = 0) -> Wire:
+    def returned(self, wire: Wire, result: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """What of a wire's result (the DC's, one array per wire tensor) goes back to the LAN: a votes
+        round's counts as the 0/1 GIA (the threshold applied here, where the full count is known; counts the
+        roots thresholded are 0/1 already), the scale histogram as its occupied buckets, the rest as is."""
+        out = []
+        for t, part in zip(wire.tensors, result, strict=True):
+            flat = np.asarray(part).reshape(-1)
+            if self.names[t] == VOTES:
+                flat = (flat >= self.threshold).astype(np.float32)
+            elif self.names[t] == SCALE:
+                flat = (flat != 0).astype(np.float32)
+            out.append(flat)
+        return out
+
+    def wire(self, kind: Kind, gia: int = 0, *, served: int = 0) -> Wire:
         if kind is Kind.DENSE:
             tensors = self.model
             extents = tuple(self.sizes[t] for t in tensors)
@@ -140,14 +184,27 @@ class RoundPlan:
             if not 0 <= gia <= self.sizes[values]:
                 raise WireError(f"a GIA of {gia} indices in a model of {self.sizes[values]} elements")
             # an empty GIA still sends one lane: a round every contributor takes part in, all zeros
-            tensors, extents = (values,), (max(1, gia),)
+            chosen = {values: max(1, gia)}
+            if kind is Kind.REUSED:   # the next reused iteration's m travels with these values
+                chosen[self._index[SCALE]] = self.sizes[self._index[SCALE]]
+            tensors = tuple(sorted(chosen))
+            extents = tuple(chosen[t] for t in tensors)
         integer = all(self.integer[t] for t in tensors)
         scales = tuple(0 if self.integer[t] else self.scale for t in tensors)
         layout = EdgeLayout(extents, scales, lanes=self.lanes, pool=self.pool)
         # |f U| <= (2**(b-1) - N) / N <= 2**(b-1) - 1, so |round(f U)| <= 2**(b-1) - 1: int8 up to b = 8
         narrow = integer and (kind is Kind.VOTES or 0 < self.options.bits <= 8)
-        return Wire(kind, tensors, extents, layout, integer, gia if kind is Kind.VALUES else 0,
-                    Precision.INT8 if narrow else Precision.FIXED32)
+        back = None if kind is Kind.DENSE else ResultWire.of(
+            extents, [self._format(t) for t in tensors], lanes=self.lanes)
+        return Wire(kind, tensors, extents, layout, integer, gia if kind in (Kind.VALUES, Kind.REUSED) else 0,
+                    Precision.INT8 if narrow else Precision.FIXED32, back, served)
+
+    def _format(self, tensor: int) -> Format:
+        """How a tensor's result goes back: the GIA and the scale's occupied buckets as bitmaps, other
+        integers as integers, floats (top-k's values) as float32."""
+        if self.names[tensor] in (VOTES, SCALE):
+            return Format.BITMAP
+        return Format.INTEGER if self.integer[tensor] else Format.FLOAT
 
     # ---- a contributor's lanes and the full tensors back --------------------------------------------
 
@@ -216,10 +273,11 @@ class GatewayRounds:
         return self.plan.expand(self.wire_of(iteration), lan)
 
     def released(self, iteration: int, full: Sequence[np.ndarray]) -> tuple[list[np.ndarray], Wire]:
-        """Iteration ``iteration``'s result (every registered tensor, flat) is going back to the LAN: the
-        part of it that travels, and the next iteration's wire (planned here, before any worker can send)."""
+        """Iteration ``iteration``'s result (every registered tensor, flat) is going back to the LAN: what of
+        it travels (``RoundPlan.returned``, in the wire's ``result`` form), and the next iteration's wire
+        (planned here, before any worker can send)."""
         wire = self.wire_of(iteration)
-        back = self.plan.restrict(wire, full)
+        back = self.plan.returned(wire, self.plan.restrict(wire, full))
         following = self.plan.following(wire, back)
         self._planned(iteration, following)
         return back, following

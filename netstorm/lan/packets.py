@@ -19,6 +19,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.precision import encode_lanes, int8_scales, rounded
+from netstorm.lan.resultwire import RESULT_DTYPES
 
 
 def chunk_matrix(layout: EdgeLayout, tensor: int, values: np.ndarray) -> np.ndarray:
@@ -161,9 +162,10 @@ def _fixed_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int,
 
 
 def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int, values: np.ndarray, total: int,
-                   chunks: np.ndarray | None = None) -> np.ndarray:
-    """RESULT datagrams carrying float32 lanes of one tensor's result, a sum over ``total`` workers (token 0:
-    the gateway sets each recipient's token on a copy, ``with_token``)."""
+                   chunks: np.ndarray | None = None, precision: Precision = Precision.FIXED32) -> np.ndarray:
+    """RESULT datagrams carrying one tensor's result lanes, a sum over ``total`` workers (token 0: the gateway
+    sets each recipient's token on a copy, ``with_token``), at ``precision``: float32 (FIXED32's code) or, as
+    ``netstorm.lan.resultwire.ResultWire.encode`` chose them, exact integers or bitmap bytes."""
     if not 0 < total <= 0xFFFFFFFF:
         raise WireError(f"a RESULT sums at least one worker and at most 2**32-1, got total {total}")
     matrix = chunk_matrix(layout, tensor, values)
@@ -175,7 +177,8 @@ def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int,
     rows["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
     rows["count"] = np.minimum(layout.lanes, layout.sizes[tensor] - index * layout.lanes)
     rows["need"] = NEED_NONE
-    return _assemble(rows, matrix[index].astype("<f4"))
+    rows["precision"] = int(precision)
+    return _assemble(rows, matrix[index].astype(RESULT_DTYPES[precision]))
 
 
 def chunk_result_packets(layout: EdgeLayout, *, job: int, iteration: int, seqs: np.ndarray, raw: np.ndarray,

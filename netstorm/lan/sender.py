@@ -1,7 +1,8 @@
 """The LAN worker's side: send a gradient as DATA datagrams to the gateway (or to its cluster's aggregator),
 keep at most a pool's worth of chunks in flight, resend what is not acknowledged in time, and receive the
-float32 result (PULLing chunks whose RESULT was lost) with the number of workers it sums, which every RESULT
-datagram carries (``Header.total``).
+result (PULLing chunks whose RESULT was lost) with the number of workers it sums, which every RESULT
+datagram carries (``Header.total``): float32 lanes, or, as a compressed round's wire says
+(``netstorm/lan/resultwire.py``), exact integers at the width each datagram names, or a bitmap.
 
 Flow control is SwitchML's: chunk ``seq`` uses slot ``seq % pool`` and is sent only once the ACK of the
 chunk that used the slot before it came back (``layout.py``). ACKs and results arrive by multicast (one
@@ -58,6 +59,7 @@ from netstorm.lan.header import (
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
 from netstorm.lan.precision import integer_precision
+from netstorm.lan.resultwire import RESULT_DTYPES, ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
 Address = tuple[str, int]
@@ -182,6 +184,9 @@ class EdgeSender:
         self._batch = DatagramBatch()
         """Where received datagrams land, a batch at a time (allocated once)."""
         self._arrays: tuple[EdgeLayout, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._back = ResultWire.float32(layout)
+        """How the result being gathered travels (``push_pull``'s ``back``)."""
+        self._allowed = self._back.allowed()
         self._total = 0
         """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
         self._rtt = 0.0
@@ -261,13 +266,16 @@ class EdgeSender:
             self.group_sock = None
 
     async def push_pull(
-        self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float  # noqa: ASYNC109
+        self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float,  # noqa: ASYNC109
+        back: ResultWire | None = None,
     ) -> tuple[list[np.ndarray], int]:
-        """Contribute ``tensors`` to ``iteration``; the result the gateway sends back, and how many workers'
+        """Contribute ``tensors`` to ``iteration``; the result the gateway sends back (each tensor's elements,
+        float32, as ``back`` says it travels: None, float32 lanes on this layout), and how many workers'
         gradients it sums (0 from a gateway that does not say)."""
         self._total = 0
         self.downlink.start(iteration)
         self._muted = iteration in self.silent
+        back = self._expect(ResultWire.float32(self.layout) if back is None else back)
         values = [np.asarray(t, np.float32).reshape(-1) for t in tensors]
         token = self.tokens.worker(self.worker, iteration)
         precision = self.precision
@@ -279,7 +287,7 @@ class EdgeSender:
         rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
         flight = _Flight(len(rows), self.layout.num_slots)
         out = self._result_matrix()
-        missing = np.ones(self.layout.num_chunks, bool)
+        missing = np.ones(back.layout.num_chunks, bool)
         deadline = time.monotonic() + timeout
         while not flight.acked.all():
             remaining = deadline - time.monotonic()
@@ -316,12 +324,13 @@ class EdgeSender:
                 await self._resend(iteration, rows, late, flight, now)
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
         await self._report(iteration)
-        return self._split(out), self._total
+        return back.decode(self._split(out)), self._total
 
     async def receive_first(self, *, timeout: float) -> tuple[int, list[np.ndarray], int]:  # noqa: ASYNC109
         """The next result the gateway sends, whatever its iteration (how a joining worker gets ``init``):
         its iteration, the result, and how many workers' gradients it sums."""
         self._total = 0
+        self._expect(ResultWire.float32(self.layout))
         out = self._result_matrix()
         missing = np.ones(self.layout.num_chunks, bool)
         keep = np.zeros((0, 0), np.uint8)
@@ -437,13 +446,23 @@ class EdgeSender:
                 pass
         return batch.count
 
+    def _expect(self, back: ResultWire) -> ResultWire:
+        """The result being gathered travels as ``back`` (its chunks, and which precision each tensor's
+        datagrams may carry)."""
+        self._back = back
+        self._allowed = back.allowed()
+        self._arrays = None
+        return back
+
     def _result_matrix(self) -> np.ndarray:
-        """One row of float32 lanes per chunk of the model: RESULT lanes land here by sequence number."""
-        return np.zeros((self.layout.num_chunks, self.layout.lanes), np.float32)
+        """One row of lanes (as float32, exact) per chunk of the result: RESULT lanes land here by sequence
+        number."""
+        layout = self._back.layout
+        return np.zeros((layout.num_chunks, layout.lanes), np.float32)
 
     def _split(self, out: np.ndarray) -> list[np.ndarray]:
-        """Each tensor's result: a view of its chunks' rows, without the last chunk's padding."""
-        layout = self.layout
+        """Each tensor's result lanes: a view of its chunks' rows, without the last chunk's padding."""
+        layout = self._back.layout
         return [out[first: first + chunks].reshape(-1)[:size]
                 for first, chunks, size in zip(layout.first_slot, layout.chunks, layout.sizes, strict=True)]
 
@@ -547,19 +566,23 @@ class EdgeSender:
             raise WireError(f"edge worker {self.worker}: the RESULT datagrams of one iteration disagree on how "
                             f"many workers they sum ({sorted({total, *map(int, totals)})})")
         self._total = total
-        layout = self.layout
+        layout = self._back.layout
         tensor = heads["tensor"][rows].astype(np.int64)
         chunk = heads["chunk"][rows].astype(np.int64)
+        precision = heads["precision"][rows].astype(np.int64)
         known = tensor < len(layout.sizes)
         tensor = np.where(known, tensor, 0)
         chunks, first, sizes = self._layout_arrays()
         known &= chunk < chunks[tensor]
         known &= heads["count"][rows] == np.minimum(layout.lanes, sizes[tensor] - chunk * layout.lanes)
+        known &= self._allowed[tensor, precision]   # each tensor's datagrams carry what its format allows
         seq = first[tensor] + chunk
         fresh = known & missing[np.where(known, seq, 0)]
         named = seq[known]
-        rows, seq = rows[fresh], seq[fresh]
-        out[seq] = self._batch.lanes("<f4")[rows, : layout.lanes]
+        rows, seq, precision = rows[fresh], seq[fresh], precision[fresh]
+        for code in np.unique(precision).tolist():
+            mine = precision == code
+            out[seq[mine]] = self._batch.lanes(RESULT_DTYPES[Precision(code)])[rows[mine], : layout.lanes]
         missing[seq] = False
         if rows.size:
             self.downlink.on_results(int(self._batch.lengths[rows].sum()), time.monotonic())
@@ -581,9 +604,10 @@ class EdgeSender:
             self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
 
     def _layout_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The layout's chunks, first sequence number and size per tensor, as arrays (made once per layout)."""
-        if self._arrays is None or self._arrays[0] is not self.layout:
-            layout = self.layout
+        """The result layout's chunks, first sequence number and size per tensor, as arrays (made once per
+        layout)."""
+        if self._arrays is None or self._arrays[0] is not self._back.layout:
+            layout = self._back.layout
             self._arrays = (layout, np.asarray(layout.chunks, np.int64), np.asarray(layout.first_slot, np.int64),
                             np.asarray(layout.sizes, np.int64))
         return self._arrays[1], self._arrays[2], self._arrays[3]
@@ -630,7 +654,7 @@ class EdgeSender:
         limit = 1 if missing.all() else PULL_CHUNKS
         self.downlink.on_pull()
         for index in np.flatnonzero(missing)[:limit]:
-            tensor, chunk = self.layout.locate(int(index))
+            tensor, chunk = self._back.layout.locate(int(index))
             self.pulls += 1
             await udp.sendto(self.sock, control_packet(Kind.PULL, job=self.job, worker=self.worker,
                                                        iteration=iteration, tensor=tensor, chunk=chunk,
