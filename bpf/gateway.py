@@ -393,7 +393,7 @@ class GatewayRole:
         back to the LAN workers. A compressed job's next wire is planned here, before the result (which
         its workers answer with that iteration's datagrams) leaves."""
         self._released.append(iteration)
-        if self._compression is not None and isinstance(self.agent, EdgeAgent):
+        if self._compression is not None and self.agent is not None and not isinstance(self.agent, TcpEdgeAgent):
             if iteration == self.init_iteration:
                 self._plan_rounds(iteration, workers)
             elif self.rounds is not None:
@@ -414,7 +414,7 @@ class GatewayRole:
         iterations before the LAN tier's first summed one are ignored."""
         if self.agent is None or self.init_iteration is None or iteration <= self.init_iteration:
             return
-        if not isinstance(self.agent, EdgeAgent):
+        if isinstance(self.agent, TcpEdgeAgent):
             return   # the TCP path has no FAILED notice: its workers end a failed iteration at their timeout
         if iteration in self.agent.failed or iteration in self._released:
             return
