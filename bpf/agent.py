@@ -63,9 +63,12 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
 """Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
-GAP_CHUNKS = 64
+GAP_CHUNKS = 1
 """How far below the highest completed chunk an open one must be before the agent NACKs its missing workers
-unasked (the datagrams of chunks sent together may be aggregated slightly out of order)."""
+unasked. One suffices: a worker's datagrams reach the aggregator in the order it sent them (one flow, one
+queue), so a completed chunk means every worker's earlier chunks arrived or were lost; aggregates of chunks
+completed together may reach the agent out of order, but the slot read decides (a slot that did complete
+has no missing worker, and nobody is NACKed)."""
 QUERY_LIMIT = 256
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16

@@ -62,6 +62,8 @@ QUERY_CHUNKS = 256
 """Chunk numbers one QUERY datagram asks about."""
 STALL_CHUNKS = 8
 """Oldest unacknowledged chunks resent when no ACK comes at all."""
+MIN_PROBE = 0.0002
+"""Shortest tail probe timeout (seconds): a floor against waking in a loop, far below any measured tail."""
 PULL_CHUNKS = 1024
 """Missing result chunks PULLed per probe once results flow: a burst that overflowed the group socket can
 leave most of a large model's results missing, and each probe waits a few retransmission timeouts."""
@@ -149,6 +151,9 @@ class EdgeSender:
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
         """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
+        self.tail_probes = 0
+        """Tail probes: the iteration's last outstanding chunk asked about (or resent) when its ACK did not come
+        within the tail's probe timeout (``_pto``)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
@@ -169,6 +174,14 @@ class EdgeSender:
         """``total`` of the RESULT datagrams being gathered (0 until the first arrives)."""
         self._rtt = 0.0
         """Smoothed time from a chunk's first send to its ACK (the retransmission timeout follows it)."""
+        self._tail_rtt = 0.0
+        self._tail_var = 0.0
+        """Smoothed time from an iteration's last first send to the last chunk's ACK, and its mean deviation
+        (the tail probe's timeout follows them)."""
+        self._last_rtt = 0.0
+        """The latest ACK round-trip sample."""
+        self._min_rtt = float("inf")
+        """The shortest ACK round trip of the latest iteration (a chunk that queued behind nothing)."""
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -257,13 +270,22 @@ class EdgeSender:
             # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
             # that later ACKs revealed, also when no datagram comes meanwhile
             reorder = self.retransmit if self.query_nacks else None
-            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace, reorder))
+            now = time.monotonic()
+            probing = (self._pto(), self._reorder(flight))
+            wait = min(self._rto(), flight.gap_due(now, grace, reorder), flight.probe_due(now, *probing))
             await self._receive(min(remaining, wait))
             self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
             gap, stalled = flight.late(now, grace, self._rto(), reorder)
             self.stall_resends += int(stalled.size)
+            probe = flight.probe(now, *probing) if not stalled.size else None
+            if probe is not None:
+                # nothing later can reveal the tail's loss: ask about its newest chunk (the gateway NACKs
+                # whoever is missing from it), or resend it without NACKs; its ACK then reveals the rest
+                self.tail_probes += 1
+                gap = np.union1d(gap, [probe]) if self.query_nacks else gap
+                stalled = stalled if self.query_nacks else np.union1d(stalled, [probe])
             if self.query_nacks:
                 # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
                 ask = np.setdiff1d(gap, stalled)
@@ -276,6 +298,8 @@ class EdgeSender:
                 late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
+        if flight.min_rtt < float("inf"):
+            self._min_rtt = flight.min_rtt
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
         return self._split(out), self._total
 
@@ -302,6 +326,35 @@ class EdgeSender:
     def _rto(self) -> float:
         """How long without any ACK before the oldest unacknowledged chunks are resent."""
         return max(4 * self.retransmit, 2 * self._rtt)
+
+    def _pto(self) -> float:
+        """The tail probe's timeout when no chunk sent with the last one was acknowledged yet, from the
+        iteration's last first send: the tail round trip measured in earlier iterations plus four mean
+        deviations (TCP's RTO formula over those samples), or before the first sample two ACK round trips
+        (TCP's tail loss probe; the latest sample where it is longer than the smoothed one, since chunks sent
+        later queue behind more); the stall rule's wait before any ACK came, and never longer."""
+        if self._tail_rtt:
+            pto = self._tail_rtt + 4 * self._tail_var
+        elif self._rtt:
+            pto = 2 * max(self._rtt, self._last_rtt)
+        else:
+            return self._rto()
+        return min(self._rto(), max(pto, MIN_PROBE))
+
+    def _reorder(self, flight: _Flight) -> float:
+        """How long the last chunk's ACK may trail the ACK of the chunk sent just before it before it is
+        probed: the shortest ACK round trip measured (this iteration's, else the latest iteration's). The two
+        complete a few datagrams apart at the aggregator; their ACKs are at most an agent's batch apart, and
+        a batch takes less than a round trip that queued behind nothing."""
+        shortest = flight.min_rtt if flight.min_rtt < float("inf") else self._min_rtt
+        return max(MIN_PROBE, shortest if shortest < float("inf") else self._pto())
+
+    def _tail_sample(self, sample: float) -> None:
+        if not self._tail_rtt:
+            self._tail_rtt, self._tail_var = sample, sample / 2
+        else:
+            self._tail_var = 0.75 * self._tail_var + 0.25 * abs(sample - self._tail_rtt)
+            self._tail_rtt = 0.875 * self._tail_rtt + 0.125 * sample
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
@@ -509,9 +562,12 @@ class EdgeSender:
         counts = self._batch.headers()["count"][rows].astype(np.int64)
         width = int(counts.max())
         listed = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
-        sample = flight.ack(listed[listed < flight.acked.size], time.monotonic())
+        sample, tail = flight.ack(listed[listed < flight.acked.size], time.monotonic())
         if sample is not None:
             self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
+            self._last_rtt = sample
+        if tail is not None:
+            self._tail_sample(tail)
 
     def _layout_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The layout's chunks, first sequence number and size per tensor, as arrays (made once per layout)."""
@@ -588,6 +644,14 @@ class _Flight:
         self.last_ack = float("inf")
         """When the latest ACK came (inf until the first chunks are sent)."""
         self.backoff = 1
+        self.final_sent = float("inf")
+        """When the last chunk was first sent (the tail probe's clock starts there)."""
+        self.probe_at = float("inf")
+        """When the latest tail probe went out (inf: none yet)."""
+        self.probes = 0
+        """Tail probes since the last ACK that acknowledged something new (each doubles the next timeout)."""
+        self.min_rtt = float("inf")
+        """The shortest ACK round trip sampled in this iteration."""
 
     def sendable(self) -> tuple[int, int]:
         """The chunks [start, stop) the window allows now: chunk j once j < pool or chunk j - pool is acked."""
@@ -604,6 +668,8 @@ class _Flight:
         self.sent_at[start:stop] = now
         self.first_sent[start:stop] = now
         self.next = stop
+        if stop == self.acked.size:
+            self.final_sent = now
         if self.last_ack == float("inf"):
             self.last_ack = now
 
@@ -616,19 +682,61 @@ class _Flight:
     def was_sent(self, index: int) -> bool:
         return index < self.next
 
-    def ack(self, seqs: np.ndarray, now: float) -> float | None:
-        """Mark ``seqs`` acknowledged; an ACK round-trip sample from chunks sent once, if any."""
+    def ack(self, seqs: np.ndarray, now: float) -> tuple[float | None, float | None]:
+        """Mark ``seqs`` acknowledged; an ACK round-trip sample from chunks sent once, if any, and a tail
+        sample (the last chunk's first send to its ACK) if the last chunk is among them, sent once and never
+        probed."""
         fresh = seqs[~self.acked[seqs]]
         self.acked[seqs] = True
         if not fresh.size:
-            return None
+            return None, None
         self.last_ack = now
         self.backoff = 1
+        self.probes = 0
         highest = max(self.highest, int(fresh.max()) + 1)
         self.passed_at[self.highest: highest] = now
         self.highest = highest
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
-        return float(now - np.max(self.sent_at[once])) if once.size else None
+        last = self.acked.size - 1
+        tail = float(now - self.final_sent) if last in once and self.probe_at == float("inf") else None
+        if not once.size:
+            return None, tail
+        self.min_rtt = min(self.min_rtt, float(now - np.max(self.sent_at[once])))
+        return float(now - np.max(self.sent_at[once])), tail
+
+    def _tail(self) -> int | None:
+        """The newest unacknowledged chunk when every chunk was sent and no acknowledged one is above it
+        (so no later ACK can reveal its loss), else None."""
+        n = self.acked.size
+        if self.next < n or self.acked[n - 1]:
+            return None
+        return n - 1
+
+    def probe_due(self, now: float, pto: float, reorder: float) -> float:
+        """Seconds until ``probe`` asks about the tail (inf: no tail outstanding). The tail is due ``reorder``
+        after the chunk sent just before the last one was acknowledged (every worker sends the two back to
+        back, so the last completes right after it unless a datagram was lost), else ``pto`` after the last
+        first send; after a probe, not before ``reorder`` has passed, and while no ACK brings anything new,
+        ``pto`` doubled per probe after it."""
+        tail = self._tail()
+        if tail is None:
+            return float("inf")
+        due = self.final_sent + pto
+        if tail and self.acked[tail - 1]:
+            due = min(due, self.last_ack + reorder)
+        if self.probe_at < float("inf"):
+            due = max(due, self.probe_at + (pto * 2 ** (self.probes - 1) if self.probes else reorder))
+        return max(0.0, due - now)
+
+    def probe(self, now: float, pto: float, reorder: float) -> int | None:
+        """The chunk to probe now, if any: the newest (as TCP's tail loss probe sends its last segment),
+        when ``probe_due`` has passed."""
+        tail = self._tail()
+        if tail is None or self.probe_due(now, pto, reorder) > 0:
+            return None
+        self.probe_at = now
+        self.probes += 1
+        return tail
 
     def late(self, now: float, grace: float, stall: float,
              reorder: float | None = None) -> tuple[np.ndarray, np.ndarray]:
