@@ -181,7 +181,7 @@ class EdgeSender:
         self._last_rtt = 0.0
         """The latest ACK round-trip sample."""
         self._min_rtt = float("inf")
-        """The shortest ACK round trip of the latest iteration (a chunk that queued behind nothing)."""
+        """The shortest ACK round trip of the iteration before (a chunk that queued behind nothing)."""
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -268,8 +268,9 @@ class EdgeSender:
             # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
             grace = self._grace()
             # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
-            # that later ACKs revealed, also when no datagram comes meanwhile
-            reorder = self.retransmit if self.query_nacks else None
+            # that later ACKs revealed, also when no datagram comes meanwhile. The gateway NACKs a gap itself
+            # once a later chunk completes, so a worker asks only when that answer is late too
+            reorder = grace if self.query_nacks else None
             now = time.monotonic()
             probing = (self._pto(), self._reorder(flight))
             wait = min(self._rto(), flight.gap_due(now, grace, reorder), flight.probe_due(now, *probing))
@@ -343,10 +344,10 @@ class EdgeSender:
 
     def _reorder(self, flight: _Flight) -> float:
         """How long the last chunk's ACK may trail the ACK of the chunk sent just before it before it is
-        probed: the shortest ACK round trip measured (this iteration's, else the latest iteration's). The two
+        probed: the shortest ACK round trip measured in this iteration and the one before it. The two
         complete a few datagrams apart at the aggregator; their ACKs are at most an agent's batch apart, and
         a batch takes less than a round trip that queued behind nothing."""
-        shortest = flight.min_rtt if flight.min_rtt < float("inf") else self._min_rtt
+        shortest = min(flight.min_rtt, self._min_rtt)
         return max(MIN_PROBE, shortest if shortest < float("inf") else self._pto())
 
     def _tail_sample(self, sample: float) -> None:
@@ -747,7 +748,8 @@ class _Flight:
         unacknowledged ones. With ``reorder`` (chunks are only asked about, which costs no data) a gap is
         due ``reorder`` after the later ACK came, not ``grace`` after its own send: the send-to-ACK time
         includes the queue of the whole window sent before it, while a later chunk's ACK shows at once that
-        this one's datagrams went by; it is asked about again ``grace`` after each QUERY."""
+        this one's datagrams went by; a chunk resent meanwhile (on the gateway's NACK) waits ``grace`` after
+        that resend, and it is asked about again ``grace`` after each QUERY."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
@@ -756,7 +758,7 @@ class _Flight:
             due = age > grace
         else:
             asked = self.asked[window]
-            due = np.where(asked, age > grace, now - self.passed_at[window] > reorder)
+            due = (age > grace) & (asked | (now - self.passed_at[window] > reorder))
         gap = np.flatnonzero(below & due)[:QUERY_CHUNKS]
         oldest = gap[:0]
         if now - self.last_ack > stall * self.backoff:
@@ -774,7 +776,7 @@ class _Flight:
             return float("inf")
         due = self.sent_at[: self.highest] + grace
         if reorder is not None:
-            due = np.where(self.asked[: self.highest], due, self.passed_at[: self.highest] + reorder)
+            due = np.where(self.asked[: self.highest], due, np.maximum(due, self.passed_at[: self.highest] + reorder))
         return max(0.0, float(due[below].min()) - now)
 
     def unacked(self) -> int:
