@@ -109,6 +109,10 @@ class IterationSums:
         """One past the highest chunk completed."""
         self.gap_checked = 0
         """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
+        self.first_at = float("inf")
+        self.done_at = float("inf")
+        """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
+        phase of each iteration from them)."""
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
         self._sizes = np.asarray(self.layout.sizes, np.int64)
@@ -134,9 +138,16 @@ class IterationSums:
             self.highest = max(self.highest, int(fresh[-1]) + 1)
         self.open[fresh] = False
         self.remaining -= int(fresh.size)
+        self._stamp_progress()
         if self.missing:
             for q in fresh:
                 self.missing.pop(self.layout.locate(int(q)), None)
+
+    def _stamp_progress(self) -> None:
+        now = time.monotonic()
+        self.first_at = min(self.first_at, now)
+        if not self.remaining:
+            self.done_at = min(self.done_at, now)
 
     def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
         """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
@@ -165,6 +176,7 @@ class IterationSums:
         self.scales[row] = head.scale
         self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
         self.remaining -= 1
+        self._stamp_progress()
         self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
         return []
@@ -712,6 +724,11 @@ class EdgeAgent:
         if tensor >= len(layout.sizes) or chunk >= layout.chunks[tensor]:
             return
         self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
+
+    def summed_at(self, iteration: int) -> tuple[float, float] | None:
+        """When the first and the last chunk of a collected ``iteration`` completed (monotonic clock)."""
+        sums = self._finished.get(iteration)
+        return None if sums is None else (sums.first_at, sums.done_at)
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
         """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival); empty in XDP
