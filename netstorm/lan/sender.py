@@ -11,14 +11,18 @@ TCP's selective acknowledgements find it: ACKs come back roughly in sending orde
 unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
 all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
 With ``query_nacks`` (the gateway's choice, in its HELLO answer) a chunk below an acknowledged one is only
-asked about, ``retransmit`` after that later ACK came (not an ACK round trip after its own send, which
-includes the queue of the window sent before it), and again each timeout while it stays open: one QUERY,
-which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost) and, for
-each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
-worker's lost datagram costs one resend, not one per worker; the stall rule and the gateway's slot
-timers stay as the backstops. Without it, each round resends at once, in one batch with a QUERY for
-those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a
-NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
+asked about, ``retransmit`` (or 1.25 ACK round trips, if longer) after that later ACK came (not after its own
+send, which includes the queue of the window sent before it), and again each timeout while it stays open:
+one QUERY, which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost)
+and, for each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
+worker's lost datagram costs one resend, not one per worker; the gateway also NACKs a gap itself as soon as
+a later chunk completes, so the QUERY is mostly a backstop. The iteration's last chunk has no later chunk to
+reveal its loss: a tail probe asks about it (or resends it, without ``query_nacks``) a measured reorder
+window after the chunk sent before it was acknowledged, or a measured tail round trip after its send
+(``_Flight.probe``, TCP's tail loss probe). The stall rule and the gateway's slot timers stay as the
+backstops. Without ``query_nacks``, each round resends at once, in one batch with a QUERY for those chunks.
+Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a NACK for a chunk this worker
+resent within the last timeout (several workers asked about it) is ignored.
 Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
