@@ -69,9 +69,12 @@ log = logging.getLogger(__name__)
 Address = tuple[str, int]
 RECEIVE_BATCH = 256
 """Datagrams taken per wake-up (the rest stay queued in the kernel for the next)."""
-GAP_CHUNKS = 64
+GAP_CHUNKS = 1
 """How far below the highest completed chunk an open one must be before the agent NACKs its missing workers
-unasked (the datagrams of chunks sent together may be aggregated slightly out of order)."""
+unasked. One suffices: a worker's datagrams reach the aggregator in the order it sent them (one flow, one
+queue), so a completed chunk means every worker's earlier chunks arrived or were lost; aggregates of chunks
+completed together may reach the agent out of order, but the slot read decides (a slot that did complete
+has no missing worker, and nobody is NACKed)."""
 QUERY_LIMIT = 256
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
@@ -118,6 +121,10 @@ class IterationSums:
         """One past the highest chunk completed."""
         self.gap_checked = 0
         """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
+        self.first_at = float("inf")
+        self.done_at = float("inf")
+        """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
+        phase of each iteration from them)."""
         self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
         self._sizes = np.asarray(self.layout.sizes, np.int64)
@@ -143,11 +150,18 @@ class IterationSums:
             self.highest = max(self.highest, int(fresh[-1]) + 1)
         self.open[fresh] = False
         self.remaining -= int(fresh.size)
+        self._stamp_progress()
         if self.missing:
             for q in fresh:
                 self.missing.pop(self.layout.locate(int(q)), None)
         if self.on_complete is not None and fresh.size:
             self.on_complete(fresh)
+
+    def _stamp_progress(self) -> None:
+        now = time.monotonic()
+        self.first_at = min(self.first_at, now)
+        if not self.remaining:
+            self.done_at = min(self.done_at, now)
 
     def on_agg(self, head: Header, lanes: np.ndarray) -> list[tuple[int, bytes]]:
         """Take a completed slot; an overflowed one yields RESCALE NACKs to every worker instead."""
@@ -176,6 +190,7 @@ class IterationSums:
         self.scales[row] = head.scale
         self.open[row] = False          # one chunk: scalar updates (this runs per aggregate in userspace mode)
         self.remaining -= 1
+        self._stamp_progress()
         self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
         if self.on_complete is not None:
@@ -897,6 +912,11 @@ class EdgeAgent:
         if tensor >= len(layout.sizes) or chunk >= layout.chunks[tensor]:
             return
         self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
+
+    def summed_at(self, iteration: int) -> tuple[float, float] | None:
+        """When the first and the last chunk of a collected ``iteration`` completed (monotonic clock)."""
+        sums = self._finished.get(iteration)
+        return None if sums is None else (sums.first_at, sums.done_at)
 
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
         """Each worker's first window of ``iteration`` as (worker, bytes, first, last arrival): timed here in

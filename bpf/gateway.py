@@ -142,6 +142,8 @@ class GatewayRole:
         """Called with ``mode`` and ``fallback`` once the gateway serves its LAN (the node tells the scheduler)."""
         self.init_iteration: int | None = None
         self._xdp: object | None = None
+        self._released_at: dict[int, float] = {}
+        """When each recent iteration's result was released to the LAN (the phase log's reference)."""
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
         self._lan: dict[int, asyncio.Task[list[np.ndarray] | NetStormError]] = {}
@@ -360,14 +362,30 @@ class GatewayRole:
         """The LAN sums, or why there are none: the timeout naming the missing workers, an integer overflow,
         or the node failed the iteration meanwhile (kept out of the role's TaskGroup)."""
         assert self.agent is not None
+        asked = time.monotonic()
         try:
             sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
         except (EdgeTimeout, WireError, IterationAborted) as exc:
             log.error("edge: %s", exc)
             return exc
+        self._log_phases(iteration, asked)
         self._measured(iteration)
         # a compressed round's sums cover its wire: the rest of every tensor is zeros
         return sums if self.rounds is None else self.rounds.contribution(iteration, sums)
+
+    def _log_phases(self, iteration: int, asked: float) -> None:
+        """One line per iteration with the LAN phase's times, from which an iteration's time splits into the
+        LAN's share and the WAN's: the result of the iteration before released -> first and last chunk of
+        this one summed, and how long the node's first combine of it waited for the sum."""
+        assert self.agent is not None
+        summed = self.agent.summed_at(iteration)
+        released = self._released_at.get(iteration - 1)
+        if summed is None or released is None:
+            return
+        now = time.monotonic()
+        log.info("edge: iteration %d: LAN first chunk summed %.3f s and last %.3f s after the previous result was "
+                 "released; the node asked for the sum %.3f s after that release and waited %.3f s",
+                 iteration, summed[0] - released, summed[1] - released, asked - released, now - asked)
 
     def _measured(self, iteration: int) -> None:
         """Feed the iteration's uplink bursts and the downlink bursts workers reported since to the meter;
@@ -401,6 +419,9 @@ class GatewayRole:
                 self.agent.plan(iteration + 1, following.layout, integer=following.integer, back=following.back)
             self._wired.set()
             self._wired = asyncio.Event()
+        self._released_at[iteration] = time.monotonic()
+        for old in [k for k in self._released_at if k < iteration - 4]:
+            del self._released_at[old]
         try:
             self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:

@@ -161,6 +161,14 @@ class TcpEdgeAgent:
     def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
         return self.core.uplink_bursts(iteration)
 
+    def summed_at(self, iteration: int) -> tuple[float, float] | None:
+        """When the first and the last of a collected ``iteration``'s frames arrived (monotonic clock): the
+        TCP core sums each frame as it arrives, so these bound when its sum began and completed."""
+        bursts = self.core.uplink_bursts(iteration)
+        if not bursts:
+            return None
+        return min(b[2] for b in bursts), max(b[3] for b in bursts)
+
     def downlink_bursts(self) -> list[tuple[int, int, float, float]]:
         """None: TCP workers send no downlink REPORT (that is a UDP datagram kind), so on this path the
         meter keeps the scenario's downlink rates."""

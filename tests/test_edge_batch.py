@@ -322,6 +322,7 @@ def test_the_agent_takes_a_batch_of_aggregates_and_rejects_the_bad_ones_alone(ag
     agent._take_aggs(np.flatnonzero(valid_headers(heads, agent._rx.lengths) & (heads["kind"] == Kind.AGG)))
     result = agent._sums(1)
     assert result.done and agent.forged == 1 and agent.errors == 1
+    assert result.first_at <= result.done_at < float("inf")   # the gateway's phase log reads these
     for want, have in zip(sums, result.result(), strict=True):
         np.testing.assert_array_equal(have, want.astype(np.float32))
     # every genuine aggregate is acknowledged once per copy received (the duplicate again)

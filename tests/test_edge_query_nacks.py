@@ -1,9 +1,10 @@
 """Loss recovery by NACKs of exactly the missing (``edge_query_nacks``), on both aggregation paths in
-network namespaces: after one worker's DATA datagram is lost, the gateway sees the gap itself (chunks
-completed after it) or the workers see it and ask (QUERY); the gateway reads the chunk's slot (the
-kernel's slot map, or the fallback's slots) and NACKs only the worker missing from it, and only that worker
-resends; without the option workers resend on their own timeouts (every one whose timeout runs out before
-the first resend's ACK comes). The sums stay exact."""
+network namespaces: after one worker's DATA datagram is lost, the gateway sees the gap itself (a chunk
+completed after it), or, for the iteration's last chunk, which nothing completes after, the workers' tail
+probe asks about it (QUERY); the gateway reads the chunk's slot (the kernel's slot map, or the fallback's
+slots) and NACKs only the worker missing from it, and only that worker resends; without the option workers
+resend on their own timeouts (every one whose timeout runs out before the first resend's ACK comes). The
+sums stay exact, and neither the slot timers nor the workers' stall rule (both far beyond the run) fire."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ from netstorm.lan.layout import EdgeLayout
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
 LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
-"""90 chunks: a loss early in them is found by the gateway (more than GAP_CHUNKS completed after it), one
-among the last by the workers' QUERY."""
+"""90 chunks: a loss early or late in them is found by the gateway (a chunk completed after it), a loss of
+the last one by the workers' tail probe."""
 JOB = 12
 PORT = 9410
 GROUP = ("239.77.0.12", 9411)
 WORKERS = 4
 LOSER = 1
-EARLY, LATE = 2, 88
+EARLY, LATE, LAST = 2, 88, 89
 """Sequence numbers of the chunk whose first transmission by worker LOSER is dropped, in the two cases."""
 _iterations = itertools.count(300, 10)
 
@@ -88,7 +89,8 @@ async def one_loss(mode: str, xdp: Any, *, query_nacks: bool, lost: int) -> dict
             return {"sums": sums, "results": results, "stats": stats, "query_nacks": agent.query_nacks_sent,
                     "contribs": contribs, "dropped": [n.dropped for n in nodes],
                     "resent": [n.retransmitted for n in nodes], "queries": [n.queries for n in nodes],
-                    "resent_by_nack": [n.resent_by_nack for n in nodes]}
+                    "resent_by_nack": [n.resent_by_nack for n in nodes],
+                    "tail_probes": [n.tail_probes for n in nodes], "stalls": [n.stall_resends for n in nodes]}
         finally:
             if xdp is not None:
                 xdp.detach()
@@ -104,7 +106,8 @@ def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("lost", [EARLY, LATE], ids=["found-by-gateway", "found-by-query"])
+@pytest.mark.parametrize("lost", [EARLY, LATE, LAST], ids=["early-found-by-gateway", "late-found-by-gateway",
+                                                           "last-found-by-tail-probe"])
 def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, lost: int,
                                                        request: pytest.FixtureRequest) -> None:
     xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
@@ -117,16 +120,18 @@ def test_one_lost_datagram_is_resent_by_its_worker_only(mode: str, lost: int,
         for got, ref in zip(result, want, strict=True):
             assert np.array_equal(got, ref)
     assert out["dropped"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
-    if lost == EARLY:
-        # the gateway saw the gap itself and NACKed the loser at once, 0.3 s before any worker would ask
-        assert sum(out["queries"]) == 0
-    else:
-        # no later chunks for the gateway to see it: the workers asked (the first answer may settle it
-        # before the others ask)
-        assert sum(out["queries"]) > 0
-    # the gateway named only the loser, who resent once
+    # a gap QUERY would come 0.3 s after the later ACK, a stall resend 1.2 s after the last ACK: neither did
+    assert out["stalls"] == [0] * WORKERS
+    assert sum(out["queries"]) == sum(out["tail_probes"])
+    if lost == LAST:
+        # nothing completed after it for the gateway to see: a worker's tail probe asked (the first answer
+        # may settle it before the others ask)
+        assert sum(out["tail_probes"]) >= 1
+    # the gateway named the loser, who resent once, on that NACK; a probe that went out while another
+    # worker's copy of the last chunk was still on its way may name that worker too, whose duplicate the
+    # slot's bitmap drops (the sums above are exact)
     assert out["query_nacks"] >= 1
-    assert out["resent"] == [1 if w == LOSER else 0 for w in range(WORKERS)]
+    assert out["resent"][LOSER] == 1 and all(r <= 1 for r in out["resent"])
     assert out["resent_by_nack"] == out["resent"]
     assert out["stats"]["timer_events"] == 0
 

@@ -67,7 +67,8 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
     print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
                       "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
                       "retransmitted": node.retransmitted, "resent_by_nack": node.resent_by_nack,
-                      "stall_resends": node.stall_resends, "ack_rtt": node.ack_rtt, "queries": node.queries,
+                      "stall_resends": node.stall_resends, "tail_probes": node.tail_probes,
+                      "ack_rtt": node.ack_rtt, "queries": node.queries,
                       "receive_rounds": node.rounds,
                       "coalesced_receives": node._batch.coalesced, "dropped": node.dropped,
                       "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)

@@ -12,14 +12,18 @@ TCP's selective acknowledgements find it: ACKs come back roughly in sending orde
 unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
 all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
 With ``query_nacks`` (the gateway's choice, in its HELLO answer) a chunk below an acknowledged one is only
-asked about, ``retransmit`` after that later ACK came (not an ACK round trip after its own send, which
-includes the queue of the window sent before it), and again each timeout while it stays open: one QUERY,
-which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost) and, for
-each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
-worker's lost datagram costs one resend, not one per worker; the stall rule and the gateway's slot
-timers stay as the backstops. Without it, each round resends at once, in one batch with a QUERY for
-those chunks. Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a
-NACK for a chunk this worker resent within the last timeout (several workers asked about it) is ignored.
+asked about, ``retransmit`` (or 1.25 ACK round trips, if longer) after that later ACK came (not after its own
+send, which includes the queue of the window sent before it), and again each timeout while it stays open:
+one QUERY, which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost)
+and, for each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
+worker's lost datagram costs one resend, not one per worker; the gateway also NACKs a gap itself as soon as
+a later chunk completes, so the QUERY is mostly a backstop. The iteration's last chunk has no later chunk to
+reveal its loss: a tail probe asks about it (or resends it, without ``query_nacks``) a measured reorder
+window after the chunk sent before it was acknowledged, or a measured tail round trip after its send
+(``_Flight.probe``, TCP's tail loss probe). The stall rule and the gateway's slot timers stay as the
+backstops. Without ``query_nacks``, each round resends at once, in one batch with a QUERY for those chunks.
+Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a NACK for a chunk this worker
+resent within the last timeout (several workers asked about it) is ignored.
 Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
 
 An iteration the gateway's node failed ends here with ``IterationAborted`` as soon as the gateway's FAILED
@@ -69,6 +73,8 @@ QUERY_CHUNKS = 256
 """Chunk numbers one QUERY datagram asks about."""
 STALL_CHUNKS = 8
 """Oldest unacknowledged chunks resent when no ACK comes at all."""
+MIN_PROBE = 0.0002
+"""Shortest tail probe timeout (seconds): a floor against waking in a loop, far below any measured tail."""
 PULL_CHUNKS = 1024
 """Missing result chunks PULLed per probe once results flow: a burst that overflowed the group socket can
 leave most of a large model's results missing, and each probe waits a few retransmission timeouts."""
@@ -168,6 +174,9 @@ class EdgeSender:
         self.primed = 0
         """Datagrams sent to resolve the path to our cluster's aggregator before the first DATA (``_prime``)."""
         """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
+        self.tail_probes = 0
+        """Tail probes: the iteration's last outstanding chunk asked about (or resent) when its ACK did not come
+        within the tail's probe timeout (``_pto``)."""
         self.batch = udp.BatchSender(sock, gso=gso)
         self._queued: list[bytes] = []
         self._early: list[bytes] = []
@@ -195,6 +204,14 @@ class EdgeSender:
         """This iteration's result burst as it arrives (netstorm/lan/downlink.py), reported to the gateway."""
         self.reports = 0
         """Downlink REPORT datagrams sent to the gateway."""
+        self._tail_rtt = 0.0
+        self._tail_var = 0.0
+        """Smoothed time from an iteration's last first send to the last chunk's ACK, and its mean deviation
+        (the tail probe's timeout follows them)."""
+        self._last_rtt = 0.0
+        """The latest ACK round-trip sample."""
+        self._min_rtt = float("inf")
+        """The shortest ACK round trip of the iteration before (a chunk that queued behind nothing)."""
 
     @property
     def sockets(self) -> list[socket.socket]:
@@ -301,15 +318,25 @@ class EdgeSender:
             # a resent chunk's ACK needs a round trip through the queue too: wait that long before again
             grace = self._grace()
             # no longer than until the oldest gap is due: the gap rule, not the stall rule, takes a loss
-            # that later ACKs revealed, also when no datagram comes meanwhile
-            reorder = self.retransmit if self.query_nacks else None
-            wait = min(self._rto(), flight.gap_due(time.monotonic(), grace, reorder))
+            # that later ACKs revealed, also when no datagram comes meanwhile. The gateway NACKs a gap itself
+            # once a later chunk completes, so a worker asks only when that answer is late too
+            reorder = grace if self.query_nacks else None
+            now = time.monotonic()
+            probing = (self._pto(), self._reorder(flight))
+            wait = min(self._rto(), flight.gap_due(now, grace, reorder), flight.probe_due(now, *probing))
             await self._receive(min(remaining, wait))
             self._take(iteration, rows, values, out, missing, flight)
             await self._flush()
             now = time.monotonic()
             gap, stalled = flight.late(now, grace, self._rto(), reorder)
             self.stall_resends += int(stalled.size)
+            probe = flight.probe(now, *probing) if not stalled.size else None
+            if probe is not None:
+                # nothing later can reveal the tail's loss: ask about its newest chunk (the gateway NACKs
+                # whoever is missing from it), or resend it without NACKs; its ACK then reveals the rest
+                self.tail_probes += 1
+                gap = np.union1d(gap, [probe]) if self.query_nacks else gap
+                stalled = stalled if self.query_nacks else np.union1d(stalled, [probe])
             if self.query_nacks:
                 # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
                 ask = np.setdiff1d(gap, stalled)
@@ -322,6 +349,8 @@ class EdgeSender:
                 late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
+        if flight.min_rtt < float("inf"):
+            self._min_rtt = flight.min_rtt
         await self._gather(iteration, rows, values, out, missing, deadline - time.monotonic())
         await self._report(iteration)
         return back.decode(self._split(out)), self._total
@@ -350,6 +379,35 @@ class EdgeSender:
     def _rto(self) -> float:
         """How long without any ACK before the oldest unacknowledged chunks are resent."""
         return max(4 * self.retransmit, 2 * self._rtt)
+
+    def _pto(self) -> float:
+        """The tail probe's timeout when no chunk sent with the last one was acknowledged yet, from the
+        iteration's last first send: the tail round trip measured in earlier iterations plus four mean
+        deviations (TCP's RTO formula over those samples), or before the first sample two ACK round trips
+        (TCP's tail loss probe; the latest sample where it is longer than the smoothed one, since chunks sent
+        later queue behind more); the stall rule's wait before any ACK came, and never longer."""
+        if self._tail_rtt:
+            pto = self._tail_rtt + 4 * self._tail_var
+        elif self._rtt:
+            pto = 2 * max(self._rtt, self._last_rtt)
+        else:
+            return self._rto()
+        return min(self._rto(), max(pto, MIN_PROBE))
+
+    def _reorder(self, flight: _Flight) -> float:
+        """How long the last chunk's ACK may trail the ACK of the chunk sent just before it before it is
+        probed: the shortest ACK round trip measured in this iteration and the one before it. The two
+        complete a few datagrams apart at the aggregator; their ACKs are at most an agent's batch apart, and
+        a batch takes less than a round trip that queued behind nothing."""
+        shortest = min(flight.min_rtt, self._min_rtt)
+        return max(MIN_PROBE, shortest if shortest < float("inf") else self._pto())
+
+    def _tail_sample(self, sample: float) -> None:
+        if not self._tail_rtt:
+            self._tail_rtt, self._tail_var = sample, sample / 2
+        else:
+            self._tail_var = 0.75 * self._tail_var + 0.25 * abs(sample - self._tail_rtt)
+            self._tail_rtt = 0.875 * self._tail_rtt + 0.125 * sample
 
     async def _send_rows(self, rows: np.ndarray, index: np.ndarray, *, first: bool) -> None:
         """Send the chosen rows in batches; first transmissions pass the loss and duplicate injection."""
@@ -548,7 +606,9 @@ class EdgeSender:
         if flight is not None:
             # a chunk's result says it completed as its ACK does (a gateway that streams results sends
             # them while this worker still sends): either frees the chunk's slot for reuse
-            self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight, also=results)
+            # (a result names a data chunk only when it travels on the data's own chunks: float32 lanes)
+            same = self._back.layout == self.layout
+            self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight, also=results if same else None)
         if keep.size:
             for row in np.flatnonzero(ok & (kind == Kind.NACK)):
                 self._on_nack(Header.decode(batch.datagram(int(row))), iteration, keep, values, flight)
@@ -599,9 +659,12 @@ class EdgeSender:
             width = int(counts.max())
             acked = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
             listed = np.concatenate([acked, listed])
-        sample = flight.ack(listed[listed < flight.acked.size], time.monotonic())
+        sample, tail = flight.ack(listed[listed < flight.acked.size], time.monotonic())
         if sample is not None:
             self._rtt = sample if not self._rtt else 0.875 * self._rtt + 0.125 * sample
+            self._last_rtt = sample
+        if tail is not None:
+            self._tail_sample(tail)
 
     def _layout_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The result layout's chunks, first sequence number and size per tensor, as arrays (made once per
@@ -683,6 +746,14 @@ class _Flight:
         self.last_ack = float("inf")
         """When the latest ACK came (inf until the first chunks are sent)."""
         self.backoff = 1
+        self.final_sent = float("inf")
+        """When the last chunk was first sent (the tail probe's clock starts there)."""
+        self.probe_at = float("inf")
+        """When the latest tail probe went out (inf: none yet)."""
+        self.probes = 0
+        """Tail probes since the last ACK that acknowledged something new (each doubles the next timeout)."""
+        self.min_rtt = float("inf")
+        """The shortest ACK round trip sampled in this iteration."""
 
     def sendable(self) -> tuple[int, int]:
         """The chunks [start, stop) the window allows now: chunk j once j < pool or chunk j - pool is acked."""
@@ -699,6 +770,8 @@ class _Flight:
         self.sent_at[start:stop] = now
         self.first_sent[start:stop] = now
         self.next = stop
+        if stop == self.acked.size:
+            self.final_sent = now
         if self.last_ack == float("inf"):
             self.last_ack = now
 
@@ -711,19 +784,61 @@ class _Flight:
     def was_sent(self, index: int) -> bool:
         return index < self.next
 
-    def ack(self, seqs: np.ndarray, now: float) -> float | None:
-        """Mark ``seqs`` acknowledged; an ACK round-trip sample from chunks sent once, if any."""
+    def ack(self, seqs: np.ndarray, now: float) -> tuple[float | None, float | None]:
+        """Mark ``seqs`` acknowledged; an ACK round-trip sample from chunks sent once, if any, and a tail
+        sample (the last chunk's first send to its ACK) if the last chunk is among them, sent once and never
+        probed."""
         fresh = seqs[~self.acked[seqs]]
         self.acked[seqs] = True
         if not fresh.size:
-            return None
+            return None, None
         self.last_ack = now
         self.backoff = 1
+        self.probes = 0
         highest = max(self.highest, int(fresh.max()) + 1)
         self.passed_at[self.highest: highest] = now
         self.highest = highest
         once = fresh[self.sent_at[fresh] == self.first_sent[fresh]]
-        return float(now - np.max(self.sent_at[once])) if once.size else None
+        last = self.acked.size - 1
+        tail = float(now - self.final_sent) if last in once and self.probe_at == float("inf") else None
+        if not once.size:
+            return None, tail
+        self.min_rtt = min(self.min_rtt, float(now - np.max(self.sent_at[once])))
+        return float(now - np.max(self.sent_at[once])), tail
+
+    def _tail(self) -> int | None:
+        """The newest unacknowledged chunk when every chunk was sent and no acknowledged one is above it
+        (so no later ACK can reveal its loss), else None."""
+        n = self.acked.size
+        if self.next < n or self.acked[n - 1]:
+            return None
+        return n - 1
+
+    def probe_due(self, now: float, pto: float, reorder: float) -> float:
+        """Seconds until ``probe`` asks about the tail (inf: no tail outstanding). The tail is due ``reorder``
+        after the chunk sent just before the last one was acknowledged (every worker sends the two back to
+        back, so the last completes right after it unless a datagram was lost), else ``pto`` after the last
+        first send; after a probe, not before ``reorder`` has passed, and while no ACK brings anything new,
+        ``pto`` doubled per probe after it."""
+        tail = self._tail()
+        if tail is None:
+            return float("inf")
+        due = self.final_sent + pto
+        if tail and self.acked[tail - 1]:
+            due = min(due, self.last_ack + reorder)
+        if self.probe_at < float("inf"):
+            due = max(due, self.probe_at + (pto * 2 ** (self.probes - 1) if self.probes else reorder))
+        return max(0.0, due - now)
+
+    def probe(self, now: float, pto: float, reorder: float) -> int | None:
+        """The chunk to probe now, if any: the newest (as TCP's tail loss probe sends its last segment),
+        when ``probe_due`` has passed."""
+        tail = self._tail()
+        if tail is None or self.probe_due(now, pto, reorder) > 0:
+            return None
+        self.probe_at = now
+        self.probes += 1
+        return tail
 
     def late(self, now: float, grace: float, stall: float,
              reorder: float | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -734,7 +849,8 @@ class _Flight:
         unacknowledged ones. With ``reorder`` (chunks are only asked about, which costs no data) a gap is
         due ``reorder`` after the later ACK came, not ``grace`` after its own send: the send-to-ACK time
         includes the queue of the whole window sent before it, while a later chunk's ACK shows at once that
-        this one's datagrams went by; it is asked about again ``grace`` after each QUERY."""
+        this one's datagrams went by; a chunk resent meanwhile (on the gateway's NACK) waits ``grace`` after
+        that resend, and it is asked about again ``grace`` after each QUERY."""
         window = slice(0, self.next)
         open_ = ~self.acked[window]
         age = now - self.sent_at[window]
@@ -743,7 +859,7 @@ class _Flight:
             due = age > grace
         else:
             asked = self.asked[window]
-            due = np.where(asked, age > grace, now - self.passed_at[window] > reorder)
+            due = (age > grace) & (asked | (now - self.passed_at[window] > reorder))
         gap = np.flatnonzero(below & due)[:QUERY_CHUNKS]
         oldest = gap[:0]
         if now - self.last_ack > stall * self.backoff:
@@ -761,7 +877,7 @@ class _Flight:
             return float("inf")
         due = self.sent_at[: self.highest] + grace
         if reorder is not None:
-            due = np.where(self.asked[: self.highest], due, self.passed_at[: self.highest] + reorder)
+            due = np.where(self.asked[: self.highest], due, np.maximum(due, self.passed_at[: self.highest] + reorder))
         return max(0.0, float(due[below].min()) - now)
 
     def unacked(self) -> int:
