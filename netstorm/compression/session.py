@@ -32,8 +32,9 @@ interleave it with their own work (DDP's stage, in-process replays).
 
 A round that fails (its push_pull raised: a timeout, a lost peer or LAN worker, an overflow) ends the
 iteration with that error at every contributor, since none of them gets the round's sums. The shells
-then call ``abort``: the core goes back to what it was before ``begin`` (the codec's residual, its kept
-GIA and its random generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
+(and DDP's stage, for every piece of a failed bucket: ``torch/compressed.py``) then call ``abort``:
+the core goes back to what it was before ``begin`` (the codec's residual, its kept GIA and its random
+generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
 decoded any part of the failed iteration, so the residual must still be exactly what was not applied of
 the earlier ones, which is what it was before; the failed iteration's update stays the caller's (it
 raised), to push again or to drop. The next ``begin`` starts a whole iteration (votes first, or the
