@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from netstorm.compression import quantize, voting
+from netstorm.compression.codecs import FediacCodec
 from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Done, Push, Rounds, Tensors
 
@@ -316,7 +317,7 @@ def test_abort_also_undoes_a_round_whose_sums_could_not_be_decoded() -> None:
     step(rounds, {dc: gradients(dc, 1) for dc in DCS})
     core = rounds[DCS[0]]
     codec = core.codec
-    assert codec is not None
+    assert isinstance(codec, FediacCodec)
     before = (codec.residual.copy(), codec.state.served, codec.state.peak, repr(codec.rng.bit_generator.state))
     push = core.begin(gradients(DCS[0], 2))
     assert isinstance(push, Push) and core.last.reused
