@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from netstorm.compression import quantize, voting
+from netstorm.compression.codecs import FediacCodec
 from netstorm.compression.options import SCALE, VALUES, VOTES, CompressionOptions
 from netstorm.compression.session import Done, Push, Rounds, Tensors
 
@@ -305,3 +306,29 @@ def test_the_shells_abort_the_rounds_when_a_push_fails() -> None:
         with pytest.raises(TrainerTimeout):
             client.push_pull(gradients(1, 1))
     assert client.rounds is not None and client.rounds._phase == "idle"
+
+
+def test_abort_also_undoes_a_round_whose_sums_could_not_be_decoded() -> None:
+    """A ``received`` that raises midway (here a reused round's sums without their values: it has
+    already taken the new m from the scale) leaves the iteration to ``abort``, which restores the state
+    as before ``begin``; a done iteration leaves nothing for a later ``abort`` to undo."""
+    options = CompressionOptions("fediac", k=0.05, bits=12, votes=2, gia_reuse=3)
+    rounds = cores(options)
+    step(rounds, {dc: gradients(dc, 1) for dc in DCS})
+    core = rounds[DCS[0]]
+    codec = core.codec
+    assert isinstance(codec, FediacCodec)
+    before = (codec.residual.copy(), codec.state.served, codec.state.peak, repr(codec.rng.bit_generator.state))
+    push = core.begin(gradients(DCS[0], 2))
+    assert isinstance(push, Push) and core.last.reused
+    with pytest.raises(KeyError):
+        core.received({SCALE: np.eye(quantize.SCALE_BUCKETS, dtype=np.int64)[3] * len(DCS)})
+    assert codec.state.peak != before[2]
+    core.abort()
+    after = (codec.residual, codec.state.served, codec.state.peak, repr(codec.rng.bit_generator.state))
+    assert np.array_equal(after[0], before[0]) and after[1:] == before[1:]
+    # a done iteration is kept: abort between iterations changes nothing
+    step(rounds, {dc: gradients(dc, 2) for dc in DCS})
+    kept = (codec.residual.copy(), codec.state.served, codec.state.peak)
+    core.abort()
+    assert np.array_equal(codec.residual, kept[0]) and (codec.state.served, codec.state.peak) == kept[1:]

@@ -32,8 +32,9 @@ interleave it with their own work (DDP's stage, in-process replays).
 
 A round that fails (its push_pull raised: a timeout, a lost peer or LAN worker, an overflow) ends the
 iteration with that error at every contributor, since none of them gets the round's sums. The shells
-then call ``abort``: the core goes back to what it was before ``begin`` (the codec's residual, its kept
-GIA and its random generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
+(and DDP's stage, for every piece of a failed bucket: ``torch/compressed.py``) then call ``abort``:
+the core goes back to what it was before ``begin`` (the codec's residual, its kept GIA and its random
+generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
 decoded any part of the failed iteration, so the residual must still be exactly what was not applied of
 the earlier ones, which is what it was before; the failed iteration's update stays the caller's (it
 raised), to push again or to drop. The next ``begin`` starts a whole iteration (votes first, or the
@@ -244,13 +245,23 @@ class Rounds:
 
     def abort(self) -> None:
         """The iteration's last push failed (its sums will never come): undo it (see the module
-        docstring), so the next ``begin`` starts afresh. Nothing to do when no iteration runs."""
-        if self._phase == "idle":
-            return
+        docstring), so the next ``begin`` starts afresh. Also after a ``begin`` or ``received`` that
+        raised midway (the checkpoint is dropped only when the iteration is done). Nothing to do when no
+        iteration runs."""
         self._phase, self._sent = "idle", None
         if self.codec is not None and self._checkpoint is not None:
             self.codec.rollback(self._checkpoint)
         self._checkpoint = None
+
+    def underive(self) -> None:
+        """Forget the b that a dense round derived (``fediac_bits = 0``), for a caller that undoes a done
+        iteration as part of a larger one that failed: DDP's bucket whose dense first piece came back
+        and whose next piece failed never reached the trainer (``torch/compressed.py``). The next
+        ``begin`` is the dense round again, as in a run without the failed bucket. Call it between
+        iterations, after rolling back what the derived codec did."""
+        if self.options.method != "fediac" or self.options.bits or self.codec is None:
+            return
+        self.codec, self.bits, self.derived_bits = None, self.options.bits, 0
 
     def iteration(self, gradients: Mapping[str, np.ndarray]) -> Round:
         """The core as a generator: yields what to push in each round, is sent each round's sums, returns
@@ -261,6 +272,7 @@ class Rounds:
         return action.tensors
 
     def _done(self, tensors: Tensors) -> Done:
+        self._checkpoint = None  # decoded: nothing of this iteration to undo any more
         return Done(_averaged(tensors, self.contributors if self._average else 0))
 
     def _derive(self, result: Mapping[str, np.ndarray]) -> Tensors:

@@ -10,21 +10,48 @@ that was not sent (with ``fediac_gia_reuse``, the kept GIA and m too: a bucket's
 another's). The key is DDP's bucket index with the bucket's size, so a bucket rebuild (new sizes after
 the first step) starts fresh residuals instead of adding one layer's leftovers to another's.
 
+A bucket's pieces are one collective: its sum reaches the caller only when every piece is done. So
+when a piece's round fails (a timeout, a DC gone, ``GroupIncomplete``) the stage undoes the whole
+bucket (``collective``): the piece in flight with ``Rounds.abort``, and the pieces already decoded with
+the checkpoints taken before each began (residual, kept GIA and random draws, restored in place in that
+piece's state; a dense first round's b forgotten; a piece's state first made by this bucket dropped).
+Every contributor's piece fails alike (none gets the round's sums), so every contributor undoes the same
+pieces, and the next bucket computes exactly what it would in a run without the failed one; the failed
+bucket's gradient stays the caller's (it raised). A failure after the bucket's sum came back (storing it
+into the tensor) undoes nothing: the other contributors applied their rounds, and undoing only here would
+part this contributor's kept GIA from theirs.
+
 Only gradient buckets go through here: DDP's broadcasts and shape checks, and any ``all_reduce`` a user
 calls, stay exact. ``BucketRounds`` does no I/O and imports no torch; the stage drives it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+import contextlib
+import dataclasses
+from collections.abc import Generator, Iterator
 
 import numpy as np
 
-from netstorm.compression.codecs import CodecState
+from netstorm.compression.codecs import Checkpoint, CodecState, FediacCodec, TopkCodec
 from netstorm.compression.options import CompressionOptions
 from netstorm.compression.session import Rounds, RoundStats, Tensors
 
 Key = tuple[int, ...]
+
+
+@dataclasses.dataclass
+class _Piece:
+    """A bucket piece begun in the current collective, and how to undo it once decoded."""
+
+    key: Key
+    codec: FediacCodec | TopkCodec | None
+    """None: the dense first round (b derived), which leaves only b behind."""
+    state: CodecState | None = None
+    checkpoint: Checkpoint | None = None
+    new: bool = False
+    """Its state was made by this collective (dropped on undo, as if never seen)."""
+    done: bool = False
 
 
 class BucketRounds:
@@ -37,6 +64,8 @@ class BucketRounds:
         self.elements = elements
         self.rounds = Rounds(options, {name: np.zeros(elements, dtype=np.float32)}, seed)
         self.states: dict[Key, CodecState] = {}
+        self._pieces: list[_Piece] | None = None
+        """The pieces of the collective under way (None outside ``collective``)."""
 
     def registered(self) -> Tensors:
         """The round tensor and the compression's integer tensors, to register once."""
@@ -60,7 +89,42 @@ class BucketRounds:
         decoded sum over every rank (float32, ``elements`` long)."""
         rounds = self.rounds
         codec = rounds.codec
-        if codec is not None:  # the dense first round (b derived) leaves nothing behind
-            codec.state = self.states.setdefault(key, CodecState.fresh(self.elements))
+        piece = _Piece(key, codec)
+        if codec is not None:  # the dense first round (b derived) leaves only b behind
+            piece.new = key not in self.states
+            piece.state = codec.state = self.states.setdefault(key, CodecState.fresh(self.elements))
+            piece.checkpoint = codec.checkpoint()
+        if self._pieces is not None:
+            self._pieces.append(piece)
         result = yield from rounds.iteration({self.name: payload})
+        piece.done = True
         return np.asarray(result[self.name], dtype=np.float32).reshape(-1)
+
+    @contextlib.contextmanager
+    def collective(self) -> Iterator[None]:
+        """The pieces of one bucket: if the block raises, every piece begun in it is undone, once (see
+        the module docstring), and the error goes on."""
+        if self._pieces is not None:
+            raise RuntimeError("a collective inside a collective: one bucket at a time")
+        pieces: list[_Piece] = []
+        self._pieces = pieces
+        try:
+            yield
+        except BaseException:
+            self._undo(pieces)
+            raise
+        finally:
+            self._pieces = None
+
+    def _undo(self, pieces: list[_Piece]) -> None:
+        self.rounds.abort()  # the piece in flight (or whose decode raised): back to before it began
+        for piece in reversed([p for p in pieces if p.done]):
+            if piece.codec is None:
+                self.rounds.underive()
+                continue
+            assert piece.state is not None and piece.checkpoint is not None
+            piece.codec.state = piece.state
+            piece.codec.rollback(piece.checkpoint)
+        for piece in pieces:
+            if piece.new:
+                self.states.pop(piece.key, None)

@@ -18,7 +18,8 @@ thread per state, so backward keeps computing while a bucket crosses the WAN.
 With the job's compression (``compression = fediac|topk|fp16``, resolved as every option is, or given
 to ``connect``) the leader sends its DC's sum through ``Stage.reduce_compressed`` as the backend's
 ``compressed_hook`` does: each leader is one contributor, error feedback is kept per bucket piece
-(keyed by DDP's bucket index and size), and fp16 travels as float16 on the WAN. The rank count then
+(keyed by DDP's bucket index and size; a bucket whose rounds fail is undone in the stage before its
+error reaches DDP), and fp16 travels as float16 on the WAN. The rank count then
 cannot ride in the bucket (a sparse method would drop it, and FediAC would quantize it), so the leaders
 sum their DCs' rank counts once, exactly, before their first bucket, and keep the total.
 """

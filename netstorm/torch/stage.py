@@ -189,13 +189,15 @@ class Stage:
     def reduce_compressed(self, payload: np.ndarray, bucket: tuple[int, ...]) -> np.ndarray:
         """The sum over every rank of a gradient ``payload`` through the job's compression, error feedback
         kept per piece of ``bucket`` (a key the same at every rank, e.g. DDP's bucket index and size).
-        Without a sparse method it is ``reduce`` (fp16 then travels as float16 on the WAN)."""
+        Without a sparse method it is ``reduce`` (fp16 then travels as float16 on the WAN). If a piece
+        fails (the node's error, ``GroupIncomplete``), every piece's rounds are undone before the error
+        goes on, so a later call computes what it would had this one never been made (``compressed.py``)."""
         if self.buckets is None:
             return self.reduce(payload)
         buckets = self.buckets
         size = int(payload.size)
         out = np.empty(size, dtype=np.float32)
-        with self._lock:
+        with self._lock, buckets.collective():  # a piece that fails undoes the bucket's rounds
             self.stats.collectives += 1
             self.stats.elements += size
             for piece, start in enumerate(range(0, max(size, 1), self.round)):
@@ -209,18 +211,21 @@ class Stage:
                 spent = time.perf_counter() - began
                 node = 0.0
                 trips: list[float] = []
-                while True:
-                    pushed = time.perf_counter()
-                    result = self._push_pull(push, average=False)
-                    trips.append(time.perf_counter() - pushed)
-                    resumed = time.perf_counter()
-                    try:
-                        push = steps.send(result)
-                    except StopIteration as done:
-                        summed: np.ndarray = done.value
-                        break
-                    finally:
-                        spent += time.perf_counter() - resumed
+                try:
+                    while True:
+                        pushed = time.perf_counter()
+                        result = self._push_pull(push, average=False)
+                        trips.append(time.perf_counter() - pushed)
+                        resumed = time.perf_counter()
+                        try:
+                            push = steps.send(result)
+                        except StopIteration as done:
+                            summed: np.ndarray = done.value
+                            break
+                        finally:
+                            spent += time.perf_counter() - resumed
+                finally:
+                    steps.close()
                 node += sum(trips)
                 finished = time.perf_counter()
                 out[start:stop] = summed[:stop - start]
