@@ -16,7 +16,7 @@ import pytest
 from netstorm import scenario
 from netstorm.errors import PolicyError
 from netstorm.lan_scenario import LanSpec, LanWorker, Rack
-from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
+from netstorm.planning import aleph, dcplan, eina, lanmodel, lanwire, pahina
 from netstorm.planning.lanmodel import GATEWAY, PRECISION_SCALE, Node, predict, tor_id
 
 
@@ -218,6 +218,58 @@ def test_pahina_groups_precisions_where_the_oblivious_assignment_inflates() -> N
     assert literal.prediction.gbit <= aware.prediction.gbit + 1e-9
 
 
+def test_pahina_fills_aggregator_ports_by_bytes_where_the_oblivious_assignment_counts_members() -> None:
+    """lan-precision's DC 1 (the paper's 5:3:2 mix): the fp32 workers' 20 Gbit/s ports are the capacity,
+    and an int8 member takes a quarter of what an fp32 one would."""
+    lan = scenario.load("lan-precision").node(1).lan
+    assert lan is not None
+    aware, blind = pahina.plan(lan, tor=False), pahina.oblivious(lan, tor=False)
+    for plan in (aware, blind):
+        loads_respected(lan, plan)
+        # aggregators are fp32 workers: their aggregates travel in 32-bit lanes in the model as on the
+        # wire (the data plane forwards int32 partial sums whatever the members' precision)
+        assert all(lan.workers[a].precision == "fp32" for a in lanmodel.two_level(plan)[0])
+    aware_clusters = lanmodel.two_level(aware)[0]
+    assert sorted(len(m) for m in aware_clusters.values()) == [3, 4]
+    assert all(len(m) == 3 for m in lanmodel.two_level(blind)[0].values())
+    pushed = 2 * 1.0 + 3 * 0.5 + 5 * 0.25
+    # hand-worked: aware, the busier aggregator's port carries its aggregate and one fp16 and three int8
+    # pushes (1 + 0.5 + 0.75 per Gbit at 20 Gbit/s); oblivious, three members per aggregator leave two
+    # fp16 workers direct, and two fp32 aggregates and two fp16 pushes reach the 20 Gbit/s gateway
+    # (1 + 1 + 0.5 + 0.5)
+    assert aware.prediction.gbit == pytest.approx(pushed / (2.25 / 20))
+    assert blind.prediction.gbit == pytest.approx(pushed / (3.0 / 20))
+    assert aware.prediction.gbit >= 1.3 * blind.prediction.gbit
+    for plan in (aware, blind):  # the gain is one the data plane can show
+        assert lanwire.wire_cost(lan, plan).gbit == pytest.approx(plan.prediction.gbit)
+    # DC 2: one fp32 node per eight narrow workers; by bytes its port takes all eight, by count four
+    lan = scenario.load("lan-precision").node(2).lan
+    assert lan is not None
+    aware, blind = pahina.plan(lan, tor=False), pahina.oblivious(lan, tor=False)
+    assert lanmodel.two_level(aware)[0] == {0: list(range(1, 9))}
+    assert aware.prediction.gbit == pytest.approx(2 * blind.prediction.gbit)
+    for plan in (aware, blind):
+        assert lanwire.wire_cost(lan, plan).gbit == pytest.approx(plan.prediction.gbit)
+
+
+def test_wire_cost_counts_aggregates_and_results_in_32_bit_lanes() -> None:
+    """An int8 cluster: the model's aggregate is int8-sized, the wire's int32; an fp32 aggregator's
+    cluster, on downlinks wide enough for 32-bit results, costs the same in both."""
+    narrow = lan_of([10] * 4, 10, ["int8"] * 4)
+    plan = lanmodel.make_plan("test", narrow, {0: GATEWAY, 1: 0, 2: 0, 3: 0})
+    # model: the aggregator's port carries 0.25 + 3 x 0.25 per Gbit at 10 Gbit/s
+    assert plan.prediction.seconds_per_gbit == pytest.approx(0.1)
+    wire = lanwire.wire_cost(narrow, plan)
+    # wire: its downlink carries the 32-bit result and three int8 pushes, 1.75 per Gbit at 10 Gbit/s
+    assert wire.seconds_per_gbit == pytest.approx(0.175)
+    assert wire.bottleneck == "worker 0 downlink"
+    mixed = LanSpec((LanWorker(0, 20, 20, 0.0, "fp32"), LanWorker(1, 10, 20, 0.0, "fp16"),
+                     LanWorker(2, 8, 32, 0.0, "int8")), (), 20)
+    plan = lanmodel.make_plan("test", mixed, {0: GATEWAY, 1: 0, 2: 0})
+    assert lanwire.wire_cost(mixed, plan).seconds_per_gbit == pytest.approx(plan.prediction.seconds_per_gbit)
+    assert plan.prediction.seconds_per_gbit == pytest.approx((1 + 0.5 + 0.25) / 20)
+
+
 def test_pahina_respects_per_precision_capacity_and_the_precision_filter() -> None:
     racks = (Rack(1, 100, 100, (("int8", 0.0), ("fp16", 3.0))), Rack(2, 100, 100))
     lan = lan_of([10] * 8, 8, ["int8", "fp16", "fp32", "fp16"] * 2, racks, [1, 1, 1, 1, 2, 2, 2, 2])
@@ -380,7 +432,8 @@ def test_every_planner_keeps_every_capacity_on_random_dcs(planner: str) -> None:
             assert name
 
 
-@pytest.mark.parametrize("name", ["lan-hetero-4", pytest.param("lan-planning", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["lan-hetero-4", pytest.param("lan-planning", marks=pytest.mark.slow),
+                                  pytest.param("lan-precision", marks=pytest.mark.slow)])
 def test_every_planner_runs_on_every_described_dc(name: str) -> None:
     s = scenario.load(name)
     for node in s.nodes:
