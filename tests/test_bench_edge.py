@@ -344,3 +344,17 @@ def test_the_spread_sweep_orders_dcs_by_drawn_spread_and_finds_where_the_advanta
     assert result["onset"] == 0.5
     docs["c"] = doc(1, wide, "aleph", 3.0)  # the widest spread now misses the target: no onset
     assert sweep(docs)["onset"] is None and sweep(docs)["beats_gloo_from"] == 0.1
+
+
+def test_the_run_record_sums_each_runs_drops_and_keeps_its_command_and_load() -> None:
+    from netstorm.bench.edge_report import run_record
+
+    drops = {"ports": {"g": 2, "w0": 1}, "uplinks": {"w0": 4}, "udp_rcvbuf": {"g": 0, "w1": 3}}
+    run = {"command": "netstorm bench edge --dc 2", "host": {"load_average_before": [1.0], "load_average_after": [2.0]},
+           "lan_scenario": {"scenario": "s", "dc": 2},
+           "userspace": {"retransmitted": 9, "stall_resends": 5, "resent_by_nack": 4, "lan_drops": drops}}
+    record = run_record({"r.json": run, "other.json": {"workers": 4}})
+    assert record["commands"] == {"r.json": "netstorm bench edge --dc 2"}
+    assert record["host_load"] == {"r.json": {"before": [1.0], "after": [2.0]}}
+    assert record["resends"] == {"r.json": {"retransmitted": 9, "stall_resends": 5, "resent_by_nack": 4,
+                                            "queue_drops": 7, "udp_rcvbuf_drops": 3}}

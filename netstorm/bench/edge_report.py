@@ -3,8 +3,8 @@ results, so the README's and ``results/``'s tables are generated from the JSON r
 benchmark file (``netstorm bench edge --out``) path by path against gloo, and the end-to-end pair of
 emulation results (``netstorm emulate ... --out``, one with LAN workers and one without) as the
 slowdown per iteration the LAN tier costs, against its target. With ``--sweep``, the planned LAN tier's
-runs (``bench edge --lan-scenario``) as JSON: per DC and planner (``planned``) and a planner's advantage
-across one scenario's spread sweep (``sweep``)."""
+runs (``bench edge --lan-scenario``) as JSON: each run's command, host load and resends, a planner's
+advantage across one scenario's spread sweep (``sweep``) and every planner per DC (``planned``)."""
 
 from __future__ import annotations
 
@@ -253,6 +253,28 @@ def sweep(docs: dict[str, dict[str, Any]], planner: str = "aleph",
             "beats_gloo_from": onset(lambda r: r["less_time_than_gloo"] > 0)}
 
 
+def run_record(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What each planned LAN run was: its command, the host's load average before and after, and where it
+    resent (the userspace path's resends, by the stall rule and by NACK, and the drops of the shaped
+    ports' queues and of the sockets' receive buffers)."""
+    out: dict[str, Any] = {"commands": {}, "host_load": {}, "resends": {}}
+    for name, doc in docs.items():
+        if doc.get("lan_scenario") is None:
+            continue
+        out["commands"][name] = doc.get("command")
+        host = doc.get("host", {})
+        out["host_load"][name] = {"before": host.get("load_average_before"), "after": host.get("load_average_after")}
+        r = doc.get("userspace")
+        if r is not None:
+            drops = r.get("lan_drops", {})
+            out["resends"][name] = {
+                "retransmitted": r.get("retransmitted"), "stall_resends": r.get("stall_resends"),
+                "resent_by_nack": r.get("resent_by_nack"),
+                "queue_drops": sum(sum(drops.get(k, {}).values()) for k in ("ports", "uplinks")) if drops else None,
+                "udp_rcvbuf_drops": sum(drops.get("udp_rcvbuf", {}).values()) if drops else None}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     as_sweep = bool(args) and args[0] == "--sweep"
@@ -262,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if as_sweep:
         docs = {path.name: json.loads(path.read_text()) for path in files}
-        sys.stdout.write(json.dumps({"planned": planned(docs), "sweep": sweep(docs)}, indent=1) + "\n")
+        doc = {**run_record(docs), "sweep": sweep(docs), "planned": planned(docs)}
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
         return 0
     sys.stdout.write(markdown(files))
     return 0
