@@ -253,6 +253,38 @@ def sweep(docs: dict[str, dict[str, Any]], planner: str = "aleph",
             "beats_gloo_from": onset(lambda r: r["less_time_than_gloo"] > 0)}
 
 
+def sweep_table(result: dict[str, Any]) -> list[str]:
+    """The markdown table of ``sweep``'s result: per DC by drawn spread, the run counts, the mean seconds
+    per iteration, and the planner's advantage on the means with its range over the planner's runs; then
+    where the advantage starts."""
+    planner, target = result["planner"], result["target"]
+
+    def pct(value: float) -> str:
+        return f"{round(value * 100) + 0:+d} %"
+
+    lines = [f"| DC | drawn spread | runs ({planner}/flat/gloo) | flat s | {planner} s | gloo s | "
+             f"{planner} less than flat | {planner} less than gloo |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        runs = row["runs"]
+        flat_lo, flat_hi = row["less_time_than_flat_range"]
+        gloo_lo, gloo_hi = row["less_time_than_gloo_range"]
+        mine = f"{row[f'{planner}_s']:.2f}" + (f" ({min(runs[planner]):.2f}-{max(runs[planner]):.2f})"
+                                               if len(runs[planner]) > 1 else "")
+        flat = pct(row["less_time_than_flat"]) + (f" ({pct(flat_lo)} to {pct(flat_hi)})" if flat_lo != flat_hi else "")
+        gloo = pct(row["less_time_than_gloo"]) + (f" ({pct(gloo_lo)} to {pct(gloo_hi)})" if gloo_lo != gloo_hi else "")
+        lines.append(f"| {row['dc']} | {row['spread_drawn']:.2f} | {len(runs[planner])}/{len(runs['flat'])}/"
+                     f"{len(runs['gloo'])} | {row['flat_s']:.2f} | {mine} | {row['gloo_s']:.2f} | {flat} | {gloo} |")
+
+    def since(value: float | None) -> str:
+        return "at no spread swept" if value is None else f"from a drawn spread of {value:.2f} on"
+
+    lines += ["", f"On the means, {planner} takes at least {target * 100:.0f} % less time per iteration than both "
+                  f"flat and gloo {since(result['onset'])}, and less than gloo at all "
+                  f"{since(result['beats_gloo_from'])}."]
+    return lines
+
+
 def run_record(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """What each planned LAN run was: its command, the host's load average before and after, and where it
     resent (the userspace path's resends, by the stall rule and by NACK, and the drops of the shaped
