@@ -315,3 +315,46 @@ def test_the_planned_comparison_takes_means_over_repeats_against_flat_gloo_and_o
     table = planned({"a": doc("flat", 4.0, 1.0, gloo=2.0), "w": whole})
     assert table["s DC 1"]["summary"]["flat"]["iteration_s"] == 4.0
     assert table["s DC 1"]["summary"]["flat whole"]["less_time_than_flat"] == pytest.approx(1 - 8.0 / 4.0)
+
+
+def test_the_spread_sweep_orders_dcs_by_drawn_spread_and_finds_where_the_advantage_starts() -> None:
+    from netstorm.bench.edge_report import sweep
+
+    def doc(dc: int, rates: list[float], planner: str, seconds: float, gloo: float | None = None) -> dict[str, object]:
+        out: dict[str, object] = {
+            "iterations": 2, "userspace": {"wall_seconds": 2 * seconds, "wall_gbit": 1.0, "exact": True},
+            "lan_scenario": {"scenario": "s", "dc": dc, "planner": planner, "rates_gbit": [[r, r] for r in rates]}}
+        if gloo is not None:
+            out["gloo"] = {"wall_seconds": 2 * gloo, "wall_gbit": 1.0, "exact": True}
+        return out
+
+    even, wide, mid, narrow = [2.0, 2.0], [1.0, 3.0], [1.5, 2.5], [1.8, 2.2]  # std/mean 0, 0.5, 0.25, 0.1
+    docs = {"a": doc(1, wide, "flat", 4.0, gloo=3.0), "b": doc(1, wide, "aleph", 2.0), "c": doc(1, wide, "aleph", 1.0),
+            "d": doc(2, even, "flat", 4.0, gloo=1.0), "e": doc(2, even, "aleph", 4.0),
+            "f": doc(3, mid, "flat", 4.0, gloo=2.0), "g": doc(3, mid, "aleph", 1.8),
+            "h": doc(4, narrow, "flat", 4.0, gloo=2.0), "i": doc(4, narrow, "aleph", 1.5)}
+    result = sweep(docs)
+    assert [(r["dc"], r["spread_drawn"]) for r in result["rows"]] == [(2, 0.0), (4, 0.1), (3, 0.25), (1, 0.5)]
+    top = result["rows"][-1]
+    assert top["aleph_s"] == 1.5 and top["runs"]["aleph"] == [2.0, 1.0] and top["gloo_s"] == 3.0
+    assert top["less_time_than_gloo"] == pytest.approx(0.5) and top["less_time_than_flat"] == pytest.approx(1 - 1.5 / 4)
+    assert top["less_time_than_gloo_range"] == pytest.approx([1 - 2.0 / 3.0, 1 - 1.0 / 3.0], abs=1e-4)
+    # gloo is beaten from 0.1 on (by 25 %, 10 %, 50 %), the 20 % target only from 0.5 on (DC 3 misses it)
+    assert result["beats_gloo_from"] == 0.1
+    assert result["onset"] == 0.5
+    docs["c"] = doc(1, wide, "aleph", 3.0)  # the widest spread now misses the target: no onset
+    assert sweep(docs)["onset"] is None and sweep(docs)["beats_gloo_from"] == 0.1
+
+
+def test_the_run_record_sums_each_runs_drops_and_keeps_its_command_and_load() -> None:
+    from netstorm.bench.edge_report import run_record
+
+    drops = {"ports": {"g": 2, "w0": 1}, "uplinks": {"w0": 4}, "udp_rcvbuf": {"g": 0, "w1": 3}}
+    run = {"command": "netstorm bench edge --dc 2", "host": {"load_average_before": [1.0], "load_average_after": [2.0]},
+           "lan_scenario": {"scenario": "s", "dc": 2},
+           "userspace": {"retransmitted": 9, "stall_resends": 5, "resent_by_nack": 4, "lan_drops": drops}}
+    record = run_record({"r.json": run, "other.json": {"workers": 4}})
+    assert record["commands"] == {"r.json": "netstorm bench edge --dc 2"}
+    assert record["host_load"] == {"r.json": {"before": [1.0], "after": [2.0]}}
+    assert record["resends"] == {"r.json": {"retransmitted": 9, "stall_resends": 5, "resent_by_nack": 4,
+                                            "queue_drops": 7, "udp_rcvbuf_drops": 3}}

@@ -52,6 +52,24 @@ def test_draw_follows_its_seed_and_spread(tmp_path) -> None:
     assert [w.up_gbit for w in flat.node(1).lan.workers] == [3.0] * 4  # type: ignore[union-attr]
 
 
+def test_shipped_spread_sweep_varies_only_in_spread() -> None:
+    """lan-spread's DCs are one sweep: the same eight fp32 workers, gateway and seed, only the spread
+    differs; their drawn std over mean (population) is the one its description and results name."""
+    s = scenario.load("lan-spread")
+    drawn = {}
+    for node in s.nodes:
+        lan = node.lan
+        assert lan is not None and len(lan.workers) == 8 and lan.gateway_gbit == 10.0
+        assert {w.precision for w in lan.workers} == {"fp32"} and all(w.up_gbit >= 3.0 for w in lan.workers)
+        rates = [w.up_gbit for w in lan.workers]
+        assert rates == [w.down_gbit for w in lan.workers]
+        drawn[node.id] = round(statistics.pstdev(rates) / statistics.mean(rates), 2)
+    assert drawn == {1: 0.0, 2: 0.13, 3: 0.28, 4: 0.45, 5: 0.52, 6: 0.30, 7: 0.35, 8: 0.40, 9: 0.37}
+    raw = tomllib.loads((scenario.SCENARIO_DIR / "lan-spread.toml").read_text())
+    draws = [{k: v for k, v in n["lan"]["draw"].items() if k != "spread"} for n in raw["node"]]
+    assert all(d == draws[0] for d in draws)
+
+
 def test_lan_workers_count_alone_gives_uniform_workers(tmp_path) -> None:
     s = _load("[[node]]\nid = 1\nlan_workers = 3\n[node.lan]\nup_gbit = 1.5\nprecision = \"bf16\"\n", tmp_path)
     lan = s.node(1).lan

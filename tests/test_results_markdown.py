@@ -46,3 +46,19 @@ def test_markdown_mode_writes_and_checks_a_directory(tmp_path: Path, capsys) -> 
     source["systems"]["netstorm"]["iteration_s"] = [9.0, 1.0, 1.0]
     (tmp_path / "run-a.json").write_text(json.dumps(source))
     assert main(["report", "--markdown", str(tmp_path), "--check"]) == 1
+
+
+def test_a_committed_spread_sweep_is_drawn_as_a_table(tmp_path: Path) -> None:
+    row = {"dc": 4, "spread_drawn": 0.446, "aleph_s": 1.5, "flat_s": 3.0, "gloo_s": 2.0,
+           "runs": {"aleph": [1.0, 2.0], "flat": [3.0, 3.0], "gloo": [2.0, 2.0]},
+           "less_time_than_flat": 0.5, "less_time_than_gloo": 0.25,
+           "less_time_than_flat_range": [1 / 3, 2 / 3], "less_time_than_gloo_range": [0.0, 0.5]}
+    sweep = {"planner": "aleph", "target": 0.2, "rows": [row], "onset": 0.446, "beats_gloo_from": 0.446}
+    (tmp_path / "s-sweep.json").write_text(json.dumps({"summary_command": "python -m x --sweep", "sweep": sweep}))
+    (tmp_path / "notes.json").write_text('{"sweep": "not one"}')
+    text = markdown.results_readme(tmp_path)
+    assert "### s-sweep.json: aleph by worker bandwidth spread" in text and "`python -m x --sweep`" in text
+    assert ("| 4 | 0.45 | 2/2/2 | 3.00 | 1.50 (1.00-2.00) | 2.00 | +50 % (+33 % to +67 %) | "
+            "+25 % (+0 % to +50 %) |") in text
+    assert "from a drawn spread of 0.45 on, and less than gloo at all from a drawn spread of 0.45 on" in text
+    assert "notes.json:" not in text

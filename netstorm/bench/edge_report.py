@@ -2,7 +2,9 @@
 results, so the README's and ``results/``'s tables are generated from the JSON rather than typed: every
 benchmark file (``netstorm bench edge --out``) path by path against gloo, and the end-to-end pair of
 emulation results (``netstorm emulate ... --out``, one with LAN workers and one without) as the
-slowdown per iteration the LAN tier costs, against its target."""
+slowdown per iteration the LAN tier costs, against its target. With ``--sweep``, the planned LAN tier's
+runs (``bench edge --lan-scenario``) as JSON: each run's command, host load and resends, a planner's
+advantage across one scenario's spread sweep (``sweep``) and every planner per DC (``planned``)."""
 
 from __future__ import annotations
 
@@ -192,11 +194,131 @@ def planned(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return table
 
 
+ALEPH_TARGET = 0.2
+"""ALEPH's claim: at least this much less communication time per iteration than flat and than gloo."""
+
+
+def _drawn_spread(doc: dict[str, Any]) -> float:
+    """The std over mean (population) of a run's worker uplink rates, as drawn from its scenario."""
+    rates = [up for up, _ in doc["lan_scenario"]["rates_gbit"]]
+    mean = sum(rates) / len(rates)
+    return (sum((r - mean) ** 2 for r in rates) / len(rates)) ** 0.5 / mean
+
+
+def sweep(docs: dict[str, dict[str, Any]], planner: str = "aleph",
+          target: float = ALEPH_TARGET) -> dict[str, Any]:
+    """A planner's advantage over flat and gloo across one scenario's DCs ordered by their drawn spread:
+    per DC the means of ``planned`` and every run's seconds per iteration (the run-to-run spread), the
+    ratios from each planner's slowest and fastest run against flat's and gloo's mean (``*_range``), and
+    where the advantage starts: the smallest drawn spread from which on (at it and at every larger spread
+    swept) the planner takes at least ``target`` less time than both (``onset``), and from which on it
+    takes any less time than gloo (``beats_gloo_from``); None where the largest spread does not."""
+    table = planned(docs)
+    spreads = {}
+    for doc in docs.values():
+        lan = doc.get("lan_scenario")
+        if lan is not None and lan.get("rates_gbit"):
+            spreads[f"{lan['scenario']} DC {lan['dc']}"] = (lan["dc"], round(_drawn_spread(doc), 3))
+    rows = []
+    for key, (dc, spread) in sorted(spreads.items(), key=lambda kv: (kv[1][1], kv[1][0])):
+        entry = table[key]
+        mine, flat, gloo = entry["runs"].get(planner), entry["runs"].get("flat"), entry["gloo"]
+        if not mine or not flat or not gloo:
+            continue
+        flat_s = sum(r["iteration_s"] for r in flat) / len(flat)
+        gloo_s = sum(r["iteration_s"] for r in gloo) / len(gloo)
+        runs = [r["iteration_s"] for r in mine]
+        row: dict[str, Any] = {
+            "dc": dc, "spread_drawn": spread, f"{planner}_s": entry["summary"][planner]["iteration_s"],
+            "flat_s": round(flat_s, 4), "gloo_s": round(gloo_s, 4),
+            "runs": {planner: runs, "flat": [r["iteration_s"] for r in flat],
+                     "gloo": [r["iteration_s"] for r in gloo]},
+            "less_time_than_flat": entry["summary"][planner]["less_time_than_flat"],
+            "less_time_than_gloo": entry["summary"][planner]["less_time_than_gloo"],
+            "less_time_than_flat_range": [round(1 - max(runs) / flat_s, 4), round(1 - min(runs) / flat_s, 4)],
+            "less_time_than_gloo_range": [round(1 - max(runs) / gloo_s, 4), round(1 - min(runs) / gloo_s, 4)],
+            "clusters": [r["clusters"] for r in mine], "exact": all(r["exact"] for r in [*mine, *flat, *gloo])}
+        rows.append(row)
+
+    def onset(holds: Any) -> float | None:
+        start = None
+        for row in reversed(rows):
+            if not holds(row):
+                break
+            start = row["spread_drawn"]
+        return start
+
+    return {"planner": planner, "target": target, "rows": rows,
+            "onset": onset(lambda r: min(r["less_time_than_flat"], r["less_time_than_gloo"]) >= target),
+            "beats_gloo_from": onset(lambda r: r["less_time_than_gloo"] > 0)}
+
+
+def sweep_table(result: dict[str, Any]) -> list[str]:
+    """The markdown table of ``sweep``'s result: per DC by drawn spread, the run counts, the mean seconds
+    per iteration, and the planner's advantage on the means with its range over the planner's runs; then
+    where the advantage starts."""
+    planner, target = result["planner"], result["target"]
+
+    def pct(value: float) -> str:
+        return f"{round(value * 100) + 0:+d} %"
+
+    lines = [f"| DC | drawn spread | runs ({planner}/flat/gloo) | flat s | {planner} s | gloo s | "
+             f"{planner} less than flat | {planner} less than gloo |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in result["rows"]:
+        runs = row["runs"]
+        flat_lo, flat_hi = row["less_time_than_flat_range"]
+        gloo_lo, gloo_hi = row["less_time_than_gloo_range"]
+        mine = f"{row[f'{planner}_s']:.2f}" + (f" ({min(runs[planner]):.2f}-{max(runs[planner]):.2f})"
+                                               if len(runs[planner]) > 1 else "")
+        flat = pct(row["less_time_than_flat"]) + (f" ({pct(flat_lo)} to {pct(flat_hi)})" if flat_lo != flat_hi else "")
+        gloo = pct(row["less_time_than_gloo"]) + (f" ({pct(gloo_lo)} to {pct(gloo_hi)})" if gloo_lo != gloo_hi else "")
+        lines.append(f"| {row['dc']} | {row['spread_drawn']:.2f} | {len(runs[planner])}/{len(runs['flat'])}/"
+                     f"{len(runs['gloo'])} | {row['flat_s']:.2f} | {mine} | {row['gloo_s']:.2f} | {flat} | {gloo} |")
+
+    def since(value: float | None) -> str:
+        return "at no spread swept" if value is None else f"from a drawn spread of {value:.2f} on"
+
+    lines += ["", f"On the means, {planner} takes at least {target * 100:.0f} % less time per iteration than both "
+                  f"flat and gloo {since(result['onset'])}, and less than gloo at all "
+                  f"{since(result['beats_gloo_from'])}."]
+    return lines
+
+
+def run_record(docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What each planned LAN run was: its command, the host's load average before and after, and where it
+    resent (the userspace path's resends, by the stall rule and by NACK, and the drops of the shaped
+    ports' queues and of the sockets' receive buffers)."""
+    out: dict[str, Any] = {"commands": {}, "host_load": {}, "resends": {}}
+    for name, doc in docs.items():
+        if doc.get("lan_scenario") is None:
+            continue
+        out["commands"][name] = doc.get("command")
+        host = doc.get("host", {})
+        out["host_load"][name] = {"before": host.get("load_average_before"), "after": host.get("load_average_after")}
+        r = doc.get("userspace")
+        if r is not None:
+            drops = r.get("lan_drops", {})
+            out["resends"][name] = {
+                "retransmitted": r.get("retransmitted"), "stall_resends": r.get("stall_resends"),
+                "resent_by_nack": r.get("resent_by_nack"),
+                "queue_drops": sum(sum(drops.get(k, {}).values()) for k in ("ports", "uplinks")) if drops else None,
+                "udp_rcvbuf_drops": sum(drops.get("udp_rcvbuf", {}).values()) if drops else None}
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    files = [Path(a) for a in (sys.argv[1:] if argv is None else argv)]
+    args = list(sys.argv[1:] if argv is None else argv)
+    as_sweep = bool(args) and args[0] == "--sweep"
+    files = [Path(a) for a in args[as_sweep:]]
     if not files:
-        print("usage: python -m netstorm.bench.edge_report results/edge-*.json", file=sys.stderr)
+        print("usage: python -m netstorm.bench.edge_report [--sweep] results/edge-*.json", file=sys.stderr)
         return 2
+    if as_sweep:
+        docs = {path.name: json.loads(path.read_text()) for path in files}
+        doc = {**run_record(docs), "sweep": sweep(docs), "planned": planned(docs)}
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+        return 0
     sys.stdout.write(markdown(files))
     return 0
 

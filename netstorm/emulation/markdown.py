@@ -173,7 +173,25 @@ def results_readme(directory: Path, label: str = "results") -> str:
         lines += [f"- [`{name}/`]({name}/README.md)" for name in subdirs]
         lines += [f"- [`{name}`]({name})" for name in [*other, *extra]]
         lines.append("")
+    for name in other:
+        lines += _sweep_section(directory / name)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _sweep_section(path: Path) -> list[str]:
+    """A planner's spread sweep (``python -m netstorm.bench.edge_report --sweep``'s output, committed with
+    its command) as a table; nothing for any other file."""
+    from netstorm.bench.edge_report import sweep_table
+
+    try:
+        doc = json.loads(path.read_text())
+    except ValueError:
+        return []
+    if not isinstance(doc, dict) or not isinstance(doc.get("sweep"), dict) or "rows" not in doc["sweep"]:
+        return []
+    command = doc.get("summary_command")
+    return [f"### {path.name}: {doc['sweep']['planner']} by worker bandwidth spread", "",
+            *([f"`{command}`", ""] if command else []), *sweep_table(doc["sweep"]), ""]
 
 
 def _anchor(stem: str, result: dict[str, Any]) -> str:
