@@ -3,12 +3,14 @@ goes back to them.
 
 The node calls ``combine(iteration, key, values)`` while its own trainer contributes tensor ``key``
 (that is how the gateway's own trainer is included: explicitly, since its packets to its own address
-would never cross the NIC's XDP hook), and ``released(iteration, result, workers)`` once the iteration's
-result has been read; ``workers`` (how many workers' gradients the result sums, over every DC) goes to the
-LAN workers with it, so they can average exactly as a trainer at a node does; ``failed(iteration)`` when
-the node failed it instead (the LAN workers are told, and a compressed job's rounds restart on the next
-iteration's wire). The first iteration (the
-trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
+would never cross the NIC's XDP hook), or ``combine_parts`` for a tensor the node contributes in parts (a
+WAN chunk each: each part is handed as soon as the LAN chunks under it are summed, ``bpf/lanparts.py``,
+so the WAN step of a part starts while the LAN sums the rest), and ``released(iteration, result, workers)``
+once the iteration's result has been read; ``workers`` (how many workers' gradients the result sums, over
+every DC) goes to the LAN workers with it, so they can average exactly as a trainer at a node does;
+``failed(iteration)`` when the node failed it instead (the LAN workers are told, and a compressed job's
+rounds restart on the next iteration's wire). The first iteration (the trainer's ``init``) carries no LAN
+sum: its result, the values every DC agrees on, is what the LAN
 workers' ``init`` returns.
 
 Planned LAN tier (``dc_planner``): a gateway given its LAN's description (``lan``) announces it to the
@@ -38,7 +40,7 @@ import numpy as np
 
 from bpf.agent import EdgeAgent, IterationSums
 from bpf.lanparts import PartReadiness
-from bpf.tcpagent import TcpEdgeAgent
+from bpf.tcpagent import TcpEdgeAgent, TcpPartial
 from bpf.timer_link import LoaderError
 from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
@@ -133,7 +135,7 @@ class _PartWatch:
     """One iteration's LAN sums as the node takes them part by part (``GatewayRole.combine_parts``)."""
 
     readiness: PartReadiness
-    sums: IterationSums
+    sums: IterationSums | TcpPartial
     pending: dict[int, list[int]] = field(default_factory=dict)
     """tensor -> its parts ready and not handed yet."""
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
@@ -366,14 +368,14 @@ class GatewayRole:
         values plus the LAN sum there, as soon as every LAN chunk under it is summed, so the node's WAN step
         of that part starts while the LAN still sums the rest. The sums are exactly ``combine``'s. Returns
         once every part was handed; when the LAN sum fails (a worker missing past the timeout, an overflow,
-        the iteration failed at the node), the parts not handed yet raise its typed error. Whole iterations
-        (the first, a compressed round's wires, the TCP path) hand every part at once, after ``combine``."""
+        the iteration failed at the node), the parts not handed yet raise its typed error. On the TCP path a
+        part is ready once every worker's DATA frames (512 LAN chunks each, in layout order) passed it. The
+        first iteration and a compressed round's wires hand every part at once, after ``combine``."""
         await self._ensure_started(sizes)
         if self.init_iteration is None:
             self.init_iteration = iteration
         agent = self.agent
-        if (iteration == self.init_iteration or self._compression is not None or not isinstance(agent, EdgeAgent)
-                or len(parts) < 2):
+        if iteration == self.init_iteration or self._compression is not None or agent is None or len(parts) < 2:
             whole = await self.combine(iteration, key, values, sizes)
             for part, (start, stop) in enumerate(parts):
                 hand(part, whole[start:stop] if whole is not None else np.zeros(stop - start, np.float32))
@@ -436,7 +438,7 @@ class GatewayRole:
         if watch is not None:
             return watch
         agent = self.agent
-        assert isinstance(agent, EdgeAgent)
+        assert agent is not None
         agent.expect(iteration)
         holder: list[_PartWatch] = []
 
