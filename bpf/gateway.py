@@ -141,6 +141,8 @@ class _PartWatch:
     waiters: dict[int, asyncio.Event] = field(default_factory=dict)
     """tensor -> set when a part of it became ready or the iteration's collection ended."""
     handed: int = 0
+    first_handed: float | None = None
+    """When the node was handed the iteration's first part (monotonic clock; the phase log's figure)."""
 
 
 class GatewayRole:
@@ -395,6 +397,8 @@ class GatewayRole:
                 hand(part, lan if own is None else own[start:stop] + lan)
                 handed += 1
                 watch.handed += 1
+                if watch.first_handed is None:
+                    watch.first_handed = time.monotonic()
             if handed == len(parts):
                 break
             if task.done():
@@ -485,9 +489,12 @@ class GatewayRole:
         if summed is None or released is None:
             return
         now = time.monotonic()
+        watch = self._watches.get(iteration)
+        parts = ("" if watch is None or watch.first_handed is None else
+                 f"; its first part went to the WAN step {watch.first_handed - released:.3f} s after that release")
         log.info("edge: iteration %d: LAN first chunk summed %.3f s and last %.3f s after the previous result was "
-                 "released; the node asked for the sum %.3f s after that release and waited %.3f s",
-                 iteration, summed[0] - released, summed[1] - released, asked - released, now - asked)
+                 "released; the node asked for the sum %.3f s after that release and waited %.3f s%s",
+                 iteration, summed[0] - released, summed[1] - released, asked - released, now - asked, parts)
 
     def _measured(self, iteration: int) -> None:
         """Feed the iteration's uplink bursts and the downlink bursts workers reported since to the meter;

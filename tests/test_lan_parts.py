@@ -15,6 +15,7 @@ import pytest
 
 from bpf.lanparts import PartReadiness
 from netstorm.errors import ChunkError
+from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.layout import Layout, TensorSpec
 from node.chunks import ChunkCore, Send
@@ -186,3 +187,70 @@ def test_a_lan_sum_that_never_completes_fails_only_the_parts_not_handed_with_a_t
     error = out.get("error")
     assert isinstance(error, EdgeTimeout), error
     assert "2 of tensor 0's 3 parts were handed" in str(error) and "chunk 24" in str(error)
+
+
+async def _tcp_gateway_scene() -> dict[str, object]:
+    """The gateway role over a TCP agent whose frames are fed by plain calls (conn i is worker i): worker 1
+    holds its frames after the first back until the node was handed every part below it."""
+    from bpf.gateway import EdgeOptions, GatewayRole
+    from bpf.tcpagent import TcpEdgeAgent
+    from tests.test_edge_tcp import SECRET, Lan
+
+    lan = Lan(2)   # tensors of 200,000, 1,234 and 7 elements; 512 LAN chunks of 357 lanes a frame
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    agent = TcpEdgeAgent(listener, lan.layout, workers=2, job=lan.core.job, secret=SECRET)
+    agent.core = lan.core
+    role = GatewayRole(EdgeOptions(workers=2, listen=("127.0.0.1", 0), mode="tcp", job=lan.core.job),
+                       iteration_timeout=30)
+    role.agent = agent
+    role.init_iteration = 1
+    role._started.set()
+    rng = np.random.default_rng(7)
+    size = lan.layout.sizes[0]
+    values = [[rng.standard_normal(s).astype(np.float32) for s in lan.layout.sizes] for _ in range(2)]
+    exact = np.sum([np.rint(v[0].astype(np.float64) * 2.0**16) for v in values], axis=0) * 2.0**-16
+    parts = [(a, min(a + 20_000, size)) for a in range(0, size, 20_000)]
+    handed: dict[int, np.ndarray] = {}
+    events: list[tuple[str, int]] = []
+
+    def hand(part: int, summed: np.ndarray) -> None:
+        events.append(("handed", part))
+        handed[part] = summed
+
+    iteration = 2
+    streams = [lan.frames(w, iteration, values[w], Precision.FIXED32) for w in range(2)]
+    async with asyncio.TaskGroup() as tg:
+        serving = tg.create_task(role.run())
+        try:
+            combining = asyncio.create_task(role.combine_parts(iteration, 0, None, list(lan.layout.sizes), parts,
+                                                               hand))
+            await asyncio.sleep(0)
+            for w in range(2):   # worker 1 sends only its first frame (workers send in layout order)
+                for frame in streams[w][: None if w == 0 else 1]:
+                    agent._act(lan.send(w, frame))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            events.append(("last frame of tensor 0 sent", 1))
+            for frame in streams[1][1:]:
+                agent._act(lan.send(1, frame))
+            await asyncio.wait_for(combining, 10)
+        finally:
+            agent.close()
+            serving.cancel()
+    listener.close()
+    return {"events": events, "handed": handed, "parts": parts, "exact": exact, "frame": lan.core.segment}
+
+
+def test_on_the_tcp_path_parts_under_every_workers_first_frame_are_handed_before_the_rest_arrives() -> None:
+    out = asyncio.run(_tcp_gateway_scene())
+    events, parts, frame = out["events"], out["parts"], out["frame"]
+    assert isinstance(events, list) and isinstance(parts, list) and isinstance(frame, int)
+    cut = events.index(("last frame of tensor 0 sent", 1))
+    below = [p for p, (_, stop) in enumerate(parts) if stop <= frame]
+    assert below and sorted(p for kind, p in events[:cut] if kind == "handed") == below
+    assert sorted(p for _, p in events[cut + 1:]) == [p for p in range(len(parts)) if p not in below]
+    handed, exact = out["handed"], out["exact"]
+    assert isinstance(handed, dict) and isinstance(exact, np.ndarray)
+    for part, (start, stop) in enumerate(parts):
+        np.testing.assert_array_equal(handed[part], exact[start:stop].astype(np.float32))
