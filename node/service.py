@@ -398,7 +398,7 @@ class GeneralNode:
             sizes = [t.size for t in self.layout.tensors]
             parts = self.layout.key_parts(key)
             try:
-                if len(parts) > 1:
+                if len(parts) > 1 and self.config.edge_overlap:
                     # a tensor of several chunks: each chunk goes up as soon as the LAN summed it
                     def hand(part: int, summed: np.ndarray) -> None:
                         self._check(iteration)
