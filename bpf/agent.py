@@ -112,6 +112,9 @@ class IterationSums:
     on_complete: Callable[[np.ndarray], None] | None = None
     """Called with the sequence numbers of the chunks each aggregate (or batch of them) completed, as they
     complete: how a result can leave chunk by chunk (``EdgeAgent.stream_results``)."""
+    watchers: list[Callable[[np.ndarray], None]] = field(default_factory=list)
+    """Called like ``on_complete``: how the gateway hands the node each part of a tensor as soon as the LAN
+    chunks under it are summed (``EdgeAgent.watch``)."""
 
     def __post_init__(self) -> None:
         self.open = np.ones(self.layout.num_chunks, bool)
@@ -154,8 +157,14 @@ class IterationSums:
         if self.missing:
             for q in fresh:
                 self.missing.pop(self.layout.locate(int(q)), None)
-        if self.on_complete is not None and fresh.size:
-            self.on_complete(fresh)
+        if fresh.size:
+            self._notify(fresh)
+
+    def _notify(self, seqs: np.ndarray) -> None:
+        if self.on_complete is not None:
+            self.on_complete(seqs)
+        for watcher in self.watchers:
+            watcher(seqs)
 
     def _stamp_progress(self) -> None:
         now = time.monotonic()
@@ -193,8 +202,8 @@ class IterationSums:
         self._stamp_progress()
         self.highest = max(self.highest, int(row) + 1)
         self.missing.pop((head.tensor, head.chunk), None)
-        if self.on_complete is not None:
-            self.on_complete(np.array([row], np.int64))
+        if self.on_complete is not None or self.watchers:
+            self._notify(np.array([row], np.int64))
         return []
 
     def take(self, heads: np.ndarray, lanes: np.ndarray) -> tuple[np.ndarray, int]:
@@ -232,6 +241,18 @@ class IterationSums:
             block = self.raw[rows].astype(np.float64) * np.exp2(-self.scales[rows].astype(np.float64))[:, None]
             out.append(block.reshape(-1)[:size].astype(np.float32))
         return out
+
+    def part(self, tensor: int, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of tensor ``tensor``'s sum, every chunk under them complete: exactly what
+        ``result`` holds there (the same exact lanes, scaled and rounded once)."""
+        lanes = self.layout.lanes
+        first = self.layout.first_slot[tensor]
+        rows = slice(first + start // lanes, first + -(-stop // lanes))
+        if np.any(self.open[rows]):
+            raise ValueError(f"iteration {self.iteration} tensor {tensor} [{start}, {stop}): a chunk is not summed")
+        block = self.raw[rows].astype(np.float64) * np.exp2(-self.scales[rows].astype(np.float64))[:, None]
+        skip = start - (start // lanes) * lanes
+        return block.reshape(-1)[skip: skip + stop - start].astype(np.float32)
 
     def first_pending(self, n: int) -> list[tuple[int, int]]:
         """(tensor, chunk) of the first ``n`` pending chunks, in model order."""
@@ -437,6 +458,16 @@ class EdgeAgent:
             self._aggregator.install_tokens([(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1)
                                              for w in range(self.workers)])
         self._installed = max(self._installed, last)
+
+    def watch(self, iteration: int, watcher: Callable[[np.ndarray], None]) -> IterationSums:
+        """Call ``watcher`` with the sequence numbers of ``iteration``'s chunks as they complete (from now on;
+        the returned sums' ``open`` mask says which completed before). ValueError outside the window the
+        gateway receives."""
+        if not self._accepts(iteration):
+            raise ValueError(f"iteration {iteration} is outside the window the gateway receives")
+        sums = self._sums(iteration)
+        sums.watchers.append(watcher)
+        return sums
 
     async def wait_workers(self, timeout: float) -> None:  # noqa: ASYNC109
         """Return once every expected worker has said HELLO."""

@@ -3,12 +3,14 @@ goes back to them.
 
 The node calls ``combine(iteration, key, values)`` while its own trainer contributes tensor ``key``
 (that is how the gateway's own trainer is included: explicitly, since its packets to its own address
-would never cross the NIC's XDP hook), and ``released(iteration, result, workers)`` once the iteration's
-result has been read; ``workers`` (how many workers' gradients the result sums, over every DC) goes to the
-LAN workers with it, so they can average exactly as a trainer at a node does; ``failed(iteration)`` when
-the node failed it instead (the LAN workers are told, and a compressed job's rounds restart on the next
-iteration's wire). The first iteration (the
-trainer's ``init``) carries no LAN sum: its result, the values every DC agrees on, is what the LAN
+would never cross the NIC's XDP hook), or ``combine_parts`` for a tensor the node contributes in parts (a
+WAN chunk each: each part is handed as soon as the LAN chunks under it are summed, ``bpf/lanparts.py``,
+so the WAN step of a part starts while the LAN sums the rest), and ``released(iteration, result, workers)``
+once the iteration's result has been read; ``workers`` (how many workers' gradients the result sums, over
+every DC) goes to the LAN workers with it, so they can average exactly as a trainer at a node does;
+``failed(iteration)`` when the node failed it instead (the LAN workers are told, and a compressed job's
+rounds restart on the next iteration's wire). The first iteration (the trainer's ``init``) carries no LAN
+sum: its result, the values every DC agrees on, is what the LAN
 workers' ``init`` returns.
 
 Planned LAN tier (``dc_planner``): a gateway given its LAN's description (``lan``) announces it to the
@@ -36,8 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.agent import EdgeAgent
-from bpf.tcpagent import TcpEdgeAgent
+from bpf.agent import EdgeAgent, IterationSums
+from bpf.lanparts import PartReadiness
+from bpf.tcpagent import TcpEdgeAgent, TcpPartial
 from bpf.timer_link import LoaderError
 from netstorm.compression.options import CompressionOptions
 from netstorm.control import LanPlan, LanReport
@@ -127,6 +130,21 @@ def topology_from_plan(plan: LanPlan, workers: int) -> LanTopology:
     return LanTopology(workers, {a: tuple(m) for a, m in clusters.items()})
 
 
+@dataclass
+class _PartWatch:
+    """One iteration's LAN sums as the node takes them part by part (``GatewayRole.combine_parts``)."""
+
+    readiness: PartReadiness
+    sums: IterationSums | TcpPartial
+    pending: dict[int, list[int]] = field(default_factory=dict)
+    """tensor -> its parts ready and not handed yet."""
+    waiters: dict[int, asyncio.Event] = field(default_factory=dict)
+    """tensor -> set when a part of it became ready or the iteration's collection ended."""
+    handed: int = 0
+    first_handed: float | None = None
+    """When the node was handed the iteration's first part (monotonic clock; the phase log's figure)."""
+
+
 class GatewayRole:
     """The node's gateway role: owns the EdgeAgent (created once the node knows its layout) that drives
     the XDP or userspace aggregator, and broadcasts the WAN results to the LAN workers."""
@@ -147,6 +165,8 @@ class GatewayRole:
         self._started = asyncio.Event()
         self._starting = asyncio.Lock()
         self._lan: dict[int, asyncio.Task[list[np.ndarray] | NetStormError]] = {}
+        self._watches: dict[int, _PartWatch] = {}
+        """Iterations whose tensors are handed to the node part by part (``combine_parts``)."""
         self._results: asyncio.Queue[tuple[int, list[np.ndarray], int]] = asyncio.Queue(maxsize=4)
         self._tg: asyncio.TaskGroup | None = None
         self.plan: LanPlan | None = None
@@ -330,6 +350,69 @@ class GatewayRole:
     async def combine(self, iteration: int, key: int, values: np.ndarray | None,
                       sizes: list[int]) -> np.ndarray | None:
         """This DC's contribution of tensor ``key``: the gateway trainer's values plus the LAN sum."""
+        await self._ensure_started(sizes)
+        if self.init_iteration is None:
+            self.init_iteration = iteration
+        if iteration == self.init_iteration:
+            return values
+        if self._compression is not None:
+            await self._wire(iteration)
+        sums = await asyncio.shield(self._collect_task(iteration))
+        if isinstance(sums, NetStormError):
+            raise type(sums)(str(sums))   # fails this iteration's contribution, not the node
+        lan = sums[key]
+        return lan if values is None else np.asarray(values, np.float32) + lan
+
+    async def combine_parts(self, iteration: int, key: int, values: np.ndarray | None, sizes: list[int],
+                            parts: list[tuple[int, int]], hand: Callable[[int, np.ndarray], None]) -> None:
+        """This DC's contribution of tensor ``key`` part by part (``parts``: ``(start, stop)`` elements, the
+        node's ``Layout.key_parts``): ``hand(part, values)`` is called for each part, the gateway trainer's
+        values plus the LAN sum there, as soon as every LAN chunk under it is summed, so the node's WAN step
+        of that part starts while the LAN still sums the rest. The sums are exactly ``combine``'s. Returns
+        once every part was handed; when the LAN sum fails (a worker missing past the timeout, an overflow,
+        the iteration failed at the node), the parts not handed yet raise its typed error. On the TCP path a
+        part is ready once every worker's DATA frames (512 LAN chunks each, in layout order) passed it. The
+        first iteration and a compressed round's wires hand every part at once, after ``combine``."""
+        await self._ensure_started(sizes)
+        if self.init_iteration is None:
+            self.init_iteration = iteration
+        agent = self.agent
+        if iteration == self.init_iteration or self._compression is not None or agent is None or len(parts) < 2:
+            whole = await self.combine(iteration, key, values, sizes)
+            for part, (start, stop) in enumerate(parts):
+                hand(part, whole[start:stop] if whole is not None else np.zeros(stop - start, np.float32))
+            return
+        task = self._collect_task(iteration)
+        watch = self._watch(iteration)
+        wake = watch.waiters.setdefault(key, asyncio.Event())
+        ready = watch.pending.setdefault(key, [])
+        ready += watch.readiness.watch(key, parts)
+        own = None if values is None else np.asarray(values, np.float32).reshape(-1)
+        handed = 0
+        while handed < len(parts):
+            while ready:
+                part = ready.pop(0)
+                start, stop = parts[part]
+                lan = watch.sums.part(key, start, stop)
+                hand(part, lan if own is None else own[start:stop] + lan)
+                handed += 1
+                watch.handed += 1
+                if watch.first_handed is None:
+                    watch.first_handed = time.monotonic()
+            if handed == len(parts):
+                break
+            if task.done():
+                outcome = task.result()
+                if isinstance(outcome, NetStormError):
+                    raise type(outcome)(f"{outcome} ({handed} of tensor {key}'s {len(parts)} parts were handed to "
+                                        f"the node before)")
+                if not ready:
+                    raise RuntimeError(f"edge: iteration {iteration} summed but tensor {key} has parts not ready")
+                continue
+            wake.clear()
+            await wake.wait()
+
+    async def _ensure_started(self, sizes: list[int]) -> None:
         async with self._starting:
             if self.agent is None:
                 await self.wait_plan()
@@ -338,12 +421,9 @@ class GatewayRole:
                 self._started.set()
                 if self.on_started is not None:
                     self.on_started(self.mode, self.fallback)
-        if self.init_iteration is None:
-            self.init_iteration = iteration
-        if iteration == self.init_iteration:
-            return values
-        if self._compression is not None:
-            await self._wire(iteration)
+
+    def _collect_task(self, iteration: int) -> asyncio.Task[list[np.ndarray] | NetStormError]:
+        """The task collecting ``iteration``'s LAN sums (started by the first tensor that asks)."""
         task = self._lan.get(iteration)
         if task is None:
             if self._tg is None:
@@ -352,11 +432,37 @@ class GatewayRole:
             self._lan[iteration] = task
             for old in [k for k in self._lan if k < iteration - 2]:
                 del self._lan[old]
-        sums = await asyncio.shield(task)
-        if isinstance(sums, NetStormError):
-            raise type(sums)(str(sums))   # fails this iteration's contribution, not the node
-        lan = sums[key]
-        return lan if values is None else np.asarray(values, np.float32) + lan
+                self._watches.pop(old, None)
+        return task
+
+    def _watch(self, iteration: int) -> _PartWatch:
+        """``iteration``'s parts readiness, fed by the agent's completion hook from now on (what completed
+        before is taken from the sums' mask at once)."""
+        watch = self._watches.get(iteration)
+        if watch is not None:
+            return watch
+        agent = self.agent
+        assert agent is not None
+        agent.expect(iteration)
+        holder: list[_PartWatch] = []
+
+        def completed(seqs: np.ndarray) -> None:
+            for tensor, part in holder[0].readiness.completed(seqs):
+                holder[0].pending.setdefault(tensor, []).append(part)
+                event = holder[0].waiters.get(tensor)
+                if event is not None:
+                    event.set()
+
+        sums = agent.watch(iteration, completed)
+        watch = _PartWatch(PartReadiness(sums.layout, ~sums.open), sums)
+        holder.append(watch)
+        self._watches[iteration] = watch
+
+        def finished(_: asyncio.Task[list[np.ndarray] | NetStormError]) -> None:
+            for event in watch.waiters.values():
+                event.set()
+        self._collect_task(iteration).add_done_callback(finished)
+        return watch
 
     async def _collect(self, iteration: int) -> list[np.ndarray] | NetStormError:
         """The LAN sums, or why there are none: the timeout naming the missing workers, an integer overflow,
@@ -383,9 +489,12 @@ class GatewayRole:
         if summed is None or released is None:
             return
         now = time.monotonic()
+        watch = self._watches.get(iteration)
+        parts = ("" if watch is None or watch.first_handed is None else
+                 f"; its first part went to the WAN step {watch.first_handed - released:.3f} s after that release")
         log.info("edge: iteration %d: LAN first chunk summed %.3f s and last %.3f s after the previous result was "
-                 "released; the node asked for the sum %.3f s after that release and waited %.3f s",
-                 iteration, summed[0] - released, summed[1] - released, asked - released, now - asked)
+                 "released; the node asked for the sum %.3f s after that release and waited %.3f s%s",
+                 iteration, summed[0] - released, summed[1] - released, asked - released, now - asked, parts)
 
     def _measured(self, iteration: int) -> None:
         """Feed the iteration's uplink bursts and the downlink bursts workers reported since to the meter;

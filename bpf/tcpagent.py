@@ -25,11 +25,28 @@ import numpy as np
 from netstorm.authconn import REFUSE_LINGER_S
 from netstorm.lan.errors import EdgeTimeout, WireError
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.tcpcore import Completed, Send, TcpGatewayCore
+from netstorm.lan.tcpcore import Completed, Send, Summed, TcpGatewayCore
 from netstorm.lan.tcpstream import FrameProtocol
 from netstorm.lan.tcpwire import Frame
 
 log = logging.getLogger("netstorm.edge")
+WATCHED = 8
+"""Iterations whose watchers are kept (older ones are dropped as newer ones are watched)."""
+
+
+class TcpPartial:
+    """One iteration's LAN sums as far as every worker's DATA covers them (``TcpEdgeAgent.watch``): the
+    view the gateway role reads parts of a tensor from, as it reads ``IterationSums`` on the UDP paths."""
+
+    def __init__(self, core: TcpGatewayCore, iteration: int) -> None:
+        self.core = core
+        self.iteration = iteration
+        self.layout = core.layout
+        self.open = np.arange(core.layout.num_chunks) >= core.frontier(iteration)
+        """Chunks (by sequence number) not summed when the view was made."""
+
+    def part(self, tensor: int, start: int, stop: int) -> np.ndarray:
+        return self.core.partial(self.iteration, tensor, start, stop)
 
 
 class TcpEdgeAgent:
@@ -52,6 +69,7 @@ class TcpEdgeAgent:
         self.receive_cpu = 0.0
         """Thread CPU seconds spent receiving and summing DATA (the benchmark's gateway figure)."""
         self.delivery_cpu = 0.0
+        self._watchers: dict[int, list[Callable[[np.ndarray], None]]] = {}
 
     # --- connections -------------------------------------------------------------------------------
 
@@ -88,9 +106,12 @@ class TcpEdgeAgent:
         self._conns[conn] = proto
         return proto
 
-    def _act(self, actions: Sequence[Send | Completed]) -> None:
+    def _act(self, actions: Sequence[Send | Completed | Summed]) -> None:
         for action in actions:
-            if isinstance(action, Send):
+            if isinstance(action, Summed):
+                for watcher in self._watchers.get(action.iteration, ()):
+                    watcher(np.arange(action.since, action.upto, dtype=np.int64))
+            elif isinstance(action, Send):
                 proto = self._conns.get(action.conn)
                 if proto is not None:
                     with contextlib.suppress(ConnectionError):
@@ -116,6 +137,15 @@ class TcpEdgeAgent:
 
     def expect(self, iteration: int) -> None:
         """Nothing to install: DATA tokens are checked as frames arrive (the UDP agent's signature)."""
+
+    def watch(self, iteration: int, watcher: Callable[[np.ndarray], None]) -> TcpPartial:
+        """Call ``watcher`` with the sequence numbers of ``iteration``'s LAN chunks (``layout``'s) as every
+        worker's DATA covers them (from now on; the returned view's ``open`` mask says which did before)."""
+        watchers = self._watchers.setdefault(iteration, [])
+        watchers.append(watcher)
+        for old in [k for k in self._watchers if k < iteration - WATCHED]:
+            del self._watchers[old]
+        return TcpPartial(self.core, iteration)
 
     async def _until(self, ready: Callable[[], bool], timeout: float) -> None:  # noqa: ASYNC109
         async with asyncio.timeout(timeout):

@@ -237,6 +237,19 @@ class Layout:
         start = self.offsets[key]
         return slice(start, start + self.tensors[key].size)
 
+    def key_parts(self, key: int) -> list[tuple[int, int]]:
+        """Tensor ``key`` as the parts its contribution may arrive in, each ``(start, stop)`` elements of the
+        tensor: one per chunk when the tensor fills its chunks alone (a tensor above ``chunk_size``), so a
+        chunk can go up the tree before the rest of the tensor is in (a gateway's LAN sum, summed chunk by
+        chunk); else the whole tensor, whose chunk it shares with others."""
+        size = self.tensors[key].size
+        lo, hi = self.key_chunks[key]
+        mine = self.chunks[lo:hi]
+        if size == 0 or any(c.first_key != key or c.last_key != key for c in mine):
+            return [(0, size)]
+        start = self.offsets[key]
+        return [(c.offset - start, c.stop - start) for c in mine]
+
     def chunk_sizes(self) -> list[int]:
         return [c.count for c in self.chunks]
 

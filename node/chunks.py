@@ -100,6 +100,8 @@ class _Iteration:
         self.policy: Policy | None = None
         self.roots: list[int] = []
         self.pushed = np.zeros(len(layout.tensors), dtype=bool)
+        self.parts: dict[int, np.ndarray] = {}
+        """Tensors contributed part by part (``ChunkCore.push_part``): which of their parts are in."""
         self.local_missing = np.array([c.last_key - c.first_key + 1 for c in layout.chunks], dtype=np.int64)
         self.arrived: list[set[int]] = [set() for _ in range(n_chunks)]
         self.sent_up = np.zeros(n_chunks, dtype=bool)
@@ -182,31 +184,13 @@ class ChunkCore:
     def push_local(self, iteration: int, key: int, values: np.ndarray | None) -> list[Action]:
         """Add this DC's contribution for tensor ``key`` to ``iteration``; None contributes zeros."""
         layout = self._need_layout()
-        state = self._state(iteration)
-        if state is None:
-            raise ChunkError(f"iteration {iteration} is already {self._closed[iteration]}")
-        if not 0 <= key < len(layout.tensors):
-            raise ChunkError(f"no tensor with index {key}")
+        state = self._open_state(iteration, key)
         spec = layout.tensors[key]
-        if values is not None and values.size != spec.size:
-            raise ChunkError(f"tensor {spec.name!r}: {values.size} values for {spec.size} elements")
-        if state.pushed[key]:
+        if state.pushed[key] or key in state.parts:
             raise ChunkError(f"tensor {spec.name!r} pushed twice in iteration {iteration}")
-        if values is not None and layout.is_int(key):
-            flat = values.reshape(-1)
-            if flat.dtype.kind == "f" and not np.array_equal(np.rint(flat), flat):
-                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): values must be integers")
-            if flat.size and float(np.max(np.abs(flat))) > INT_EXACT:
-                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): |value| beyond 2**24, the exact range")
+        self._check_values(key, values, spec.size)
         state.pushed[key] = True
-        if values is not None:
-            if layout.is_int(key):
-                span = layout.key_slice(key)
-                ints = state.ints[span.start - layout.int_start:span.stop - layout.int_start]
-                np.add(ints, values.reshape(-1), out=ints, casting="unsafe")
-            else:
-                target = state.acc[layout.key_slice(key)]
-                np.add(target, values.reshape(-1), out=target, casting="same_kind")
+        self._add(state, key, 0, values)
         lo, hi = layout.key_chunks[key]
         state.local_missing[lo:hi] -= 1
         actions: list[Action] = []
@@ -214,6 +198,74 @@ class ChunkCore:
             for index in range(lo, hi):
                 actions += self._advance(state, index)
         return actions
+
+    def push_part(self, iteration: int, key: int, part: int, values: np.ndarray | None) -> list[Action]:
+        """Add this DC's contribution for part ``part`` of tensor ``key`` (``layout.key_parts(key)[part]``, a
+        chunk the tensor fills alone) to ``iteration``; None contributes zeros. The chunk can go up at once,
+        before the tensor's other parts are in (a gateway's LAN sum arrives chunk by chunk); the tensor
+        counts as pushed once every part is."""
+        layout = self._need_layout()
+        state = self._open_state(iteration, key)
+        spec = layout.tensors[key]
+        parts = layout.key_parts(key)
+        if not 0 <= part < len(parts):
+            raise ChunkError(f"tensor {spec.name!r} has {len(parts)} parts, no part {part}")
+        done = state.parts.setdefault(key, np.zeros(len(parts), dtype=bool))
+        if state.pushed[key] or done[part]:
+            raise ChunkError(f"tensor {spec.name!r} part {part} pushed twice in iteration {iteration}")
+        start, stop = parts[part]
+        self._check_values(key, values, stop - start)
+        done[part] = True
+        state.pushed[key] = bool(done.all())
+        self._add(state, key, start, values)
+        index = layout.key_chunks[key][0] + part if len(parts) > 1 else None
+        lo, hi = (index, index + 1) if index is not None else layout.key_chunks[key]
+        state.local_missing[lo:hi] -= 1
+        actions: list[Action] = []
+        if state.policy is not None:
+            for i in range(lo, hi):
+                actions += self._advance(state, i)
+        return actions
+
+    def key_pushed(self, iteration: int, key: int) -> bool:
+        """Whether this DC's whole contribution of tensor ``key`` to ``iteration`` is in."""
+        state = self._iterations.get(iteration)
+        return state is not None and bool(state.pushed[key])
+
+    def _open_state(self, iteration: int, key: int) -> _Iteration:
+        layout = self._need_layout()
+        state = self._state(iteration)
+        if state is None:
+            raise ChunkError(f"iteration {iteration} is already {self._closed[iteration]}")
+        if not 0 <= key < len(layout.tensors):
+            raise ChunkError(f"no tensor with index {key}")
+        return state
+
+    def _check_values(self, key: int, values: np.ndarray | None, size: int) -> None:
+        layout = self._need_layout()
+        spec = layout.tensors[key]
+        if values is not None and values.size != size:
+            raise ChunkError(f"tensor {spec.name!r}: {values.size} values for {size} elements")
+        if values is not None and layout.is_int(key):
+            flat = values.reshape(-1)
+            if flat.dtype.kind == "f" and not np.array_equal(np.rint(flat), flat):
+                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): values must be integers")
+            if flat.size and float(np.max(np.abs(flat))) > INT_EXACT:
+                raise ChunkError(f"tensor {spec.name!r} ({spec.dtype}): |value| beyond 2**24, the exact range")
+
+    def _add(self, state: _Iteration, key: int, start: int, values: np.ndarray | None) -> None:
+        """Add ``values`` at element ``start`` of tensor ``key`` into the iteration's sums."""
+        if values is None:
+            return
+        layout = self._need_layout()
+        flat = values.reshape(-1)
+        first = layout.offsets[key] + start
+        if layout.is_int(key):
+            ints = state.ints[first - layout.int_start:first - layout.int_start + flat.size]
+            np.add(ints, flat, out=ints, casting="unsafe")
+        else:
+            target = state.acc[first:first + flat.size]
+            np.add(target, flat, out=target, casting="same_kind")
 
     def receive(self, header: ChunkHeader, payload: np.ndarray) -> list[Action]:
         """A chunk hop addressed to this node. Raises ChunkError for input no correct peer sends."""

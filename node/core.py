@@ -222,6 +222,17 @@ class NodeCore:
         self._widen_horizon()
         return self._process(actions, _Links(links), now)
 
+    def contribute_part(self, key: int, iteration: int, part: int, values: np.ndarray | None,
+                        links: Mapping[int, LinkState], now: float) -> list[Action]:
+        """Part ``part`` of this DC's values of tensor ``key`` for ``iteration`` (``layout.key_parts(key)``;
+        from ``open_contribution``): its chunk can leave before the tensor's other parts are in. The tensor's
+        next contribution belongs to the next iteration once every part is in."""
+        actions = self.chunks.push_part(iteration, key, part, values)
+        if self.chunks.key_pushed(iteration, key):
+            self._key_next[key] += 1
+            self._widen_horizon()
+        return self._process(actions, _Links(links), now)
+
     def key_next(self, key: int) -> int:
         """The iteration the next contribution of tensor ``key`` belongs to."""
         return int(self._key_next[key])

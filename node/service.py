@@ -87,6 +87,8 @@ class EdgeHook(Protocol):
 
     async def combine(self, iteration: int, key: int, values: np.ndarray | None,
                       sizes: list[int]) -> np.ndarray | None: ...
+    async def combine_parts(self, iteration: int, key: int, values: np.ndarray | None, sizes: list[int],
+                            parts: list[tuple[int, int]], hand: Callable[[int, np.ndarray], None]) -> None: ...
     def released(self, iteration: int, per_key: list[np.ndarray], workers: int) -> None: ...
     def failed(self, iteration: int) -> None: ...
     def compressed(self, layout: Layout, options: CompressionOptions) -> None: ...
@@ -393,8 +395,19 @@ class GeneralNode:
         self._check(iteration)
         if self.edge is not None and lan:
             assert self.layout is not None
+            sizes = [t.size for t in self.layout.tensors]
+            parts = self.layout.key_parts(key)
             try:
-                values = await self.edge.combine(iteration, key, values, [t.size for t in self.layout.tensors])
+                if len(parts) > 1 and self.config.edge_overlap:
+                    # a tensor of several chunks: each chunk goes up as soon as the LAN summed it
+                    def hand(part: int, summed: np.ndarray) -> None:
+                        self._check(iteration)
+                        self._apply(self.core.contribute_part(key, iteration, part, summed, self._links(),
+                                                              self._now()))
+
+                    await self.edge.combine_parts(iteration, key, values, sizes, parts, hand)
+                    return iteration
+                values = await self.edge.combine(iteration, key, values, sizes)
             except NetStormError as exc:
                 # the LAN tier failed this iteration (typed): it fails here at once, and the gateway is told
                 self._apply(self.core.contribution_failed(

@@ -73,21 +73,23 @@ def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes
 
 @contextlib.contextmanager
 def gateway_job(tmp_path: Path, lan: Lan, mode: str, *, edge_port: int = EDGE_PORT, port_offset: int = 0,
-                gateway_flags: Sequence[str] = (), iteration_timeout: float = 60) -> Iterator[int]:
+                gateway_flags: Sequence[str] = (), iteration_timeout: float = 60,
+                job_flags: Sequence[str] = ()) -> Iterator[int]:
     """A scheduler and two DC nodes in the gateway's namespace, node 1 the gateway of ``lan``'s two workers
     on ``edge_port`` (``mode``, plus ``gateway_flags``; both nodes fail an iteration after
     ``iteration_timeout`` seconds), until both trainer sockets exist; yields the
     scheduler's port. Their logs are shown if the body fails; every process is stopped (SIGTERM, then
     SIGKILL) on the way out."""
-    cli = [sys.executable, "-m", "netstorm.cli"]
+    cli = [sys.executable, "-m", "netstorm.cli", "-v"]   # INFO: the gateway's phase log
     inside = ["ip", "netns", "exec", lan.gateway]
     sched_port = 7000 + (os.getpid() + port_offset) % 1000
-    common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}"]
+    common = ["--scheduler", f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}", *job_flags]
     logs = [open(tmp_path / f"{name}.log", "wb") for name in ("scheduler", "node1", "node2")]  # noqa: SIM115
     procs: list[subprocess.Popen[bytes]] = []
     try:
         procs.append(subprocess.Popen([*inside, *cli, "scheduler", "scale-5", "--nodes", "1,2", "--listen",
-                                       f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}"],
+                                       f"127.0.0.1:{sched_port}", "--iteration-timeout", f"{iteration_timeout:g}",
+                                       *job_flags],
                                       stdout=logs[0], stderr=subprocess.STDOUT))
         wait_listening(lan.gateway, sched_port, procs, timeout=30)
         procs.append(subprocess.Popen([*inside, *cli, "node", "--id", "1", *common, "--socket",
@@ -118,15 +120,21 @@ def gateway_job(tmp_path: Path, lan: Lan, mode: str, *, edge_port: int = EDGE_PO
             log.close()
 
 
+@pytest.mark.parametrize("chunk_size", [None, 400], ids=["whole-tensors", "tensors-in-parts"])
 @pytest.mark.parametrize("mode", ["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str) -> None:
-    with Lan(2) as lan, gateway_job(tmp_path, lan, mode) as sched_port:
+def test_lan_workers_and_dcs_agree_on_exact_sums(tmp_path: Path, mode: str, chunk_size: int | None) -> None:
+    """With 400-element chunks and ``edge_overlap`` the two large tensors are WAN chunks in parts, each handed
+    to the node as soon as the LAN summed it (``GatewayRole.combine_parts``): the sums stay exact."""
+    job = [] if chunk_size is None else ["--chunk-size", str(chunk_size), "--edge-overlap", "true"]
+    with Lan(2) as lan, gateway_job(tmp_path, lan, mode, job_flags=job) as sched_port:
         workers = [AsyncEdgeClient((GATEWAY_IP, EDGE_PORT), i, job=1, timeout=TIMEOUT,
                                    sock=lan.udp_socket(ns, lan.worker_ip(i)), group_opener=lan.group_opener(ns))
                    for i, ns in enumerate(lan.workers)]
         asyncio.run(_drive(tmp_path, workers))
         node_log = (tmp_path / "node1.log").read_bytes().decode(errors="replace")
         assert "gateway: 2 LAN workers" in node_log
+        # the phase log names when the first part went up only where tensors were handed in parts
+        assert ("first part went to the WAN step" in node_log) == (chunk_size is not None)
         # the gateway told the scheduler how it aggregates, and the admin interface says so
         status = run_in(lan.gateway, lambda: asyncio.run(admin.status(("127.0.0.1", sched_port), timeout=TIMEOUT)))
         assert set(status.edge) == {1}

@@ -17,7 +17,16 @@ from netstorm.lan.errors import WireError
 from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pathpick import FALLBACK, Measured, candidates, pick
-from netstorm.lan.tcpcore import WINDOW, Completed, Refuse, ResultAssembly, Send, TcpGatewayCore, encode_data
+from netstorm.lan.tcpcore import (
+    WINDOW,
+    Completed,
+    Refuse,
+    ResultAssembly,
+    Send,
+    Summed,
+    TcpGatewayCore,
+    encode_data,
+)
 from netstorm.lan.tcpwire import Data, Frame, FrameReader, Hello, Refused, Result, Welcome
 from netstorm.lan.tokens import LanTokens, Sender
 
@@ -105,7 +114,7 @@ class Lan:
                                  self.tokens.worker(worker, iteration) if token is None else token), bytes(payload)))
         return out
 
-    def send(self, conn: int, frame: tuple[Data, bytes]) -> list[Send | Completed]:
+    def send(self, conn: int, frame: tuple[Data, bytes]) -> list[Send | Completed | Summed]:
         head, payload = frame
         self.core.expect(conn, head, len(payload))
         return self.core.on_frame(conn, head, memoryview(payload), 1.0)
@@ -137,16 +146,28 @@ def test_sums_equal_the_numpy_reference_over_many_iterations_and_precisions(work
             parts[0][0][:10] = 2.0**20
             precisions[0] = Precision.FIXED32
         streams = [lan.frames(w, iteration, parts[w], precisions[w]) for w in range(workers)]
-        actions: list[Send | Completed] = []
+        want = reference(parts, precisions, 16)
+        actions: list[Send | Completed | Summed] = []
         for frames in zip(*streams, strict=True):   # workers' frames interleaved
             for w, frame in enumerate(frames):
-                actions += lan.send(w, frame)
-        assert actions == [Completed(iteration)]
+                now = lan.send(w, frame)
+                for summed in (a for a in now if isinstance(a, Summed)):
+                    # what every worker's frames covered is final at once: exactly the whole sum's values
+                    for seq in range(summed.since, summed.upto):
+                        t, c = lan.layout.locate(seq)
+                        a, b = lan.layout.bounds(t, c)
+                        assert np.array_equal(lan.core.partial(iteration, t, a, b), want[t][a:b])
+                actions += now
+        covered = [(a.since, a.upto) for a in actions if isinstance(a, Summed)]
+        # the frontier moves once per frame all workers sent (the last worker's), in order, to the end
+        assert [lo for lo, _ in covered] == [0] + [hi for _, hi in covered[:-1]]
+        assert covered[-1][1] == lan.layout.num_chunks and len(covered) == len(streams[0])
+        assert actions[-1] == Completed(iteration) and len(actions) == len(covered) + 1
         if iteration == 5:
             assert streams[0][0][0].wide
         sums = lan.core.take(iteration)
-        for got, want in zip(sums, reference(parts, precisions, 16), strict=True):
-            assert np.array_equal(got, want)
+        for got, expected in zip(sums, want, strict=True):
+            assert np.array_equal(got, expected)
 
 
 def assembly_target(assembly: ResultAssembly) -> Callable[[Frame, int], memoryview | None]:

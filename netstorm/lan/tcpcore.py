@@ -101,6 +101,16 @@ def encode_data(values: np.ndarray, precision: Precision, scale: int, lanes: int
     return encoded.tobytes(), False
 
 
+@dataclasses.dataclass(frozen=True)
+class Summed:
+    """Every expected worker's DATA of ``iteration`` has been summed up to LAN chunk ``upto`` (a sequence
+    number of the layout; from ``since``): those chunks' sums are final (``partial``)."""
+
+    iteration: int
+    since: int
+    upto: int
+
+
 @dataclasses.dataclass
 class _Iteration:
     sums: list[np.ndarray]
@@ -109,6 +119,8 @@ class _Iteration:
     done: set[int]
     bursts: dict[int, list[float]]
     """Per worker: [bytes, first, last] of its DATA (the uplink meter's input)."""
+    frontier: int = 0
+    """LAN chunks (sequence numbers) below this hold every worker's DATA: workers send in layout order."""
 
 
 class TcpGatewayCore:
@@ -130,6 +142,8 @@ class TcpGatewayCore:
         self._nonces: set[int] = set()
         self._open: dict[int, _Iteration] = {}
         self._ready: dict[int, list[np.ndarray]] = {}
+        self._summed: dict[int, _Iteration] = {}
+        """The newest completed iterations' int64 sums, for ``partial`` after ``take``."""
         self._last_bursts: tuple[int, dict[int, list[float]]] | None = None
         self.refused = 0
         """Connections closed for a malformed, forged or out-of-order frame."""
@@ -171,7 +185,8 @@ class TcpGatewayCore:
             raise Refuse(Refused.MALFORMED, f"DATA payload of {payload_len} bytes; its header says "
                                             f"{message.payload_bytes(self.layout.lanes)}")
 
-    def on_frame(self, conn: int, message: Frame, payload: memoryview, now: float) -> list[Send | Completed]:
+    def on_frame(self, conn: int, message: Frame, payload: memoryview,
+                 now: float) -> list[Send | Completed | Summed]:
         """A frame ``expect`` accepted, with its payload."""
         if isinstance(message, Hello):
             return self._hello(conn, message)
@@ -191,7 +206,7 @@ class TcpGatewayCore:
         # a partial contribution already summed cannot be taken back: a worker that reconnects within an
         # iteration it had begun is refused for it (out of order), and the iteration times out naming it
 
-    def _hello(self, conn: int, hello: Hello) -> list[Send | Completed]:
+    def _hello(self, conn: int, hello: Hello) -> list[Send | Completed | Summed]:
         if hello.job != self.job:
             raise Refuse(Refused.PROTOCOL, f"HELLO of job {hello.job}; this gateway serves job {self.job}")
         if hello.worker >= self.workers:
@@ -216,7 +231,35 @@ class TcpGatewayCore:
                           self.layout.scales, self.layout.lanes, self.segment)
         return [Send(conn, tcpwire.encode(welcome))]
 
-    def _data(self, head: Data, payload: memoryview, now: float) -> list[Send | Completed]:
+    def _progress(self, iteration: int, state: _Iteration) -> list[Summed]:
+        """The chunks every worker's DATA now covers (frames start on chunk boundaries), if that moved."""
+        layout = self.layout
+        frontier = layout.num_chunks
+        for w in range(self.workers):
+            if w in state.done:
+                continue
+            tensor, offset = state.position.get(w, (0, 0))
+            frontier = min(frontier, layout.first_slot[tensor] + offset // layout.lanes)
+        if frontier <= state.frontier:
+            return []
+        since, state.frontier = state.frontier, frontier
+        return [Summed(iteration, since, frontier)]
+
+    def frontier(self, iteration: int) -> int:
+        """LAN chunks of ``iteration`` below this sequence number are summed (0: none yet)."""
+        state = self._open.get(iteration) or self._summed.get(iteration)
+        return 0 if state is None else state.frontier
+
+    def partial(self, iteration: int, tensor: int, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)`` of ``tensor``'s LAN sum of ``iteration``, every worker's DATA there
+        summed (a ``Summed`` said so): exactly what the whole sum holds there. KeyError once the iteration
+        was taken or dropped."""
+        state = self._open.get(iteration) or self._summed[iteration]
+        if self.layout.first_slot[tensor] + -(-stop // self.layout.lanes) > state.frontier:
+            raise ValueError(f"iteration {iteration} tensor {tensor} [{start}, {stop}) is not summed yet")
+        return dequantize(state.sums[tensor][start:stop], self.layout.scales[tensor])
+
+    def _data(self, head: Data, payload: memoryview, now: float) -> list[Send | Completed | Summed]:
         state = self._open.get(head.iteration)
         if state is None:
             state = self._open[head.iteration] = _Iteration(
@@ -235,14 +278,18 @@ class TcpGatewayCore:
             state.done.add(head.worker)
             state.position.pop(head.worker, None)
             if len(state.done) == self.workers:
+                summed = self._progress(head.iteration, state)
                 del self._open[head.iteration]
+                self._summed[head.iteration] = state
+                for old in sorted(self._summed)[:-WINDOW]:
+                    del self._summed[old]
                 self._ready[head.iteration] = [dequantize(s, scale) for s, scale in
                                                zip(state.sums, self.layout.scales, strict=True)]
                 self._last_bursts = (head.iteration, state.bursts)
-                return [Completed(head.iteration)]
+                return [*summed, Completed(head.iteration)]
         else:
             state.position[head.worker] = (tensor, offset)
-        return []
+        return list(self._progress(head.iteration, state))
 
     # --- iterations --------------------------------------------------------------------------------
 
