@@ -186,7 +186,7 @@ class AsyncEdgeClient:
                 await asyncio.sleep(min(PROBE_S, deadline - loop.time()))
             if loop.time() >= deadline:
                 tried = "on TCP or UDP" if self.transport == "auto" else "on TCP"
-                raise NodeGone(f"edge worker {self.worker_id}: gateway {self.gateway} did not answer {tried} "
+                raise NodeGone(f"edge worker {self.worker_id}: gateway {self.gateway} did not answer HELLO {tried} "
                                f"within {self.timeout} s")
 
     async def _init_tcp(self, tcp: TcpEdgeWorker) -> dict[str, np.ndarray]:
