@@ -125,6 +125,33 @@ def test_fuzzed_nack_lists_resend_only_what_is_owed(sender: EdgeSender) -> None:
         assert sorted(got) == sorted(owed) and len(got) == len(set(got))
 
 
+def test_rows_sent_under_loss_are_the_kept_ones_in_order_without_copies(sender: EdgeSender) -> None:
+    """Loss, drops and duplicates split a window into runs, each sent as a view of the model's rows; scattered
+    rows are copied once. Either way exactly the kept rows leave, in order."""
+    keep = keep_rows(1)
+    rng = np.random.default_rng(4)
+    for loss in (0.0, 0.01, 0.3, 0.9):
+        sent: list[np.ndarray] = []
+
+        async def capture(rows: np.ndarray, address: Any, sent: list[np.ndarray] = sent) -> None:
+            sent.append(rows)
+
+        sender.batch.send = capture  # type: ignore[method-assign]
+        sender.loss, sender.duplicate = loss, 0.05
+        sender.rng = np.random.default_rng(int(rng.integers(1 << 30)))
+        state = sender.rng.bit_generator.state
+        start, stop = int(rng.integers(0, 10)), int(rng.integers(20, LAYOUT.num_chunks + 1))
+        asyncio.run(sender._send_rows(keep, np.arange(start, stop), first=True))
+        # the same draws, by the rule stated directly
+        sender.rng.bit_generator.state = state
+        index = np.arange(start, stop)
+        index = index[sender.rng.random(index.size) >= loss] if loss else index
+        index = np.sort(np.concatenate([index, index[sender.rng.random(index.size) < 0.05]]))
+        np.testing.assert_array_equal(np.concatenate(sent) if sent else keep[:0], keep[index])
+        if loss <= 0.01:
+            assert all(np.shares_memory(part, keep) for part in sent)
+
+
 @pytest.fixture
 def agent() -> Iterator[EdgeAgent]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
