@@ -805,13 +805,14 @@ class EdgeAgent:
         bits &= here[:, None]
         heads = [w for w in self.topology.clusters if w < self.workers]
         asker_head = None if asker is None else self.topology.aggregator_of(asker)
+        head_missing = bits[:, asker_head].copy() if asker_head is not None and asker_head < self.workers else None
+        if heads:
+            bits[:, heads] = False      # a cluster aggregator is never NACKed: its members resend
         if asker is not None:
             # nothing of the chunk here, or the asker's own cluster aggregator is missing: the asker resends
             bits[:, asker] |= ~here
-            if asker_head is not None and asker_head < self.workers:
-                bits[:, asker] |= bits[:, asker_head]
-        if heads:
-            bits[:, heads] = False
+            if head_missing is not None:
+                bits[:, asker] |= head_missing
         self.query_nacks_sent += int(bits.sum())
         for worker in np.flatnonzero(bits.any(axis=0)).tolist():
             self._nacks.setdefault((sums.iteration, worker), []).append(seqs[bits[:, worker]])

@@ -366,3 +366,67 @@ def test_sums_stay_exact_under_one_percent_loss_with_listed_nacks(mode: str, req
     assert_exact(out["runs"])
     assert sum(out["dropped"]) > 0
     assert out["stats"]["timer_events"] == 0
+
+
+def test_the_matrix_names_whom_the_per_chunk_rule_names_with_clusters() -> None:
+    """Against the rule chunk by chunk (brute force): a missing unclustered worker is NACKed, a missing
+    cluster aggregator names the asker if it is one of its members, a slot holding another chunk names only
+    the asker; with random bitmaps, askers and stale slots."""
+    from netstorm.lan.deploy import LanTopology
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
+
+    class Kernel:
+        states = np.zeros(LAYOUT.num_slots, slot_dtype(56))
+
+        def require_tokens(self, token: int) -> None:
+            pass
+
+        def install_tokens(self, tokens: object) -> None:
+            pass
+
+        def slot_states(self, indices: np.ndarray) -> np.ndarray:
+            return self.states[np.asarray(indices, np.int64)]
+
+    topology = LanTopology(workers=6, clusters={0: (1, 2)})
+    kernel = Kernel()
+    try:
+        agent = EdgeAgent(sock, LAYOUT, workers=6, job=JOB, mode="xdp", xdp=kernel,  # type: ignore[arg-type]
+                          topology=topology)
+        agent.expect(1)
+        sums = agent._sums(1)
+        rng = np.random.default_rng(9)
+        for _ in range(40):
+            for seq in range(LAYOUT.num_chunks):
+                tensor, chunk = LAYOUT.locate(seq)
+                stale = rng.random() < 0.2
+                kernel.states[seq % LAYOUT.num_slots] = (1 + stale, tensor, chunk, 0, 1,
+                                                         int(rng.integers(0, 64)) & agent.expected)
+            asker = None if rng.random() < 0.3 else int(rng.integers(0, 6))
+            seqs = np.unique(rng.integers(0, LAYOUT.num_chunks, int(rng.integers(1, 20))))
+            want: dict[int, list[int]] = {}
+            head = None if asker is None else topology.aggregator_of(asker)
+            for seq in seqs.tolist():
+                state = kernel.states[seq % LAYOUT.num_slots]
+                here = int(state["iteration"]) == 1 and int(state["bitmap"]) != 0
+                named = set()
+                if not here:
+                    named = set() if asker is None else {asker}
+                else:
+                    left = agent.expected & ~int(state["bitmap"])
+                    for w in range(6):
+                        if left >> w & 1:
+                            if w not in topology.clusters:
+                                named.add(w)
+                            elif asker is not None and head == w:
+                                named.add(asker)
+                for w in named:
+                    want.setdefault(w, []).append(seq)
+            agent._nacks = {}
+            agent._missing_nacks(sums, asker, seqs)
+            got = {w: np.unique(np.concatenate(parts)).tolist() for (_, w), parts in agent._nacks.items()}
+            assert got == want
+    finally:
+        sock.close()
