@@ -61,7 +61,14 @@ from netstorm.lan.header import (
     lanes_of,
 )
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import ack_packets, chunk_result_packets, control_packet, result_packets, with_token
+from netstorm.lan.packets import (
+    ack_packets,
+    chunk_result_packets,
+    control_packet,
+    nack_packets,
+    result_packets,
+    with_token,
+)
 from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
@@ -229,8 +236,7 @@ class IterationSums:
         if not self.is_pending(*key):
             return []
         self.missing[key] = event.missing
-        nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=self.iteration, tensor=event.tensor,
-                              chunk=event.chunk, slot=event.slot, scale=event.scale)
+        nack = nack_packets(np.array([self.layout.seq(*key)]), job=self.job, iteration=self.iteration)[0]
         return [(w, nack) for w in event.missing]
 
     def result(self) -> list[np.ndarray]:
@@ -313,7 +319,12 @@ class EdgeAgent:
         self.retransmit = retransmit
         self.query_nacks = query_nacks
         self.query_nacks_sent = 0
-        """NACKs to a worker missing from a slot, in answer to a QUERY or from the agent's own gap rule."""
+        """(worker, chunk) pairs NACKed because the worker was missing from a slot, in answer to a QUERY or
+        from the agent's own gap rule."""
+        self.nack_datagrams = 0
+        """NACK datagrams those went out in (one per worker and wake-up, up to 256 chunks each)."""
+        self._nacks: dict[tuple[int, int], list[np.ndarray]] = {}
+        """Chunks to NACK per (iteration, worker), gathered over one wake-up (``_flush_nacks``)."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -719,12 +730,12 @@ class EdgeAgent:
         """A slot can complete while its AGG datagram is lost before our socket: a duplicate from one
         contributor makes the aggregator re-emit it. Pending slots that are merely incomplete are
         unaffected (the duplicate is dropped) and stay with the timer."""
-        for t, c in sums.first_pending(256):
-            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=t, chunk=c,
-                                  slot=sums.layout.slot(t, c), scale=sums.layout.scales[t])
-            address = self.addresses.get(0)
-            if address is not None:
-                self._control(self._stamp(nack, 0), address)
+        seqs = np.flatnonzero(sums.open)[:256]
+        address = self.addresses.get(0)
+        if not seqs.size or address is None:
+            return
+        for nack in nack_packets(seqs, job=self.job, iteration=sums.iteration):
+            self._control(self._stamp(nack, 0), address)
 
     def _on_agg(self, data: bytes) -> None:
         started = time.thread_time()
@@ -789,7 +800,7 @@ class EdgeAgent:
             stamped = datagram[:TOKEN_AT] + token.to_bytes(8, "little") + datagram[TOKEN_AT + 8:]
             self._control(stamped, address)
         if self.query_nacks and sums is not None and pending.size:
-            self._emit(self._missing_nacks(sums, head.worker, pending))
+            self._missing_nacks(sums, head.worker, pending)
 
     def _nack_gaps(self) -> None:
         """The gateway's own gap rule: workers send chunks in order, so a chunk still open GAP_CHUNKS below
@@ -802,41 +813,55 @@ class EdgeAgent:
             seqs = sums.gap_checked + np.flatnonzero(sums.open[sums.gap_checked: top])
             sums.gap_checked = top
             if seqs.size:
-                self._emit(self._missing_nacks(sums, None, seqs[:QUERY_LIMIT]))
+                self._missing_nacks(sums, None, seqs[:QUERY_LIMIT])
 
-    def _missing_nacks(self, sums: IterationSums, asker: int | None,
-                       seqs: np.ndarray) -> list[tuple[int, bytes]]:
-        """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot (read
-        from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot that
-        holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing cluster
-        aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits once its
-        members' DATA is complete, so a member resends), and nobody else."""
+    def _missing_nacks(self, sums: IterationSums, asker: int | None, seqs: np.ndarray) -> None:
+        """Queue NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot
+        (read from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot
+        that holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing
+        cluster aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits
+        once its members' DATA is complete, so a member resends), and nobody else. One pass over every chunk
+        at once: a (chunk, worker) matrix of who is missing, whose columns are the workers' lists
+        (``_flush_nacks`` sends each as one datagram)."""
+        if not seqs.size:
+            return
         layout = sums.layout
         states = self._aggregator.slot_states(seqs % layout.num_slots)
-        clusters = self.topology.clusters
+        tensors, chunks = layout.locate_many(seqs)
+        here = (states["iteration"].astype(np.int64) == (sums.iteration & 0xFFFFFFFF)) & \
+            (states["tensor"].astype(np.int64) == tensors) & (states["chunk"].astype(np.int64) == chunks) & \
+            (states["bitmap"] != 0)
+        left = np.uint64(self.expected) & ~states["bitmap"].astype(np.uint64)
+        bits = ((left[:, None] >> np.arange(self.workers, dtype=np.uint64)[None, :]) & np.uint64(1)).astype(bool)
+        bits &= here[:, None]
+        heads = [w for w in self.topology.clusters if w < self.workers]
         asker_head = None if asker is None else self.topology.aggregator_of(asker)
-        actions: list[tuple[int, bytes]] = []
-        for seq, state in zip(seqs.tolist(), states, strict=True):
-            tensor, chunk = layout.locate(seq)
-            here = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"])) == \
-                (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
-            if not here:
-                missing, scale = ([] if asker is None else [asker]), layout.scales[tensor]
-            else:
-                left, scale = self.expected & ~int(state["bitmap"]), int(state["scale"])
-                missing = []
-                for w in range(self.workers):
-                    if not left >> w & 1:
-                        continue
-                    if w not in clusters:
-                        missing.append(w)
-                    elif asker is not None and asker_head == w:
-                        missing.append(asker)
-            nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=tensor,
-                                  chunk=chunk, slot=seq % layout.num_slots, scale=scale)
-            actions.extend((w, nack) for w in missing)
-        self.query_nacks_sent += len(actions)
-        return actions
+        head_missing = bits[:, asker_head].copy() if asker_head is not None and asker_head < self.workers else None
+        if heads:
+            bits[:, heads] = False      # a cluster aggregator is never NACKed: its members resend
+        if asker is not None:
+            # nothing of the chunk here, or the asker's own cluster aggregator is missing: the asker resends
+            bits[:, asker] |= ~here
+            if head_missing is not None:
+                bits[:, asker] |= head_missing
+        self.query_nacks_sent += int(bits.sum())
+        for worker in np.flatnonzero(bits.any(axis=0)).tolist():
+            self._nacks.setdefault((sums.iteration, worker), []).append(seqs[bits[:, worker]])
+
+    def _flush_nacks(self) -> None:
+        """Send the NACKs gathered while handling a batch of datagrams (or slot reports): one datagram per
+        worker and iteration listing every chunk it is to resend (256 a datagram), not one per chunk."""
+        nacks, self._nacks = self._nacks, {}
+        for (iteration, worker), parts in nacks.items():
+            address = self.addresses.get(worker)
+            if address is None:
+                log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
+                continue
+            seqs = np.unique(np.concatenate(parts))
+            for datagram in nack_packets(seqs, job=self.job, iteration=iteration):
+                self.nack_datagrams += 1
+                if not self._control(self._stamp(datagram, worker), address):
+                    log.warning("edge gateway: send queue full, NACK to worker %d dropped (it asks again)", worker)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -859,6 +884,8 @@ class EdgeAgent:
             if event.job != self.job or not self._accepts(event.iteration):
                 continue
             self._emit(self._sums(event.iteration).on_event(event))
+        if self._nacks:
+            self._flush_nacks()
 
     def _on_ring(self) -> None:
         assert self.xdp is not None
@@ -1025,6 +1052,8 @@ class EdgeAgent:
                     log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)
         if self.query_nacks:
             self._nack_gaps()
+        if self._nacks:
+            self._flush_nacks()
         if self._acks:
             self._flush_acks()
         if self._streams:

@@ -142,6 +142,10 @@ class XdpAggregator:
         self._lib.bpf_xdp_attach.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_xdp_detach.argtypes = [ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p]
         self._lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.POINTER(_TestRunOpts)]
+        self._lib.bpf_map_lookup_elem_flags.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                                                         ctypes.c_uint64]
+        self._one: np.ndarray | None = None
+        self._one_key = ctypes.c_uint32(0)
         self._lib.bpf_map_lookup_batch.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                                    ctypes.c_void_p, ctypes.POINTER(ctypes.c_uint32),
                                                    ctypes.POINTER(_BatchOpts)]
@@ -287,20 +291,31 @@ class XdpAggregator:
                 self._value_size = next(int(line.split()[1]) for line in info if line.startswith("value_size:"))
         fd = self._slots_fd
         dtype = slot_dtype(self._value_size)
-        out = np.zeros(len(indices), dtype)
         wanted = np.asarray(indices, np.int64)
-        runs = np.unique(wanted)
-        start = 0
-        while start < runs.size:
-            stop = start + 1
-            while stop < runs.size and runs[stop] == runs[stop - 1] + 1 and stop - start < SLOT_RUN:
-                stop += 1
-            keys, read = self._read_run(fd, int(runs[start]), stop - start, dtype)
-            where = np.searchsorted(runs[start:stop], keys)
-            for index, row in zip(runs[start:stop][where], read, strict=True):
-                out[wanted == index] = row
-            start = stop
-        return out
+        slots = np.unique(wanted)
+        table = np.zeros(slots.size, dtype)
+        # runs of consecutive slots, at most SLOT_RUN each; a lone slot (a lost chunk's, usually: losses are
+        # scattered) is one plain lookup into a buffer kept for it, not a batch set up for one entry
+        cuts = np.flatnonzero(np.diff(slots) != 1) + 1
+        bounds = [(int(a), int(b)) for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), slots.size], strict=True)]
+        for begin, end in bounds:
+            for start in range(begin, end, SLOT_RUN):
+                stop = min(end, start + SLOT_RUN)
+                if stop - start == 1:
+                    table[start] = self._read_one(fd, int(slots[start]), dtype)
+                    continue
+                keys, read = self._read_run(fd, int(slots[start]), stop - start, dtype)
+                table[start + np.searchsorted(slots[start:stop], keys)] = read
+        return table[np.searchsorted(slots, wanted)]
+
+    def _read_one(self, fd: int, key: int, dtype: np.dtype[Any]) -> np.ndarray:
+        """One slot read under its lock (``BPF_F_LOCK``); zeros (bitmap 0, busy 0) if the kernel will not."""
+        if self._one is None or self._one.dtype != dtype:
+            self._one = np.zeros(1, dtype)
+        self._one_key.value = key
+        if self._lib.bpf_map_lookup_elem_flags(fd, ctypes.byref(self._one_key), self._one.ctypes.data, BPF_F_LOCK):
+            return np.zeros(1, dtype)[0]
+        return self._one[0].copy()
 
     def _read_run(self, fd: int, first: int, n: int, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
         """Entries ``first`` .. ``first + n - 1`` of an array map whose values have a bpf_spin_lock, each read

@@ -22,7 +22,7 @@ from netstorm.lan.batch import ROW_BYTES, DatagramBatch, valid_headers
 from netstorm.lan.errors import WireError
 from netstorm.lan.header import FIELDS, HEADER_BYTES, OFFSETS, TOKEN_AT, Flag, Header, Kind, Precision
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import ack_packets, control_packet, data_packets, result_packets, with_token
+from netstorm.lan.packets import ack_packets, control_packet, data_packets, nack_packets, result_packets, with_token
 from netstorm.lan.sender import EdgeSender, _Flight
 from netstorm.lan.tokens import LanTokens
 from tests.test_edge_fuzz import datagrams
@@ -72,6 +72,7 @@ def test_every_rule_of_the_decoder_refuses_its_row_and_only_that_row() -> None:
     half = data_packets(LAYOUT, job=JOB, worker=2, iteration=3, tensor=1, values=np.ones(7),
                         precision=Precision.FP16)[0].tobytes()
     nack = control_packet(Kind.NACK, job=JOB, worker=1)
+    listed = nack_packets(np.array([4, 9]), job=JOB, iteration=3)[0]
     hello = control_packet(Kind.HELLO, job=JOB, worker=1)
     bad = {
         "short": data[: HEADER_BYTES - 1],
@@ -89,11 +90,15 @@ def test_every_rule_of_the_decoder_refuses_its_row_and_only_that_row() -> None:
         "payload past MAX_LANES": half + b"\0" * (2 * 1025 - (len(half) - HEADER_BYTES)),
         "HELLO payload": hello + b"\0" * 1025,
         "REPORT payload": _set(nack, "kind", Kind.REPORT) + b"\0" * 65,
-        "NACK payload": nack + b"\0" * 4,
+        "PULL payload": _set(nack, "kind", Kind.PULL) + b"\0" * 4,
+        "RESCALE NACK payload": _set(nack, "flags", int(Flag.RESCALE)) + b"\0" * 4,
+        "RESCALE NACK lanes": _set(_set(listed, "flags", int(Flag.RESCALE)), "count", 1),
+        "NACK short of count": _set(listed, "count", 3),
         "flags 8": _set(data, "flags", 8),
         "total on DATA": _set(data, "total", 1),
     }
-    good = [data, half, result, nack, hello + b"\0" * 1024, _set(nack, "kind", Kind.REPORT) + b"\0" * 64,
+    good = [data, half, result, nack, listed, _set(nack, "flags", int(Flag.RESCALE)),
+            hello + b"\0" * 1024, _set(nack, "kind", Kind.REPORT) + b"\0" * 64,
             _set(data, "flags", 7), _set(data, "worker", 63)]
     for name, item in bad.items():
         with pytest.raises(WireError):

@@ -273,3 +273,30 @@ def counters(backend: Backend) -> dict[str, int]:
     if isinstance(backend.agg, UserspaceAggregator):
         return dict(backend.agg.counters)
     return dict(backend.agg.stats())
+
+
+def test_slot_reads_give_each_slot_its_bitmap_alone_in_runs_or_in_any_order(backend: Backend) -> None:
+    """What a NACK is built from: lone slots (one plain lookup each in XDP), runs of consecutive ones (one
+    batched lookup), repeats and any order give each slot's own key and contributor bitmap."""
+    workers = 4
+    backend.configure(expected=(1 << workers) - 1)
+    iteration = next(_iterations)
+    tensor = SLOT_TENSORS[0]
+    rng = np.random.default_rng(12)
+    values = rng.standard_normal(LAYOUT.sizes[tensor]).astype(np.float32)
+    chunks = min(LAYOUT.chunks[tensor], 12)
+    want = {}
+    for chunk in range(chunks):
+        senders = [w for w in range(workers) if rng.random() < 0.5] or [0]
+        if len(senders) == workers:
+            senders = senders[1:]       # a slot that completes is released; keep every one open
+        for w in senders:
+            backend.feed(data_packets(LAYOUT, job=JOB, worker=w, iteration=iteration, tensor=tensor, values=values,
+                                      chunks=np.array([chunk]))[0].tobytes())
+        want[LAYOUT.slot(tensor, chunk)] = (chunk, sum(1 << w for w in senders))
+    slots = np.array(list(want))
+    order = np.concatenate([slots[::-1], slots[[0, slots.size - 1, slots.size // 2]], slots[:1]])
+    for index in ([int(slots[slots.size // 2])], slots, order, slots[::2]):
+        states = backend.agg.slot_states(np.asarray(index))
+        assert [(int(s["iteration"]), int(s["tensor"]), int(s["chunk"]), int(s["bitmap"])) for s in states] == \
+            [(iteration, tensor, *want[int(i)]) for i in index]

@@ -14,6 +14,7 @@ import pytest
 
 from bpf.agent import IterationSums
 from bpf.xdp import SlotEvent
+from netstorm.lan.batch import valid_headers
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX, quantize, rescale_for
 from netstorm.lan.header import (
@@ -32,7 +33,7 @@ from netstorm.lan.header import (
     lanes_of,
 )
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import control_packet, data_packets, fit_scales, result_packets
+from netstorm.lan.packets import control_packet, data_packets, fit_scales, nack_packets, result_packets
 
 LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=358)
 BPF = Path(__file__).resolve().parent.parent / "bpf"
@@ -153,6 +154,25 @@ def test_control_datagrams_carry_no_payload() -> None:
     assert (head.kind, head.iteration, head.scale, head.flags) == (Kind.NACK, 4, 3, Flag.RESCALE)
     with pytest.raises(WireError, match="unexpected payload"):
         Header.decode(nack + b"\x00" * 4)
+    pull = control_packet(Kind.PULL, job=1, worker=0, iteration=4, tensor=1, chunk=0)
+    with pytest.raises(WireError, match="unexpected payload"):
+        Header.decode(pull + b"\x00" * 4)
+
+
+def test_a_nack_lists_chunks_and_a_rescale_nack_names_one() -> None:
+    listed = nack_packets(np.array([7, 3, 7, 2**32 - 1]), job=1, iteration=4, per_packet=3)
+    assert len(listed) == 2
+    head = Header.decode(listed[0])
+    assert (head.kind, head.count, head.flags) == (Kind.NACK, 3, Flag.NONE)
+    assert lanes_of(listed[0], "<u4").tolist() == [7, 3, 7]
+    assert lanes_of(listed[1], "<u4").tolist() == [2**32 - 1]
+    # a RESCALE NACK listing chunks is malformed, in the batch check as in decode
+    bad = bytearray(listed[0])
+    bad[OFFSETS["flags"]] = int(Flag.RESCALE)
+    with pytest.raises(WireError, match="RESCALE NACK"):
+        Header.decode(bytes(bad))
+    heads = np.frombuffer(bytes(bad[:HEADER_BYTES]) + listed[1][:HEADER_BYTES], HEADER_DTYPE)
+    assert valid_headers(heads, np.array([len(bad), len(listed[1])])).tolist() == [False, True]
 
 
 def test_fit_scale_is_the_largest_that_fits_by_brute_force() -> None:
@@ -198,6 +218,7 @@ def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
     actions = sums.on_event(event)
     assert [w for w, _ in actions] == [1, 3]
     assert Header.decode(actions[0][1]).kind == Kind.NACK
+    assert lanes_of(actions[0][1], "<u4").tolist() == [LAYOUT.seq(1, 0)]
     over = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=10, need=11, flags=Flag.OVERFLOW)
     rescale = sums.on_agg(over, np.zeros(358, np.int32))
     assert [w for w, _ in rescale] == [0, 1, 2, 3]   # each fits at 11, four of them at 11 - 2

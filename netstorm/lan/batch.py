@@ -23,6 +23,7 @@ from netstorm.lan.header import (
     DATA_PRECISIONS,
     HEADER_BYTES,
     HEADER_DTYPE,
+    LANED_KINDS,
     MAGIC,
     MAX_DEPLOY_BYTES,
     MAX_LANES,
@@ -30,6 +31,7 @@ from netstorm.lan.header import (
     MAX_WORKERS,
     RESULT_PRECISIONS,
     VERSION,
+    Flag,
     Kind,
     Precision,
 )
@@ -38,7 +40,7 @@ ROW_BYTES: Final = HEADER_BYTES + 4 * MAX_LANES
 """The largest datagram the wire allows; a longer one is truncated on receipt and rejected."""
 BATCH_ROWS: Final = 1024
 """Datagrams one batch holds (about 4 MB of buffer)."""
-_LANED: Final = np.array([k in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY) for k in range(256)])
+_LANED: Final = np.array([k in LANED_KINDS for k in range(256)])
 """Kinds whose payload is lanes (indexed by kind code)."""
 _DATA_PRECISION: Final = np.array([p in {int(q) for q in DATA_PRECISIONS} for p in range(256)])
 _RESULT_PRECISION: Final = np.array([p in {int(q) for q in RESULT_PRECISIONS} for p in range(256)])
@@ -116,8 +118,8 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     MAX_LANES lanes, a worker id below MAX_WORKERS, a zero reserved word, a known precision (a narrow one
     only on DATA, RESULT's own on RESULT), a payload that holds ``count`` lanes of that width (and at most
     MAX_LANES), a HELLO payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES,
-    no payload on the other kinds, known flags, and ``total`` only on RESULT. A row shorter than a header is
-    rejected before its (stale) fields count."""
+    no payload on the other kinds, known flags, ``total`` only on RESULT, and no payload on a RESCALE NACK.
+    A row shorter than a header is rejected before its (stale) fields count."""
     lengths = np.asarray(lengths, np.int64)[: headers.size]
     kind = headers["kind"].astype(np.int64)
     precision = headers["precision"].astype(np.int64)
@@ -143,4 +145,5 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     ok &= payload_ok
     ok &= headers["flags"] < 8
     ok &= (headers["total"] == 0) | (kind == Kind.RESULT)
+    ok &= ~((kind == Kind.NACK) & ((headers["flags"] & int(Flag.RESCALE)) != 0) & ((count > 0) | (payload != 0)))
     return np.asarray(ok, bool)

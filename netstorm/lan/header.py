@@ -11,11 +11,12 @@ DATA carries lanes of the sender's ``precision`` (``Precision``: int32 fixed poi
 fp16, bf16, or int8 at the sender's own ``wscale``, which the aggregator converts exactly to int32 fixed
 point at ``scale``); AGG carries int32 fixed-point lanes; RESULT carries float32 lanes, or, for a compressed
 job's integer rounds, int8, int16 or int32 integers or a bitmap (8 elements per byte) named by its ``precision``
-(``RESULT_PRECISIONS``, ``netstorm/lan/resultwire.py``); ACK carries u32
-chunk sequence numbers (a chunk's index in the whole model: its slot's key). DATA is always padded with
-zero lanes to the layout's lane width (the XDP program then runs fixed-trip loops the verifier accepts in
-linear time); ``count`` says how many lanes matter. ``lanes_for_mtu`` gives the lane width an MTU holds:
-44 + 357*4 bytes of UDP payload plus 28 bytes of IPv4/UDP headers fit a 1500-byte MTU.
+(``RESULT_PRECISIONS``, ``netstorm/lan/resultwire.py``); ACK, QUERY and NACK carry u32
+chunk sequence numbers (a chunk's index in the whole model: its slot's key); a RESCALE NACK names its one
+chunk by ``tensor`` and ``chunk`` instead (it needs that chunk's new ``scale``) and carries no lanes.
+DATA is always padded with zero lanes to the layout's lane width (the XDP program then runs fixed-trip
+loops the verifier accepts in linear time); ``count`` says how many lanes matter. ``lanes_for_mtu`` gives
+the lane width an MTU holds: 44 + 357*4 bytes of UDP payload plus 28 bytes of IPv4/UDP headers fit a 1500-byte MTU.
 
 ``token`` authenticates a datagram when the job has a secret (``netstorm/lan/tokens.py``): a keyed value per
 (sender, worker, iteration) that the receiver compares with the one it derived or installed, zero when
@@ -39,8 +40,10 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 4
-"""4: RESULT may carry narrow integer or bitmap lanes (``precision``), and the REPORT and FAILED kinds; 3:
+VERSION: Final = 5
+"""5: a NACK lists the chunks it asks for as u32 sequence numbers in its lanes (a RESCALE NACK still names one
+chunk in its header and carries no lanes); 4: RESULT may carry narrow integer or bitmap lanes (``precision``),
+and the REPORT and FAILED kinds; 3:
 ``precision`` and ``wscale`` joined the header, and slots became a pool (2 added the ``token``)."""
 HEADER_BYTES: Final = 44
 MAX_LANES: Final = 1024
@@ -111,7 +114,9 @@ class Kind(enum.IntEnum):
     AGG = 2
     """gateway data plane -> gateway agent: the completed fixed-point sum of a slot."""
     NACK = 3
-    """agent -> worker: resend (iteration, tensor, chunk); with RESCALE, re-quantise at ``scale`` first."""
+    """agent -> worker: resend the chunks its u32 lanes list (sequence numbers, one datagram per worker for
+    every chunk the agent found it missing from in one wake-up); with RESCALE and no lanes, re-quantise
+    (iteration, tensor, chunk) at ``scale`` first and resend it."""
     RESULT = 4
     """agent -> worker: the result of the WAN step for one chunk (float32 lanes, or a compressed round's
     exact integers or bitmap, named by ``precision``)."""
@@ -199,6 +204,8 @@ class Flag(enum.IntFlag):
     worker's own HELLO address)."""
 
 
+LANED_KINDS: Final = frozenset({Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY, Kind.NACK})
+"""Kinds whose payload is lanes (ACK, QUERY and NACK: u32 sequence numbers)."""
 _KINDS: Final = {int(k): k for k in Kind}
 _PRECISIONS: Final = {int(p): p for p in Precision}
 _ALLOWED: Final = {Kind.DATA: frozenset(DATA_PRECISIONS), Kind.RESULT: frozenset(RESULT_PRECISIONS)}
@@ -262,7 +269,10 @@ class Header:
         if precision is None or (precision != Precision.FIXED32 and precision not in _ALLOWED.get(kind, ())):
             raise WireError(f"{kind.name} datagram with precision code {precision_code}")
         payload = len(data) - HEADER_BYTES
-        if kind in (Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY):
+        if kind == Kind.NACK and flags & Flag.RESCALE and (count or payload):
+            raise WireError(f"RESCALE NACK with {count} lanes and {payload} unexpected payload bytes: it names "
+                            f"one chunk in its header")
+        if kind in LANED_KINDS:
             # lanes may be padded (with zeros) up to the layout's lane width; count says how many matter
             width = precision.lane_bytes
             if payload % width or not width * count <= payload <= width * MAX_LANES:

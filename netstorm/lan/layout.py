@@ -114,6 +114,12 @@ class EdgeLayout:
         tensor = int(np.searchsorted(self.first_slot, seq, side="right") - 1)
         return tensor, seq - self.first_slot[tensor]
 
+    def locate_many(self, seqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(tensors, chunks) of sequence numbers already known to be in range, as int64 arrays."""
+        seqs = np.asarray(seqs, np.int64)
+        tensors = np.searchsorted(np.asarray(self.first_slot, np.int64), seqs, side="right") - 1
+        return tensors, seqs - np.asarray(self.first_slot, np.int64)[tensors]
+
     def bounds(self, tensor: int, chunk: int) -> tuple[int, int]:
         """Element range [start, stop) of a chunk within its tensor."""
         start = chunk * self.lanes

@@ -215,11 +215,23 @@ def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
 
 def ack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, per_packet: int = 256) -> list[bytes]:
     """ACK datagrams listing completed chunks' sequence numbers (u32 lanes), ``per_packet`` at most each."""
+    return listing_packets(Kind.ACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet)
+
+
+def nack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, per_packet: int = 256) -> list[bytes]:
+    """NACK datagrams asking one worker to resend the chunks ``seqs`` lists (u32 lanes), ``per_packet`` at
+    most each: one datagram for every chunk the agent found that worker missing from, not one per chunk."""
+    return listing_packets(Kind.NACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet)
+
+
+def listing_packets(kind: Kind, seqs: np.ndarray, *, job: int, iteration: int, token: int = 0,
+                    per_packet: int = 256) -> list[bytes]:
+    """Datagrams of ``kind`` (ACK, QUERY or NACK) listing chunk sequence numbers as u32 lanes."""
     out = []
     seqs = np.asarray(seqs, "<u4")
     for start in range(0, len(seqs), per_packet):
         part = seqs[start: start + per_packet]
-        rows = header_rows(1, kind=Kind.ACK, job=job, worker=0, iteration=iteration, token=token)
+        rows = header_rows(1, kind=kind, job=job, worker=0, iteration=iteration, token=token)
         rows["count"] = len(part)
         rows["need"] = NEED_NONE
         out.append(rows.tobytes() + part.tobytes())
@@ -235,7 +247,7 @@ def with_token(rows: np.ndarray, token: int) -> np.ndarray:
 
 def control_packet(kind: Kind, *, job: int, worker: int, iteration: int = 0, tensor: int = 0, chunk: int = 0,
                    slot: int = 0, scale: int = 0, flags: Flag = Flag.NONE, token: int = 0) -> bytes:
-    """A lane-less datagram: HELLO, NACK or PULL."""
+    """A lane-less datagram: HELLO, PULL, FAILED, or a RESCALE NACK."""
     rows = header_rows(1, kind=kind, job=job, worker=worker, iteration=iteration, token=token)
     rows["tensor"], rows["chunk"], rows["slot"], rows["scale"], rows["flags"] = tensor, chunk, slot, scale, int(flags)
     rows["need"] = NEED_NONE

@@ -69,6 +69,8 @@ from netstorm.lan.tokens import LanTokens, Sender
 Address = tuple[str, int]
 GroupOpener = Callable[[Address, str], socket.socket]
 """Opens the socket that receives a multicast group (address, port) on the interface with a local address."""
+RUN_ROWS = 8
+"""Consecutive rows a send must average before they go out as slices of the model's rows instead of one copy."""
 QUERY_CHUNKS = 256
 """Chunk numbers one QUERY datagram asks about."""
 STALL_CHUNKS = 8
@@ -178,7 +180,8 @@ class EdgeSender:
         """Tail probes: the iteration's last outstanding chunk asked about (or resent) when its ACK did not come
         within the tail's probe timeout (``_pto``)."""
         self.batch = udp.BatchSender(sock, gso=gso)
-        self._queued: list[bytes] = []
+        self._queued: list[np.ndarray] = []
+        """Datagram rows (of ``keep``) NACKs asked for, sent together by ``_flush``."""
         self._early: list[bytes] = []
         """Datagrams that arrived while waiting for the HELLO answer."""
         self.gro = gro
@@ -427,9 +430,15 @@ class EdgeSender:
             index = np.sort(np.concatenate([index, twice]))
         if not index.size:
             return
-        whole = index.size == rows.shape[0] and bool((index == np.arange(index.size)).all())
-        block = rows if whole else rows[index]
-        await self.batch.send(block, self.send_to)
+        # consecutive rows go out as slices of ``rows`` (views): a window's range, or what a lost datagram
+        # splits it into, costs no copy of the rows kept (a copy of every row was most of a worker's Python
+        # time under loss); rows scattered more finely than RUN_ROWS a run on average are copied once
+        breaks = np.flatnonzero(np.diff(index) != 1) + 1
+        if breaks.size and index.size < RUN_ROWS * (breaks.size + 1):
+            await self.batch.send(rows[index], self.send_to)
+            return
+        for start, stop in zip([0, *breaks.tolist()], [*breaks.tolist(), index.size], strict=True):
+            await self.batch.send(rows[int(index[start]): int(index[stop - 1]) + 1], self.send_to)
 
     async def _resend(self, iteration: int, rows: np.ndarray, late: np.ndarray, flight: _Flight, now: float) -> None:
         """Resend every chunk unacknowledged past the timeout, and ask the gateway which of them completed
@@ -610,7 +619,10 @@ class EdgeSender:
             same = self._back.layout == self.layout
             self._take_acks(np.flatnonzero(ok & (kind == Kind.ACK)), flight, also=results if same else None)
         if keep.size:
-            for row in np.flatnonzero(ok & (kind == Kind.NACK)):
+            nacks = ok & (kind == Kind.NACK)
+            rescale = nacks & ((heads["flags"] & int(Flag.RESCALE)) != 0)
+            self._on_nacks(np.flatnonzero(nacks & ~rescale), keep, flight)
+            for row in np.flatnonzero(rescale):
                 self._on_nack(Header.decode(batch.datagram(int(row))), iteration, keep, values, flight)
 
     def _take_results(self, rows: np.ndarray, out: np.ndarray, missing: np.ndarray) -> np.ndarray:
@@ -675,9 +687,34 @@ class EdgeSender:
                             np.asarray(layout.sizes, np.int64))
         return self._arrays[1], self._arrays[2], self._arrays[3]
 
+    def _on_nacks(self, rows: np.ndarray, keep: np.ndarray, flight: _Flight | None) -> None:
+        """Resend every chunk the NACK ``rows`` list (u32 sequence numbers), all at once: a number past the
+        layout is ignored, one listed twice (or by several NACKs) is resent once, and, as for a single NACK,
+        a chunk acknowledged already or resent within the last round trip is not resent (every asker's QUERY
+        brings this worker a NACK for the same loss)."""
+        if not rows.size:
+            return
+        counts = self._batch.headers()["count"][rows].astype(np.int64)
+        width = int(counts.max())
+        if not width:
+            return
+        listed = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
+        index = np.unique(listed[listed < keep.shape[0]])
+        if flight is not None:
+            now = time.monotonic()
+            index = index[index < flight.next]   # was sent at all
+            index = index[~flight.acked[index] & (now - flight.resent_at[index] >= max(self.retransmit, self._rtt))]
+        if not index.size:
+            return
+        self.retransmitted += int(index.size)
+        self.resent_by_nack += int(index.size)
+        self._queued.append(keep[index])
+        if flight is not None:
+            flight.resent(index, time.monotonic())
+
     def _on_nack(self, head: Header, iteration: int, keep: np.ndarray, values: list[np.ndarray],
                  flight: _Flight | None) -> None:
-        """Resend the named chunk (re-quantised first when the NACK asks for a smaller scale)."""
+        """Resend the chunk a RESCALE NACK names, re-quantised first when it asks for a smaller scale."""
         try:
             index = self.layout.seq(head.tensor, head.chunk)
         except WireError:
@@ -696,17 +733,21 @@ class EdgeSender:
         if flight is None or flight.was_sent(index):
             self.retransmitted += 1
             self.resent_by_nack += 1
-            self._queued.append(keep[index].tobytes())
+            self._queued.append(keep[index: index + 1].copy())
             if flight is not None:
                 flight.resent(np.array([index]), time.monotonic())
 
     async def _flush(self) -> None:
+        """Send the chunks NACKs asked for since the last flush: one segmented send (UDP GSO) for all of
+        them, as a first send goes."""
         queued, self._queued = self._queued, []
-        if self._muted:
-            self.dropped += len(queued)
+        if not queued:
             return
-        for datagram in queued:
-            await udp.sendto(self.sock, datagram, self.send_to)
+        rows = np.concatenate(queued) if len(queued) > 1 else queued[0]
+        if self._muted:
+            self.dropped += len(rows)
+            return
+        await self.batch.send(rows, self.send_to)
 
     async def _pull(self, iteration: int, missing: np.ndarray) -> None:
         """Retransmit queued answers, then ask for up to PULL_CHUNKS result chunks that never arrived (one
