@@ -76,6 +76,10 @@ queue), so a completed chunk means every worker's earlier chunks arrived or were
 completed together may reach the agent out of order, but the slot read decides (a slot that did complete
 has no missing worker, and nobody is NACKed)."""
 QUERY_LIMIT = 256
+CLUSTER_NACK_HOLD = 0.02
+"""Least time between two NACKs of one chunk to one cluster aggregator (the hold is also at least the workers'
+``retransmit``): the gap rule, the slot timers and every member's QUERY may name the same chunk, and the
+aggregator answers each by NACKing its missing members, who resend at most once per round trip anyway."""
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
@@ -121,6 +125,8 @@ class IterationSums:
         """One past the highest chunk completed."""
         self.gap_checked = 0
         """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
+        self.cluster_nacked = np.full(self.layout.num_chunks, -np.inf)
+        """When each chunk was last NACKed to a cluster aggregator (``EdgeAgent._nack_clusters``)."""
         self.first_at = float("inf")
         self.done_at = float("inf")
         """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
@@ -292,7 +298,10 @@ class EdgeAgent:
         self.retransmit = retransmit
         self.query_nacks = query_nacks
         self.query_nacks_sent = 0
-        """NACKs to a worker missing from a slot, in answer to a QUERY or from the agent's own gap rule."""
+        """NACKs to an unclustered worker missing from a slot, in answer to a QUERY or from the agent's own gap
+        rule."""
+        self.cluster_nacks_sent = 0
+        """NACKs to a cluster aggregator's service for a chunk its aggregate is missing from (any cause)."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -775,37 +784,59 @@ class EdgeAgent:
 
     def _missing_nacks(self, sums: IterationSums, asker: int | None,
                        seqs: np.ndarray) -> list[tuple[int, bytes]]:
-        """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot (read
-        from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot that
-        holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing cluster
-        aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits once its
-        members' DATA is complete, so a member resends), and nobody else."""
+        """NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the unclustered workers its
+        slot (read from the aggregator: the kernel's map, or the fallback's slots) has no contribution from.
+        A missing cluster aggregator is NACKed as a unit, once per chunk and hold (``_nack_clusters``): it
+        reads its own slot's contributor bitmap and NACKs exactly the members missing from it (or has its
+        completed slot re-emitted), which the gateway cannot tell apart. A slot that holds no part of the chunk
+        names the asker (its cluster's aggregator for a member); below a completed chunk (``asker`` None, the
+        gap rule) a slot holding an older key or nothing names every contributor, since every one's datagram
+        was lost (a newer key means the chunk completed and its aggregate is on its way: nobody)."""
         layout = sums.layout
         states = self._aggregator.slot_states(seqs % layout.num_slots)
         clusters = self.topology.clusters
         asker_head = None if asker is None else self.topology.aggregator_of(asker)
         actions: list[tuple[int, bytes]] = []
+        heads: list[tuple[int, int, bytes]] = []
         for seq, state in zip(seqs.tolist(), states, strict=True):
             tensor, chunk = layout.locate(seq)
-            here = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"])) == \
-                (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
-            if not here:
-                missing, scale = ([] if asker is None else [asker]), layout.scales[tensor]
-            else:
+            key = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"]))
+            here = key == (sums.iteration & 0xFFFFFFFF, tensor, chunk) and int(state["bitmap"])
+            if here:
                 left, scale = self.expected & ~int(state["bitmap"]), int(state["scale"])
-                missing = []
-                for w in range(self.workers):
-                    if not left >> w & 1:
-                        continue
-                    if w not in clusters:
-                        missing.append(w)
-                    elif asker is not None and asker_head == w:
-                        missing.append(asker)
+            elif asker is not None:
+                left, scale = 1 << (asker if asker_head is None else asker_head), layout.scales[tensor]
+            elif not int(state["bitmap"]) or _older(key, (sums.iteration, tensor, chunk)):
+                left, scale = self.expected, layout.scales[tensor]
+            else:
+                left, scale = 0, layout.scales[tensor]
             nack = control_packet(Kind.NACK, job=self.job, worker=0, iteration=sums.iteration, tensor=tensor,
                                   chunk=chunk, slot=seq % layout.num_slots, scale=scale)
-            actions.extend((w, nack) for w in missing)
+            for w in range(self.workers):
+                if left >> w & 1:
+                    if w in clusters:
+                        heads.append((w, seq, nack))
+                    else:
+                        actions.append((w, nack))
         self.query_nacks_sent += len(actions)
+        self._nack_clusters(sums, heads)
         return actions
+
+    def _nack_clusters(self, sums: IterationSums, nacks: list[tuple[int, int, bytes]]) -> None:
+        """Send each (aggregator, chunk sequence number, NACK) to that cluster aggregator's service (not its
+        worker's own trainer), at most once per chunk per hold: the aggregator NACKs its own missing
+        members from its slot's bitmap. A cluster whose service has not said HELLO is skipped (the slot
+        timers repeat)."""
+        now = time.monotonic()
+        hold = max(self.retransmit, CLUSTER_NACK_HOLD)
+        for head, seq, nack in nacks:
+            address = self._aggregators.get(head)
+            if address is None or now - sums.cluster_nacked[seq] < hold:
+                continue
+            sums.cluster_nacked[seq] = now
+            self.cluster_nacks_sent += 1
+            if not self._control(self._stamp(nack, head), address):
+                log.warning("edge gateway: send queue full, NACK to the aggregator of cluster %d dropped", head)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -824,10 +855,19 @@ class EdgeAgent:
                           first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
+        """The slot timers' reports: unclustered missing workers are NACKed, a missing cluster aggregator's
+        service is asked to NACK its own missing members (``_nack_clusters``)."""
+        clusters = self.topology.clusters
         for event in events:
             if event.job != self.job or not self._accepts(event.iteration):
                 continue
-            self._emit(self._sums(event.iteration).on_event(event))
+            sums = self._sums(event.iteration)
+            actions = sums.on_event(event)
+            if clusters and actions:
+                seq = sums.layout.seq(event.tensor, event.chunk)
+                self._nack_clusters(sums, [(w, seq, nack) for w, nack in actions if w in clusters])
+                actions = [(w, nack) for w, nack in actions if w not in clusters]
+            self._emit(actions)
 
     def _on_ring(self) -> None:
         assert self.xdp is not None
@@ -1058,6 +1098,13 @@ class EdgeAgent:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
+
+
+def _older(key: tuple[int, int, int], than: tuple[int, int, int]) -> bool:
+    """Whether a slot's (iteration, tensor, chunk) ``key`` is older than ``than`` (iterations compared modulo
+    2**32, as the aggregation program does)."""
+    age = ((than[0] - key[0] + 2**31) & 0xFFFFFFFF) - 2**31
+    return age > 0 or (age == 0 and key[1:] < than[1:])
 
 
 def _trimmed(rows: np.ndarray, precision: Precision) -> tuple[np.ndarray, np.ndarray]:
