@@ -78,8 +78,9 @@ has no missing worker, and nobody is NACKed)."""
 QUERY_LIMIT = 256
 CLUSTER_NACK_HOLD = 0.02
 """Least time between two NACKs of one chunk to one cluster aggregator (the hold is also at least the workers'
-``retransmit``): the gap rule, the slot timers and every member's QUERY may name the same chunk, and the
-aggregator answers each by NACKing its missing members, who resend at most once per round trip anyway."""
+``retransmit`` and the slot timers' period): the gap rule, the slot timers and every member's QUERY may name
+the same chunk, and the aggregator answers each by NACKing its missing members, who resend at most once per
+round trip anyway; on a shaped LAN a NACK per chunk and QUERY filled the gateway's control queue."""
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
@@ -828,7 +829,7 @@ class EdgeAgent:
         members from its slot's bitmap. A cluster whose service has not said HELLO is skipped (the slot
         timers repeat)."""
         now = time.monotonic()
-        hold = max(self.retransmit, CLUSTER_NACK_HOLD)
+        hold = max(self.retransmit, self.slot_timeout, CLUSTER_NACK_HOLD)
         for head, seq, nack in nacks:
             address = self._aggregators.get(head)
             if address is None or now - sums.cluster_nacked[seq] < hold:

@@ -117,6 +117,7 @@ class ClusterAggregator:
         self.nacks_out = 0
         """NACKs this service sent its members (a re-emission asked of its own trainer included)."""
         self.forged = 0
+        self._final: dict[str, int] = {}
         self._asked: dict[int, tuple[int, int, int]] = {}
         """Slot -> the (iteration, tensor, chunk) the gateway asked about, looked at after a reorder window (at
         most one per slot, so the gateway's NACKs cannot grow it past the pool)."""
@@ -177,7 +178,9 @@ class ClusterAggregator:
         own = {"cluster_nacks_in": self.nacks_in, "cluster_nacks_out": self.nacks_out, "cluster_forged": self.forged}
         if self.xdp is not None:
             return {**self.xdp.stats(), **own}
-        return {**self.fallback.counters, **own} if self.fallback is not None else own
+        if self.fallback is not None:
+            return {**self.fallback.counters, **own}
+        return {**self._final, **own}
 
     def _install(self, base: int) -> None:
         """Tokens of every member and of this worker for iterations base .. base + TOKEN_WINDOW - 1."""
@@ -338,6 +341,7 @@ class ClusterAggregator:
         self._stop.set()
         self._hello.close()
         if self.xdp is not None:
+            self._final = self.xdp.stats()      # the program's counters outlive it
             self.xdp.close()
             self.xdp = None
 
