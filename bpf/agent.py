@@ -64,6 +64,7 @@ from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import (
     ack_packets,
     chunk_result_packets,
+    cluster_nack_packet,
     control_packet,
     nack_packets,
     result_packets,
@@ -83,6 +84,11 @@ queue), so a completed chunk means every worker's earlier chunks arrived or were
 completed together may reach the agent out of order, but the slot read decides (a slot that did complete
 has no missing worker, and nobody is NACKed)."""
 QUERY_LIMIT = 256
+CLUSTER_NACK_HOLD = 0.02
+"""Least time between two NACKs of one chunk to one cluster aggregator (the hold is also at least the workers'
+``retransmit`` and the slot timers' period): the gap rule, the slot timers and every member's QUERY may name
+the same chunk, and the aggregator answers each by NACKing its missing members, who resend at most once per
+round trip anyway; on a shaped LAN a NACK per chunk and QUERY filled the gateway's control queue."""
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
@@ -131,6 +137,8 @@ class IterationSums:
         """One past the highest chunk completed."""
         self.gap_checked = 0
         """Chunks below this were looked at for a gap once (``EdgeAgent._nack_gaps``)."""
+        self.cluster_nacked = np.full(self.layout.num_chunks, -np.inf)
+        """When each chunk was last NACKed to a cluster aggregator (``EdgeAgent._nack_clusters``)."""
         self.first_at = float("inf")
         self.done_at = float("inf")
         """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
@@ -319,12 +327,14 @@ class EdgeAgent:
         self.retransmit = retransmit
         self.query_nacks = query_nacks
         self.query_nacks_sent = 0
-        """(worker, chunk) pairs NACKed because the worker was missing from a slot, in answer to a QUERY or
+        """(worker, chunk) pairs NACKed to unclustered workers missing from a slot, in answer to a QUERY or
         from the agent's own gap rule."""
         self.nack_datagrams = 0
         """NACK datagrams those went out in (one per worker and wake-up, up to 256 chunks each)."""
         self._nacks: dict[tuple[int, int], list[np.ndarray]] = {}
         """Chunks to NACK per (iteration, worker), gathered over one wake-up (``_flush_nacks``)."""
+        self.cluster_nacks_sent = 0
+        """NACKs to a cluster aggregator's service for a chunk its aggregate is missing from (any cause)."""
         self.expected = self.topology.gateway_mask()
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
@@ -816,37 +826,45 @@ class EdgeAgent:
                 self._missing_nacks(sums, None, seqs[:QUERY_LIMIT])
 
     def _missing_nacks(self, sums: IterationSums, asker: int | None, seqs: np.ndarray) -> None:
-        """Queue NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the workers its slot
-        (read from the aggregator: the kernel's map, or the fallback's slots) has no contribution from. A slot
-        that holds no part of the chunk yet names only ``asker``, who suspects its own datagram; a missing
-        cluster aggregator names ``asker`` if it is one of that cluster's members (the aggregator re-emits
-        once its members' DATA is complete, so a member resends), and nobody else. One pass over every chunk
-        at once: a (chunk, worker) matrix of who is missing, whose columns are the workers' lists
-        (``_flush_nacks`` sends each as one datagram)."""
+        """Queue NACKs for the incomplete chunks ``seqs`` of ``sums``' iteration, each to the unclustered
+        workers its slot (read from the aggregator: the kernel's map, or the fallback's slots) has no
+        contribution from. A missing cluster aggregator is NACKed as a unit, once per chunk and hold
+        (``_nack_clusters``): it reads its own slot's contributor bitmap and NACKs exactly the members missing
+        from it (or has its completed slot re-emitted), which the gateway cannot tell apart. A slot that
+        holds no part of the chunk names the asker (its cluster's aggregator for a member); below a completed
+        chunk (``asker`` None, the gap rule) a slot holding an older key or nothing names every contributor,
+        since every one's datagram was lost (a newer key means the chunk completed and its aggregate is on its
+        way: nobody). One pass over every chunk at once: a (chunk, worker) matrix of who is missing, whose
+        columns are the workers' lists (``_flush_nacks`` sends each as one datagram)."""
         if not seqs.size:
             return
         layout = sums.layout
         states = self._aggregator.slot_states(seqs % layout.num_slots)
         tensors, chunks = layout.locate_many(seqs)
+        bitmap = states["bitmap"].astype(np.uint64)
         here = (states["iteration"].astype(np.int64) == (sums.iteration & 0xFFFFFFFF)) & \
             (states["tensor"].astype(np.int64) == tensors) & (states["chunk"].astype(np.int64) == chunks) & \
-            (states["bitmap"] != 0)
-        left = np.uint64(self.expected) & ~states["bitmap"].astype(np.uint64)
-        bits = ((left[:, None] >> np.arange(self.workers, dtype=np.uint64)[None, :]) & np.uint64(1)).astype(bool)
-        bits &= here[:, None]
-        heads = [w for w in self.topology.clusters if w < self.workers]
-        asker_head = None if asker is None else self.topology.aggregator_of(asker)
-        head_missing = bits[:, asker_head].copy() if asker_head is not None and asker_head < self.workers else None
-        if heads:
-            bits[:, heads] = False      # a cluster aggregator is never NACKed: its members resend
+            (bitmap != 0)
+        expected = np.uint64(self.expected)
         if asker is not None:
-            # nothing of the chunk here, or the asker's own cluster aggregator is missing: the asker resends
-            bits[:, asker] |= ~here
-            if head_missing is not None:
-                bits[:, asker] |= head_missing
+            asker_head = self.topology.aggregator_of(asker)
+            elsewhere = np.full(seqs.size, np.uint64(1 << (asker if asker_head is None else asker_head)))
+        else:
+            lost = np.array([not int(b) or _older((int(st["iteration"]), int(st["tensor"]), int(st["chunk"])),
+                                                 (sums.iteration, t, c))
+                             for st, b, t, c in zip(states, bitmap.tolist(), tensors.tolist(), chunks.tolist(),
+                                                    strict=True)], bool)
+            elsewhere = np.where(lost, expected, np.uint64(0))
+        left = np.where(here, expected & ~bitmap, elsewhere)
+        bits = ((left[:, None] >> np.arange(self.workers, dtype=np.uint64)[None, :]) & np.uint64(1)).astype(bool)
+        heads = [w for w in self.topology.clusters if w < self.workers]
+        clustered = [(w, int(seq)) for w in heads for seq in seqs[bits[:, w]].tolist()]
+        if heads:
+            bits[:, heads] = False      # their services NACK their own members
         self.query_nacks_sent += int(bits.sum())
         for worker in np.flatnonzero(bits.any(axis=0)).tolist():
             self._nacks.setdefault((sums.iteration, worker), []).append(seqs[bits[:, worker]])
+        self._nack_clusters(sums, clustered)
 
     def _flush_nacks(self) -> None:
         """Send the NACKs gathered while handling a batch of datagrams (or slot reports): one datagram per
@@ -862,6 +880,23 @@ class EdgeAgent:
                 self.nack_datagrams += 1
                 if not self._control(self._stamp(datagram, worker), address):
                     log.warning("edge gateway: send queue full, NACK to worker %d dropped (it asks again)", worker)
+
+    def _nack_clusters(self, sums: IterationSums, nacks: list[tuple[int, int]]) -> None:
+        """NACK each (aggregator, chunk sequence number) to that cluster aggregator's service (not its worker's
+        own trainer), at most once per chunk per hold (``cluster_nack_packet``: the chunk's slot fields and its
+        number): the aggregator NACKs its own missing members from its slot's bitmap. A cluster whose service
+        has not said HELLO is skipped (the slot timers repeat)."""
+        now = time.monotonic()
+        hold = max(self.retransmit, self.slot_timeout, CLUSTER_NACK_HOLD)
+        for head, seq in nacks:
+            address = self._aggregators.get(head)
+            if address is None or now - sums.cluster_nacked[seq] < hold:
+                continue
+            sums.cluster_nacked[seq] = now
+            nack = cluster_nack_packet(sums.layout, seq, job=self.job, iteration=sums.iteration)
+            self.cluster_nacks_sent += 1
+            if not self._control(self._stamp(nack, head), address):
+                log.warning("edge gateway: send queue full, NACK to the aggregator of cluster %d dropped", head)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
         """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
@@ -880,10 +915,19 @@ class EdgeAgent:
                           first_iteration=self._base, gia_threshold=self.gia_threshold)
 
     def _on_events(self, events: list[SlotEvent]) -> None:
+        """The slot timers' reports: unclustered missing workers are NACKed, a missing cluster aggregator's
+        service is asked to NACK its own missing members (``_nack_clusters``)."""
+        clusters = self.topology.clusters
         for event in events:
             if event.job != self.job or not self._accepts(event.iteration):
                 continue
-            self._emit(self._sums(event.iteration).on_event(event))
+            sums = self._sums(event.iteration)
+            actions = sums.on_event(event)
+            if clusters and actions:
+                seq = sums.layout.seq(event.tensor, event.chunk)
+                self._nack_clusters(sums, [(w, seq) for w, _ in actions if w in clusters])
+                actions = [(w, nack) for w, nack in actions if w not in clusters]
+            self._emit(actions)
         if self._nacks:
             self._flush_nacks()
 
@@ -1118,6 +1162,13 @@ class EdgeAgent:
             delay = self.slot_timeout if deadline is None else max(0.0, deadline - time.monotonic())
             await asyncio.sleep(min(delay, self.slot_timeout))
             self._on_events(self.fallback.expire(time.monotonic()))
+
+
+def _older(key: tuple[int, int, int], than: tuple[int, int, int]) -> bool:
+    """Whether a slot's (iteration, tensor, chunk) ``key`` is older than ``than`` (iterations compared modulo
+    2**32, as the aggregation program does)."""
+    age = ((than[0] - key[0] + 2**31) & 0xFFFFFFFF) - 2**31
+    return age > 0 or (age == 0 and key[1:] < than[1:])
 
 
 def _trimmed(rows: np.ndarray, precision: Precision) -> tuple[np.ndarray, np.ndarray]:

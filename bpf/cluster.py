@@ -13,6 +13,16 @@ the fallback aggregates behind a UDP socket and sends the forwarded DATA itself.
 Tokens: members' DATA must carry their tokens, checked here as at the gateway; the forwarded DATA carries
 this worker's own token. Both are installed per iteration for a window that starts at the deployment's
 ``first_iteration`` and moves with the iterations the gateway's multicast ACKs and results name.
+
+Loss below this level: the gateway sees only that this cluster's aggregate of a chunk is missing, not whose
+datagram the cluster lacks. So it NACKs this service (not its members) for the chunk, and the service reads
+its own slot (the kernel's slot map in XDP mode, one locked lookup; the fallback's slot otherwise) and NACKs
+exactly the members missing from its contributor bitmap, stamped with the gateway's token for each (a worker
+takes a NACK only with it). The slot is read a reorder window after the NACK (``REORDER_MIN``), since the
+gateway may ask while members' datagrams are still on their way. A completed slot means the forwarded
+aggregate was lost on its way up: this worker's own trainer is NACKed, and its duplicate makes the program
+re-emit the aggregate. Members' addresses are those of their HELLOs, which every member sends here before
+its first window.
 """
 
 from __future__ import annotations
@@ -23,20 +33,28 @@ import logging
 import socket
 from pathlib import Path
 
+import numpy as np
+
 from bpf.fallback import UserspaceAggregator
 from bpf.outbox import Outbox
 from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, WireError
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Kind
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Flag, Header, Kind
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import nack_packets
 from netstorm.lan.sender import EdgeSender, GroupOpener
-from netstorm.lan.tokens import LanTokens
+from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger("netstorm.edge.cluster")
 Address = tuple[str, int]
 _ITERATION_AT = OFFSETS["iteration"]
+REORDER_MIN = 0.002
+"""Least wait between the gateway's NACK for a chunk and reading the chunk's slot here (the wait is at least the
+members' ``retransmit``): the gateway may ask while members' datagrams are still on their way (aggregates
+reach it from two paths, and a member's GSO batches may be reordered before this host's program), and a
+member NACKed for a datagram that then arrives resends a duplicate."""
 
 
 def _mac_of(interface: str) -> bytes:
@@ -85,12 +103,24 @@ class ClusterAggregator:
         self._hello = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], 0), job=job,
                                  secret=secret, group_opener=group_opener, gro=False)
         self._installed = -1
+        self._last_from: Address = ("", 0)
         self._scale = 0
         self._stop = asyncio.Event()
         self.outbox = Outbox(batch=1)
         """Aggregates forwarded to the gateway (userspace mode), sent by one writer: a full send buffer (this
         worker's shaped uplink) holds them back instead of dropping them (bpf/writer.py)."""
         self.writer = SocketWriter(sock, self.outbox, who=f"edge aggregator {worker}")
+        self.members: dict[int, Address] = {}
+        """Where each member (and this worker's own trainer) sends from: the address of its HELLO here."""
+        self.nacks_in = 0
+        """The gateway's NACKs for a chunk this cluster's aggregate is missing from."""
+        self.nacks_out = 0
+        """NACKs this service sent its members (a re-emission asked of its own trainer included)."""
+        self.forged = 0
+        self._final: dict[str, int] = {}
+        self._asked: dict[int, tuple[int, int, int]] = {}
+        """Slot -> the (iteration, tensor, chunk) the gateway asked about, looked at after a reorder window (at
+        most one per slot, so the gateway's NACKs cannot grow it past the pool)."""
 
     async def start(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
         """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program."""
@@ -144,9 +174,13 @@ class ClusterAggregator:
         return self.xdp.kernel_map_bytes() if self.xdp is not None else 0
 
     def stats(self) -> dict[str, int]:
+        """The aggregation's counters (the program's, or the fallback's) and this service's NACKs."""
+        own = {"cluster_nacks_in": self.nacks_in, "cluster_nacks_out": self.nacks_out, "cluster_forged": self.forged}
         if self.xdp is not None:
-            return self.xdp.stats()
-        return dict(self.fallback.counters) if self.fallback is not None else {}
+            return {**self.xdp.stats(), **own}
+        if self.fallback is not None:
+            return {**self.fallback.counters, **own}
+        return {**self._final, **own}
 
     def _install(self, base: int) -> None:
         """Tokens of every member and of this worker for iterations base .. base + TOKEN_WINDOW - 1."""
@@ -188,10 +222,22 @@ class ClusterAggregator:
             view = memoryview(buf)
             for _ in range(256):
                 try:
-                    n = self.sock.recv_into(buf)
+                    n, self._last_from = self.sock.recvfrom_into(buf)
                 except BlockingIOError:
                     return
-                if n < HEADER_BYTES or buf[KIND_AT] != Kind.DATA:
+                if n < HEADER_BYTES:
+                    continue
+                if buf[KIND_AT] in (Kind.HELLO, Kind.NACK):
+                    try:
+                        head = Header.decode(view[:n])
+                        # a gateway's NACK lists its chunk's sequence number, passed on to the members
+                        listed = int.from_bytes(view[HEADER_BYTES: HEADER_BYTES + 4], "little") \
+                            if head.kind == Kind.NACK and head.count else None
+                        self._on_control(head, self._last_from, listed)
+                    except WireError as exc:
+                        log.warning("edge aggregator: rejected datagram: %s", exc)
+                    continue
+                if buf[KIND_AT] != Kind.DATA:
                     continue
                 out: bytes | None = None
                 try:
@@ -226,6 +272,68 @@ class ClusterAggregator:
                 if fd >= 0:
                     loop.remove_reader(fd)
 
+    def _on_control(self, head: Header, address: Address, seq: int | None = None) -> None:
+        """A member's HELLO (its address) or the gateway's NACK for a chunk this cluster's aggregate is missing
+        from (NACK the members its slot lacks)."""
+        deployment = self.deployment
+        if deployment is None or head.job != self.job:
+            return
+        if head.kind == Kind.HELLO:
+            if self.tokens.enabled and not self.tokens.valid(Sender.WORKER, head.worker, head.iteration, head.token,
+                                                             keep=False):
+                self.forged += 1
+                return
+            if head.worker == self.worker or head.worker in deployment.members:
+                self.members[head.worker] = (address[0], address[1])
+            return
+        if address[0] != self.gateway[0] or head.flags & Flag.RESCALE or seq is None:
+            return      # a RESCALE goes to every worker from the gateway itself; a NACK lists its chunk
+        if self.tokens.enabled and head.token != self.tokens.gateway(self.worker, head.iteration):
+            self.forged += 1
+            return
+        self.nacks_in += 1
+        key = (head.iteration, head.tensor, head.chunk)
+        if self._asked.get(head.slot) == key:
+            return      # already due for a look
+        self._asked[head.slot] = key
+        window = max(self.deployment.retransmit, REORDER_MIN) if self.deployment is not None else REORDER_MIN
+        asyncio.get_running_loop().call_later(window, self._nack_members, head, seq)
+
+    def _nack_members(self, head: Header, seq: int) -> None:
+        """A reorder window after the gateway's NACK for ``head``'s chunk: NACK whoever the slot still lacks."""
+        if self._asked.get(head.slot) != (head.iteration, head.tensor, head.chunk):
+            return
+        del self._asked[head.slot]
+        for worker in self.missing(head):
+            where = self.members.get(worker)
+            if where is None:
+                continue
+            token = self.tokens.gateway(worker, head.iteration) if self.tokens.enabled else 0
+            nack, = nack_packets(np.array([seq]), job=self.job, iteration=head.iteration, token=token)
+            self.nacks_out += 1
+            self.outbox.control(nack, where)
+        self.writer.wake.set()
+
+    def missing(self, head: Header) -> list[int]:
+        """Who should resend the chunk ``head`` names: the members its slot here lacks; every member when the
+        slot holds an older key or nothing (every datagram was lost); this worker's own trainer when the slot
+        completed (its duplicate re-emits the aggregate); nobody when a newer key took the slot over."""
+        target = self.xdp if self.xdp is not None else self.fallback
+        if target is None or self.deployment is None:
+            return []
+        state = target.slot_states(np.array([head.slot], np.int64))[0]
+        cluster = (self.worker, *self.deployment.members)
+        key = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"]))
+        bitmap = int(state["bitmap"])
+        age = ((head.iteration - key[0] + 2**31) & 0xFFFFFFFF) - 2**31
+        if key == (head.iteration & 0xFFFFFFFF, head.tensor, head.chunk) and bitmap:
+            if not int(state["busy"]):
+                return [self.worker]
+            return [w for w in cluster if not bitmap >> w & 1]
+        if not bitmap or age > 0 or (age == 0 and key[1:] < (head.tensor, head.chunk)):
+            return list(cluster)
+        return []
+
     def follow(self, iteration: int) -> None:
         """Install tokens from ``iteration`` on (for a harness that knows the iterations)."""
         self._install(iteration)
@@ -234,6 +342,7 @@ class ClusterAggregator:
         self._stop.set()
         self._hello.close()
         if self.xdp is not None:
+            self._final = self.xdp.stats()      # the program's counters outlive it
             self.xdp.close()
             self.xdp = None
 

@@ -7,6 +7,12 @@ from /sys, which shows the namespace of the process that mounted it: so it runs 
 started with ``ip netns exec`` (which mounts /sys for the namespace), as a LAN worker's host would run it.
 It says HELLO to the gateway as the cluster's aggregator, loads and attaches its program (or the
 userspace fallback), prints one JSON line ``{"ready": ...}`` and serves until its stdin closes.
+
+Its program attaches to the LAN interface in generic mode by default (``--attach``): on a veth, a native
+program's XDP_TX frames (the forwarded aggregates) are dropped unless the bridge-side peer runs NAPI, so in
+native mode nearly every aggregate a member's datagram completed was lost and came back only as a
+re-emission (on lan-runtime-3 DC 1 at 100 k elements: 1,674 re-emissions for 1,686 completed slots).
+A physical NIC has no such peer.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ async def serve(args: argparse.Namespace, secret: bytes | None) -> int:
     sock.bind((args.address, int(port)))
     sock.setblocking(False)
     agg = ClusterAggregator(sock, (host, int(port)), worker=args.worker, job=args.job, interface=args.interface,
-                            mode=args.mode, secret=secret)
+                            mode=args.mode, secret=secret, attach=args.attach)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     try:
@@ -59,6 +65,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--interface", default="eth0")
     parser.add_argument("--secret-file", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--attach", choices=("auto", "native", "generic"), default="generic",
+                        help="XDP mode on the LAN interface (generic: a veth drops a native program's XDP_TX frames "
+                             "unless its peer runs NAPI)")
     args = parser.parse_args(argv)
     return asyncio.run(serve(args, Path(args.secret_file).read_bytes() if args.secret_file else None))
 

@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interface", required=True, metavar="IFACE", help="the LAN-facing interface")
     parser.add_argument("--mode", choices=("xdp", "userspace"), default="xdp", help="aggregate in XDP or userspace")
     parser.add_argument("--job", type=int, default=1, help="the job id on the LAN (default 1)")
+    parser.add_argument("--attach", choices=("auto", "native", "generic"), default="auto",
+                        help="XDP mode on IFACE (auto: native where the driver has it; generic on a veth, which "
+                             "drops a native program's XDP_TX frames unless its peer runs NAPI)")
     config_mod.add_arguments(parser)
 
 
@@ -38,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
     config = config_mod.from_args(args)
     gateway = parse_address(args.gateway, "--gateway")
     return asyncio.run(serve(gateway, args.worker, args.listen, args.interface, args.mode, args.job,
-                             edge_secret(config)))
+                             edge_secret(config), attach=args.attach))
 
 
 async def serve(gateway: tuple[str, int], worker: int, listen: str, interface: str, mode: str, job: int,
-                secret: bytes | None) -> int:
+                secret: bytes | None, *, attach: str = "auto") -> int:
     from bpf.cluster import ClusterAggregator
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -51,7 +54,7 @@ async def serve(gateway: tuple[str, int], worker: int, listen: str, interface: s
     sock.bind((listen, gateway[1]))
     sock.setblocking(False)
     cluster = ClusterAggregator(sock, gateway, worker=worker, job=job, interface=interface, mode=mode,
-                                secret=secret)
+                                secret=secret, attach=attach)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, cluster.close)

@@ -510,7 +510,9 @@ class SystemRun:
                 self._spawn(f"lan-aggregator-{dc}-{worker}", (dc, worker), self._python(
                     "-m", "netstorm.cli", "-v", "lan-aggregator", "--gateway", f"{lan.gateway_address}:{EDGE_PORT}",
                     "--worker", str(worker), "--listen", lan.worker_addresses[worker],
-                    "--interface", lan.worker_ifaces[worker], "--mode", mode, *self.opts.config_flags))
+                    "--interface", lan.worker_ifaces[worker], "--mode", mode,
+                    "--attach", "generic",      # a veth: see netstorm lan-aggregator --attach
+                    *self.opts.config_flags))
 
     def _secret_flags(self) -> list[str]:
         """``--secret-file`` as the scheduler and nodes got it, for the trainers (LAN workers' tokens)."""

@@ -224,6 +224,17 @@ def nack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, 
     return listing_packets(Kind.NACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet)
 
 
+def cluster_nack_packet(layout: EdgeLayout, seq: int, *, job: int, iteration: int, token: int = 0) -> bytes:
+    """The gateway's NACK to a cluster aggregator's service for chunk ``seq``: the chunk's tensor, chunk and
+    slot in the header (the service reads that slot's contributor bitmap) and ``seq`` as its one listed lane
+    (what the service lists in its own NACKs to the members that slot lacks)."""
+    tensor, chunk = layout.locate(seq)
+    rows = header_rows(1, kind=Kind.NACK, job=job, worker=0, iteration=iteration, token=token)
+    rows["tensor"], rows["chunk"], rows["slot"] = tensor, chunk, seq % layout.num_slots
+    rows["scale"], rows["count"], rows["need"] = layout.scales[tensor], 1, NEED_NONE
+    return rows.tobytes() + np.array([seq], "<u4").tobytes()
+
+
 def listing_packets(kind: Kind, seqs: np.ndarray, *, job: int, iteration: int, token: int = 0,
                     per_packet: int = 256) -> list[bytes]:
     """Datagrams of ``kind`` (ACK, QUERY or NACK) listing chunk sequence numbers as u32 lanes."""

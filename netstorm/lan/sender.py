@@ -274,6 +274,12 @@ class EdgeSender:
         self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes), lanes=deployment.lanes,
                                  pool=deployment.pool)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
+        if self.send_to != self.gateway:
+            # a cluster aggregator: its program runs in generic mode on the loopback device (this host's own
+            # trainer) and may on its LAN interface, and a generic program never sees a UDP GSO batch that
+            # arrives whole (lo and a veth whose peer runs no native program segment nothing): the batch is
+            # lost. One datagram per send keeps every one in the program's path.
+            self.batch.gso = False
         self.retransmit = deployment.retransmit
         self.query_nacks = deployment.query_nacks
         if deployment.group is not None and self.group_sock is None:

@@ -1,0 +1,146 @@
+"""Loss below a cluster aggregator (two-level LAN, ALEPH) in network namespaces, on both aggregation paths:
+a member's run of DATA datagrams is lost on its way to its aggregator, in the middle of an iteration (the
+gateway sees the gap once later chunks complete) or at its end (nothing completes after it: the workers'
+tail probe asks). The gateway sees only that the cluster's aggregate is missing, so it NACKs the cluster's
+aggregator service, which reads its own slot's contributor bitmap and NACKs exactly the member it lacks:
+that member resends each lost chunk once and nobody else resends anything (the gateway used to NACK every
+member that asked, whose copies the aggregator drops as duplicates, and its gap rule named nobody). The
+sums stay exact; the slot timers are set beyond the run and the workers' stall rule does not fire."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netstorm.lan.deploy import LanTopology
+from netstorm.lan.layout import EdgeLayout
+
+pytestmark = [pytest.mark.root, pytest.mark.slow]
+
+LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
+"""90 chunks."""
+JOB = 14
+PORT = 9470
+GROUP = ("239.77.0.14", 9471)
+WORKERS = 5
+HEAD, LOSER = 1, 2
+TOPOLOGY = LanTopology(WORKERS, {HEAD: (2, 3)})
+"""Worker 1 aggregates itself and workers 2 and 3; workers 0 and 4 send to the gateway."""
+MIDDLE = frozenset(range(20, 50))
+TAIL = frozenset(range(60, 90))
+_iterations = itertools.count(500, 10)
+ATTACH = "generic"
+"""How the aggregator's program attaches to its LAN interface (the loopback device is always generic)."""
+
+
+@pytest.fixture(scope="module")
+def xdp_program() -> Iterator[Any]:
+    from bpf.xdp import XdpAggregator
+
+    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=10.0)
+    yield agg
+    agg.close()
+
+
+@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def mode(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any]:
+    """One iteration in which member LOSER's first transmissions of the chunks ``lost`` are dropped."""
+    from bpf.agent import EdgeAgent
+    from bpf.cluster import ClusterAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    secret = b"c" * 32
+    rng = np.random.default_rng(7)
+    contribs = [[rng.standard_normal(s).astype(np.float32) for s in LAYOUT.sizes] for _ in range(WORKERS)]
+    with Lan(WORKERS) as lan:
+        if xdp is not None:
+            xdp.configure(job=JOB, port=PORT, expected=TOPOLOGY.gateway_mask(), timeout=10.0, max_nacks=20)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        cluster = None
+        try:
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), LAYOUT, workers=WORKERS, job=JOB,
+                              mode=mode, xdp=xdp, slot_timeout=10.0, group=GROUP, retransmit=0.3,
+                              topology=TOPOLOGY, secret=secret)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=LAYOUT,
+                                job=JOB, secret=secret, group_opener=lan.group_opener(ns))
+                     for i, ns in enumerate(lan.workers)]
+            nodes[LOSER].drop = lost
+            iteration = next(_iterations)
+            agent.expect(iteration)
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    ns = lan.workers[HEAD]
+                    cluster = ClusterAggregator(lan.udp_socket(ns, lan.worker_ip(HEAD), PORT), (GATEWAY_IP, PORT),
+                                                worker=HEAD, job=JOB, interface="eth0", mode=mode, secret=secret,
+                                                group_opener=lan.group_opener(ns), attach=ATTACH)
+                    await cluster.hello(timeout=10)
+                    await asyncio.to_thread(run_in, ns, cluster.load)
+                    tg.create_task(cluster.run())
+                    await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+                    await agent.wait_workers(timeout=10)
+                    cluster.follow(iteration)
+                    pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=30)) for n in nodes]
+                    sums = await agent.collect(iteration, timeout=25)
+                    await agent.send_results(iteration, sums, total=WORKERS)
+                    results = [await task for task in pushes]
+                finally:
+                    agent.close()
+                    stats = cluster.stats() if cluster is not None else {}
+                    if cluster is not None:
+                        cluster.close()
+                    await serving
+            return {"sums": sums, "results": results, "contribs": contribs, "cluster": stats,
+                    "cluster_nacks": agent.cluster_nacks_sent, "query_nacks": agent.query_nacks_sent,
+                    "dropped": [n.dropped for n in nodes], "resent": [n.retransmitted for n in nodes],
+                    "resent_by_nack": [n.resent_by_nack for n in nodes], "stalls": [n.stall_resends for n in nodes]}
+        finally:
+            for node in nodes if "nodes" in locals() else []:
+                node.close()
+            if xdp is not None:
+                xdp.detach()
+                xdp.require_tokens(0)
+
+
+def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
+    out = []
+    for t in range(len(LAYOUT.sizes)):
+        scale = LAYOUT.scales[t]
+        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
+        out.append((total.astype(np.float64) * 2.0**-scale).astype(np.float32))
+    return out
+
+
+@pytest.mark.parametrize("lost", [MIDDLE, TAIL], ids=["middle-found-by-gateway", "tail-found-by-probe"])
+def test_a_members_lost_run_is_resent_by_that_member_only(mode: str, lost: frozenset[int],
+                                                          request: pytest.FixtureRequest) -> None:
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(lost_below(mode, xdp, lost))
+    want = exact(out["contribs"])
+    for got, ref in zip(out["sums"], want, strict=True):
+        assert np.array_equal(got, ref)
+    for result, total in out["results"]:
+        assert total == WORKERS
+        for got, ref in zip(result, want, strict=True):
+            assert np.array_equal(got, ref)
+    assert out["dropped"] == [len(lost) if w == LOSER else 0 for w in range(WORKERS)]
+    # the gateway asked the cluster's aggregator, which named the loser alone: each lost chunk resent once, on
+    # a NACK, and no other worker resent anything
+    assert out["resent"] == [len(lost) if w == LOSER else 0 for w in range(WORKERS)]
+    assert out["resent_by_nack"] == out["resent"]
+    assert out["stalls"] == [0] * WORKERS
+    assert out["query_nacks"] == 0        # no unclustered worker lost anything
+    assert out["cluster_nacks"] >= 1 and out["cluster"]["cluster_nacks_out"] >= len(lost)
+    assert out["cluster"]["cluster_forged"] == 0
