@@ -207,7 +207,9 @@ def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from
         worker = address[1] - 5000
         assert head.kind == Kind.NACK and head.token == tokens.gateway(worker, iteration)
         got.setdefault(worker, []).extend(np.frombuffer(datagram, "<u4", head.count, HEADER_BYTES).tolist())
-    want = {w: [int(s) for s in asked if bitmaps[int(s)] and not bitmaps[int(s)] >> w & 1] for w in range(4)}
+    # the gap rule: a worker missing from a slot's bitmap; a slot with nothing in it names every worker (every
+    # datagram of a chunk below a completed one was lost)
+    want = {w: [int(s) for s in asked if not bitmaps[int(s)] >> w & 1] for w in range(4)}
     assert got == {w: s for w, s in want.items() if s}
     assert agent.nack_datagrams == len(sent) == len(got)   # 24 chunks a worker fit one datagram
     # a slot holding another chunk names only the asker, who suspects its own datagram
@@ -370,8 +372,9 @@ def test_sums_stay_exact_under_one_percent_loss_with_listed_nacks(mode: str, req
 
 def test_the_matrix_names_whom_the_per_chunk_rule_names_with_clusters() -> None:
     """Against the rule chunk by chunk (brute force): a missing unclustered worker is NACKed, a missing
-    cluster aggregator names the asker if it is one of its members, a slot holding another chunk names only
-    the asker; with random bitmaps, askers and stale slots."""
+    cluster aggregator is left to its service, a slot holding another chunk names only the asker (or its
+    aggregator), and for the gap rule a slot with nothing of the chunk names everyone while a newer key names
+    nobody; with random bitmaps, askers and newer slots."""
     from netstorm.lan.deploy import LanTopology
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -411,17 +414,16 @@ def test_the_matrix_names_whom_the_per_chunk_rule_names_with_clusters() -> None:
             for seq in seqs.tolist():
                 state = kernel.states[seq % LAYOUT.num_slots]
                 here = int(state["iteration"]) == 1 and int(state["bitmap"]) != 0
-                named = set()
-                if not here:
-                    named = set() if asker is None else {asker}
-                else:
+                if here:
                     left = agent.expected & ~int(state["bitmap"])
-                    for w in range(6):
-                        if left >> w & 1:
-                            if w not in topology.clusters:
-                                named.add(w)
-                            elif asker is not None and head == w:
-                                named.add(asker)
+                elif asker is not None:   # the asker, or its cluster's aggregator, suspects its own datagram
+                    left = 1 << (asker if head is None else head)
+                elif int(state["bitmap"]) == 0:   # nothing of a chunk below a completed one: all were lost
+                    left = agent.expected
+                else:   # a newer key took the slot (and holds some of it): the chunk completed
+                    left = 0
+                # a cluster aggregator is NACKed as a unit, at its service (not listed here)
+                named = {w for w in range(6) if left >> w & 1 and w not in topology.clusters}
                 for w in named:
                     want.setdefault(w, []).append(seq)
             agent._nacks = {}
