@@ -40,7 +40,8 @@ LIGHT_MODULES = (
 )
 
 PLANNING_MODULES = ("allot", "auxpath", "baselines", "fapt", "limit", "offload", "packing", "plan", "predict",
-                    "rategraph", "rootpacking", "lanmodel", "aleph", "pahina", "eina", "milp", "dcplan", "dcreport")
+                    "rategraph", "rootpacking", "lanmodel", "lanwire", "aleph", "pahina", "eina", "milp", "dcplan",
+                    "dcreport")
 
 
 def heavy_modules_loaded_by(module: str) -> list[str]:
