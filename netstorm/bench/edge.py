@@ -212,14 +212,22 @@ def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
     return [(gbit, gbit)] * args.workers if gbit else None
 
 
+
+
+
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """One LAN path (``xdp`` or ``userspace``) on a fresh namespace LAN, with the run's LAN options."""
     import tempfile
 
     from bpf.agent import EdgeAgent
     from bpf.xdp import XdpAggregator
-    from netstorm.bench.edge_inputs import contribution, reference
-    from netstorm.bench.edge_levels import Aggregators, Workers, mixed_reference, parse_precisions, topology
+    from netstorm.bench.edge_levels import (
+        Aggregators,
+        Workers,
+        expected_sums,
+        parse_precisions,
+        topology,
+    )
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
     from netstorm.lan.header import lanes_for_mtu
@@ -233,12 +241,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     workers = args.workers
     precisions = parse_precisions(args.precision, workers)
     topo = getattr(args, "topology", None) or topology(workers, args.levels, args.aggregators)
-    if all(p == "fp32" for p in precisions):
-        expected = [reference(SEED, k, workers, args.elements, args.scale) for k in range(args.iterations)]
-    else:
-        expected = [mixed_reference([contribution(SEED, k, w, args.elements, args.scale, workers)
-                                     for w in range(workers)], precisions, lanes, args.scale)
-                    for k in range(args.iterations)]
+    expected = expected_sums(args, SEED, precisions, lanes)
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     group = _address(cfg.edge_group) if cfg.edge_group else None
     xdp = None

@@ -10,6 +10,7 @@ quantised at the layout's scale, which is what both aggregation paths must retur
 
 from __future__ import annotations
 
+import argparse
 import json
 import select
 import subprocess
@@ -117,8 +118,9 @@ class Aggregators:
                 line = _readline(proc, time.monotonic() + 30.0, f"aggregator {w}", self.log_dir)
                 self.final[w] = json.loads(line)
                 proc.wait(timeout=30)
-            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired):
-                pass
+            except (OSError, RuntimeError, TimeoutError, ValueError, subprocess.TimeoutExpired) as exc:
+                # no last line: the run's result says why instead of losing the aggregator's counters silently
+                self.final[w] = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
                 if proc.poll() is None:
                     proc.kill()
@@ -206,3 +208,15 @@ class Workers:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+def expected_sums(args: argparse.Namespace, seed: int, precisions: list[str], lanes: int) -> list[np.ndarray]:
+    """Each measured iteration's exact sum, from the same quantised inputs the workers send (``--elements``,
+    ``--scale``, ``--iterations``, ``--workers``): what every path's result must equal."""
+    from netstorm.bench.edge_inputs import contribution, reference
+
+    workers = args.workers
+    if all(p == "fp32" for p in precisions):
+        return [reference(seed, k, workers, args.elements, args.scale) for k in range(args.iterations)]
+    return [mixed_reference([contribution(seed, k, w, args.elements, args.scale, workers) for w in range(workers)],
+                            precisions, lanes, args.scale)
+            for k in range(args.iterations)]

@@ -27,8 +27,7 @@ def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mt
                  rates: list[tuple[float, float]] | None, timeout: float) -> dict[str, Any]:
     """The path on a fresh LAN; ``timeout`` bounds each iteration (``edge.deadline_s``)."""
     from bpf.tcpagent import TcpEdgeAgent
-    from netstorm.bench.edge_inputs import contribution, reference
-    from netstorm.bench.edge_levels import Workers, mixed_reference, parse_precisions
+    from netstorm.bench.edge_levels import Workers, expected_sums, parse_precisions
     from netstorm.emulation import lossfilter
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
     from netstorm.emulation.netns import run_in
@@ -39,12 +38,7 @@ def run_tcp_path(args: argparse.Namespace, *, seed: int, job: int, port: int, mt
     layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes)
     workers = args.workers
     precisions = parse_precisions(args.precision, workers)
-    if all(p == "fp32" for p in precisions):
-        expected = [reference(seed, k, workers, args.elements, args.scale) for k in range(args.iterations)]
-    else:
-        expected = [mixed_reference([contribution(seed, k, w, args.elements, args.scale, workers)
-                                     for w in range(workers)], precisions, lanes, args.scale)
-                    for k in range(args.iterations)]
+    expected = expected_sums(args, seed, precisions, lanes)
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     with (Lan(workers, mtu=mtu, rates=rates, uplink=getattr(args, "lan_uplink", "veth"),
               gateway_gbit=getattr(args, "gateway_gbit", None)) as lan,

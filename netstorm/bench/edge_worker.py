@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -54,19 +55,11 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
                       seed=7, secret=secret, precision=wire_precision(precisions[args.worker]), gso=not args.no_gso,
                       gro=not args.no_gro)
     await node.hello(timeout=args.timeout)
-    print("ready", flush=True)
-    loop = asyncio.get_running_loop()
-    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+    timed = await _timed(node, args, inputs)
+    if timed is None:
         return 2
-    results = []
-    cpu0, t0 = _cpu_seconds(), time.monotonic()
-    for k in range(args.iterations):
-        sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
-        results.append(sums[0])
-    t1, cpu1 = time.monotonic(), _cpu_seconds()
-    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
-                      "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
-                      "retransmitted": node.retransmitted, "resent_by_nack": node.resent_by_nack,
+    results, times = timed
+    print(json.dumps({**times, "retransmitted": node.retransmitted, "resent_by_nack": node.resent_by_nack,
                       "stall_resends": node.stall_resends, "tail_probes": node.tail_probes,
                       "ack_rtt": node.ack_rtt, "queries": node.queries,
                       "receive_rounds": node.rounds,
@@ -78,21 +71,31 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
     return 0
 
 
-def _exact(args: argparse.Namespace, results: list[np.ndarray]) -> bool:
-    from netstorm.bench.edge_inputs import contribution, reference
-    from netstorm.bench.edge_levels import mixed_reference
+async def _timed(node: Any, args: argparse.Namespace,
+                 inputs: list[np.ndarray]) -> tuple[list[np.ndarray], dict[str, float]] | None:
+    """Say ready, wait for the harness's "go" (None: it said something else), then run the measured
+    iterations on ``node`` (either path's worker): each iteration's sum, and the window's wall and CPU
+    times, which both paths report alike."""
+    print("ready", flush=True)
+    loop = asyncio.get_running_loop()
+    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+        return None
+    results = []
+    cpu0, t0 = _cpu_seconds(), time.monotonic()
+    for k in range(args.iterations):
+        sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
+        results.append(sums[0])
+    t1, cpu1 = time.monotonic(), _cpu_seconds()
+    return results, {"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
+                     "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1]}
 
-    precisions = args.precisions.split(",")
-    exact = True
-    for k, got in enumerate(results):
-        if all(p == "fp32" for p in precisions):
-            want = reference(args.seed, k, args.workers, args.elements, args.scale)
-        else:
-            parts = [contribution(args.seed, k, w, args.elements, args.scale, args.workers)
-                     for w in range(args.workers)]
-            want = mixed_reference(parts, precisions, args.lanes, args.scale)
-        exact &= bool(np.array_equal(got, want))
-    return exact
+
+def _exact(args: argparse.Namespace, results: list[np.ndarray]) -> bool:
+    """Whether every iteration's sum equals the exact reference of the inputs every worker sent."""
+    from netstorm.bench.edge_levels import expected_sums
+
+    want = expected_sums(args, args.seed, args.precisions.split(","), args.lanes)
+    return all(np.array_equal(got, ref) for got, ref in zip(results, want, strict=True))
 
 
 async def work_tcp(args: argparse.Namespace, secret: bytes | None, inputs: list[np.ndarray]) -> int:
@@ -110,19 +113,11 @@ async def work_tcp(args: argparse.Namespace, secret: bytes | None, inputs: list[
     node = TcpEdgeWorker((host, int(port)), worker=args.worker, sizes=[args.elements], job=args.job, secret=secret,
                          precision=wire_precision(args.precisions.split(",")[args.worker]), socket_factory=bound)
     await node.hello(timeout=args.timeout)
-    print("ready", flush=True)
-    loop = asyncio.get_running_loop()
-    if (await loop.run_in_executor(None, sys.stdin.readline)).strip() != "go":
+    timed = await _timed(node, args, inputs)
+    if timed is None:
         return 2
-    results = []
-    cpu0, t0 = _cpu_seconds(), time.monotonic()
-    for k in range(args.iterations):
-        sums, _total = await node.push_pull(args.first + k, [inputs[k]], timeout=args.timeout)
-        results.append(sums[0])   # a fresh array per iteration
-    t1, cpu1 = time.monotonic(), _cpu_seconds()
-    print(json.dumps({"worker": args.worker, "t0": t0, "t1": t1, "cpu": sum(cpu1) - sum(cpu0),
-                      "cpu_user": cpu1[0] - cpu0[0], "cpu_system": cpu1[1] - cpu0[1],
-                      "sender_calls": node.frames_sent}), flush=True)
+    results, times = timed
+    print(json.dumps({**times, "sender_calls": node.frames_sent}), flush=True)
     print(json.dumps({"worker": args.worker, "exact": _exact(args, results)}), flush=True)
     node.close()
     return 0

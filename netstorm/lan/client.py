@@ -181,7 +181,7 @@ class AsyncEdgeClient:
                     self.transport = "udp"
                     return probe, reply
                 except EdgeTimeout:
-                    pass
+                    pass   # neither transport answered yet: both are tried again until the deadline
             elif loop.time() < deadline:
                 await asyncio.sleep(min(PROBE_S, deadline - loop.time()))
             if loop.time() >= deadline:
