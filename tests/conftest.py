@@ -31,3 +31,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             import torch  # noqa: F401
         except ImportError as exc:
             require(False, f"needs PyTorch: {exc}")
+
+
+@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
+def mode(request: pytest.FixtureRequest) -> str:
+    """The LAN aggregation path a test runs on: the userspace fallback, and the XDP program (needs bcc)."""
+    return str(request.param)

@@ -242,10 +242,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 async def run_lan(mode: str, xdp: Any, *, iterations: int, drop: frozenset[int] = frozenset(),
                   loss: float = 0.0) -> dict[str, Any]:

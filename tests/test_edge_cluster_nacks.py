@@ -47,10 +47,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any]:
     """One iteration in which member LOSER's first transmissions of the chunks ``lost`` are dropped."""

@@ -65,10 +65,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def flat(tensors: dict[str, np.ndarray], names: list[str]) -> list[np.ndarray]:
     return [np.asarray(tensors[n]).reshape(-1).astype(np.int64 if np.asarray(tensors[n]).dtype.kind in "iu"

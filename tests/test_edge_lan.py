@@ -35,10 +35,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def quantised(values: np.ndarray, scale: int) -> np.ndarray:
     return np.rint(values.astype(np.float64) * 2.0**scale).astype(np.int64)

@@ -48,10 +48,6 @@ def gateway_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def reference(contribs: list[list[np.ndarray]], precisions: list[Precision]) -> list[np.ndarray]:
     """Exact LAN sums computed as the aggregators do: each worker's values rounded to its precision, as int64

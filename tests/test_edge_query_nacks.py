@@ -42,10 +42,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 async def one_loss(mode: str, xdp: Any, *, query_nacks: bool, lost: int) -> dict[str, Any]:
     """One iteration of WORKERS workers where worker LOSER's chunk ``lost`` is lost once; the slot timers are

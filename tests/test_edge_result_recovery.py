@@ -44,10 +44,6 @@ def gateway_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def reference(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
     """The exact sums: int64 fixed point at the common scale (the values stay far from int32's range)."""

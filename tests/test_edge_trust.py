@@ -41,10 +41,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def contributions(seed: int) -> list[list[np.ndarray]]:
     rng = np.random.default_rng(seed)

@@ -48,10 +48,6 @@ def xdp_program() -> Iterator[Any]:
     agg.close()
 
 
-@pytest.fixture(params=["userspace", pytest.param("xdp", marks=pytest.mark.bcc)])
-def mode(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
 
 def reference(contribs: list[np.ndarray]) -> np.ndarray:
     total = np.sum([np.rint(c.astype(np.float64) * 2.0**16).astype(np.int64) for c in contribs], axis=0)
