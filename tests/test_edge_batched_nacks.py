@@ -152,23 +152,27 @@ def test_rows_sent_under_loss_are_the_kept_ones_in_order_without_copies(sender: 
             assert all(np.shares_memory(part, keep) for part in sent)
 
 
+class Kernel:
+    """The agent's view of an XDP aggregator: tokens, and the slot map a NACK reads (one per test)."""
+
+    def __init__(self) -> None:
+        self.states = np.zeros(LAYOUT.num_slots, slot_dtype(56))
+
+    def require_tokens(self, token: int) -> None:
+        pass
+
+    def install_tokens(self, tokens: object) -> None:
+        pass
+
+    def slot_states(self, indices: np.ndarray) -> np.ndarray:
+        return self.states[np.asarray(indices, np.int64)]
+
+
 @pytest.fixture
 def agent() -> Iterator[EdgeAgent]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
-
-    class Kernel:   # the agent's view of an XDP aggregator: tokens, and the slot map a NACK reads
-        states = np.zeros(LAYOUT.num_slots, slot_dtype(56))
-
-        def require_tokens(self, token: int) -> None:
-            pass
-
-        def install_tokens(self, tokens: object) -> None:
-            pass
-
-        def slot_states(self, indices: np.ndarray) -> np.ndarray:
-            return self.states[np.asarray(indices, np.int64)]
 
     try:
         yield EdgeAgent(sock, LAYOUT, workers=4, job=JOB, mode="xdp", xdp=Kernel(), secret=SECRET)  # type: ignore[arg-type]
@@ -376,18 +380,6 @@ def test_the_matrix_names_whom_the_per_chunk_rule_names_with_clusters() -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.bind(("127.0.0.1", 0))
     sock.setblocking(False)
-
-    class Kernel:
-        states = np.zeros(LAYOUT.num_slots, slot_dtype(56))
-
-        def require_tokens(self, token: int) -> None:
-            pass
-
-        def install_tokens(self, tokens: object) -> None:
-            pass
-
-        def slot_states(self, indices: np.ndarray) -> np.ndarray:
-            return self.states[np.asarray(indices, np.int64)]
 
     topology = LanTopology(workers=6, clusters={0: (1, 2)})
     kernel = Kernel()
