@@ -6,6 +6,7 @@ its rows."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -376,6 +377,46 @@ def test_coalesced_datagrams_are_cut_back_into_rows() -> None:
         assert [batch.datagram(i) for i in range(batch.count)] == [*sent, b"single"]
         assert batch.coalesced == 1
         assert batch.address(0) == batch.address(batch.count - 1) == tx.getsockname()
+    finally:
+        rx.close()
+        tx.close()
+
+
+@pytest.mark.parametrize("gso,mmsg", [(False, True), (False, False), (True, True)],
+                         ids=["sendmmsg", "sendto-fallback", "gso"])
+def test_rows_leave_as_separate_datagrams_a_window_per_call_or_as_gso_batches(
+        gso: bool, mmsg: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Towards a cluster aggregator (``gso`` off) every row leaves as its own datagram, SEND_BATCH per
+    ``sendmmsg`` (one ``sendto`` each only without it): the receiver, with UDP_GRO on, gets each alone, in
+    order, where a GSO send reaches it whole (the batch a generic-mode XDP program never sees)."""
+    from netstorm.lan.sender import receive_buffer
+
+    if not mmsg:
+        monkeypatch.setattr(udp, "_SENDMMSG", None)
+    assert udp._SENDMMSG is not None or not mmsg, "libc has no sendmmsg"
+    rows = np.random.default_rng(3).integers(0, 256, (udp.SEND_BATCH + 44, 64), dtype=np.uint8)
+    rx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        receive_buffer(rx, 8 << 20)
+        rx.bind(("127.0.0.1", 0))
+        rx.setblocking(False)
+        assert udp.enable_gro(rx), "UDP_GRO (Linux 5.0) is refused"
+        tx.bind(("127.0.0.1", 0))
+        tx.setblocking(False)
+        sender = udp.BatchSender(tx, gso=gso)
+        asyncio.run(sender.send(rows[::-1][::-1], rx.getsockname()))   # a view, as a window's rows are
+        batch = DatagramBatch(1024)
+        deadline = time.monotonic() + 10
+        while batch.count < len(rows) and time.monotonic() < deadline:
+            udp.receive_batch(rx, batch, gro=True)
+        assert [batch.datagram(i) for i in range(batch.count)] == [bytes(r) for r in rows]
+        assert sender.datagrams == len(rows)
+        if gso:
+            assert batch.coalesced > 0 and sender.calls == -(-len(rows) // udp.GSO_SEGMENTS)
+        else:
+            assert batch.coalesced == 0
+            assert sender.calls == (2 if mmsg else len(rows))
     finally:
         rx.close()
         tx.close()

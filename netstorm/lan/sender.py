@@ -24,7 +24,8 @@ window after the chunk sent before it was acknowledged, or a measured tail round
 backstops. Without ``query_nacks``, each round resends at once, in one batch with a QUERY for those chunks.
 Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a NACK for a chunk this worker
 resent within the last timeout (several workers asked about it) is ignored.
-Datagrams go out in batches (``udp.BatchSender``: UDP GSO, 64 datagrams per system call).
+Datagrams go out in batches (``udp.BatchSender``): UDP GSO, 64 datagrams per system call, to the gateway;
+to a cluster aggregator separate datagrams, up to 256 per ``sendmmsg``.
 
 An iteration the gateway's node failed ends here with ``IterationAborted`` as soon as the gateway's FAILED
 datagram for it arrives (multicast when it fails, or the answer to a PULL or QUERY), not at the timeout.
@@ -278,7 +279,8 @@ class EdgeSender:
             # a cluster aggregator: its program runs in generic mode on the loopback device (this host's own
             # trainer) and may on its LAN interface, and a generic program never sees a UDP GSO batch that
             # arrives whole (lo and a veth whose peer runs no native program segment nothing): the batch is
-            # lost. One datagram per send keeps every one in the program's path.
+            # lost. Separate datagrams keep every one in the program's path: a window of them per sendmmsg
+            # (``udp.BatchSender``), each its own packet, one sendto each only where libc has no sendmmsg.
             self.batch.gso = False
         self.retransmit = deployment.retransmit
         self.query_nacks = deployment.query_nacks

@@ -8,6 +8,7 @@ import ctypes
 import ctypes.util
 import errno
 import socket
+import struct
 import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -89,17 +90,22 @@ def send_segmented(sock: socket.socket, data: memoryview | bytes, size: int, add
 class BatchSender:
     """Sends rows of equal-size datagrams with as few system calls as the kernel allows: UDP GSO (one
     ``sendmsg`` with ``UDP_SEGMENT`` per up to 64 datagrams, cut by the kernel, or by the NIC) where it is
-    available, else one ``sendto`` per datagram. ``calls`` counts system calls, ``datagrams`` what they
-    carried."""
+    available and wanted (``gso``); else ``sendmmsg`` (up to SEND_BATCH separate datagrams per call, each its
+    own packet from the start, which a generic-mode XDP program sees one by one); one ``sendto`` per datagram
+    only where libc has no ``sendmmsg``. ``calls`` counts system calls, ``datagrams`` what they carried."""
 
     def __init__(self, sock: socket.socket, *, gso: bool = True) -> None:
         self.sock = sock
         self.gso = gso and hasattr(socket, "SOL_UDP")
         self.calls = 0
         self.datagrams = 0
+        self._vectors: _SendVectors | None = None
 
     async def send(self, rows: np.ndarray, address: Address) -> None:
         """Send every row of ``rows`` (uint8, one datagram per row) to ``address``."""
+        if not self.gso and _SENDMMSG is not None and self.sock.family == socket.AF_INET:
+            await self._send_separate(np.ascontiguousarray(rows), address)
+            return
         size = int(rows.shape[1])
         data = np.ascontiguousarray(rows).reshape(-1).data.cast("B")
         total = len(data)
@@ -116,19 +122,48 @@ class BatchSender:
             except OSError as exc:
                 if per == 1 or exc.errno not in NO_GSO_ERRNOS:
                     raise
-                self.gso = False    # no segmentation here: one datagram per call from now on
+                self.gso = False    # no segmentation here: separate datagrams from now on
+                if _SENDMMSG is not None and self.sock.family == socket.AF_INET:
+                    await self._send_separate(np.ascontiguousarray(rows[at // size:]), address)
+                    return
                 per, step = 1, size
                 continue
             self.calls += 1
             self.datagrams += len(part) // size
             at += len(part)
 
+    async def _send_separate(self, rows: np.ndarray, address: Address) -> None:
+        """Every row as its own datagram, SEND_BATCH per ``sendmmsg``; a call the full send buffer cut short
+        (or refused) resumes at the first datagram it did not take once the socket is writable again."""
+        send = _SENDMMSG
+        assert send is not None
+        vec = self._vectors
+        if vec is None:
+            vec = self._vectors = _SendVectors()
+        vec.aim(address)
+        count, size = rows.shape
+        base = rows.ctypes.data
+        at = 0
+        while at < count:
+            n = min(SEND_BATCH, count - at)
+            vec.point(base + at * size, size, n)
+            sent = send(self.sock.fileno(), ctypes.addressof(vec.msgs), n, MSG_DONTWAIT)
+            if sent < 0:
+                err = ctypes.get_errno()
+                if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    await writable(self.sock)
+                    continue
+                if err == errno.EINTR:
+                    continue
+                raise OSError(err, f"sendmmsg: {errno.errorcode.get(err, err)}")
+            self.calls += 1
+            self.datagrams += sent
+            at += sent
+
 
 def multicast_from(sock: socket.socket, *, address: str = "0.0.0.0", ifindex: int = 0) -> None:
     """Send ``sock``'s multicast datagrams out of the interface with ``address`` or ``ifindex`` (the LAN),
     one hop only, and not back to this host."""
-    import struct
-
     mreqn = struct.pack("4s4si", socket.inet_aton("0.0.0.0"), socket.inet_aton(address), ifindex)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, mreqn)
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, 1)
@@ -168,6 +203,68 @@ def _recvmmsg() -> Callable[..., int] | None:
 
 
 _RECVMMSG = _recvmmsg()
+
+
+def _sendmmsg() -> Callable[..., int] | None:
+    """libc's ``sendmmsg`` (Linux), or None where there is none (one ``sendto`` per datagram then)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.sendmmsg
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SENDMMSG = _sendmmsg()
+SEND_BATCH = 256
+"""Datagrams one ``sendmmsg`` hands the kernel at most (the kernel's own cap is UIO_MAXIOV, 1024)."""
+
+
+class _SendVectors:
+    """The ``mmsghdr`` and ``iovec`` arrays of a ``sendmmsg``, built once: each message points at its own
+    iovec and at one shared destination address; a send writes only the iovecs' bases and lengths, with
+    numpy, so no Python runs per datagram."""
+
+    def __init__(self) -> None:
+        self.iov = (_Iovec * SEND_BATCH)()
+        self.msgs = (_Mmsghdr * SEND_BATCH)()
+        self.name = ctypes.create_string_buffer(16)
+        self._aimed: Address | None = None
+        raw = memoryview(self.msgs).cast("B")
+        stride = ctypes.sizeof(_Mmsghdr)
+
+        def field(offset: int, dtype: type) -> np.ndarray:
+            return np.ndarray((SEND_BATCH,), dtype, buffer=raw, offset=offset, strides=(stride,))
+
+        head = _Mmsghdr.hdr.offset
+        field(head + _Msghdr.name.offset, np.uint64)[:] = ctypes.addressof(self.name)
+        field(head + _Msghdr.namelen.offset, np.uint32)[:] = 16
+        iov_size = ctypes.sizeof(_Iovec)
+        field(head + _Msghdr.iov.offset, np.uint64)[:] = ctypes.addressof(self.iov) + iov_size * np.arange(
+            SEND_BATCH, dtype=np.uint64)
+        field(head + _Msghdr.iovlen.offset, np.uint64)[:] = 1
+        iov_raw = memoryview(self.iov).cast("B")
+        self.bases = np.ndarray((SEND_BATCH,), np.uint64, buffer=iov_raw, offset=_Iovec.base.offset,
+                                strides=(iov_size,))
+        self.lens = np.ndarray((SEND_BATCH,), np.uint64, buffer=iov_raw, offset=_Iovec.len.offset,
+                               strides=(iov_size,))
+        self._steps = np.arange(SEND_BATCH, dtype=np.uint64)
+
+    def aim(self, address: Address) -> None:
+        """Every message goes to ``address`` (an IPv4 sockaddr_in, rebuilt only when it changes)."""
+        if address != self._aimed:
+            host = socket.inet_aton(socket.gethostbyname(address[0]))
+            self.name.raw = struct.pack("=H", socket.AF_INET) + struct.pack("!H", address[1]) + host + bytes(8)
+            self._aimed = address
+
+    def point(self, base: int, size: int, count: int) -> None:
+        """Messages 0..count-1 carry the ``size``-byte datagrams laid end to end from address ``base``."""
+        self.bases[:count] = np.uint64(base) + self._steps[:count] * np.uint64(size)
+        self.lens[:count] = size
 
 
 class _Vectors:
