@@ -286,9 +286,12 @@ class ClusterAggregator:
             if head.worker == self.worker or head.worker in deployment.members:
                 self.members[head.worker] = (address[0], address[1])
             return
-        if address[0] != self.gateway[0] or head.flags & Flag.RESCALE or seq is None:
+        if head.flags & Flag.RESCALE or seq is None:
             return      # a RESCALE goes to every worker from the gateway itself; a NACK lists its chunk
-        if self.tokens.enabled and head.token != self.tokens.gateway(self.worker, head.iteration):
+        if address[0] != self.gateway[0] or (
+                self.tokens.enabled and head.token != self.tokens.gateway(self.worker, head.iteration)):
+            # from anywhere but the gateway, or without its token for us: accepted, it would make us NACK
+            # members whose slot is empty (every one)
             self.forged += 1
             return
         self.nacks_in += 1

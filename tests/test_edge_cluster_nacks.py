@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from netstorm.lan.deploy import LanTopology
+from netstorm.lan.header import Kind
 from netstorm.lan.layout import EdgeLayout
+from tests.dataplane import until
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -48,8 +50,9 @@ def xdp_program() -> Iterator[Any]:
 
 
 
-async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any]:
-    """One iteration in which member LOSER's first transmissions of the chunks ``lost`` are dropped."""
+async def lost_below(mode: str, xdp: Any, lost: frozenset[int], *, forge: bool = False) -> dict[str, Any]:
+    """One iteration in which member LOSER's first transmissions of the chunks ``lost`` are dropped; with
+    ``forge``, forged datagrams reach the cluster's service and its members first (``forge_below``)."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -88,6 +91,7 @@ async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await agent.wait_workers(timeout=10)
                     cluster.follow(iteration)
+                    forged = await forge_below(lan, cluster, nodes, iteration, secret) if forge else {}
                     pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=30)) for n in nodes]
                     sums = await agent.collect(iteration, timeout=25)
                     await agent.send_results(iteration, sums, total=WORKERS)
@@ -98,7 +102,8 @@ async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any
                     if cluster is not None:
                         cluster.close()
                     await serving
-            return {"sums": sums, "results": results, "contribs": contribs, "cluster": stats,
+            return {"sums": sums, "results": results, "contribs": contribs, "cluster": stats, "forged": forged,
+                    "member_forged": {n.worker: n.forged for n in nodes},
                     "cluster_nacks": agent.cluster_nacks_sent, "query_nacks": agent.query_nacks_sent,
                     "dropped": [n.dropped for n in nodes], "resent": [n.retransmitted for n in nodes],
                     "resent_by_nack": [n.resent_by_nack for n in nodes], "stalls": [n.stall_resends for n in nodes]}
@@ -108,6 +113,57 @@ async def lost_below(mode: str, xdp: Any, lost: frozenset[int]) -> dict[str, Any
             if xdp is not None:
                 xdp.detach()
                 xdp.require_tokens(0)
+
+
+async def forge_below(lan: Any, cluster: Any, nodes: list[Any], iteration: int, secret: bytes) -> dict[Any, int]:
+    """Before the iteration: the gateway's NACK to the cluster's service forged with every wrong token an
+    attacker on the LAN can hold (none, a guess, the group's of the iteration before, the service's own
+    worker token, a member's gateway token) from the gateway's host (whose address the service expects) and,
+    with the right token, from a member's (a replay from elsewhere); QUERY, REPORT and FAILED, kinds the
+    service never takes, to its socket; and NACKs listing every chunk and FAILED with wrong tokens to every
+    member, from the aggregator's host. Waits until the service refused its NACKs; how many datagrams went to
+    the service (key "service") and to each member (by worker)."""
+    from netstorm.emulation.bridge_lan import GATEWAY_IP
+    from netstorm.lan.packets import cluster_nack_packet, control_packet, nack_packets
+    from netstorm.lan.tokens import LanTokens
+    from netstorm.lan.udp import sendto
+
+    tokens = LanTokens(secret, JOB)
+    service = (lan.worker_ip(HEAD), PORT)
+    members = [n for n in nodes if n.worker in TOPOLOGY.clusters[HEAD] or n.worker == HEAD]
+
+    def wrong(worker: int) -> list[int]:
+        other = next(w for w in TOPOLOGY.clusters[HEAD] if w != worker)
+        return [0, 0x5EC12E7, tokens.group(iteration - 1), tokens.worker(worker, iteration),
+                tokens.gateway(other, iteration)]
+
+    nacks = [cluster_nack_packet(LAYOUT, seq, job=JOB, iteration=iteration, token=t)
+             for t in wrong(HEAD) for seq in (0, LAYOUT.num_chunks - 1)]
+    replayed = cluster_nack_packet(LAYOUT, 0, job=JOB, iteration=iteration, token=tokens.gateway(HEAD, iteration))
+    strays = [control_packet(kind, job=JOB, worker=HEAD, iteration=iteration, token=t)
+              for kind in (Kind.QUERY, Kind.REPORT, Kind.FAILED) for t in wrong(HEAD)]
+    sent: dict[Any, int] = {"service": len(nacks) + 1}
+    on_gateway = lan.udp_socket(lan.gateway, GATEWAY_IP)
+    on_member = lan.udp_socket(lan.workers[LOSER], lan.worker_ip(LOSER))
+    on_head = lan.udp_socket(lan.workers[HEAD], lan.worker_ip(HEAD))
+    try:
+        for datagram in [*nacks, *strays]:
+            await sendto(on_gateway, datagram, service)
+        await sendto(on_member, replayed, service)
+        for node in members:
+            down = [datagram for t in wrong(node.worker)
+                    for datagram in (*nack_packets(np.arange(LAYOUT.num_chunks), job=JOB, iteration=iteration,
+                                                   token=t),
+                                     control_packet(Kind.FAILED, job=JOB, worker=node.worker, iteration=iteration,
+                                                    token=t))]
+            for datagram in down:
+                await sendto(on_head, datagram, node.sock.getsockname())
+            sent[node.worker] = len(down)
+        await until(lambda: cluster.forged >= sent["service"], "the service refusing forged NACKs")
+    finally:
+        for sock in (on_gateway, on_member, on_head):
+            sock.close()
+    return sent
 
 
 def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
@@ -140,3 +196,27 @@ def test_a_members_lost_run_is_resent_by_that_member_only(mode: str, lost: froze
     assert out["query_nacks"] == 0        # no unclustered worker lost anything
     assert out["cluster_nacks"] >= 1 and out["cluster"]["cluster_nacks_out"] >= len(lost)
     assert out["cluster"]["cluster_forged"] == 0
+
+
+def test_forged_nacks_and_stray_kinds_below_an_aggregator_change_nothing(mode: str,
+                                                                         request: pytest.FixtureRequest) -> None:
+    """The gateway's NACK to a cluster's service, forged with any wrong token or replayed from another address,
+    is counted and dropped (accepted, it would make the service NACK members whose slot is empty: every
+    one); QUERY, REPORT and FAILED sent to the service change nothing; NACKs and FAILED forged to the
+    members are counted and dropped by each. Nobody resends, the service NACKs nobody, and the sums and
+    results stay exact."""
+    xdp = request.getfixturevalue("xdp_program") if mode == "xdp" else None
+    out = asyncio.run(lost_below(mode, xdp, frozenset(), forge=True))
+    want = exact(out["contribs"])
+    for got, ref in zip(out["sums"], want, strict=True):
+        assert np.array_equal(got, ref)
+    for result, total in out["results"]:
+        assert total == WORKERS
+        for got, ref in zip(result, want, strict=True):
+            assert np.array_equal(got, ref)
+    assert out["cluster"]["cluster_forged"] == out["forged"]["service"]
+    assert out["cluster"]["cluster_nacks_out"] == 0
+    for worker, count in out["forged"].items():
+        if worker != "service":
+            assert out["member_forged"][worker] == count
+    assert out["resent"] == [0] * WORKERS and out["stalls"] == [0] * WORKERS

@@ -3,8 +3,10 @@ workers on a bridge in network namespaces sharing a job secret, and a third part
 A DATA datagram spoofed as worker 1, a forged AGG (from the wire or from a socket on the gateway itself)
 and forged RESULT datagrams change no sum anyone receives; a spoofed or replayed HELLO does not take worker
 1's results away, while worker 1 restarted on a new port is found again. The XDP program's own counter,
-read from its kernel map, sees the spoofed DATA and the AGG from the wire. Forged or stray datagrams
-of every kind leave the gateway's memory flat, with and without a secret."""
+read from its kernel map, sees the spoofed DATA and the AGG from the wire. QUERY, REPORT, NACK and FAILED
+with any wrong token are refused by the gateway and by the workers (those below a cluster aggregator, and
+the aggregator's own service: tests/test_edge_cluster_nacks.py). Forged or stray datagrams of every kind
+leave the gateway's memory flat, with and without a secret."""
 
 from __future__ import annotations
 
@@ -19,10 +21,12 @@ from typing import Any
 import numpy as np
 import pytest
 
+from netstorm.lan.downlink import DownlinkReport, report_packet
 from netstorm.lan.errors import WireError
 from netstorm.lan.header import HEADER_DTYPE, Kind
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import control_packet, data_packets, result_packets
+from netstorm.lan.packets import control_packet, data_packets, header_rows, nack_packets, result_packets
+from netstorm.lan.tokens import LanTokens, Sender
 from tests.dataplane import until
 
 LAYOUT = EdgeLayout.uniform([3000, 7], scale=12, lanes=357)
@@ -225,6 +229,75 @@ def test_a_spoofed_hello_steals_nothing_and_a_restarted_worker_is_found_again(
         await until(lambda: scene.agent.bad_tokens > before, "refusing the replayed HELLO")
         assert scene.agent.addresses[1] == restarted.sock.getsockname()
         await scene.iteration(next(_iterations), seed=4)
+
+    asyncio.run(in_scene(mode, program(mode, request), play))
+
+
+def wrong_tokens(tokens: LanTokens, worker: int, iteration: int, sender: Sender) -> dict[str, int]:
+    """Tokens a datagram of ``sender`` (as ``worker``, for ``iteration``) must not be taken with, each one an
+    attacker on the LAN can hold: none, a guess, the group's token of the iteration before (every ACK and
+    RESULT multicast carries it), the other direction's token (a gateway's answer to this worker, or this
+    worker's own DATA), and another worker's."""
+    other = Sender.GATEWAY if sender == Sender.WORKER else Sender.WORKER
+    return {"unsigned": 0, "guessed": 0x5EC12E7, "group's of the iteration before": tokens.group(iteration - 1),
+            "the other direction's": tokens.of(other, worker, iteration),
+            "another worker's": tokens.of(sender, 1 - worker, iteration)}
+
+
+FORGED_BYTES = 987_654_321
+"""What a forged downlink REPORT claims (no genuine result burst is this size)."""
+
+
+def query_packet(iteration: int, worker: int, token: int) -> bytes:
+    """A QUERY listing every chunk of the layout."""
+    head = header_rows(1, kind=Kind.QUERY, job=JOB, worker=worker, iteration=iteration, token=token)
+    head["count"], head["need"] = LAYOUT.num_chunks, 127
+    return head.tobytes() + np.arange(LAYOUT.num_chunks, dtype="<u4").tobytes()
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_forged_query_report_nack_and_failed_are_refused_by_the_gateway_and_the_workers(
+        mode: str, request: pytest.FixtureRequest) -> None:
+    """QUERY and REPORT (to the gateway) and NACK and FAILED (to the workers) with any token but the right
+    one are counted and dropped, whatever wrong token they carry: the gateway answers no forged QUERY (whose
+    answer would be ACKs and NACKs for every chunk) and keeps no forged downlink report; no worker resends on
+    a forged NACK or ends its iteration on a forged FAILED; NACK and FAILED sent to the gateway are refused
+    as kinds it never takes. The sums of the iterations around them stay exact."""
+    from netstorm.emulation.bridge_lan import GATEWAY_IP
+
+    tokens = LanTokens(SECRET, JOB)
+
+    async def play(scene: Scene) -> None:
+        first = next(_iterations)
+        await scene.iteration(first, seed=5)   # finished at the gateway: a QUERY or REPORT about it is heard
+        forged, errors = scene.agent.forged, scene.agent.errors
+        upward = [datagram for token in wrong_tokens(tokens, 1, first, Sender.WORKER).values()
+                  for datagram in (query_packet(first, 1, token),
+                                   report_packet(DownlinkReport(FORGED_BYTES, 10**6), job=JOB, worker=1,
+                                                 iteration=first, token=token))]
+        strays = [control_packet(kind, job=JOB, worker=1, iteration=first, token=tokens.gateway(1, first))
+                  for kind in (Kind.NACK, Kind.FAILED)]
+        await scene.send(upward + strays, (GATEWAY_IP, PORT))
+        await until(lambda: scene.agent.forged - forged >= len(upward) and scene.agent.errors - errors >= len(strays),
+                    "the gateway refusing forged QUERY, REPORT, NACK and FAILED")
+        assert scene.agent.forged - forged == len(upward)
+        assert all(nbytes != FORGED_BYTES for _, nbytes, _, _ in scene.agent.downlink_bursts())
+        second = next(_iterations)
+        downward: dict[int, list[bytes]] = {}
+        for node in scene.nodes:
+            downward[node.worker] = [
+                datagram for token in wrong_tokens(tokens, node.worker, second, Sender.GATEWAY).values()
+                for datagram in (*nack_packets(np.arange(LAYOUT.num_chunks), job=JOB, iteration=second, token=token),
+                                 control_packet(Kind.FAILED, job=JOB, worker=node.worker, iteration=second,
+                                                token=token))]
+            # queued at the worker before its iteration starts: its first receive takes them with the ACKs
+            await scene.send(downward[node.worker], node.sock.getsockname())
+        before = [(n.forged, n.resent_by_nack) for n in scene.nodes]
+        await scene.iteration(second, seed=6)   # exact, and no worker aborted
+        for node, (was_forged, was_resent) in zip(scene.nodes, before, strict=True):
+            assert node.forged - was_forged == len(downward[node.worker])
+            assert node.resent_by_nack == was_resent
 
     asyncio.run(in_scene(mode, program(mode, request), play))
 
