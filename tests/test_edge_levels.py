@@ -29,14 +29,18 @@ LANES = 357
 POOL = 4
 SIZES = (LANES * 9 + 5, 7)
 """11 chunks per worker through 4 slots: every slot is reused within an iteration and across them."""
+LONG = (LANES * 43 + 5, 7)
+"""45 chunks per worker through the same 4 slots: each slot carries 11 or 12 chunks per iteration."""
 JOB = 12
 PORT = 9460
 GROUP = ("239.77.0.12", 9461)
 _iterations = itertools.count(200, 20)
+ITERATIONS = 4
+"""Iterations of the two-level sums test."""
 
 
-def layout() -> EdgeLayout:
-    return EdgeLayout.uniform(SIZES, scale=SCALE, lanes=LANES, pool=POOL)
+def layout(sizes: tuple[int, ...] = SIZES) -> EdgeLayout:
+    return EdgeLayout.uniform(sizes, scale=SCALE, lanes=LANES, pool=POOL)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +53,11 @@ def gateway_program() -> Iterator[Any]:
 
 
 
-def reference(contribs: list[list[np.ndarray]], precisions: list[Precision]) -> list[np.ndarray]:
+def reference(contribs: list[list[np.ndarray]], precisions: list[Precision],
+              lay: EdgeLayout | None = None) -> list[np.ndarray]:
     """Exact LAN sums computed as the aggregators do: each worker's values rounded to its precision, as int64
     fixed point at the common scale (or at the rescaled one where a sum or a lane leaves int32)."""
-    lay = layout()
+    lay = lay or layout()
     workers = len(contribs)
     out = []
     for t, size in enumerate(lay.sizes):
@@ -86,9 +91,10 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
                   tmp: Path | None = None, stream: bool = False,
-                  integers: tuple[int, ...] | None = None) -> dict[str, Any]:
+                  integers: tuple[int, ...] | None = None, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     """``integers``: each worker's peak; the workers then push exact integers at scale 0 on int8 lanes as a
-    compressed job's round does, each widening its push where its integers outgrow them."""
+    compressed job's round does, each widening its push where its integers outgrow them. ``sizes``: the
+    model's tensors (through the same POOL slots)."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -98,7 +104,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
     topology = topology or LanTopology(workers)
     precisions = precisions or [Precision.FIXED32 if integers is None else Precision.INT8] * workers
     rng = np.random.default_rng(workers * 31 + iterations)
-    lay = layout() if integers is None else EdgeLayout.uniform(SIZES, scale=0, lanes=LANES, pool=POOL)
+    lay = layout(sizes) if integers is None else EdgeLayout.uniform(sizes, scale=0, lanes=LANES, pool=POOL)
     out: dict[str, Any] = {"checked": 0}
     with Lan(workers) as lan:
         if wire_loss:
@@ -163,7 +169,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
                         sums = await agent.collect(iteration, timeout=timeout)
-                        expected = (reference(contribs, precisions) if integers is None else
+                        expected = (reference(contribs, precisions, lay) if integers is None else
                                     [np.sum([w[t].astype(np.int64) for w in contribs], axis=0).astype(np.float32)
                                      for t in range(len(lay.sizes))])
                         for got, want in zip(sums, expected, strict=True):
@@ -247,13 +253,18 @@ def igmp_has_group(text: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("workers,clusters", [(2, "0:1"), (5, "1:0,2;3:4"), (8, "0:1,2,3;4:5,6")])
 def test_two_levels_exact_sums(mode: str, workers: int, clusters: str, request: pytest.FixtureRequest) -> None:
+    """Many iterations of a model of 45 chunks through 4 slots: every slot, at the gateway and at each
+    cluster's aggregator, is reused 11-12 times per iteration and again across iterations, and every sum is
+    numpy's."""
     program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
     topology = LanTopology.parse(clusters, workers)
-    out = asyncio.run(run_lan(mode, program, workers=workers, iterations=3, topology=topology))
-    assert out["checked"] == 3
+    out = asyncio.run(run_lan(mode, program, workers=workers, iterations=ITERATIONS, topology=topology, sizes=LONG))
+    assert out["checked"] == ITERATIONS
+    chunks = layout(LONG).num_chunks
+    assert chunks > 10 * POOL
     # each aggregator forwarded one datagram per chunk per iteration at least (retransmissions re-forward)
     for stats in out["cluster_stats"]:
-        assert stats["forwarded"] >= 3 * layout().num_chunks
+        assert stats["forwarded"] >= ITERATIONS * chunks
     # the gateway summed one contribution per cluster and per unclustered worker for every chunk of every
     # iteration, not one per worker: whatever else reached it (retransmissions, many on a loaded host, are
     # duplicates or re-emits; a member's DATA is outside its expected mask) was counted and not added
@@ -261,13 +272,13 @@ def test_two_levels_exact_sums(mode: str, workers: int, clusters: str, request: 
     # bad_token, and recovered by a resend like a lost one)
     st = out["stats"]
     senders = len(topology.clusters) + len(topology.unclustered)
-    assert st["complete"] == 3 * layout().num_chunks, st
+    assert st["complete"] == ITERATIONS * chunks, st
     refused = sum(st[k] for k in ("dup", "reemit", "stale", "unexpected", "bad", "bad_token", "collision"))
     added = st["rx"] - refused
     if st["busy_evicted"] == 0:
-        assert added == 3 * layout().num_chunks * senders, st
+        assert added == ITERATIONS * chunks * senders, st
     else:   # the partial sums of slots a newer key took over were added too, and never completed
-        assert 3 * layout().num_chunks * senders < added < 3 * layout().num_chunks * workers, st
+        assert ITERATIONS * chunks * senders < added < ITERATIONS * chunks * workers, st
 
 
 @pytest.mark.slow
