@@ -88,7 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="slots the aggregators reuse across chunks (default edge_pool_slots; 0: one per chunk)")
     parser.add_argument("--mtu", type=int, default=None,
                         help="LAN MTU: lanes per datagram follow (default edge_mtu)")
-    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--no-gso", action="store_true",
+                        help="separate datagrams (a window per sendmmsg) instead of UDP GSO batches")
     parser.add_argument("--no-gro", action="store_true",
                         help="workers receive one datagram per receive instead of whole GSO batches (UDP_GRO)")
     parser.add_argument("--no-query-nacks", action="store_true",

@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precisions", required=True, help="every worker's precision, comma-separated")
     parser.add_argument("--transport", choices=("udp", "tcp"), default="udp")
     parser.add_argument("--loss", type=float, default=0.0)
-    parser.add_argument("--no-gso", action="store_true", help="one sendto per datagram instead of UDP GSO")
+    parser.add_argument("--no-gso", action="store_true",
+                        help="separate datagrams (a window per sendmmsg) instead of UDP GSO batches")
     parser.add_argument("--no-gro", action="store_true", help="one datagram per receive instead of UDP_GRO")
     parser.add_argument("--secret-file", default=None)
     parser.add_argument("--timeout", type=float, default=60.0)

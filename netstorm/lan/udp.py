@@ -75,7 +75,7 @@ GSO_SEGMENTS = 64
 
 
 NO_GSO_ERRNOS = frozenset({errno.EIO, errno.EINVAL, errno.EMSGSIZE, errno.EOPNOTSUPP})
-"""What a segmented send fails with where this path cannot segment: send one datagram per call instead."""
+"""What a segmented send fails with where this path cannot segment: send separate datagrams instead."""
 
 
 def send_segmented(sock: socket.socket, data: memoryview | bytes, size: int, address: Address) -> None:
