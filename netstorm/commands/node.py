@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
                            lan=lan_description(getattr(args, "edge_scenario", None), args.id,
                                                   getattr(args, "edge_lan", None)),
                            plan_wait=config.edge_plan_wait, report_change=config.dc_replan_change,
-                           report_interval=config.dc_replan_hold)
+                           report_interval=config.dc_replan_hold, pace_rates=config.dc_pace_rates,
+                           rate_scale=config.lan_bw_scale)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,

@@ -9,10 +9,13 @@ import ctypes.util
 import errno
 import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from netstorm.lan.pacing import Pace
 
 if TYPE_CHECKING:
     from netstorm.lan.batch import DatagramBatch
@@ -97,6 +100,10 @@ class BatchSender:
         self.gso = gso and hasattr(socket, "SOL_UDP")
         self.calls = 0
         self.datagrams = 0
+        self.pace: Pace | None = None
+        """Batches leave no faster than this (a LAN worker's planned rate); None: as the socket takes them."""
+        self.paced_s = 0.0
+        """Seconds spent waiting for the pace."""
 
     async def send(self, rows: np.ndarray, address: Address) -> None:
         """Send every row of ``rows`` (uint8, one datagram per row) to ``address``."""
@@ -108,6 +115,11 @@ class BatchSender:
         at = 0
         while at < total:
             part = data[at: at + step]
+            if self.pace is not None:
+                wait = self.pace.delay(time.monotonic())
+                if wait > 0:
+                    self.paced_s += wait
+                    await asyncio.sleep(wait)
             try:
                 send_segmented(self.sock, part, size, address)
             except BlockingIOError:
@@ -122,6 +134,8 @@ class BatchSender:
             self.calls += 1
             self.datagrams += len(part) // size
             at += len(part)
+            if self.pace is not None:
+                self.pace.charge(len(part), time.monotonic())
 
 
 def multicast_from(sock: socket.socket, *, address: str = "0.0.0.0", ifindex: int = 0) -> None:
