@@ -17,7 +17,7 @@ from netstorm import lanreport
 from netstorm.commands import demo
 from netstorm.config import Config
 from netstorm.emulation.lantier import planned_tiers, run_config
-from netstorm.emulation.runner import resize_lans
+from netstorm.emulation.runner import compute_of, resize_lans
 from netstorm.lan_scenario import uniform_lan
 from netstorm.scenario import load
 from scheduler.lanplanning import LanPlanning
@@ -106,6 +106,21 @@ def test_a_count_other_than_the_described_resizes_the_description() -> None:
     assert same == original and sources == {1: "described", 2: "described", 3: "described"}
 
 
+def test_a_described_lan_worker_computes_its_own_compute_s() -> None:
+    """lan-hetero-4's DC 3 lists 0.05 s for its workers and 0.2 s for its last; a DC's own trainer, and a LAN
+    worker no description covers, compute the run's --compute-s."""
+    from netstorm.emulation.contributors import Contributor
+
+    scenario = resize_lans(load("lan-hetero-4"), 8, planned=True)[0]
+    listed = resize_lans(load("lan-hetero-4"), None)[0]
+    assert [compute_of(listed, Contributor(f"3w{i}", 3, i, 10 + i), 0.7) for i in range(6)] == [0.05] * 5 + [0.2]
+    assert compute_of(listed, Contributor("3", 3, None, 3), 0.7) == 0.7
+    assert compute_of(scenario, Contributor("3w7", 3, 7, 30), 0.7) == pytest.approx((5 * 0.05 + 0.2) / 6)
+    assert compute_of(scenario, Contributor("4w0", 4, 0, 40), 0.7) == 0.0     # the format's default worker
+    unplanned = resize_lans(load("lan-hetero-4"), 8)[0]
+    assert compute_of(unplanned, Contributor("4w0", 4, 0, 40), 0.7) == 0.7   # no description: the run's
+
+
 @pytest.mark.root
 @pytest.mark.slow
 def test_lan_workers_with_a_planner_on_a_dc_without_a_description_plan_it(tmp_path: Path) -> None:
@@ -127,6 +142,11 @@ def test_lan_workers_with_a_planner_on_a_dc_without_a_description_plan_it(tmp_pa
     for dc in (1, 2):
         node = (run_dir / "netstorm" / f"node-{dc}.log").read_text()
         assert "edge: aleph plan 0 deployed" in node   # the scheduler planned the LAN the gateway announced
+    # DC 2's workers compute what its (resized) description says, DC 1's default workers nothing
+    for label, compute in (("1w0", 0.0), ("1w1", 0.0), ("2w0", 0.2), ("2w1", 0.2), ("1", 0.0), ("2", 0.0)):
+        recs = [json.loads(line) for line in (run_dir / "netstorm" / f"trainer-{label}.jsonl").read_text().splitlines()]
+        assert [r["compute_s"] for r in recs] == pytest.approx([compute] * 2), label
+        assert all(r["seconds"] - r["sync_s"] >= compute for r in recs), (label, recs)
 
 
 @pytest.mark.root
@@ -153,3 +173,5 @@ def test_an_emulated_run_with_a_planned_tier_is_exact_and_records_its_plan(tmp_p
     for label in ("2w0", "2w1", "2w2", "2w3"):
         recs = [json.loads(line) for line in (run_dir / "netstorm" / f"trainer-{label}.jsonl").read_text().splitlines()]
         assert len(recs) == 2 and all(r["exact"] for r in recs)
+        # each spent the 0.2 s of compute its description gives before it pushed
+        assert all(r["compute_s"] == 0.2 and r["seconds"] - r["sync_s"] >= 0.2 for r in recs), recs

@@ -40,7 +40,7 @@ from netstorm.config import LOCAL, resolve
 from netstorm.emulation import compressed, netns, recovery, results, systems, wancount
 from netstorm.emulation.chaos import ChaosPlayer, Fault
 from netstorm.emulation.chaos import parse as parse_chaos
-from netstorm.emulation.contributors import contributors, edge_scale
+from netstorm.emulation.contributors import Contributor, contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
 from netstorm.emulation.errors import EmulationError
@@ -313,6 +313,16 @@ def resize_lans(scenario: Scenario, workers: int | None, *, planned: bool = Fals
     return dataclasses.replace(scenario, nodes=tuple(nodes)), sources
 
 
+def compute_of(scenario: Scenario, contributor: Contributor, compute_s: float) -> float:
+    """Seconds of emulated compute per iteration before ``contributor`` pushes: a LAN worker its DC's LAN
+    describes spends its own ``compute_s`` (the description's, which is more specific than the run's);
+    every other trainer the run's ``--compute-s``."""
+    lan = scenario.node(contributor.dc).lan
+    if contributor.worker is None or lan is None:
+        return compute_s
+    return lan.workers[contributor.worker].compute_s
+
+
 def run_from_args(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     result = run(opts)
@@ -518,7 +528,7 @@ class SystemRun:
             chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []
             self._spawn(f"trainer-{c.label}", where, self._python(
                 "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
-                "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
+                "--iterations", str(opts.iterations), "--compute-s", str(compute_of(self.scenario, c, opts.compute_s)),
                 *(["--overlap"] if opts.overlap else []), *chaos, *self._secret_flags(),
                 "--out", str(self.logs[c.label].path)),
                 trainer=True)
@@ -836,7 +846,9 @@ def run(opts: Options) -> dict[str, Any]:
                 for system in opts.systems for c in opts.compressions if system.kind == "netstorm" or c == "none"]
         for system, compression in rows:
             net.set_rates(scenario.rates())
-            per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
+            lan_compute = max((w.compute_s for dc in scenario.nodes if dc.lan is not None for w in dc.lan.workers),
+                              default=0.0)
+            per_iteration = max(opts.compute_s, lan_compute) + 40.0 * bounds.limit_s(scenario.rates())
             budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
             runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s, compression)
             runner.edge_picks = picks
