@@ -35,6 +35,7 @@ class Pace:
 
     def charge(self, nbytes: int, now: float) -> None:
         """``nbytes`` left at ``now``."""
-        late = now - self._free_at if self._free_at is not None else None
-        start = self._free_at if late is not None and late <= self.depth / self.bytes_per_s else now
-        self._free_at = max(start, now - self.depth / self.bytes_per_s) + nbytes / self.bytes_per_s
+        slack = self.depth / self.bytes_per_s
+        free_at = self._free_at
+        start = free_at if free_at is not None and now - free_at <= slack else now
+        self._free_at = max(start, now - slack) + nbytes / self.bytes_per_s
