@@ -329,6 +329,9 @@ class GatewayRole:
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
                  "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
+        if agent.pace_gbit:
+            log.info("edge: workers paced to their planned rates (Gbit/s): %s",
+                     ", ".join(f"{w}: {r:.4g}" for w, r in sorted(agent.pace_gbit.items())))
         return agent
 
     def _start_tcp(self, layout: EdgeLayout) -> TcpEdgeAgent:
