@@ -109,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "precision-oblivious)")
     parser.add_argument("--pace-rates", action="store_true",
                         help="with --dc-planner: each worker paces its DATA to its rate in the plan (x --lan-bw-scale),"
-                             " told in its HELLO answer (dc_pace_rates; default: unpaced)")
+                             " told in its HELLO answer (dc_pace_rates; default here: unpaced)")
     parser.add_argument("--results", choices=("stream", "whole"), default="stream",
                         help="stream: each chunk's result goes down as the chunk completes (the LAN's own sum is "
                              "the result here); whole: after the whole iteration is summed, as when a WAN step "

@@ -829,6 +829,7 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["lan_workers"] = {str(dc): lan.workers for dc, lan in sorted(net.plan.lans.items())}
             result["features"]["edge_mode"] = {"requested": opts.edge_mode}
             result["features"]["dc_planner"] = run_config(opts.config_flags).dc_planner
+            result["features"]["dc_pace_rates"] = run_config(opts.config_flags).dc_pace_rates
             result["features"]["lan_description"] = {str(dc): src for dc, src in sorted(lan_sources.items())}
         for line in net.features.lines():
             progress.line(line)
