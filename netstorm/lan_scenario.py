@@ -30,7 +30,9 @@ class LanWorker:
     down_gbit: float
     """LAN to worker rate."""
     compute_s: float = 0.0
-    """Seconds of computation per iteration before its gradient is ready."""
+    """Seconds of computation per iteration before its gradient is ready: the emulator's worker spends
+    them before it pushes. No planner uses it (ALEPH's C_w is ``agg_gbit``; PAHInA and EINA model no
+    compute)."""
     precision: str = "fp32"
     rack: int | None = None
     """The rack whose aggregator it sits under, if the DC describes racks."""
