@@ -326,6 +326,9 @@ class EdgeAgent:
             raise ValueError(f"the LAN topology has {self.topology.workers} workers, the agent {workers}")
         self.retransmit = retransmit
         self.query_nacks = query_nacks
+        self.pace_gbit: dict[int, float] = {}
+        """Per worker, the Gbit/s its DATA is paced to (its HELLO answer says; the DC's plan, with
+        ``dc_pace_rates``); a worker not listed is unpaced."""
         self.query_nacks_sent = 0
         """(worker, chunk) pairs NACKed to unclustered workers missing from a slot, in answer to a QUERY or
         from the agent's own gap rule."""
@@ -912,7 +915,8 @@ class EdgeAgent:
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
                           query_nacks=self.query_nacks,
-                          first_iteration=self._base, gia_threshold=self.gia_threshold)
+                          first_iteration=self._base, gia_threshold=self.gia_threshold,
+                          pace_gbit=None if aggregator else self.pace_gbit.get(worker))
 
     def _on_events(self, events: list[SlotEvent]) -> None:
         """The slot timers' reports: unclustered missing workers are NACKed, a missing cluster aggregator's

@@ -98,6 +98,11 @@ class EdgeOptions:
     (``dc_replan_change``, the scheduler's own threshold)."""
     report_interval: float = 10.0
     """Least seconds between two measured reports (``dc_replan_hold``; 0: after any iteration)."""
+    pace_rates: bool = False
+    """Each worker is told to pace its DATA to its rate in the plan (``dc_pace_rates``)."""
+    rate_scale: float = 1.0
+    """What the plan's rates are multiplied by to be the LAN's (``lan_bw_scale``: an emulated LAN is
+    shaped to its description's rates times it, and the plan is made from the description)."""
 
     @property
     def lanes(self) -> int:
@@ -222,8 +227,17 @@ class GatewayRole:
         self.plan = plan
         self.pending = None
         self._planned.set()
+        if isinstance(self.agent, EdgeAgent):   # new rates reach the workers that say HELLO from now on
+            self.agent.pace_gbit = self.paces()
         log.info("edge: %s plan %d deployed: clusters %s; the aggregators and unclustered workers %s send to the "
                  "gateway", plan.planner, plan.version, dict(topology.clusters), list(topology.unclustered))
+
+    def paces(self) -> dict[int, float]:
+        """Per worker, the Gbit/s its HELLO answer tells it to pace to: the plan's rate x ``rate_scale``
+        with ``pace_rates``, else none."""
+        if not self.options.pace_rates or self.plan is None:
+            return {}
+        return {w: r * self.options.rate_scale for w, r in self.plan.rates if r > 0}
 
     async def wait_plan(self) -> None:
         """Wait up to ``plan_wait`` seconds for the first plan (only when the LAN was announced)."""
@@ -311,9 +325,13 @@ class GatewayRole:
                           query_nacks=opts.query_nacks)
         if self._compression is not None:
             agent.gia_threshold = self._compression[0].gia_threshold
+        agent.pace_gbit = self.paces()
         log.info("edge: gateway for %d LAN workers on %s:%d, %s aggregation, %d slots (%.1f MB), %s",
                  opts.workers, *opts.listen, mode, layout.num_slots, layout.map_bytes / 1e6,
                  "datagrams authenticated by tokens" if opts.secret else "no secret: datagrams not authenticated")
+        if agent.pace_gbit:
+            log.info("edge: workers paced to their planned rates (Gbit/s): %s",
+                     ", ".join(f"{w}: {r:.4g}" for w, r in sorted(agent.pace_gbit.items())))
         return agent
 
     def _start_tcp(self, layout: EdgeLayout) -> TcpEdgeAgent:

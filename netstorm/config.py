@@ -195,6 +195,11 @@ class Config:
     eina_depth: int = 3
     """EINA's d*: aggregators a flow may traverse, the gateway's included (3 = two levels below the
     gateway, what the LAN data plane runs)."""
+    dc_pace_rates: bool = True
+    """A LAN worker paces its DATA to its rate in the DC's plan (PAHInA's sender-side rate allocation),
+    told in its HELLO answer; false: it sends as fast as its socket takes. On because paced plans never
+    measured slower and were up to 2x faster where members oversubscribe a port (README, "Pacing to the
+    plan's rates")."""
     pahina_inflation: bool = True
     """PAHInA ranks candidate aggregators also by how much a worker's precision would up-cast their
     aggregate (false: by path cost alone, the paper's Algorithm 1)."""

@@ -624,7 +624,8 @@ class LanPlan(Message, frozen=True, tag="lan_plan", omit_defaults=True):
     """Pushed to a gateway node: how its LAN tier aggregates, in the data plane's two-level form.
 
     ``clusters`` maps an aggregator worker to its members; every worker not a member (aggregators
-    included) sends to the gateway; ``rates`` are the Gbit/s each worker is paced to. ``version``
+    included) sends to the gateway; ``rates`` are the Gbit/s the plan allocates each worker, which it paces
+    its DATA to with ``dc_pace_rates`` (told in its HELLO answer). ``version``
     grows with every plan of this DC, so a late plan never replaces a newer one."""
 
     node_id: NodeId

@@ -30,7 +30,9 @@ class LanWorker:
     down_gbit: float
     """LAN to worker rate."""
     compute_s: float = 0.0
-    """Seconds of computation per iteration before its gradient is ready."""
+    """Seconds of computation per iteration before its gradient is ready: the emulator's worker spends
+    them before it pushes. No planner uses it (ALEPH's C_w is ``agg_gbit``; PAHInA and EINA model no
+    compute)."""
     precision: str = "fp32"
     rack: int | None = None
     """The rack whose aggregator it sits under, if the DC describes racks."""
@@ -202,3 +204,65 @@ def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
         out.append(LanWorker(i, rate, rate, compute, str(precisions[i % len(precisions)]),
                              racks[i % len(racks)].id if racks else None, agg_gbit))
     return tuple(out)
+
+
+def uniform_lan(workers: int, like: LanSpec | None = None) -> LanSpec:
+    """A LAN of ``workers`` alike workers, for a DC that is given a worker count its scenario does not describe
+    (``--lan-workers N`` on a run that plans the tier).
+
+    Without ``like`` every worker gets the format's defaults: ``DEFAULT_RATE_GBIT`` each way, no compute,
+    fp32, no racks, the default gateway port. With ``like`` (the DC's description of another count) the
+    workers take its means (uplink, downlink, compute, aggregation capacity), its precisions in turn and
+    its racks in turn, and the gateway keeps its port: the same LAN, resized."""
+    if not 1 <= workers <= 64:
+        raise ValueError(f"a described LAN holds 1..64 workers, got {workers}")
+    if like is None:
+        return LanSpec(tuple(LanWorker(i, DEFAULT_RATE_GBIT, DEFAULT_RATE_GBIT) for i in range(workers)))
+    given = like.workers
+    n = len(given)
+    aggs = [w.agg_gbit for w in given if w.agg_gbit is not None]
+    up = round(sum(w.up_gbit for w in given) / n, 6)
+    down = round(sum(w.down_gbit for w in given) / n, 6)
+    compute = round(sum(w.compute_s for w in given) / n, 6)
+    agg = round(sum(aggs) / len(aggs), 6) if aggs else None
+    precisions = list(dict.fromkeys(w.precision for w in given))
+    out = tuple(LanWorker(i, up, down, compute, precisions[i % len(precisions)],
+                          like.racks[i % len(like.racks)].id if like.racks else None, agg) for i in range(workers))
+    return LanSpec(out, like.racks, like.gateway_gbit)
+
+
+def lan_toml(lan: LanSpec) -> str:
+    """``lan`` as the scenario format's ``[node.lan]`` table, written at the top level (``load_lan_file``
+    reads it back): its gateway, racks and every worker listed one by one."""
+    lines = [f"gateway_gbit = {lan.gateway_gbit!r}"]
+    for r in lan.racks:
+        lines += ["", "[[rack]]", f"id = {r.id}", f"aggregator_gbit = {r.aggregator_gbit!r}",
+                  f"uplink_gbit = {r.uplink_gbit!r}"]
+        if r.precision_gbit:
+            lines.append("precision_gbit = { " + ", ".join(f"{p} = {v!r}" for p, v in r.precision_gbit) + " }")
+    for w in lan.workers:
+        lines += ["", "[[worker]]", f"up_gbit = {w.up_gbit!r}", f"down_gbit = {w.down_gbit!r}",
+                  f"compute_s = {w.compute_s!r}", f'precision = "{w.precision}"']
+        if w.rack is not None:
+            lines.append(f"rack = {w.rack}")
+        if w.agg_gbit is not None:
+            lines.append(f"agg_gbit = {w.agg_gbit!r}")
+    return "\n".join(lines) + "\n"
+
+
+def load_lan_file(path: str) -> LanSpec:
+    """A LAN description file (``lan_toml``'s format: a scenario's ``[node.lan]`` table at the top level);
+    errors name the file, the key and the problem."""
+    import tomllib
+
+    from netstorm.errors import ScenarioError
+
+    def fail(where: str, problem: str) -> Exception:
+        return ScenarioError(f"{path}: {where}: {problem}")
+
+    try:
+        with open(path, "rb") as fh:
+            raw = tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ScenarioError(f"{path}: cannot read the LAN description: {exc}") from None
+    return parse_lan(fail, "lan", raw, None)

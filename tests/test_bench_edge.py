@@ -100,6 +100,22 @@ def test_a_scenario_dc_gives_the_workers_their_scaled_rates_precisions_and_the_p
     assert mixed.plan["planner"] == "precision-oblivious" and mixed.plan["predicted_gbit"] > 0
 
 
+def test_pace_rates_pace_each_worker_to_its_planned_rate_times_the_lans_scale() -> None:
+    from netstorm.errors import NetStormError
+
+    args = _scenario_args(lan_scenario="lan-precision", dc=2, lan_bw_scale=0.0025, dc_planner="pahina",
+                          pace_rates=True)
+    edge.apply_lan_scenario(args)
+    assert args.plan["paced"] and sorted(args.pace_gbit) == list(range(9))
+    assert args.pace_gbit == pytest.approx({int(w): r * 0.0025 for w, r in args.plan["rates"].items()})
+    unpaced = _scenario_args(lan_scenario="lan-precision", dc=2, dc_planner="pahina")
+    edge.apply_lan_scenario(unpaced)
+    assert getattr(unpaced, "pace_gbit", None) is None and "paced" not in unpaced.plan
+    with pytest.raises(NetStormError, match="--pace-rates needs"):   # the baseline allocates no rates
+        edge.apply_lan_scenario(_scenario_args(lan_scenario="lan-precision", dc=2, pace_rates=True,
+                                               dc_planner="precision-oblivious"))
+
+
 def test_scenario_options_are_checked() -> None:
     from netstorm.errors import NetStormError
 

@@ -10,7 +10,7 @@ import pytest
 
 from netstorm import scenario
 from netstorm.errors import ScenarioError
-from netstorm.lan_scenario import PRECISIONS
+from netstorm.lan_scenario import DEFAULT_RATE_GBIT, PRECISIONS, lan_toml, load_lan_file, uniform_lan
 
 RING = """
 [[link]]
@@ -111,3 +111,43 @@ def test_aggregation_capacities_per_worker_and_per_precision(tmp_path) -> None:
     assert (rack.capacity("int8"), rack.capacity("fp16"), rack.capacity("fp32")) == (0.0, 3.0, 8.0)
     listed = _load("[[node]]\nid = 1\n[[node.lan.worker]]\nagg_gbit = 2.5\n[[node.lan.worker]]\n", tmp_path, "l")
     assert [w.agg_gbit for w in listed.node(1).lan.workers] == [2.5, None]  # type: ignore[union-attr]
+
+
+def test_a_lan_written_alone_reads_back_as_it_was(tmp_path) -> None:
+    """Every shipped description (drawn, racked, per-precision capacities, listed) survives ``lan_toml``."""
+    written = 0
+    for name in ("lan-hetero-4", "lan-planning", "lan-precision"):
+        for dc in scenario.load(name).nodes:
+            if dc.lan is None:
+                continue
+            path = tmp_path / f"{name}-{dc.id}.toml"
+            path.write_text(lan_toml(dc.lan))
+            assert load_lan_file(str(path)) == dc.lan
+            written += 1
+    assert written >= 6
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[worker]]\nup_gbit = -1\n")
+    with pytest.raises(ScenarioError, match=r"bad.toml: lan.worker\[0\].up_gbit: must be positive"):
+        load_lan_file(str(bad))
+
+
+def test_a_resized_lan_keeps_the_descriptions_means_precisions_and_racks() -> None:
+    listed = scenario.load("lan-hetero-4").node(3).lan   # six listed workers, two with slow uplinks
+    assert listed is not None
+    lan = uniform_lan(8, listed)
+    assert len(lan.workers) == 8 and lan.gateway_gbit == listed.gateway_gbit
+    mean = statistics.mean(w.up_gbit for w in listed.workers)
+    assert [w.up_gbit for w in lan.workers] == pytest.approx([mean] * 8)
+    mean = statistics.mean(w.down_gbit for w in listed.workers)
+    assert [w.down_gbit for w in lan.workers] == pytest.approx([mean] * 8)
+    mean = statistics.mean(w.compute_s for w in listed.workers)
+    assert [w.compute_s for w in lan.workers] == pytest.approx([mean] * 8)
+    assert [w.precision for w in lan.workers] == ["fp32", "fp16", "int8"] * 2 + ["fp32", "fp16"]
+    racked = scenario.load("lan-hetero-4").node(2).lan
+    assert racked is not None
+    assert [w.rack for w in uniform_lan(5, racked).workers] == [1, 2, 1, 2, 1]
+    plain = uniform_lan(3)
+    assert [(w.up_gbit, w.down_gbit, w.precision, w.rack) for w in plain.workers] == \
+        [(DEFAULT_RATE_GBIT, DEFAULT_RATE_GBIT, "fp32", None)] * 3
+    with pytest.raises(ValueError):
+        uniform_lan(0)

@@ -108,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dc-planner", default=None, metavar="P",
                         help="with --lan-scenario: deploy planner P's two-level plan (flat, aleph, pahina, eina, "
                              "precision-oblivious)")
+    parser.add_argument("--pace-rates", action="store_true",
+                        help="with --dc-planner: each worker paces its DATA to its rate in the plan (x --lan-bw-scale),"
+                             " told in its HELLO answer (dc_pace_rates; default here: unpaced)")
     parser.add_argument("--results", choices=("stream", "whole"), default="stream",
                         help="stream: each chunk's result goes down as the chunk completes (the LAN's own sum is "
                              "the result here); whole: after the whole iteration is summed, as when a WAN step "
@@ -171,6 +174,12 @@ def apply_lan_scenario(args: argparse.Namespace) -> None:
         args.precision = ",".join(w.precision for w in spec.workers)
     if args.dc_planner is not None:
         args.topology, args.plan = planned_topology(spec, args.dc_planner, resolve(file=args.config))
+    if getattr(args, "pace_rates", False):
+        rates = getattr(args, "plan", {}).get("rates")
+        if not rates:
+            raise NetStormError("--pace-rates needs --dc-planner with a plan that allocates rates")
+        args.pace_gbit = {int(w): r * args.lan_bw_scale for w, r in rates.items() if r > 0}
+        args.plan["paced"] = True
 
 
 def planned_topology(spec: Any, planner: str, config: Any) -> tuple[Any, dict[str, Any]]:
@@ -200,7 +209,8 @@ def planned_topology(spec: Any, planner: str, config: Any) -> tuple[Any, dict[st
         if message is None:
             raise NetStormError(f"the {planner} plan of this LAN cannot run in the data plane")
         clusters = {a: list(m) for a, m in message.clusters}
-        info = {"planner": planner, "predicted_gbit": message.predicted_gbit}
+        info = {"planner": planner, "predicted_gbit": message.predicted_gbit,
+                "rates": {str(w): r for w, r in message.rates}}
     topo = LanTopology(len(spec.workers), {a: tuple(m) for a, m in clusters.items()})
     return topo, {**info, "clusters": {str(a): list(m) for a, m in topo.clusters.items()}}
 
@@ -265,6 +275,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                               slot_timeout=args.slot_timeout, max_nacks=50, secret=secret, group=group,
                               topology=topo, retransmit=cfg.edge_retransmit,
                               query_nacks=cfg.edge_query_nacks)
+            agent.pace_gbit = dict(getattr(args, "pace_gbit", None) or {})
             first = 1
             procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
                             precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))

@@ -4,8 +4,9 @@ Rates x0.25 and a 5 MB model keep the run network-bound on a small host; the dyn
 scaled to 18 s so the rates change several times while it runs. Everything else is ``netstorm
 emulate`` with these settings, so a larger run is that command with other flags. ``--lan-workers N``
 puts N LAN workers behind every DC's gateway (aggregated in XDP where it loads); a scenario file with
-``lan_workers`` brings its own; ``--dc-planner P`` plans the tier of every DC whose LAN the scenario
-describes (``--scenario lan-hetero-4``), and the result file says which planner each DC ran.
+``lan_workers`` brings its own; ``--dc-planner P`` plans the tier of every DC with LAN workers: a DC
+whose LAN the scenario describes at another count, or not at all (the default scenario describes none),
+gets N described workers (``runner.resize_lans``), and the result file says which planner each DC ran.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="how gateways aggregate their LAN workers (default auto: each path measured, the "
                              "faster taken)")
     parser.add_argument("--dc-planner", choices=("flat", "aleph", "pahina", "eina"), default=None,
-                        help="plan the LAN tier of every DC whose LAN the scenario describes (dc_planner; e.g. "
-                             "--scenario lan-hetero-4): its aggregator workers run netstorm lan-aggregator")
+                        help="plan the LAN tier of every DC with LAN workers (dc_planner); with --lan-workers N a DC "
+                             "whose LAN the scenario does not describe at N gets N described workers (resized, or "
+                             "the format's defaults); aggregator workers run netstorm lan-aggregator")
     parser.add_argument("--secret-file", metavar="FILE", default=None,
                         help="job secret every process of the run proves (see `netstorm secret`; default none: "
                              "the emulated network is private to this host)")

@@ -52,12 +52,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     edge.add_argument("--edge-scenario", metavar="SCENARIO",
                       help="scenario (name or file) whose DC --id describes this LAN: announced to the scheduler, "
                            "which plans the tier with dc_planner and pushes the plan")
+    edge.add_argument("--edge-lan", metavar="FILE",
+                      help="instead of --edge-scenario: a file holding this LAN's description alone (the scenario "
+                           "format's [node.lan] table at the top level; the emulator writes one per planned DC)")
     config_mod.add_arguments(parser)
 
 
-def lan_description(scenario: str | None, node_id: int) -> LanSpec | None:
-    """The LAN of DC ``node_id`` as ``scenario`` describes it (None without a scenario); ConfigError when the
-    DC describes none."""
+def lan_description(scenario: str | None, node_id: int, lan_file: str | None = None) -> LanSpec | None:
+    """The LAN of DC ``node_id`` as ``lan_file`` or ``scenario`` describes it (None without either);
+    ConfigError when the scenario's DC describes none."""
+    if lan_file:
+        from netstorm.lan_scenario import load_lan_file
+
+        return load_lan_file(lan_file)
     if not scenario:
         return None
     from netstorm.errors import ConfigError
@@ -88,9 +95,11 @@ def run(args: argparse.Namespace) -> int:
                            if config.edge_clusters else None,
                            group=parse_address(config.edge_group, "edge_group") if config.edge_group else None,
                            retransmit=config.edge_retransmit, query_nacks=config.edge_query_nacks,
-                           lan=lan_description(getattr(args, "edge_scenario", None), args.id),
+                           lan=lan_description(getattr(args, "edge_scenario", None), args.id,
+                                                  getattr(args, "edge_lan", None)),
                            plan_wait=config.edge_plan_wait, report_change=config.dc_replan_change,
-                           report_interval=config.dc_replan_hold)
+                           report_interval=config.dc_replan_hold, pace_rates=config.dc_pace_rates,
+                           rate_scale=config.lan_bw_scale)
     import uvloop
 
     return uvloop.run(serve(args.id, config, scheduler=scheduler, listen=listen, advertise=advertise,

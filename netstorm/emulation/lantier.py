@@ -1,7 +1,8 @@
 """The planned LAN tier of an emulated run: which workers aggregate whom in each DC with a described LAN.
 
-A DC whose LAN the scenario describes runs its gateway with ``--edge-scenario``: the gateway announces
-the LAN, the scheduler plans it with ``dc_planner`` and pushes the plan, and the gateway deploys it. The
+A DC whose LAN the scenario describes (or ``runner.resize_lans`` does, for ``--lan-workers N`` with a
+``dc_planner``) runs its gateway with ``--edge-lan``, that description: the gateway announces the LAN,
+the scheduler plans it with ``dc_planner`` and pushes the plan, and the gateway deploys it. The
 emulator must start ``netstorm lan-aggregator`` on each aggregator worker's host before its workers say
 HELLO, so it makes the same plan itself: the scheduler's planning core (``scheduler.lanplanning``) on the
 same description with the same options, which is deterministic. The plan is recorded in the result file
@@ -40,7 +41,8 @@ class DcTier:
 
     def record(self) -> dict[str, Any]:
         """The result file's entry: planner, aggregators, ``assignment`` (worker -> its aggregator, or None
-        for straight to the gateway), the paced rates and the predicted aggregation throughput."""
+        for straight to the gateway), the rates the plan allocates (each worker's pace with ``dc_pace_rates``)
+        and the predicted aggregation throughput."""
         clusters, direct = self.plan.two_level()
         assignment: dict[str, int | None] = {str(w): None for w in direct}
         for head, members in clusters.items():

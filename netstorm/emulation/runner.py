@@ -40,13 +40,14 @@ from netstorm.config import LOCAL, resolve
 from netstorm.emulation import compressed, netns, recovery, results, systems, wancount
 from netstorm.emulation.chaos import ChaosPlayer, Fault
 from netstorm.emulation.chaos import parse as parse_chaos
-from netstorm.emulation.contributors import contributors, edge_scale
+from netstorm.emulation.contributors import Contributor, contributors, edge_scale
 from netstorm.emulation.cpu import CPU_BOUND_PCT, CpuMeter
 from netstorm.emulation.dynamics import DynamicsPlayer, schedule
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.lantier import DcTier, planned_tiers, run_config
 from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
+from netstorm.lan_scenario import lan_toml, uniform_lan
 from netstorm.scenario import Rates, Scenario, load
 from netstorm.trainers.launch import torch_ddp_args
 from netstorm.trainers.tasks import TASKS
@@ -142,6 +143,8 @@ class Options:
     """``synthetic`` or ``torch-ddp`` (``netstorm/trainers/launch.py``)."""
     train: str = "blobs"
     """torch-ddp's task (``netstorm/trainers/tasks.py``)."""
+    plan_lans: bool = False
+    """``dc_planner`` was given: every DC with LAN workers gets a described LAN to plan (``resize_lans``)."""
 
     def parameters(self) -> int:
         """Float32 elements synchronized per iteration: the task's model, or ``--model``."""
@@ -261,6 +264,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos, trainer=trainer, train=getattr(args, "train", "blobs"),
                    compressions=compression_list, compression_flags=compression_flags,
+                   plan_lans="dc_planner" in given,
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -277,19 +281,46 @@ def with_seed(scenario: Scenario, seed: int | None) -> Scenario:
     return dataclasses.replace(scenario, dynamics=dataclasses.replace(scenario.dynamics, seed=seed))
 
 
-def with_lan_workers(scenario: Scenario, workers: int | None) -> Scenario:
+def with_lan_workers(scenario: Scenario, workers: int | None, *, planned: bool = False) -> Scenario:
     """``scenario`` with ``workers`` LAN workers behind every DC (None keeps the scenario's own).
 
-    A DC whose LAN the scenario describes keeps that description when the count matches; otherwise the
-    count wins and its workers are uniform (the description was of other workers)."""
-    if workers is None:
-        return scenario
-    if workers < 0:
+    A DC whose LAN the scenario describes keeps that description when the count matches. Otherwise, on a
+    run that plans the tier (``planned``: ``dc_planner`` given), every DC with LAN workers gets a described
+    LAN of that count (``lan_scenario.uniform_lan``: the description resized to its means, or the format's
+    default workers), so each DC's planner has a LAN to plan and the emulator shapes what was planned; on
+    a run that does not, the count wins and the LAN is unshaped (the description was of other workers)."""
+    return resize_lans(scenario, workers, planned=planned)[0]
+
+
+def resize_lans(scenario: Scenario, workers: int | None, *, planned: bool = False) -> tuple[Scenario, dict[int, str]]:
+    """``with_lan_workers`` and, per DC with LAN workers, where its LAN's description came from:
+    ``described`` (the scenario's), ``resized`` (the scenario's, to another count), ``default`` (the
+    format's default workers) or ``none`` (unshaped, not planned)."""
+    if workers is not None and workers < 0:
         raise EmulationError(f"--lan-workers must be >= 0, got {workers}")
-    nodes = tuple(dataclasses.replace(dc, lan_workers=workers,
-                                      lan=dc.lan if dc.lan is not None and len(dc.lan.workers) == workers else None)
-                  for dc in scenario.nodes)
-    return dataclasses.replace(scenario, nodes=nodes)
+    nodes = []
+    sources: dict[int, str] = {}
+    for dc in scenario.nodes:
+        count = dc.lan_workers if workers is None else workers
+        lan = dc.lan if dc.lan is not None and len(dc.lan.workers) == count else None
+        source = "described" if lan is not None else "none"
+        if lan is None and planned and count > 0:
+            lan = uniform_lan(count, dc.lan)
+            source = "resized" if dc.lan is not None else "default"
+        if count > 0:
+            sources[dc.id] = source
+        nodes.append(dataclasses.replace(dc, lan_workers=count, lan=lan if count > 0 else None))
+    return dataclasses.replace(scenario, nodes=tuple(nodes)), sources
+
+
+def compute_of(scenario: Scenario, contributor: Contributor, compute_s: float) -> float:
+    """Seconds of emulated compute per iteration before ``contributor`` pushes: a LAN worker its DC's LAN
+    describes spends its own ``compute_s`` (the description's, which is more specific than the run's);
+    every other trainer the run's ``--compute-s``."""
+    lan = scenario.node(contributor.dc).lan
+    if contributor.worker is None or lan is None:
+        return compute_s
+    return lan.workers[contributor.worker].compute_s
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -455,7 +486,11 @@ class SystemRun:
         for dc in net.plan.node_ids:
             gateway = self._gateway_flags(dc)
             if dc in self.lan_tiers:  # the gateway announces its LAN; the scheduler plans and pushes the tier
-                gateway += ["--edge-scenario", scenario_path]
+                lan = self.scenario.node(dc).lan
+                assert lan is not None
+                described = self.dir / f"lan-{dc}.toml"   # the run's LAN, which may not be the file's own
+                described.write_text(lan_toml(lan))
+                gateway += ["--edge-lan", str(described)]
             # -v: the log names each link's load per iteration
             self._spawn(f"node-{dc}", dc, self._python(
                 "-m", "netstorm.cli", "-v", "node", "--id", str(dc), "--scheduler", scheduler,
@@ -493,7 +528,7 @@ class SystemRun:
             chaos = ["--rejoinable", "--max-failures", "1000", "--retry-s", "0.2"] if opts.chaos else []
             self._spawn(f"trainer-{c.label}", where, self._python(
                 "-m", "netstorm.trainers.synthetic", *endpoint, "--dc", str(c.id), *job, "--model", opts.model,
-                "--iterations", str(opts.iterations), "--compute-s", str(opts.compute_s),
+                "--iterations", str(opts.iterations), "--compute-s", str(compute_of(self.scenario, c, opts.compute_s)),
                 *(["--overlap"] if opts.overlap else []), *chaos, *self._secret_flags(),
                 "--out", str(self.logs[c.label].path)),
                 trainer=True)
@@ -529,6 +564,16 @@ class SystemRun:
         return ["--edge-workers", str(lan.workers), "--edge-listen", f"{lan.gateway_address}:{EDGE_PORT}",
                 "--edge-interface", lan.gateway_iface, "--edge-mode", self.edge_picks.get(dc, self.opts.edge_mode),
                 "--edge-scale", str(edge_scale(lan_ids))]
+
+    def dc_planners(self) -> dict[str, dict[str, str | None]]:
+        """Per DC with LAN workers, the planner its tier ran (its plan's own name), or None and why not."""
+        out: dict[str, dict[str, str | None]] = {}
+        for dc in sorted(self.net.plan.lans):
+            tier = self.lan_tiers.get(dc)
+            out[str(dc)] = ({"planner": tier.plan.planner} if tier is not None else
+                            {"planner": None, "why": "the scenario describes no LAN for this DC and no dc_planner was "
+                                                     "given: the flat gateway, unplanned and unshaped"})
+        return out
 
     def edge_modes(self) -> dict[str, str]:
         """How each gateway aggregated its LAN (``xdp (native)``, ``xdp (generic)``, ``userspace``), as its
@@ -726,6 +771,7 @@ class SystemRun:
             if per_lan:
                 out["per_lan_worker_iteration_s"] = per_lan
                 out["lan_tier"] = {str(dc): tier.record() for dc, tier in sorted(self.lan_tiers.items())}
+                out["dc_planners"] = self.dc_planners()
                 out["edge_mode"] = self.edge_modes()
             else:
                 out["lan_note"] = "gloo has no LAN tier: one rank per DC, the LAN workers did not take part"
@@ -762,7 +808,8 @@ def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess
 
 def run(opts: Options) -> dict[str, Any]:
     """Build the network, run every system, return the result document (see ``results``)."""
-    scenario = with_lan_workers(with_seed(load(opts.scenario), opts.seed), opts.lan_workers)
+    scenario, lan_sources = resize_lans(with_seed(load(opts.scenario), opts.seed), opts.lan_workers,
+                                        planned=opts.plan_lans)
     parameters = opts.parameters()
     model_bytes = 4 * parameters
     bounds = results.Bounds(model_bytes, opts.bw_scale)
@@ -782,6 +829,8 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["lan_workers"] = {str(dc): lan.workers for dc, lan in sorted(net.plan.lans.items())}
             result["features"]["edge_mode"] = {"requested": opts.edge_mode}
             result["features"]["dc_planner"] = run_config(opts.config_flags).dc_planner
+            result["features"]["dc_pace_rates"] = run_config(opts.config_flags).dc_pace_rates
+            result["features"]["lan_description"] = {str(dc): src for dc, src in sorted(lan_sources.items())}
         for line in net.features.lines():
             progress.line(line)
         picks: dict[int, str] = {}
@@ -798,7 +847,9 @@ def run(opts: Options) -> dict[str, Any]:
                 for system in opts.systems for c in opts.compressions if system.kind == "netstorm" or c == "none"]
         for system, compression in rows:
             net.set_rates(scenario.rates())
-            per_iteration = opts.compute_s + 40.0 * bounds.limit_s(scenario.rates())
+            lan_compute = max((w.compute_s for dc in scenario.nodes if dc.lan is not None for w in dc.lan.workers),
+                              default=0.0)
+            per_iteration = max(opts.compute_s, lan_compute) + 40.0 * bounds.limit_s(scenario.rates())
             budget = opts.timeout_s or 120.0 + opts.iterations * per_iteration
             runner = SystemRun(net, scenario, system, opts, Path(tmp), model_bytes, bounds.limit_s, compression)
             runner.edge_picks = picks

@@ -108,6 +108,9 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gia_threshold: int = 0
     """A FediAC job's vote threshold the WAN roots apply (0: none): the counts then come back as the 0/1
     GIA, which a LAN worker's rounds read with a threshold of 1, as a node trainer's do."""
+    pace_gbit: float | None = None
+    """The Gbit/s this worker's DATA is paced to: its rate in the DC's plan (``dc_pace_rates``; None:
+    unpaced, as fast as its socket takes it)."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

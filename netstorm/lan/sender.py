@@ -62,6 +62,7 @@ from netstorm.lan.header import (
     Precision,
 )
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.pacing import Pace
 from netstorm.lan.packets import control_packet, data_packets, header_rows
 from netstorm.lan.precision import integer_precision
 from netstorm.lan.resultwire import RESULT_DTYPES, ResultWire
@@ -284,6 +285,7 @@ class EdgeSender:
             self.batch.gso = False
         self.retransmit = deployment.retransmit
         self.query_nacks = deployment.query_nacks
+        self.batch.pace = Pace.gbit(deployment.pace_gbit) if deployment.pace_gbit else None
         if deployment.group is not None and self.group_sock is None:
             self.group_sock = self.group_opener(deployment.group, local_address(self.sock, self.gateway))
 

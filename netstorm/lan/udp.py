@@ -10,10 +10,13 @@ import errno
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from netstorm.lan.pacing import Pace
 
 if TYPE_CHECKING:
     from netstorm.lan.batch import DatagramBatch
@@ -100,6 +103,10 @@ class BatchSender:
         self.calls = 0
         self.datagrams = 0
         self._vectors: _SendVectors | None = None
+        self.pace: Pace | None = None
+        """Batches leave no faster than this (a LAN worker's planned rate); None: as the socket takes them."""
+        self.paced_s = 0.0
+        """Seconds spent waiting for the pace."""
 
     async def send(self, rows: np.ndarray, address: Address) -> None:
         """Send every row of ``rows`` (uint8, one datagram per row) to ``address``."""
@@ -114,6 +121,11 @@ class BatchSender:
         at = 0
         while at < total:
             part = data[at: at + step]
+            if self.pace is not None:
+                wait = self.pace.delay(time.monotonic())
+                if wait > 0:
+                    self.paced_s += wait
+                    await asyncio.sleep(wait)
             try:
                 send_segmented(self.sock, part, size, address)
             except BlockingIOError:
@@ -131,10 +143,13 @@ class BatchSender:
             self.calls += 1
             self.datagrams += len(part) // size
             at += len(part)
+            if self.pace is not None:
+                self.pace.charge(len(part), time.monotonic())
 
     async def _send_separate(self, rows: np.ndarray, address: Address) -> None:
-        """Every row as its own datagram, SEND_BATCH per ``sendmmsg``; a call the full send buffer cut short
-        (or refused) resumes at the first datagram it did not take once the socket is writable again."""
+        """Every row as its own datagram, SEND_BATCH per ``sendmmsg`` (paced: at most the pace's depth of bytes
+        per call); a call the full send buffer cut short (or refused) resumes at the first datagram it did not
+        take once the socket is writable again."""
         send = _SENDMMSG
         assert send is not None
         vec = self._vectors
@@ -143,9 +158,15 @@ class BatchSender:
         vec.aim(address)
         count, size = rows.shape
         base = rows.ctypes.data
+        batch = SEND_BATCH if self.pace is None else max(1, min(SEND_BATCH, self.pace.depth // size))
         at = 0
         while at < count:
-            n = min(SEND_BATCH, count - at)
+            if self.pace is not None:
+                wait = self.pace.delay(time.monotonic())
+                if wait > 0:
+                    self.paced_s += wait
+                    await asyncio.sleep(wait)
+            n = min(batch, count - at)
             vec.point(base + at * size, size, n)
             sent = send(self.sock.fileno(), ctypes.addressof(vec.msgs), n, MSG_DONTWAIT)
             if sent < 0:
@@ -159,6 +180,8 @@ class BatchSender:
             self.calls += 1
             self.datagrams += sent
             at += sent
+            if self.pace is not None:
+                self.pace.charge(sent * size, time.monotonic())
 
 
 def multicast_from(sock: socket.socket, *, address: str = "0.0.0.0", ifindex: int = 0) -> None:

@@ -502,7 +502,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
                 record: dict[str, Any] = {"iteration": k, "seconds": end - clock.start, "sync_s": clock.blocked,
                                           "check_s": time.perf_counter() - end, "exact": verdict.exact, "dc": dc,
                                           "workers": workers, "cpu_s": time.process_time(), "began": began,
-                                          "wan_bytes": getattr(raw, "wan_bytes", 0)}
+                                          "wan_bytes": getattr(raw, "wan_bytes", 0), "compute_s": args.compute_s}
                 if options.method != "none":
                     record.update(compression=options.method, round_trips=1)
                 if args.rejoinable:
