@@ -485,6 +485,9 @@ def test_eina_milp_matches_brute_force_and_the_heuristic_stays_feasible() -> Non
         n = rng.randint(3, 5)
         inst = eina.random_instance(rng, aggregators=n, pss=1, idle=rng.randint(0, 1), workers=(1, 3),
                                     capacity=(5, 40), depth=rng.choice([3, 4]))
+        if rng.random() < 0.5:  # a rack's uplink shared by some aggregators
+            inside = frozenset(rng.sample(inst.aggregators[1:], rng.randint(1, n - 1)))
+            inst = dataclasses.replace(inst, shared=((inside, rng.uniform(5, 40)),))
         exact = eina.solve_milp(inst)
         assert exact.status == "optimal" and not eina.verify(inst, exact)
         assert exact.total == pytest.approx(_brute(inst), rel=1e-5, abs=1e-6)
@@ -505,11 +508,31 @@ def test_eina_milp_matches_brute_force_with_several_pss(pss: int) -> None:
                                     depth=rng.choice([3, 4]))
         if trial % 2:  # PSs on aggregators that host workers
             inst = dataclasses.replace(inst, roots={p: 3 - p for p in inst.roots})
+        if trial >= 2:  # and a shared uplink
+            inst = dataclasses.replace(inst, shared=((frozenset({2, 3}), rng.uniform(5, 40)),))
         exact = eina.solve_milp(inst)
         assert exact.status == "optimal" and not eina.verify(inst, exact)
         assert exact.total == pytest.approx(_brute(inst), rel=1e-5, abs=1e-6)
         quick = eina.heuristic(inst)
         assert not eina.verify(inst, quick) and quick.total <= exact.total + 1e-6
+
+
+def test_eina_with_workers_as_aggregators_sees_the_racks_uplinks() -> None:
+    """lan-hetero-4's DC 2, two racks of four behind 4 Gbit/s uplinks: with workers as the aggregators
+    (what the runtime plans) and the uplinks unseen, EINA's best is flat, which the uplinks hold to 8
+    Gbit/s; seeing them, it clusters inside the racks and sends fewer flows across them."""
+    lan = scenario.load("lan-hetero-4").node(2).lan
+    assert lan is not None
+    blind = dcplan.plan_dc(lan, "eina", dcplan.Options(tor=False, rack_uplinks=False))
+    seeing = dcplan.plan_dc(lan, "eina", dcplan.Options(tor=False))
+    flat = dcplan.plan_dc(lan, "flat")
+    assert blind.prediction.gbit == pytest.approx(flat.prediction.gbit) == pytest.approx(8.0)
+    assert blind.prediction.bottleneck.endswith("uplink")
+    assert seeing.prediction.gbit > 1.25 * flat.prediction.gbit
+    assert seeing.detail["model_rate_gbit"]["0"] * len(lan.workers) == pytest.approx(seeing.prediction.gbit)
+    loads_respected(lan, seeing)
+    clusters, _ = lanmodel.two_level(seeing)
+    assert clusters and all(lan.workers[m].rack == lan.workers[a].rack for a, ms in clusters.items() for m in ms)
 
 
 def test_eina_falls_back_to_the_heuristic_when_the_budget_is_spent() -> None:

@@ -60,6 +60,9 @@ class Options:
     """PAHInA: count the bytes a mixed-precision aggregate grows by when ranking candidates."""
     tor: bool = True
     """Aggregate at the racks' ToR aggregators where the DC describes racks."""
+    rack_uplinks: bool = True
+    """EINA and GRID see each rack's uplink as a link its aggregators share (a deviation: EINA's fabric is
+    non-blocking, so without it a plan with workers as aggregators is blind to the uplinks it crosses)."""
     seed: int = 0
 
     @classmethod
@@ -93,7 +96,8 @@ class _Mapping:
 
 def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     """The LAN as EINA's instance: one PS (the gateway); aggregators are the racks' ToR aggregators
-    (``tor``) and the workers no ToR takes (each pinned to itself). A worker aggregator's c is
+    (``tor``) and the workers no ToR takes (each pinned to itself); each rack's uplink is a link its
+    aggregators share (``rack_uplinks``). A worker aggregator's c is
     min(port, agg_gbit): its port carries its own flow and its children's, pushes and results alike, so
     the same (children + a_j)·r bound holds. A ToR's uplink carries pushes and results both ways
     (``duplex``); every worker sends at r, so r^U is the slowest port under a ToR."""
@@ -131,8 +135,14 @@ def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     gw = k
     node[gw], members[gw], a[gw] = GATEWAY, [], 0
     c[gw] = b[gw] = lan.gateway_gbit
+    shared = []
+    for rack in lan.racks if options.rack_uplinks else ():
+        behind = frozenset(j for j, n in node.items()
+                           if n == tor_id(rack.id) or (isinstance(n, int) and lan.workers[n].rack == rack.id))
+        if behind:
+            shared.append((behind, rack.uplink_gbit))
     inst = eina.Instance(tuple(node), a, {0: gw}, c, b, {**b, **b_out}, r_high=r_high, depth=options.depth,
-                         duplex=frozenset(duplex))
+                         duplex=frozenset(duplex), shared=tuple(shared))
     return _Mapping(inst, node, members)
 
 

@@ -71,6 +71,13 @@ class Instance:
     depth: int = 3
     """d*: aggregators a flow may traverse, the root's included (d̂ = min(d*, |A|) - 1)."""
     duplex: frozenset[int] = frozenset()
+    shared: tuple[tuple[frozenset[int], float], ...] = ()
+    """Links several aggregators sit behind (a rack's uplink), with their capacity: every flow between an
+    aggregator inside and one outside crosses it. Not in the paper, whose fabric is non-blocking."""
+
+    def crossings(self, i: int, j: int) -> list[int]:
+        """Indexes of the shared links a flow from i to j crosses."""
+        return [k for k, (inside, _) in enumerate(self.shared) if (i in inside) != (j in inside)]
 
     @property
     def with_workers(self) -> list[int]:
@@ -189,6 +196,8 @@ def solve_milp(inst: Instance, *, integer: bool = False, literal: bool = False,
             m.row(zout, ub=inst.b_in[j])                                                # (11) corrected
             if j in inst.duplex:
                 m.row([*zin, *zout], ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row([(col, 1.0) for (p, i, j), col in z.items() if k in inst.crossings(i, j)], ub=cap)
     res = m.solve(time_limit=time_limit)
     detail = {"gap": res.gap}
     if res.values is None:
@@ -229,6 +238,9 @@ def best_rates(inst: Instance, trees: Mapping[int, Mapping[int, int]], *, intege
         if j in inst.duplex:
             m.row([*((r[p], k) for p, k in u["in"][j].items()), *((r[p], k) for p, k in u["out"][j].items())],
                   ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row([(r[p], 1.0) for p, tree in trees.items() for i, j in tree.items() if k in inst.crossings(i, j)],
+              ub=cap)
     res = m.solve(time_limit=10.0)
     if res.values is None:
         return {p: 0.0 for p in trees}
@@ -274,6 +286,11 @@ def verify(inst: Instance, sol: Solution, eps: float = EPS) -> list[str]:
             use_in[j] += kids.get(j, 0) * rp
             if j in tree:
                 use_out[j] += rp
+    for k, (_, cap) in enumerate(inst.shared):
+        load = sum(sol.rates.get(p, 0.0) for p, tree in sol.trees.items() if sol.rates.get(p, 0.0) > eps
+                   for i, j in tree.items() if k in inst.crossings(i, j))
+        if load > cap + eps:
+            problems.append(f"shared link {k}: {load:.6g} > {cap:.6g}")
     for j in inst.aggregators:
         if use_c[j] > inst.c[j] + eps:
             problems.append(f"aggregator {j}: aggregation {use_c[j]:.6g} > c {inst.c[j]:.6g}")
@@ -414,8 +431,13 @@ def heuristic(inst: Instance, *, integer: bool = False) -> Solution:
             tree = t2
         rates[p], trees[p] = rp, tree
         _take(inst, root, tree, rp, c, b_in, b_out)
-    # with the trees fixed, the rates are an LP: the sequential split between PSs is re-balanced
-    if len(trees) > 1 and all(trees.values()):
+    # with the trees fixed, the rates are an LP: the sequential split between PSs is re-balanced, and
+    # shared links (which the trees were built without) are met
+    if inst.shared:  # only PSs whose tree reaches every worker aggregator may get a rate
+        served = {p: t for p, t in trees.items()
+                  if all(j in t for j in inst.with_workers if j != inst.roots[p])}
+        rates = {p: 0.0 for p in trees} | (best_rates(inst, served, integer=integer) if served else {})
+    elif len(trees) > 1 and all(trees.values()):
         better = best_rates(inst, trees, integer=integer)
         if sum(better.values()) > sum(rates.values()) + 1e-9:
             rates = better
@@ -513,12 +535,20 @@ def _grid_relaxation(inst: Instance, groups: list[int], points: list[int],
 
 def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[int, float]:
     """Largest rates for a GRID assignment (group -> aggregation point, -1 unaggregated) under every
-    constraint: aggregation, what each aggregator sends and receives."""
+    constraint: aggregation, what each aggregator sends and receives, the shared links."""
     m = milp.Model()
     r = {p: m.var(inst.r_low, inst.r_high, 1.0) for p in assign}
     c: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
     rin: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
     rout: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
+    over: dict[int, list[tuple[int, float]]] = {k: [] for k in range(len(inst.shared))}
+
+    def flow(i: int, j: int, term: tuple[int, float]) -> None:
+        rout[i].append(term)
+        rin[j].append(term)
+        for k in inst.crossings(i, j):
+            over[k].append(term)
+
     for p, groups in assign.items():
         root = inst.roots[p]
         aggregating: set[int] = set()
@@ -526,19 +556,16 @@ def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[
             a = float(inst.workers[i])
             if j == -1 or j == root:  # raw flows into the PS's aggregator
                 if i != root:
-                    rout[i].append((r[p], a))
-                    rin[root].append((r[p], a))
+                    flow(i, root, (r[p], a))
                 if j == root:
                     c[root].append((r[p], a))
                 continue
             c[j].append((r[p], a))
             if j != i:
-                rout[i].append((r[p], a))
-                rin[j].append((r[p], a))
+                flow(i, j, (r[p], a))
             aggregating.add(j)
         for j in aggregating:  # one aggregate per aggregation point to the PS
-            rout[j].append((r[p], 1.0))
-            rin[root].append((r[p], 1.0))
+            flow(j, root, (r[p], 1.0))
             c[root].append((r[p], 1.0))
     for j in inst.aggregators:
         m.row(c[j], ub=inst.c[j])
@@ -546,6 +573,8 @@ def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[
         m.row(rout[j], ub=inst.b_in[j])
         if j in inst.duplex:
             m.row([*rin[j], *rout[j]], ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row(over[k], ub=cap)
     res = m.solve(time_limit=10.0)
     if res.values is None:
         return {p: 0.0 for p in assign}
