@@ -33,7 +33,9 @@ and the corrected one right (``literal=True``: the notes' own check, ``LITERAL``
    the gateway, so it cannot starve one and keeps r^L = 0.
 
 ``duplex`` aggregators carry what they receive and what they send on one link (a rack's uplink, where
-pushes and results cross in both directions): their in + out <= b^E.
+pushes and results cross in both directions): their in + out <= b^E. ``shared`` links are not in the
+paper, whose fabric is non-blocking: a set of aggregators behind one link (a rack's uplink, when the
+workers are the aggregators), which every flow between one inside and one outside crosses.
 
 When HiGHS cannot prove the optimum within the time budget (option ``dc_plan_time_limit``, default
 60 s) the better of its incumbent and the solver-free heuristic is used: per PS (roots with the most
