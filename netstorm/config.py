@@ -195,6 +195,10 @@ class Config:
     eina_depth: int = 3
     """EINA's d*: aggregators a flow may traverse, the gateway's included (3 = two levels below the
     gateway, what the LAN data plane runs)."""
+    eina_rack_uplinks: bool = True
+    """EINA sees each rack's uplink as a link its aggregators share (a deviation: the paper's fabric is
+    non-blocking); false: the paper's model, which plans flat on racked DCs whose workers are the only
+    aggregators, since it cannot see the uplinks their flows cross."""
     dc_pace_rates: bool = True
     """A LAN worker paces its DATA to its rate in the DC's plan (PAHInA's sender-side rate allocation),
     told in its HELLO answer; false: it sends as fast as its socket takes. On because paced plans never

@@ -35,7 +35,9 @@ gloo runs over TCP on the same LAN and loses nothing.
 A planned tier on a scenario's LAN (``--lan-scenario S --dc N [--lan-bw-scale X] [--dc-planner P]``): the
 DC's workers, each port shaped to its described uplink and downlink and the gateway's port to its rate
 (times X), the precisions as described, and the two-level deployment the scheduler's planning core makes
-with planner P (``flat``, ``aleph``, ``pahina``, ``eina``, or the baseline ``precision-oblivious``). Every
+with planner P (``flat``, ``aleph``, ``pahina``, ``eina``), or a baseline's two-level form (``atp``: one
+worker per rack, drawn at random, aggregates the rack; ``grid``: GRID's rounded single aggregation;
+``precision-oblivious``: PAHInA's greedy as if every worker sent fp32). Every
 path then runs on that one LAN, gloo among the same workers included: the LAN tier alone, without a WAN
 step, which is what the planners' papers compare (communication time per iteration and aggregation
 throughput).
@@ -106,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lan-bw-scale", type=float, default=1.0, metavar="X",
                         help="multiply the scenario's LAN rates (default 1)")
     parser.add_argument("--dc-planner", default=None, metavar="P",
-                        help="with --lan-scenario: deploy planner P's two-level plan (flat, aleph, pahina, eina, "
-                             "precision-oblivious)")
+                        help="with --lan-scenario: deploy planner P's two-level plan (flat, aleph, pahina, eina) or "
+                             "baseline P's two-level form (atp, grid, precision-oblivious)")
     parser.add_argument("--pace-rates", action="store_true",
                         help="with --dc-planner: each worker paces its DATA to its rate in the plan (x --lan-bw-scale),"
                              " told in its HELLO answer (dc_pace_rates; default here: unpaced)")
@@ -183,21 +185,27 @@ def apply_lan_scenario(args: argparse.Namespace) -> None:
 
 
 def planned_topology(spec: Any, planner: str, config: Any) -> tuple[Any, dict[str, Any]]:
-    """The LanTopology the scheduler's planning core deploys for ``planner`` (or the precision-oblivious
-    baseline, PAHInA's greedy as if every worker sent fp32), and what the plan predicts."""
+    """The LanTopology the scheduler's planning core deploys for ``planner``, or a baseline's two-level
+    form (``atp``, ``grid``, ``precision-oblivious``: ``dcplan.baseline_plan`` with workers as the only
+    aggregators, as the planning core plans), and what the plan predicts."""
     import dataclasses
 
     from netstorm import lanreport
-    from netstorm.errors import NetStormError
+    from netstorm.errors import NetStormError, PolicyError
     from netstorm.lan.deploy import LanTopology
-    from netstorm.planning import pahina
-    from netstorm.planning.lanmodel import two_level
+    from netstorm.planning import dcplan
+    from netstorm.planning.lanmodel import PLANNERS, two_level
     from scheduler.lanplanning import LanPlanning
 
-    if planner == "precision-oblivious":
-        plan = pahina.oblivious(spec, tor=False)
-        clusters, _direct = two_level(plan)
-        info = {"planner": planner, "predicted_gbit": plan.prediction.gbit}
+    if planner not in (*PLANNERS, *dcplan.TREE_BASELINES):
+        raise NetStormError(f"--dc-planner {planner!r}: one of {', '.join((*PLANNERS, *dcplan.TREE_BASELINES))}")
+    if planner in dcplan.TREE_BASELINES:
+        try:
+            plan = dcplan.baseline_plan(spec, planner, dcplan.Options.from_config(config, tor=False))
+            clusters, _direct = two_level(plan)
+        except PolicyError as exc:
+            raise NetStormError(f"--dc-planner {planner!r}: {exc}") from None
+        info = {"planner": planner, "predicted_gbit": plan.prediction.gbit, "notes": list(plan.notes)}
     else:
         try:
             core = LanPlanning(dataclasses.replace(config, dc_planner=planner))

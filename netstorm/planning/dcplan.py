@@ -9,12 +9,15 @@ fluid model of ``lanmodel``.
 papers' edge aggregators) and PAHInA uses them as its programmable nodes. The data plane runs only
 worker aggregators two levels deep, so the scheduler plans with ``tor=False``: workers are then the
 aggregators and racks only constrain, through their uplinks. A planner that needs racks says so in its
-plan's notes when the DC has none.
+plan's notes when the DC has none. The tree baselines have the same two forms (``baseline_plan``):
+without ToRs, ATP stands one worker per rack, drawn at random, in for the rack's ToR, and GRID's
+aggregation points are workers; that form is what ``bench edge --dc-planner atp|grid`` deploys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
     from netstorm.config import Config
 
 BASELINES = ("flat", "ring", "atp", "grid", "precision-oblivious")
+TREE_BASELINES = ("atp", "grid", "precision-oblivious")
+"""The baselines that are aggregation trees (the ring is not), so a DC can deploy them."""
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,16 @@ class Options:
     """PAHInA: count the bytes a mixed-precision aggregate grows by when ranking candidates."""
     tor: bool = True
     """Aggregate at the racks' ToR aggregators where the DC describes racks."""
+    rack_uplinks: bool = True
+    """EINA and GRID see each rack's uplink as a link its aggregators share (a deviation: EINA's fabric is
+    non-blocking, so without it a plan with workers as aggregators is blind to the uplinks it crosses)."""
     seed: int = 0
 
     @classmethod
     def from_config(cls, config: Config, **changes: Any) -> Options:
         base = cls(time_limit=config.dc_plan_time_limit, integer_rates=config.eina_integer_rates,
-                   depth=config.eina_depth, inflation=config.pahina_inflation)
+                   depth=config.eina_depth, inflation=config.pahina_inflation,
+                   rack_uplinks=config.eina_rack_uplinks)
         return dataclasses.replace(base, **changes)
 
 
@@ -88,7 +97,8 @@ class _Mapping:
 
 def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     """The LAN as EINA's instance: one PS (the gateway); aggregators are the racks' ToR aggregators
-    (``tor``) and the workers no ToR takes (each pinned to itself). A worker aggregator's c is
+    (``tor``) and the workers no ToR takes (each pinned to itself); each rack's uplink is a link its
+    aggregators share (``rack_uplinks``). A worker aggregator's c is
     min(port, agg_gbit): its port carries its own flow and its children's, pushes and results alike, so
     the same (children + a_j)·r bound holds. A ToR's uplink carries pushes and results both ways
     (``duplex``); every worker sends at r, so r^U is the slowest port under a ToR."""
@@ -126,8 +136,14 @@ def eina_instance(lan: LanSpec, options: Options = Options()) -> _Mapping:
     gw = k
     node[gw], members[gw], a[gw] = GATEWAY, [], 0
     c[gw] = b[gw] = lan.gateway_gbit
+    shared = []
+    for rack in lan.racks if options.rack_uplinks else ():
+        behind = frozenset(j for j, n in node.items()
+                           if n == tor_id(rack.id) or (isinstance(n, int) and lan.workers[n].rack == rack.id))
+        if behind:
+            shared.append((behind, rack.uplink_gbit))
     inst = eina.Instance(tuple(node), a, {0: gw}, c, b, {**b, **b_out}, r_high=r_high, depth=options.depth,
-                         duplex=frozenset(duplex))
+                         duplex=frozenset(duplex), shared=tuple(shared))
     return _Mapping(inst, node, members)
 
 
@@ -164,11 +180,29 @@ def eina_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
 
 
 def atp_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
-    """ATP-style: each worker to its rack's aggregator, the aggregate to the gateway."""
-    if not lan.racks or not options.tor:
-        why = "no racks" if not lan.racks else "no ToR aggregators"
-        return make_plan("atp", lan, flat(lan), [f"{why}: ATP-style aggregation is the flat gateway"])
+    """ATP-style: each worker to its rack's aggregator, the aggregate to the gateway.
+
+    With ``tor`` the rack's ToR aggregator sums (ATP's programmable switch). Without (what the data
+    plane runs: worker aggregators only) ATP's two-level form stands one worker of each rack in for
+    its ToR, drawn at random from the seed: ATP's aggregation point is where the rack is, whatever
+    the workers' bandwidth (EINA's evaluation of ATP: "random allocation and early aggregation"). A DC
+    without racks is one rack whose ToR is the gateway: the flat gateway."""
+    if not lan.racks:
+        return make_plan("atp", lan, flat(lan), ["no racks: ATP-style aggregation is the flat gateway"])
     parent: dict[Node, Node] = {}
+    if not options.tor:
+        rng = random.Random(options.seed)
+        for r in lan.racks:
+            inside = sorted(w.index for w in lan.workers if w.rack == r.id)
+            if not inside:
+                continue
+            stand_in = rng.choice(inside)
+            for index in inside:
+                parent[index] = GATEWAY if index == stand_in else stand_in
+        for worker in lan.workers:
+            parent.setdefault(worker.index, GATEWAY)
+        return make_plan("atp", lan, parent, ["no ToR aggregators: one worker per rack, drawn at random, "
+                                              "aggregates the rack"], {"seed": options.seed})
     for w in lan.workers:  # a ToR that cannot sum its precision passes it on to the gateway
         ok = w.rack is not None and lan.rack(w.rack).capacity(w.precision) > 0
         parent[w.index] = tor_id(w.rack) if ok and w.rack is not None else GATEWAY
@@ -201,5 +235,16 @@ def grid_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
 def baselines(lan: LanSpec, options: Options = Options()) -> dict[str, Prediction]:
     """Every baseline's prediction on this LAN."""
     return {"flat": predict(lan, flat(lan)), "ring": ring_allreduce(lan),
-            "atp": atp_plan(lan, options).prediction, "grid": grid_plan(lan, options).prediction,
-            "precision-oblivious": pahina.oblivious(lan, tor=options.tor).prediction}
+            **{name: baseline_plan(lan, name, options).prediction for name in TREE_BASELINES}}
+
+
+def baseline_plan(lan: LanSpec, name: str, options: Options = Options()) -> DcPlan:
+    """The tree of baseline ``name`` (one of ``TREE_BASELINES``); with ``tor=False`` it is the two-level
+    form the data plane runs, which is how the emulation deploys a baseline."""
+    if name == "atp":
+        return atp_plan(lan, options)
+    if name == "grid":
+        return grid_plan(lan, options)
+    if name == "precision-oblivious":
+        return pahina.oblivious(lan, tor=options.tor)
+    raise PolicyError(f"unknown baseline {name!r} (one of {', '.join(TREE_BASELINES)})")

@@ -6,21 +6,36 @@ r_p, maximizing Σ_p r_p (each PS then owns the share r_p / Σ r_p of the model)
 (z <= r^U·x, z <= r, z >= r - r^U·(1 - x), z >= 0, x binary), so HiGHS solves it as a MILP; with r_p
 integer it is the paper's IQCP variant (option ``eina_integer_rates``).
 
-The printed model (1)-(13) is wrong in ways that change answers; ``literal=True`` keeps it for
-reproduction and the tests show each defect:
+The printed model (1)-(13) is wrong in ways that change answers. The notes (notes-eina.md §2.1) list
+eight defects; numbered as there, each is corrected here, and ``printed`` (names in ``PRINTED``) keeps
+any of the ones a model can be built from, so the tests show the printed form wrong on the notes' case
+and the corrected one right (``literal=True``: the notes' own check, ``LITERAL``):
 
-* (8) says an idle aggregator forwards only if it receives, never that it must forward what it
-  receives: trees may sink into an idle aggregator that is not the root. Corrected:
-  x_{p,k,i} <= Σ_j x_{p,i,j} for every idle i other than the root (and (8) as out <= in, per PS);
-* a PS whose aggregator hosts workers is infeasible ((2) makes it send, (3) gives it depth 0).
-  Corrected: (2) over A_W \\ {π[p]}, and the root sends nothing;
-* (10) as typeset counts a_j once per i; the intended Σ_p (Σ_i x_{p,i,j} + a_j)·r_p <= c_j is used;
-* (11) caps Σ_p r_p by every non-root aggregator's b^I, used or not; corrected to what j sends,
-  Σ_p Σ_k x_{p,j,k}·r_p <= b^I_j, for every j (a root sends for other PSs too);
-* (12)'s quantifier is "for all j"; (8)/(9) get "for all p"; (9) is implied by (4) and dropped.
+1. (10) as typeset counts a_j once per i != j, (|A| - 1) times; the intended
+   Σ_p (Σ_i x_{p,i,j} + a_j)·r_p <= c_j is used (``printed`` "10");
+2. (12) is quantified "for all i" over a row indexed by j: as printed j is unbound and no model can be
+   built from it, so there is no printed form to keep; it is read "for all j";
+3. (8) says an idle aggregator forwards only if it receives, never that it must forward what it
+   receives: trees may sink into an idle aggregator that is not the root. Corrected:
+   x_{p,k,i} <= Σ_j x_{p,i,j} for every idle i other than the root, and (8) as out <= in (``printed`` "8");
+4. a PS whose aggregator hosts workers is infeasible ((2) makes it send, (3) gives it depth 0).
+   Corrected: (2) over A_W \\ {π[p]}, and the root sends nothing (``printed`` "root");
+5. (11) caps Σ_p r_p by every non-root aggregator's b^I, used or not, and exempts a PS's aggregator even
+   when it forwards other PSs' flows; corrected to what j sends, Σ_p Σ_k x_{p,j,k}·r_p <= b^I_j, for
+   every j (``printed`` "11");
+6. (9), d_{p,i} >= out-degree, is implied by (5): an aggregator that sends sits one deeper than its
+   parent, at depth >= 1. It is dropped, which changes no solution, so there is nothing to show (an
+   idle aggregator that sends nothing may sit at depth 0 here, the notes' reading of (4) and (9));
+7. (8) and (9) lack "for all p": as printed p is unbound (no model again); both hold per PS;
+8. the objective Σ_p r_p cannot tell {10, 20} from {0, 30}: at r^L = 0 an optimum may give a PS no rate
+   and so no shard. ``Instance.r_low`` (r^L) is the floor every PS keeps; the MILP bounds r_p by it and
+   the heuristic reserves it for every PS before any takes more. The DC planner (``dcplan``) has one PS,
+   the gateway, so it cannot starve one and keeps r^L = 0.
 
 ``duplex`` aggregators carry what they receive and what they send on one link (a rack's uplink, where
-pushes and results cross in both directions): their in + out <= b^E.
+pushes and results cross in both directions): their in + out <= b^E. ``shared`` links are not in the
+paper, whose fabric is non-blocking: a set of aggregators behind one link (a rack's uplink, when the
+workers are the aggregators), which every flow between one inside and one outside crosses.
 
 When HiGHS cannot prove the optimum within the time budget (option ``dc_plan_time_limit``, default
 60 s) the better of its incumbent and the solver-free heuristic is used: per PS (roots with the most
@@ -58,6 +73,13 @@ class Instance:
     depth: int = 3
     """d*: aggregators a flow may traverse, the root's included (d̂ = min(d*, |A|) - 1)."""
     duplex: frozenset[int] = frozenset()
+    shared: tuple[tuple[frozenset[int], float], ...] = ()
+    """Links several aggregators sit behind (a rack's uplink), with their capacity: every flow between an
+    aggregator inside and one outside crosses it. Not in the paper, whose fabric is non-blocking."""
+
+    def crossings(self, i: int, j: int) -> list[int]:
+        """Indexes of the shared links a flow from i to j crosses."""
+        return [k for k, (inside, _) in enumerate(self.shared) if (i in inside) != (j in inside)]
 
     @property
     def with_workers(self) -> list[int]:
@@ -96,9 +118,25 @@ class Solution:
 # --- the exact model ---------------------------------------------------------------------------------
 
 
+PRINTED = ("root", "8", "10", "11")
+"""The printed constraints ``solve_milp`` can keep instead of their corrections, one per defect:
+``root`` (2)/(3): a PS's aggregator sends like any other, and must when it hosts workers; ``8``: (8) as
+printed, no receive => forward; ``10``: (10) as typeset, a_j counted once per i != j; ``11``: (11) as
+printed, Σ_p r_p <= b^I_j for every aggregator that roots no PS."""
+LITERAL = frozenset({"root", "8", "11"})
+"""``literal=True``: the printed model as the notes' check runs it (checks/eina_literal_model.py), (10)
+and (12) read as intended."""
+
+
 def solve_milp(inst: Instance, *, integer: bool = False, literal: bool = False,
-               time_limit: float | None = 60.0) -> Solution:
-    """The (corrected, or ``literal``) model solved by HiGHS; status ``infeasible`` carries no trees."""
+               printed: frozenset[str] = frozenset(), time_limit: float | None = 60.0) -> Solution:
+    """The corrected model solved by HiGHS, or with the ``printed`` constraints (names in ``PRINTED``;
+    ``literal``: those of ``LITERAL``) kept as the paper prints them; status ``infeasible`` carries no
+    trees."""
+    unknown = set(printed) - set(PRINTED)
+    if unknown:
+        raise ValueError(f"no printed constraint {sorted(unknown)} (one of {', '.join(PRINTED)})")
+    printed = frozenset(printed) | (LITERAL if literal else frozenset())
     A = list(inst.aggregators)
     P = list(inst.roots)
     AW = set(inst.with_workers)
@@ -112,7 +150,7 @@ def solve_milp(inst: Instance, *, integer: bool = False, literal: bool = False,
     z: dict[tuple[int, int, int], int] = {}
     for p in P:
         for i in A:
-            if i == root[p] and not literal:
+            if i == root[p] and "root" not in printed:
                 continue  # corrected: the root sends nothing
             for j in A:
                 if i != j:
@@ -131,11 +169,11 @@ def solve_milp(inst: Instance, *, integer: bool = False, literal: bool = False,
 
     for p in P:
         for i in A:
-            if i in AW and (literal or i != root[p]):
+            if i in AW and ("root" in printed or i != root[p]):
                 m.row(out(p, i), 1, 1)                                               # (2)
-            elif i != root[p] or literal:
+            elif i != root[p] or "root" in printed:
                 m.row(out(p, i), ub=1)                                               # (7)
-                if literal:
+                if "8" in printed:
                     m.row([*out(p, i), *((c, -M * v) for c, v in into(p, i))], ub=0)  # (8) as printed
                 else:
                     m.row([*out(p, i), *((c, -v) for c, v in into(p, i))], ub=0)      # forward => receive
@@ -150,15 +188,18 @@ def solve_milp(inst: Instance, *, integer: bool = False, literal: bool = False,
     for j in A:
         zin = [(z[p, i, j], 1.0) for p in P for i in A if (p, i, j) in z]
         zout = [(z[p, j, k], 1.0) for p in P for k in A if (p, j, k) in z]
-        m.row([*zin, *((r[p], float(inst.workers.get(j, 0))) for p in P)], ub=inst.c[j])  # (10) as intended
+        a_j = float(inst.workers.get(j, 0)) * ((len(A) - 1) if "10" in printed else 1)
+        m.row([*zin, *((r[p], a_j) for p in P)], ub=inst.c[j])                          # (10)
         m.row(zin, ub=inst.b_out[j])                                                    # (12), every j
-        if literal:
+        if "11" in printed:
             if j not in roots:
                 m.row([(r[p], 1.0) for p in P], ub=inst.b_in[j])                       # (11) as printed
         else:
             m.row(zout, ub=inst.b_in[j])                                                # (11) corrected
             if j in inst.duplex:
                 m.row([*zin, *zout], ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row([(col, 1.0) for (p, i, j), col in z.items() if k in inst.crossings(i, j)], ub=cap)
     res = m.solve(time_limit=time_limit)
     detail = {"gap": res.gap}
     if res.values is None:
@@ -199,6 +240,9 @@ def best_rates(inst: Instance, trees: Mapping[int, Mapping[int, int]], *, intege
         if j in inst.duplex:
             m.row([*((r[p], k) for p, k in u["in"][j].items()), *((r[p], k) for p, k in u["out"][j].items())],
                   ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row([(r[p], 1.0) for p, tree in trees.items() for i, j in tree.items() if k in inst.crossings(i, j)],
+              ub=cap)
     res = m.solve(time_limit=10.0)
     if res.values is None:
         return {p: 0.0 for p in trees}
@@ -213,10 +257,10 @@ def verify(inst: Instance, sol: Solution, eps: float = EPS) -> list[str]:
     use_in = {j: 0.0 for j in inst.aggregators}
     use_out = {j: 0.0 for j in inst.aggregators}
     for p, rp in sol.rates.items():
-        if rp <= eps:
-            continue
         if rp > inst.r_high + eps or rp < inst.r_low - eps:
             problems.append(f"r_{p} = {rp} outside [{inst.r_low}, {inst.r_high}]")
+        if rp <= eps:
+            continue
         tree = sol.trees.get(p, {})
         root = inst.roots[p]
         if root in tree:
@@ -244,6 +288,11 @@ def verify(inst: Instance, sol: Solution, eps: float = EPS) -> list[str]:
             use_in[j] += kids.get(j, 0) * rp
             if j in tree:
                 use_out[j] += rp
+    for k, (_, cap) in enumerate(inst.shared):
+        load = sum(sol.rates.get(p, 0.0) for p, tree in sol.trees.items() if sol.rates.get(p, 0.0) > eps
+                   for i, j in tree.items() if k in inst.crossings(i, j))
+        if load > cap + eps:
+            problems.append(f"shared link {k}: {load:.6g} > {cap:.6g}")
     for j in inst.aggregators:
         if use_c[j] > inst.c[j] + eps:
             problems.append(f"aggregator {j}: aggregation {use_c[j]:.6g} > c {inst.c[j]:.6g}")
@@ -312,20 +361,55 @@ def _build_tree(inst: Instance, root: int, r: float, c: Mapping[int, float], b_i
     return parent
 
 
+def _take(inst: Instance, root: int, tree: Mapping[int, int], r: float, c: dict[int, float],
+          b_in: dict[int, float], b_out: dict[int, float], sign: float = 1.0) -> None:
+    """Subtract (``sign`` -1: give back) what ``tree`` at rate r uses from the residual capacities."""
+    kids: dict[int, int] = {}
+    for parent in tree.values():
+        kids[parent] = kids.get(parent, 0) + 1
+    for j in inst.aggregators:
+        if j == root or j in tree:
+            c[j] -= sign * (kids.get(j, 0) + inst.workers.get(j, 0)) * r
+            b_out[j] -= sign * kids.get(j, 0) * r
+        if j in tree:
+            b_in[j] -= sign * r
+            if j in inst.duplex:
+                b_out[j] -= sign * r
+
+
 def heuristic(inst: Instance, *, integer: bool = False) -> Solution:
-    """Per PS in order of its root's downlink: bisection on the largest rate a tree exists for."""
+    """Per PS in order of its root's downlink: bisection on the largest rate a tree exists for.
+
+    With a floor r^L > 0 every PS first reserves a tree at r^L (in the same order), and each gives its
+    reservation back only when its own bisection starts: a PS served early cannot take what a later
+    one needs to stay in use (the printed objective alone would let it starve, defect 8)."""
     import time
 
     start = time.perf_counter()
     c, b_in, b_out = dict(inst.c), dict(inst.b_in), dict(inst.b_out)
     rates: dict[int, float] = {}
     trees: dict[int, dict[int, int]] = {}
-    for p in sorted(inst.roots, key=lambda p: (-inst.b_out[inst.roots[p]], p)):
+    order = sorted(inst.roots, key=lambda p: (-inst.b_out[inst.roots[p]], p))
+    lowest = math.ceil(inst.r_low - 1e-9) if integer else inst.r_low
+    reserved: dict[int, dict[int, int]] = {}
+    if lowest > 0:
+        for p in order:
+            t = _build_tree(inst, inst.roots[p], lowest, c, b_in, b_out)
+            if t is None:
+                return Solution({q: 0.0 for q in inst.roots}, {}, "heuristic",
+                                f"no tree for PS {p} at r^L = {lowest:g}", time.perf_counter() - start)
+            reserved[p] = t
+            _take(inst, inst.roots[p], t, lowest, c, b_in, b_out)
+    for p in order:
         root = inst.roots[p]
-        lo, hi = 0.0, inst.r_high
         best: tuple[float, dict[int, int]] | None = None
-        if _build_tree(inst, root, hi, c, b_in, b_out) is not None:
-            best = (hi, _build_tree(inst, root, hi, c, b_in, b_out) or {})
+        if p in reserved:
+            _take(inst, root, reserved[p], lowest, c, b_in, b_out, -1.0)
+            best = (lowest, reserved[p])
+        lo, hi = lowest, inst.r_high
+        top = _build_tree(inst, root, hi, c, b_in, b_out)
+        if top is not None:
+            best = (hi, top)
         else:
             for _ in range(50):
                 mid = (lo + hi) / 2
@@ -340,7 +424,7 @@ def heuristic(inst: Instance, *, integer: bool = False) -> Solution:
             rates[p], trees[p] = 0.0, {}
             continue
         rp, tree = best
-        if integer:
+        if integer and not float(rp).is_integer():
             rp = float(math.floor(rp + 1e-9))
             t2 = _build_tree(inst, root, rp, c, b_in, b_out) if rp > 0 else None
             if t2 is None:
@@ -348,19 +432,14 @@ def heuristic(inst: Instance, *, integer: bool = False) -> Solution:
                 continue
             tree = t2
         rates[p], trees[p] = rp, tree
-        kids: dict[int, int] = {}
-        for parent in tree.values():
-            kids[parent] = kids.get(parent, 0) + 1
-        for j in inst.aggregators:
-            if j == root or j in tree:
-                c[j] -= (kids.get(j, 0) + inst.workers.get(j, 0)) * rp
-                b_out[j] -= kids.get(j, 0) * rp
-            if j in tree:
-                b_in[j] -= rp
-                if j in inst.duplex:
-                    b_out[j] -= rp
-    # with the trees fixed, the rates are an LP: the sequential split between PSs is re-balanced
-    if len(trees) > 1 and all(trees.values()):
+        _take(inst, root, tree, rp, c, b_in, b_out)
+    # with the trees fixed, the rates are an LP: the sequential split between PSs is re-balanced, and
+    # shared links (which the trees were built without) are met
+    if inst.shared:  # only PSs whose tree reaches every worker aggregator may get a rate
+        served = {p: t for p, t in trees.items()
+                  if all(j in t for j in inst.with_workers if j != inst.roots[p])}
+        rates = {p: 0.0 for p in trees} | (best_rates(inst, served, integer=integer) if served else {})
+    elif len(trees) > 1 and all(trees.values()):
         better = best_rates(inst, trees, integer=integer)
         if sum(better.values()) > sum(rates.values()) + 1e-9:
             rates = better
@@ -458,12 +537,20 @@ def _grid_relaxation(inst: Instance, groups: list[int], points: list[int],
 
 def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[int, float]:
     """Largest rates for a GRID assignment (group -> aggregation point, -1 unaggregated) under every
-    constraint: aggregation, what each aggregator sends and receives."""
+    constraint: aggregation, what each aggregator sends and receives, the shared links."""
     m = milp.Model()
     r = {p: m.var(inst.r_low, inst.r_high, 1.0) for p in assign}
     c: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
     rin: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
     rout: dict[int, list[tuple[int, float]]] = {j: [] for j in inst.aggregators}
+    over: dict[int, list[tuple[int, float]]] = {k: [] for k in range(len(inst.shared))}
+
+    def flow(i: int, j: int, term: tuple[int, float]) -> None:
+        rout[i].append(term)
+        rin[j].append(term)
+        for k in inst.crossings(i, j):
+            over[k].append(term)
+
     for p, groups in assign.items():
         root = inst.roots[p]
         aggregating: set[int] = set()
@@ -471,19 +558,16 @@ def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[
             a = float(inst.workers[i])
             if j == -1 or j == root:  # raw flows into the PS's aggregator
                 if i != root:
-                    rout[i].append((r[p], a))
-                    rin[root].append((r[p], a))
+                    flow(i, root, (r[p], a))
                 if j == root:
                     c[root].append((r[p], a))
                 continue
             c[j].append((r[p], a))
             if j != i:
-                rout[i].append((r[p], a))
-                rin[j].append((r[p], a))
+                flow(i, j, (r[p], a))
             aggregating.add(j)
         for j in aggregating:  # one aggregate per aggregation point to the PS
-            rout[j].append((r[p], 1.0))
-            rin[root].append((r[p], 1.0))
+            flow(j, root, (r[p], 1.0))
             c[root].append((r[p], 1.0))
     for j in inst.aggregators:
         m.row(c[j], ub=inst.c[j])
@@ -491,6 +575,8 @@ def grid_rates(inst: Instance, assign: Mapping[int, Mapping[int, int]]) -> dict[
         m.row(rout[j], ub=inst.b_in[j])
         if j in inst.duplex:
             m.row([*rin[j], *rout[j]], ub=inst.b_out[j])
+    for k, (_, cap) in enumerate(inst.shared):
+        m.row(over[k], ub=cap)
     res = m.solve(time_limit=10.0)
     if res.values is None:
         return {p: 0.0 for p in assign}
