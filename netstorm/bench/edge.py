@@ -172,6 +172,8 @@ def apply_lan_scenario(args: argparse.Namespace) -> None:
     args.workers = len(spec.workers)
     args.rates = [(w.up_gbit * args.lan_bw_scale, w.down_gbit * args.lan_bw_scale) for w in spec.workers]
     args.gateway_gbit = spec.gateway_gbit * args.lan_bw_scale
+    args.racks = [(r.id, r.uplink_gbit * args.lan_bw_scale) for r in spec.racks]   # each behind its uplink
+    args.worker_racks = [w.rack for w in spec.workers]
     if args.precision == "fp32":
         args.precision = ",".join(w.precision for w in spec.workers)
     if args.dc_planner is not None:
@@ -234,6 +236,14 @@ def _rates(args: argparse.Namespace) -> list[tuple[float, float]] | None:
 
 
 
+def _racks(args: argparse.Namespace) -> dict[str, Any]:
+    """The LAN's racks for ``Lan`` (``--lan-scenario``'s: each rack's workers behind its uplink, scaled by
+    ``--lan-bw-scale`` as the workers' rates are), or none."""
+    if not getattr(args, "racks", None):
+        return {}
+    return {"racks": args.racks, "worker_racks": args.worker_racks}
+
+
 def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     """One LAN path (``xdp`` or ``userspace``) on a fresh namespace LAN, with the run's LAN options."""
     import tempfile
@@ -267,7 +277,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     stats_fd = -1
     mode = "userspace"
     with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth"),
-              gateway_gbit=getattr(args, "gateway_gbit", None)) as lan,
+              gateway_gbit=getattr(args, "gateway_gbit", None), **_racks(args)) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-edge-") as logs):
         aggregators = (Aggregators(lan, topo, gateway=(GATEWAY_IP, PORT), job=JOB, mode=path,
                                    secret_file=args.secret_file, log_dir=Path(logs)) if topo.clusters else None)
@@ -300,6 +310,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 procs.close()
             result["lan_drops"] = lan.drops()
+            if lan.racks:
+                result["lan_racks"] = lan.rack_record()
             if xdp is not None:
                 result["kernel_map_bytes"] = kernel_map_bytes() + sum(
                     kernel_map_bytes(str(pid)) for pid in (aggregators.pids if aggregators else []))
@@ -443,7 +455,7 @@ def run_gloo_path(args: argparse.Namespace) -> dict[str, Any]:
     from netstorm.emulation.bridge_lan import Lan
 
     mtu = args.mtu if args.mtu is not None else _lan_config(args).edge_mtu   # the same LAN as the other paths
-    with (Lan(args.workers, mtu=mtu, rates=_rates(args), uplink=args.lan_uplink) as lan,
+    with (Lan(args.workers, mtu=mtu, rates=_rates(args), uplink=args.lan_uplink, **_racks(args)) as lan,
           tempfile.TemporaryDirectory(prefix="netstorm-bench-gloo-") as logs):
         out = run_gloo(lan, elements=args.elements, iterations=args.iterations, scale=args.scale, seed=SEED,
                        log_dir=Path(logs))
@@ -607,6 +619,8 @@ def run(args: argparse.Namespace) -> int:
         out["lan_scenario"] = {"scenario": args.lan_scenario, "dc": args.dc, "lan_bw_scale": args.lan_bw_scale,
                                "rates_gbit": [list(r) for r in args.rates], "gateway_gbit": args.gateway_gbit,
                                **getattr(args, "plan", {"planner": None})}
+        # the racks the LAN emulated (every rack holding a worker), their uplinks as the kernel holds them
+        out["lan_scenario"]["racks"] = next((r["lan_racks"] for r in results.values() if "lan_racks" in r), [])
     xdp, userspace, gloo = results.get("xdp"), results.get("userspace"), results.get("gloo")
     if xdp is not None and userspace is not None:
         userspace["ratio_per_core"] = userspace["gateway_ratio_per_core"] = 1.0

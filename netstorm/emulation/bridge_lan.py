@@ -11,6 +11,10 @@ bridge port toward it, its uplink on its own veth end (``uplink="veth"``) or on 
 port's ingress is redirected to (``uplink="ifb"``: XDP-transmitted frames included, see ``shaping``);
 ``gateway_gbit`` shapes the gateway's port the same way. ``rate_scale`` multiplies every rate, for rates
 above what the host's veth bridge can move (the emulation's ``lan_bw_scale``).
+
+With ``racks`` (``(id, uplink_gbit)`` each) and ``worker_racks`` (each worker's rack id, or None) the
+workers of a rack sit on their own bridge joined to the DC's by a link shaped both ways to the rack's
+uplink (``racks.py``), in the same bridge namespace.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.emulation import netns, shaping
+from netstorm.emulation import racks as racks_mod
 from netstorm.emulation.errors import EmulationError
 
 SUBNET = "10.77.0"
@@ -49,7 +54,8 @@ class Lan:
 
     def __init__(self, workers: int, *, queues: int = 2, mtu: int = 1500,
                  rates: Sequence[tuple[float, float]] | None = None, gateway_gbit: float | None = None,
-                 rate_scale: float = 1.0, uplink: str = "veth") -> None:
+                 rate_scale: float = 1.0, uplink: str = "veth", racks: Sequence[tuple[int, float]] = (),
+                 worker_racks: Sequence[int | None] = ()) -> None:
         if not 1 <= workers <= 64:
             raise EmulationError(f"a LAN holds 1..64 workers, asked for {workers}")
         if rates is not None and len(rates) != workers:
@@ -58,7 +64,12 @@ class Lan:
             raise EmulationError(f"the LAN rate scale must be positive, got {rate_scale}")
         if uplink not in shaping.UPLINK_MODES:
             raise EmulationError(f"uplink shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {uplink!r}")
+        if racks and len(worker_racks) != workers:
+            raise EmulationError(f"racks for {len(worker_racks)} workers given to a LAN of {workers}")
         self.uplink = uplink
+        self.racks = racks_mod.rack_links(racks, worker_racks, name=lambda kind, k: f"{kind}{k}",
+                                          scale=rate_scale) if racks else ()
+        """The emulated racks (those holding a worker), their uplinks after ``rate_scale``."""
         self.rates: list[tuple[float, float]] | None = (
             [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
         """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
@@ -77,7 +88,9 @@ class Lan:
                      f"link add g numtxqueues {q} numrxqueues {q} type veth peer name eth0 netns {self.gateway} "
                      f"numtxqueues {q} numrxqueues {q}"]
             lines += [f"link add w{i} type veth peer name eth0 netns {ns}" for i, ns in enumerate(self.workers)]
-            lines += [f"link set {end} master br0 up" for end in ("g", *(f"w{i}" for i in range(workers)))]
+            lines += racks_mod.build_lines(self.racks, "br0", mtu=mtu)
+            lines.append("link set g master br0 up")
+            lines += [f"link set w{i} master {self.worker_bridge(i)} up" for i in range(workers)]
             if mtu != 1500:
                 lines += [f"link set {end} mtu {mtu}" for end in ("br0", "g", *(f"w{i}" for i in range(workers)))]
             netns.ip_batch(lines, namespace=self.bridge, what=f"build the LAN bridge {self.bridge}")
@@ -97,6 +110,7 @@ class Lan:
             bridge_lines += shaping.lan_port_lines("g", self.gateway_gbit)
             netns.tc_batch(shaping.lan_port_lines("eth0", self.gateway_gbit), namespace=self.gateway,
                            what=f"shape the gateway port of {self.gateway}")
+        bridge_lines += racks_mod.shape_lines(self.racks)
         for i, (ns, (up, down)) in enumerate(zip(self.workers, self.rates or [], strict=False)):
             bridge_lines += shaping.lan_port_lines(self.bridge_port(i), down)
             if self.uplink == "ifb":
@@ -107,6 +121,15 @@ class Lan:
             else:
                 netns.tc_batch(shaping.lan_port_lines("eth0", up), namespace=ns, what=f"shape the uplink of {ns}")
         netns.tc_batch(bridge_lines, namespace=self.bridge, what=f"shape the LAN ports of {self.bridge}")
+
+    def worker_bridge(self, i: int) -> str:
+        """The bridge worker ``i``'s port is on: its rack's, or the DC's ``br0``."""
+        rack = racks_mod.rack_of(self.racks, i)
+        return rack.bridge if rack is not None else "br0"
+
+    def rack_record(self) -> list[dict[str, Any]]:
+        """The emulated racks with their uplinks' rates read back from the kernel (``racks.record``)."""
+        return racks_mod.record(self.bridge, self.racks)
 
     def uplink_shaper(self, i: int) -> tuple[str, str]:
         """(namespace, device) whose egress HTB shapes worker ``i``'s uplink."""
@@ -155,7 +178,10 @@ class Lan:
         uplinks = {f"w{i}": shaping.qdisc_drops(*self.uplink_shaper(i)) for i in range(len(self.workers))}
         uplinks["g"] = shaping.qdisc_drops(self.gateway, "eth0")
         udp = {name: netns.run_in(ns, _udp_rcvbuf_errors) for name, ns in hosts.items()}
-        return {"ports": ports, "uplinks": uplinks, "udp_rcvbuf": udp}
+        out: dict[str, Any] = {"ports": ports, "uplinks": uplinks, "udp_rcvbuf": udp}
+        if self.racks:
+            out["racks"] = racks_mod.drops(self.bridge, self.racks)
+        return out
 
     def gateway_ifindex(self) -> int:
         return netns.run_in(self.gateway, lambda: socket.if_nametoindex("eth0"))
