@@ -6,7 +6,9 @@ results multicast across the rack links to the members and the members' DATA cro
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -50,13 +52,20 @@ def _ports_of(namespace: str, bridge: str) -> set[str]:
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.strip()}
 
 
-def _echo(lan: Any, here: tuple[str, str], there: tuple[str, str], port: int) -> bytes:
+def _echo(here: tuple[str, str], there: tuple[str, str], port: int) -> bytes:
     """A datagram from ``here`` (namespace, address) to ``there`` and its echo back; the bytes echoed."""
-    a = lan.udp_socket(*here, port)
-    b = lan.udp_socket(*there, port)
-    try:
-        for s in (a, b):
+
+    def bound(ns: str, host: str) -> socket.socket:
+        def make() -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            s.bind((host, port))
             s.settimeout(5.0)
+            return s
+
+        return netns.run_in(ns, make)
+
+    a, b = bound(*here), bound(*there)
+    try:
         a.sendto(b"rack", (there[1], port))
         data, peer = b.recvfrom(64)
         b.sendto(data + b"!", peer)
@@ -87,10 +96,71 @@ def test_rack_uplinks_hold_their_scaled_rates_and_workers_behind_them_reach_the_
         assert [(r["rack"], r["workers"], r["kernel_uplink_gbit"], r["kernel_downlink_gbit"]) for r in recorded] == [
             (1, [0, 3], 1.0, 1.0), (2, [1], 0.75, 0.75)]
         for i in (0, 1, 2):
-            assert _echo(lan, (lan.workers[i], lan.worker_ip(i)), (lan.gateway, GATEWAY_IP), 9660 + i) == b"rack!"
+            assert _echo((lan.workers[i], lan.worker_ip(i)), (lan.gateway, GATEWAY_IP), 9660 + i) == b"rack!"
         sent = shaping.read_classes(lan.bridge, "ru0")["1:1"].sent_packets
         assert sent >= 1   # worker 0's datagram left its rack through the shaped uplink
         assert set(lan.drops()["racks"]) == {"1", "2"}
+
+
+RACKED_SCENARIO = """\
+name = "lan-racked"
+[[node]]
+id = 1
+[[node]]
+id = 2
+[[node.lan.rack]]
+id = 4
+aggregator_gbit = 8.0
+uplink_gbit = 2.0
+[[node.lan.worker]]
+up_gbit = 1.0
+rack = 4
+[[node.lan.worker]]
+up_gbit = 1.0
+rack = 4
+[[node.lan.worker]]
+up_gbit = 1.0
+[[link]]
+a = 1
+b = 2
+rate_mbit = [100, 100]
+"""
+
+
+def test_the_emulation_plans_a_bridge_per_rack_with_short_run_named_devices(tmp_path: Path) -> None:
+    from netstorm.emulation.topology import IFNAMSIZ, build_plan
+    from netstorm.scenario import load
+
+    path = tmp_path / "racked.toml"
+    path.write_text(RACKED_SCENARIO)
+    lan = build_plan(load(path), "ab12").lans[2]
+    (rack,) = lan.racks
+    assert (rack.rack, rack.workers, rack.gbit) == (4, (0, 1), 2.0)
+    assert [lan.worker_bridge(i) for i in range(3)] == [rack.bridge, rack.bridge, lan.bridge]
+    names = (rack.bridge, rack.rack_end, rack.dc_end, lan.bridge, *lan.worker_bridge_ends, lan.gateway_bridge_end)
+    assert len(set(names)) == len(names) and all(n.startswith("nab12-") and len(n) <= IFNAMSIZ for n in names)
+
+
+@pytest.mark.root
+def test_an_emulated_dc_puts_its_racks_behind_their_scaled_uplinks(tmp_path: Path) -> None:
+    from netstorm.emulation.network import EmulatedNetwork
+    from netstorm.scenario import load
+
+    path = tmp_path / "racked.toml"
+    path.write_text(RACKED_SCENARIO)
+    with EmulatedNetwork(load(path), lan_bw_scale=0.25) as net:
+        lan = net.plan.lans[2]
+        (rack,) = lan.racks
+        assert any("behind HTB-shaped uplinks" in line and "rack 4 0.5" in line for line in net.features.applied)
+        assert _ports_of(lan.bridge_namespace, rack.bridge) == {*lan.worker_bridge_ends[:2], rack.rack_end}
+        for end in (rack.rack_end, rack.dc_end):
+            assert shaping.read_classes(lan.bridge_namespace, end)["1:1"].rate_bit == pytest.approx(0.5e9)
+        assert net.rack_record() == {"2": [{"rack": 4, "workers": [0, 1], "uplink_gbit": 0.5,
+                                            "kernel_uplink_gbit": 0.5, "kernel_downlink_gbit": 0.5}]}
+        gateway = (net.namespace(2), lan.gateway_address)
+        assert _echo((lan.worker_namespaces[0], lan.worker_addresses[0]), gateway, 9665) == b"rack!"
+        names = lan.namespaces
+    assert not set(names) & set(netns.list_namespaces())
 
 
 LAYOUT = EdgeLayout.uniform([5000, 1234, 7], scale=16, lanes=357)

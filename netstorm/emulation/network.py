@@ -17,9 +17,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO
+from typing import IO, Any
 
-from netstorm.emulation import lossfilter, netns, registry, shaping
+from netstorm.emulation import lossfilter, netns, racks, registry, shaping
 from netstorm.emulation.bridge_lan import quiet_bridge
 from netstorm.emulation.errors import EmulationError
 from netstorm.emulation.teardown import teardown_record
@@ -169,8 +169,10 @@ class EmulatedNetwork:
                                                  lan.worker_bridge_ends, strict=True)]
             netns.ip_batch(create, what=f"create the LAN veth pairs of DC {dc}")
             lines = ["link set lo up", f"link add {lan.bridge} type bridge", f"link set {lan.bridge} up"]
-            for end in (lan.gateway_bridge_end, *lan.worker_bridge_ends):
-                lines += [f"link set {end} master {lan.bridge}", f"link set {end} up"]
+            lines += racks.build_lines(lan.racks, lan.bridge)
+            for end, bridge in ((lan.gateway_bridge_end, lan.bridge),
+                                *((end, lan.worker_bridge(i)) for i, end in enumerate(lan.worker_bridge_ends))):
+                lines += [f"link set {end} master {bridge}", f"link set {end} up"]
             netns.ip_batch(lines, namespace=lan.bridge_namespace, what=f"build the LAN bridge of DC {dc}")
             quiet_bridge(lan.bridge_namespace)
             netns.ip_batch([f"address add {lan.gateway_address}/24 dev {lan.gateway_iface}",
@@ -183,10 +185,11 @@ class EmulatedNetwork:
     def _shape_lans(self) -> None:
         """Each described LAN's ports at the scenario's rates x ``lan_bw_scale``: a worker's downlink on
         its bridge port, its uplink on its own interface or through an ifb device (``lan_uplink``, see
-        ``shaping``), the gateway's port both ways (``shaping.lan_port_lines``)."""
+        ``shaping``), the gateway's port both ways (``shaping.lan_port_lines``), each rack's link to the DC's
+        bridge both ways at the rack's uplink (``racks``)."""
         scale = self.lan_bw_scale
         for dc, lan in self.plan.lans.items():
-            bridge: list[str] = []
+            bridge: list[str] = racks.shape_lines(self.rack_links(dc))
             if lan.gateway_gbit is not None:
                 bridge += shaping.lan_port_lines(lan.gateway_bridge_end, lan.gateway_gbit * scale)
                 netns.tc_batch(shaping.lan_port_lines(lan.gateway_iface, lan.gateway_gbit * scale),
@@ -203,6 +206,15 @@ class EmulatedNetwork:
                     netns.tc_batch(shaping.lan_port_lines(lan.worker_ifaces[i], up * scale),
                                    namespace=lan.worker_namespaces[i], what=f"shape LAN worker {i}'s uplink in DC {dc}")
             netns.tc_batch(bridge, namespace=lan.bridge_namespace, what=f"shape the LAN ports of DC {dc}")
+
+    def rack_links(self, dc: int) -> tuple[racks.RackLink, ...]:
+        """DC ``dc``'s emulated racks with their uplinks at the scenario's rate x ``lan_bw_scale``."""
+        return tuple(dataclasses.replace(r, gbit=r.gbit * self.lan_bw_scale) for r in self.plan.lans[dc].racks)
+
+    def rack_record(self) -> dict[str, list[dict[str, Any]]]:
+        """Per DC with racks, its emulated racks and their uplinks' rates read back from the kernel."""
+        return {str(dc): racks.record(lan.bridge_namespace, self.rack_links(dc))
+                for dc, lan in sorted(self.plan.lans.items()) if lan.racks}
 
     def _shape(self, rates: Rates) -> None:
         per_ns: dict[str, list[str]] = {}
@@ -226,6 +238,10 @@ class EmulatedNetwork:
                                   for dc, lan in shaped.items())
                 applied.append(f"per-worker LAN HTB rates x{self.lan_bw_scale:g} (Gbit/s {spans}; uplinks on "
                                f"{self.lan_uplink})")
+            racked = "; ".join(f"DC {dc}: " + ", ".join(f"rack {r.rack} {r.gbit:g}" for r in self.rack_links(dc))
+                               for dc, lan in sorted(self.plan.lans.items()) if lan.racks)
+            if racked:
+                applied.append(f"racks on their own bridges behind HTB-shaped uplinks (Gbit/s {racked})")
             unshaped = [str(dc) for dc, lan in sorted(self.plan.lans.items()) if not lan.rates]
             if unshaped:
                 not_applied["lan rates"] = (f"the scenario describes no LAN for DC {', '.join(unshaped)}: "

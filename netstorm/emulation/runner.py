@@ -831,6 +831,8 @@ def run(opts: Options) -> dict[str, Any]:
             result["features"]["dc_planner"] = run_config(opts.config_flags).dc_planner
             result["features"]["dc_pace_rates"] = run_config(opts.config_flags).dc_pace_rates
             result["features"]["lan_description"] = {str(dc): src for dc, src in sorted(lan_sources.items())}
+            if any(lan.racks for lan in net.plan.lans.values()):
+                result["features"]["lan_racks"] = net.rack_record()
         for line in net.features.lines():
             progress.line(line)
         picks: dict[int, str] = {}

@@ -14,7 +14,10 @@ Addressing (namespaces isolate addresses, so every run may use the same ones):
   has 10.103.k.1, LAN worker i (one namespace each) 10.103.k.(10+i). The LAN is not routed onto the
   overlay: LAN workers talk to their gateway only. Where the scenario describes the DC's LAN
   (``[node.lan]``), each worker's port is shaped to its uplink and downlink and the gateway's port to
-  ``gateway_gbit`` (``LanPlan.rates``); an undescribed LAN is not shaped.
+  ``gateway_gbit`` (``LanPlan.rates``); an undescribed LAN is not shaped. Where it describes racks,
+  each rack holding a worker gets its own bridge in the LAN's bridge namespace (its workers' ports on
+  it), joined to the DC's bridge by a veth shaped both ways to the rack's uplink (``LanPlan.racks``,
+  see ``racks``).
 Routes: in DC s, the node address of every other DC d goes via the next hop of
 ``netstorm.routing.shortest_hop_routes`` with ``src`` set to s's node address, so replies come back to
 the node address and any pair, adjacent or not, talks over the overlay as plain IP would.
@@ -27,6 +30,7 @@ import ipaddress
 import re
 
 from netstorm.emulation.errors import EmulationError
+from netstorm.emulation.racks import RackLink, rack_links
 from netstorm.lan_scenario import LanSpec
 from netstorm.routing import shortest_hop_routes
 from netstorm.scenario import Scenario
@@ -99,6 +103,13 @@ class LanPlan:
     """The gateway's port rate per direction, when the scenario describes the LAN."""
     worker_uplink_ifbs: tuple[str, ...] = ()
     """In the bridge namespace: the ifb device of each worker's uplink (``lan_uplink_shaping = "ifb"``)."""
+    racks: tuple[RackLink, ...] = ()
+    """The described racks that hold a worker, their bridges and links in the bridge namespace; ``gbit`` is
+    the rack's uplink from the scenario, unscaled."""
+
+    def worker_bridge(self, i: int) -> str:
+        """The bridge worker ``i``'s port is on: its rack's, or the DC's."""
+        return next((r.bridge for r in self.racks if i in r.workers), self.bridge)
 
     @property
     def namespaces(self) -> list[str]:
@@ -215,4 +226,6 @@ def _lan_plan(run_id: str, dc: int, index: int, workers: int, spec: LanSpec | No
         rates=tuple((w.up_gbit, w.down_gbit) for w in spec.workers) if spec is not None else (),
         worker_uplink_ifbs=tuple(_ifname(run_id, f"u{dc}-{i}") for i in range(workers)),
         gateway_gbit=spec.gateway_gbit if spec is not None else None,
+        racks=rack_links([(r.id, r.uplink_gbit) for r in spec.racks], [w.rack for w in spec.workers],
+                         name=lambda kind, k: _ifname(run_id, f"{kind}{dc}-{k}")) if spec is not None else (),
     )
