@@ -47,6 +47,24 @@ def test_a_lan_refuses_rack_ids_for_another_worker_count() -> None:
         Lan(3, racks=[(1, 1.0)], worker_racks=[1, 1])
 
 
+def test_bench_edge_gives_a_scenario_dcs_racks_to_its_lan_at_the_lans_scale() -> None:
+    import argparse
+
+    from netstorm.bench import edge
+
+    def args_for(name: str, dc: int) -> argparse.Namespace:
+        parser = argparse.ArgumentParser()
+        edge.add_arguments(parser)
+        args = parser.parse_args(["--lan-scenario", name, "--dc", str(dc), "--lan-bw-scale", "0.005"])
+        edge.apply_lan_scenario(args)
+        return args
+
+    racked = args_for("lan-hetero-4", 2)   # two racks of four behind 4 Gbit/s uplinks, workers dealt in turn
+    assert edge._racks(racked) == {"racks": [(1, pytest.approx(0.02)), (2, pytest.approx(0.02))],
+                                   "worker_racks": [1, 2] * 4}
+    assert edge._racks(args_for("lan-hetero-4", 1)) == {}   # no racks: one bridge, as before
+
+
 def _ports_of(namespace: str, bridge: str) -> set[str]:
     out = netns.run(["ip", "-n", namespace, "-o", "link", "show", "master", bridge], what=f"ports of {bridge}")
     return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if line.strip()}
