@@ -519,9 +519,11 @@ costs to dominate, small enough to take a few seconds per path."""
 
 def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] | None = None,
               iterations: int = 2, options: dict[str, Any] | None = None,
-              paths: tuple[str, ...] = LAN_PATHS) -> dict[str, Any]:
-    """The LAN ``paths`` on a namespace LAN like the one to serve (its workers, their shaped rates, the
-    model up to CALIBRATION_ELEMENTS, the run's LAN tier ``options`` such as ``edge_pool_slots``): each
+              paths: tuple[str, ...] = LAN_PATHS, racks: list[tuple[int, float]] | None = None,
+              worker_racks: list[int | None] | None = None) -> dict[str, Any]:
+    """The LAN ``paths`` on a namespace LAN like the one to serve (its workers, their shaped rates, its racks
+    behind their shaped uplinks, the model up to CALIBRATION_ELEMENTS, the run's LAN tier ``options`` such as
+    ``edge_pool_slots``): each
     path's wall_gbit (None with the reason where it could not run) and ``pick`` with its ``reason``
     (``netstorm.lan.pathpick``). This is ``edge_mode=auto`` measured, not assumed."""
     from netstorm.lan.pathpick import Measured, pick
@@ -531,8 +533,11 @@ def calibrate(workers: int, *, elements: int, rates: list[tuple[float, float]] |
     args = parser.parse_args(["--workers", str(workers), "--elements", str(max(1, min(elements, CALIBRATION_ELEMENTS))),
                               "--iterations", str(iterations)])
     args.rates = rates
+    args.racks, args.worker_racks = racks, worker_racks
     args.lan_overrides = options or {}
     out: dict[str, Any] = {"workers": workers, "elements": args.elements, "iterations": iterations}
+    if racks:
+        out["racks"] = [[rid, gbit] for rid, gbit in racks]   # (id, shaped uplink Gbit/s)
     measured: dict[str, Measured] = {}
     for path in paths:
         try:

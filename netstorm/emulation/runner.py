@@ -900,21 +900,24 @@ def run(opts: Options) -> dict[str, Any]:
 def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,
                     options: dict[str, Any] | None = None,
                     paths: tuple[str, ...] = ("xdp", "userspace", "tcp")) -> tuple[dict[int, str], dict[str, Any]]:
-    """``--edge-mode auto``: measure the LAN ``paths`` once per distinct LAN (worker count and shaped rates)
+    """``--edge-mode auto``: measure the LAN ``paths`` once per distinct LAN (worker count, shaped rates, racks)
     on a namespace LAN like it (``netstorm.bench.edge.calibrate``) and give each gateway the pick
     (``netstorm.lan.pathpick``); the calibrations go into the result. A gateway whose XDP then fails to
     load still falls back by itself."""
     from netstorm.bench.edge import calibrate
 
-    done: dict[tuple[int, tuple[tuple[float, float], ...]], dict[str, Any]] = {}
+    done: dict[tuple[Any, ...], dict[str, Any]] = {}
     picks: dict[int, str] = {}
     out: dict[str, Any] = {}
     for dc, lan in sorted(plan.lans.items()):
         rates = tuple((up * lan_bw_scale, down * lan_bw_scale) for up, down in lan.rates)
-        key = (lan.workers, rates)
+        racks = tuple((r.rack, r.gbit * lan_bw_scale, r.workers) for r in lan.racks)
+        key = (lan.workers, rates, racks)
         if key not in done:
+            worker_racks = [next((r.rack for r in lan.racks if i in r.workers), None) for i in range(lan.workers)]
             done[key] = calibrate(lan.workers, elements=parameters, rates=list(rates) or None, options=options,
-                                  paths=paths)
+                                  paths=paths, racks=[(rid, gbit) for rid, gbit, _ in racks] or None,
+                                  worker_racks=worker_racks)
             c = done[key]
             measured = ", ".join(f"{p} {c[p]:.3g} Gbit/s" if c[p] is not None else f"{p} failed ({c[p + '_error']})"
                                  for p in paths)
