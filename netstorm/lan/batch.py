@@ -14,6 +14,7 @@ The buffer is allocated once: a batch never holds more than ``rows`` datagrams, 
 
 from __future__ import annotations
 
+import itertools
 import socket
 from typing import Final
 
@@ -35,6 +36,7 @@ from netstorm.lan.header import (
     Kind,
     Precision,
 )
+from netstorm.lan.prefault import populated
 
 ROW_BYTES: Final = HEADER_BYTES + 4 * MAX_LANES
 """The largest datagram the wire allows; a longer one is truncated on receipt and rejected."""
@@ -58,7 +60,8 @@ class DatagramBatch:
     def __init__(self, rows: int = BATCH_ROWS) -> None:
         if rows < 1:
             raise ValueError(f"a batch holds at least one datagram, got {rows}")
-        self.buf = np.zeros((rows, ROW_BYTES), np.uint8)
+        self.buf = populated((rows, ROW_BYTES), np.uint8)   # mapped now, not page by page in the first batches
+        self.buf.fill(0)
         self.lengths = np.zeros(rows, np.int64)
         self.names = np.zeros((rows, 16), np.uint8)
         """Each datagram's sender as the kernel wrote it (``struct sockaddr_in``)."""
@@ -109,6 +112,37 @@ class DatagramBatch:
     def datagram(self, row: int) -> bytes:
         """Row ``row`` as the bytes received (for the rare kinds handled one at a time)."""
         return self.buf[row, : min(int(self.lengths[row]), ROW_BYTES)].tobytes()
+
+
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of a 1-d array: ``np.unique`` without its per-call dispatch and masked-array
+    check (whose first call also imports ``numpy.ma``, tens of milliseconds inside a process's first
+    iteration), for the per-batch paths of the LAN tier."""
+    out = np.sort(np.asarray(values).reshape(-1))
+    if out.size > 1:
+        out = out[np.concatenate(([True], out[1:] != out[:-1]))]
+    return out
+
+
+RUN_SEGMENTS: Final = 16
+"""Most runs ``copy_rows`` copies one slice at a time before it gathers and scatters instead."""
+
+
+def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
+    """``dst[dst_rows] = src[src_rows]`` (the later row where ``dst_rows`` repeats one), one slice copy per
+    stretch where both name consecutive rows (aggregates or results of consecutive chunks received in order:
+    one or a few stretches per batch, a lost datagram adds two) instead of a gather into a temporary and a
+    scatter from it; beyond RUN_SEGMENTS stretches, the gather and scatter."""
+    if not dst_rows.size:
+        return
+    cuts = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
+    if cuts.size >= RUN_SEGMENTS:
+        dst[dst_rows] = src[src_rows]
+        return
+    bounds = [0, *cuts.tolist(), int(dst_rows.size)]
+    for a, b in itertools.pairwise(bounds):
+        to, since = int(dst_rows[a]), int(src_rows[a])
+        dst[to: to + b - a] = src[since: since + b - a]
 
 
 def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
