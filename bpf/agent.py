@@ -93,6 +93,10 @@ round trip anyway; on a shaped LAN a NACK per chunk and QUERY filled the gateway
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
+_AGG = int(Kind.AGG)
+_DATA = int(Kind.DATA)
+_OVERFLOW = int(Flag.OVERFLOW)
+"""Codes compared per batch, looked up once (an enum member's look-up costs more than the comparison)."""
 _ITERATION_AT = OFFSETS["iteration"]
 _WORKER_AT = OFFSETS["worker"]
 _TENSOR_AT = OFFSETS["tensor"]
@@ -1081,7 +1085,7 @@ class EdgeAgent:
         udp.receive_batch(self.sock, batch)
         if batch.count:
             heads = batch.headers()
-            aggs = valid_headers(heads, batch.lengths) & (heads["kind"] == Kind.AGG)
+            aggs = valid_headers(heads, batch.lengths) & (heads["kind"] == _AGG)
             if self.fallback is None and aggs.any():
                 self._take_aggs(np.flatnonzero(aggs))
             else:
@@ -1091,7 +1095,7 @@ class EdgeAgent:
             for row in np.flatnonzero(~aggs).tolist():
                 data = batch.datagram(row)
                 try:
-                    if self.fallback is not None and kinds[row] == Kind.DATA:
+                    if self.fallback is not None and kinds[row] == _DATA:
                         # the userspace aggregator's DATA: no answer goes back, so no address is needed;
                         # it counts towards its worker's achieved uplink as in ``_handle``
                         self._measure_fields(int(heads["worker"][row]), int(heads["iteration"][row]),
@@ -1129,7 +1133,9 @@ class EdgeAgent:
                 rows = rows[genuine]
             rows = rows[heads["job"][rows] == self.job]
             iterations = heads["iteration"][rows]
-            for value in distinct(iterations):
+            # one iteration, nearly always: no sort to find it
+            for value in (iterations[:1] if iterations.size and (iterations == iterations[0]).all()
+                          else distinct(iterations)):
                 iteration = int(value)
                 mine = rows[iterations == value]
                 if not self._accepts(iteration):
@@ -1138,7 +1144,7 @@ class EdgeAgent:
                         self._ack_many(iteration, seqs[known])
                     continue
                 sums = self._sums(iteration)
-                overflow = (heads["flags"][mine] & Flag.OVERFLOW) != 0
+                overflow = (heads["flags"][mine] & _OVERFLOW) != 0
                 for row in mine[overflow]:
                     data = batch.datagram(int(row))
                     try:
