@@ -91,8 +91,9 @@ def test_populated_buffers_have_the_shape_and_type_asked_and_hold_what_is_writte
         assert (buf == 5).all()
 
 
+@pytest.mark.parametrize("gaps", [False, True])
 @pytest.mark.parametrize("sizes", [[1000, 7], [64 * 5], [1, 130, 64]])
-def test_results_built_in_place_run_by_run_are_the_whole_tensor_datagrams(sizes: list[int]) -> None:
+def test_results_built_in_place_run_by_run_are_the_whole_tensor_datagrams(sizes: list[int], gaps: bool) -> None:
     layout = EdgeLayout.uniform(sizes, scale=12, lanes=64)
     rng = np.random.default_rng(3)
     raw = rng.integers(-(2**30), 2**30, (layout.num_chunks, layout.lanes)).astype(np.int32)
@@ -103,9 +104,13 @@ def test_results_built_in_place_run_by_run_are_the_whole_tensor_datagrams(sizes:
     sums.open[:] = False
     sums.remaining = 0
     rows = np.zeros((layout.num_chunks, HEADER_BYTES + 4 * layout.lanes), np.uint8)
+    rows[:, HEADER_BYTES:] = 0xAB       # what a row held before: every byte of a chunk's row is written
     order = rng.permutation(layout.num_chunks)
-    # completed in batches with gaps, as under loss: each batch's sorted chunks, in runs
-    for part in np.array_split(order, 3):
+    # completed in batches with gaps, as under loss: each batch's sorted chunks, in runs; with ``gaps``, a
+    # batch of all but a few chunks (converted as one span, the gaps' rows written again later) and then those
+    late = order[:2] if gaps else order[:0]
+    parts = [np.setdiff1d(order, late), late] if gaps else np.array_split(order, 3)
+    for part in parts:
         seqs = np.sort(part)
         views = chunk_results_into(rows, layout, job=2, iteration=9, seqs=seqs, raw=raw, scales=scales, total=4)
         assert sum(len(v) for v in views) == seqs.size

@@ -223,13 +223,27 @@ def chunk_results_into(rows: np.ndarray, layout: EdgeLayout, *, job: int, iterat
                        raw: np.ndarray, scales: np.ndarray, total: int) -> list[np.ndarray]:
     """``chunk_result_packets`` written in place into ``rows`` (one row of ``HEADER_BYTES + 4 * lanes`` bytes
     per chunk of the model, row ``seq`` for chunk ``seq``), for ``seqs`` ascending and distinct: the lanes
-    are converted straight into the datagrams (``dequantize_rows``), one run of consecutive chunks at a time,
-    without a float64 copy or a second copy into ``rows``. Returns the rows written, as one view per run."""
+    are converted straight into the datagrams (``dequantize_rows``), without a float64 copy or a second copy
+    into ``rows``. Returns the rows written, as one view per run of consecutive chunks.
+
+    When the runs lie close together (a batch with a few lost datagrams between its chunks) the whole span
+    from the first to the last is converted in one pass: the rows between the runs belong to chunks not
+    yet complete, whose row is written again, from their sum, when they complete (until then it is never
+    sent or read), or to chunks complete before, whose row gets the same bytes again."""
     seqs = np.asarray(seqs, np.int64)
     if rows.shape[1] != HEADER_BYTES + 4 * layout.lanes:
         raise ValueError(f"RESULT rows of {layout.lanes} lanes do not fit rows of {rows.shape[1]} bytes")
+    if not seqs.size:
+        return []
     heads, count = _result_headers(layout, seqs, job=job, iteration=iteration, total=total)
     cuts = [0, *(np.flatnonzero(np.diff(seqs) != 1) + 1).tolist(), int(seqs.size)]
+    lo, hi = int(seqs[0]), int(seqs[-1]) + 1
+    if len(cuts) > 2 and hi - lo <= 2 * seqs.size:
+        span = rows[lo:hi]
+        dequantize_rows(raw[lo:hi, : layout.lanes], scales[lo:hi], out=span[:, HEADER_BYTES:].view("<f4"))
+        rows[seqs, :HEADER_BYTES] = heads
+        _zero_padding(rows[:, HEADER_BYTES:].view("<f4"), count, layout.lanes, seqs)
+        return [rows[int(seqs[a]): int(seqs[b - 1]) + 1] for a, b in itertools.pairwise(cuts)]
     views = []
     for a, b in itertools.pairwise(cuts):
         first = int(seqs[a])
@@ -242,10 +256,11 @@ def chunk_results_into(rows: np.ndarray, layout: EdgeLayout, *, job: int, iterat
     return views
 
 
-def _zero_padding(lanes: np.ndarray, count: np.ndarray, width: int) -> None:
-    """Zero the lanes past each row's count (a tensor's last chunk)."""
-    for row in np.flatnonzero(count < width).tolist():
-        lanes[row, count[row]:] = 0.0
+def _zero_padding(lanes: np.ndarray, count: np.ndarray, width: int, at: np.ndarray | None = None) -> None:
+    """Zero the lanes past each row's count (a tensor's last chunk); with ``at``, row ``i``'s count is of
+    row ``at[i]`` of ``lanes``."""
+    for i in np.flatnonzero(count < width).tolist():
+        lanes[i if at is None else int(at[i]), count[i]:] = 0.0
 
 
 def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:
