@@ -44,11 +44,11 @@ from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
 from netstorm.errors import NetStormError
 from netstorm.lan import udp
-from netstorm.lan.batch import DatagramBatch, valid_headers
+from netstorm.lan.batch import DatagramBatch, copy_rows, distinct, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.downlink import DownlinkReports, parse_report
 from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted, WireError
-from netstorm.lan.fixedpoint import rescale_for
+from netstorm.lan.fixedpoint import dequantize_rows, rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
     KIND_AT,
@@ -63,13 +63,14 @@ from netstorm.lan.header import (
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import (
     ack_packets,
-    chunk_result_packets,
+    chunk_results_into,
     cluster_nack_packet,
     control_packet,
     nack_packets,
     result_packets,
     with_token,
 )
+from netstorm.lan.prefault import populated
 from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
@@ -92,6 +93,10 @@ round trip anyway; on a shaped LAN a NACK per chunk and QUERY filled the gateway
 """Chunks of one QUERY the agent looks at (a worker asks about at most this many per datagram)."""
 HELLO_NONCES = 16
 """HELLO nonces remembered per worker: a replayed HELLO from another address is refused."""
+_AGG = int(Kind.AGG)
+_DATA = int(Kind.DATA)
+_OVERFLOW = int(Flag.OVERFLOW)
+"""Codes compared per batch, looked up once (an enum member's look-up costs more than the comparison)."""
 _ITERATION_AT = OFFSETS["iteration"]
 _WORKER_AT = OFFSETS["worker"]
 _TENSOR_AT = OFFSETS["tensor"]
@@ -143,7 +148,11 @@ class IterationSums:
         self.done_at = float("inf")
         """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
         phase of each iteration from them)."""
-        self.raw = np.zeros((self.layout.num_chunks, self.layout.lanes), np.int32)
+        self.raw = populated((self.layout.num_chunks, self.layout.lanes), np.int32)
+        """Each chunk's exact sum, a row written when the chunk completes and read only after (lanes past a
+        tensor's end are whatever the aggregate carried there: ``result``, ``part`` and the RESULT datagrams
+        leave them out), so it is not cleared first; its pages are mapped at once (``populated``), not faulted
+        in chunk by chunk."""
         self.scales = np.zeros(self.layout.num_chunks, np.int64)
         self._sizes = np.asarray(self.layout.sizes, np.int64)
 
@@ -163,7 +172,7 @@ class IterationSums:
         return bool(self.open[self.layout.first_slot[tensor] + chunk])
 
     def _complete(self, seqs: np.ndarray) -> None:
-        fresh = np.unique(seqs[self.open[seqs]])
+        fresh = distinct(seqs[self.open[seqs]])
         if fresh.size:
             self.highest = max(self.highest, int(fresh[-1]) + 1)
         self.open[fresh] = False
@@ -221,22 +230,26 @@ class IterationSums:
             self._notify(np.array([row], np.int64))
         return []
 
-    def take(self, heads: np.ndarray, lanes: np.ndarray) -> tuple[np.ndarray, int]:
-        """Take many aggregates at once (``heads``: their headers, valid and without OVERFLOW; ``lanes``:
-        their int32 lanes, one row each): the sequence numbers of every one naming a chunk of the layout
-        with its exact lane count (completed now or before, so each is ACKed), and how many did not."""
+    def take(self, heads: np.ndarray, lanes: np.ndarray, rows: np.ndarray | None = None) -> tuple[np.ndarray, int]:
+        """Take many aggregates at once (``heads``: their headers, valid and without OVERFLOW; ``lanes``: int32
+        lanes, one row per aggregate, or with ``rows`` the rows of a whole received batch, ``rows`` naming
+        each aggregate's, so only the lanes taken are copied, once): the sequence numbers of every one naming
+        a chunk of the layout with its exact lane count (completed now or before, so each is ACKed), and how
+        many did not."""
         seq, known = self.layout.seqs(heads["tensor"], heads["chunk"])
         tensor = np.where(known, heads["tensor"].astype(np.int64), 0)
         chunk = heads["chunk"].astype(np.int64)
         known &= heads["count"] == np.minimum(self.layout.lanes, self._sizes[tensor] - chunk * self.layout.lanes)
-        seq = seq[known]
+        index = np.flatnonzero(known)
+        seq = seq[index]
         new = self.open[seq]
         taken = seq[new]
+        index = index[new]
         # lanes past a tensor's last element are padding: result() cuts them off
-        self.raw[taken] = lanes[known][new, : self.layout.lanes]
-        self.scales[taken] = heads["scale"][known][new]
+        copy_rows(self.raw, taken, lanes[:, : self.layout.lanes], index if rows is None else rows[index])
+        self.scales[taken] = heads["scale"][index]
         self._complete(taken)
-        return seq, int((~known).sum())
+        return seq, int(known.size - seq.size)
 
     def on_event(self, event: SlotEvent) -> list[tuple[int, bytes]]:
         """NACK exactly the workers a slot report says are missing."""
@@ -248,12 +261,11 @@ class IterationSums:
         return [(w, nack) for w in event.missing]
 
     def result(self) -> list[np.ndarray]:
-        """Every tensor's sum: exact int32 lanes times 2**-scale (float64, exact), rounded once to float32."""
+        """Every tensor's sum: exact int32 lanes times 2**-scale, rounded once to float32 (``dequantize_rows``)."""
         out = []
         for t, size in enumerate(self.layout.sizes):
             rows = slice(self.layout.first_slot[t], self.layout.first_slot[t] + self.layout.chunks[t])
-            block = self.raw[rows].astype(np.float64) * np.exp2(-self.scales[rows].astype(np.float64))[:, None]
-            out.append(block.reshape(-1)[:size].astype(np.float32))
+            out.append(dequantize_rows(self.raw[rows], self.scales[rows]).reshape(-1)[:size])
         return out
 
     def part(self, tensor: int, start: int, stop: int) -> np.ndarray:
@@ -264,9 +276,9 @@ class IterationSums:
         rows = slice(first + start // lanes, first + -(-stop // lanes))
         if np.any(self.open[rows]):
             raise ValueError(f"iteration {self.iteration} tensor {tensor} [{start}, {stop}): a chunk is not summed")
-        block = self.raw[rows].astype(np.float64) * np.exp2(-self.scales[rows].astype(np.float64))[:, None]
+        block = dequantize_rows(self.raw[rows], self.scales[rows])
         skip = start - (start // lanes) * lanes
-        return block.reshape(-1)[skip: skip + stop - start].astype(np.float32)
+        return block.reshape(-1)[skip: skip + stop - start].copy()
 
     def first_pending(self, n: int) -> list[tuple[int, int]]:
         """(tensor, chunk) of the first ``n`` pending chunks, in model order."""
@@ -581,7 +593,8 @@ class EdgeAgent:
             raise ValueError(f"iteration {iteration} has a planned result form other than float32 lanes")
         sums = self._sums(iteration)
         layout = sums.layout
-        rows = np.zeros((layout.num_chunks, HEADER_BYTES + 4 * layout.lanes), np.uint8)
+        # a row is written when its chunk's result is sent, and read only after (``sent``)
+        rows = populated((layout.num_chunks, HEADER_BYTES + 4 * layout.lanes), np.uint8)
         stream = _Stream(sums, total, unicast, rows=rows, sent=np.zeros(layout.num_chunks, bool))
         self._streams[iteration] = stream
         sums.on_complete = stream.due.append
@@ -596,19 +609,20 @@ class EdgeAgent:
         for iteration, stream in self._streams.items():
             if not stream.due:
                 continue
-            seqs = np.unique(np.concatenate(stream.due))
+            seqs = distinct(np.concatenate(stream.due))
             stream.due.clear()
             seqs = seqs[~stream.sent[seqs]]
             if not seqs.size:
                 continue
             sums = stream.sums
-            rows = chunk_result_packets(sums.layout, job=self.job, iteration=iteration, seqs=seqs, raw=sums.raw,
-                                        scales=sums.scales, total=stream.total)
-            stream.rows[seqs] = rows
+            # built in place in the rows kept for PULLs, one run of consecutive chunks at a time (one or a few
+            # per batch: aggregates complete about in model order); those views are what the outbox sends
+            blocks = chunk_results_into(stream.rows, sums.layout, job=self.job, iteration=iteration, seqs=seqs,
+                                        raw=sums.raw, scales=sums.scales, total=stream.total)
             stream.sent[seqs] = True
             if not sums.done:
                 self.streamed_chunks += int(seqs.size)
-            self._queue_results(iteration, [rows], unicast=stream.unicast)
+            self._queue_results(iteration, blocks, unicast=stream.unicast)
 
     def _finish_stream(self, iteration: int) -> None:
         """``iteration`` is complete: its last results leave, all are kept for PULLs, the next is expected."""
@@ -878,7 +892,7 @@ class EdgeAgent:
             if address is None:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
                 continue
-            seqs = np.unique(np.concatenate(parts))
+            seqs = distinct(np.concatenate(parts))
             for datagram in nack_packets(seqs, job=self.job, iteration=iteration):
                 self.nack_datagrams += 1
                 if not self._control(self._stamp(datagram, worker), address):
@@ -1075,7 +1089,7 @@ class EdgeAgent:
         udp.receive_batch(self.sock, batch)
         if batch.count:
             heads = batch.headers()
-            aggs = valid_headers(heads, batch.lengths) & (heads["kind"] == Kind.AGG)
+            aggs = valid_headers(heads, batch.lengths) & (heads["kind"] == _AGG)
             if self.fallback is None and aggs.any():
                 self._take_aggs(np.flatnonzero(aggs))
             else:
@@ -1085,7 +1099,7 @@ class EdgeAgent:
             for row in np.flatnonzero(~aggs).tolist():
                 data = batch.datagram(row)
                 try:
-                    if self.fallback is not None and kinds[row] == Kind.DATA:
+                    if self.fallback is not None and kinds[row] == _DATA:
                         # the userspace aggregator's DATA: no answer goes back, so no address is needed;
                         # it counts towards its worker's achieved uplink as in ``_handle``
                         self._measure_fields(int(heads["worker"][row]), int(heads["iteration"][row]),
@@ -1123,7 +1137,9 @@ class EdgeAgent:
                 rows = rows[genuine]
             rows = rows[heads["job"][rows] == self.job]
             iterations = heads["iteration"][rows]
-            for value in np.unique(iterations):
+            # one iteration, nearly always: no sort to find it
+            for value in (iterations[:1] if iterations.size and (iterations == iterations[0]).all()
+                          else distinct(iterations)):
                 iteration = int(value)
                 mine = rows[iterations == value]
                 if not self._accepts(iteration):
@@ -1132,7 +1148,7 @@ class EdgeAgent:
                         self._ack_many(iteration, seqs[known])
                     continue
                 sums = self._sums(iteration)
-                overflow = (heads["flags"][mine] & Flag.OVERFLOW) != 0
+                overflow = (heads["flags"][mine] & _OVERFLOW) != 0
                 for row in mine[overflow]:
                     data = batch.datagram(int(row))
                     try:
@@ -1142,7 +1158,7 @@ class EdgeAgent:
                         log.warning("edge gateway: rejected aggregate: %s", exc)
                 plain = mine[~overflow]
                 if plain.size:
-                    seqs, bad = sums.take(heads[plain], batch.lanes("<i4")[plain])
+                    seqs, bad = sums.take(heads[plain], batch.lanes("<i4"), plain)
                     if bad:
                         self.errors += bad
                         log.warning("edge gateway: rejected %d aggregates of iteration %d naming no chunk of the "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from netstorm.lan.batch import distinct
 from netstorm.lan.layout import EdgeLayout
 
 
@@ -53,7 +54,7 @@ class PartReadiness:
 
     def completed(self, seqs: np.ndarray) -> list[tuple[int, int]]:
         """LAN chunks ``seqs`` completed: (tensor, part) of every watched part that became ready."""
-        seqs = np.unique(np.asarray(seqs, np.int64))
+        seqs = distinct(np.asarray(seqs, np.int64))
         seqs = seqs[(seqs >= 0) & (seqs < self.layout.num_chunks)]
         fresh = seqs[~self.done[seqs]]
         if not fresh.size:

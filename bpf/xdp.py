@@ -24,6 +24,7 @@ import numpy as np
 from bpf import timer_link
 from bpf.timer_link import LoaderError
 from bpf.timer_memory import SlabRoom
+from netstorm.lan.batch import distinct
 from netstorm.lan.header import MAX_WORKERS, OFFSETS, Header, Kind, c_definitions
 from netstorm.lan.layout import EdgeLayout
 
@@ -292,7 +293,7 @@ class XdpAggregator:
         fd = self._slots_fd
         dtype = slot_dtype(self._value_size)
         wanted = np.asarray(indices, np.int64)
-        slots = np.unique(wanted)
+        slots = distinct(wanted)
         table = np.zeros(slots.size, dtype)
         # runs of consecutive slots, at most SLOT_RUN each; a lone slot (a lost chunk's, usually: losses are
         # scattered) is one plain lookup into a buffer kept for it, not a batch set up for one entry

@@ -14,6 +14,7 @@ The buffer is allocated once: a batch never holds more than ``rows`` datagrams, 
 
 from __future__ import annotations
 
+import itertools
 import socket
 from typing import Final
 
@@ -35,6 +36,7 @@ from netstorm.lan.header import (
     Kind,
     Precision,
 )
+from netstorm.lan.prefault import populated
 
 ROW_BYTES: Final = HEADER_BYTES + 4 * MAX_LANES
 """The largest datagram the wire allows; a longer one is truncated on receipt and rejected."""
@@ -49,6 +51,28 @@ _LANE_BYTES: Final = np.array([Precision(p).lane_bytes if p in {int(q) for q in 
                                for p in range(256)], np.int64)
 
 
+def _pair_tables() -> tuple[np.ndarray, ...]:
+    """``valid_headers``' rules that depend only on (kind, precision), one entry per ``kind << 8 | precision``:
+    whether the pair is allowed (a known kind; FIXED32, a narrow precision only on DATA, RESULT's own on
+    RESULT), the payload's granule (the lane width, 1 for kinds without lanes), the bytes each of ``count``
+    lanes needs (0 without lanes), the largest payload, whether ``total`` may be set (RESULT) and whether it
+    is a NACK."""
+    kind = np.repeat(np.arange(256), 256)
+    precision = np.tile(np.arange(256), 256)
+    width = _LANE_BYTES[precision]
+    laned = _LANED[kind]
+    pair_ok = _KNOWN[kind] & ((precision == Precision.FIXED32) | (_DATA_PRECISION[precision] & (kind == Kind.DATA))
+                              | (_RESULT_PRECISION[precision] & (kind == Kind.RESULT)))
+    most = np.where(laned, width * MAX_LANES, np.where(kind == Kind.HELLO, MAX_DEPLOY_BYTES,
+                                                       np.where(kind == Kind.REPORT, MAX_REPORT_BYTES, 0)))
+    return (pair_ok, np.where(laned, width, 1).astype(np.int64), np.where(laned, width, 0).astype(np.int64),
+            most.astype(np.int64), kind == Kind.RESULT, kind == Kind.NACK)
+
+
+_PAIR_OK, _WIDTH, _PER_LANE, _MAX_PAYLOAD, _TOTAL_OK, _IS_NACK = _pair_tables()
+_RESCALE: Final = int(Flag.RESCALE)
+
+
 class DatagramBatch:
     """``rows`` datagram buffers of ``ROW_BYTES`` each and the length of what each holds (``count`` filled).
 
@@ -58,7 +82,8 @@ class DatagramBatch:
     def __init__(self, rows: int = BATCH_ROWS) -> None:
         if rows < 1:
             raise ValueError(f"a batch holds at least one datagram, got {rows}")
-        self.buf = np.zeros((rows, ROW_BYTES), np.uint8)
+        self.buf = populated((rows, ROW_BYTES), np.uint8)   # mapped now, not page by page in the first batches
+        self.buf.fill(0)
         self.lengths = np.zeros(rows, np.int64)
         self.names = np.zeros((rows, 16), np.uint8)
         """Each datagram's sender as the kernel wrote it (``struct sockaddr_in``)."""
@@ -111,6 +136,37 @@ class DatagramBatch:
         return self.buf[row, : min(int(self.lengths[row]), ROW_BYTES)].tobytes()
 
 
+def distinct(values: np.ndarray) -> np.ndarray:
+    """The sorted distinct values of a 1-d array: ``np.unique`` without its per-call dispatch and masked-array
+    check (whose first call also imports ``numpy.ma``, tens of milliseconds inside a process's first
+    iteration), for the per-batch paths of the LAN tier."""
+    out = np.sort(np.asarray(values).reshape(-1))
+    if out.size > 1:
+        out = out[np.concatenate(([True], out[1:] != out[:-1]))]
+    return out
+
+
+RUN_SEGMENTS: Final = 16
+"""Most runs ``copy_rows`` copies one slice at a time before it gathers and scatters instead."""
+
+
+def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
+    """``dst[dst_rows] = src[src_rows]`` (the later row where ``dst_rows`` repeats one), one slice copy per
+    stretch where both name consecutive rows (aggregates or results of consecutive chunks received in order:
+    one or a few stretches per batch, a lost datagram adds two) instead of a gather into a temporary and a
+    scatter from it; beyond RUN_SEGMENTS stretches, the gather and scatter."""
+    if not dst_rows.size:
+        return
+    cuts = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
+    if cuts.size >= RUN_SEGMENTS:
+        dst[dst_rows] = src[src_rows]
+        return
+    bounds = [0, *cuts.tolist(), int(dst_rows.size)]
+    for a, b in itertools.pairwise(bounds):
+        to, since = int(dst_rows[a]), int(src_rows[a])
+        dst[to: to + b - a] = src[since: since + b - a]
+
+
 def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Which datagrams ``Header.decode`` accepts, for a batch at once: a bool per row.
 
@@ -119,31 +175,23 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     only on DATA, RESULT's own on RESULT), a payload that holds ``count`` lanes of that width (and at most
     MAX_LANES), a HELLO payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES,
     no payload on the other kinds, known flags, ``total`` only on RESULT, and no payload on a RESCALE NACK.
-    A row shorter than a header is rejected before its (stale) fields count."""
+    A row shorter than a header is rejected before its (stale) fields count. The rules that depend only on
+    the kind and the precision are looked up in tables made once (``_pair_tables``)."""
     lengths = np.asarray(lengths, np.int64)[: headers.size]
-    kind = headers["kind"].astype(np.int64)
-    precision = headers["precision"].astype(np.int64)
+    code = (headers["kind"].astype(np.intp) << 8) | headers["precision"]
     count = headers["count"].astype(np.int64)
+    flags = headers["flags"]
     payload = lengths - HEADER_BYTES
-    width = _LANE_BYTES[precision]
-    laned = _LANED[kind]
-    lanes_fit = (payload % width == 0) & (width * count <= payload) & (payload <= width * MAX_LANES)
-    hello = kind == Kind.HELLO
-    report = kind == Kind.REPORT
-    payload_ok = np.where(laned, lanes_fit, np.where(hello, payload <= MAX_DEPLOY_BYTES,
-                                                     np.where(report, payload <= MAX_REPORT_BYTES, payload == 0)))
-    precision_ok = (precision == Precision.FIXED32) | (_DATA_PRECISION[precision] & (kind == Kind.DATA)) | \
-        (_RESULT_PRECISION[precision] & (kind == Kind.RESULT))
-    ok = (lengths >= HEADER_BYTES) & (lengths <= ROW_BYTES)
+    ok = _PAIR_OK[code] & (lengths >= HEADER_BYTES) & (lengths <= ROW_BYTES)
+    ok &= payload % _WIDTH[code] == 0
+    ok &= _PER_LANE[code] * count <= payload
+    ok &= payload <= _MAX_PAYLOAD[code]
     ok &= headers["magic"] == MAGIC
     ok &= headers["version"] == VERSION
-    ok &= _KNOWN[kind]
     ok &= count <= MAX_LANES
     ok &= headers["worker"] < MAX_WORKERS
     ok &= headers["reserved"] == 0
-    ok &= precision_ok
-    ok &= payload_ok
-    ok &= headers["flags"] < 8
-    ok &= (headers["total"] == 0) | (kind == Kind.RESULT)
-    ok &= ~((kind == Kind.NACK) & ((headers["flags"] & int(Flag.RESCALE)) != 0) & ((count > 0) | (payload != 0)))
+    ok &= flags < 8
+    ok &= (headers["total"] == 0) | _TOTAL_OK[code]
+    ok &= ~(_IS_NACK[code] & ((flags & _RESCALE) != 0) & ((count > 0) | (payload != 0)))
     return np.asarray(ok, bool)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from netstorm.lan.errors import WireError
-from netstorm.lan.fixedpoint import INT32_MAX
+from netstorm.lan.fixedpoint import INT32_MAX, dequantize_rows
 from netstorm.lan.header import (
     HEADER_BYTES,
     HEADER_DTYPE,
@@ -19,6 +21,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.precision import encode_lanes, int8_scales, rounded
+from netstorm.lan.prefault import populated
 from netstorm.lan.resultwire import RESULT_DTYPES
 
 
@@ -101,6 +104,10 @@ def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, t
     return _assemble(rows, lanes)
 
 
+QUANTISE_ROWS = 64
+"""Rows ``_fixed_packets`` quantises per step (about 200 KB of float32 lanes at the widest datagram)."""
+
+
 def _fixed_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, tensor: int, values: np.ndarray,
                    scale: int, token: int) -> np.ndarray:
     """``data_packets`` of a whole fp32 tensor, quantised straight into the datagram rows.
@@ -132,16 +139,19 @@ def _fixed_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int,
         raise WireError(f"tensor {tensor} contains inf or nan; it cannot be aggregated in fixed point")
     factor = 2.0**scale
     overflow = np.rint(peak * factor) > INT32_MAX
-    out = np.empty((n, HEADER_BYTES + 4 * width), np.uint8)
+    out = populated((n, HEADER_BYTES + 4 * width), np.uint8)   # every byte is written below
     lanes = out[:, HEADER_BYTES:].view("<i4")
-    for rows, block in ((slice(0, full), body), (slice(full, n), tail)):
-        if not block.size:
-            continue
-        with np.errstate(over="ignore"):     # an overflowing row becomes inf here, and is redone below
-            scaled = np.multiply(block, block.dtype.type(factor))
-        np.rint(scaled, out=scaled)
-        scaled[overflow[rows]] = 0       # redone below, in float64
-        lanes[rows] = scaled
+    # a few rows at a time through one small scratch that stays in cache, not a tensor-sized temporary
+    scratch = np.empty((min(QUANTISE_ROWS, n), width), work.dtype)
+    for first, block in ((0, body), (full, tail)):
+        for at in range(0, len(block), QUANTISE_ROWS):
+            part = block[at: at + QUANTISE_ROWS]
+            scaled = scratch[: len(part)]
+            with np.errstate(over="ignore"):     # an overflowing row becomes inf here, and is redone below
+                np.multiply(part, work.dtype.type(factor), out=scaled)
+            np.rint(scaled, out=scaled)
+            scaled[overflow[first + at: first + at + len(part)]] = 0       # redone below, in float64
+            lanes[first + at: first + at + len(part)] = scaled
     for row in np.flatnonzero(overflow):
         chunk = np.zeros(width, np.float64)
         part = flat[row * width: (row + 1) * width]
@@ -181,15 +191,11 @@ def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int,
     return _assemble(rows, matrix[index].astype(RESULT_DTYPES[precision]))
 
 
-def chunk_result_packets(layout: EdgeLayout, *, job: int, iteration: int, seqs: np.ndarray, raw: np.ndarray,
-                         scales: np.ndarray, total: int) -> np.ndarray:
-    """RESULT datagrams of single chunks (``seqs``: sequence numbers over the whole model) straight from their
-    exact int32 sums ``raw`` (one row per chunk) and scales: each lane ``raw * 2**-scale`` rounded once to
-    float32, the value ``result_packets`` of the whole tensor would carry, so a result can leave chunk by
-    chunk as the chunks complete. Lanes past a tensor's end are zero, as there."""
+def _result_headers(layout: EdgeLayout, seqs: np.ndarray, *, job: int, iteration: int,
+                    total: int) -> tuple[np.ndarray, np.ndarray]:
+    """The RESULT headers of single chunks ``seqs`` (as bytes, one row each) and each one's lane count."""
     if not 0 < total <= 0xFFFFFFFF:
         raise WireError(f"a RESULT sums at least one worker and at most 2**32-1, got total {total}")
-    seqs = np.asarray(seqs, np.int64)
     first = np.asarray(layout.first_slot, np.int64)
     tensor = np.searchsorted(first, seqs, side="right") - 1
     chunk = seqs - first[tensor]
@@ -201,9 +207,67 @@ def chunk_result_packets(layout: EdgeLayout, *, job: int, iteration: int, seqs: 
     rows["slot"] = seqs % layout.num_slots
     rows["count"] = count
     rows["need"] = NEED_NONE
-    lanes = (raw[seqs, : layout.lanes].astype(np.float64) * np.exp2(-scales[seqs].astype(np.float64))[:, None])
-    lanes[np.arange(layout.lanes)[None, :] >= count[:, None]] = 0.0
-    return _assemble(rows, lanes.astype("<f4"))
+    return rows.view(np.uint8).reshape(len(seqs), HEADER_BYTES), count
+
+
+def chunk_result_packets(layout: EdgeLayout, *, job: int, iteration: int, seqs: np.ndarray, raw: np.ndarray,
+                         scales: np.ndarray, total: int) -> np.ndarray:
+    """RESULT datagrams of single chunks (``seqs``: sequence numbers over the whole model) straight from their
+    exact int32 sums ``raw`` (one row per chunk) and scales: each lane ``raw * 2**-scale`` rounded once to
+    float32, the value ``result_packets`` of the whole tensor would carry, so a result can leave chunk by
+    chunk as the chunks complete. Lanes past a tensor's end are zero, as there."""
+    seqs = np.asarray(seqs, np.int64)
+    heads, count = _result_headers(layout, seqs, job=job, iteration=iteration, total=total)
+    out = np.empty((len(seqs), HEADER_BYTES + 4 * layout.lanes), np.uint8)
+    out[:, :HEADER_BYTES] = heads
+    lanes = out[:, HEADER_BYTES:].view("<f4")
+    dequantize_rows(raw[seqs, : layout.lanes], scales[seqs], out=lanes)
+    _zero_padding(lanes, count, layout.lanes)
+    return out
+
+
+def chunk_results_into(rows: np.ndarray, layout: EdgeLayout, *, job: int, iteration: int, seqs: np.ndarray,
+                       raw: np.ndarray, scales: np.ndarray, total: int) -> list[np.ndarray]:
+    """``chunk_result_packets`` written in place into ``rows`` (one row of ``HEADER_BYTES + 4 * lanes`` bytes
+    per chunk of the model, row ``seq`` for chunk ``seq``), for ``seqs`` ascending and distinct: the lanes
+    are converted straight into the datagrams (``dequantize_rows``), without a float64 copy or a second copy
+    into ``rows``. Returns the rows written, as one view per run of consecutive chunks.
+
+    When the runs lie close together (a batch with a few lost datagrams between its chunks) the whole span
+    from the first to the last is converted in one pass: the rows between the runs belong to chunks not
+    yet complete, whose row is written again, from their sum, when they complete (until then it is never
+    sent or read), or to chunks complete before, whose row gets the same bytes again."""
+    seqs = np.asarray(seqs, np.int64)
+    if rows.shape[1] != HEADER_BYTES + 4 * layout.lanes:
+        raise ValueError(f"RESULT rows of {layout.lanes} lanes do not fit rows of {rows.shape[1]} bytes")
+    if not seqs.size:
+        return []
+    heads, count = _result_headers(layout, seqs, job=job, iteration=iteration, total=total)
+    cuts = [0, *(np.flatnonzero(np.diff(seqs) != 1) + 1).tolist(), int(seqs.size)]
+    lo, hi = int(seqs[0]), int(seqs[-1]) + 1
+    if len(cuts) > 2 and hi - lo <= 2 * seqs.size:
+        span = rows[lo:hi]
+        dequantize_rows(raw[lo:hi, : layout.lanes], scales[lo:hi], out=span[:, HEADER_BYTES:].view("<f4"))
+        rows[seqs, :HEADER_BYTES] = heads
+        _zero_padding(rows[:, HEADER_BYTES:].view("<f4"), count, layout.lanes, seqs)
+        return [rows[int(seqs[a]): int(seqs[b - 1]) + 1] for a, b in itertools.pairwise(cuts)]
+    views = []
+    for a, b in itertools.pairwise(cuts):
+        first = int(seqs[a])
+        view = rows[first: first + b - a]
+        view[:, :HEADER_BYTES] = heads[a:b]
+        lanes = view[:, HEADER_BYTES:].view("<f4")
+        dequantize_rows(raw[first: first + b - a, : layout.lanes], scales[first: first + b - a], out=lanes)
+        _zero_padding(lanes, count[a:b], layout.lanes)
+        views.append(view)
+    return views
+
+
+def _zero_padding(lanes: np.ndarray, count: np.ndarray, width: int, at: np.ndarray | None = None) -> None:
+    """Zero the lanes past each row's count (a tensor's last chunk); with ``at``, row ``i``'s count is of
+    row ``at[i]`` of ``lanes``."""
+    for i in np.flatnonzero(count < width).tolist():
+        lanes[i if at is None else int(at[i]), count[i]:] = 0.0
 
 
 def _assemble(rows: np.ndarray, lanes: np.ndarray) -> np.ndarray:

@@ -111,7 +111,9 @@ class ResultWire:
         raise AssertionError("every integer up to 2**24 fits int32")
 
     def decode(self, lanes: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Each tensor's elements (float32, exact) from its lanes as gathered (float32, one per lane)."""
+        """Each tensor's elements (float32, exact) from its lanes as gathered (float32, one per lane); float32
+        lanes are returned as they are (no copy: a worker gathers each iteration's result into its own
+        matrix)."""
         out = []
         for size, form, part in zip(self.sizes, self.formats, lanes, strict=True):
             flat = np.asarray(part).reshape(-1)
@@ -119,5 +121,5 @@ class ResultWire:
                 bits = np.unpackbits(flat.astype(np.uint8), count=size, bitorder="little")
                 out.append(bits.astype(np.float32))
             else:
-                out.append(flat.astype(np.float32))
+                out.append(flat.astype(np.float32, copy=False))
         return out

@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from netstorm.lan import udp
-from netstorm.lan.batch import DatagramBatch, valid_headers
+from netstorm.lan.batch import DatagramBatch, copy_rows, distinct, valid_headers
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.downlink import ResultTimer, report_packet
 from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
@@ -65,6 +65,7 @@ from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pacing import Pace
 from netstorm.lan.packets import control_packet, data_packets, header_rows
 from netstorm.lan.precision import integer_precision
+from netstorm.lan.prefault import populated
 from netstorm.lan.resultwire import RESULT_DTYPES, ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
@@ -348,18 +349,19 @@ class EdgeSender:
                 # nothing later can reveal the tail's loss: ask about its newest chunk (the gateway NACKs
                 # whoever is missing from it), or resend it without NACKs; its ACK then reveals the rest
                 self.tail_probes += 1
-                gap = np.union1d(gap, [probe]) if self.query_nacks else gap
-                stalled = stalled if self.query_nacks else np.union1d(stalled, [probe])
+                gap = distinct(np.append(gap, probe)) if self.query_nacks else gap
+                stalled = stalled if self.query_nacks else distinct(np.append(stalled, probe))
             if self.query_nacks:
                 # a gap is only asked about (again each timeout): the gateway NACKs whoever is missing
-                ask = np.setdiff1d(gap, stalled)
+                ask = distinct(gap)
+                ask = ask[~np.isin(ask, stalled)]
                 if ask.size:
                     await self._query(iteration, ask)
                     flight.resent(ask, now, asked_only=True)
                     flight.asked[ask] = True
                 late = stalled
             else:
-                late = np.union1d(gap, stalled)[:QUERY_CHUNKS]
+                late = distinct(np.concatenate([gap, stalled]))[:QUERY_CHUNKS]
             if late.size:
                 await self._resend(iteration, rows, late, flight, now)
         if flight.min_rtt < float("inf"):
@@ -533,9 +535,10 @@ class EdgeSender:
 
     def _result_matrix(self) -> np.ndarray:
         """One row of lanes (as float32, exact) per chunk of the result: RESULT lanes land here by sequence
-        number."""
+        number. Read only once every chunk's row was written (``_split``), so not cleared first; its pages
+        are mapped at once (``populated``), not faulted in as results arrive."""
         layout = self._back.layout
-        return np.zeros((layout.num_chunks, layout.lanes), np.float32)
+        return populated((layout.num_chunks, layout.lanes), np.float32)
 
     def _split(self, out: np.ndarray) -> list[np.ndarray]:
         """Each tensor's result lanes: a view of its chunks' rows, without the last chunk's padding."""
@@ -662,9 +665,9 @@ class EdgeSender:
         fresh = known & missing[np.where(known, seq, 0)]
         named = seq[known]
         rows, seq, precision = rows[fresh], seq[fresh], precision[fresh]
-        for code in np.unique(precision).tolist():
+        for code in distinct(precision).tolist():
             mine = precision == code
-            out[seq[mine]] = self._batch.lanes(RESULT_DTYPES[Precision(code)])[rows[mine], : layout.lanes]
+            copy_rows(out, seq[mine], self._batch.lanes(RESULT_DTYPES[Precision(code)])[:, : layout.lanes], rows[mine])
         missing[seq] = False
         if rows.size:
             self.downlink.on_results(int(self._batch.lengths[rows].sum()), time.monotonic())
@@ -709,7 +712,7 @@ class EdgeSender:
         if not width:
             return
         listed = self._batch.lanes("<u4")[rows, :width][np.arange(width) < counts[:, None]].astype(np.int64)
-        index = np.unique(listed[listed < keep.shape[0]])
+        index = distinct(listed[listed < keep.shape[0]])
         if flight is not None:
             now = time.monotonic()
             index = index[index < flight.next]   # was sent at all

@@ -394,6 +394,8 @@ def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
     view = stage.data
     start = batch.count
     width = batch.buf.shape[1]
+    inet = sock.family == socket.AF_INET   # once: the property converts to an enum on every read
+    named: tuple[str, int] | None = None
     while batch.rows - batch.count > GRO_SEGMENTS:
         try:
             n, ancillary, flags, address = sock.recvmsg_into([view], _CMSG_SPACE, MSG_DONTWAIT)
@@ -423,7 +425,11 @@ def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
                 batch.buf[at + full, : min(rest, width)] = stage[full * size: full * size + min(rest, width)]
                 batch.lengths[at + full] = rest
         batch.coalesced += rows > 1
-        if sock.family == socket.AF_INET:
-            batch.set_address(slice(at, at + rows), address)
+        if inet:
+            if address == named:    # the same sender as the buffer before (the gateway, nearly always)
+                batch.names[at: at + rows] = batch.names[at - 1]
+            else:
+                batch.set_address(slice(at, at + rows), address)
+                named = address
         batch.count += rows
     return batch.count - start
