@@ -10,20 +10,17 @@ sums stay exact; the slot timers are set beyond the run and the workers' stall r
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.layout import EdgeLayout
+from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
-"""90 chunks."""
+LAYOUT = NACK_LAYOUT
 JOB = 14
 PORT = 9470
 GROUP = ("239.77.0.14", 9471)
@@ -33,18 +30,14 @@ TOPOLOGY = LanTopology(WORKERS, {HEAD: (2, 3)})
 """Worker 1 aggregates itself and workers 2 and 3; workers 0 and 4 send to the gateway."""
 MIDDLE = frozenset(range(20, 50))
 TAIL = frozenset(range(60, 90))
-_iterations = itertools.count(500, 10)
+_iterations = nack_iterations
 ATTACH = "generic"
 """How the aggregator's program attaches to its LAN interface (the loopback device is always generic)."""
 
 
 @pytest.fixture(scope="module")
-def xdp_program() -> Iterator[Any]:
-    from bpf.xdp import XdpAggregator
-
-    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=10.0)
-    yield agg
-    agg.close()
+def xdp_program() -> Any:
+    return nack_program()
 
 
 
