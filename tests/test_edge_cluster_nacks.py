@@ -10,13 +10,14 @@ sums stay exact; the slot timers are set beyond the run and the workers' stall r
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 from netstorm.lan.deploy import LanTopology
-from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
+from tests.edge_programs import NACK_LAYOUT, LentPrograms, nack_iterations, nack_program
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -33,6 +34,19 @@ TAIL = frozenset(range(60, 90))
 _iterations = nack_iterations
 ATTACH = "generic"
 """How the aggregator's program attaches to its LAN interface (the loopback device is always generic)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_programs() -> Iterator[LentPrograms]:
+    """The cluster aggregator of each XDP run borrows its program from one pool instead of compiling its
+    own; ``nack_iterations`` rise from run to run."""
+    import bpf.cluster
+
+    lent = LentPrograms()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpf.cluster, "XdpAggregator", lent)
+        yield lent
+    lent.release()
 
 
 @pytest.fixture(scope="module")
