@@ -8,7 +8,6 @@ with exactly those resends, and exact sums under 1 % loss)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import socket
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import data_packets, nack_packets
 from netstorm.lan.sender import EdgeSender, _Flight
 from netstorm.lan.tokens import LanTokens
+from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
 
 LAYOUT = EdgeLayout.uniform([3000, 7], scale=10, lanes=64)
 """48 chunks of 64 lanes."""
@@ -226,24 +226,19 @@ def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from
 
 # ---- in network namespaces, both aggregation paths ----
 
-NS_LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
-"""90 chunks."""
+NS_LAYOUT = NACK_LAYOUT
 NS_JOB = 13
 PORT = 9420
 GROUP = ("239.77.0.13", 9421)
 WORKERS = 4
 LOSER = 2
 LOST = frozenset({3, 5, 6, 7, 40, 41})
-_iterations = itertools.count(500, 10)
+_iterations = nack_iterations
 
 
 @pytest.fixture(scope="module")
-def xdp_program() -> Iterator[Any]:
-    from bpf.xdp import XdpAggregator
-
-    agg = XdpAggregator(NS_LAYOUT, job=NS_JOB, port=PORT, expected=1, timeout=10.0)
-    yield agg
-    agg.close()
+def xdp_program() -> Any:
+    return nack_program()
 
 
 

@@ -10,7 +10,6 @@ sums stay exact; the slot timers are set beyond the run and the workers' stall r
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,13 +18,12 @@ import pytest
 
 from netstorm.lan.deploy import LanTopology
 from netstorm.lan.header import Kind
-from netstorm.lan.layout import EdgeLayout
 from tests.dataplane import until
+from tests.edge_programs import NACK_LAYOUT, LentPrograms, nack_iterations, nack_program
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
-"""90 chunks."""
+LAYOUT = NACK_LAYOUT
 JOB = 14
 PORT = 9470
 GROUP = ("239.77.0.14", 9471)
@@ -35,18 +33,27 @@ TOPOLOGY = LanTopology(WORKERS, {HEAD: (2, 3)})
 """Worker 1 aggregates itself and workers 2 and 3; workers 0 and 4 send to the gateway."""
 MIDDLE = frozenset(range(20, 50))
 TAIL = frozenset(range(60, 90))
-_iterations = itertools.count(500, 10)
+_iterations = nack_iterations
 ATTACH = "generic"
 """How the aggregator's program attaches to its LAN interface (the loopback device is always generic)."""
 
 
-@pytest.fixture(scope="module")
-def xdp_program() -> Iterator[Any]:
-    from bpf.xdp import XdpAggregator
+@pytest.fixture(scope="module", autouse=True)
+def cluster_programs() -> Iterator[LentPrograms]:
+    """The cluster aggregator of each XDP run borrows its program from one pool instead of compiling its
+    own; ``nack_iterations`` rise from run to run."""
+    import bpf.cluster
 
-    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=10.0)
-    yield agg
-    agg.close()
+    lent = LentPrograms()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpf.cluster, "XdpAggregator", lent)
+        yield lent
+    lent.release()
+
+
+@pytest.fixture(scope="module")
+def xdp_program() -> Any:
+    return nack_program()
 
 
 

@@ -21,6 +21,7 @@ from netstorm.lan.header import Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import fit_scales
 from netstorm.lan.precision import worker_values
+from tests.edge_programs import LentPrograms
 
 pytestmark = [pytest.mark.root]
 
@@ -41,6 +42,19 @@ ITERATIONS = 4
 
 def layout(sizes: tuple[int, ...] = SIZES) -> EdgeLayout:
     return EdgeLayout.uniform(sizes, scale=SCALE, lanes=LANES, pool=POOL)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_programs() -> Iterator[LentPrograms]:
+    """The cluster aggregators of this module's XDP runs borrow their programs from one pool (two for the
+    runs with two clusters) instead of compiling one each; the rising ``_iterations`` keep runs apart."""
+    import bpf.cluster
+
+    lent = LentPrograms()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bpf.cluster, "XdpAggregator", lent)
+        yield lent
+    lent.release()
 
 
 @pytest.fixture(scope="module")

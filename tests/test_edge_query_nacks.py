@@ -9,20 +9,16 @@ sums stay exact, and neither the slot timers nor the workers' stall rule (both f
 from __future__ import annotations
 
 import asyncio
-import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from netstorm.lan.layout import EdgeLayout
+from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
-LAYOUT = EdgeLayout.uniform([30000, 1234, 7], scale=16, lanes=357)
-"""90 chunks: a loss early or late in them is found by the gateway (a chunk completed after it), a loss of
-the last one by the workers' tail probe."""
+LAYOUT = NACK_LAYOUT
 JOB = 12
 PORT = 9410
 GROUP = ("239.77.0.12", 9411)
@@ -30,16 +26,12 @@ WORKERS = 4
 LOSER = 1
 EARLY, LATE, LAST = 2, 88, 89
 """Sequence numbers of the chunk whose first transmission by worker LOSER is dropped, in the two cases."""
-_iterations = itertools.count(300, 10)
+_iterations = nack_iterations
 
 
 @pytest.fixture(scope="module")
-def xdp_program() -> Iterator[Any]:
-    from bpf.xdp import XdpAggregator
-
-    agg = XdpAggregator(LAYOUT, job=JOB, port=PORT, expected=1, timeout=10.0)
-    yield agg
-    agg.close()
+def xdp_program() -> Any:
+    return nack_program()
 
 
 

@@ -124,17 +124,24 @@ def env_rank(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
 
 def test_ddp_on_netstorm_matches_one_process_training_step_for_step(tmp_path: Path,
                                                                      ranks_started: list[Ranks]) -> None:
+    """Three DCs of one rank each: rank 0's own comparison with one process (the example's --check) reports
+    every step close, and, redone here from the saved parameters, every rank holds the same model after
+    every step and the model moved. One run serves both checks: each rank start costs seconds of imports."""
     out = tmp_path / "out"
     out.mkdir()
     with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
         port = free_port()
-        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "5", "--check"]
+        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "4", "--check"]
         ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
                       tmp_path)
         ranks_started.append(ranks)
-        assert ranks.wait(within=240) == [0, 0, 0], [log.read_text()[-2000:] for log in ranks.logs]
-    # the check redone here from the saved parameters: every rank the same model after every step
+        checks = [ranks.until(lambda i, rec: i == 0 and "check" in rec, "check line", within=240)[1]
+                  for _ in range(5)]
+        assert ranks.wait(within=60) == [0, 0, 0], [log.read_text()[-2000:] for log in ranks.logs]
+    assert [c["check"] for c in checks] == list(range(5))
+    assert all(c["close"] for c in checks), checks
     runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(3)]
+    assert len(runs[0]) == 5   # the initial parameters and those after each of the 4 steps
     for other in runs[1:]:
         assert np.array_equal(other, runs[0])
     assert not np.allclose(runs[0][0], runs[0][-1])
@@ -156,23 +163,6 @@ def test_several_ranks_per_dc_are_trainers_of_its_node(tmp_path: Path, ranks_sta
     assert all(c["close"] for c in checks), checks
     runs = [np.load(out / f"rank-{r}.npz")["params"] for r in range(4)]
     assert all(np.array_equal(other, runs[0]) for other in runs[1:])
-
-
-def test_ddp_check_lines_report_every_step_close(tmp_path: Path, ranks_started: list[Ranks]) -> None:
-    """The same run, read from rank 0's own comparison with one process (the example's --check)."""
-    out = tmp_path / "out"
-    out.mkdir()
-    with local_cluster(3, tmp_path / "run", ready_timeout=90) as cluster:
-        port = free_port()
-        argv = [sys.executable, str(EXAMPLES / "ddp_train.py"), "--out", str(out), "--steps", "4", "--check"]
-        ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1)) for r in range(3)],
-                      tmp_path)
-        ranks_started.append(ranks)
-        checks = [ranks.until(lambda i, rec: i == 0 and "check" in rec, "check line", within=240)[1]
-                  for _ in range(5)]
-        assert ranks.wait(within=60) == [0, 0, 0]
-    assert [c["check"] for c in checks] == list(range(5))
-    assert all(c["close"] for c in checks), checks
 
 
 def link_sockets(cluster: Cluster, name: str, nodes: Sequence[int]) -> str:
