@@ -1,0 +1,200 @@
+"""A running LAN tier switches its deployment at iteration boundaries (netstorm/lan/redeploy.py): flat, then
+two clusters, then a member moved and another aggregator, then flat again, with every iteration's sum
+exact; what each aggregator expects and forwards is read from the data plane (the fallback's fields or
+the kernel's configuration map, and its forwarded counter), and a worker that does not act on the
+announcement is told by the aggregator that refuses its DATA."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from netstorm.lan.deploy import LanTopology
+from netstorm.lan.layout import EdgeLayout
+
+pytestmark = [pytest.mark.root]
+
+SCALE = 16
+LANES = 357
+POOL = 4
+SIZES = (LANES * 5 + 11, 9)
+JOB = 19
+PORT = 9470
+GROUP = ("239.77.0.19", 9471)
+SECRET = b"redeploy-secret"
+WORKERS = 5
+_iterations = itertools.count(300, 20)
+
+PLANS = {
+    0: LanTopology(WORKERS),
+    2: LanTopology(WORKERS, {0: (1, 2)}),             # two levels: 0 sums 1 and 2; 3 and 4 go straight up
+    4: LanTopology(WORKERS, {3: (1, 4), 0: (2,)}),    # 1 moves to a new aggregator 3, 4 joins it
+    6: LanTopology(WORKERS),                          # back to one level
+}
+"""Iteration (counted from the first summed one) -> the deployment it and the following ones run."""
+ITERATIONS = 7
+
+
+def layout() -> EdgeLayout:
+    return EdgeLayout.uniform(SIZES, scale=SCALE, lanes=LANES, pool=POOL)
+
+
+@pytest.fixture(scope="module")
+def gateway_program() -> Iterator[Any]:
+    from bpf.xdp import XdpAggregator
+
+    agg = XdpAggregator(layout(), job=JOB, port=PORT, expected=1, timeout=0.05)
+    yield agg
+    agg.close()
+
+
+def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
+    """The LAN sum as every aggregator makes it: int64 fixed point at the common scale, once to float32."""
+    return [(np.sum([np.rint(w[t].astype(np.float64) * 2.0**SCALE).astype(np.int64) for w in contribs], axis=0)
+             .astype(np.float64) * 2.0**-SCALE).astype(np.float32) for t in range(len(SIZES))]
+
+
+def deployment_at(k: int) -> LanTopology:
+    return PLANS[max(i for i in PLANS if i <= k)]
+
+
+async def run_switches(mode: str, program: Any, *, ignore: dict[int, set[int]] | None = None,
+                       timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
+    """Run ITERATIONS iterations through the deployments of PLANS, every worker's host running an aggregator
+    service (on standby where its worker aggregates nothing). ``ignore``: iteration -> workers that send it
+    without acting on the announced epoch (as if the announcement were lost)."""
+    from bpf.agent import EdgeAgent
+    from bpf.cluster import ClusterAggregator
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.netns import run_in
+    from netstorm.lan.sender import EdgeSender
+
+    ignore = ignore or {}
+    rng = np.random.default_rng(19)
+    lay = layout()
+    out: dict[str, Any] = {"checked": 0, "expected": [], "forwarded": [], "epochs": []}
+    with Lan(WORKERS) as lan:
+        xdp = None
+        if mode == "xdp":
+            xdp = program
+            xdp.redeploy(expected=PLANS[0].gateway_mask(), epoch=0)
+            xdp.configure(job=JOB, port=PORT, expected=PLANS[0].gateway_mask(), timeout=0.05, max_nacks=50)
+            ifindex = lan.gateway_ifindex()
+            run_in(lan.gateway, lambda: xdp.attach(ifindex))
+        services: list[ClusterAggregator] = []
+        nodes: list[EdgeSender] = []
+        try:
+            agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), lay, workers=WORKERS, job=JOB, mode=mode,
+                              xdp=xdp, slot_timeout=0.05, max_nacks=50, secret=SECRET, group=GROUP,
+                              topology=PLANS[0], retransmit=0.01)
+            nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=lay,
+                                job=JOB, seed=7, secret=SECRET, group_opener=lan.group_opener(ns))
+                     for i, ns in enumerate(lan.workers)]
+            first = next(_iterations)
+            agent.expect(first)
+            async with asyncio.TaskGroup() as tg:
+                serving = tg.create_task(agent.run())
+                try:
+                    for i, ns in enumerate(lan.workers):
+                        service = ClusterAggregator(lan.udp_socket(ns, lan.worker_ip(i), PORT), (GATEWAY_IP, PORT),
+                                                    worker=i, job=JOB, interface="eth0", mode=mode, secret=SECRET,
+                                                    group_opener=lan.group_opener(ns), attach="generic")
+                        services.append(service)
+                        await service.hello(timeout=10)
+                        await asyncio.to_thread(run_in, ns, service.load)
+                        tg.create_task(service.run())
+                    await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
+                    await agent.wait_workers(timeout=10)
+                    for k in range(ITERATIONS):
+                        iteration = first + k
+                        for node in nodes:
+                            node.ignore_epoch = frozenset({iteration} if node.worker in ignore.get(k, ()) else ())
+                        for service in services:
+                            service.follow(iteration)
+                        before = [s.stats().get("forwarded", 0) for s in services]
+                        contribs = [[rng.standard_normal(size).astype(np.float32) for size in SIZES]
+                                    for _ in range(WORKERS)]
+                        pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
+                                  for n in nodes]
+                        sums = await agent.collect(iteration, timeout=timeout)
+                        want = exact(contribs)
+                        for got, ref in zip(sums, want, strict=True):
+                            np.testing.assert_array_equal(got, ref)
+                        # what each aggregator expects, read back from its data plane, and what it forwarded
+                        out["expected"].append([s.expected for s in services])
+                        out["forwarded"].append([s.stats().get("forwarded", 0) - b
+                                                 for s, b in zip(services, before, strict=True)])
+                        out["epochs"].append(agent.epoch)
+                        if k + 1 in PLANS:   # the next iteration runs another deployment
+                            agent.redeploy(PLANS[k + 1], iteration)
+                        await agent.send_results(iteration, sums, total=WORKERS)
+                        for task in pushes:
+                            got_sums, _total = await task
+                            for got, ref in zip(got_sums, want, strict=True):
+                                np.testing.assert_array_equal(got, ref)
+                        out["checked"] += 1
+                finally:
+                    agent.close()
+                    for service in services:
+                        service.close()
+                    await serving
+            out["stale_told"] = agent.stale_told
+            out["service_moved"] = [s.moved_sent for s in services]
+            out["moved"] = [n.moved for n in nodes]
+            out["rehellos"] = [n.rehellos for n in nodes]
+            out["redeployed"] = [s.redeployed for s in services]
+            out["gateway_expected"] = xdp.configured()["expected"] if xdp is not None else \
+                agent.fallback.expected  # type: ignore[union-attr]
+            stats = xdp.stats() if xdp is not None else agent.fallback.counters  # type: ignore[union-attr]
+            out["old_epoch"] = stats["old_epoch"] + sum(s.stats().get("old_epoch", 0) for s in services)
+            return out
+        finally:
+            for node in nodes:
+                node.close()
+            if xdp is not None:
+                xdp.detach()
+
+
+def _check_deployments(out: dict[str, Any]) -> None:
+    assert out["checked"] == ITERATIONS   # every iteration's sums equal numpy's, at the gateway and every worker
+    chunks = layout().num_chunks
+    for k in range(ITERATIONS):
+        topology = deployment_at(k)
+        # each service's aggregator expects its cluster (nothing on standby), as read from its data plane
+        assert out["expected"][k] == [topology.cluster_mask(w) if w in topology.clusters else 0
+                                      for w in range(WORKERS)], (k, out["expected"][k])
+        # and the clusters of this deployment are the ones that forwarded its sums: one datagram per chunk at
+        # least (a retransmission re-forwards), nothing from a service on standby
+        for w, forwarded in enumerate(out["forwarded"][k]):
+            assert (forwarded >= chunks) if w in topology.clusters else forwarded == 0, (k, w, out["forwarded"][k])
+    assert out["epochs"] == [0, 0, 1, 1, 2, 2, 3]
+    assert out["gateway_expected"] == PLANS[6].gateway_mask()
+    assert all(r == 3 for r in out["redeployed"]), out["redeployed"]   # every service took every switch
+
+
+@pytest.mark.slow
+def test_deployment_switches_at_iteration_boundaries_with_exact_sums(mode: str,
+                                                                      request: pytest.FixtureRequest) -> None:
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    out = asyncio.run(run_switches(mode, program))
+    _check_deployments(out)
+    assert all(r == 3 for r in out["rehellos"]), out["rehellos"]   # every worker asked at every switch
+
+
+@pytest.mark.slow
+def test_a_worker_that_misses_the_announcement_is_told_where_its_data_lands(mode: str,
+                                                                             request: pytest.FixtureRequest) -> None:
+    """At the switch to two levels, worker 1 sends as before (to the gateway, which no longer expects it
+    there); at the switch back to one level, worker 2 sends to its old aggregator 0, now on standby. Each
+    aggregator refuses the old epoch's DATA and answers MOVED; the worker asks and resends; sums stay exact."""
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    out = asyncio.run(run_switches(mode, program, ignore={2: {1}, 6: {2}}))
+    _check_deployments(out)
+    assert out["moved"][1] >= 1 and out["moved"][2] >= 1, out["moved"]
+    assert out["stale_told"] >= 1 and out["service_moved"][0] >= 1, (out["stale_told"], out["service_moved"])
+    assert out["old_epoch"] >= 2
