@@ -328,6 +328,8 @@ class ClusterAggregator:
                     data = group.recv(len(buf))
                 except BlockingIOError:
                     return
+                except OSError:   # closed under a reader still registered (close() before run() unwound)
+                    return
                 if len(data) >= HEADER_BYTES and data[KIND_AT] in (Kind.ACK, Kind.RESULT):
                     iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
                     # an ACK or a RESULT of iteration k: its DATA may still be in flight (results can stream

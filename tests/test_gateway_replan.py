@@ -109,8 +109,8 @@ async def _run() -> dict[str, Any]:
                                 await role.combine(first, key, init[key], SIZES)
                             firsts = [tg.create_task(n.receive_first(timeout=T)) for n in nodes]
                             role.released(first, init, workers)
-                            for task in firsts:
-                                assert (await task)[0] == first
+                            for joined in firsts:
+                                assert (await joined)[0] == first
                             for k in range(1, ITERATIONS + 1):
                                 iteration = first + k
                                 for cluster in services:
@@ -134,7 +134,8 @@ async def _run() -> dict[str, Any]:
                                     async with asyncio.timeout(T):
                                         await planned.wait()
                                     out["pending_before_release"] = role.pending
-                                role.released(iteration, [s for s in sums], workers)
+                                assert all(s is not None for s in sums)
+                                role.released(iteration, [s for s in sums if s is not None], workers)
                                 for task in pushes:
                                     got_sums, total = await task
                                     assert total == workers
