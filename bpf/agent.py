@@ -47,7 +47,14 @@ from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.downlink import DownlinkReports, parse_report
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted, StaleDeployment, WireError
+from netstorm.lan.errors import (
+    EdgeTimeout,
+    IntegerOverflow,
+    IterationAborted,
+    ServicesMissing,
+    StaleDeployment,
+    WireError,
+)
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
@@ -437,6 +444,10 @@ class EdgeAgent:
         part before its members send. None when ``topology`` is the running one."""
         if topology.workers != self.workers:
             raise ValueError(f"a topology of {topology.workers} workers for a gateway of {self.workers}")
+        absent = self.services_missing(topology)
+        if absent:
+            raise ServicesMissing(f"edge gateway: the aggregator services of workers {absent} never said HELLO; "
+                                  f"a deployment naming them waits for them")
         self.deployments.propose(topology)
         switch = self.deployments.released(iteration)
         if switch is None:
@@ -453,6 +464,11 @@ class EdgeAgent:
         log.info("edge gateway: deployment epoch %d from iteration %d: clusters %s (was %s)", switch.epoch,
                  switch.since, dict(topology.clusters), dict(switch.previous.clusters))
         return switch
+
+    def services_missing(self, topology: LanTopology) -> list[int]:
+        """The aggregators ``topology`` names whose service never said HELLO here (its members could not be
+        told where to send: such a deployment waits)."""
+        return sorted(h for h in topology.clusters if h not in self._aggregators)
 
     def _moved(self, worker: int, iteration: int, address: Address) -> None:
         """Tell ``worker`` (a worker, or an aggregator service) at ``address`` to say HELLO again."""

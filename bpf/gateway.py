@@ -23,11 +23,12 @@ the node releases its next result, say of iteration k: then it becomes the deplo
 k + 1 under a new epoch (netstorm/lan/redeploy.py). The gateway's expected contributors and epoch are
 rewritten in its aggregator in place (the XDP program's configuration map, no reload), the aggregator
 services are told (MOVED), and k's result announces the epoch, so every worker asks for its new part
-before it sends k + 1; every aggregator sums only DATA of its own epoch, so no sum mixes two deployments,
-and a sender that did not follow is answered MOVED. An iteration the node fails does not switch: the
-next released result does. A plan with the running deployment (new rates only) is taken at once. The
-TCP path is one level: a plan with clusters is refused there (its rates apply; every worker keeps
-streaming to the gateway).
+before it sends k + 1. Every aggregator sums only DATA of its own epoch, so no sum mixes two
+deployments, and a sender that did not follow is answered MOVED. A deployment naming an aggregator
+whose service (``netstorm lan-aggregator``) never said HELLO stays pending, looked at again at each
+released result, until it has. An iteration the node fails does not switch: the next released result
+does. A plan with the running deployment (new rates only) is taken at once. The TCP path is one level:
+a plan with clusters is refused there (its rates apply; every worker keeps streaming to the gateway).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from netstorm.control import LanPlan, LanReport
 from netstorm.errors import ConfigError, NetStormError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, ServicesMissing, WireError
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
@@ -549,7 +550,12 @@ class GatewayRole:
         if plan is None or not isinstance(self.agent, EdgeAgent):
             return
         topology = topology_from_plan(plan, self.options.workers)
-        switch = self.agent.redeploy(topology, iteration)
+        try:
+            switch = self.agent.redeploy(topology, iteration)
+        except ServicesMissing as exc:
+            log.warning("%s (%s plan %d; looked at again at the next released result)", exc, plan.planner,
+                        plan.version)
+            return
         self.options = dataclasses.replace(self.options, topology=topology)
         self.plan = plan
         self.pending = None

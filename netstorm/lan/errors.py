@@ -32,3 +32,8 @@ class StaleDeployment(WireError):
         self.worker = worker
         self.iteration = iteration
         self.epoch = epoch
+
+
+class ServicesMissing(NetStormError):
+    """A deployment names aggregators whose service (``netstorm lan-aggregator``) never said HELLO to the
+    gateway: it is not switched to (its members could not be told where to send) and waits for them."""

@@ -288,9 +288,12 @@ class EdgeSender:
         await udp.sendto(self.sock, datagram, self.send_to)
 
     def _deploy(self, deployment: Deployment, scale: int) -> None:
+        old = self.deployment
         self.deployment = deployment
-        self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes), lanes=deployment.lanes,
-                                 pool=deployment.pool)
+        if old is None or (old.pool, old.lanes) != (deployment.pool, deployment.lanes):
+            # a HELLO said again for a changed deployment keeps the layout in use (a compressed round's wire)
+            self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes),
+                                     lanes=deployment.lanes, pool=deployment.pool)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
         self.batch.gso = self._gso
         if self.send_to != self.gateway:
