@@ -441,14 +441,17 @@ class EdgeAgent:
         ``iteration`` is released, before it is sent (its datagrams announce the epoch). The aggregator's
         expected contributors and epoch are rewritten in place (the XDP program's configuration map, or the
         fallback's fields), and every aggregator service that said HELLO is sent MOVED, so it asks for its
-        part before its members send. None when ``topology`` is the running one."""
+        part before its members send. None when ``topology`` is the running one; ServicesMissing (nothing
+        changed) when it names an aggregator whose service never said HELLO."""
         if topology.workers != self.workers:
             raise ValueError(f"a topology of {topology.workers} workers for a gateway of {self.workers}")
+        if not self.deployments.propose(topology):
+            return None
         absent = self.services_missing(topology)
         if absent:
+            self.deployments.propose(self.topology)   # nothing pending here: the caller keeps the plan
             raise ServicesMissing(f"edge gateway: the aggregator services of workers {absent} never said HELLO; "
                                   f"a deployment naming them waits for them")
-        self.deployments.propose(topology)
         switch = self.deployments.released(iteration)
         if switch is None:
             return None

@@ -669,10 +669,10 @@ class EdgeSender:
         if np.any(ok & (kind == Kind.FAILED)):
             raise IterationAborted(f"edge worker {self.worker}: iteration {iteration} failed (the gateway says so): "
                                    f"no result will come")
-        # a MOVED, or a NACK from an aggregator under another deployment: this worker sends where an old
-        # one said; it asks for its part and sends the iteration anew
-        moved = np.flatnonzero(ok & (((kind == Kind.MOVED) & (heads["worker"] == self.worker)) |
-                                     ((kind == Kind.NACK) & (heads["epoch"] != self.epoch))))
+        # a MOVED, or a NACK, from an aggregator under another deployment than this worker's: it sends where
+        # an old one said (or the aggregator is behind, and asks too); it asks for its part and sends anew
+        moved = np.flatnonzero(ok & (heads["epoch"] != self.epoch) & (
+            ((kind == Kind.MOVED) & (heads["worker"] == self.worker)) | (kind == Kind.NACK)))
         if keep.size and moved.size:
             raise _Moved(int(heads["epoch"][moved[0]]))
         results = self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
