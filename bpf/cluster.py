@@ -127,7 +127,9 @@ class ClusterAggregator:
         worker's shaped uplink) holds them back instead of dropping them (bpf/writer.py)."""
         self.writer = SocketWriter(sock, self.outbox, who=f"edge aggregator {worker}")
         self.members: dict[int, Address] = {}
-        """Where each member (and this worker's own trainer) sends from: the address of its HELLO here."""
+        """Where each worker that said HELLO here sends from (its members', its own trainer's, and after a
+        deployment change possibly a member's whose HELLO came before this service took its new part):
+        the address of its latest HELLO here. NACKs go only to the members its slot lacks."""
         self.nacks_in = 0
         """The gateway's NACKs for a chunk this cluster's aggregate is missing from."""
         self.nacks_out = 0
@@ -428,8 +430,9 @@ class ClusterAggregator:
                                                              keep=False):
                 self.forged += 1
                 return
-            if head.worker == self.worker or head.worker in deployment.members:
-                self.members[head.worker] = (address[0], address[1])
+            # whoever says HELLO here, member or not yet: after a change the gateway may answer a member (once
+            # this service asked) before the answer that makes it a member reaches this service
+            self.members[head.worker] = (address[0], address[1])
             return
         if address[0] != self.gateway[0] or head.flags & Flag.RESCALE or seq is None:
             return      # a RESCALE goes to every worker from the gateway itself; a NACK lists its chunk

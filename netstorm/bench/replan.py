@@ -61,6 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dc_replan_change (default: the configuration's)")
     parser.add_argument("--replan-hold", type=float, default=None, metavar="S",
                         help="dc_replan_hold (default: the configuration's)")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                        help="seconds an iteration may take at the gateway (default 300)")
     parser.add_argument("--out", metavar="FILE", default=None, help="write the result JSON here")
     parser.add_argument("--json", action="store_true", help="print the result JSON instead of a table")
 
@@ -150,9 +152,10 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
                         before = [s.stats().get("forwarded", 0) for s in services]
                         contribs = [rng.standard_normal(args.elements).astype(np.float32) for _ in range(workers)]
                         started = time.monotonic()
-                        pushes = [tg.create_task(n.push_pull(iteration, [contribs[n.worker]], timeout=300))
-                                  for n in nodes]
-                        sums = await agent.collect(iteration, timeout=300)
+                        # the workers wait longer: the gateway's timeout names what is missing
+                        pushes = [tg.create_task(n.push_pull(iteration, [contribs[n.worker]],
+                                                             timeout=args.timeout + 30)) for n in nodes]
+                        sums = await agent.collect(iteration, timeout=args.timeout)
                         want = _reference(contribs, precisions, lanes)
                         exact = bool(np.array_equal(sums[0], want))
                         bursts = [("up", b) for b in agent.uplink_bursts(iteration)]
