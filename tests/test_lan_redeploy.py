@@ -16,7 +16,7 @@ from netstorm.lan.errors import StaleDeployment
 from netstorm.lan.header import MAX_WORKERS, lanes_of
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import data_packets, set_epoch
-from netstorm.lan.redeploy import Redeployment
+from netstorm.lan.redeploy import KEEP_SWITCHES, Redeployment
 
 WORKERS = 5
 TOPOLOGIES = [LanTopology(WORKERS), LanTopology(WORKERS, {0: (1, 2)}), LanTopology(WORKERS, {3: (1, 4), 0: (2,)}),
@@ -36,6 +36,11 @@ def test_a_change_waits_for_the_next_released_result_and_runs_from_the_iteration
     assert core.released(12) is None and core.epoch == 1
     with pytest.raises(ValueError):
         core.propose(LanTopology(3))
+    for k in range(13, 53, 2):   # twenty more switches: the oldest are forgotten, not the recent ones
+        core.propose(TOPOLOGIES[k % 3 + 1] if core.topology != TOPOLOGIES[k % 3 + 1] else TOPOLOGIES[0])
+        assert core.released(k) is not None
+    assert len(core.switches) == KEEP_SWITCHES and core.epoch == 21
+    assert core.epoch_of(52) == 21 and core.epoch_of(51) == 20 and core.epoch_of(11) is None
 
 
 def test_refused_data_is_answered_only_from_the_switch_on_and_once_per_hold() -> None:

@@ -37,6 +37,8 @@ from netstorm.lan.deploy import LanTopology
 
 EPOCHS = 1 << 16
 """Epochs wrap at the header word's width (compared for equality only)."""
+KEEP_SWITCHES = 16
+"""Switches remembered (``epoch_of`` answers for iterations back to the oldest)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class Redeployment:
     services: dict[int, int] = field(default_factory=dict)
     """Aggregator worker -> the epoch its service last said HELLO under."""
     switches: list[Switch] = field(default_factory=list)
+    """The latest switches, oldest first (at most KEEP_SWITCHES)."""
+    dropped: int = 0
+    """Switches forgotten past KEEP_SWITCHES."""
     _told: dict[tuple[int, int], float] = field(default_factory=dict)
     """(worker, iteration) -> when it was last sent MOVED (pruned to iterations from ``since``)."""
 
@@ -88,18 +93,22 @@ class Redeployment:
         switch = Switch((self.epoch + 1) % EPOCHS, self.pending, (iteration + 1) & 0xFFFFFFFF, self.topology)
         self.epoch, self.topology, self.since, self.pending = switch.epoch, switch.topology, switch.since, None
         self.switches.append(switch)
+        if len(self.switches) > KEEP_SWITCHES:
+            del self.switches[0]
+            self.dropped += 1
         self._told.clear()
         return switch
 
     def epoch_of(self, iteration: int) -> int | None:
-        """The epoch ``iteration`` runs under: the current one from ``since`` on; an earlier one's if it is
-        among the recorded switches; None for an iteration older than every record."""
-        if self.since is None or _after(iteration, self.since):
-            return self.epoch
-        for switch in reversed(self.switches[:-1]):
+        """The epoch ``iteration`` runs under: the current one from ``since`` on, an earlier one's back to the
+        oldest switch remembered, the first deployment's (0) before every switch; None for an iteration
+        before a forgotten switch."""
+        for switch in reversed(self.switches):
             if _after(iteration, switch.since):
                 return switch.epoch
-        return 0 if not self.switches or not _after(iteration, self.switches[0].since) else None
+        if not self.switches:
+            return self.epoch
+        return (self.switches[0].epoch - 1) % EPOCHS if not self.dropped else None
 
     def accepts(self, epoch: int) -> bool:
         """Whether an aggregator takes DATA carrying ``epoch`` (only the current one)."""
