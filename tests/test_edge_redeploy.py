@@ -60,10 +60,15 @@ def gateway_program() -> Iterator[Any]:
     agg.close()
 
 
-def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
+def exact(contribs: list[list[np.ndarray]], scale: int = SCALE) -> list[np.ndarray]:
     """The LAN sum as every aggregator makes it: int64 fixed point at the common scale, once to float32."""
-    return [(np.sum([np.rint(w[t].astype(np.float64) * 2.0**SCALE).astype(np.int64) for w in contribs], axis=0)
-             .astype(np.float64) * 2.0**-SCALE).astype(np.float32) for t in range(len(SIZES))]
+    return [(np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
+             .astype(np.float64) * 2.0**-scale).astype(np.float32) for t in range(len(contribs[0]))]
+
+
+def wire_of(k: int) -> EdgeLayout:
+    """Iteration k's wire in a compressed job's manner: exact integers at scale 0, a size of its own."""
+    return EdgeLayout.uniform([LANES * (1 + k % 3) + 17 * k + 1, 5 + k], scale=0, lanes=LANES, pool=POOL)
 
 
 def deployment_at(k: int) -> LanTopology:
@@ -71,10 +76,12 @@ def deployment_at(k: int) -> LanTopology:
 
 
 async def run_switches(mode: str, program: Any, *, ignore: dict[int, set[int]] | None = None,
-                       timeout: float = 20.0) -> dict[str, Any]:  # noqa: ASYNC109
+                       timeout: float = 20.0, wires: bool = False) -> dict[str, Any]:  # noqa: ASYNC109
     """Run ITERATIONS iterations through the deployments of PLANS, the SERVICES workers' hosts running an
     aggregator service (on standby where its worker aggregates nothing). ``ignore``: iteration -> workers
-    that send it without acting on the announced epoch (as if the announcement were lost)."""
+    that send it without acting on the announced epoch (as if the announcement were lost). ``wires``: every
+    iteration travels on its own planned layout of exact integers (``wire_of``), as a compressed job's
+    rounds do, planned before the previous result leaves."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -118,19 +125,25 @@ async def run_switches(mode: str, program: Any, *, ignore: dict[int, set[int]] |
                         tg.create_task(service.run())
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await agent.wait_workers(timeout=10)
+                    if wires:
+                        agent.plan(first, wire_of(0), integer=True)
                     for k in range(ITERATIONS):
                         iteration = first + k
                         for node in nodes:
+                            if wires:   # as CompressedEdgeWorker sets each round's wire before its push
+                                node.layout, node.integers = wire_of(k), True
                             node.ignore_epoch = frozenset({iteration} if node.worker in ignore.get(k, ()) else ())
                         for service in services:
                             service.follow(iteration)
                         before = [s.stats().get("forwarded", 0) for s in services]
-                        contribs = [[rng.standard_normal(size).astype(np.float32) for size in SIZES]
-                                    for _ in range(WORKERS)]
+                        contribs = ([[rng.integers(-60, 61, size).astype(np.float32) for size in wire_of(k).sizes]
+                                     for _ in range(WORKERS)] if wires else
+                                    [[rng.standard_normal(size).astype(np.float32) for size in SIZES]
+                                     for _ in range(WORKERS)])
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes]
                         sums = await agent.collect(iteration, timeout=timeout)
-                        want = exact(contribs)
+                        want = exact(contribs, 0 if wires else SCALE)
                         for got, ref in zip(sums, want, strict=True):
                             np.testing.assert_array_equal(got, ref)
                         # what each aggregator expects, read back from its data plane, and what it forwarded
@@ -143,11 +156,15 @@ async def run_switches(mode: str, program: Any, *, ignore: dict[int, set[int]] |
                                                     agent.fallback.expected)  # type: ignore[union-attr]
                         if k + 1 in PLANS:   # the next iteration runs another deployment
                             agent.redeploy(PLANS[k + 1], iteration)
+                        if wires:
+                            agent.plan(iteration + 1, wire_of(k + 1), integer=True)
                         await agent.send_results(iteration, sums, total=WORKERS)
                         for task in pushes:
                             got_sums, _total = await task
                             for got, ref in zip(got_sums, want, strict=True):
                                 np.testing.assert_array_equal(got, ref)
+                        if wires:   # a HELLO said again for the switch kept the round's wire
+                            assert all(n.layout == wire_of(k) for n in nodes)
                         out["checked"] += 1
                 finally:
                     agent.close()
@@ -197,3 +214,12 @@ def test_deployment_switches_at_iteration_boundaries_and_a_worker_missing_the_an
     assert out["moved"][1] >= 1 and out["moved"][2] >= 1, out["moved"]
     assert out["stale_told"] >= 1 and out["service_moved"][0] >= 1, (out["stale_told"], out["service_moved"])
     assert out["old_epoch"] >= 2   # refused, counted by the aggregators, never summed
+
+
+def test_a_compressed_jobs_integer_wires_keep_working_across_switches() -> None:
+    """Each iteration on its own planned wire of exact integers (a compressed job's rounds): the switches
+    and the HELLOs said again for them keep each worker on its round's wire, and every sum is exact. The
+    userspace path only: the wires are the agent's, the same on both paths."""
+    out = asyncio.run(run_switches("userspace", None, ignore=IGNORE, wires=True))
+    assert out["checked"] == ITERATIONS and out["epochs"] == [0, 0, 1, 1, 2, 2, 3]
+    assert out["moved"][1] >= 1 and out["moved"][2] >= 1, out["moved"]
