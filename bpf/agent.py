@@ -47,11 +47,19 @@ from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, copy_rows, distinct, valid_headers
 from netstorm.lan.deploy import Deployment, LanTopology
 from netstorm.lan.downlink import DownlinkReports, parse_report
-from netstorm.lan.errors import EdgeTimeout, IntegerOverflow, IterationAborted, WireError
+from netstorm.lan.errors import (
+    EdgeTimeout,
+    IntegerOverflow,
+    IterationAborted,
+    ServicesMissing,
+    StaleDeployment,
+    WireError,
+)
 from netstorm.lan.fixedpoint import dequantize_rows, rescale_for
 from netstorm.lan.header import (
     HEADER_BYTES,
     KIND_AT,
+    MAX_WORKERS,
     OFFSETS,
     TOKEN_AT,
     Flag,
@@ -68,9 +76,11 @@ from netstorm.lan.packets import (
     control_packet,
     nack_packets,
     result_packets,
+    set_epoch,
     with_token,
 )
 from netstorm.lan.prefault import populated
+from netstorm.lan.redeploy import Redeployment, Switch
 from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.tokens import LanTokens, Sender
 
@@ -98,6 +108,7 @@ _DATA = int(Kind.DATA)
 _OVERFLOW = int(Flag.OVERFLOW)
 """Codes compared per batch, looked up once (an enum member's look-up costs more than the comparison)."""
 _ITERATION_AT = OFFSETS["iteration"]
+_EPOCH_AT = OFFSETS["epoch"]
 _WORKER_AT = OFFSETS["worker"]
 _TENSOR_AT = OFFSETS["tensor"]
 _CHUNK_AT = OFFSETS["chunk"]
@@ -351,6 +362,15 @@ class EdgeAgent:
         self.cluster_nacks_sent = 0
         """NACKs to a cluster aggregator's service for a chunk its aggregate is missing from (any cause)."""
         self.expected = self.topology.gateway_mask()
+        self.deployments = Redeployment(self.topology, hold=max(2 * retransmit, 0.01))
+        """The deployment's epoch and its changes at iteration boundaries (netstorm/lan/redeploy.py)."""
+        self.moved_sent = 0
+        """MOVED sent: to aggregator services at a switch, and to senders behind (``stale_told``)."""
+        self.stale_told = 0
+        """MOVED to a sender whose DATA carried an old epoch, or who was to be NACKed before it asked for the
+        current deployment."""
+        self._hello_epoch: dict[int, int] = {}
+        """Worker -> the epoch of its latest answered HELLO (the deployment it was told)."""
         self._aggregators: dict[int, Address] = {}
         """Cluster aggregator services that said HELLO: where their members send DATA."""
         self._acks: dict[int, list[int]] = {}
@@ -425,6 +445,75 @@ class EdgeAgent:
         self._wires[iteration] = (layout, integer, ResultWire.float32(layout) if back is None else back)
         for old in [k for k in self._wires if k < iteration - 8]:
             del self._wires[old]
+
+    @property
+    def epoch(self) -> int:
+        """The current deployment epoch (what DATA must carry, and what results announce)."""
+        return self.deployments.epoch
+
+    def redeploy(self, topology: LanTopology, iteration: int) -> Switch | None:
+        """Run ``topology`` from iteration ``iteration + 1`` on, under the next epoch; called as the result of
+        ``iteration`` is released, before it is sent (its datagrams announce the epoch). The aggregator's
+        expected contributors and epoch are rewritten in place (the XDP program's configuration map, or the
+        fallback's fields), and every aggregator service that said HELLO is sent MOVED, so it asks for its
+        part before its members send. None when ``topology`` is the running one; ServicesMissing (nothing
+        changed) when it names an aggregator whose service never said HELLO."""
+        if topology.workers != self.workers:
+            raise ValueError(f"a topology of {topology.workers} workers for a gateway of {self.workers}")
+        if not self.deployments.propose(topology):
+            return None
+        absent = self.services_missing(topology)
+        if absent:
+            self.deployments.propose(self.topology)   # nothing pending here: the caller keeps the plan
+            raise ServicesMissing(f"edge gateway: the aggregator services of workers {absent} never said HELLO; "
+                                  f"a deployment naming them waits for them")
+        switch = self.deployments.released(iteration)
+        if switch is None:
+            return None
+        self.topology = topology
+        self.expected = topology.gateway_mask()
+        if self.fallback is not None:
+            self.fallback.expected = self.expected
+            self.fallback.epoch = switch.epoch
+        elif self.xdp is not None:
+            self.xdp.redeploy(expected=self.expected, epoch=switch.epoch)
+        for head, address in self._aggregators.items():
+            self._moved(head, switch.since, address)
+        log.info("edge gateway: deployment epoch %d from iteration %d: clusters %s (was %s)", switch.epoch,
+                 switch.since, dict(topology.clusters), dict(switch.previous.clusters))
+        return switch
+
+    def services_missing(self, topology: LanTopology) -> list[int]:
+        """The aggregators ``topology`` names whose service never said HELLO here (its members could not be
+        told where to send: such a deployment waits)."""
+        return sorted(h for h in topology.clusters if h not in self._aggregators)
+
+    def _moved(self, worker: int, iteration: int, address: Address) -> None:
+        """Tell ``worker`` (a worker, or an aggregator service) at ``address`` to say HELLO again."""
+        notice = control_packet(Kind.MOVED, job=self.job, worker=worker, iteration=iteration, epoch=self.epoch,
+                                token=self.tokens.gateway(worker, iteration))
+        self.moved_sent += 1
+        self._control(notice, address)
+
+    def _on_stale(self, exc: StaleDeployment, address: Address) -> None:
+        """DATA of another epoch reached the gateway: its sender is told (see netstorm/lan/redeploy.py)."""
+        if exc.worker < self.workers and self.deployments.on_stale(exc.worker, exc.iteration, exc.epoch,
+                                                                   time.monotonic()):
+            self.stale_told += 1
+            self._moved(exc.worker, exc.iteration, address)
+
+    def _behind(self, worker: int, iteration: int) -> bool:
+        """Whether ``worker``, about to be NACKed for ``iteration``, never asked for the current deployment:
+        it is sent MOVED instead (at most once per hold), since its DATA goes where the old one said (to an
+        aggregator that refuses it, perhaps without its tokens to answer)."""
+        told = self._hello_epoch.get(worker, self.epoch)
+        if told == self.epoch:
+            return False
+        address = self.addresses.get(worker)
+        if address is not None and self.deployments.on_stale(worker, iteration, told, time.monotonic()):
+            self.stale_told += 1
+            self._moved(worker, iteration, address)
+        return True
 
     def layout_of(self, iteration: int) -> EdgeLayout:
         """The layout ``iteration`` travels on: its planned one, else the model's."""
@@ -567,7 +656,7 @@ class EdgeAgent:
                                   total=total, precision=precision)
             # a tensor's datagrams share one width (the next tensor's may differ); its last, often short,
             # chunk goes without the padding lanes
-            blocks.extend(_trimmed(rows, precision))
+            blocks.extend(_trimmed(set_epoch(rows, self.epoch), precision))
         self._keep_results(iteration, back.layout, blocks)
         absent = [w for w in range(self.workers) if w not in self.addresses]
         self._queue_results(iteration, blocks, unicast=unicast)
@@ -619,6 +708,8 @@ class EdgeAgent:
             # per batch: aggregates complete about in model order); those views are what the outbox sends
             blocks = chunk_results_into(stream.rows, sums.layout, job=self.job, iteration=iteration, seqs=seqs,
                                         raw=sums.raw, scales=sums.scales, total=stream.total)
+            for block in blocks:
+                set_epoch(block, self.epoch)
             stream.sent[seqs] = True
             if not sums.done:
                 self.streamed_chunks += int(seqs.size)
@@ -731,7 +822,9 @@ class EdgeAgent:
         return 0 <= iteration - self._base < TOKEN_WINDOW
 
     def _stamp(self, datagram: bytes, worker: int) -> bytes:
-        """``datagram`` with ``worker``'s gateway token for the iteration it names."""
+        """``datagram`` with ``worker``'s gateway token for the iteration it names and the current deployment
+        epoch (a NACK's epoch tells a worker still sending under another one to ask for its part)."""
+        datagram = datagram[:_EPOCH_AT] + self.epoch.to_bytes(2, "little") + datagram[_EPOCH_AT + 2:]
         if not self.tokens.enabled:
             return datagram
         iteration = int.from_bytes(datagram[_ITERATION_AT: _ITERATION_AT + 4], "little")
@@ -746,6 +839,8 @@ class EdgeAgent:
 
     def _emit(self, actions: list[tuple[int, bytes]]) -> None:
         for worker, datagram in actions:
+            if self._behind(worker, int.from_bytes(datagram[_ITERATION_AT: _ITERATION_AT + 4], "little")):
+                continue
             address = self.addresses.get(worker)
             if address is None:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
@@ -888,6 +983,8 @@ class EdgeAgent:
         worker and iteration listing every chunk it is to resend (256 a datagram), not one per chunk."""
         nacks, self._nacks = self._nacks, {}
         for (iteration, worker), parts in nacks.items():
+            if self._behind(worker, iteration):
+                continue
             address = self.addresses.get(worker)
             if address is None:
                 log.warning("edge gateway: cannot NACK worker %d: no HELLO yet", worker)
@@ -902,12 +999,21 @@ class EdgeAgent:
         """NACK each (aggregator, chunk sequence number) to that cluster aggregator's service (not its worker's
         own trainer), at most once per chunk per hold (``cluster_nack_packet``: the chunk's slot fields and its
         number): the aggregator NACKs its own missing members from its slot's bitmap. A cluster whose service
-        has not said HELLO is skipped (the slot timers repeat)."""
+        has not said HELLO is skipped (the slot timers repeat); one that has not said it under the current
+        deployment epoch is sent MOVED instead (it missed the switch: its aggregator still sums the old
+        cluster)."""
         now = time.monotonic()
         hold = max(self.retransmit, self.slot_timeout, CLUSTER_NACK_HOLD)
         for head, seq in nacks:
             address = self._aggregators.get(head)
             if address is None or now - sums.cluster_nacked[seq] < hold:
+                continue
+            told = self.deployments.services.get(head, self.epoch)
+            if told != self.epoch:
+                # keyed apart from the worker's own trainer (ids past MAX_WORKERS)
+                if self.deployments.on_stale(MAX_WORKERS + head, sums.iteration, told, now):
+                    self.stale_told += 1
+                    self._moved(head, sums.iteration, address)
                 continue
             sums.cluster_nacked[seq] = now
             nack = cluster_nack_packet(sums.layout, seq, job=self.job, iteration=sums.iteration)
@@ -916,20 +1022,22 @@ class EdgeAgent:
                 log.warning("edge gateway: send queue full, NACK to the aggregator of cluster %d dropped", head)
 
     def deployment(self, worker: int, *, aggregator: bool = False) -> Deployment | None:
-        """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator has not
-        said HELLO; the worker asks again)."""
+        """What ``worker`` is told in the answer to its HELLO (None: not yet known, its aggregator's service
+        has not said HELLO under the current epoch; the worker asks again). An aggregator service whose
+        worker aggregates no cluster in this deployment is told to stand by."""
         head = self.topology.aggregator_of(worker)
         send_to: tuple[str, int] | None = None
         if head is not None and not aggregator:
             found = self._aggregators.get(head)
-            if found is None:
+            if found is None or not self.deployments.member_ready(worker):
                 return None
             send_to = (found[0], self.sock.getsockname()[1])
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
                           query_nacks=self.query_nacks,
-                          first_iteration=self._base, gia_threshold=self.gia_threshold,
+                          first_iteration=self._base, gia_threshold=self.gia_threshold, epoch=self.epoch,
+                          standby=aggregator and worker not in self.topology.clusters,
                           pace_gbit=None if aggregator else self.pace_gbit.get(worker))
 
     def _on_events(self, events: list[SlotEvent]) -> None:
@@ -964,7 +1072,11 @@ class EdgeAgent:
         elif kind == Kind.DATA and self.fallback is not None:
             now = time.monotonic()
             self._measure(data, now)
-            agg = self.fallback.on_data(data, now)
+            try:
+                agg = self.fallback.on_data(data, now)
+            except StaleDeployment as exc:
+                self._on_stale(exc, address)
+                return
             if agg is not None:
                 self._on_agg(agg)
         else:
@@ -1008,6 +1120,10 @@ class EdgeAgent:
                     # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
                     self.outbox.bulk(row, address, tag=head.iteration)
                     self._wake.set()
+            elif head.kind == Kind.DATA and head.epoch != self.epoch:
+                # the program passes up DATA of another epoch (its token checked there): told, never summed
+                self._on_stale(StaleDeployment("", worker=head.worker, iteration=head.iteration, epoch=head.epoch),
+                               address)
             elif head.kind == Kind.DATA and head.precision != Precision.FIXED32 and self.xdp is not None:
                 # narrow lanes the program could not widen in place: widened here, aggregated there
                 verdict, out = self.xdp.run_widened(data)
@@ -1063,18 +1179,19 @@ class EdgeAgent:
         if head.iteration not in seen:
             seen.append(head.iteration)
         aggregator = bool(head.flags & Flag.AGGREGATOR)
-        if aggregator and head.worker not in self.topology.clusters:
-            raise WireError(f"aggregator HELLO from worker {head.worker}, which aggregates no cluster here")
         deployment = self.deployment(head.worker, aggregator=aggregator)
         if deployment is None:
             return
+        if aggregator:
+            self.deployments.on_service_hello(head.worker)
         bound[head.worker] = address
         if not aggregator:
+            self._hello_epoch[head.worker] = self.epoch
             self._hello.set()
         # the answer tells the worker our layout (tensors, chunks) and scale, so it can check its own
         reply = control_packet(Kind.HELLO, job=self.job, worker=head.worker, iteration=head.iteration,
                                tensor=len(self.layout.sizes), chunk=self.workers, slot=self.layout.num_chunks,
-                               scale=self.layout.scales[0], flags=head.flags & Flag.AGGREGATOR,
+                               scale=self.layout.scales[0], flags=head.flags & Flag.AGGREGATOR, epoch=self.epoch,
                                token=self.tokens.of(Sender.GATEWAY, head.worker, head.iteration, keep=False))
         self._control(reply + deployment.encode(), address)
 
@@ -1109,6 +1226,8 @@ class EdgeAgent:
                             self._on_agg(agg)
                     else:
                         self._handle(data, batch.address(row))
+                except StaleDeployment as exc:
+                    self._on_stale(exc, batch.address(row))
                 except WireError as exc:
                     self.errors += 1
                     log.warning("edge gateway: rejected datagram from %s: %s", batch.address(row), exc)

@@ -59,7 +59,7 @@
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
     ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, ST_WIDEN_UP,
-    NS_NSTATS
+    ST_OLD_EPOCH, NS_NSTATS
 };
 
 struct ns_cfg {
@@ -80,6 +80,7 @@ struct ns_cfg {
     u8 up_mac[6];
     u8 own_mac[6];
     u32 meter_packets;          /* datagrams per worker and iteration the uplink meter counts (the pool) */
+    u32 epoch;                  /* the LAN deployment epoch DATA must carry (netstorm/lan/redeploy.py) */
 };
 
 struct ns_token {
@@ -430,6 +431,12 @@ int ns_aggregate(struct xdp_md *ctx)
             return XDP_DROP;
         }
     }
+    if (h->epoch != cfg->epoch) {
+        /* DATA of another deployment: never summed here; passed to this port's socket, whose service tells
+         * its sender to say HELLO again (MOVED) */
+        bump(ST_OLD_EPOCH);
+        return XDP_PASS;
+    }
     u64 bit = 1ULL << worker;
     u64 expected = cfg->expected;
     if (!(expected & bit)) {
@@ -452,12 +459,20 @@ int ns_aggregate(struct xdp_md *ctx)
     int same = slot->iteration == iteration && slot->tensor == tensor && slot->chunk == chunk;
     s32 age = (s32)(iteration - slot->iteration);
     int newer = age > 0 || (age == 0 && (tensor > slot->tensor || (tensor == slot->tensor && chunk > slot->chunk)));
-    if (same && scale == slot->scale && slot->bitmap) {
+    /* contributors the current deployment does not expect here: the slot filled before a change of the
+     * expected mask (netstorm/lan/redeploy.py), so it starts over rather than hand on a sum of another cluster */
+    u64 foreign = slot->bitmap & ~expected;
+    if (same && scale == slot->scale && slot->bitmap && !foreign) {
         if (count != slot->count) {
             stat = ST_BAD;
         } else if (slot->bitmap & bit) {
-            if (slot->busy) {
+            if (slot->bitmap != expected) {
                 stat = ST_DUP;
+                slot->busy = 1;     /* a slot completed under another mask waits for the rest of this one */
+            } else if (slot->busy) {
+                slot->busy = 0;     /* complete under a mask that shrank since its contributors came */
+                last = 1;
+                stat = ST_COMPLETE;
             } else {
                 last = 1;           /* a retransmission after completion: hand the aggregate on again */
                 stat = ST_REEMIT;
@@ -465,7 +480,7 @@ int ns_aggregate(struct xdp_md *ctx)
         } else {
             add = 1;
         }
-    } else if ((same && scale < slot->scale) || newer || !slot->bitmap) {
+    } else if ((same && (scale < slot->scale || foreign)) || newer || !slot->bitmap) {
         if (slot->busy && !same)
             stat = ST_BUSY_EVICTED;     /* a newer key took over a slot that never completed */
         slot->iteration = iteration;

@@ -23,6 +23,15 @@ gateway may ask while members' datagrams are still on their way. A completed slo
 aggregate was lost on its way up: this worker's own trainer is NACKed, and its duplicate makes the program
 re-emit the aggregate. Members' addresses are those of their HELLOs, which every member sends here before
 its first window.
+
+A changed deployment (netstorm/lan/redeploy.py): the gateway sends this service MOVED when it switches, and
+every RESULT on the group announces the epoch of the next iteration; either makes the service say HELLO
+again (repeated until answered) and take its new part in place: the members it sums and the epoch their
+DATA must carry, rewritten in the program's configuration map (or the fallback's fields), and the members'
+tokens. A worker that aggregates nothing in a deployment keeps its service running on standby (it sums
+nothing) so a later deployment can name it without starting anything. DATA of another epoch is never summed
+(the program passes it up here): its sender is sent MOVED, and the service asks the gateway too, in case it
+is the one behind.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import socket
 from pathlib import Path
 
@@ -40,16 +50,22 @@ from bpf.outbox import Outbox
 from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan.deploy import Deployment
-from netstorm.lan.errors import EdgeTimeout, WireError
+from netstorm.lan.errors import EdgeTimeout, StaleDeployment, WireError
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Flag, Header, Kind
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import nack_packets
+from netstorm.lan.packets import control_packet, nack_packets
 from netstorm.lan.sender import EdgeSender, GroupOpener
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger("netstorm.edge.cluster")
 Address = tuple[str, int]
 _ITERATION_AT = OFFSETS["iteration"]
+_EPOCH_AT = OFFSETS["epoch"]
+_WORKER_AT = OFFSETS["worker"]
+REHELLO_S = 0.2
+"""Seconds between two HELLOs of a service asking for its part of a changed deployment."""
+MOVED_HOLD = 0.05
+"""Least seconds between two MOVED this service sends one member for one iteration."""
 REORDER_MIN = 0.002
 """Least wait between the gateway's NACK for a chunk and reading the chunk's slot here (the wait is at least the
 members' ``retransmit``): the gateway may ask while members' datagrams are still on their way (aggregates
@@ -111,13 +127,27 @@ class ClusterAggregator:
         worker's shaped uplink) holds them back instead of dropping them (bpf/writer.py)."""
         self.writer = SocketWriter(sock, self.outbox, who=f"edge aggregator {worker}")
         self.members: dict[int, Address] = {}
-        """Where each member (and this worker's own trainer) sends from: the address of its HELLO here."""
+        """Where each worker that said HELLO here sends from (its members', its own trainer's, and after a
+        deployment change possibly a member's whose HELLO came before this service took its new part):
+        the address of its latest HELLO here. NACKs go only to the members its slot lacks."""
         self.nacks_in = 0
         """The gateway's NACKs for a chunk this cluster's aggregate is missing from."""
         self.nacks_out = 0
         """NACKs this service sent its members (a re-emission asked of its own trainer included)."""
         self.forged = 0
         self._final: dict[str, int] = {}
+        self.rehellos = 0
+        """HELLOs this service said again for a changed deployment."""
+        self.redeployed = 0
+        """Deployments taken while running (the program's configuration rewritten)."""
+        self.moved_sent = 0
+        """MOVED sent to members whose DATA carried another epoch."""
+        self._token_workers: tuple[int, ...] = ()
+        """Whose tokens are installed: this worker, its members, and after a change its previous members too
+        (their DATA of the old epoch then authenticates, and is answered MOVED instead of dropped)."""
+        self._nonce: int | None = None
+        """The nonce of the HELLO this service awaits an answer to (None: none outstanding)."""
+        self._told: dict[tuple[int, int], float] = {}
         self._asked: dict[int, tuple[int, int, int]] = {}
         """Slot -> the (iteration, tensor, chunk) the gateway asked about, looked at after a reorder window (at
         most one per slot, so the gateway's NACKs cannot grow it past the pool)."""
@@ -142,7 +172,7 @@ class ClusterAggregator:
         deployment = self.deployment
         if deployment is None:
             raise RuntimeError("edge aggregator: load before hello")
-        members = (1 << self.worker) | sum(1 << m for m in deployment.members)
+        members = self._mask(deployment)
         layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=self._scale, lanes=deployment.lanes,
                                     pool=deployment.pool)
         own_ip, port = self.sock.getsockname()[0], self.sock.getsockname()[1]
@@ -154,6 +184,7 @@ class ClusterAggregator:
             xdp = XdpAggregator(layout, job=self.job, port=port, expected=members, timeout=1.0, max_nacks=0,
                                 upstream=upstream)
             self.xdp = xdp
+            xdp.redeploy(expected=members, epoch=deployment.epoch)
             if self.tokens.enabled:
                 agg_token = 1
                 xdp.require_tokens(agg_token)
@@ -162,13 +193,100 @@ class ClusterAggregator:
         else:
             self.fallback = UserspaceAggregator(layout, job=self.job, expected=members, timeout=1.0, max_nacks=0,
                                                 up_worker=self.worker)
+            self.fallback.epoch = deployment.epoch
             if self.tokens.enabled:
                 agg_token = 1
                 self.fallback.require_tokens(agg_token)
         if deployment.first_iteration is not None:
             self._install(deployment.first_iteration)
-        log.info("edge aggregator: worker %d aggregates %s for gateway %s:%d (%s)", self.worker,
-                 sorted(deployment.members), *self.gateway, self.mode)
+        log.info("edge aggregator: worker %d %s for gateway %s:%d (%s, deployment epoch %d)", self.worker,
+                 "stands by" if deployment.standby else f"aggregates {sorted(deployment.members)}", *self.gateway,
+                 self.mode, deployment.epoch)
+
+    def _mask(self, deployment: Deployment) -> int:
+        """The contributors this service's aggregator expects: itself and its members (none on standby)."""
+        return 0 if deployment.standby else (1 << self.worker) | sum(1 << m for m in deployment.members)
+
+    @property
+    def epoch(self) -> int:
+        return self.deployment.epoch if self.deployment is not None else 0
+
+    @property
+    def expected(self) -> int:
+        """The contributor mask in use, read back from the aggregator (the kernel's configuration map)."""
+        if self.xdp is not None:
+            return self.xdp.configured()["expected"]
+        return self.fallback.expected if self.fallback is not None else 0
+
+    def ask(self) -> None:
+        """Say HELLO to the gateway for this service's part of the current deployment, every REHELLO_S until
+        answered (``_on_answer``); a call while one is outstanding changes nothing."""
+        if self._nonce is not None:
+            return
+        self._nonce = secrets.randbits(32)
+        self.rehellos += 1
+        self._send_hello()
+
+    def _send_hello(self) -> None:
+        nonce = self._nonce
+        if nonce is None or self._stop.is_set():
+            return
+        hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker, iteration=nonce, flags=Flag.AGGREGATOR,
+                               token=self.tokens.of(Sender.WORKER, self.worker, nonce, keep=False))
+        self.outbox.control(hello, self.gateway)
+        self.writer.wake.set()
+        asyncio.get_running_loop().call_later(REHELLO_S, self._send_hello_again, nonce)
+
+    def _send_hello_again(self, nonce: int) -> None:
+        if self._nonce == nonce:
+            self._send_hello()
+
+    def _on_answer(self, head: Header, data: bytes) -> None:
+        """The gateway's answer to this service's HELLO: take the deployment it carries."""
+        nonce = self._nonce
+        if nonce is None or head.iteration != nonce or (self.tokens.enabled and not self.tokens.valid(
+                Sender.GATEWAY, self.worker, nonce, head.token, keep=False)):
+            return
+        self._nonce = None
+        self.redeploy(Deployment.decode(data[HEADER_BYTES:]))
+
+    def redeploy(self, deployment: Deployment) -> None:
+        """Take a new part while running: the members and epoch rewritten in the aggregator in place, the
+        members' tokens installed from the deployment's first iteration."""
+        old = self.deployment
+        self.deployment = deployment
+        if old is not None and old.epoch == deployment.epoch and old.members == deployment.members \
+                and old.standby == deployment.standby:
+            return
+        mask = self._mask(deployment)
+        if self.xdp is not None:
+            self.xdp.redeploy(expected=mask, epoch=deployment.epoch)
+        elif self.fallback is not None:
+            self.fallback.expected = mask
+            self.fallback.epoch = deployment.epoch
+        self._token_workers = tuple(sorted({self.worker, *deployment.members, *(old.members if old else ())}))
+        self._installed = -1
+        if deployment.first_iteration is not None:
+            self._install(deployment.first_iteration)
+        self.redeployed += 1
+        log.info("edge aggregator: worker %d %s from deployment epoch %d", self.worker,
+                 "stands by" if deployment.standby else f"aggregates {sorted(deployment.members)}", deployment.epoch)
+
+    def _on_stale(self, worker: int, iteration: int, address: Address) -> None:
+        """DATA of another epoch reached this aggregator: its sender is told (once per iteration and hold),
+        and this service asks the gateway in case it is the one behind."""
+        now = asyncio.get_running_loop().time()
+        key = (worker, iteration)
+        if now - self._told.get(key, float("-inf")) >= MOVED_HOLD:
+            self._told[key] = now
+            if len(self._told) > 256:
+                self._told.clear()
+            token = self.tokens.gateway(worker, iteration) if self.tokens.enabled else 0
+            self.outbox.control(control_packet(Kind.MOVED, job=self.job, worker=worker, iteration=iteration,
+                                               epoch=self.epoch, token=token), address)
+            self.writer.wake.set()
+            self.moved_sent += 1
+        self.ask()
 
     def kernel_map_bytes(self) -> int:
         return self.xdp.kernel_map_bytes() if self.xdp is not None else 0
@@ -188,7 +306,7 @@ class ClusterAggregator:
         if not self.tokens.enabled or last <= self._installed or self.deployment is None:
             return
         first = max(base, self._installed + 1)
-        workers = (self.worker, *self.deployment.members)
+        workers = self._token_workers or (self.worker, *self.deployment.members)
         entries = [(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1) for w in workers]
         target = self.xdp if self.xdp is not None else self.fallback
         assert target is not None
@@ -212,11 +330,16 @@ class ClusterAggregator:
                     data = group.recv(len(buf))
                 except BlockingIOError:
                     return
+                except OSError:   # closed under a reader still registered (close() before run() unwound)
+                    return
                 if len(data) >= HEADER_BYTES and data[KIND_AT] in (Kind.ACK, Kind.RESULT):
                     iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
                     # an ACK or a RESULT of iteration k: its DATA may still be in flight (results can stream
                     # while members still send) and k + 1 comes next; the window from k holds both
                     self._install(iteration)
+                    if data[KIND_AT] == Kind.RESULT and \
+                            int.from_bytes(data[_EPOCH_AT: _EPOCH_AT + 2], "little") != self.epoch:
+                        self.ask()      # the next iteration runs another deployment
 
         def on_data() -> None:
             view = memoryview(buf)
@@ -226,6 +349,22 @@ class ClusterAggregator:
                 except BlockingIOError:
                     return
                 if n < HEADER_BYTES:
+                    continue
+                if buf[KIND_AT] in (Kind.HELLO, Kind.MOVED) and self._last_from[0] == self.gateway[0] and \
+                        buf[_WORKER_AT] == self.worker and (buf[KIND_AT] == Kind.MOVED or
+                                                            buf[OFFSETS["flags"]] & Flag.AGGREGATOR):
+                    try:
+                        head = Header.decode(view[:n])
+                        if head.job != self.job:
+                            continue
+                        if head.kind == Kind.HELLO:
+                            self._on_answer(head, bytes(view[:n]))
+                        elif not self.tokens.enabled or head.token == self.tokens.gateway(self.worker, head.iteration):
+                            self.ask()
+                        else:
+                            self.forged += 1
+                    except WireError as exc:
+                        log.warning("edge aggregator: rejected datagram: %s", exc)
                     continue
                 if buf[KIND_AT] in (Kind.HELLO, Kind.NACK):
                     try:
@@ -243,10 +382,18 @@ class ClusterAggregator:
                 try:
                     if self.fallback is not None:
                         out = self.fallback.on_data(bytes(view[:n]), loop.time())
+                    elif int.from_bytes(buf[_EPOCH_AT: _EPOCH_AT + 2], "little") != self.epoch:
+                        # the program passes up DATA of another epoch (its token checked there)
+                        self._on_stale(buf[_WORKER_AT], int.from_bytes(buf[_ITERATION_AT: _ITERATION_AT + 4],
+                                                                       "little"), self._last_from)
+                        continue
                     elif self.xdp is not None:
                         # narrow lanes the program passed up for want of tailroom: widened here, summed there
                         verdict, after = self.xdp.run_widened(bytes(view[:n]))
                         out = after if verdict in (XDP_TX, XDP_REDIRECT) else None
+                except StaleDeployment as exc:
+                    self._on_stale(exc.worker, exc.iteration, self._last_from)
+                    continue
                 except WireError as exc:
                     log.warning("edge aggregator: rejected datagram: %s", exc)
                     continue
@@ -283,8 +430,9 @@ class ClusterAggregator:
                                                              keep=False):
                 self.forged += 1
                 return
-            if head.worker == self.worker or head.worker in deployment.members:
-                self.members[head.worker] = (address[0], address[1])
+            # whoever says HELLO here, member or not yet: after a change the gateway may answer a member (once
+            # this service asked) before the answer that makes it a member reaches this service
+            self.members[head.worker] = (address[0], address[1])
             return
         if head.flags & Flag.RESCALE or seq is None:
             return      # a RESCALE goes to every worker from the gateway itself; a NACK lists its chunk
@@ -295,6 +443,8 @@ class ClusterAggregator:
             self.forged += 1
             return
         self.nacks_in += 1
+        if head.epoch != self.epoch:
+            self.ask()      # the gateway runs another deployment: this service missed the switch
         key = (head.iteration, head.tensor, head.chunk)
         if self._asked.get(head.slot) == key:
             return      # already due for a look
@@ -312,7 +462,8 @@ class ClusterAggregator:
             if where is None:
                 continue
             token = self.tokens.gateway(worker, head.iteration) if self.tokens.enabled else 0
-            nack, = nack_packets(np.array([seq]), job=self.job, iteration=head.iteration, token=token)
+            nack, = nack_packets(np.array([seq]), job=self.job, iteration=head.iteration, token=token,
+                                 epoch=self.epoch)
             self.nacks_out += 1
             self.outbox.control(nack, where)
         self.writer.wake.set()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
-from netstorm.lan.errors import WireError
+from netstorm.lan.errors import StaleDeployment, WireError
 from netstorm.lan.fixedpoint import INT32_MAX
 from netstorm.lan.header import (
     DATA_PRECISIONS,
@@ -76,6 +76,8 @@ class UserspaceAggregator:
         """Window entry (worker * TOKEN_WINDOW + iteration % TOKEN_WINDOW) -> (iteration, token)."""
         self.agg_token = 0
         """Nonzero: DATA must carry an installed token, and aggregates carry this value."""
+        self.epoch = 0
+        """The deployment epoch DATA must carry (netstorm/lan/redeploy.py); other DATA raises StaleDeployment."""
 
     def require_tokens(self, agg_token: int) -> None:
         """As XdpAggregator.require_tokens."""
@@ -94,7 +96,7 @@ class UserspaceAggregator:
             self.counters["bad"] += 1
             raise WireError(f"DATA datagram of {len(data)} bytes is shorter than the header")
         (magic, version, kind, job, worker, flags, iteration, tensor, chunk, index, count, scale, need,
-         _total, token, precision_code, wscale, _reserved) = HEADER_STRUCT.unpack_from(data)
+         _total, token, precision_code, wscale, epoch) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC or version != VERSION:
             raise WireError(f"not an edge datagram (magic 0x{magic:04x}, version {version})")
         if kind != Kind.DATA or job != self.job:
@@ -113,6 +115,11 @@ class UserspaceAggregator:
             if want is None or want != (iteration, token):
                 self.counters["bad_token"] += 1
                 return None
+        if epoch != self.epoch:
+            self.counters["old_epoch"] += 1
+            raise StaleDeployment(f"DATA of worker {worker} for iteration {iteration} carries deployment epoch "
+                                  f"{epoch}, this aggregator runs {self.epoch}", worker=worker,
+                                  iteration=iteration, epoch=epoch)
         bit = 1 << worker
         if not self.expected & bit:
             self.counters["unexpected"] += 1
@@ -126,19 +133,27 @@ class UserspaceAggregator:
         age = ((iteration - s.iteration + 2**31) % 2**32) - 2**31
         newer = age > 0 or (age == 0 and (tensor, chunk) > (s.tensor, s.chunk))
         last = add = False
-        if same and scale == s.scale and s.bitmap:
+        # contributors the current mask does not expect: the slot filled before the deployment changed
+        # (netstorm/lan/redeploy.py); it starts over instead of handing on another cluster's sum
+        foreign = s.bitmap & ~self.expected
+        if same and scale == s.scale and s.bitmap and not foreign:
             if count != s.count:
                 self.counters["bad"] += 1
                 raise WireError(f"worker {worker} sent {count} lanes for slot {index}, others sent {s.count}")
             if s.bitmap & bit:
-                if s.busy:
+                if s.bitmap != self.expected:
                     self.counters["dup"] += 1
+                    s.busy = True   # a slot completed under another mask waits for the rest of this one
                     return None
-                self.counters["reemit"] += 1
+                if s.busy:   # complete under a mask that shrank since its contributors came
+                    s.busy = False
+                    self.counters["complete"] += 1
+                else:
+                    self.counters["reemit"] += 1
                 last = True
             else:
                 add = True
-        elif (same and scale < s.scale) or newer or not s.bitmap:
+        elif (same and (scale < s.scale or foreign)) or newer or not s.bitmap:
             if s.busy and not same:
                 self.counters["busy_evicted"] += 1
             s.iteration, s.tensor, s.chunk, s.scale, s.count = iteration, tensor, chunk, scale, count

@@ -15,14 +15,20 @@ workers' ``init`` returns.
 
 Planned LAN tier (``dc_planner``): a gateway given its LAN's description (``lan``) announces it to the
 scheduler (``announce``), which answers with a ``LanPlan``; ``apply_lan_plan`` turns the plan's two-level
-form into the deployment. The deployment is fixed for the life of the LAN tier: workers learn their part
-(where to send, which members an aggregator sums) in the answer to their HELLO, and the gateway's
-expected contributors are loaded into the aggregator when it starts. So the first plan is waited for
-(``plan_wait`` seconds) before the LAN tier starts, and becomes its deployment from the first summed
-iteration; a plan with a different deployment arriving once the tier runs is kept as ``pending`` and
-not applied: the running iterations keep the deployment their workers were told, so every sum stays
-exact, and the pending plan takes effect when the LAN tier next starts (the node's restart). A plan
-with the running deployment (new rates only) is taken at once.
+form into the deployment. Workers learn their part (where to send, which members an aggregator sums) in
+the answer to their HELLO. The first plan is waited for (``plan_wait`` seconds) before the LAN tier
+starts, and becomes its deployment from the first summed iteration. A plan with another deployment
+arriving once the tier runs (the scheduler re-plans on measured LAN rates) is kept as ``pending`` until
+the node releases its next result, say of iteration k: then it becomes the deployment from iteration
+k + 1 under a new epoch (netstorm/lan/redeploy.py). The gateway's expected contributors and epoch are
+rewritten in its aggregator in place (the XDP program's configuration map, no reload), the aggregator
+services are told (MOVED), and k's result announces the epoch, so every worker asks for its new part
+before it sends k + 1. Every aggregator sums only DATA of its own epoch, so no sum mixes two
+deployments, and a sender that did not follow is answered MOVED. A deployment naming an aggregator
+whose service (``netstorm lan-aggregator``) never said HELLO stays pending, looked at again at each
+released result, until it has. An iteration the node fails does not switch: the next released result
+does. A plan with the running deployment (new rates only) is taken at once. The TCP path is one level:
+a plan with clusters is refused there (its rates apply; every worker keeps streaming to the gateway).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ from netstorm.control import LanPlan, LanReport
 from netstorm.errors import ConfigError, NetStormError
 from netstorm.lan import udp
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
+from netstorm.lan.errors import EdgeTimeout, IterationAborted, ServicesMissing, WireError
 from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
@@ -203,7 +209,8 @@ class GatewayRole:
 
     def apply_lan_plan(self, plan: LanPlan) -> None:
         """Take the scheduler's plan of this LAN: its two-level form is the deployment if the LAN tier has
-        not started, else it waits as ``pending`` (see the module's docstring)."""
+        not started, else a changed one waits as ``pending`` for the next released result (see the module's
+        docstring)."""
         if self.plan is not None and plan.version <= self.plan.version:
             return
         try:
@@ -220,9 +227,9 @@ class GatewayRole:
             self.options = dataclasses.replace(self.options, topology=topology)
         elif topology != current:
             self.pending = plan
-            log.warning("edge: %s plan %d arrived while the LAN tier runs; its deployment (clusters %s) takes "
-                        "effect when the tier next starts, the running one keeps its sums exact", plan.planner,
-                        plan.version, dict(topology.clusters))
+            log.info("edge: %s plan %d arrived while the LAN tier runs; its deployment (clusters %s) takes "
+                     "effect from the iteration after the next released result", plan.planner, plan.version,
+                     dict(topology.clusters))
             return
         self.plan = plan
         self.pending = None
@@ -538,6 +545,7 @@ class GatewayRole:
         back to the LAN workers. A compressed job's next wire is planned here, before the result (which
         its workers answer with that iteration's datagrams) leaves."""
         self._released.append(iteration)
+        self._switch(iteration)
         if self._compression is not None and self.agent is not None and not isinstance(self.agent, TcpEdgeAgent):
             if iteration == self.init_iteration:
                 self._plan_rounds(iteration, workers)
@@ -553,6 +561,28 @@ class GatewayRole:
             self._results.put_nowait((iteration, per_key, workers))
         except asyncio.QueueFull:
             log.error("edge: result broadcast of iteration %d dropped: the LAN is 4 iterations behind", iteration)
+
+    def _switch(self, iteration: int) -> None:
+        """A pending plan's deployment runs from ``iteration + 1`` (its result, about to leave, announces it)."""
+        plan = self.pending
+        if plan is None or not isinstance(self.agent, EdgeAgent):
+            return
+        topology = topology_from_plan(plan, self.options.workers)
+        try:
+            switch = self.agent.redeploy(topology, iteration)
+        except ServicesMissing as exc:
+            log.warning("%s (%s plan %d; looked at again at the next released result)", exc, plan.planner,
+                        plan.version)
+            return
+        self.options = dataclasses.replace(self.options, topology=topology)
+        self.plan = plan
+        self.pending = None
+        self._planned.set()
+        self.agent.pace_gbit = self.paces()   # the workers' HELLOs of the new epoch take the new plan's rates
+        log.info("edge: %s plan %d deployed from iteration %d (epoch %s): clusters %s; the aggregators and "
+                 "unclustered workers %s send to the gateway", plan.planner, plan.version, iteration + 1,
+                 switch.epoch if switch is not None else self.agent.epoch, dict(topology.clusters),
+                 list(topology.unclustered))
 
     def failed(self, iteration: int) -> None:
         """The node failed ``iteration`` (its LAN sum did not come, or the WAN step failed): no result goes

@@ -33,7 +33,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened", "old_epoch")
 TOKEN_WINDOW = 8
 """Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
@@ -156,6 +156,8 @@ class XdpAggregator:
         self.meter_packets = layout.num_slots
         """DATA datagrams per worker and iteration the uplink meter counts (``configure`` installs it): the
         pool, which a worker sends back to back before its first ACK wait."""
+        self.epoch = 0
+        """The deployment epoch DATA must carry (``redeploy``)."""
         self._attached: list[tuple[int, int]] = []
         self._events: list[SlotEvent] = []
         self._ring_open = False
@@ -208,6 +210,7 @@ class XdpAggregator:
         value.port = port
         value.max_nacks = max_nacks
         value.meter_packets = self.meter_packets
+        value.epoch = self.epoch
         value.auth = 1 if self._agg_token else 0
         value.agg_token = self._agg_token
         up = self.upstream
@@ -223,6 +226,23 @@ class XdpAggregator:
                 value.up_mac[i] = up.gateway_mac[i]
                 value.own_mac[i] = up.own_mac[i]
         table[table.Key(0)] = value
+
+    def redeploy(self, *, expected: int, epoch: int) -> None:
+        """A new deployment from an iteration boundary on (netstorm/lan/redeploy.py): the expected
+        contributors and the epoch DATA must carry, rewritten in the configuration map (one update, no
+        reload); slots in progress keep their contributors, so nothing summed is lost."""
+        self.epoch = epoch
+        table = self._module[b"ns_cfg"]
+        value = table[table.Key(0)]
+        value.expected = expected
+        value.epoch = epoch
+        table[table.Key(0)] = value
+
+    def configured(self) -> dict[str, int]:
+        """The configuration map as the program reads it: expected contributors and epoch."""
+        table = self._module[b"ns_cfg"]
+        value = table[table.Key(0)]
+        return {"expected": int(value.expected), "epoch": int(value.epoch)}
 
     def require_tokens(self, agg_token: int) -> None:
         """Check tokens from now on (``agg_token`` != 0: the value every aggregate passed up carries), or stop

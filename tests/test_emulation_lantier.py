@@ -168,6 +168,9 @@ def test_an_emulated_run_with_a_planned_tier_is_exact_and_records_its_plan(tmp_p
     for head in expected.aggregators:   # each aggregator worker's service ran and served its cluster
         log = (run_dir / "netstorm" / f"lan-aggregator-2-{head}.log").read_text()
         assert f"lan aggregator: worker {head} aggregates workers" in log
+    for worker in sorted(set(range(4)) - set(expected.aggregators)):   # the others stand by for a re-plan
+        log = (run_dir / "netstorm" / f"lan-aggregator-2-{worker}.log").read_text()
+        assert f"lan aggregator: worker {worker} stands by" in log
     node = (run_dir / "netstorm" / "node-2.log").read_text()
     assert "edge: aleph plan 0 deployed" in node   # the scheduler's plan reached the gateway
     for label in ("2w0", "2w1", "2w2", "2w3"):

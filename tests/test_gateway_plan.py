@@ -1,6 +1,7 @@
 """A plan of the LAN tier reaches the gateway role and becomes its deployment: announced over real
-loopback TCP, deployed before the tier starts, kept pending once it runs, and exact sums in namespaces
-with the deployment a planner chose."""
+loopback TCP, deployed before the tier starts, kept pending once it runs until the next released result
+(and until its aggregators' services said HELLO), and exact sums in namespaces with the deployment a
+planner chose."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import asyncio
 import dataclasses
 
 import msgspec
+import numpy as np
 import pytest
 
 from bpf.agent import EdgeAgent
@@ -92,7 +94,7 @@ def test_the_scheduler_plan_pushed_to_a_gateway_changes_its_deployment() -> None
     run(body())
 
 
-def test_a_plan_arriving_while_the_tier_runs_waits_for_its_next_start() -> None:
+def test_a_plan_arriving_while_the_tier_runs_is_pending_until_the_next_released_result() -> None:
     role = _role(LAN)
     first = _plan(LAN, "aleph")
     role.apply_lan_plan(first)
@@ -107,6 +109,37 @@ def test_a_plan_arriving_while_the_tier_runs_waits_for_its_next_start() -> None:
     assert role.plan is rates_only and role.pending is None and role.options.topology == deployed
     role.apply_lan_plan(first)   # older than the one deployed: ignored
     assert role.plan is rates_only
+
+
+def test_a_pending_deployment_switches_at_a_release_once_its_aggregator_services_said_hello() -> None:
+    """The switch happens at ``released(k)`` and only once every aggregator the plan names has a service: until
+    then the plan stays pending (its members could not be told where to send) and nothing changes."""
+    from netstorm.lan.header import Flag, Kind
+    from netstorm.lan.packets import control_packet
+
+    role = _role(LAN)
+    role.apply_lan_plan(_plan(LAN, "flat"))
+    agent = role._start([1000, 24])
+    try:
+        assert isinstance(agent, EdgeAgent) and agent.fallback is not None
+        role.agent = agent
+        planned = msgspec.structs.replace(_plan(LAN, "aleph"), version=5)
+        topology = topology_from_plan(planned, len(LAN.workers))
+        role.apply_lan_plan(planned)
+        assert role.pending is planned and agent.epoch == 0
+        role.released(7, [np.zeros(1000, np.float32), np.zeros(24, np.float32)], 13)
+        assert role.pending is planned and agent.epoch == 0   # no service has said HELLO: it waits
+        for i, head in enumerate(topology.clusters):   # each aggregator's service says HELLO
+            hello = control_packet(Kind.HELLO, job=1, worker=head, iteration=1000 + i, flags=Flag.AGGREGATOR)
+            agent._handle(hello, ("127.0.0.1", 40000 + i))
+        role.released(8, [np.zeros(1000, np.float32), np.zeros(24, np.float32)], 13)
+        assert role.pending is None and role.plan is planned and role.options.topology == topology
+        assert agent.epoch == 1 and agent.deployments.since == 9 and agent.topology == topology
+        # the aggregator in use expects the new contributors from the next iteration, under the new epoch
+        assert agent.fallback.expected == topology.gateway_mask() and agent.fallback.epoch == 1
+        assert agent.moved_sent == len(topology.clusters)   # every service is told
+    finally:
+        agent.sock.close()
 
 
 def test_a_plan_for_another_lan_is_ignored_and_no_plan_means_the_configured_topology() -> None:

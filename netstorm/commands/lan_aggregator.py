@@ -1,10 +1,11 @@
 """``netstorm lan-aggregator``: a LAN worker's host aggregating its cluster (two-level LAN, ALEPH).
 
-The gateway names the cluster (``edge_clusters`` at the gateway's node): this command says HELLO to the
-gateway as worker ``--worker``, learns its members, pool, lanes and multicast group, loads the XDP program
-on ``--interface`` (and the loopback device, for the host's own trainer) and serves until stopped. The
-host's trainer then connects as usual (``edge://GATEWAY:PORT?worker=I``): the gateway's answer tells it
-to send here.
+The gateway names the cluster (``edge_clusters`` at the gateway's node, or the scheduler's plan): this
+command says HELLO to the gateway as worker ``--worker``, learns its members, pool, lanes and multicast
+group, loads the XDP program on ``--interface`` (and the loopback device, for the host's own trainer) and
+serves until stopped. The host's trainer then connects as usual (``edge://GATEWAY:PORT?worker=I``): the
+gateway's answer tells it to send here. Where the worker aggregates no cluster the service stands by, and
+takes the part a later deployment gives it (a re-plan while the job runs, netstorm/lan/redeploy.py).
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ async def serve(gateway: tuple[str, int], worker: int, listen: str, interface: s
         loop.add_signal_handler(sig, cluster.close)
     try:
         deployment = await cluster.start(timeout=60.0)
-        print(f"lan aggregator: worker {worker} aggregates workers {sorted(deployment.members)} and itself for "
-              f"gateway {gateway[0]}:{gateway[1]} ({mode}, {' and '.join(cluster.attached) or 'socket'})",
-              flush=True)
+        what = "stands by (aggregates no cluster until a deployment names it)" if deployment.standby else \
+            f"aggregates workers {sorted(deployment.members)} and itself"
+        print(f"lan aggregator: worker {worker} {what} for gateway {gateway[0]}:{gateway[1]} ({mode}, "
+              f"{' and '.join(cluster.attached) or 'socket'})", flush=True)
         await cluster.run()
     finally:
         cluster.close()

@@ -70,6 +70,7 @@ class Lan:
         self.racks = racks_mod.rack_links(racks, worker_racks, name=lambda kind, k: f"{kind}{k}",
                                           scale=rate_scale) if racks else ()
         """The emulated racks (those holding a worker), their uplinks after ``rate_scale``."""
+        self.rate_scale = rate_scale
         self.rates: list[tuple[float, float]] | None = (
             [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
         """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
@@ -130,6 +131,23 @@ class Lan:
     def rack_record(self) -> list[dict[str, Any]]:
         """The emulated racks with their uplinks' rates read back from the kernel (``racks.record``)."""
         return racks_mod.record(self.bridge, self.racks)
+
+    def reshape(self, i: int, up: float, down: float) -> None:
+        """Shape worker ``i``'s ports to new rates (Gbit/s, before ``rate_scale``) while the LAN runs: a LAN
+        whose links change mid-run (``netstorm bench replan``). Only a LAN made with ``rates``."""
+        if self.rates is None:
+            raise EmulationError("reshape needs a LAN made with rates (shaped ports)")
+        up, down = up * self.rate_scale, down * self.rate_scale
+        self.rates[i] = (up, down)
+        port = self.bridge_port(i)
+        lines = [f"qdisc del dev {port} root", *shaping.lan_port_lines(port, down)]
+        ns, device = self.uplink_shaper(i)
+        if ns == self.bridge:
+            lines += [f"qdisc del dev {device} root", *shaping.lan_port_lines(device, up)]
+        else:
+            netns.tc_batch([f"qdisc del dev {device} root", *shaping.lan_port_lines(device, up)], namespace=ns,
+                           what=f"reshape the uplink of {ns}")
+        netns.tc_batch(lines, namespace=self.bridge, what=f"reshape the LAN port of worker {i}")
 
     def uplink_shaper(self, i: int) -> tuple[str, str]:
         """(namespace, device) whose egress HTB shapes worker ``i``'s uplink."""

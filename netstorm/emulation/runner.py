@@ -534,14 +534,18 @@ class SystemRun:
                 trainer=True)
 
     def _start_lan_aggregators(self) -> None:
-        """``netstorm lan-aggregator`` on the host of each aggregator worker the planned tiers name."""
+        """``netstorm lan-aggregator`` on the host of each aggregator worker the planned tiers name, and, where a
+        re-plan may name others (a planner other than flat, on a UDP path), on every worker's host: a service
+        whose worker aggregates nothing stands by, so a deployment changed mid-run finds it."""
         for dc, tier in self.lan_tiers.items():
             lan = self.net.plan.lans[dc]
-            if tier.aggregators and self.edge_picks.get(dc, self.opts.edge_mode) == "tcp":
+            tcp = self.edge_picks.get(dc, self.opts.edge_mode) == "tcp"
+            if tier.aggregators and tcp:
                 raise EmulationError(f"DC {dc}: --edge-mode tcp is one level, and the {tier.plan.planner} plan of its "
                                      f"LAN has aggregators; use xdp, userspace or auto")
             mode = "userspace" if self.opts.edge_mode == "userspace" else "xdp"
-            for worker in tier.aggregators:
+            standby = tier.plan.planner != "flat" and not tcp
+            for worker in range(lan.workers) if standby else tier.aggregators:
                 self._spawn(f"lan-aggregator-{dc}-{worker}", (dc, worker), self._python(
                     "-m", "netstorm.cli", "-v", "lan-aggregator", "--gateway", f"{lan.gateway_address}:{EDGE_PORT}",
                     "--worker", str(worker), "--listen", lan.worker_addresses[worker],

@@ -171,7 +171,7 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Which datagrams ``Header.decode`` accepts, for a batch at once: a bool per row.
 
     The same rules, in the same terms: the length holds a header, magic and version, a known kind, at most
-    MAX_LANES lanes, a worker id below MAX_WORKERS, a zero reserved word, a known precision (a narrow one
+    MAX_LANES lanes, a worker id below MAX_WORKERS, a known precision (a narrow one
     only on DATA, RESULT's own on RESULT), a payload that holds ``count`` lanes of that width (and at most
     MAX_LANES), a HELLO payload of at most MAX_DEPLOY_BYTES, a REPORT payload of at most MAX_REPORT_BYTES,
     no payload on the other kinds, known flags, ``total`` only on RESULT, and no payload on a RESCALE NACK.
@@ -190,7 +190,6 @@ def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     ok &= headers["version"] == VERSION
     ok &= count <= MAX_LANES
     ok &= headers["worker"] < MAX_WORKERS
-    ok &= headers["reserved"] == 0
     ok &= flags < 8
     ok &= (headers["total"] == 0) | _TOTAL_OK[code]
     ok &= ~(_IS_NACK[code] & ((flags & _RESCALE) != 0) & ((count > 0) | (payload != 0)))

@@ -5,8 +5,10 @@ of the members it aggregates (itself excluded: an aggregator always contributes 
 cluster); every other worker is unclustered and sends to the gateway directly. The gateway expects one
 contribution per aggregator and per unclustered worker (``gateway_mask``); an aggregator expects its
 members and itself (``cluster_mask``). An empty topology is the one-level LAN. The planner produces it;
-the node receives it in its edge options (``edge_clusters``, or ``GatewayRole.deploy`` at run time) and
-hands each worker its part in the answer to its HELLO (``Deployment``, msgpack in the HELLO payload).
+the node receives it in its edge options (``edge_clusters``, or ``GatewayRole.deploy`` before the LAN tier
+starts, or a plan the scheduler sends while it runs) and hands each worker its part in the answer to its
+HELLO (``Deployment``, msgpack in the HELLO payload). A changed topology takes effect at an iteration
+boundary under a new deployment epoch (netstorm/lan/redeploy.py); every worker says HELLO again for it.
 """
 
 from __future__ import annotations
@@ -111,6 +113,12 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pace_gbit: float | None = None
     """The Gbit/s this worker's DATA is paced to: its rate in the DC's plan (``dc_pace_rates``; None:
     unpaced, as fast as its socket takes it)."""
+    epoch: int = 0
+    """The deployment's epoch (netstorm/lan/redeploy.py): this worker's DATA carries it, and an aggregator
+    takes only DATA that carries its own."""
+    standby: bool = False
+    """For an aggregator service whose worker aggregates no cluster in this deployment: it aggregates nothing
+    (and tells stale members so) until a later deployment names it."""
 
     def encode(self) -> bytes:
         return msgspec.msgpack.encode(self)

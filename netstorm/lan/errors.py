@@ -21,3 +21,19 @@ class IntegerOverflow(WireError):
 class IterationAborted(NetStormError):
     """The gateway reports that an iteration failed (its node failed it: a LAN worker or a DC missing, a
     timeout, an overflow): no result will come, and the next iteration is the one after it."""
+
+
+class StaleDeployment(WireError):
+    """DATA carrying another LAN deployment epoch than the aggregator's (netstorm/lan/redeploy.py): refused,
+    never summed; its sender (``worker``, at ``address`` when known) is told to say HELLO again."""
+
+    def __init__(self, message: str, *, worker: int, iteration: int, epoch: int) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.iteration = iteration
+        self.epoch = epoch
+
+
+class ServicesMissing(NetStormError):
+    """A deployment names aggregators whose service (``netstorm lan-aggregator``) never said HELLO to the
+    gateway: it is not switched to (its members could not be told where to send) and waits for them."""

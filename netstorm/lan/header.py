@@ -40,8 +40,9 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 5
-"""5: a NACK lists the chunks it asks for as u32 sequence numbers in its lanes (a RESCALE NACK still names one
+VERSION: Final = 6
+"""6: the last header word is the LAN deployment ``epoch`` (it was reserved, zero), and the MOVED kind;
+5: a NACK lists the chunks it asks for as u32 sequence numbers in its lanes (a RESCALE NACK still names one
 chunk in its header and carries no lanes); 4: RESULT may carry narrow integer or bitmap lanes (``precision``),
 and the REPORT and FAILED kinds; 3:
 ``precision`` and ``wscale`` joined the header, and slots became a pool (2 added the ``token``)."""
@@ -86,7 +87,9 @@ FIELDS: Final = (
     Field("precision", "u8", "DATA: lane encoding (Precision: FIXED32, FP16, BF16, INT8); RESULT: FIXED32 "
           "(float32 lanes), INT8, INT16, INT32 or BITMAP; zero elsewhere"),
     Field("wscale", "s8", "DATA at INT8: the sender's own scale (lanes hold round(x * 2**wscale)); else 0"),
-    Field("reserved", "u16", "zero"),
+    Field("epoch", "u16", "the LAN deployment epoch (netstorm/lan/redeploy.py): DATA, the one its sender was told "
+          "(an aggregator takes only its own); RESULT of k, the one iteration k + 1 runs under; MOVED and the "
+          "HELLO answer, the current one; 0 or the current one elsewhere"),
 )
 """The header, field by field in wire order, without padding."""
 
@@ -135,6 +138,11 @@ class Kind(enum.IntEnum):
     FAILED = 10
     """agent -> every worker (one multicast datagram; unicast in answer to a PULL or QUERY): the node failed
     ``iteration``, no result will come; the workers end it with a typed error and go on with the next."""
+    MOVED = 11
+    """agent or cluster aggregator -> a worker or aggregator service whose DATA (of ``iteration``) carried
+    another deployment ``epoch`` than the current one (this header's ``epoch``), or agent -> every aggregator
+    service when the deployment changes: say HELLO again for the current deployment, then resend the
+    iteration to where it says; no payload (netstorm/lan/redeploy.py)."""
 
 
 class Precision(enum.IntEnum):
@@ -237,13 +245,13 @@ class Header:
     """The sender's token (netstorm/lan/tokens.py), 0 without a job secret."""
     precision: Precision = Precision.FIXED32
     wscale: int = 0
-    reserved: int = 0
-    """Always zero (decode rejects anything else)."""
+    epoch: int = 0
+    """The LAN deployment epoch (see ``FIELDS``)."""
 
     def encode(self) -> bytes:
         return HEADER_STRUCT.pack(MAGIC, VERSION, int(self.kind), self.job, self.worker, int(self.flags),
                                   self.iteration, self.tensor, self.chunk, self.slot, self.count, self.scale,
-                                  self.need, self.total, self.token, int(self.precision), self.wscale, self.reserved)
+                                  self.need, self.total, self.token, int(self.precision), self.wscale, self.epoch)
 
     @classmethod
     def decode(cls, data: bytes | bytearray | memoryview) -> Header:
@@ -251,7 +259,7 @@ class Header:
         if len(data) < HEADER_BYTES:
             raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_BYTES}-byte header")
         (magic, version, kind_code, job, worker, flags, iteration, tensor, chunk, slot, count, scale, need,
-         total, token, precision_code, wscale, reserved) = HEADER_STRUCT.unpack_from(data)
+         total, token, precision_code, wscale, epoch) = HEADER_STRUCT.unpack_from(data)
         if magic != MAGIC:
             raise WireError(f"bad magic 0x{magic:04x}")
         if version != VERSION:
@@ -263,8 +271,6 @@ class Header:
             raise WireError(f"count {count} exceeds {MAX_LANES} lanes")
         if worker >= MAX_WORKERS:
             raise WireError(f"worker {worker} out of range 0..{MAX_WORKERS - 1}")
-        if reserved:
-            raise WireError(f"reserved header word 0x{reserved:04x} is not zero")
         precision = _PRECISIONS.get(precision_code)
         if precision is None or (precision != Precision.FIXED32 and precision not in _ALLOWED.get(kind, ())):
             raise WireError(f"{kind.name} datagram with precision code {precision_code}")
@@ -292,7 +298,7 @@ class Header:
             raise WireError(f"{kind.name} datagram with total {total}: only RESULT carries one")
         return cls(kind=kind, job=job, worker=worker, iteration=iteration, tensor=tensor, chunk=chunk, slot=slot,
                    count=count, scale=scale, need=need, flags=flag, total=total, token=token, precision=precision,
-                   wscale=wscale)
+                   wscale=wscale, epoch=epoch)
 
 
 def lanes_of(data: bytes | bytearray | memoryview, dtype: str = "<i4") -> np.ndarray:

@@ -13,6 +13,7 @@ from netstorm.lan.header import (
     HEADER_DTYPE,
     MAGIC,
     NEED_NONE,
+    OFFSETS,
     TOKEN_AT,
     VERSION,
     Flag,
@@ -23,6 +24,8 @@ from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.precision import encode_lanes, int8_scales, rounded
 from netstorm.lan.prefault import populated
 from netstorm.lan.resultwire import RESULT_DTYPES
+
+EPOCH_AT = OFFSETS["epoch"]
 
 
 def chunk_matrix(layout: EdgeLayout, tensor: int, values: np.ndarray) -> np.ndarray:
@@ -282,10 +285,13 @@ def ack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, p
     return listing_packets(Kind.ACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet)
 
 
-def nack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, per_packet: int = 256) -> list[bytes]:
+def nack_packets(seqs: np.ndarray, *, job: int, iteration: int, token: int = 0, per_packet: int = 256,
+                 epoch: int = 0) -> list[bytes]:
     """NACK datagrams asking one worker to resend the chunks ``seqs`` lists (u32 lanes), ``per_packet`` at
-    most each: one datagram for every chunk the agent found that worker missing from, not one per chunk."""
-    return listing_packets(Kind.NACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet)
+    most each: one datagram for every chunk the agent found that worker missing from, not one per chunk.
+    ``epoch``: the sender's deployment epoch (a worker under another one asks for its part instead)."""
+    return listing_packets(Kind.NACK, seqs, job=job, iteration=iteration, token=token, per_packet=per_packet,
+                           epoch=epoch)
 
 
 def cluster_nack_packet(layout: EdgeLayout, seq: int, *, job: int, iteration: int, token: int = 0) -> bytes:
@@ -300,7 +306,7 @@ def cluster_nack_packet(layout: EdgeLayout, seq: int, *, job: int, iteration: in
 
 
 def listing_packets(kind: Kind, seqs: np.ndarray, *, job: int, iteration: int, token: int = 0,
-                    per_packet: int = 256) -> list[bytes]:
+                    per_packet: int = 256, epoch: int = 0) -> list[bytes]:
     """Datagrams of ``kind`` (ACK, QUERY or NACK) listing chunk sequence numbers as u32 lanes."""
     out = []
     seqs = np.asarray(seqs, "<u4")
@@ -309,8 +315,16 @@ def listing_packets(kind: Kind, seqs: np.ndarray, *, job: int, iteration: int, t
         rows = header_rows(1, kind=kind, job=job, worker=0, iteration=iteration, token=token)
         rows["count"] = len(part)
         rows["need"] = NEED_NONE
+        rows["epoch"] = epoch
         out.append(rows.tobytes() + part.tobytes())
     return out
+
+
+def set_epoch(rows: np.ndarray, epoch: int) -> np.ndarray:
+    """Write the deployment ``epoch`` into the header of every datagram row (uint8, one per row), in place."""
+    if len(rows):
+        rows[:, EPOCH_AT: EPOCH_AT + 2] = np.frombuffer(epoch.to_bytes(2, "little"), np.uint8)
+    return rows
 
 
 def with_token(rows: np.ndarray, token: int) -> np.ndarray:
@@ -321,9 +335,10 @@ def with_token(rows: np.ndarray, token: int) -> np.ndarray:
 
 
 def control_packet(kind: Kind, *, job: int, worker: int, iteration: int = 0, tensor: int = 0, chunk: int = 0,
-                   slot: int = 0, scale: int = 0, flags: Flag = Flag.NONE, token: int = 0) -> bytes:
-    """A lane-less datagram: HELLO, PULL, FAILED, or a RESCALE NACK."""
+                   slot: int = 0, scale: int = 0, flags: Flag = Flag.NONE, token: int = 0, epoch: int = 0) -> bytes:
+    """A lane-less datagram: HELLO, PULL, FAILED, MOVED, or a RESCALE NACK."""
     rows = header_rows(1, kind=kind, job=job, worker=worker, iteration=iteration, token=token)
+    rows["epoch"] = epoch
     rows["tensor"], rows["chunk"], rows["slot"], rows["scale"], rows["flags"] = tensor, chunk, slot, scale, int(flags)
     rows["need"] = NEED_NONE
     return rows.tobytes()

@@ -63,7 +63,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pacing import Pace
-from netstorm.lan.packets import control_packet, data_packets, header_rows
+from netstorm.lan.packets import control_packet, data_packets, header_rows, set_epoch
 from netstorm.lan.precision import integer_precision
 from netstorm.lan.prefault import populated
 from netstorm.lan.resultwire import RESULT_DTYPES, ResultWire
@@ -121,6 +121,14 @@ def local_address(sock: socket.socket, peer: Address) -> str:
         return str(probe.getsockname()[0])
     finally:
         probe.close()
+
+
+class _Moved(Exception):
+    """A MOVED for the iteration being sent: say HELLO again and send it anew."""
+
+    def __init__(self, epoch: int) -> None:
+        super().__init__(epoch)
+        self.epoch = epoch
 
 
 class EdgeSender:
@@ -183,6 +191,16 @@ class EdgeSender:
         """Tail probes: the iteration's last outstanding chunk asked about (or resent) when its ACK did not come
         within the tail's probe timeout (``_pto``)."""
         self.batch = udp.BatchSender(sock, gso=gso)
+        self._gso = gso
+        self.announced: int | None = None
+        """The deployment epoch the latest accepted RESULT announced for the next iteration (None: none yet)."""
+        self.ignore_epoch: frozenset[int] = frozenset()
+        """Iterations sent without acting on the epoch the result before announced (fault injection: as if the
+        announcement were lost); the aggregator that refuses their DATA answers MOVED."""
+        self.rehellos = 0
+        """HELLOs said again for a changed deployment (netstorm/lan/redeploy.py)."""
+        self.moved = 0
+        """MOVED notices taken: DATA of an iteration refused for an old deployment epoch, sent again."""
         self._queued: list[np.ndarray] = []
         """Datagram rows (of ``keep``) NACKs asked for, sent together by ``_flush``."""
         self._early: list[bytes] = []
@@ -273,10 +291,14 @@ class EdgeSender:
         await udp.sendto(self.sock, datagram, self.send_to)
 
     def _deploy(self, deployment: Deployment, scale: int) -> None:
+        old = self.deployment
         self.deployment = deployment
-        self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes), lanes=deployment.lanes,
-                                 pool=deployment.pool)
+        if old is None or (old.pool, old.lanes) != (deployment.pool, deployment.lanes):
+            # a HELLO said again for a changed deployment keeps the layout in use (a compressed round's wire)
+            self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes),
+                                     lanes=deployment.lanes, pool=deployment.pool)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
+        self.batch.gso = self._gso
         if self.send_to != self.gateway:
             # a cluster aggregator: its program runs in generic mode on the loopback device (this host's own
             # trainer) and may on its LAN interface, and a generic program never sees a UDP GSO batch that
@@ -296,13 +318,43 @@ class EdgeSender:
             self.group_sock.close()
             self.group_sock = None
 
+    @property
+    def epoch(self) -> int:
+        """The deployment epoch this worker's DATA carries (its latest HELLO answer's)."""
+        return self.deployment.epoch if self.deployment is not None else 0
+
     async def push_pull(
         self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float,  # noqa: ASYNC109
         back: ResultWire | None = None,
     ) -> tuple[list[np.ndarray], int]:
         """Contribute ``tensors`` to ``iteration``; the result the gateway sends back (each tensor's elements,
         float32, as ``back`` says it travels: None, float32 lanes on this layout), and how many workers'
-        gradients it sums (0 from a gateway that does not say)."""
+        gradients it sums (0 from a gateway that does not say).
+
+        When the result before announced another deployment epoch than this worker's, it first says HELLO
+        again for its part of the new deployment; a MOVED for the iteration (its DATA was refused for an old
+        epoch) does the same and sends the whole iteration anew (netstorm/lan/redeploy.py)."""
+        deadline = time.monotonic() + timeout
+        stale = self.announced is not None and self.announced != self.epoch and iteration not in self.ignore_epoch
+        while True:
+            if stale:
+                self.rehellos += 1
+                try:
+                    await self.hello(timeout=max(0.01, deadline - time.monotonic()))
+                except EdgeTimeout as exc:
+                    raise EdgeTimeout(f"{exc} (asked again for deployment epoch {self.announced})") from None
+            try:
+                return await self._push_pull(iteration, tensors, timeout=max(0.0, deadline - time.monotonic()),
+                                             back=back)
+            except _Moved as moved:
+                self.moved += 1
+                self.announced = moved.epoch
+                stale = True
+
+    async def _push_pull(
+        self, iteration: int, tensors: Sequence[np.ndarray], *, timeout: float,  # noqa: ASYNC109
+        back: ResultWire | None = None,
+    ) -> tuple[list[np.ndarray], int]:
         self._total = 0
         self.downlink.start(iteration)
         self._muted = iteration in self.silent
@@ -315,7 +367,7 @@ class EdgeSender:
             self.widened += precision != self.precision
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
                               values=v, token=token, precision=precision) for t, v in enumerate(values)]
-        rows = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        rows = set_epoch(parts[0] if len(parts) == 1 else np.concatenate(parts), self.epoch)
         flight = _Flight(len(rows), self.layout.num_slots)
         out = self._result_matrix()
         missing = np.ones(back.layout.num_chunks, bool)
@@ -618,12 +670,18 @@ class EdgeSender:
             genuine = (tokens == np.uint64(self.tokens.gateway(self.worker, iteration))) | \
                 (tokens == np.uint64(self.tokens.group(iteration)))
             forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK) |
-                           (kind == Kind.FAILED)) & ~genuine
+                           (kind == Kind.FAILED) | (kind == Kind.MOVED)) & ~genuine
             self.forged += int(forged.sum())
             ok &= ~forged
         if np.any(ok & (kind == Kind.FAILED)):
             raise IterationAborted(f"edge worker {self.worker}: iteration {iteration} failed (the gateway says so): "
                                    f"no result will come")
+        # a MOVED, or a NACK, from an aggregator under another deployment than this worker's: it sends where
+        # an old one said (or the aggregator is behind, and asks too); it asks for its part and sends anew
+        moved = np.flatnonzero(ok & (heads["epoch"] != self.epoch) & (
+            ((kind == Kind.MOVED) & (heads["worker"] == self.worker)) | (kind == Kind.NACK)))
+        if keep.size and moved.size:
+            raise _Moved(int(heads["epoch"][moved[0]]))
         results = self._take_results(np.flatnonzero(ok & (kind == Kind.RESULT)), out, missing)
         if flight is not None:
             # a chunk's result says it completed as its ACK does (a gateway that streams results sends
@@ -671,6 +729,7 @@ class EdgeSender:
         missing[seq] = False
         if rows.size:
             self.downlink.on_results(int(self._batch.lengths[rows].sum()), time.monotonic())
+            self.announced = int(heads["epoch"][rows[0]])
         return named
 
     def _take_acks(self, rows: np.ndarray, flight: _Flight, *, also: np.ndarray | None = None) -> None:
