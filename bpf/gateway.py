@@ -58,7 +58,7 @@ from netstorm.lan.header import lanes_for_mtu
 from netstorm.lan.introunds import GatewayRounds, RoundPlan
 from netstorm.lan.layout import DEFAULT_POOL, EdgeLayout
 from netstorm.lan_scenario import LanSpec
-from netstorm.lanreport import LanRateMeter, ReportSchedule, report_from_spec
+from netstorm.lanreport import LanRateMeter, ReportSchedule, report_from_spec, uplink_bounds
 from netstorm.layout import Layout
 
 log = logging.getLogger("netstorm.edge")
@@ -185,7 +185,8 @@ class GatewayRole:
         self.pending: LanPlan | None = None
         """A newer plan with another deployment, received once the LAN tier ran: applied at its next start."""
         self._planned = asyncio.Event()
-        self.meter = LanRateMeter(options.lan) if options.lan is not None else None
+        self.meter = (LanRateMeter(options.lan, margin=options.report_change) if options.lan is not None
+                      else None)
         """Each worker's achieved rates, from the data the gateway receives (netstorm/lanreport.py)."""
         self.schedule = (ReportSchedule(options.lan, options.report_change, options.report_interval)
                          if options.lan is not None else None)
@@ -529,9 +530,13 @@ class GatewayRole:
         bursts += [("down", burst) for burst in self.agent.downlink_bursts()]
         if self.meter is None or self.schedule is None:
             return
+        topology = self.options.topology if self.options.topology is not None else LanTopology(self.options.workers)
+        believed = {w.index: w.up_gbit for w in self.meter.measured().workers}
+        bounds = uplink_bounds(self.meter.spec, topology.clusters, self.paces(), believed)
         for direction, (worker, nbytes, first, last) in bursts:
-            if worker < len(self.meter.spec.workers):
-                self.meter.on_burst(worker, direction, nbytes, first, last)
+            if worker < len(self.meter.spec.workers):   # a paced (or member-bound) uplink sample is censored
+                self.meter.on_burst(worker, direction, nbytes, first, last,
+                                    bounds.get(worker) if direction == "up" else None)
         measured = self.meter.measured()
         now = self.clock()
         if self.on_measured is not None and self.schedule.due(measured, now):

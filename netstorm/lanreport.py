@@ -11,6 +11,21 @@ the gateway receives a worker's chunks (bpf/uplinks.py; in XDP mode by the progr
 worker receives its result burst (netstorm/lan/downlink.py: it reports each iteration's burst to its
 gateway in a REPORT datagram, which the gateway feeds to its meter).
 
+A sample can be censored by the gateway itself. A worker paced to its plan rate (``dc_pace_rates``, the
+pace in its HELLO answer) sends no faster than that pace, whatever its link could carry; a cluster
+aggregator's uplink is measured from the aggregates it forwards, and it forwards a slot's sum only once
+every member's chunk of it arrived, so its sums leave no faster than its slowest member feeds it (that
+member's pace, or its uplink as believed). Such a sample, taken at its ``bound``, says only that the link
+carries at least about the bound: reported as the link's rate it would make the scheduler re-plan around a
+slowness the gateway caused (an aggregator "measured" at its members' rate, a paced worker at its pace). A
+sample clearly below its bound (below ``bound x (1 - margin)``, ``margin`` the report threshold
+``dc_replan_change``: a smaller gap is one no report would answer anyway) is a real drop and counts as
+measured. The meter keeps censored samples in the window as "at least the bound": the median of the window
+is believed only where it falls on an uncensored sample (a right-censored median); where it falls on a
+censored one the direction keeps its previous belief, raised to the least bound of the window's censored
+samples if it was below that (the link demonstrably carried that much). The rule lives here and not in the
+gateway role so that it is tested without sockets; the gateway passes the bounds in (``uplink_bounds``).
+
 The meter is a sans-I/O core (bursts in, a report out); the data plane calls ``on_burst`` where it
 already timestamps datagrams and a gateway sends ``report`` when ``changed`` says a rate moved.
 """
@@ -18,7 +33,7 @@ already timestamps datagrams and a gateway sends ``report`` when ``changed`` say
 from __future__ import annotations
 
 import collections
-import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from netstorm.control import LanRackRow, LanReport, LanWorkerRow
@@ -46,18 +61,42 @@ def spec_from_report(report: LanReport) -> LanSpec:
     return LanSpec(workers, racks, report.gateway_gbit)
 
 
+def uplink_bounds(spec: LanSpec, clusters: Mapping[int, tuple[int, ...] | list[int]],
+                  paces: Mapping[int, float], believed: Mapping[int, float] | None = None) -> dict[int, float]:
+    """Per worker, the Gbit/s its uplink sample cannot exceed because of what the gateway set: its own pace,
+    and for a cluster aggregator the least of its own pace and each member's pace (or, for an unpaced member,
+    its believed uplink: ``believed``, else the described one). A worker absent is unbounded."""
+    up = {w.index: w.up_gbit for w in spec.workers}
+    if believed is not None:
+        up.update(believed)
+    bounds = {w: float(p) for w, p in paces.items() if p > 0}
+    for aggregator, members in clusters.items():
+        feeds = [bounds.get(m, up.get(m, float("inf"))) for m in members if m != aggregator]
+        own = bounds.get(aggregator, float("inf"))
+        bound = min([own, *feeds])
+        if bound < float("inf"):
+            bounds[aggregator] = bound
+    return bounds
+
+
 @dataclass
 class LanRateMeter:
-    """Per worker and direction, the median rate of its recent bursts (sans-I/O)."""
+    """Per worker and direction, the right-censored median rate of its recent bursts (sans-I/O)."""
 
     spec: LanSpec
     """What the gateway was configured with: rates stand until measured."""
     window: int = 8
     min_samples: int = 3
-    _samples: dict[tuple[int, str], collections.deque[float]] = field(default_factory=dict)
+    margin: float = 0.2
+    """A sample below ``bound x (1 - margin)`` is a real drop; at or above it the sample is censored."""
+    _samples: dict[tuple[int, str], collections.deque[tuple[float, float | None]]] = field(default_factory=dict)
+    """(rate, None) for a measured sample, (rate, bound) for a censored one."""
+    _belief: dict[tuple[int, str], float] = field(default_factory=dict)
 
-    def on_burst(self, worker: int, direction: str, nbytes: int, first_t: float, last_t: float) -> None:
-        """A burst of ``nbytes`` from (``up``) or to (``down``) ``worker`` spanning first_t..last_t."""
+    def on_burst(self, worker: int, direction: str, nbytes: int, first_t: float, last_t: float,
+                 bound: float | None = None) -> None:
+        """A burst of ``nbytes`` from (``up``) or to (``down``) ``worker`` spanning first_t..last_t; ``bound``:
+        the Gbit/s the gateway's own pacing held it to, if any (see the module's docstring)."""
         if direction not in ("up", "down"):
             raise ValueError(f"direction must be 'up' or 'down', got {direction!r}")
         span = last_t - first_t
@@ -65,13 +104,41 @@ class LanRateMeter:
             return
         key = (worker, direction)
         samples = self._samples.setdefault(key, collections.deque(maxlen=self.window))
-        samples.append(nbytes * 8 / span / 1e9)
+        rate = nbytes * 8 / span / 1e9
+        censored = bound is not None and bound > 0 and rate >= bound * (1 - self.margin)
+        samples.append((rate, bound if censored else None))
+        believed = self._median(samples)
+        if believed is not None:
+            self._belief[key] = believed
+        elif len(samples) >= self.min_samples:
+            floor = min(b for _, b in samples if b is not None)
+            if self._believed(worker, direction) < floor:
+                self._belief[key] = floor
+
+    def _believed(self, worker: int, direction: str) -> float:
+        """The believed rate, else the configured one (inf for a worker the spec does not describe)."""
+        belief = self._belief.get((worker, direction))
+        if belief is not None:
+            return belief
+        for w in self.spec.workers:
+            if w.index == worker:
+                return w.up_gbit if direction == "up" else w.down_gbit
+        return float("inf")
+
+    def _median(self, samples: collections.deque[tuple[float, float | None]]) -> float | None:
+        """The median with censored samples ranked above every measured one; None when it is censored."""
+        if len(samples) < self.min_samples:
+            return None
+        ranked = sorted(samples, key=lambda s: (s[1] is not None, s[0]))
+        n = len(ranked)
+        middle = ranked[(n - 1) // 2: n // 2 + 1]
+        if any(b is not None for _, b in middle):
+            return None
+        return sum(r for r, _ in middle) / len(middle)
 
     def rate(self, worker: int, direction: str) -> float | None:
-        samples = self._samples.get((worker, direction))
-        if samples is None or len(samples) < self.min_samples:
-            return None
-        return statistics.median(samples)
+        """The believed rate; None while the direction has no measured belief (the configured rate stands)."""
+        return self._belief.get((worker, direction))
 
     def measured(self) -> LanSpec:
         """The configured LAN with every believed rate replaced by its measurement."""

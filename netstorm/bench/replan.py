@@ -18,6 +18,11 @@ monotonic one. What the run leaves out is the TCP hop between gateway and schedu
 (``tests/test_gateway_replan.py`` covers it). The ``keep`` run is the same LAN, inputs and degradation
 with the re-plan ignored.
 
+An uplink sample the gateway's own pacing bounds (a paced worker's pace, a cluster aggregator's slowest
+feed: ``lanreport.uplink_bounds``) is censored as the gateway role censors it. The result records the cut
+(iteration and time), every report (time, the rates that moved against the report before, the whole
+measured LAN) and per iteration each sample with its bound, so a re-plan can be traced to its reading.
+
 Per iteration: the LAN time (the first push to every worker holding the result), the deployment epoch
 and clusters, how many aggregates each service forwarded (read from its data plane's counters), and
 whether the sum equals the exact reference (int64 fixed point of each worker's values at its precision).
@@ -103,7 +108,7 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
     if plan is None:
         raise RuntimeError(f"the {args.dc_planner} plan of this LAN cannot run in the data plane")
     topology = topology_from_plan(plan, workers)
-    meter = lanreport.LanRateMeter(described)
+    meter = lanreport.LanRateMeter(described, margin=config.dc_replan_change)
     schedule = lanreport.ReportSchedule(described, config.dc_replan_change, config.dc_replan_hold)
     worker_text, _, factor_text = args.degrade.partition(":")
     degraded, factor = int(worker_text), float(factor_text)
@@ -160,16 +165,29 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
                         exact = bool(np.array_equal(sums[0], want))
                         bursts = [("up", b) for b in agent.uplink_bursts(iteration)]
                         bursts += [("down", b) for b in agent.downlink_bursts()]
+                        # the gateway role's bounds: a paced worker's pace, an aggregator's slowest feed
+                        bounds = lanreport.uplink_bounds(described, agent.topology.clusters, agent.pace_gbit,
+                                                         {w.index: w.up_gbit for w in meter.measured().workers})
+                        samples: dict[str, list[Any]] = {}
                         for direction, (worker, nbytes, t0, t1) in bursts:
-                            meter.on_burst(worker, direction, nbytes, t0, t1)
+                            bound = bounds.get(worker) if direction == "up" else None
+                            meter.on_burst(worker, direction, nbytes, t0, t1, bound)
+                            if t1 > t0:
+                                samples[f"{worker}:{direction}"] = [round(nbytes * 8 / (t1 - t0) / 1e9, 4),
+                                                                    None if bound is None else round(bound, 4)]
                         record: dict[str, Any] = {"iteration": k, "epoch": agent.epoch,
-                                                  "clusters": _clusters(agent.topology)}
+                                                  "clusters": _clusters(agent.topology),
+                                                  "samples_gbit_bound": samples}
                         measured = meter.measured()
                         now = clock()
                         if replan and schedule.due(measured, now):
+                            moved = _moved(schedule.reported, measured)
                             schedule.sent(measured, now)   # the gateway's measured report
                             core.report(lanreport.report_from_spec(1, measured, measured=True), now)
-                            out["reports"].append({"after_iteration": k, "t_s": round(now - origin, 3)})
+                            out["reports"].append({
+                                "after_iteration": k, "t_s": round(now - origin, 3), "moved": moved,
+                                "measured_gbit": {str(w.index): [round(w.up_gbit, 4), round(w.down_gbit, 4)]
+                                                  for w in measured.workers}})
                         if replan and core.pending(now):   # the scheduler plans a DC when it is due
                             job = core.begin(1, now)
                             plan = core.finish(job, core.compute(job))
@@ -194,6 +212,7 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
                         if k == args.degrade_at:
                             w = spec.workers[degraded]
                             await asyncio.to_thread(lan.reshape, degraded, w.up_gbit * factor, w.down_gbit * factor)
+                            out["cut"] = {"after_iteration": k, "t_s": round(clock() - origin, 3)}
                 finally:
                     agent.close()
                     for service in services:
@@ -209,6 +228,17 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
     after = [r["lan_s"] for r in out["iterations"][args.degrade_at + 1:]]
     out["mean_lan_s_after_degrade"] = round(float(np.mean(after)), 4) if after else None
     out["exact"] = all(r["exact"] for r in out["iterations"])
+    return out
+
+
+def _moved(before: Any, after: Any) -> dict[str, list[float]]:
+    """The rates of one report that moved by more than nothing against the one before, as
+    ``"worker:direction": [before, after]``."""
+    out = {}
+    for a, b in zip(before.workers, after.workers, strict=True):
+        for direction, x, y in (("up", a.up_gbit, b.up_gbit), ("down", a.down_gbit, b.down_gbit)):
+            if abs(y - x) > 1e-9 * max(abs(x), 1.0):
+                out[f"{a.index}:{direction}"] = [round(x, 4), round(y, 4)]
     return out
 
 
@@ -240,7 +270,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         for name, run_ in result["runs"].items():
             print(f"{name}: exact {run_['exact']}, mean LAN time after the degradation "
-                  f"{run_['mean_lan_s_after_degrade']} s, plans {run_['plans']}")
+                  f"{run_['mean_lan_s_after_degrade']} s, cut {run_.get('cut')}, plans {run_['plans']}")
+            for report in run_["reports"]:
+                print(f"  report after iteration {report['after_iteration']} at {report['t_s']} s: "
+                      f"moved {report['moved']}")
             for r in run_["iterations"]:
                 print(f"  {r['iteration']:3d} epoch {r['epoch']} clusters {r['clusters']} {r['lan_s']:.3f} s "
                       f"forwarded {r['forwarded']} exact {r['exact']}")
