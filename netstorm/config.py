@@ -210,7 +210,8 @@ class Config:
     dc_replan_change: float = 0.2
     """Relative change of one LAN worker's reported rate, against the rate the DC's plan was made from,
     that re-plans the DC; 0 re-plans on every report. A gateway reports its measured rates when one moved
-    this much against its last report."""
+    this much against its last report; an uplink sample bounded by the gateway's own pacing (a paced worker,
+    an aggregator's slowest member) counts only when it is this much below that bound."""
     dc_replan_hold: float = 10.0
     """Least seconds between two plans of one DC made from measured rates (a described LAN that changed
     shape is planned at once), and between two measured reports of a gateway: a LAN whose measurements
