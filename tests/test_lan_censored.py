@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -92,3 +93,48 @@ def test_unpaced_samples_are_the_plain_median_of_the_window(rates: list[float], 
         assert got is not None and abs(got - statistics.median(kept)) <= 1e-9 * got
         assert meter.measured() == dataclasses.replace(LAN, workers=(*LAN.workers[:3], dataclasses.replace(
             LAN.workers[3], up_gbit=got)))
+
+
+class _Bursts:
+    """The agent as the gateway role's meter sees it: each iteration's uplink bursts, no downlink REPORTs."""
+
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
+        self.gbit = 0.0
+
+    def uplink_bursts(self, iteration: int) -> list[tuple[int, int, float, float]]:
+        return [(self.worker, NBYTES, 0.0, _span(self.gbit))]
+
+    def downlink_bursts(self) -> list[tuple[int, int, float, float]]:
+        return []
+
+
+def _role(clusters: dict[int, tuple[int, ...]]) -> tuple[Any, _Bursts, list[LanSpec]]:
+    from bpf.gateway import EdgeOptions, GatewayRole
+    from netstorm.lan.deploy import LanTopology
+
+    role = GatewayRole(EdgeOptions(workers=4, listen=("127.0.0.1", 0), mode="userspace", lan=LAN,
+                                   topology=LanTopology(4, clusters), report_change=CHANGE, report_interval=0.0),
+                       iteration_timeout=1.0)
+    agent = _Bursts(0)
+    setattr(role, "agent", agent)   # noqa: B010  (a stand-in for the agent, which mypy would refuse)
+    reports: list[LanSpec] = []
+    role.on_measured = reports.append
+    return role, agent, reports
+
+
+def test_the_gateway_role_bounds_a_cluster_aggregators_uplink_by_its_members() -> None:
+    role, agent, reports = _role({0: (1, 2, 3)})   # worker 2's 0.5 Gbit/s bounds what 0 forwards
+    agent.gbit = 0.49
+    for k in range(1, 9):
+        role._measured(k)
+    assert reports == []
+    agent.gbit = 0.1   # clearly below: aggregator 0's link (or its members' way to it) did drop
+    for k in range(9, 14):
+        role._measured(k)
+    assert len(reports) == 1 and reports[0].workers[0].up_gbit == pytest.approx(0.1)
+    flat, agent, reports = _role({})   # unclustered and unpaced: the same readings are the link's
+    agent.gbit = 0.49
+    for k in range(1, 4):
+        flat._measured(k)
+    assert len(reports) == 1 and reports[0].workers[0].up_gbit == pytest.approx(0.49)
