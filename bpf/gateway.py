@@ -98,7 +98,8 @@ class EdgeOptions:
     """The LAN's description (``--edge-scenario``): announced to the scheduler, which plans the tier."""
     plan_wait: float = 0.0
     """Seconds the LAN tier waits at start for the scheduler's first plan (``edge_plan_wait``; 0: it
-    starts with the configured topology, and plans wait for the next start)."""
+    starts with the configured topology, and a plan that arrives later switches it at an iteration
+    boundary)."""
     report_change: float = 0.2
     """A measured worker rate that moved this much (relative) against the last report is reported
     (``dc_replan_change``, the scheduler's own threshold)."""
@@ -183,7 +184,8 @@ class GatewayRole:
         self.plan: LanPlan | None = None
         """The scheduler's plan the running (or next) deployment follows."""
         self.pending: LanPlan | None = None
-        """A newer plan with another deployment, received once the LAN tier ran: applied at its next start."""
+        """A newer plan with another deployment, received once the LAN tier ran: it runs from the iteration after
+        the next released result (``_switch``)."""
         self._planned = asyncio.Event()
         self.meter = (LanRateMeter(options.lan, margin=options.report_change) if options.lan is not None
                       else None)
