@@ -41,6 +41,7 @@ import contextlib
 import logging
 import secrets
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -152,10 +153,16 @@ class ClusterAggregator:
         """Slot -> the (iteration, tensor, chunk) the gateway asked about, looked at after a reorder window (at
         most one per slot, so the gateway's NACKs cannot grow it past the pool)."""
 
-    async def start(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109
-        """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program."""
+    async def start(self, *, timeout: float,  # noqa: ASYNC109
+                    load_in: Callable[[Callable[[], None]], object] | None = None) -> Deployment:
+        """HELLO the gateway for this cluster's deployment, then load and attach the aggregation program, in a
+        thread (through ``load_in`` where it must run in another context, such as the worker's network
+        namespace: ``functools.partial(netns.run_in, namespace)``)."""
         deployment = await self.hello(timeout=timeout)
-        await asyncio.to_thread(self.load)
+        if load_in is None:
+            await asyncio.to_thread(self.load)
+        else:
+            await asyncio.to_thread(load_in, self.load)
         return deployment
 
     async def hello(self, *, timeout: float) -> Deployment:  # noqa: ASYNC109

@@ -10,6 +10,7 @@ sums stay exact; the slot timers are set beyond the run and the workers' stall r
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,8 +93,7 @@ async def lost_below(mode: str, xdp: Any, lost: frozenset[int], *, forge: bool =
                     cluster = ClusterAggregator(lan.udp_socket(ns, lan.worker_ip(HEAD), PORT), (GATEWAY_IP, PORT),
                                                 worker=HEAD, job=JOB, interface="eth0", mode=mode, secret=secret,
                                                 group_opener=lan.group_opener(ns), attach=ATTACH)
-                    await cluster.hello(timeout=10)
-                    await asyncio.to_thread(run_in, ns, cluster.load)
+                    await cluster.start(timeout=10, load_in=functools.partial(run_in, ns))
                     tg.create_task(cluster.run())
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await agent.wait_workers(timeout=10)

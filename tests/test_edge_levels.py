@@ -6,6 +6,7 @@ bridge's multicast database, and one transmission per result datagram at the gat
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,8 +158,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                                                     worker=head, job=JOB, interface="eth0", mode=mode, secret=secret,
                                                     group_opener=lan.group_opener(ns), attach="generic")
                         clusters.append(cluster)
-                        await cluster.hello(timeout=10)
-                        await asyncio.to_thread(run_in, ns, cluster.load)
+                        await cluster.start(timeout=10, load_in=functools.partial(run_in, ns))
                         tg.create_task(cluster.run())
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await agent.wait_workers(timeout=10)

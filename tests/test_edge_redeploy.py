@@ -7,6 +7,7 @@ announcement is told by the aggregator that refuses its DATA."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -120,8 +121,7 @@ async def run_switches(mode: str, program: Any, *, ignore: dict[int, set[int]] |
                                                     worker=i, job=JOB, interface="eth0", mode=mode, secret=SECRET,
                                                     group_opener=lan.group_opener(ns), attach="generic")
                         services.append(service)
-                        await service.hello(timeout=10)
-                        await asyncio.to_thread(run_in, ns, service.load)
+                        await service.start(timeout=10, load_in=functools.partial(run_in, ns))
                         tg.create_task(service.run())
                     await asyncio.gather(*(n.hello(timeout=10) for n in nodes))
                     await agent.wait_workers(timeout=10)

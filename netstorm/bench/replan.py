@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -145,8 +146,7 @@ async def _variant(args: argparse.Namespace, spec: Any, replan: bool) -> dict[st
                                                     worker=i, job=JOB, interface="eth0", mode=args.mode,
                                                     group_opener=lan.group_opener(ns), attach="generic")
                         services.append(service)
-                        await service.hello(timeout=30)
-                        await asyncio.to_thread(run_in, ns, service.load)
+                        await service.start(timeout=30, load_in=functools.partial(run_in, ns))
                         tg.create_task(service.run())
                     await asyncio.gather(*(n.hello(timeout=30) for n in nodes))
                     await agent.wait_workers(timeout=30)
