@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -41,15 +41,21 @@ def model(who: int, step: int) -> dict[str, np.ndarray]:
     }
 
 
-def wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+def poll(ready: Callable[[], bool], procs: list[subprocess.Popen[bytes]], timeout: float, what: str) -> None:
+    """Until ``ready()`` (another process's file or listener: no event of ours to wait on), failing at once
+    when one of ``procs`` exits and at ``timeout``."""
     deadline = time.monotonic() + timeout
-    while not path.exists():
+    while not ready():
         for proc in procs:
             if proc.poll() is not None:
                 raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout} s")
+            raise AssertionError(f"{what} within {timeout} s")
         time.sleep(0.05)
+
+
+def wait_for(path: Path, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    poll(path.exists, procs, timeout, f"{path} did not appear")
 
 
 def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
@@ -61,14 +67,7 @@ def wait_listening(namespace: str, port: int, procs: list[subprocess.Popen[bytes
         except OSError:
             return False
 
-    deadline = time.monotonic() + timeout
-    while not run_in(namespace, accepts):
-        for proc in procs:
-            if proc.poll() is not None:
-                raise AssertionError(f"{proc.args!r} exited with {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"nothing listened on port {port} in {namespace} within {timeout} s")
-        time.sleep(0.05)
+    poll(lambda: run_in(namespace, accepts), procs, timeout, f"nothing listened on port {port} in {namespace}")
 
 
 @contextlib.contextmanager
