@@ -25,6 +25,7 @@ from netstorm.lan.packets import data_packets, nack_packets
 from netstorm.lan.sender import EdgeSender, _Flight
 from netstorm.lan.tokens import LanTokens
 from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
+from tests.lan_reference import fixed_point_sums
 
 LAYOUT = EdgeLayout.uniform([3000, 7], scale=10, lanes=64)
 """48 chunks of 64 lanes."""
@@ -316,12 +317,7 @@ async def run_lan(mode: str, xdp: Any, *, iterations: int, drop: frozenset[int] 
 
 
 def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
-    out = []
-    for t in range(len(NS_LAYOUT.sizes)):
-        scale = NS_LAYOUT.scales[t]
-        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
-        out.append((total.astype(np.float64) * 2.0**-scale).astype(np.float32))
-    return out
+    return fixed_point_sums(contribs, NS_LAYOUT.scales)
 
 
 def assert_exact(runs: list[Any]) -> None:

@@ -21,6 +21,7 @@ from netstorm.lan.deploy import LanTopology
 from netstorm.lan.header import Kind
 from tests.dataplane import until
 from tests.edge_programs import NACK_LAYOUT, LentPrograms, nack_iterations, nack_program
+from tests.lan_reference import fixed_point_sums
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -174,12 +175,7 @@ async def forge_below(lan: Any, cluster: Any, nodes: list[Any], iteration: int, 
 
 
 def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
-    out = []
-    for t in range(len(LAYOUT.sizes)):
-        scale = LAYOUT.scales[t]
-        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
-        out.append((total.astype(np.float64) * 2.0**-scale).astype(np.float32))
-    return out
+    return fixed_point_sums(contribs, LAYOUT.scales)
 
 
 @pytest.mark.parametrize("lost", [MIDDLE, TAIL], ids=["middle-found-by-gateway", "tail-found-by-probe"])

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
+from tests.lan_reference import fixed_point_sums
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -86,12 +87,7 @@ async def one_loss(mode: str, xdp: Any, *, query_nacks: bool, lost: int) -> dict
 
 
 def exact(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
-    out = []
-    for t in range(len(LAYOUT.sizes)):
-        scale = LAYOUT.scales[t]
-        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
-        out.append((total.astype(np.float64) * 2.0**-scale).astype(np.float32))
-    return out
+    return fixed_point_sums(contribs, LAYOUT.scales)
 
 
 @pytest.mark.parametrize("lost", [EARLY, LATE, LAST], ids=["early-found-by-gateway", "late-found-by-gateway",

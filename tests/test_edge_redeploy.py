@@ -17,6 +17,7 @@ import pytest
 
 from netstorm.lan.deploy import LanTopology
 from netstorm.lan.layout import EdgeLayout
+from tests.lan_reference import fixed_point_sums
 
 pytestmark = [pytest.mark.root]
 
@@ -63,8 +64,7 @@ def gateway_program() -> Iterator[Any]:
 
 def exact(contribs: list[list[np.ndarray]], scale: int = SCALE) -> list[np.ndarray]:
     """The LAN sum as every aggregator makes it: int64 fixed point at the common scale, once to float32."""
-    return [(np.sum([np.rint(w[t].astype(np.float64) * 2.0**scale).astype(np.int64) for w in contribs], axis=0)
-             .astype(np.float64) * 2.0**-scale).astype(np.float32) for t in range(len(contribs[0]))]
+    return fixed_point_sums(contribs, [scale] * len(contribs[0]))
 
 
 def wire_of(k: int) -> EdgeLayout:

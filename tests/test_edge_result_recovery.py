@@ -18,6 +18,7 @@ import pytest
 
 from netstorm.lan.errors import EdgeTimeout
 from netstorm.lan.layout import EdgeLayout
+from tests.lan_reference import fixed_point_sums
 
 pytestmark = [pytest.mark.root]
 
@@ -47,11 +48,7 @@ def gateway_program() -> Iterator[Any]:
 
 def reference(contribs: list[list[np.ndarray]]) -> list[np.ndarray]:
     """The exact sums: int64 fixed point at the common scale (the values stay far from int32's range)."""
-    out = []
-    for t in range(len(contribs[0])):
-        total = np.sum([np.rint(w[t].astype(np.float64) * 2.0**SCALE).astype(np.int64) for w in contribs], axis=0)
-        out.append((total.astype(np.float64) * 2.0**-SCALE).astype(np.float32))
-    return out
+    return fixed_point_sums(contribs, [SCALE] * len(contribs[0]))
 
 
 def small_buffer(opener: Callable[[tuple[str, int], str], socket.socket],

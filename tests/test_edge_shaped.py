@@ -20,6 +20,7 @@ import pytest
 
 from netstorm.lan.header import HEADER_BYTES
 from netstorm.lan.layout import EdgeLayout
+from tests.lan_reference import fixed_point_sum
 
 pytestmark = [pytest.mark.root]
 
@@ -33,8 +34,7 @@ FIXED = 16
 
 
 def reference(contribs: list[np.ndarray]) -> np.ndarray:
-    total = np.sum([np.rint(c.astype(np.float64) * 2.0**FIXED).astype(np.int64) for c in contribs], axis=0)
-    return (total.astype(np.float64) * 2.0**-FIXED).astype(np.float32)
+    return fixed_point_sum(contribs, FIXED)
 
 
 async def run_shaped(*, elements: int, iterations: int, sndbuf: int = 0,

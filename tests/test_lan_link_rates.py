@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from netstorm.lan.layout import EdgeLayout
+from tests.lan_reference import fixed_point_sum
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -50,8 +51,7 @@ def xdp_program() -> Iterator[Any]:
 
 
 def reference(contribs: list[np.ndarray]) -> np.ndarray:
-    total = np.sum([np.rint(c.astype(np.float64) * 2.0**16).astype(np.int64) for c in contribs], axis=0)
-    return (total.astype(np.float64) * 2.0**-16).astype(np.float32)
+    return fixed_point_sum(contribs, 16)
 
 
 def rates(bursts: list[tuple[int, int, float, float]]) -> dict[int, float]:

@@ -17,6 +17,7 @@ from netstorm.lan.deploy import Deployment
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pacing import Pace
 from netstorm.lan_scenario import LanSpec, LanWorker
+from tests.lan_reference import fixed_point_sum
 
 PLANNED = (0.1, 0.2, 0.4, 0.8)
 """The plan's Gbit/s per worker; the emulated LAN is these x SCALE."""
@@ -70,8 +71,7 @@ ORDER = 1.25
 
 
 def _reference(contribs: list[np.ndarray]) -> np.ndarray:
-    total = np.sum([np.rint(c.astype(np.float64) * 2.0**16).astype(np.int64) for c in contribs], axis=0)
-    return (total.astype(np.float64) * 2.0**-16).astype(np.float32)
+    return fixed_point_sum(contribs, 16)
 
 
 async def _run(mode: str, xdp: Any) -> dict[int, float]:
