@@ -29,9 +29,9 @@ BASE_GBIT = 0.03
 UP = tuple(BASE_GBIT * 2**i for i in range(4))
 DOWN = tuple(reversed(UP))
 STEP = 1.4
+"""The workers shaped 8x apart must measure more than STEP squared apart (the whole span, not each step)."""
 ORDER = 1.15
 """Each 2x step of shaping must measure at least this apart (its order, with a margin for noise)."""
-"""Least ratio measured between two workers shaped 2x apart."""
 POOL = 256
 LAYOUT = EdgeLayout.uniform([2 * POOL * 357], scale=16, lanes=357, pool=POOL)
 ITERATIONS = 4
