@@ -15,6 +15,11 @@ Everything the agent sends leaves through one outbox and one writer task (``bpf/
 also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink (in xdp mode the
 program does).
 
+Where the LAN's own sum is the result, the XDP program can send every result itself
+(``return_results_from_kernel``, ALEPH's result path): the agent then sees no aggregate but an overflowed
+one, handles slot reports and HELLOs, and learns from the program's ring-buffer report when an iteration's
+chunks all completed (``completed``).
+
 With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
 agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or
 fallback), checks HELLO and PULL tokens itself, accepts an AGG only with the value it gave the
@@ -41,7 +46,16 @@ from bpf.fallback import UserspaceAggregator
 from bpf.outbox import Outbox
 from bpf.uplinks import UplinkTracker
 from bpf.writer import SocketWriter
-from bpf.xdp import TOKEN_WINDOW, XDP_PASS, SlotEvent, XdpAggregator
+from bpf.xdp import (
+    GROUP_TOKENS,
+    ITERATION_DONE,
+    TOKEN_WINDOW,
+    XDP_PASS,
+    XDP_TX,
+    KernelResults,
+    SlotEvent,
+    XdpAggregator,
+)
 from netstorm.errors import NetStormError
 from netstorm.lan import udp
 from netstorm.lan.batch import DatagramBatch, copy_rows, distinct, valid_headers
@@ -136,6 +150,9 @@ class IterationSums:
     integer: bool = False
     """The lanes are exact integers at scale 0 (a compressed job's round, ``netstorm/lan/introunds.py``): an
     overflow fails the iteration (``failure``) instead of re-quantising, which would not be exact."""
+    lanes_kept: bool = True
+    """False where the aggregation program returns results itself (``EdgeAgent.return_results_from_kernel``):
+    the agent then sees only overflowed slots and slot reports, so no model-sized rows are kept."""
     failure: NetStormError | None = None
     """Why the iteration ends without sums: an integer overflow, or the node failed it (``EdgeAgent.fail``)."""
     on_complete: Callable[[np.ndarray], None] | None = None
@@ -159,7 +176,8 @@ class IterationSums:
         self.done_at = float("inf")
         """When the first chunk completed and when the last did (monotonic clock; the gateway logs the LAN
         phase of each iteration from them)."""
-        self.raw = populated((self.layout.num_chunks, self.layout.lanes), np.int32)
+        self.raw = (populated((self.layout.num_chunks, self.layout.lanes), np.int32) if self.lanes_kept
+                    else np.zeros((0, self.layout.lanes), np.int32))
         """Each chunk's exact sum, a row written when the chunk completes and read only after (lanes past a
         tensor's end are whatever the aggregate carried there: ``result``, ``part`` and the RESULT datagrams
         leave them out), so it is not cleared first; its pages are mapped at once (``populated``), not faulted
@@ -431,6 +449,65 @@ class EdgeAgent:
         where one was planned."""
         self.failed: dict[int, str] = {}
         """The newest iterations the node failed (``fail``), and why."""
+        self.kernel_results = False
+        """The aggregation program returns each chunk's result to the workers itself
+        (``return_results_from_kernel``); the agent handles slot reports and overflow only."""
+        self._kernel_done: deque[int] = deque(maxlen=KEEP_FAILED)
+        """The newest iterations whose every result the program sent (its ring-buffer reports)."""
+
+    def return_results_from_kernel(self, results: KernelResults) -> None:
+        """From now on the XDP program sends each completed slot back to the workers' multicast group itself
+        (ALEPH's result path, ``edge_results=kernel``): nothing of a chunk's sum crosses into userspace, and
+        the agent handles only slot reports (NACKs), overflowed slots (RESCALE) and HELLOs. The result is then
+        the LAN's own sum, as in a job of one DC or this benchmark; a gateway that needs the sum for its WAN
+        step keeps the agent's path. Needs the xdp mode, a multicast group and a layout with shadow slots
+        (``EdgeLayout.shadow``): no copy of a result is kept to answer a worker that lost it, so the slot
+        itself must last until every worker has it (the worker resends its DATA, and the program sends the
+        slot's result again)."""
+        if self.mode != "xdp" or self.xdp is None:
+            raise ValueError("results return from the kernel only on the xdp path")
+        if self.group is None:
+            raise ValueError("results return from the kernel to a multicast group: configure edge_group")
+        if not self.layout.shadow:
+            raise ValueError("results from the kernel need a layout with shadow slots (EdgeLayout.shadow)")
+        self.xdp.return_results(results)
+        self.kernel_results = True
+        self.query_nacks = False    # no agent copy to answer a QUERY with: a late chunk is resent
+        if self.tokens.enabled and self._base is not None:
+            self._aggregator.install_tokens([(GROUP_TOKENS, k, self.tokens.group(k))
+                                             for k in range(self._base, self._installed + 1)])
+
+    async def completed(self, iteration: int, *, timeout: float) -> None:  # noqa: ASYNC109
+        """Return once the program has sent the result of every chunk of ``iteration`` (results from the
+        kernel); EdgeTimeout names the chunks still missing workers, as the slot reports said."""
+        if not self.kernel_results:
+            raise ValueError("completed() waits for results the program returns itself; use collect()")
+        self.expect(iteration)
+        waiter = self._waiters.setdefault(iteration, asyncio.Event())
+        try:
+            async with asyncio.timeout(timeout):
+                while iteration not in self._kernel_done:
+                    waiter.clear()
+                    await waiter.wait()
+        except TimeoutError:
+            sums = self._open.get(iteration)
+            missing = sums.describe_missing() if sums is not None and sums.missing else "no slot report yet"
+            raise EdgeTimeout(f"edge gateway: iteration {iteration}: the program has not returned every result "
+                              f"after {timeout} s: {missing}") from None
+        finally:
+            self._waiters.pop(iteration, None)
+            self._open.pop(iteration, None)
+
+    def _on_done(self, iteration: int) -> None:
+        """The program sent the last result of ``iteration``: the next one is expected (its tokens and the
+        group's are in place long before: ``expect`` keeps a window of them)."""
+        if iteration in self._kernel_done:
+            return
+        self._kernel_done.append(iteration)
+        self.expect(iteration + 1)
+        waiter = self._waiters.get(iteration)
+        if waiter is not None:
+            waiter.set()
 
     def plan(self, iteration: int, layout: EdgeLayout, *, integer: bool = False,
              back: ResultWire | None = None) -> None:
@@ -582,6 +659,9 @@ class EdgeAgent:
             first = max(iteration, self._installed + 1)
             self._aggregator.install_tokens([(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1)
                                              for w in range(self.workers)])
+            if self.kernel_results:   # the token of the results the program sends the group
+                self._aggregator.install_tokens([(GROUP_TOKENS, k, self.tokens.group(k))
+                                                 for k in range(first, last + 1)])
         self._installed = max(self._installed, last)
 
     def watch(self, iteration: int, watcher: Callable[[np.ndarray], None]) -> IterationSums:
@@ -806,7 +886,8 @@ class EdgeAgent:
         if sums is None:
             planned = self._wires.get(iteration)
             layout, integer = (self.layout, False) if planned is None else planned[:2]
-            sums = IterationSums(layout, iteration, self.workers, self.job, integer=integer)
+            sums = IterationSums(layout, iteration, self.workers, self.job, integer=integer,
+                                 lanes_kept=not self.kernel_results)
             self._open[iteration] = sums
         return sums
 
@@ -1035,7 +1116,7 @@ class EdgeAgent:
         members = self.topology.clusters.get(worker, ()) if aggregator else ()
         return Deployment(pool=self.layout.num_slots, lanes=self.layout.lanes, scale=self.layout.scales[0],
                           send_to=send_to, group=self.group, members=tuple(members), retransmit=self.retransmit,
-                          query_nacks=self.query_nacks,
+                          query_nacks=self.query_nacks, kernel_results=self.kernel_results,
                           first_iteration=self._base, gia_threshold=self.gia_threshold, epoch=self.epoch,
                           standby=aggregator and worker not in self.topology.clusters,
                           pace_gbit=None if aggregator else self.pace_gbit.get(worker))
@@ -1045,6 +1126,10 @@ class EdgeAgent:
         service is asked to NACK its own missing members (``_nack_clusters``)."""
         clusters = self.topology.clusters
         for event in events:
+            if event.slot == ITERATION_DONE:
+                if event.job == self.job and self.kernel_results:
+                    self._on_done(event.iteration)
+                continue
             if event.job != self.job or not self._accepts(event.iteration):
                 continue
             sums = self._sums(event.iteration)
@@ -1129,6 +1214,9 @@ class EdgeAgent:
                 verdict, out = self.xdp.run_widened(data)
                 if verdict == XDP_PASS and len(out) >= HEADER_BYTES and out[KIND_AT] == Kind.AGG:
                     self._on_agg(out)
+                elif verdict == XDP_TX and self.group is not None and len(out) >= HEADER_BYTES \
+                        and out[KIND_AT] == Kind.RESULT:
+                    self._control(out, self.group)   # the program's own result: sent where it would have gone
             elif head.kind == Kind.DATA:
                 raise WireError(f"DATA from worker {head.worker} reached the agent in xdp mode (malformed?)")
             else:
@@ -1276,6 +1364,8 @@ class EdgeAgent:
                         self.errors += 1
                         log.warning("edge gateway: rejected aggregate: %s", exc)
                 plain = mine[~overflow]
+                if plain.size and self.kernel_results:
+                    continue    # passed up before the program returned results itself: they went to nobody
                 if plain.size:
                     seqs, bad = sums.take(heads[plain], batch.lanes("<i4"), plain)
                     if bad:

@@ -35,6 +35,16 @@
  * installed for it, addresses of cfg) and sent out of cfg.up_ifindex: XDP_TX when it came in there, else
  * bpf_redirect (the aggregator's own packets, which reach the program on the loopback device).
  *
+ * Results from the kernel (cfg.results, a gateway whose LAN sum is the result: a job of one DC): the packet that
+ * completes a slot without overflow is rewritten into the RESULT of its chunk (precision SCALED32: the int32 sum
+ * at the slot's scale, which each worker converts as the agent would) for the workers' multicast group, with the
+ * group's token for the iteration, and sent back out (XDP_TX); the bridge or switch copies it to every member. A
+ * retransmission for a completed slot sends it again (its worker lost it). The slots are shadow slots (the
+ * workers number chunks across iterations and keep half the pool in flight, netstorm/lan/layout.py), so a slot
+ * is taken over only after every worker had its result. ns_done counts each iteration's completed chunks; the
+ * last one is reported through the ring buffer (slot NS_ITERATION_DONE). An overflowed slot still goes up to
+ * the agent as AGG, which has the workers re-quantise.
+ *
  * Uplink meter (bpf/uplinks.py): every DATA packet of an expected worker that passed the token check counts
  * towards NS_METER_MAP's entry for its worker and iteration (one per worker and iteration of a window, indexed
  * by iteration modulo NS_TOKEN_WINDOW, then worker, so an iteration's entries are consecutive): its UDP payload
@@ -59,7 +69,7 @@
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
     ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, ST_WIDEN_UP,
-    ST_OLD_EPOCH, NS_NSTATS
+    ST_OLD_EPOCH, ST_RESULT, ST_ITERATION_DONE, NS_NSTATS
 };
 
 struct ns_cfg {
@@ -81,7 +91,22 @@ struct ns_cfg {
     u8 own_mac[6];
     u32 meter_packets;          /* datagrams per worker and iteration the uplink meter counts (the pool) */
     u32 epoch;                  /* the LAN deployment epoch DATA must carry (netstorm/lan/redeploy.py) */
+    u32 results;                /* 1: a completed slot goes back to the workers from here as RESULT */
+    u32 result_total;           /* results: the workers a result sums (its header's total) */
+    u32 chunks;                 /* results: chunks per iteration (an iteration completes with its last) */
+    u32 group_ip;               /* results: the workers' multicast group, network order */
+    u16 group_port;             /* results: the group's UDP port, network order */
+    u8 group_mac[6];            /* results: the group's Ethernet address */
 };
+
+/* How many of an iteration's chunks this program returned results for (results mode): one entry per iteration
+ * of the token window; the one that completes the iteration reports it through the ring buffer. */
+struct ns_done {
+    struct bpf_spin_lock lock;
+    u32 iteration;
+    u32 count;
+};
+#define NS_ITERATION_DONE 0xffffffffu   /* ns_event.slot of an iteration-complete report */
 
 struct ns_token {
     u32 iteration;
@@ -114,7 +139,9 @@ struct ns_event {
 BPF_TABLE("extern", u32, struct ns_slot, NS_SLOT_MAP, NS_SLOTS);
 BPF_TABLE("extern", u32, struct ns_meter, NS_METER_MAP, NS_METER_ENTRIES);
 BPF_ARRAY(ns_cfg, struct ns_cfg, 1);
-BPF_ARRAY(ns_tokens, struct ns_token, NS_MAX_WORKERS * NS_TOKEN_WINDOW);
+/* one window per worker, then one for the group: the token a RESULT this program sends carries */
+BPF_ARRAY(ns_tokens, struct ns_token, (NS_MAX_WORKERS + 1) * NS_TOKEN_WINDOW);
+BPF_ARRAY(ns_done, struct ns_done, NS_TOKEN_WINDOW);
 BPF_PERCPU_ARRAY(ns_stats, u64, NS_NSTATS);
 BPF_RINGBUF_OUTPUT(ns_events, NS_RING_PAGES);
 
@@ -265,6 +292,33 @@ static __always_inline u16 ns_csum_fold(u32 sum)
     return ~sum;
 }
 
+/* The IPv4 header's checksum, after its fields changed. */
+static __always_inline void ns_ip_checksum(struct iphdr *ip)
+{
+    ip->check = 0;
+    u32 sum = 0;
+    u16 *words = (u16 *)ip;
+    for (int i = 0; i < 10; i++)
+        sum += words[i];
+    ip->check = ns_csum_fold(sum);
+}
+
+/* Address a datagram this program sends itself: Ethernet, IPv4 and UDP source and destination (addresses and
+ * ports in network order), the TTL, a fresh IP checksum and no UDP checksum (zero over IPv4: none). */
+static __always_inline void ns_readdress(struct ethhdr *eth, struct iphdr *ip, struct udphdr *udp, u8 *dst_mac,
+                                         u8 *src_mac, u32 saddr, u32 daddr, u16 sport, u16 dport, u8 ttl)
+{
+    __builtin_memcpy(eth->h_dest, dst_mac, 6);
+    __builtin_memcpy(eth->h_source, src_mac, 6);
+    ip->saddr = saddr;
+    ip->daddr = daddr;
+    ip->ttl = ttl;
+    ns_ip_checksum(ip);
+    udp->source = sport;
+    udp->dest = dport;
+    udp->check = 0;
+}
+
 /* Rewrite a completed aggregate (already in the packet, kind set by the caller) into this aggregator's DATA
  * for the gateway and send it; returns the XDP verdict. */
 static __always_inline int ns_forward(struct xdp_md *ctx, struct ns_cfg *cfg, u32 iteration)
@@ -291,24 +345,79 @@ static __always_inline int ns_forward(struct xdp_md *ctx, struct ns_cfg *cfg, u3
     h->token = token;
     h->precision = NS_PREC_FIXED32;
     h->wscale = 0;
-    __builtin_memcpy(eth->h_dest, cfg->up_mac, 6);
-    __builtin_memcpy(eth->h_source, cfg->own_mac, 6);
-    ip->saddr = cfg->own_ip;
-    ip->daddr = cfg->up_ip;
-    ip->ttl = 64;
-    ip->check = 0;
-    u32 sum = 0;
-    u16 *words = (u16 *)ip;
-    for (int i = 0; i < 10; i++)
-        sum += words[i];
-    ip->check = ns_csum_fold(sum);
-    udp->source = cfg->own_port;
-    udp->dest = cfg->up_port;
-    udp->check = 0;
+    ns_readdress(eth, ip, udp, cfg->up_mac, cfg->own_mac, cfg->own_ip, cfg->up_ip, cfg->own_port, cfg->up_port, 64);
     bump(ST_FORWARDED);
     if (ctx->ingress_ifindex == cfg->up_ifindex)
         return XDP_TX;
     return bpf_redirect(cfg->up_ifindex, 0);
+}
+
+/* Count a chunk of ``iteration`` that completed here (results mode); the one that completes the iteration is
+ * reported through the ring buffer (the agent then expects the next iteration). A result that could not leave
+ * (no group token yet) still counts: its workers send their DATA again, and the slot sends it again. */
+static __always_inline void ns_count_done(struct ns_cfg *cfg, u32 iteration)
+{
+    u32 at = iteration & (NS_TOKEN_WINDOW - 1);
+    struct ns_done *d = ns_done.lookup(&at);
+    if (!d)
+        return;
+    int complete = 0;
+    bpf_spin_lock(&d->lock);
+    if (d->iteration != iteration) {
+        d->iteration = iteration;
+        d->count = 0;
+    }
+    d->count += 1;
+    complete = d->count == cfg->chunks;
+    bpf_spin_unlock(&d->lock);
+    if (complete) {
+        struct ns_event ev = {};
+        ev.iteration = iteration;
+        ev.slot = NS_ITERATION_DONE;
+        ev.job = cfg->job;
+        ns_events.ringbuf_output(&ev, sizeof(ev), 0);
+        bump(ST_ITERATION_DONE);
+    }
+}
+
+/* Rewrite a completed aggregate (already in the packet, at full length) into the RESULT of its chunk for the
+ * workers' multicast group and send it back out where it came in; the bridge replicates it to every member.
+ * The lanes stay the slot's int32 fixed-point sum (precision SCALED32 at the slot's scale): each worker turns
+ * them into float32 exactly as the agent would. The same rewrite re-emits the result of a completed slot for a
+ * worker that lost it and sent its DATA again. */
+static __always_inline int ns_result(struct xdp_md *ctx, struct ns_cfg *cfg, u32 iteration)
+{
+    void *data = (void *)(long)ctx->data;
+    void *end = (void *)(long)ctx->data_end;
+    struct ethhdr *eth = data;
+    struct iphdr *ip = (void *)(eth + 1);
+    struct udphdr *udp = (void *)(ip + 1);
+    struct ns_hdr *h = (void *)(udp + 1);
+    if ((void *)(h + 1) > end)
+        return XDP_DROP;
+    u64 token = 0;
+    if (cfg->auth) {
+        u32 at = NS_MAX_WORKERS * NS_TOKEN_WINDOW + (iteration & (NS_TOKEN_WINDOW - 1));
+        struct ns_token *tok = ns_tokens.lookup(&at);
+        if (!tok || tok->iteration != iteration || !tok->token) {
+            bump(ST_BAD_TOKEN);     /* no group token installed: the workers' resends ask again */
+            return XDP_DROP;
+        }
+        token = tok->token;
+    }
+    h->kind = NS_KIND_RESULT;
+    h->worker = 0;
+    h->token = token;
+    h->precision = NS_PREC_SCALED32;
+    h->wscale = 0;
+    h->flags = 0;
+    h->need = NS_NEED_NONE;
+    h->total = cfg->result_total;
+    /* TTL 1: the group is the LAN's own */
+    ns_readdress(eth, ip, udp, cfg->group_mac, cfg->own_mac, cfg->own_ip, cfg->group_ip, cfg->own_port,
+                 cfg->group_port, 1);
+    bump(ST_RESULT);
+    return XDP_TX;
 }
 
 int ns_aggregate(struct xdp_md *ctx)
@@ -551,15 +660,15 @@ int ns_aggregate(struct xdp_md *ctx)
             u16 ulen = sizeof(struct udphdr) + sizeof(*h) + NS_LANES * 4;
             udp->len = htons(ulen);
             ip->tot_len = htons(ulen + sizeof(struct iphdr));
-            ip->check = 0;
-            u32 sum = 0;
-            u16 *words = (u16 *)ip;
-            for (int i = 0; i < 10; i++)
-                sum += words[i];
-            ip->check = ns_csum_fold(sum);
+            ns_ip_checksum(ip);
         }
         if (cfg->forward)
             return ns_forward(ctx, cfg, iteration);
+        if (cfg->results && !(h->flags & NS_FLAG_OVERFLOW)) {
+            if (stat == ST_COMPLETE)
+                ns_count_done(cfg, iteration);
+            return ns_result(ctx, cfg, iteration);
+        }
         h->token = cfg->agg_token;
         udp->check = 0;         /* lanes changed; a zero UDP checksum over IPv4 means "none" */
         return XDP_PASS;

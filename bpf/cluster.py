@@ -50,6 +50,7 @@ from bpf.fallback import UserspaceAggregator
 from bpf.outbox import Outbox
 from bpf.writer import SocketWriter
 from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
+from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, StaleDeployment, WireError
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Flag, Header, Kind
@@ -72,16 +73,6 @@ REORDER_MIN = 0.002
 members' ``retransmit``): the gateway may ask while members' datagrams are still on their way (aggregates
 reach it from two paths, and a member's GSO batches may be reordered before this host's program), and a
 member NACKed for a datagram that then arrives resends a duplicate."""
-
-
-def _mac_of(interface: str) -> bytes:
-    """The interface's link-layer address (SIOCGIFHWADDR: valid in the calling thread's namespace)."""
-    import fcntl
-    import struct
-
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        info = fcntl.ioctl(probe.fileno(), 0x8927, struct.pack("256s", interface.encode()[:15]))
-    return bytes(info[18:24])
 
 
 def _neighbour_mac(ip: str) -> bytes:
@@ -181,13 +172,13 @@ class ClusterAggregator:
             raise RuntimeError("edge aggregator: load before hello")
         members = self._mask(deployment)
         layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=self._scale, lanes=deployment.lanes,
-                                    pool=deployment.pool)
+                                    pool=deployment.pool, shadow=deployment.kernel_results)
         own_ip, port = self.sock.getsockname()[0], self.sock.getsockname()[1]
         agg_token = 0
         if self.mode == "xdp":
             upstream = Upstream(worker=self.worker, ifindex=socket.if_nametoindex(self.interface), gateway=self.gateway,
                                 gateway_mac=_neighbour_mac(self.gateway[0]), own=(own_ip, port),
-                                own_mac=_mac_of(self.interface))
+                                own_mac=udp.interface_mac(self.interface))
             xdp = XdpAggregator(layout, job=self.job, port=port, expected=members, timeout=1.0, max_nacks=0,
                                 upstream=upstream)
             self.xdp = xdp

@@ -33,9 +33,16 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened", "old_epoch")
+         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened", "old_epoch",
+         "result", "iteration_done")
 TOKEN_WINDOW = 8
 """Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
+GROUP_TOKENS = MAX_WORKERS
+"""The token map's window after the workers': the group's tokens, which the RESULTs the program sends
+itself carry (``install_tokens`` with this as the worker)."""
+ITERATION_DONE = 0xFFFFFFFF
+"""A ring-buffer report with this slot says its iteration completed (every chunk's result sent by the
+program), not that a slot timed out."""
 EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
                         ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
                         ("nacks", "u1"), ("pad", "<u4")])
@@ -113,6 +120,28 @@ class Upstream:
     own_mac: bytes
 
 
+@dataclass(frozen=True)
+class KernelResults:
+    """Where a gateway's program sends the results it returns itself (``edge_results=kernel``): each completed
+    slot as the RESULT of its chunk to the workers' multicast group, out of the interface it came in on."""
+
+    group: tuple[str, int]
+    group_mac: bytes
+    own: tuple[str, int]
+    """The gateway's address on its LAN interface and the source port of the results (its own)."""
+    own_mac: bytes
+    total: int
+    """The workers each result sums (its header's ``total``)."""
+    chunks: int
+    """Chunks per iteration: the program reports an iteration once it has sent the result of each."""
+
+
+def multicast_mac(address: str) -> bytes:
+    """The Ethernet address an IPv4 multicast group maps to (RFC 1112: 01:00:5e and its low 23 bits)."""
+    low = int.from_bytes(socket.inet_aton(address), "big") & 0x7FFFFF
+    return bytes([0x01, 0x00, 0x5E]) + low.to_bytes(3, "big")
+
+
 class XdpAggregator:
     """A loaded (not yet attached) aggregation program for one layout, job and UDP port. With ``upstream``
     it is a cluster aggregator (two-level LAN): completed slots go on to the gateway as its DATA."""
@@ -159,6 +188,8 @@ class XdpAggregator:
         self.epoch = 0
         """The deployment epoch DATA must carry (``redeploy``)."""
         self._attached: list[tuple[int, int]] = []
+        self.results: KernelResults | None = None
+        """Where the program returns results itself (``return_results``; None: to the agent as AGG)."""
         self._events: list[SlotEvent] = []
         self._ring_open = False
         self._agg_token = 0
@@ -213,6 +244,7 @@ class XdpAggregator:
         value.epoch = self.epoch
         value.auth = 1 if self._agg_token else 0
         value.agg_token = self._agg_token
+        self._put_results(value)
         up = self.upstream
         if up is not None:
             value.forward = 1
@@ -226,6 +258,32 @@ class XdpAggregator:
                 value.up_mac[i] = up.gateway_mac[i]
                 value.own_mac[i] = up.own_mac[i]
         table[table.Key(0)] = value
+
+    def return_results(self, results: KernelResults | None) -> None:
+        """From now on send each completed slot back to the workers as RESULT (``results``), or pass it up to
+        the agent as AGG (None). Only a gateway's program returns results; a cluster aggregator forwards."""
+        if results is not None and self.upstream is not None:
+            raise ValueError("a cluster aggregator forwards its sums to the gateway; only the gateway returns results")
+        self.results = results
+        table = self._module[b"ns_cfg"]
+        value = table[table.Key(0)]
+        self._put_results(value)
+        table[table.Key(0)] = value
+
+    def _put_results(self, value: Any) -> None:
+        got = self.results
+        value.results = 1 if got is not None else 0
+        if got is None:
+            return
+        value.result_total = got.total
+        value.chunks = got.chunks
+        value.group_ip = int.from_bytes(socket.inet_aton(got.group[0]), "little")
+        value.group_port = socket.htons(got.group[1])
+        value.own_ip = int.from_bytes(socket.inet_aton(got.own[0]), "little")
+        value.own_port = socket.htons(got.own[1])
+        for i in range(6):
+            value.group_mac[i] = got.group_mac[i]
+            value.own_mac[i] = got.own_mac[i]
 
     def redeploy(self, *, expected: int, epoch: int) -> None:
         """A new deployment from an iteration boundary on (netstorm/lan/redeploy.py): the expected
@@ -470,6 +528,29 @@ class _XdpMd(ctypes.Structure):
     _fields_ = [("data", ctypes.c_uint32), ("data_end", ctypes.c_uint32), ("data_meta", ctypes.c_uint32),
                 ("ingress_ifindex", ctypes.c_uint32), ("rx_queue_index", ctypes.c_uint32),
                 ("egress_ifindex", ctypes.c_uint32)]
+
+
+class PassProgram:
+    """An XDP program that passes every frame. On a veth pair a frame an XDP program sends back out (XDP_TX)
+    reaches the other end only if that end runs an XDP program itself (its NAPI receive path takes XDP
+    frames; without one the kernel drops them), so emulation attaches this to the bridge's end of a gateway
+    whose program returns results. A physical NIC needs nothing of the kind."""
+
+    def __init__(self) -> None:
+        from bcc import BPF
+
+        self._bpf = BPF(text=b"int ns_pass(struct xdp_md *ctx) { return XDP_PASS; }")
+        self._fn = self._bpf.load_func(b"ns_pass", BPF.XDP)
+        self.attached: list[str] = []
+
+    def attach(self, interface: str) -> None:
+        """Attach in native mode to ``interface`` of the caller's network namespace."""
+        self._bpf.attach_xdp(interface.encode(), self._fn, XDP_FLAGS_DRV_MODE)
+        self.attached.append(interface)
+
+    def close(self) -> None:
+        """Unload (an interface it is still attached to keeps the program until the interface goes)."""
+        self._bpf.cleanup()
 
 
 def arrival_meta(ns: int, nbytes: int) -> bytes:

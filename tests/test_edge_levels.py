@@ -6,6 +6,7 @@ bridge's multicast database, and one transmission per result datagram at the gat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import itertools
 from collections.abc import Iterator
@@ -105,11 +106,13 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   precisions: list[Precision] | None = None, loss: float = 0.0, wire_loss: float = 0.0,
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
-                  tmp: Path | None = None, stream: bool = False,
+                  tmp: Path | None = None, stream: bool = False, kernel: bool = False,
                   integers: tuple[int, ...] | None = None, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
     """``integers``: each worker's peak; the workers then push exact integers at scale 0 on int8 lanes as a
     compressed job's round does, each widening its push where its integers outgrow them. ``sizes``: the
-    model's tensors (through the same POOL slots)."""
+    model's tensors (through the same POOL slots). ``kernel``: the gateway's XDP program returns every
+    result itself (``EdgeAgent.return_results_from_kernel``, shadow slots); the agent only waits for the
+    program's report that an iteration's results all left, and the workers' results are checked."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -120,6 +123,8 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
     precisions = precisions or [Precision.FIXED32 if integers is None else Precision.INT8] * workers
     rng = np.random.default_rng(workers * 31 + iterations)
     lay = layout(sizes) if integers is None else EdgeLayout.uniform(sizes, scale=0, lanes=LANES, pool=POOL)
+    if kernel:
+        lay = dataclasses.replace(lay, shadow=True)
     out: dict[str, Any] = {"checked": 0}
     with Lan(workers) as lan:
         if wire_loss:
@@ -141,6 +146,15 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             agent = EdgeAgent(lan.udp_socket(lan.gateway, GATEWAY_IP, PORT), lay, workers=workers, job=JOB, mode=mode,
                               xdp=xdp, slot_timeout=0.05, max_nacks=50, secret=secret, group=GROUP,
                               topology=topology, retransmit=0.01)
+            if kernel:
+                from bpf.xdp import KernelResults, multicast_mac
+                from netstorm.emulation.bridge_lan import GATEWAY_PORT
+
+                run_in(lan.bridge, lambda: _pass_program().attach(GATEWAY_PORT))
+                agent.return_results_from_kernel(KernelResults(
+                    group=GROUP, group_mac=multicast_mac(GROUP[0]), own=(GATEWAY_IP, PORT),
+                    own_mac=lan.gateway_mac(), total=workers, chunks=lay.num_chunks))
+                out["udp_out"] = run_in(lan.gateway, _udp_out_datagrams)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=lay,
                                 job=JOB, loss=loss, seed=5, secret=secret, precision=precisions[i],
                                 group_opener=lan.group_opener(ns)) for i, ns in enumerate(lan.workers)]
@@ -177,18 +191,21 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         if integers is not None:
                             contribs = [[rng.integers(-p, p + 1, s).astype(np.float32) for s in lay.sizes]
                                         for p in integers]
-                        total = workers + k
+                        total = workers if kernel else workers + k
                         if stream:   # each chunk's result leaves as the chunk completes
                             agent.stream_results(iteration, total=total)
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
-                        sums = await agent.collect(iteration, timeout=timeout)
                         expected = (reference(contribs, precisions, lay) if integers is None else
                                     [np.sum([w[t].astype(np.int64) for w in contribs], axis=0).astype(np.float32)
                                      for t in range(len(lay.sizes))])
-                        for got, want in zip(sums, expected, strict=True):
-                            np.testing.assert_array_equal(got, want)
-                        if not stream:
+                        if kernel:   # no sum reaches the agent: the program says when every result left
+                            await agent.completed(iteration, timeout=timeout)
+                        else:
+                            sums = await agent.collect(iteration, timeout=timeout)
+                            for got, want in zip(sums, expected, strict=True):
+                                np.testing.assert_array_equal(got, want)
+                        if not stream and not kernel:
                             before = run_in(lan.gateway, _tx_packets)
                             await agent.send_results(iteration, sums, total=total)
                             out["tx_per_result"].append((run_in(lan.gateway, _tx_packets) - before) / lay.num_chunks)
@@ -215,6 +232,8 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             out["widened"] = [n.widened for n in nodes]
             out["acks"] = agent.acks_sent
             out["streamed"] = agent.streamed_chunks
+            if kernel:   # datagrams the gateway's sockets sent meanwhile, as its kernel counts them
+                out["udp_out"] = run_in(lan.gateway, _udp_out_datagrams) - out["udp_out"]
             return out
         finally:
             for node in nodes if "nodes" in locals() else []:
@@ -222,6 +241,27 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
             if xdp is not None:
                 xdp.detach()
                 xdp.require_tokens(0)
+                xdp.return_results(None)
+
+
+_passer: list[Any] = []
+
+
+def _pass_program() -> Any:
+    """One XDP pass program for every run here: the bridge's end of the gateway's veth runs it, so it takes
+    the frames the gateway's program sends back out (XDP_TX)."""
+    from bpf.xdp import PassProgram
+
+    if not _passer:
+        _passer.append(PassProgram())
+    return _passer[0]
+
+
+def _udp_out_datagrams() -> int:
+    """UDP datagrams this namespace's sockets sent (the kernel's count, /proc/net/snmp)."""
+    lines = [line.split() for line in Path("/proc/thread-self/net/snmp").read_text().splitlines()
+             if line.startswith("Udp:")]
+    return int(lines[1][lines[0].index("OutDatagrams")])
 
 
 def _bridge_mdb(namespace: str) -> str:
@@ -440,3 +480,69 @@ def test_members_resolve_their_aggregator_before_the_first_window() -> None:
         finally:
             for n in nodes:
                 n.close()
+
+
+@pytest.mark.bcc
+@pytest.mark.parametrize("workers,clusters", [(2, None), (8, None), (5, "1:0,2;3:4")])
+def test_results_from_the_kernel_exact_through_shadow_slots(gateway_program: Any, workers: int,
+                                                           clusters: str | None) -> None:
+    """The gateway's program sends every result itself (ALEPH's result path): 45 chunks per worker through 4
+    shadow slots, numbered on across iterations, on one and two levels; every worker's result is numpy's. The
+    program's own counters, read from its map in the kernel, show one completion and one fresh result per
+    chunk and one report per iteration, and the gateway's sockets sent fewer datagrams than one iteration
+    has results (HELLO answers only): no result crossed into userspace."""
+    topology = LanTopology.parse(clusters, workers) if clusters else None
+    out = asyncio.run(run_lan("xdp", gateway_program, workers=workers, iterations=ITERATIONS, topology=topology,
+                              sizes=LONG, kernel=True))
+    chunks = layout(LONG).num_chunks
+    assert out["checked"] == ITERATIONS
+    st = out["stats"]
+    assert st["complete"] == ITERATIONS * chunks, st
+    assert st["iteration_done"] == ITERATIONS, st
+    assert st["result"] >= ITERATIONS * chunks, st
+    assert out["udp_out"] < chunks, out["udp_out"]
+    assert out["acks"] == 0 and out["streamed"] == 0
+
+
+@pytest.mark.bcc
+@pytest.mark.slow
+def test_results_from_the_kernel_survive_loss_on_both_levels_and_the_result_path(gateway_program: Any,
+                                                                                 tmp_path: Path) -> None:
+    """1 % loss on every port of the bridge (DATA to the gateway and to the cluster's aggregator, and each
+    copy of every result to each worker), 2 % duplicated DATA, authenticated: a worker that lost a result
+    resends its DATA and the program sends the result again from the shadow slot that still holds it; every
+    sum stays exact."""
+    topology = LanTopology.parse("0:1,2", 5)
+    out = asyncio.run(run_lan("xdp", gateway_program, workers=5, iterations=4, topology=topology, loss=0.01,
+                              wire_loss=0.01, duplicate=0.02, tmp=tmp_path, secret=b"k" * 32, sizes=LONG,
+                              kernel=True))
+    st = out["stats"]
+    assert out["checked"] == 4
+    assert st["iteration_done"] == 4, st
+    assert st["result"] > st["complete"], st    # results sent again: for a lost one, or a late duplicate
+    assert out["retransmitted"] > 0
+
+
+@pytest.mark.bcc
+@pytest.mark.slow
+def test_results_from_the_kernel_with_mixed_precisions_and_a_rescale(gateway_program: Any) -> None:
+    """Workers at fp32, fp16, bf16 and int8 on two levels, one tensor whose sum leaves int32: the overflowed
+    slot goes up to the agent (never out as a result), the agent has the workers re-quantise, and the
+    program returns the rescaled slot; every result is numpy's, computed the same way."""
+    precisions = [Precision.FIXED32, Precision.FP16, Precision.BF16, Precision.INT8, Precision.FP16]
+    topology = LanTopology.parse("1:2,3", 5)
+    out = asyncio.run(run_lan("xdp", gateway_program, workers=5, iterations=2, topology=topology,
+                              precisions=precisions, kernel=True))
+    assert out["checked"] == 2
+    out = asyncio.run(run_lan("xdp", gateway_program, workers=4, iterations=1, big=True,
+                              topology=LanTopology.parse("0:1,2", 4), kernel=True))
+    assert out["checked"] == 1 and out["rescaled"] >= 4
+    assert sum(s["overflow"] for s in (out["stats"], *out["cluster_stats"])) > 0
+
+
+@pytest.mark.bcc
+def test_results_from_the_kernel_a_silent_worker_is_a_named_timeout(gateway_program: Any) -> None:
+    with pytest.raises(ExceptionGroup) as info:
+        asyncio.run(run_lan("xdp", gateway_program, workers=3, iterations=1, silent=2, timeout=1.5, kernel=True))
+    timeouts = [e for e in info.value.exceptions if isinstance(e, EdgeTimeout)]
+    assert any("missing workers [2]" in str(e) for e in timeouts), info.value.exceptions

@@ -113,10 +113,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pace-rates", action="store_true",
                         help="with --dc-planner: each worker paces its DATA to its rate in the plan (x --lan-bw-scale),"
                              " told in its HELLO answer (dc_pace_rates; default here: unpaced)")
-    parser.add_argument("--results", choices=("stream", "whole"), default="stream",
+    parser.add_argument("--results", choices=("stream", "whole", "kernel"), default="stream",
                         help="stream: each chunk's result goes down as the chunk completes (the LAN's own sum is "
                              "the result here); whole: after the whole iteration is summed, as when a WAN step "
-                             "follows (default stream)")
+                             "follows; kernel: on the xdp path the XDP program sends each completed chunk's "
+                             "result to the workers' multicast group itself, with shadow slots (ALEPH's result "
+                             "path: nothing of a sum crosses into userspace), and the userspace path streams "
+                             "(default stream)")
     parser.add_argument("--paths", default=",".join(PATHS),
                         help=f"comma-separated paths to run, in this order: {', '.join(PATHS)} (default all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -249,7 +252,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from bpf.agent import EdgeAgent
-    from bpf.xdp import XdpAggregator
+    from bpf.xdp import KernelResults, PassProgram, XdpAggregator, multicast_mac
     from netstorm.bench.edge_levels import (
         Aggregators,
         Workers,
@@ -257,7 +260,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
         parse_precisions,
         topology,
     )
-    from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
+    from netstorm.emulation.bridge_lan import GATEWAY_IP, GATEWAY_PORT, Lan
     from netstorm.emulation.netns import run_in
     from netstorm.lan.header import lanes_for_mtu
     from netstorm.lan.layout import EdgeLayout
@@ -266,7 +269,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     mtu = args.mtu if args.mtu is not None else cfg.edge_mtu
     lanes = lanes_for_mtu(mtu)
     pool = args.pool if args.pool is not None else cfg.edge_pool_slots
-    layout = EdgeLayout.uniform([args.elements], scale=args.scale, lanes=lanes, pool=pool)
+    kernel = getattr(args, "results", "stream") == "kernel" and path == "xdp"
+    layout = EdgeLayout((args.elements,), (args.scale,), lanes=lanes, pool=pool, shadow=kernel)
     workers = args.workers
     precisions = parse_precisions(args.precision, workers)
     topo = getattr(args, "topology", None) or topology(workers, args.levels, args.aggregators)
@@ -274,6 +278,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     secret = Path(args.secret_file).read_bytes() if args.secret_file else None
     group = _address(cfg.edge_group) if cfg.edge_group else None
     xdp = None
+    passer: Any = None
     stats_fd = -1
     mode = "userspace"
     with (Lan(workers, mtu=mtu, rates=_rates(args), uplink=getattr(args, "lan_uplink", "veth"),
@@ -294,6 +299,15 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                               topology=topo, retransmit=cfg.edge_retransmit,
                               query_nacks=cfg.edge_query_nacks)
             agent.pace_gbit = dict(getattr(args, "pace_gbit", None) or {})
+            if kernel:
+                if group is None:
+                    raise ValueError("--results kernel sends results to the multicast group: set edge_group")
+                if mode == "native":
+                    passer = PassProgram()   # the bridge's end of the veth takes XDP_TX frames only so
+                    run_in(lan.bridge, lambda: passer.attach(GATEWAY_PORT))
+                agent.return_results_from_kernel(KernelResults(
+                    group=group, group_mac=multicast_mac(group[0]), own=(GATEWAY_IP, PORT),
+                    own_mac=lan.gateway_mac(), total=workers, chunks=layout.num_chunks))
             first = 1
             procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
                             precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))
@@ -306,7 +320,9 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 perf = PerfRecorder(Path(args.perf) / f"{path}-{workers}w-loss{args.loss:g}-l{args.levels}.data")
             try:
                 result = asyncio.run(_drive(agent, procs, expected, xdp, cpu, perf, aggregators, first=first,
-                                            stream=getattr(args, "results", "stream") == "stream"))
+                                            results="kernel" if kernel else (
+                                                "whole" if getattr(args, "results", "stream") == "whole"
+                                                else "stream")))
             finally:
                 procs.close()
             result["lan_drops"] = lan.drops()
@@ -322,6 +338,8 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 os.close(stats_fd)
             if xdp is not None:
                 xdp.close()
+            if passer is not None:
+                passer.close()
     result["mode"] = mode
     result["levels"] = topo.levels
     result["clusters"] = {str(a): list(m) for a, m in topo.clusters.items()}
@@ -352,7 +370,7 @@ def deadline_s(elements: int, workers: int) -> float:
 
 
 async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any, cpu: Any, perf: Any = None,
-                 aggregators: Any = None, *, first: int, stream: bool = True) -> dict[str, Any]:
+                 aggregators: Any = None, *, first: int, results: str = "stream") -> dict[str, Any]:
     timeout = deadline_s(agent.layout.sizes[0], len(workers.lan.workers))
     exact = True
     async with asyncio.TaskGroup() as tg:
@@ -373,11 +391,14 @@ async def _drive(agent: Any, workers: Any, expected: list[np.ndarray], xdp: Any,
             cpu.start()
             workers.go()
             for k in range(len(expected)):
-                if stream:   # this LAN alone: each chunk's sum is its result, sent as the chunk completes
+                if results == "kernel":   # the program sends each result; the workers check them
+                    await agent.completed(first + k, timeout=timeout)
+                    continue
+                if results == "stream":   # this LAN alone: each chunk's sum is its result, sent as it completes
                     agent.stream_results(first + k, total=len(workers.procs))
                 sums = await agent.collect(first + k, timeout=timeout)
                 exact &= bool(np.array_equal(sums[0], expected[k]))
-                if not stream:
+                if results == "whole":
                     await agent.send_results(first + k, sums, total=len(workers.procs))
             await asyncio.to_thread(workers.wait_done, timeout)
             window = cpu.stop(extra=sum(w["cpu"] for w in workers.windows))

@@ -35,8 +35,11 @@ def rows(doc: dict[str, Any], name: str) -> list[str]:
         cpu_vs = f"{r['host_cpu_per_gb_vs_gloo']:.2f}x" if "host_cpu_per_gb_vs_gloo" in r else "-"
         gateway = _cell(r, "gateway_cpu_seconds_per_gb", ".2f")
         mtu = r.get("mtu", doc.get("mtu", "-"))
+        how = r.get("mode", "")
+        if path == "xdp" and doc.get("results") == "kernel":
+            how += ", results from the kernel"
         out.append(f"| {name} | {doc['workers']} | {doc['loss'] * 100:g} % | {doc['elements']:,} | {mtu} | {path} "
-                   f"({r.get('mode', '')}) | {r['wall_gbit']:.3f} | {vs} | {r['host_cpu_seconds_per_gb']:.2f} | "
+                   f"({how}) | {r['wall_gbit']:.3f} | {vs} | {r['host_cpu_seconds_per_gb']:.2f} | "
                    f"{cpu_vs} | {gateway} | {r['exact']} |")
     return out
 

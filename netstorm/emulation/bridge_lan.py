@@ -30,9 +30,12 @@ from typing import Any
 from netstorm.emulation import netns, shaping
 from netstorm.emulation import racks as racks_mod
 from netstorm.emulation.errors import EmulationError
+from netstorm.lan import udp
 
 SUBNET = "10.77.0"
 GATEWAY_IP = f"{SUBNET}.1"
+GATEWAY_PORT = "g"
+"""The bridge's end of the gateway's veth pair (in the bridge's namespace)."""
 _runs = itertools.count()
 BRIDGE_SYSCTLS = {"net.bridge.bridge-nf-call-iptables": "0", "net.bridge.bridge-nf-call-ip6tables": "0",
                   "net.bridge.bridge-nf-call-arptables": "0"}
@@ -203,6 +206,10 @@ class Lan:
 
     def gateway_ifindex(self) -> int:
         return netns.run_in(self.gateway, lambda: socket.if_nametoindex("eth0"))
+
+    def gateway_mac(self) -> bytes:
+        """The gateway's Ethernet address on the LAN (where results it sends from XDP come from)."""
+        return netns.run_in(self.gateway, lambda: udp.interface_mac("eth0"))
 
     def close(self) -> None:
         for ns in reversed(self._created):

@@ -20,6 +20,7 @@ from typing import Final
 
 import numpy as np
 
+from netstorm.lan.fixedpoint import dequantize_rows
 from netstorm.lan.header import (
     DATA_PRECISIONS,
     HEADER_BYTES,
@@ -150,6 +151,15 @@ RUN_SEGMENTS: Final = 16
 """Most runs ``copy_rows`` copies one slice at a time before it gathers and scatters instead."""
 
 
+def _runs(dst_rows: np.ndarray, src_rows: np.ndarray) -> list[int] | None:
+    """Where ``dst_rows`` and ``src_rows`` both name consecutive rows: the bounds of each stretch, or None
+    beyond RUN_SEGMENTS of them (then a gather and scatter is cheaper)."""
+    cuts = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
+    if cuts.size >= RUN_SEGMENTS:
+        return None
+    return [0, *cuts.tolist(), int(dst_rows.size)]
+
+
 def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray) -> None:
     """``dst[dst_rows] = src[src_rows]`` (the later row where ``dst_rows`` repeats one), one slice copy per
     stretch where both name consecutive rows (aggregates or results of consecutive chunks received in order:
@@ -157,14 +167,29 @@ def copy_rows(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: 
     scatter from it; beyond RUN_SEGMENTS stretches, the gather and scatter."""
     if not dst_rows.size:
         return
-    cuts = np.flatnonzero((np.diff(dst_rows) != 1) | (np.diff(src_rows) != 1)) + 1
-    if cuts.size >= RUN_SEGMENTS:
+    bounds = _runs(dst_rows, src_rows)
+    if bounds is None:
         dst[dst_rows] = src[src_rows]
         return
-    bounds = [0, *cuts.tolist(), int(dst_rows.size)]
     for a, b in itertools.pairwise(bounds):
         to, since = int(dst_rows[a]), int(src_rows[a])
         dst[to: to + b - a] = src[since: since + b - a]
+
+
+def dequantize_into(dst: np.ndarray, dst_rows: np.ndarray, src: np.ndarray, src_rows: np.ndarray,
+                    scales: np.ndarray) -> None:
+    """``dst[dst_rows] = src[src_rows] * 2**-scales`` rounded once to float32 (``fixedpoint.dequantize_rows``;
+    ``scales``: one per row named), converted straight into ``dst`` a stretch at a time as ``copy_rows``
+    copies: how a worker takes fixed-point results the aggregation program sent."""
+    if not dst_rows.size:
+        return
+    bounds = _runs(dst_rows, src_rows)
+    if bounds is None:
+        dst[dst_rows] = dequantize_rows(src[src_rows], scales)
+        return
+    for a, b in itertools.pairwise(bounds):
+        to, since = int(dst_rows[a]), int(src_rows[a])
+        dequantize_rows(src[since: since + b - a], scales[a:b], out=dst[to: to + b - a])
 
 
 def valid_headers(headers: np.ndarray, lengths: np.ndarray) -> np.ndarray:

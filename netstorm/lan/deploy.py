@@ -116,6 +116,11 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     epoch: int = 0
     """The deployment's epoch (netstorm/lan/redeploy.py): this worker's DATA carries it, and an aggregator
     takes only DATA that carries its own."""
+    kernel_results: bool = False
+    """Results come from the gateway's aggregation program itself, each chunk's as the int32 fixed-point
+    aggregate (RESULT at SCALED32), and double as its ACK: the worker numbers its chunks across iterations
+    and keeps at most half the pool in flight (``EdgeLayout.shadow``), and resends a chunk whose result is
+    late (the program sends a completed slot's result again)."""
     standby: bool = False
     """For an aggregator service whose worker aggregates no cluster in this deployment: it aggregates nothing
     (and tells stale members so) until a later deployment names it."""

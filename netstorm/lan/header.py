@@ -40,8 +40,10 @@ from netstorm.lan.errors import WireError
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
-VERSION: Final = 6
-"""6: the last header word is the LAN deployment ``epoch`` (it was reserved, zero), and the MOVED kind;
+VERSION: Final = 7
+"""7: RESULT may carry the aggregate's own fixed-point lanes (SCALED32), which the aggregation program sends
+when it returns results from the kernel, and the HELLO answer says so (``Deployment.kernel_results``);
+6: the last header word is the LAN deployment ``epoch`` (it was reserved, zero), and the MOVED kind;
 5: a NACK lists the chunks it asks for as u32 sequence numbers in its lanes (a RESCALE NACK still names one
 chunk in its header and carries no lanes); 4: RESULT may carry narrow integer or bitmap lanes (``precision``),
 and the REPORT and FAILED kinds; 3:
@@ -77,7 +79,8 @@ FIELDS: Final = (
     Field("chunk", "u32", "packet-sized chunk of that tensor"),
     Field("slot", "u32", "aggregation slot chosen by the layout, < the slot map's size"),
     Field("count", "u16", "lanes in this datagram, <= MAX_LANES"),
-    Field("scale", "s8", "lanes hold round(x * 2**scale) (DATA/AGG) or float32 values (RESULT)"),
+    Field("scale", "s8", "lanes hold round(x * 2**scale) (DATA/AGG, and RESULT at SCALED32) or float32 values "
+          "(RESULT at FIXED32)"),
     Field("need", "s8", "largest scale at which the sender's values fit int32 (AGG: min over workers)"),
     Field("total", "u32", "RESULT: workers whose gradients the result sums (every DC's trainer and LAN "
           "workers, what average=True divides by; 0 from a gateway that predates the field); zero in "
@@ -85,7 +88,8 @@ FIELDS: Final = (
     Field("token", "u64", "keyed per-(sender, worker, iteration) token when the job has a secret, else 0; "
           "AGG: the agent's own value, written by the data plane"),
     Field("precision", "u8", "DATA: lane encoding (Precision: FIXED32, FP16, BF16, INT8); RESULT: FIXED32 "
-          "(float32 lanes), INT8, INT16, INT32 or BITMAP; zero elsewhere"),
+          "(float32 lanes), INT8, INT16, INT32, BITMAP or SCALED32 (int32 fixed point at the header's scale); zero "
+          "elsewhere"),
     Field("wscale", "s8", "DATA at INT8: the sender's own scale (lanes hold round(x * 2**wscale)); else 0"),
     Field("epoch", "u16", "the LAN deployment epoch (netstorm/lan/redeploy.py): DATA, the one its sender was told "
           "(an aggregator takes only its own); RESULT of k, the one iteration k + 1 runs under; MOVED and the "
@@ -163,6 +167,10 @@ class Precision(enum.IntEnum):
     """RESULT only: exact int32 integers (4 bytes)."""
     BITMAP = 6
     """RESULT only: 0/1 elements, 8 per byte lane (numpy ``packbits``, little bit order): a GIA."""
+    SCALED32 = 7
+    """RESULT only: exact int32 fixed-point sums at the header's ``scale`` (4 bytes), which the receiver
+    turns into float32 as the agent would (``fixedpoint.dequantize_rows``): the aggregate itself, as the
+    aggregation program emits it when it returns results from the kernel (``edge_results=kernel``)."""
 
     @property
     def lane_bytes(self) -> int:
@@ -178,12 +186,14 @@ class Precision(enum.IntEnum):
 
 
 LANE_BYTES: Final = {Precision.FIXED32: 4, Precision.FP16: 2, Precision.BF16: 2, Precision.INT8: 1,
-                     Precision.INT16: 2, Precision.INT32: 4, Precision.BITMAP: 1}
+                     Precision.INT16: 2, Precision.INT32: 4, Precision.BITMAP: 1, Precision.SCALED32: 4}
 DATA_PRECISIONS: Final = (Precision.FIXED32, Precision.FP16, Precision.BF16, Precision.INT8)
 """How a DATA datagram's lanes may travel (what the aggregators widen to int32 fixed point)."""
-RESULT_PRECISIONS: Final = (Precision.FIXED32, Precision.INT8, Precision.INT16, Precision.INT32, Precision.BITMAP)
-"""How a RESULT datagram's lanes may travel: float32 (FIXED32's code), or a compressed job's integer round's
-exact integers or bitmap (``netstorm/lan/resultwire.py``)."""
+RESULT_PRECISIONS: Final = (Precision.FIXED32, Precision.INT8, Precision.INT16, Precision.INT32, Precision.BITMAP,
+                             Precision.SCALED32)
+"""How a RESULT datagram's lanes may travel: float32 (FIXED32's code), a compressed job's integer round's
+exact integers or bitmap (``netstorm/lan/resultwire.py``), or the aggregate's own fixed-point lanes
+(SCALED32, a result the aggregation program sends itself)."""
 PRECISION_NAMES: Final = {"fp32": Precision.FIXED32, "fp16": Precision.FP16, "bf16": Precision.BF16,
                           "int8": Precision.INT8}
 

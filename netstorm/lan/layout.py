@@ -40,6 +40,14 @@ class EdgeLayout:
     lanes: int = MAX_LANES
     pool: int = 0
     """Slots reused across chunks (0: one per chunk of the model)."""
+    shadow: bool = False
+    """Results come from the aggregation program itself (``edge_results=kernel``): no agent keeps a copy to
+    answer a worker that lost one, so a completed slot must stay intact until every worker has its result.
+    As in SwitchML's shadow copies, the pool then holds up to two models' worth of chunks and a worker keeps
+    at most half the pool in flight (``window``), with chunks numbered across iterations
+    (``slot_numbers``): the chunk that takes a slot over is sent only after its sender had the result of the
+    chunk half a pool later than the slot's, which needed every worker's DATA, each sent only after that
+    worker had the slot's own result."""
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.scales):
@@ -57,8 +65,9 @@ class EdgeLayout:
                             f"slot map, more than {MAX_MAP_BYTES}: choose a smaller pool (edge_pool_slots)")
 
     @classmethod
-    def uniform(cls, sizes: Sequence[int], scale: int, lanes: int = MAX_LANES, pool: int = 0) -> EdgeLayout:
-        return cls(tuple(int(s) for s in sizes), tuple(scale for _ in sizes), lanes, pool)
+    def uniform(cls, sizes: Sequence[int], scale: int, lanes: int = MAX_LANES, pool: int = 0,
+                shadow: bool = False) -> EdgeLayout:
+        return cls(tuple(int(s) for s in sizes), tuple(scale for _ in sizes), lanes, pool, shadow)
 
     @cached_property
     def chunks(self) -> tuple[int, ...]:
@@ -77,7 +86,24 @@ class EdgeLayout:
     @property
     def num_slots(self) -> int:
         """Slots in the map: the pool, or one per chunk when the pool is 0 or larger than the model."""
-        return self.num_chunks if not self.pool else min(self.pool, self.num_chunks)
+        most = 2 * self.num_chunks if self.shadow else self.num_chunks
+        return most if not self.pool else min(self.pool, most)
+
+    @property
+    def window(self) -> int:
+        """Chunks a worker may have in flight (sent, result or ACK not back): the pool, or half of it with
+        ``shadow``."""
+        return max(1, self.num_slots // 2) if self.shadow else self.num_slots
+
+    def slot_numbers(self, seqs: np.ndarray | int, iteration: int) -> np.ndarray:
+        """The slots of chunks ``seqs`` of ``iteration``: ``seq % num_slots``, or with ``shadow`` the chunk's
+        place in the sequence of every iteration's chunks (``iteration * num_chunks + seq``) modulo the pool,
+        so consecutive iterations go on round the pool instead of starting over at slot 0."""
+        seqs = np.asarray(seqs, np.int64)
+        if not self.shadow:
+            return seqs % self.num_slots
+        offset = (iteration & 0xFFFFFFFF) * self.num_chunks % self.num_slots
+        return (seqs + offset) % self.num_slots
 
     @property
     def slot_bytes(self) -> int:
@@ -126,4 +152,4 @@ class EdgeLayout:
         return start, min(start + self.lanes, self.sizes[tensor])
 
     def key(self) -> tuple[object, ...]:
-        return (self.sizes, self.scales, self.lanes, self.pool)
+        return (self.sizes, self.scales, self.lanes, self.pool, self.shadow)

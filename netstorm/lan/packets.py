@@ -96,7 +96,7 @@ def data_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int, t
     rows = header_rows(len(index), kind=Kind.DATA, job=job, worker=worker, iteration=iteration, token=token)
     rows["tensor"] = tensor
     rows["chunk"] = index
-    rows["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
+    rows["slot"] = layout.slot_numbers(layout.first_slot[tensor] + index, iteration)
     start = index * layout.lanes
     rows["count"] = np.minimum(layout.lanes, layout.sizes[tensor] - start)
     rows["scale"] = s
@@ -164,7 +164,7 @@ def _fixed_packets(layout: EdgeLayout, *, job: int, worker: int, iteration: int,
     index = np.arange(n)
     rows_["tensor"] = tensor
     rows_["chunk"] = index
-    rows_["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
+    rows_["slot"] = layout.slot_numbers(layout.first_slot[tensor] + index, iteration)
     rows_["count"] = np.minimum(width, layout.sizes[tensor] - index * width)
     rows_["scale"] = scale
     rows_["need"] = scales_for_peaks(peak)

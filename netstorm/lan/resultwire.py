@@ -37,7 +37,7 @@ from netstorm.lan.header import Precision, lanes_for_bytes
 from netstorm.lan.layout import EdgeLayout
 
 RESULT_DTYPES: Final = {Precision.FIXED32: "<f4", Precision.INT8: "i1", Precision.INT16: "<i2",
-                        Precision.INT32: "<i4", Precision.BITMAP: "u1"}
+                        Precision.INT32: "<i4", Precision.BITMAP: "u1", Precision.SCALED32: "<i4"}
 """The numpy dtype of a RESULT datagram's lanes at each precision it may carry."""
 EXACT_INTEGER: Final = 2**24
 """Largest integer a result carries: a worker gathers result lanes as float32, exact up to here."""
@@ -81,8 +81,10 @@ class ResultWire:
         for t, form in enumerate(self.formats):
             if form is Format.INTEGER:
                 out[t, [int(p) for p in _INTEGERS]] = True
-            else:
-                out[t, int(Precision.BITMAP if form is Format.BITMAP else Precision.FIXED32)] = True
+            elif form is Format.BITMAP:
+                out[t, int(Precision.BITMAP)] = True
+            else:   # float32 lanes, or the aggregate's own fixed-point lanes from the aggregation program
+                out[t, [int(Precision.FIXED32), int(Precision.SCALED32)]] = True
         return out
 
     def encode(self, tensor: int, values: np.ndarray) -> tuple[Precision, np.ndarray]:

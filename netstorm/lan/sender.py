@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from netstorm.lan import udp
-from netstorm.lan.batch import DatagramBatch, copy_rows, distinct, valid_headers
+from netstorm.lan.batch import DatagramBatch, copy_rows, dequantize_into, distinct, valid_headers
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.downlink import ResultTimer, report_packet
 from netstorm.lan.errors import EdgeTimeout, IterationAborted, WireError
@@ -293,10 +293,12 @@ class EdgeSender:
     def _deploy(self, deployment: Deployment, scale: int) -> None:
         old = self.deployment
         self.deployment = deployment
-        if old is None or (old.pool, old.lanes) != (deployment.pool, deployment.lanes):
+        if old is None or (old.pool, old.lanes, old.kernel_results) != (deployment.pool, deployment.lanes,
+                                                                         deployment.kernel_results):
             # a HELLO said again for a changed deployment keeps the layout in use (a compressed round's wire)
             self.layout = EdgeLayout(self.layout.sizes, tuple(scale for _ in self.layout.sizes),
-                                     lanes=deployment.lanes, pool=deployment.pool)
+                                     lanes=deployment.lanes, pool=deployment.pool,
+                                     shadow=deployment.kernel_results)
         self.send_to = deployment.send_to if deployment.send_to is not None else self.gateway
         self.batch.gso = self._gso
         if self.send_to != self.gateway:
@@ -368,7 +370,7 @@ class EdgeSender:
         parts = [data_packets(self.layout, job=self.job, worker=self.worker, iteration=iteration, tensor=t,
                               values=v, token=token, precision=precision) for t, v in enumerate(values)]
         rows = set_epoch(parts[0] if len(parts) == 1 else np.concatenate(parts), self.epoch)
-        flight = _Flight(len(rows), self.layout.num_slots)
+        flight = _Flight(len(rows), self.layout.window)
         out = self._result_matrix()
         missing = np.ones(back.layout.num_chunks, bool)
         deadline = time.monotonic() + timeout
@@ -725,6 +727,12 @@ class EdgeSender:
         rows, seq, precision = rows[fresh], seq[fresh], precision[fresh]
         for code in distinct(precision).tolist():
             mine = precision == code
+            if code == Precision.SCALED32:
+                # the aggregate itself, from the aggregation program: converted as the agent converts its sums
+                picked = rows[mine]
+                dequantize_into(out, seq[mine], self._batch.lanes("<i4")[:, : layout.lanes], picked,
+                                heads["scale"][picked])
+                continue
             copy_rows(out, seq[mine], self._batch.lanes(RESULT_DTYPES[Precision(code)])[:, : layout.lanes], rows[mine])
         missing[seq] = False
         if rows.size:

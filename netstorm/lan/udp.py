@@ -433,3 +433,14 @@ def _receive_coalesced(sock: socket.socket, batch: DatagramBatch) -> int:
                 named = address
         batch.count += rows
     return batch.count - start
+
+
+def interface_mac(interface: str) -> bytes:
+    """The interface's link-layer address (SIOCGIFHWADDR: valid in the calling thread's network namespace),
+    for datagrams an XDP program writes itself (a cluster's forwarded sums, a gateway's results)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        info = fcntl.ioctl(probe.fileno(), 0x8927, struct.pack("256s", interface.encode()[:15]))
+    return bytes(info[18:24])
