@@ -212,7 +212,7 @@ def test_the_program_sends_a_completed_slot_to_the_group_as_its_result(program: 
         assert (head.kind, head.precision, head.total, head.token) == (
             Kind.RESULT, Precision.SCALED32, 2, tokens.group(iteration))
         assert (head.iteration, head.tensor, head.chunk, head.scale, head.need) == (iteration, 0, 0, 12, NEED_NONE)
-        want = sum(lanes_of(r[0].tobytes()).astype(np.int64) for r in rows)
+        want = np.sum([lanes_of(r[0].tobytes()).astype(np.int64) for r in rows], axis=0)
         np.testing.assert_array_equal(lanes_of(payload)[:head.count], want[:head.count])
         assert len(payload) == HEADER_BYTES + 4 * LANES
         # a worker that lost it sends its DATA again: the same result, again, not counted twice
