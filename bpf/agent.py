@@ -472,7 +472,6 @@ class EdgeAgent:
             raise ValueError("results from the kernel need a layout with shadow slots (EdgeLayout.shadow)")
         self.xdp.return_results(results)
         self.kernel_results = True
-        self.query_nacks = False    # no agent copy to answer a QUERY with: a late chunk is resent
         if self.tokens.enabled and self._base is not None:
             self._aggregator.install_tokens([(GROUP_TOKENS, k, self.tokens.group(k))
                                              for k in range(self._base, self._installed + 1)])
@@ -990,6 +989,8 @@ class EdgeAgent:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
         seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
         sums = self._open.get(head.iteration)
+        if sums is None and self.kernel_results and self._accepts(head.iteration):
+            sums = self._sums(head.iteration)   # no aggregate ever opens it: the slots say everything
         pending = seqs[:0]
         if sums is not None:
             seqs = seqs[seqs < sums.layout.num_chunks]
@@ -1032,7 +1033,7 @@ class EdgeAgent:
         if not seqs.size:
             return
         layout = sums.layout
-        states = self._aggregator.slot_states(seqs % layout.num_slots)
+        states = self._aggregator.slot_states(layout.slot_numbers(seqs, sums.iteration))
         tensors, chunks = layout.locate_many(seqs)
         bitmap = states["bitmap"].astype(np.uint64)
         here = (states["iteration"].astype(np.int64) == (sums.iteration & 0xFFFFFFFF)) & \
@@ -1049,6 +1050,9 @@ class EdgeAgent:
                                                     strict=True)], bool)
             elsewhere = np.where(lost, expected, np.uint64(0))
         left = np.where(here, expected & ~bitmap, elsewhere)
+        if self.kernel_results and asker is not None:
+            # the slot completed but the asker has no result: its resend has the program send it again
+            left = np.where(here & (bitmap & expected == expected), np.uint64(1 << asker), left)
         bits = ((left[:, None] >> np.arange(self.workers, dtype=np.uint64)[None, :]) & np.uint64(1)).astype(bool)
         heads = [w for w in self.topology.clusters if w < self.workers]
         clustered = [(w, int(seq)) for w in heads for seq in seqs[bits[:, w]].tolist()]
@@ -1180,8 +1184,8 @@ class EdgeAgent:
                 if row is None:
                     return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
-                    and not failed:
-                return
+                    and not failed and not (self.kernel_results and self._accepts(head.iteration)):
+                return   # (with results from the kernel no aggregate opens an iteration: the slots answer)
             if head.kind == Kind.REPORT and head.iteration not in self._finished:
                 return
             # HELLO nonces are the sender's choice: their tokens are derived, never cached

@@ -119,8 +119,8 @@ class Deployment(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kernel_results: bool = False
     """Results come from the gateway's aggregation program itself, each chunk's as the int32 fixed-point
     aggregate (RESULT at SCALED32), and double as its ACK: the worker numbers its chunks across iterations
-    and keeps at most half the pool in flight (``EdgeLayout.shadow``), and resends a chunk whose result is
-    late (the program sends a completed slot's result again)."""
+    and keeps at most half the pool in flight (``EdgeLayout.shadow``); a chunk whose result is late is asked
+    about or resent as always, and a resend to a completed slot has the program send its result again."""
     standby: bool = False
     """For an aggregator service whose worker aggregates no cluster in this deployment: it aggregates nothing
     (and tells stale members so) until a later deployment names it."""

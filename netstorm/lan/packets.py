@@ -207,7 +207,7 @@ def _result_headers(layout: EdgeLayout, seqs: np.ndarray, *, job: int, iteration
     rows["total"] = total
     rows["tensor"] = tensor
     rows["chunk"] = chunk
-    rows["slot"] = seqs % layout.num_slots
+    rows["slot"] = layout.slot_numbers(seqs, iteration)
     rows["count"] = count
     rows["need"] = NEED_NONE
     return rows.view(np.uint8).reshape(len(seqs), HEADER_BYTES), count
@@ -300,7 +300,7 @@ def cluster_nack_packet(layout: EdgeLayout, seq: int, *, job: int, iteration: in
     (what the service lists in its own NACKs to the members that slot lacks)."""
     tensor, chunk = layout.locate(seq)
     rows = header_rows(1, kind=Kind.NACK, job=job, worker=0, iteration=iteration, token=token)
-    rows["tensor"], rows["chunk"], rows["slot"] = tensor, chunk, seq % layout.num_slots
+    rows["tensor"], rows["chunk"], rows["slot"] = tensor, chunk, int(layout.slot_numbers(seq, iteration))
     rows["scale"], rows["count"], rows["need"] = layout.scales[tensor], 1, NEED_NONE
     return rows.tobytes() + np.array([seq], "<u4").tobytes()
 
