@@ -498,12 +498,14 @@ class EdgeAgent:
             self._open.pop(iteration, None)
 
     def _on_done(self, iteration: int) -> None:
-        """The program sent the last result of ``iteration``: the next one is expected (its tokens and the
-        group's are in place long before: ``expect`` keeps a window of them)."""
+        """Every chunk of ``iteration`` completed in the program. The token window then starts at it, not at
+        the next: a worker that lost one of its results still resends its DATA (the program sends the result
+        again), so its tokens stay installed until the next iteration completes too, which no worker's DATA
+        can do before that worker had every result of this one. The next iteration is inside the window."""
         if iteration in self._kernel_done:
             return
         self._kernel_done.append(iteration)
-        self.expect(iteration + 1)
+        self.expect(iteration)
         waiter = self._waiters.get(iteration)
         if waiter is not None:
             waiter.set()
@@ -988,6 +990,14 @@ class EdgeAgent:
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
         seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
+        if self.kernel_results and head.iteration in self._kernel_done:
+            # every chunk of it completed in the program, whose shadow slots keep each until every worker has
+            # its result: the asker lost these, and its resends have the program send them again
+            seqs = seqs[seqs < self.layout.num_chunks]
+            if seqs.size:
+                self._nacks.setdefault((head.iteration, head.worker), []).append(seqs)
+                self.query_nacks_sent += int(seqs.size)
+            return
         sums = self._open.get(head.iteration)
         if sums is None and self.kernel_results and self._accepts(head.iteration):
             sums = self._sums(head.iteration)   # no aggregate ever opens it: the slots say everything
@@ -1184,7 +1194,8 @@ class EdgeAgent:
                 if row is None:
                     return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
-                    and not failed and not (self.kernel_results and self._accepts(head.iteration)):
+                    and not failed and not (self.kernel_results and (self._accepts(head.iteration)
+                                                                     or head.iteration in self._kernel_done)):
                 return   # (with results from the kernel no aggregate opens an iteration: the slots answer)
             if head.kind == Kind.REPORT and head.iteration not in self._finished:
                 return

@@ -521,6 +521,8 @@ def test_results_from_the_kernel_survive_loss_on_both_levels_and_the_result_path
     assert st["iteration_done"] == 4, st
     assert st["result"] > st["complete"], st    # results sent again: for a lost one, or a late duplicate
     assert out["retransmitted"] > 0
+    # a worker's resend for a result it lost, after the iteration completed, still carries a valid token
+    assert st["bad_token"] == 0, st
 
 
 @pytest.mark.bcc

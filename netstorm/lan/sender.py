@@ -377,8 +377,9 @@ class EdgeSender:
         while not flight.acked.all():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                open_ = np.flatnonzero(~flight.acked)[:8].tolist()
                 raise EdgeTimeout(f"edge worker {self.worker}: iteration {iteration}: {flight.unacked()} chunks "
-                                  f"never acknowledged by gateway {self.gateway} within {timeout} s")
+                                  f"never acknowledged by gateway {self.gateway} within {timeout} s (first: {open_})")
             start, stop = flight.sendable()
             if stop > start:
                 await self._send_rows(rows, np.arange(start, stop), first=True)
