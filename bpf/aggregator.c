@@ -69,7 +69,7 @@
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
     ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, ST_WIDEN_UP,
-    ST_OLD_EPOCH, ST_RESULT, ST_ITERATION_DONE, NS_NSTATS
+    ST_OLD_EPOCH, ST_RESULT, ST_ITERATION_DONE, ST_GAP_REPORTS, NS_NSTATS
 };
 
 struct ns_cfg {
@@ -396,6 +396,45 @@ static __always_inline void ns_count_done(struct ns_cfg *cfg, u32 iteration)
     }
 }
 
+/* The gap rule, in the program (results mode, where no aggregate reaches the agent to apply it there): chunk
+ * ``index``'s key just completed, and each worker sends its chunks in order on one flow, which one receive
+ * queue takes in order; so the slot before it, if it still holds an older key that is open, lost a datagram.
+ * It is reported once, as a slot timer would report it, so the agent NACKs its missing workers now instead
+ * of after their QUERY or the timer's period. */
+static __always_inline void ns_report_gap(struct ns_cfg *cfg, u32 index, u32 iteration, u32 tensor, u32 chunk)
+{
+    u32 prev = index ? index - 1 : NS_SLOTS - 1;
+    struct ns_slot *p = NS_SLOT_MAP.lookup(&prev);
+    if (!p)
+        return;
+    u64 expected = cfg->expected;
+    struct ns_event ev = {};
+    int report = 0;
+    bpf_spin_lock(&p->lock);
+    s32 age = (s32)(iteration - p->iteration);
+    int older = age > 0 || (age == 0 && (p->tensor < tensor || (p->tensor == tensor && p->chunk < chunk)));
+    if (p->busy && !p->gap && older && p->bitmap != expected) {
+        p->gap = 1;
+        report = 1;
+        ev.iteration = p->iteration;
+        ev.tensor = p->tensor;
+        ev.chunk = p->chunk;
+        ev.slot = prev;
+        ev.bitmap = p->bitmap;
+        ev.scale = p->scale;
+        ev.nacks = p->nacks;
+    }
+    bpf_spin_unlock(&p->lock);
+    if (report) {
+        ev.expected = expected;
+        ev.job = cfg->job;
+        if (ns_events.ringbuf_output(&ev, sizeof(ev), 0))
+            bump(ST_REPORT_LOST);
+        else
+            bump(ST_GAP_REPORTS);
+    }
+}
+
 /* Rewrite a completed aggregate (already in the packet, at full length) into the RESULT of its chunk for the
  * workers' multicast group and send it back out where it came in; the bridge replicates it to every member.
  * The lanes stay the slot's int32 fixed-point sum (precision SCALED32 at the slot's scale): each worker turns
@@ -617,6 +656,7 @@ int ns_aggregate(struct xdp_md *ctx)
         slot->need = NS_NEED_NONE;
         slot->flags = 0;
         slot->nacks = 0;
+        slot->gap = 0;
         slot->bitmap = 0;
         slot->busy = 1;
         first = 1;                  /* the first contribution is copied in, not added to zeroed lanes */
@@ -679,8 +719,10 @@ int ns_aggregate(struct xdp_md *ctx)
         if (cfg->forward)
             return ns_forward(ctx, cfg, iteration);
         if (cfg->results && !(h->flags & NS_FLAG_OVERFLOW)) {
-            if (stat == ST_COMPLETE)
+            if (stat == ST_COMPLETE) {
                 ns_count_done(cfg, iteration);
+                ns_report_gap(cfg, index, iteration, tensor, chunk);
+            }
             return ns_result(ctx, cfg, iteration);
         }
         h->token = cfg->agg_token;

@@ -20,7 +20,7 @@ struct ns_slot {
     u8 flags;                   /* NS_FLAG_OVERFLOW once any lane sum left int32 */
     u8 nacks;                   /* timer expiries reported for this key */
     u8 busy;                    /* 1 from the first packet of a key until it completes */
-    u8 pad;
+    u8 gap;                     /* 1 once a later chunk completed while this key was still open (reported) */
     u32 index;                  /* this slot's own key, for the timer callback's report */
     u32 pad2;
     u64 bitmap;                 /* contributors seen for this key */

@@ -34,7 +34,7 @@ XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
 STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
          "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened", "old_epoch",
-         "result", "iteration_done")
+         "result", "iteration_done", "gap_reports")
 TOKEN_WINDOW = 8
 """Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
 GROUP_TOKENS = MAX_WORKERS
@@ -151,8 +151,9 @@ class XdpAggregator:
         self.layout = layout
         self.upstream = upstream
         name = f"ns_slots_{os.getpid()}_{next(_instances)}"
-        # the ring buffer holds one report from every slot at once (power-of-two pages, at least 16)
-        pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 64 / 4096)))
+        # the ring buffer holds two reports from every slot at once, a timer's and a gap's (power-of-two pages,
+        # at least 16)
+        pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 2 * 64 / 4096)))
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
                   f"-DNS_TOKEN_WINDOW={TOKEN_WINDOW}",
                   f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]

@@ -240,6 +240,22 @@ def test_the_program_sends_a_completed_slot_to_the_group_as_its_result(program: 
         up = Header.decode(frame[42:])
         assert verdict == XDP_PASS and up.kind == Kind.AGG and up.flags & Flag.OVERFLOW
         assert up.token == agg_token
+        # a chunk completes while the one before it still lacks worker 1 (its datagram lost): the program reports
+        # that slot at once, as its timer would later, so the agent NACKs worker 1 now
+        later = nxt + 1
+        program.install_tokens([(w, later, tokens.worker(w, later)) for w in range(2)] +
+                               [(GROUP_TOKENS, later, tokens.group(later))])
+        rows = [data_packets(LAYOUT, job=JOB, worker=w, iteration=later, tensor=0, values=values[w],
+                             token=tokens.worker(w, later)) for w in range(2)]
+        program.poll_events(0)
+        program.test_run(_frame(rows[0][0].tobytes(), "10.0.0.10"))
+        for w in range(2):
+            program.test_run(_frame(rows[w][1].tobytes(), f"10.0.0.1{w}"))
+        program.test_run(_frame(rows[0][2].tobytes(), "10.0.0.10"))   # chunk 1 completed: reported once only
+        program.test_run(_frame(rows[1][2].tobytes(), "10.0.0.11"))
+        gaps = [e for e in program.poll_events(1000) if e.slot != ITERATION_DONE]
+        assert [(e.iteration, e.chunk, e.slot, e.missing) for e in gaps] == [
+            (later, 0, int(LAYOUT.slot_numbers(0, later)), [1])]
     finally:
         program.return_results(None)
         program.require_tokens(0)
