@@ -280,14 +280,14 @@ class IterationSums:
         self._complete(taken)
         return seq, int(known.size - seq.size)
 
-    def on_event(self, event: SlotEvent) -> list[tuple[int, bytes]]:
-        """NACK exactly the workers a slot report says are missing."""
+    def on_event(self, event: SlotEvent) -> tuple[int, list[int]] | None:
+        """A slot report (a timer's, or the program's gap rule): the chunk's sequence number and exactly the
+        workers it says are missing, to NACK (None: the chunk is no longer pending)."""
         key = (event.tensor, event.chunk)
         if not self.is_pending(*key):
-            return []
+            return None
         self.missing[key] = event.missing
-        nack = nack_packets(np.array([self.layout.seq(*key)]), job=self.job, iteration=self.iteration)[0]
-        return [(w, nack) for w in event.missing]
+        return self.layout.seq(*key), event.missing
 
     def result(self) -> list[np.ndarray]:
         """Every tensor's sum: exact int32 lanes times 2**-scale, rounded once to float32 (``dequantize_rows``)."""
@@ -1147,20 +1147,26 @@ class EdgeAgent:
             if event.job != self.job or not self._accepts(event.iteration):
                 continue
             sums = self._sums(event.iteration)
-            actions = sums.on_event(event)
-            if clusters and actions:
-                seq = sums.layout.seq(event.tensor, event.chunk)
-                self._nack_clusters(sums, [(w, seq) for w, _ in actions if w in clusters])
-                actions = [(w, nack) for w, nack in actions if w not in clusters]
-            self._emit(actions)
+            found = sums.on_event(event)
+            if found is None:
+                continue
+            seq, missing = found
+            if clusters:
+                self._nack_clusters(sums, [(w, seq) for w in missing if w in clusters])
+                missing = [w for w in missing if w not in clusters]
+            for worker in missing:   # gathered: one NACK datagram per worker for every report of this wake-up
+                self._nacks.setdefault((event.iteration, worker), []).append(np.array([seq], np.int64))
         if self._nacks:
             self._flush_nacks()
 
     def _on_ring(self) -> None:
+        """The program's reports (slot timers, gaps, completed iterations), counted as receive work."""
         assert self.xdp is not None
+        started = time.thread_time()
         self._on_events(self.xdp.drain_events())
         if self._acks:
             self._flush_acks()
+        self.receive_cpu += time.thread_time() - started
 
     def _handle(self, data: bytes, address: Address) -> None:
         kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0

@@ -14,8 +14,10 @@ import itertools
 import math
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,11 +43,10 @@ GROUP_TOKENS = MAX_WORKERS
 """The token map's window after the workers': the group's tokens, which the RESULTs the program sends
 itself carry (``install_tokens`` with this as the worker)."""
 ITERATION_DONE = 0xFFFFFFFF
-"""A ring-buffer report with this slot says its iteration completed (every chunk's result sent by the
-program), not that a slot timed out."""
-EVENT_DTYPE = np.dtype([("iteration", "<u4"), ("tensor", "<u4"), ("chunk", "<u4"), ("slot", "<u4"),
-                        ("bitmap", "<u8"), ("expected", "<u8"), ("job", "<u2"), ("scale", "i1"),
-                        ("nacks", "u1"), ("pad", "<u4")])
+"""A ring-buffer report with this slot says every chunk of its iteration completed in the program (results
+mode), not that a slot is missing contributors."""
+_EVENT = struct.Struct("<IIIIQQHbBI")
+"""``struct ns_event`` (bpf/aggregator.c) for one report: the fields of ``SlotEvent`` in order, then padding."""
 SLOT_FIELDS = {"names": ["iteration", "tensor", "chunk", "scale", "busy", "bitmap"],
                "formats": ["<u4", "<u4", "<u4", "i1", "u1", "<u8"], "offsets": [20, 24, 28, 34, 38, 48]}
 """Where ``struct ns_slot`` (bpf/slot.h) keeps a slot's key and contributors: after the 16-byte bpf_timer and
@@ -90,10 +91,10 @@ class SlotEvent:
     scale: int
     nacks: int
 
-    @property
+    @cached_property
     def missing(self) -> list[int]:
         left = self.expected & ~self.bitmap
-        return [w for w in range(64) if left >> w & 1]
+        return [w for w in range(left.bit_length()) if left >> w & 1]
 
 
 class _TestRunOpts(ctypes.Structure):
@@ -451,9 +452,8 @@ class XdpAggregator:
             return
 
         def on_event(_ctx: Any, data: Any, size: int) -> int:
-            raw = np.frombuffer(ctypes.string_at(data, min(size, EVENT_DTYPE.itemsize)), EVENT_DTYPE)[0]
-            fields = ("iteration", "tensor", "chunk", "slot", "bitmap", "expected", "job", "scale", "nacks")
-            self._events.append(SlotEvent(*(int(raw[f]) for f in fields)))
+            if size >= _EVENT.size:   # one report per call: unpacked directly, not through numpy
+                self._events.append(SlotEvent(*_EVENT.unpack(ctypes.string_at(data, _EVENT.size))[:9]))
             return 0
 
         self._on_event = on_event  # bcc keeps only a weak hold on the callback
@@ -556,8 +556,6 @@ class PassProgram:
 
 def arrival_meta(ns: int, nbytes: int) -> bytes:
     """``struct ns_arrival``: when (CLOCK_MONOTONIC ns) and how large a datagram arrived, as XDP metadata."""
-    import struct
-
     return struct.pack("<QII", ns, nbytes, ARRIVAL_MAGIC)
 
 
@@ -584,8 +582,6 @@ def widen(data: bytes, lanes: int) -> bytes:
 def udp_frame(payload: bytes, *, dport: int, sport: int = 40000, src: str = "10.0.0.2",
               dst: str = "10.0.0.1") -> bytes:
     """An Ethernet/IPv4/UDP frame around ``payload`` (for BPF_PROG_TEST_RUN)."""
-    import struct
-
     udp_len = 8 + len(payload)
     ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + udp_len, 0, 0x4000, 64, 17, 0,
                      socket.inet_aton(src), socket.inet_aton(dst))

@@ -215,10 +215,12 @@ def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
     sums = IterationSums(LAYOUT, iteration=9, workers=4, job=1)
     event = SlotEvent(iteration=9, tensor=1, chunk=0, slot=3, bitmap=0b0101, expected=0b1111, job=1, scale=10,
                       nacks=1)
-    actions = sums.on_event(event)
-    assert [w for w, _ in actions] == [1, 3]
-    assert Header.decode(actions[0][1]).kind == Kind.NACK
-    assert lanes_of(actions[0][1], "<u4").tolist() == [LAYOUT.seq(1, 0)]
+    assert sums.on_event(event) == (LAYOUT.seq(1, 0), [1, 3])
+    assert sums.missing == {(1, 0): [1, 3]}
+    done = IterationSums(LAYOUT, iteration=9, workers=4, job=1)
+    done.take(np.array([(1, 0, 7, 10)], [("tensor", "<u4"), ("chunk", "<u4"), ("count", "<u2"), ("scale", "i1")]),
+              np.zeros((1, 358), np.int32))
+    assert done.on_event(event) is None     # completed since: nobody is NACKed
     over = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=10, need=11, flags=Flag.OVERFLOW)
     rescale = sums.on_agg(over, np.zeros(358, np.int32))
     assert [w for w, _ in rescale] == [0, 1, 2, 3]   # each fits at 11, four of them at 11 - 2
