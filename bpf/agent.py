@@ -452,8 +452,9 @@ class EdgeAgent:
         self.kernel_results = False
         """The aggregation program returns each chunk's result to the workers itself
         (``return_results_from_kernel``); the agent handles slot reports and overflow only."""
-        self._kernel_done: deque[int] = deque(maxlen=KEEP_FAILED)
-        """The newest iterations whose every result the program sent (its ring-buffer reports)."""
+        self._done_through: int | None = None
+        """The newest iteration every chunk of which completed in the program (its ring-buffer reports);
+        iterations complete in order (one needs every worker to have had all of the one before)."""
 
     def return_results_from_kernel(self, results: KernelResults) -> None:
         """From now on the XDP program sends each completed slot back to the workers' multicast group itself
@@ -466,6 +467,11 @@ class EdgeAgent:
         slot's result again)."""
         if self.mode != "xdp" or self.xdp is None:
             raise ValueError("results return from the kernel only on the xdp path")
+        if self.addresses or self._wires:
+            raise ValueError("results from the kernel are chosen before any worker says HELLO or a round is planned")
+        if results.chunks != self.layout.num_chunks or not 1 <= results.total <= 0xFFFFFFFF:
+            raise ValueError(f"results from the kernel: {results.chunks} chunks and {results.total} workers do not "
+                             f"fit this layout's {self.layout.num_chunks} chunks")
         if self.group is None:
             raise ValueError("results return from the kernel to a multicast group: configure edge_group")
         if not self.layout.shadow:
@@ -481,13 +487,21 @@ class EdgeAgent:
         kernel); EdgeTimeout names the chunks still missing workers, as the slot reports said."""
         if not self.kernel_results:
             raise ValueError("completed() waits for results the program returns itself; use collect()")
-        self.expect(iteration)
+        assert self.xdp is not None
+        if self._base is None:
+            self.expect(iteration)
+        # the window moves only on the program's reports (``_on_done``): a caller already waiting for the next
+        # iteration must not take the tokens of one whose lost results are still being sent again
         waiter = self._waiters.setdefault(iteration, asyncio.Event())
         try:
             async with asyncio.timeout(timeout):
-                while iteration not in self._kernel_done:
+                while not self._done(iteration):
                     waiter.clear()
-                    await waiter.wait()
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(4 * self.slot_timeout):
+                            await waiter.wait()
+                    if not self._done(iteration) and self.xdp.completed_chunks(iteration) >= self.layout.num_chunks:
+                        self._on_done(iteration)   # its report was lost (a full ring buffer): the count says so
         except TimeoutError:
             sums = self._open.get(iteration)
             missing = sums.describe_missing() if sums is not None and sums.missing else "no slot report yet"
@@ -497,14 +511,20 @@ class EdgeAgent:
             self._waiters.pop(iteration, None)
             self._open.pop(iteration, None)
 
+    def _done(self, iteration: int) -> bool:
+        """Whether ``iteration`` completed in the program (iterations compared modulo 2**32)."""
+        if self._done_through is None:
+            return False
+        return ((self._done_through - iteration) & 0xFFFFFFFF) < 2**31
+
     def _on_done(self, iteration: int) -> None:
         """Every chunk of ``iteration`` completed in the program. The token window then starts at it, not at
         the next: a worker that lost one of its results still resends its DATA (the program sends the result
         again), so its tokens stay installed until the next iteration completes too, which no worker's DATA
         can do before that worker had every result of this one. The next iteration is inside the window."""
-        if iteration in self._kernel_done:
+        if self._done(iteration):
             return
-        self._kernel_done.append(iteration)
+        self._done_through = iteration
         self.expect(iteration)
         waiter = self._waiters.get(iteration)
         if waiter is not None:
@@ -517,6 +537,8 @@ class EdgeAgent:
         says (None: float32 lanes on ``layout``); planned before its first datagram can arrive, i.e. before
         the previous iteration's results are sent. Its lanes and pool must fit the aggregator loaded for the
         model's layout."""
+        if self.kernel_results:
+            raise ValueError("a planned round's result is the agent's to send: not with results from the kernel")
         if layout.lanes != self.layout.lanes or layout.num_slots > self.layout.num_slots:
             raise ValueError(f"iteration {iteration}: a layout of {layout.lanes} lanes and {layout.num_slots} slots "
                              f"does not fit the aggregator's {self.layout.lanes} lanes and {self.layout.num_slots}")
@@ -536,6 +558,9 @@ class EdgeAgent:
         fallback's fields), and every aggregator service that said HELLO is sent MOVED, so it asks for its
         part before its members send. None when ``topology`` is the running one; ServicesMissing (nothing
         changed) when it names an aggregator whose service never said HELLO."""
+        if self.kernel_results:
+            raise ValueError("a live re-deployment switches at the node's release of a result: not with results "
+                             "from the kernel")
         if topology.workers != self.workers:
             raise ValueError(f"a topology of {topology.workers} workers for a gateway of {self.workers}")
         if not self.deployments.propose(topology):
@@ -990,7 +1015,7 @@ class EdgeAgent:
     def _answer_query(self, head: Header, data: bytes, address: Address) -> None:
         """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
         seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
-        if self.kernel_results and head.iteration in self._kernel_done:
+        if self.kernel_results and self._done(head.iteration):
             # every chunk of it completed in the program, whose shadow slots keep each until every worker has
             # its result: the asker lost these, and its resends have the program send them again
             seqs = seqs[seqs < self.layout.num_chunks]
@@ -1201,7 +1226,7 @@ class EdgeAgent:
                     return
             if head.kind == Kind.QUERY and head.iteration not in self._open and head.iteration not in self._finished \
                     and not failed and not (self.kernel_results and (self._accepts(head.iteration)
-                                                                     or head.iteration in self._kernel_done)):
+                                                                     or self._done(head.iteration))):
                 return   # (with results from the kernel no aggregate opens an iteration: the slots answer)
             if head.kind == Kind.REPORT and head.iteration not in self._finished:
                 return

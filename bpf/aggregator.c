@@ -391,8 +391,11 @@ static __always_inline void ns_count_done(struct ns_cfg *cfg, u32 iteration)
         ev.iteration = iteration;
         ev.slot = NS_ITERATION_DONE;
         ev.job = cfg->job;
-        ns_events.ringbuf_output(&ev, sizeof(ev), 0);
-        bump(ST_ITERATION_DONE);
+        /* a lost report (the ring full) costs the agent a read of this count instead */
+        if (ns_events.ringbuf_output(&ev, sizeof(ev), 0))
+            bump(ST_REPORT_LOST);
+        else
+            bump(ST_ITERATION_DONE);
     }
 }
 

@@ -424,6 +424,13 @@ class XdpAggregator:
         return [(int(key) % MAX_WORKERS, int(row["bytes"]), int(row["first_ns"]) * 1e-9, int(row["last_ns"]) * 1e-9)
                 for key, row in zip(keys[mine], rows[mine], strict=True)]
 
+    def completed_chunks(self, iteration: int) -> int:
+        """Chunks of ``iteration`` that completed in the program (results mode; its ``ns_done`` count, 0 once
+        the entry went on to another iteration of the token window)."""
+        table = self._module[b"ns_done"]
+        value = table[table.Key(iteration & (TOKEN_WINDOW - 1))]
+        return int(value.count) if int(value.iteration) == iteration & 0xFFFFFFFF else 0
+
     def kernel_map_bytes(self) -> int:
         """Kernel memory the program's maps hold, as the kernel accounts it (``memlock`` in each map's
         fdinfo): what a pool of slots costs, whatever the model."""

@@ -10,6 +10,7 @@ The runs in namespaces are in tests/test_edge_levels.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import struct
 from collections.abc import Iterator
@@ -227,6 +228,7 @@ def test_the_program_sends_a_completed_slot_to_the_group_as_its_result(program: 
                 program.test_run(_frame(rows[w][chunk].tobytes(), f"10.0.0.1{w}"))
         events = program.poll_events(1000)
         assert [(e.iteration, e.slot) for e in events] == [(iteration, ITERATION_DONE)]
+        assert program.completed_chunks(iteration) == LAYOUT.num_chunks
         assert program.stats()["iteration_done"] == before["iteration_done"] + 1
         # a slot whose sum left int32 is never sent out as a result: it goes up to the agent as AGG
         nxt = iteration + 1
@@ -259,3 +261,44 @@ def test_the_program_sends_a_completed_slot_to_the_group_as_its_result(program: 
     finally:
         program.return_results(None)
         program.require_tokens(0)
+
+
+def test_a_shadow_pool_needs_two_slots() -> None:
+    from netstorm.lan.errors import WireError
+
+    with pytest.raises(WireError, match="at least 2"):
+        EdgeLayout((LANES * 3,), (12,), lanes=LANES, pool=1, shadow=True)
+    assert EdgeLayout((LANES,), (12,), lanes=LANES, shadow=True).num_slots == 2   # one chunk: two slots
+
+
+@pytest.mark.root
+@pytest.mark.bcc
+def test_results_from_the_kernel_refuse_what_only_the_agent_can_do(program: Any) -> None:
+    """A planned round (a compressed job's) and a live re-deployment need the agent's result path; results from
+    the kernel are chosen before any worker is told its deployment; the program's count of an iteration's
+    completed chunks is readable, which is how a lost report is recovered."""
+    from bpf.agent import EdgeAgent
+    from bpf.xdp import KernelResults, multicast_mac
+    from netstorm.lan.deploy import LanTopology
+
+    results = KernelResults(group=GROUP, group_mac=multicast_mac(GROUP[0]), own=OWN, own_mac=OWN_MAC, total=2,
+                            chunks=LAYOUT.num_chunks)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        agent = EdgeAgent(sock, LAYOUT, workers=2, job=JOB, mode="xdp", xdp=program, group=GROUP)
+        try:
+            with pytest.raises(ValueError, match="chunks"):
+                agent.return_results_from_kernel(dataclasses.replace(results, chunks=LAYOUT.num_chunks + 1))
+            agent.return_results_from_kernel(results)
+            assert agent.deployment(0) is not None and agent.deployment(0).kernel_results   # type: ignore[union-attr]
+            with pytest.raises(ValueError, match="planned round"):
+                agent.plan(3, LAYOUT)
+            with pytest.raises(ValueError, match="re-deployment"):
+                agent.redeploy(LanTopology.parse("0:1", 2), 3)
+            assert program.completed_chunks(123457) == 0     # never seen
+            late = EdgeAgent(sock, LAYOUT, workers=2, job=JOB, mode="xdp", xdp=program, group=GROUP)
+            late.addresses[0] = ("127.0.0.1", 1)
+            with pytest.raises(ValueError, match="before any worker"):
+                late.return_results_from_kernel(results)
+        finally:
+            program.return_results(None)

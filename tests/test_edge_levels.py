@@ -179,6 +179,9 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                     out["igmp"] = [run_in(ns, lambda: Path("/proc/thread-self/net/igmp").read_text())
                                    for ns in lan.workers]
                     out["tx_per_result"] = []
+                    driver = None
+                    if kernel:   # as the benchmark does: waits for each iteration while workers go on to the next
+                        driver = tg.create_task(_await_completions(agent, first, iterations, timeout))
                     for k in range(iterations):
                         iteration = first + k
                         for cluster in clusters:
@@ -199,9 +202,7 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                         expected = (reference(contribs, precisions, lay) if integers is None else
                                     [np.sum([w[t].astype(np.int64) for w in contribs], axis=0).astype(np.float32)
                                      for t in range(len(lay.sizes))])
-                        if kernel:   # no sum reaches the agent: the program says when every result left
-                            await agent.completed(iteration, timeout=timeout)
-                        else:
+                        if not kernel:   # (no sum reaches the agent there: the workers' results are checked)
                             sums = await agent.collect(iteration, timeout=timeout)
                             for got, want in zip(sums, expected, strict=True):
                                 np.testing.assert_array_equal(got, want)
@@ -215,6 +216,8 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                             for got, want in zip(got_sums, expected, strict=True):
                                 np.testing.assert_array_equal(got, want)
                         out["checked"] += 1
+                    if driver is not None:
+                        await driver
                 finally:
                     agent.close()
                     out["cluster_stats"] = [c.stats() for c in clusters]
@@ -242,6 +245,13 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                 xdp.detach()
                 xdp.require_tokens(0)
                 xdp.return_results(None)
+
+
+async def _await_completions(agent: Any, first: int, iterations: int, timeout: float) -> None:  # noqa: ASYNC109
+    """Wait for each iteration's report from the program in turn, as ``bench edge --results kernel`` does: by the
+    time a worker still recovers a lost result of one iteration, this already waits for the next."""
+    for k in range(iterations):
+        await agent.completed(first + k, timeout=timeout)
 
 
 _passer: list[Any] = []
@@ -344,11 +354,12 @@ def test_one_percent_loss_on_both_levels_and_the_result_path_with_duplicates(mod
                               wire_loss=0.01, duplicate=0.02, tmp=tmp_path, secret=b"k" * 32))
     assert out["checked"] == 4
     assert out["retransmitted"] > 0
-    # the injected duplicates reached a bitmap that had the bit: dropped while the slot was open, or the
-    # completed aggregate re-emitted (a member's copy of a chunk its aggregator had already completed);
-    # members are no longer NACKed for datagrams their aggregator holds, whose resends were most duplicates
+    # the injected duplicates reached a bitmap that had the bit (dropped while the slot was open, or the
+    # completed aggregate re-emitted: a member's copy of a chunk its aggregator had already completed), or,
+    # behind a loaded host's queue, a slot a newer chunk had taken over (stale): counted, never added, as the
+    # exact sums show; members are no longer NACKed for datagrams their aggregator holds
     levels = [out["stats"], *out["cluster_stats"]]
-    assert sum(s["dup"] + s["reemit"] for s in levels) > 0
+    assert sum(s["dup"] + s["reemit"] + s["stale"] for s in levels) > 0
 
 
 @pytest.mark.slow

@@ -47,7 +47,8 @@ class EdgeLayout:
     at most half the pool in flight (``window``), with chunks numbered across iterations
     (``slot_numbers``): the chunk that takes a slot over is sent only after its sender had the result of the
     chunk half a pool later than the slot's, which needed every worker's DATA, each sent only after that
-    worker had the slot's own result."""
+    worker had the slot's own result. Iterations are numbered below 2**32 here: past it the numbering starts
+    over (a job of four billion iterations)."""
 
     def __post_init__(self) -> None:
         if len(self.sizes) != len(self.scales):
@@ -60,6 +61,8 @@ class EdgeLayout:
             raise WireError(f"scales must fit an int8 below 127, got {self.scales}")
         if self.pool < 0:
             raise WireError(f"pool must be >= 0 slots (0: one per chunk), got {self.pool}")
+        if self.shadow and self.num_slots < 2:
+            raise WireError("shadow slots need a pool of at least 2 (a worker keeps half of it in flight)")
         if self.map_bytes > MAX_MAP_BYTES:
             raise WireError(f"{self.num_slots} slots of {self.slot_bytes} bytes need {self.map_bytes} bytes of "
                             f"slot map, more than {MAX_MAP_BYTES}: choose a smaller pool (edge_pool_slots)")
@@ -130,7 +133,7 @@ class EdgeLayout:
         return np.where(known, np.asarray(self.first_slot, np.int64)[tensor] + chunk, 0), known
 
     def slot(self, tensor: int, chunk: int) -> int:
-        """The pool slot the chunk uses."""
+        """The pool slot the chunk uses (without ``shadow``; ``slot_numbers`` in general)."""
         return self.seq(tensor, chunk) % self.num_slots
 
     def locate(self, seq: int) -> tuple[int, int]:

@@ -187,7 +187,7 @@ def result_packets(layout: EdgeLayout, *, job: int, iteration: int, tensor: int,
     rows["total"] = total
     rows["tensor"] = tensor
     rows["chunk"] = index
-    rows["slot"] = (layout.first_slot[tensor] + index) % layout.num_slots
+    rows["slot"] = layout.slot_numbers(layout.first_slot[tensor] + index, iteration)
     rows["count"] = np.minimum(layout.lanes, layout.sizes[tensor] - index * layout.lanes)
     rows["need"] = NEED_NONE
     rows["precision"] = int(precision)
