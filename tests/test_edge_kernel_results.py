@@ -52,7 +52,7 @@ def test_shadow_layouts_number_slots_on_across_iterations() -> None:
     assert EdgeLayout((LANES * 3,), (12,), lanes=LANES, pool=5, shadow=True).num_slots == 5
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(workers=st.integers(1, 5), chunks=st.integers(1, 9), pool=st.integers(2, 12), iterations=st.integers(1, 4),
        data=st.data())
 def test_a_shadow_slot_is_taken_over_only_once_every_worker_has_its_result(workers: int, chunks: int, pool: int,
