@@ -55,6 +55,7 @@ from bpf.xdp import (
     KernelResults,
     SlotEvent,
     XdpAggregator,
+    multicast_mac,
 )
 from netstorm.errors import NetStormError
 from netstorm.lan import udp
@@ -456,7 +457,7 @@ class EdgeAgent:
         """The newest iteration every chunk of which completed in the program (its ring-buffer reports);
         iterations complete in order (one needs every worker to have had all of the one before)."""
 
-    def return_results_from_kernel(self, results: KernelResults) -> None:
+    def return_results_from_kernel(self, own_mac: bytes) -> None:
         """From now on the XDP program sends each completed slot back to the workers' multicast group itself
         (ALEPH's result path, ``edge_results=kernel``): nothing of a chunk's sum crosses into userspace, and
         the agent handles only slot reports (NACKs), overflowed slots (RESCALE) and HELLOs. The result is then
@@ -464,19 +465,20 @@ class EdgeAgent:
         step keeps the agent's path. Needs the xdp mode, a multicast group and a layout with shadow slots
         (``EdgeLayout.shadow``): no copy of a result is kept to answer a worker that lost it, so the slot
         itself must last until every worker has it (the worker resends its DATA, and the program sends the
-        slot's result again)."""
+        slot's result again). Everything the program needs is the agent's own (its group, address, workers and
+        layout) but ``own_mac``, the gateway interface's link-layer address the results leave from."""
         if self.mode != "xdp" or self.xdp is None:
             raise ValueError("results return from the kernel only on the xdp path")
         if self.addresses or self._wires:
             raise ValueError("results from the kernel are chosen before any worker says HELLO or a round is planned")
-        if results.chunks != self.layout.num_chunks or not 1 <= results.total <= 0xFFFFFFFF:
-            raise ValueError(f"results from the kernel: {results.chunks} chunks and {results.total} workers do not "
-                             f"fit this layout's {self.layout.num_chunks} chunks")
         if self.group is None:
             raise ValueError("results return from the kernel to a multicast group: configure edge_group")
         if not self.layout.shadow:
             raise ValueError("results from the kernel need a layout with shadow slots (EdgeLayout.shadow)")
-        self.xdp.return_results(results)
+        host, port = self.sock.getsockname()[:2]
+        self.xdp.return_results(KernelResults(group=self.group, group_mac=multicast_mac(self.group[0]),
+                                              own=(host, port), own_mac=own_mac, total=self.workers,
+                                              chunks=self.layout.num_chunks))
         self.kernel_results = True
         if self.tokens.enabled and self._base is not None:
             self._aggregator.install_tokens([(GROUP_TOKENS, k, self.tokens.group(k))

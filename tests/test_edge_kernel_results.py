@@ -10,7 +10,6 @@ The runs in namespaces are in tests/test_edge_levels.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import struct
 from collections.abc import Iterator
@@ -281,15 +280,15 @@ def test_results_from_the_kernel_refuse_what_only_the_agent_can_do(program: Any)
     from bpf.xdp import KernelResults, multicast_mac
     from netstorm.lan.deploy import LanTopology
 
-    results = KernelResults(group=GROUP, group_mac=multicast_mac(GROUP[0]), own=OWN, own_mac=OWN_MAC, total=2,
-                            chunks=LAYOUT.num_chunks)
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
         sock.bind(("127.0.0.1", 0))
         agent = EdgeAgent(sock, LAYOUT, workers=2, job=JOB, mode="xdp", xdp=program, group=GROUP)
         try:
-            with pytest.raises(ValueError, match="chunks"):
-                agent.return_results_from_kernel(dataclasses.replace(results, chunks=LAYOUT.num_chunks + 1))
-            agent.return_results_from_kernel(results)
+            agent.return_results_from_kernel(OWN_MAC)
+            # the program is configured from the agent's own group, address, workers and layout
+            assert program.results == KernelResults(group=GROUP, group_mac=multicast_mac(GROUP[0]),
+                                                    own=sock.getsockname(), own_mac=OWN_MAC, total=2,
+                                                    chunks=LAYOUT.num_chunks)
             assert agent.deployment(0) is not None and agent.deployment(0).kernel_results   # type: ignore[union-attr]
             with pytest.raises(ValueError, match="planned round"):
                 agent.plan(3, LAYOUT)
@@ -299,6 +298,6 @@ def test_results_from_the_kernel_refuse_what_only_the_agent_can_do(program: Any)
             late = EdgeAgent(sock, LAYOUT, workers=2, job=JOB, mode="xdp", xdp=program, group=GROUP)
             late.addresses[0] = ("127.0.0.1", 1)
             with pytest.raises(ValueError, match="before any worker"):
-                late.return_results_from_kernel(results)
+                late.return_results_from_kernel(OWN_MAC)
         finally:
             program.return_results(None)

@@ -147,13 +147,10 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                               xdp=xdp, slot_timeout=0.05, max_nacks=50, secret=secret, group=GROUP,
                               topology=topology, retransmit=0.01)
             if kernel:
-                from bpf.xdp import KernelResults, multicast_mac
                 from netstorm.emulation.bridge_lan import GATEWAY_PORT
 
                 run_in(lan.bridge, lambda: _pass_program().attach(GATEWAY_PORT))
-                agent.return_results_from_kernel(KernelResults(
-                    group=GROUP, group_mac=multicast_mac(GROUP[0]), own=(GATEWAY_IP, PORT),
-                    own_mac=lan.gateway_mac(), total=workers, chunks=lay.num_chunks))
+                agent.return_results_from_kernel(lan.gateway_mac())
                 out["udp_out"] = run_in(lan.gateway, _udp_out_datagrams)
             nodes = [EdgeSender(lan.udp_socket(ns, lan.worker_ip(i)), (GATEWAY_IP, PORT), worker=i, layout=lay,
                                 job=JOB, loss=loss, seed=5, secret=secret, precision=precisions[i],

@@ -252,7 +252,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from bpf.agent import EdgeAgent
-    from bpf.xdp import KernelResults, PassProgram, XdpAggregator, multicast_mac
+    from bpf.xdp import PassProgram, XdpAggregator
     from netstorm.bench.edge_levels import (
         Aggregators,
         Workers,
@@ -300,14 +300,10 @@ def run_path(path: str, args: argparse.Namespace) -> dict[str, Any]:
                               query_nacks=cfg.edge_query_nacks)
             agent.pace_gbit = dict(getattr(args, "pace_gbit", None) or {})
             if kernel:
-                if group is None:
-                    raise ValueError("--results kernel sends results to the multicast group: set edge_group")
                 if mode == "native":
                     passer = PassProgram()   # the bridge's end of the veth takes XDP_TX frames only so
                     run_in(lan.bridge, lambda: passer.attach(GATEWAY_PORT))
-                agent.return_results_from_kernel(KernelResults(
-                    group=group, group_mac=multicast_mac(group[0]), own=(GATEWAY_IP, PORT),
-                    own_mac=lan.gateway_mac(), total=workers, chunks=layout.num_chunks))
+                agent.return_results_from_kernel(lan.gateway_mac())
             first = 1
             procs = Workers(lan, gateway=(GATEWAY_IP, PORT), job=JOB, args=args, lanes=lanes, pool=pool,
                             precisions=precisions, seed=SEED, first=first, log_dir=Path(logs))
