@@ -222,6 +222,29 @@ static __always_inline s64 ns_float16(u32 raw, u64 ebits, u64 mbits, s64 bias, s
 
 /* Timer callback: the kernel calls it with (map, key, value); bcc would rewrite a three-parameter
  * function as a kprobe, so it takes one parameter and reads the value pointer from r3. */
+/* A report of ``slot`` (called under its lock): its key, contributors, scale and reports so far. */
+static __always_inline void ns_slot_event(struct ns_event *ev, struct ns_slot *slot)
+{
+    ev->iteration = slot->iteration;
+    ev->tensor = slot->tensor;
+    ev->chunk = slot->chunk;
+    ev->slot = slot->index;
+    ev->bitmap = slot->bitmap;
+    ev->scale = slot->scale;
+    ev->nacks = slot->nacks;
+}
+
+/* The token installed for ``owner``'s window entry (a worker's id, or NS_MAX_WORKERS: the group) of
+ * ``iteration``, or NULL when that entry holds another iteration or nothing. */
+static __always_inline struct ns_token *ns_token_of(u32 owner, u32 iteration)
+{
+    u32 at = owner * NS_TOKEN_WINDOW + (iteration & (NS_TOKEN_WINDOW - 1));
+    struct ns_token *tok = ns_tokens.lookup(&at);
+    if (!tok || tok->iteration != iteration || !tok->token)
+        return NULL;
+    return tok;
+}
+
 int ns_timer_cb(void *map)
 {
     struct ns_slot *slot;
@@ -238,13 +261,7 @@ int ns_timer_cb(void *map)
         slot->nacks += 1;
         report = 1;
         rearm = slot->nacks < cfg->max_nacks;
-        ev.iteration = slot->iteration;
-        ev.tensor = slot->tensor;
-        ev.chunk = slot->chunk;
-        ev.slot = slot->index;
-        ev.bitmap = slot->bitmap;
-        ev.scale = slot->scale;
-        ev.nacks = slot->nacks;
+        ns_slot_event(&ev, slot);
     }
     bpf_spin_unlock(&slot->lock);
     if (report) {
@@ -348,11 +365,10 @@ static __always_inline int ns_forward(struct xdp_md *ctx, struct ns_cfg *cfg, u3
     if ((void *)(h + 1) > end)
         return XDP_DROP;
     u32 up = cfg->up_worker;
-    u32 at = up * NS_TOKEN_WINDOW + (iteration & (NS_TOKEN_WINDOW - 1));
-    struct ns_token *tok = ns_tokens.lookup(&at);
     u64 token = 0;
     if (cfg->auth) {
-        if (!tok || tok->iteration != iteration || !tok->token)
+        struct ns_token *tok = ns_token_of(up, iteration);
+        if (!tok)
             return XDP_DROP;
         token = tok->token;
     }
@@ -419,13 +435,7 @@ static __always_inline void ns_report_gap(struct ns_cfg *cfg, u32 index, u32 ite
     if (p->busy && !p->gap && older && p->bitmap != expected) {
         p->gap = 1;
         report = 1;
-        ev.iteration = p->iteration;
-        ev.tensor = p->tensor;
-        ev.chunk = p->chunk;
-        ev.slot = prev;
-        ev.bitmap = p->bitmap;
-        ev.scale = p->scale;
-        ev.nacks = p->nacks;
+        ns_slot_event(&ev, p);
     }
     bpf_spin_unlock(&p->lock);
     if (report) {
@@ -455,9 +465,8 @@ static __always_inline int ns_result(struct xdp_md *ctx, struct ns_cfg *cfg, u32
         return XDP_DROP;
     u64 token = 0;
     if (cfg->auth) {
-        u32 at = NS_MAX_WORKERS * NS_TOKEN_WINDOW + (iteration & (NS_TOKEN_WINDOW - 1));
-        struct ns_token *tok = ns_tokens.lookup(&at);
-        if (!tok || tok->iteration != iteration || !tok->token) {
+        struct ns_token *tok = ns_token_of(NS_MAX_WORKERS, iteration);
+        if (!tok) {
             bump(ST_BAD_TOKEN);     /* no group token installed: the workers' resends ask again */
             return XDP_DROP;
         }
@@ -590,10 +599,8 @@ int ns_aggregate(struct xdp_md *ctx)
         return XDP_PASS;
     }
     if (cfg->auth) {
-        u32 at = worker * NS_TOKEN_WINDOW + (h->iteration & (NS_TOKEN_WINDOW - 1));
-        struct ns_token *want = ns_tokens.lookup(&at);
-        u64 got = h->token;
-        if (!want || !want->token || want->iteration != h->iteration || want->token != got) {
+        struct ns_token *want = ns_token_of(worker, h->iteration);
+        if (!want || want->token != h->token) {
             bump(ST_BAD_TOKEN);
             return XDP_DROP;
         }
