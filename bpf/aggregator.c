@@ -720,11 +720,11 @@ int ns_aggregate(struct xdp_md *ctx)
         if (!first)
             bpf_timer_cancel(&slot->timer);
         {
-            /* a narrow packet grew: its IPv4 and UDP lengths follow (unchanged for an int32 one) */
+            /* a narrow packet grew: its IPv4 and UDP lengths follow (unchanged for an int32 one); the IP
+             * checksum is computed once, by whichever way the packet leaves */
             u16 ulen = sizeof(struct udphdr) + sizeof(*h) + NS_LANES * 4;
             udp->len = htons(ulen);
             ip->tot_len = htons(ulen + sizeof(struct iphdr));
-            ns_ip_checksum(ip);
         }
         if (cfg->forward)
             return ns_forward(ctx, cfg, iteration);
@@ -735,6 +735,7 @@ int ns_aggregate(struct xdp_md *ctx)
             }
             return ns_result(ctx, cfg, iteration);
         }
+        ns_ip_checksum(ip);
         h->token = cfg->agg_token;
         udp->check = 0;         /* lanes changed; a zero UDP checksum over IPv4 means "none" */
         return XDP_PASS;
