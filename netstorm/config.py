@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.auth import load_secret
-from netstorm.compression.options import CompressionOptions
+from netstorm.compression.options import METHODS, CompressionOptions
+from netstorm.dcplanners import PLANNERS
 from netstorm.errors import ConfigError
-from netstorm.planning.lanmodel import PLANNERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +322,8 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+CHOICES: dict[str, tuple[str, ...]] = {"compression": METHODS, "dc_planner": PLANNERS}
+"""Options whose values are an extension point's registered names: their flags offer exactly those."""
 DESIGN_SWITCHES: tuple[str, ...] = (
     "tree_packing", "planned_offload", "aux_slowdown", "aux_reroute", "explore_links", "stale_decay",
     "belief_reports", "react_change", "replan_gain", "update_rate",
@@ -474,6 +476,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,
                                help=f"{doc} (default {str(field.default).lower()})")
+        elif name in CHOICES:
+            group.add_argument(flag, dest=f"opt_{name}", choices=CHOICES[name], default=None,
+                               help=f"{doc} (default {field.default})")
         else:
             group.add_argument(flag, dest=f"opt_{name}", metavar=kind.__name__.upper(), default=None,
                                help=f"{doc} (default {field.default})")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from netstorm import scenario as scenario_mod
+from netstorm.dcplanners import PLANNERS
 from netstorm.lan_scenario import LanSpec, LanWorker
 from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
 
@@ -224,7 +225,7 @@ def dcs_study(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 options = dcplan.Options(tor=tor, time_limit=args.time_limit)
                 planners = {}
-                for p in lanmodel.PLANNERS:
+                for p in PLANNERS:
                     start = time.perf_counter()
                     plan = dcplan.plan_dc(node.lan, p, options)
                     planners[p] = {"gbit": plan.prediction.gbit, "bottleneck": plan.prediction.bottleneck,
@@ -411,14 +412,14 @@ def _render_dcs(d: dict[str, Any]) -> list[str]:
              "ToR aggregators aggregate (the data plane runs worker aggregators only). EINA sees each rack's "
              "uplink as a link its aggregators share (`rack_uplinks`, a deviation); `eina, non-blocking` is "
              "EINA planning as its paper does, every link but the aggregators' own unlimited.", "",
-             "| scenario | DC | workers | racks | ToR | " + " | ".join(lanmodel.PLANNERS) + " | eina, non-blocking | "
+             "| scenario | DC | workers | racks | ToR | " + " | ".join(PLANNERS) + " | eina, non-blocking | "
              + " | ".join(b for b in dcplan.BASELINES if b != "flat") + " |",
-             "| --- " * (5 + len(lanmodel.PLANNERS) + len(dcplan.BASELINES)) + "|"]
+             "| --- " * (5 + len(PLANNERS) + len(dcplan.BASELINES)) + "|"]
     for r in d["rows"]:
         blind = r.get("eina_non_blocking")
         lines.append(f"| {r['scenario']} | {r['dc']} ({r['name']}) | {r['workers']} | {r['racks']} | "
                      f"{'yes' if r['tor'] else 'no'} | "
-                     + " | ".join(f"{r['planners'][p]['gbit']:.2f}" for p in lanmodel.PLANNERS) + " | "
+                     + " | ".join(f"{r['planners'][p]['gbit']:.2f}" for p in PLANNERS) + " | "
                      + ("-" if blind is None else f"{blind['gbit']:.2f}") + " | "
                      + " | ".join(f"{r['baselines'][b]:.2f}" for b in dcplan.BASELINES if b != "flat") + " |")
     return lines
