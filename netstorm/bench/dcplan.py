@@ -12,7 +12,12 @@ Three studies, each against its paper's baselines, all judged by models (the emu
   spread grows, and the spread from which ALEPH is ahead of the ring;
 * ``pahina``: PAHInA's assignment against the precision-oblivious one on DCs with mixed precisions
   (the paper's 5:3:2 int8:fp16:fp32 mix, and fp16 with bf16), with the inflation term on and off;
-* ``dcs``: every planner (by its option value) and every baseline on the shipped LAN scenarios.
+* ``dcs``: every planner (by its option value) and every baseline on the shipped LAN scenarios;
+* ``claims``: each paper's headline claim on random instances rather than its own (PAHInA's +30 %
+  over the precision-oblivious assignment across random precision mixes, ALEPH's +88 % over the flat
+  gateway and the ring, EINA's 3.02x ATP and 3.45x GRID, FAPT's speed-ups over STAR and BKT and
+  multi-root's over one root), how often each DC planner's own tree is predicted below the flat gateway
+  (what ``plan_dc`` falls back from), and where a claim does not hold.
 
 Each study writes ``results/dc-planners-<study>.json`` with the command that made it; the markdown
 (``results/dc-planners.md``) is rendered from those files only (``--render`` redoes it alone).
@@ -37,7 +42,7 @@ from netstorm.lan_scenario import LanSpec, LanWorker
 from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
 
 HELP = "model-level results of the DC planners (EINA, ALEPH, PAHInA) against their papers' baselines"
-STUDIES = ("eina", "aleph", "pahina", "dcs")
+STUDIES = ("eina", "aleph", "pahina", "dcs", "claims")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.render:
         studies = STUDIES if args.study == "all" else (args.study,)
         runners: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-            "eina": eina_study, "aleph": aleph_study, "pahina": pahina_study, "dcs": dcs_study}
+            "eina": eina_study, "aleph": aleph_study, "pahina": pahina_study, "dcs": dcs_study,
+            "claims": claims_study}
         for study in studies:
             start = time.perf_counter()
             body = runners[study](args)
@@ -275,7 +281,8 @@ def render(out: Path) -> str:
             continue
         data = json.loads(path.read_text())
         lines += [f"## {study}", "", f"`{data['command']}` ({data['wall_s']:.0f} s)", ""]
-        renderers = {"eina": _render_eina, "aleph": _render_aleph, "pahina": _render_pahina, "dcs": _render_dcs}
+        renderers = {"eina": _render_eina, "aleph": _render_aleph, "pahina": _render_pahina, "dcs": _render_dcs,
+                     "claims": _render_claims}
         lines += renderers[study](data)
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -423,3 +430,15 @@ def _render_dcs(d: dict[str, Any]) -> list[str]:
                      + ("-" if blind is None else f"{blind['gbit']:.2f}") + " | "
                      + " | ".join(f"{r['baselines'][b]:.2f}" for b in dcplan.BASELINES if b != "flat") + " |")
     return lines
+
+
+def claims_study(args: argparse.Namespace) -> dict[str, Any]:
+    from netstorm.bench import claims
+
+    return claims.claims_study(args)
+
+
+def _render_claims(d: dict[str, Any]) -> list[str]:
+    from netstorm.bench import claims
+
+    return claims.render_claims(d)
