@@ -15,6 +15,7 @@ from netstorm.cli import build_parser
 from netstorm.compression.methods import COMPRESSION, METHODS
 from netstorm.compression.options import CompressionOptions
 from netstorm.dcplanners import DC_PLANNERS, PLANNERS
+from netstorm.emulation import systems
 from netstorm.errors import ConfigError, NetStormError, PolicyError, TrainerProtocolError
 from netstorm.planning.plan import plan
 from netstorm.policy import Policy
@@ -50,6 +51,7 @@ def test_every_topology_flag_offers_the_registry_and_every_entry_plans(commands:
         assert Policy.from_wire(policy.to_wire()) == policy  # the wire accepts every registered name
         assert len(policy.roots) == (1 if entry.single_root or not entry.rooted else 3)
         assert callable(load(entry.builder))
+    assert {s.topology for s in systems.SYSTEMS.values()} <= set(NAMES)  # the emulated systems name registered ones
     wire = plan(rates, topology="fapt", aux=False).to_wire()
     with pytest.raises(PolicyError, match="unknown topology 'ring'"):
         Policy.from_wire({**wire, "topology": "ring"})
