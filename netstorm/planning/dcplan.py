@@ -1,9 +1,11 @@
 """Plan a DC's LAN tier with one of the planners (``dc_planner``), and the baselines beside it.
 
-``plan_dc`` runs ``flat``, ``aleph``, ``pahina`` or ``eina`` on a ``LanSpec``; ``baselines`` gives the
-trees the papers compare against (the flat gateway, ATP-style rack aggregation, GRID-style single
-aggregation, PAHInA's precision-oblivious assignment) and the ring all-reduce, all judged by the one
-fluid model of ``lanmodel``.
+``plan_dc`` runs a planner of the ``netstorm.dcplanners`` registry (``flat``, ``aleph``, ``pahina``,
+``eina``) on a ``LanSpec`` and never returns a tree predicted slower than the flat gateway: it falls
+back to it and says why (``no_worse_than_flat``). ``baselines`` gives the trees the papers compare
+against (the flat gateway, ATP-style rack aggregation, GRID-style single aggregation, PAHInA's
+precision-oblivious assignment) and the ring all-reduce, all judged by the one fluid model of
+``lanmodel``.
 
 ``tor``: where the DC describes racks, EINA and ATP aggregate at the racks' ToR aggregators (their
 papers' edge aggregators) and PAHInA uses them as its programmable nodes. The data plane runs only
