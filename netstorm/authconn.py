@@ -136,15 +136,15 @@ async def _run_stream(handshake: Handshake, reader: asyncio.StreamReader, writer
             refusal = refuse(UNAUTHENTICATED)
         if refusal and not writer.is_closing():
             writer.write(refusal)
-            await _linger(reader, writer)
+            await linger(reader, writer)
         raise
     assert handshake.peer is not None
     return handshake.peer
 
 
-async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Let the other side read the refusal: half-close, drain its input briefly (closing with unread
-    input would reset the connection and lose the refusal), then the caller closes."""
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Let the other side read the refusal: half-close, drain (and drop) its input briefly (closing with
+    unread input would reset the connection and lose the refusal), then the caller closes."""
     with contextlib.suppress(OSError, RuntimeError, NotImplementedError, TimeoutError):
         async with asyncio.timeout(REFUSE_LINGER_S):
             await writer.drain()

@@ -125,6 +125,15 @@ class Config:
     """Seconds a new data-plane connection may take to say which member it is; then it is closed."""
     frame_timeout: float = 60.0
     """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
+    idle_timeout: float = 60.0
+    """Seconds a connection past its handshake may stay silent before it is closed: a data-plane
+    connection after its Hello (senders keep an idle link open with a keepalive every third of this), a
+    node's control connection after registration (nodes heartbeat every ``heartbeat_interval``) and an
+    admin tool's between requests."""
+    trainer_idle_timeout: float = 3600.0
+    """Seconds a trainer connection (Unix socket or TCP) may stay silent between requests, from its
+    first byte on; then it is closed and its place at the node freed. A trainer computes between
+    requests: this bounds the longest step, not the wait for a reply."""
     max_connections_per_source: int = 64
     """Data-plane connections one source address may hold open at a node; more are closed at once."""
     # Emulation.
@@ -283,7 +292,7 @@ class Config:
             raise ConfigError(f"num_root_servers must be >= 0 (0 = all nodes), got {self.num_root_servers}")
         for name in ("update_time", "iteration_timeout", "connect_timeout", "heartbeat_interval",
                      "heartbeat_timeout", "clock_sync_interval", "hello_timeout", "frame_timeout",
-                     "scheduler_grace"):
+                     "scheduler_grace", "idle_timeout", "trainer_idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
