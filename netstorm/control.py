@@ -31,9 +31,11 @@ import msgspec
 
 from netstorm import auth
 from netstorm.errors import AuthError, ErrorCode, NetStormError
+from netstorm.policywire import PolicyForm
 from netstorm.schema import (
     DECODE_ERRORS,
     MAX_ITEMS,
+    MAX_NAME,
     MAX_NODE_ID,
     MAX_NODES,
     Finite,
@@ -264,9 +266,11 @@ if TYPE_CHECKING:  # to a type checker any mapping will do; msgspec reads (and w
     RatesField = Mapping[tuple[int, int], float]
     MovesField = Mapping[tuple[int, int], tuple[Move, ...]]
     EdgeModesField = Mapping[int, tuple[str, str]]
+    PolicyField = dict[str, Any]
 else:  # msgspec decodes the bounded rows, typed, and ``__post_init__`` makes them the mapping
     MembersField, WorkersField, RatesField, MovesField, EdgeModesField = (
         _ROWS[Members], _ROWS[WorkerCounts], _ROWS[Rates], _ROWS[Moves], _ROWS[EdgeModes])
+    PolicyField = PolicyForm
 
 
 def _enc_hook(value: Any) -> Any:
@@ -326,7 +330,8 @@ class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     MAX_BYTES = MAX_CONTROL_FRAME
 
     members: MembersField
-    config: dict[str, Any]
+    config: Annotated[dict[Name, bool | int | float | Text | None], msgspec.Meta(max_length=MAX_NAME)]
+    """The scheduler's options (every value a scalar)."""
     scheduler_time: Finite
     workers: WorkersField = _NO_WORKERS
     """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
@@ -447,10 +452,15 @@ class PolicyReply(Message, frozen=True, tag="policy_reply", omit_defaults=True):
 
     iteration: Version
     version: Version
-    policy: dict[str, Any] | None
+    policy: PolicyField | None
     joining: NodeIds = ()
     """DCs admitted at this iteration: it hands them the live model (one live DC contributes its
     trainer's model, everyone else zeros) instead of summing gradients."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.policy, PolicyForm):  # decoded typed; its readers take the builtin form
+            _force(self, "policy", msgspec.to_builtins(self.policy))
 
 
 class LinkReport(Message, frozen=True, tag="link_report"):
