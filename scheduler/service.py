@@ -491,6 +491,8 @@ class SchedulerService:
 
     async def _heartbeat(self, conn: _Connection, message: control.Heartbeat) -> bool:
         problem = self._member(conn, message.node_id, "heartbeat")
+        if self.store is not None and self.store.behind:
+            self.store.catch_up()  # a full disk may take writes again
         if problem is None:
             try:
                 self.membership.heartbeat(message.node_id, self.clock())
