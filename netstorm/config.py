@@ -155,6 +155,16 @@ class Config:
     """Encrypt node-to-node and node-to-scheduler connections with TLS, pinning the job certificate
     SECRET_FILE.crt (and key SECRET_FILE.key) that `netstorm secret FILE --tls` writes; needs
     secret_file, and the same setting on every process of the job."""
+    member_file: str = ""
+    """This process's own member credential (`netstorm secret FILE --issue node:3 --authority AUTH`
+    writes one): every TCP connection then proves this member's identity with its own key instead of
+    the shared job secret, and checks the other side's certificate against the job's authority. The
+    scheduler, every node and every admin tool each hold their own; ``secret_file`` then only keys the
+    LAN tier's datagrams."""
+    revoked_file: str = ""
+    """The job's revocation list (`netstorm secret FILE --revoke MEMBER`): serials of member
+    certificates refused from then on, read again whenever it changes; a revoked node's scheduler
+    connection is closed at its next heartbeat. Empty: nothing revoked."""
     state_dir: str = ""
     """Directory where the scheduler keeps membership, policy versions and iteration bindings (an sqlite
     file, created with the directory if missing), so a scheduler restarted with the same command line
@@ -349,7 +359,8 @@ PAPER_DESIGN: dict[str, Any] = {
     "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
-LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket"})
+LOCAL: frozenset[str] = frozenset({"secret_file", "member_file", "revoked_file", "wan_tls", "torch_round",
+                                   "torch_socket"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

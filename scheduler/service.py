@@ -491,6 +491,10 @@ class SchedulerService:
 
     async def _heartbeat(self, conn: _Connection, message: control.Heartbeat) -> bool:
         problem = self._member(conn, message.node_id, "heartbeat")
+        if problem is None and self.credentials is not None and self.credentials.revoked(conn.proven):
+            log.warning("%s: its member key is revoked; closing its connection", conn.name())
+            await conn.send(control.Error(f"{conn.proven}'s member key is revoked", ErrorCode.AUTH))
+            return False
         if self.store is not None and self.store.behind:
             self.store.catch_up()  # a full disk may take writes again
         if problem is None:
