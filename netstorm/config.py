@@ -280,6 +280,9 @@ class Config:
     def validate(self) -> None:
         """Reject values no run could use, naming the option."""
         self.secret()
+        if self.idle_timeout <= self.heartbeat_interval:
+            raise ConfigError(f"idle_timeout ({self.idle_timeout:g} s) must exceed heartbeat_interval "
+                              f"({self.heartbeat_interval:g} s): a registered node is silent between heartbeats")
         if self.wan_tls and not self.secret_file:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",

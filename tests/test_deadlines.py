@@ -118,7 +118,8 @@ def test_a_registered_node_that_goes_silent_without_a_secret_is_closed_too() -> 
 # --- node <-> node -------------------------------------------------------------------------------------
 
 
-PEERS = dataclasses.replace(CONFIG, hello_timeout=BOUND, frame_timeout=BOUND, idle_timeout=BOUND)
+PEERS = dataclasses.replace(CONFIG, hello_timeout=BOUND, frame_timeout=BOUND, idle_timeout=BOUND,
+                            heartbeat_interval=0.1)
 
 
 def _peer_exchange(port: int, data: bytes) -> bytes:
