@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import struct
 import time
@@ -173,3 +174,14 @@ def test_the_scheduler_reads_no_frame_beyond_its_largest_kind() -> None:
     assert control.decode(control.encode(beat)[4:], control.TO_SCHEDULER) == beat
     with pytest.raises(ControlError, match="the scheduler does not accept member_down"):
         control.decode(control.encode(control.MemberDown(1, "x"))[4:], control.TO_SCHEDULER)
+
+
+def test_no_wire_decodes_untrusted_bytes_untyped() -> None:
+    """Every decode of received bytes names its type; the two untyped ones are a 64-byte envelope value
+    (``schema._scalar``) and the scheduler's own state file."""
+    root = Path(__file__).resolve().parent.parent
+    pattern = re.compile(r"msgspec\.(msgpack|json)\.decode\(|msgpack\.unpackb\(|msgspec\.msgpack\.Decoder\(\)")
+    found = sorted(f"{path.relative_to(root)}" for package in ("netstorm", "node", "scheduler", "bpf")
+                   for path in (root / package).rglob("*.py")
+                   for line in path.read_text().splitlines() if pattern.search(line) and "type=" not in line)
+    assert found == ["netstorm/schema.py", "scheduler/persistence.py"]
