@@ -118,13 +118,16 @@ def test_a_registered_node_that_goes_silent_without_a_secret_is_closed_too() -> 
 # --- node <-> node -------------------------------------------------------------------------------------
 
 
-PEERS = dataclasses.replace(CONFIG, hello_timeout=BOUND, frame_timeout=BOUND, idle_timeout=BOUND,
+PEER_IDLE = 1.5
+"""The data plane's idle bound: longer than BOUND, since a live link must survive a loaded host's stalls
+between its keepalives (every PEER_IDLE / 3)."""
+PEERS = dataclasses.replace(CONFIG, hello_timeout=BOUND, frame_timeout=BOUND, idle_timeout=PEER_IDLE,
                             heartbeat_interval=0.1)
 
 
 def _peer_exchange(port: int, data: bytes) -> bytes:
     """Connect to a node's data port, send ``data``, then stay silent until it closes; what it said."""
-    with socket.create_connection(("127.0.0.1", port), timeout=BOUND + SLACK) as sock:
+    with socket.create_connection(("127.0.0.1", port), timeout=PEER_IDLE + SLACK) as sock:
         sock.sendall(data)
         out = []
         while part := sock.recv(65536):
@@ -141,10 +144,10 @@ def test_every_data_connection_state_has_a_deadline_and_live_links_stay_open() -
             assert layout is not None
             port = nodes[2]._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
             hello = Hello(1, layout.hash).encode()
-            for what, data, why in (("connected, no Hello", b"", "no Hello within"),
-                                    ("after its Hello", hello, "silent for"),
-                                    ("mid-frame", hello + hello[:7], "stalled mid-frame")):
-                said, _ = await closed_within(what, BOUND, asyncio.to_thread(_peer_exchange, port, data))
+            for what, data, why, bound in (("connected, no Hello", b"", "no Hello within", BOUND),
+                                           ("after its Hello", hello, "silent for", PEER_IDLE),
+                                           ("mid-frame", hello + hello[:7], "stalled mid-frame", BOUND)):
+                said, _ = await closed_within(what, bound, asyncio.to_thread(_peer_exchange, port, data))
                 refusal = error_frame(said)
                 assert refusal.code is ErrorCode.TIMEOUT and why in refusal.message, (what, refusal.message)
             values = {i: np.full(layout.total, float(i), dtype=np.float32) for i in nodes}
@@ -155,9 +158,9 @@ def test_every_data_connection_state_has_a_deadline_and_live_links_stay_open() -
             frames = {(n, p): protocol.frames for n, peers in inbound.items() for p, protocol in peers.items()}
             assert frames
 
-            # Four keepalives each: the links stayed silent past their receivers' bound (4 x BOUND / 3).
+            # Four keepalives each: the links stayed silent past their receivers' bound (4/3 of it).
             await until(lambda: all(inbound[n][p].frames >= count + 4 for (n, p), count in frames.items()),
-                        "four keepalives on every link", 4 * BOUND + SLACK)
+                        "four keepalives on every link", 4 * PEER_IDLE / 3 + SLACK)
             assert {n: dict(node._inbound_by_peer) for n, node in nodes.items()} == inbound
             for out in (await one_iteration(nodes, values)).values():
                 np.testing.assert_array_equal(out, np.full_like(out, 6.0))
