@@ -28,6 +28,7 @@ secret instead of failing on garbage.
 
 from __future__ import annotations
 
+import abc
 import enum
 import hashlib
 import hmac
@@ -93,7 +94,12 @@ TRAINER: Final = Identity(Role.TRAINER)
 SCHEDULER: Final = Identity(Role.SCHEDULER)
 
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
-Mac = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=PROOF_BYTES)]
+MAX_PROOF_BYTES: Final = 64
+"""An HMAC (the shared secret) is 32 bytes, an Ed25519 signature (a member key) 64."""
+Mac = Annotated[bytes, msgspec.Meta(min_length=PROOF_BYTES, max_length=MAX_PROOF_BYTES)]
+MAX_CERTIFICATE: Final = 256
+Certificate = Annotated[bytes, msgspec.Meta(max_length=MAX_CERTIFICATE)]
+"""A member key's certificate (``netstorm.memberkeys``); empty with the shared secret."""
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=True):
@@ -113,14 +119,16 @@ class Challenge(Message, frozen=True, tag="challenge"):
     nonce: Nonce
 
 
-class Answer(Message, frozen=True, tag="answer"):
+class Answer(Message, frozen=True, tag="answer", omit_defaults=True):
     identity: Identity
     nonce: Nonce
     proof: Mac
+    certificate: Certificate = b""
 
 
-class Proof(Message, frozen=True, tag="proof"):
+class Proof(Message, frozen=True, tag="proof", omit_defaults=True):
     proof: Mac
+    certificate: Certificate = b""
 
 
 class Welcome(Message, frozen=True, tag="welcome"):
@@ -158,12 +166,50 @@ def decode(body: bytes | bytearray | memoryview) -> Message:
     return message
 
 
+def transcript(prover: str, plane: Plane, client_nonce: bytes, server_nonce: bytes, client: Identity,
+               server: Identity) -> bytes:
+    """What side ``prover`` ("client" or "server") proves: the whole transcript and its side."""
+    return _TRANSCRIPT.encode([prover, plane.value, client_nonce, server_nonce,
+                               [client.role.value, client.id], [server.role.value, server.id]])
+
+
 def proof(secret: bytes, prover: str, plane: Plane, client_nonce: bytes, server_nonce: bytes,
           client: Identity, server: Identity) -> bytes:
-    """What side ``prover`` ("client" or "server") proves: a MAC of the whole transcript and its side."""
-    transcript = _TRANSCRIPT.encode([prover, plane.value, client_nonce, server_nonce,
-                                     [client.role.value, client.id], [server.role.value, server.id]])
-    return hmac.new(secret, DOMAIN + transcript, hashlib.sha256).digest()
+    """The shared secret's proof: a MAC of the transcript."""
+    return hmac.new(secret, DOMAIN + transcript(prover, plane, client_nonce, server_nonce, client, server),
+                    hashlib.sha256).digest()
+
+
+class Keys(abc.ABC):
+    """What a side proves membership with: the shared job secret, or a member key of its own."""
+
+    identity: Identity | None = None
+    """The one identity these keys may prove (None: any, the shared secret)."""
+    certificate: bytes = b""
+    """Sent with every proof (a member key's certificate; empty for the shared secret)."""
+
+    @abc.abstractmethod
+    def prove(self, transcript: bytes) -> bytes:
+        """This side's proof of ``transcript``."""
+
+    @abc.abstractmethod
+    def verify(self, claimed: Identity, transcript: bytes, proof: bytes, certificate: bytes) -> str | None:
+        """None when ``proof`` proves ``claimed`` over ``transcript``; otherwise why not."""
+
+
+class SharedSecret(Keys):
+    """Every member holds the same secret: a proof shows membership, and the claimed id is trusted."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._secret = check_secret(secret, "job secret")
+
+    def prove(self, transcript: bytes) -> bytes:
+        return hmac.new(self._secret, DOMAIN + transcript, hashlib.sha256).digest()
+
+    def verify(self, claimed: Identity, transcript: bytes, proof: bytes, certificate: bytes) -> str | None:
+        if certificate:
+            return "it proves a member key and this side holds the shared job secret"
+        return None if hmac.compare_digest(self.prove(transcript), proof) else "it does not prove the secret"
 
 
 def check_secret(secret: bytes, where: str) -> bytes:
@@ -204,10 +250,15 @@ class Handshake:
     proven identity for a reason of its own (the message it returns is sent back).
     """
 
-    def __init__(self, secret: bytes, plane: Plane, me: Identity, *, client: bool, now: float, timeout: float,
+    def __init__(self, secret: bytes | Keys, plane: Plane, me: Identity, *, client: bool, now: float, timeout: float,
                  allowed: Collection[Role] = (), accept: Callable[[Identity], str | None] | None = None,
                  nonce: bytes | None = None, peer_name: str = "peer") -> None:
-        self._secret = check_secret(secret, "job secret")
+        self._keys = secret if isinstance(secret, Keys) else SharedSecret(secret)
+        own = self._keys.identity
+        if own is not None and me.role is Role.TRAINER and own.role is Role.TRAINER:
+            me = own  # a trainer proves the trainer identity its key was issued for
+        if own is not None and own != me:
+            raise AuthError(f"this process holds the member key of {own} and cannot prove {me}")
         self.plane = plane
         self.me = me
         self.client = client
@@ -305,28 +356,32 @@ class Handshake:
             self._fail(f"{self.peer_name} reflected this side's nonce")
         self._peer_nonce = message.nonce
         self._claimed = message.identity
-        mac = proof(self._secret, "server", self.plane, message.nonce, self._nonce, message.identity, self.me)
-        self._send(Answer(identity=self.me, nonce=self._nonce, proof=mac))
+        mac = self._keys.prove(transcript("server", self.plane, message.nonce, self._nonce, message.identity,
+                                          self.me))
+        self._send(Answer(identity=self.me, nonce=self._nonce, proof=mac, certificate=self._keys.certificate))
         self.state = State.AWAIT_PROOF
 
     def _answer(self, message: Answer) -> None:
         if message.nonce == self._nonce:
             self._fail(f"{self.peer_name} reflected this side's nonce")
-        expected = proof(self._secret, "server", self.plane, self._nonce, message.nonce, self.me, message.identity)
-        if not hmac.compare_digest(expected, message.proof):
-            self._fail(f"{FAILED} ({self.peer_name} does not prove the secret this side holds)")
+        why = self._keys.verify(message.identity, transcript("server", self.plane, self._nonce, message.nonce,
+                                                             self.me, message.identity),
+                                message.proof, message.certificate)
+        if why is not None:
+            self._fail(f"{FAILED} ({self.peer_name} claiming to be {message.identity}: {why})")
         self.peer = message.identity
-        mac = proof(self._secret, "client", self.plane, self._nonce, message.nonce, self.me, message.identity)
-        self._send(Proof(proof=mac))
+        mac = self._keys.prove(transcript("client", self.plane, self._nonce, message.nonce, self.me,
+                                          message.identity))
+        self._send(Proof(proof=mac, certificate=self._keys.certificate))
         self.state = State.AWAIT_WELCOME
 
     def _proof(self, message: Proof) -> None:
         claimed = self._claimed
         assert claimed is not None
-        expected = proof(self._secret, "client", self.plane, self._peer_nonce, self._nonce, claimed, self.me)
-        if not hmac.compare_digest(expected, message.proof):
-            self._fail(f"{FAILED} ({self.peer_name} claiming to be {claimed} does not prove the secret this side "
-                       "holds)", told=FAILED)
+        why = self._keys.verify(claimed, transcript("client", self.plane, self._peer_nonce, self._nonce, claimed,
+                                                    self.me), message.proof, message.certificate)
+        if why is not None:
+            self._fail(f"{FAILED} ({self.peer_name} claiming to be {claimed}: {why})", told=FAILED)
         why = self._accept(claimed) if self._accept is not None else None
         if why is not None:
             self._fail(f"{claimed} at {self.peer_name} refused: {why}", told=why)

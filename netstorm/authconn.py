@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar, cast
 
-from netstorm.auth import UNAUTHENTICATED, Handshake, Identity, Plane, Role, load_secret
+from netstorm.auth import UNAUTHENTICATED, Handshake, Identity, Keys, Plane, Role, load_secret
 from netstorm.errors import AuthError, ConfigError
 
 if TYPE_CHECKING:
@@ -40,32 +40,61 @@ Refuse = Callable[[str], bytes]
 
 @dataclasses.dataclass(frozen=True)
 class Credentials:
-    """A process's proof of membership: the job secret and, for encrypted links, the job certificate."""
+    """A process's proof of membership: the job secret (or its own member key) and, for encrypted
+    links, the job certificate."""
 
     secret: bytes
     certificate: Path | None = None
     """The job's self-signed certificate (``netstorm secret FILE --tls`` writes FILE.crt); every side
     trusts exactly this certificate."""
     key: Path | None = None
+    member: Keys | None = None
+    """This process's own member key (``netstorm.memberkeys.MemberKeys``), which then replaces the shared
+    secret on every TCP plane: it proves this member's identity and no other."""
 
     @classmethod
     def from_config(cls, config: Config) -> Credentials | None:
-        """From a ``Config`` (``secret_file``, ``wan_tls``); None when the job runs without a secret."""
-        if not config.secret_file:
+        """From a ``Config`` (``secret_file``, ``member_file``, ``revoked_file``, ``wan_tls``); None when
+        the job runs without a secret."""
+        if config.member_file:
+            member = member_keys(config.member_file, config.revoked_file)
+            secret = load_secret(config.secret_file) if config.secret_file else b""
+        elif config.secret_file:
+            member, secret = None, load_secret(config.secret_file)
+        else:
             return None
-        secret = load_secret(config.secret_file)
         if not config.wan_tls:
-            return cls(secret)
+            return cls(secret, member=member)
         certificate, key = tls_files(config.secret_file)
         for path in (certificate, key):
             if not path.is_file():
                 raise ConfigError(f"wan_tls: {path} is missing (write it with `netstorm secret "
                                   f"{config.secret_file} --tls --force`)")
-        return cls(secret, certificate, key)
+        return cls(secret, certificate, key, member=member)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str] | None) -> Credentials | None:
-        return cls(load_secret(path)) if path else None
+        """From a trainer's ``secret_file``: the shared secret, or the trainer's own member file."""
+        if not path:
+            return None
+        with contextlib.suppress(OSError):
+            with open(path, "rb") as file:
+                head = file.read(64)
+            from netstorm.memberkeys import is_member_file
+            if is_member_file(head):
+                return cls(b"", member=member_keys(path, ""))
+        return cls(load_secret(path))
+
+    @property
+    def keys(self) -> Keys | bytes:
+        """What the handshake proves with: the member key, or the shared secret."""
+        return self.member if self.member is not None else self.secret
+
+    def revoked(self, identity: Identity | None) -> bool:
+        """Whether ``identity``, proven earlier, has been revoked since (member keys only)."""
+        check = getattr(self.member, "revoked", None)
+        return identity is not None and check is not None and bool(check(identity))
+
 
     @property
     def tls(self) -> bool:
@@ -91,6 +120,12 @@ class Credentials:
         context.load_verify_locations(cafile=self.certificate)
         context.load_cert_chain(self.certificate, self.key)
         return context
+
+
+def member_keys(member_file: str | os.PathLike[str], revoked_file: str | os.PathLike[str]) -> Keys:
+    """The member key in ``member_file``, checking others against the revocation list ``revoked_file``."""
+    from netstorm.memberkeys import MemberKeys, Revocations, load_member  # loaded only for member keys
+    return MemberKeys(load_member(member_file), Revocations(revoked_file or None))
 
 
 def tls_files(secret_file: str | os.PathLike[str]) -> tuple[Path, Path]:
@@ -136,15 +171,15 @@ async def _run_stream(handshake: Handshake, reader: asyncio.StreamReader, writer
             refusal = refuse(UNAUTHENTICATED)
         if refusal and not writer.is_closing():
             writer.write(refusal)
-            await _linger(reader, writer)
+            await linger(reader, writer)
         raise
     assert handshake.peer is not None
     return handshake.peer
 
 
-async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Let the other side read the refusal: half-close, drain its input briefly (closing with unread
-    input would reset the connection and lose the refusal), then the caller closes."""
+async def linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Let the other side read the refusal: half-close, drain (and drop) its input briefly (closing with
+    unread input would reset the connection and lose the refusal), then the caller closes."""
     with contextlib.suppress(OSError, RuntimeError, NotImplementedError, TimeoutError):
         async with asyncio.timeout(REFUSE_LINGER_S):
             await writer.drain()
@@ -157,7 +192,7 @@ async def _linger(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
 async def client_stream(credentials: Credentials, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
                         plane: Plane, me: Identity, timeout: float) -> Identity:  # noqa: ASYNC109 (the handshake deadline)
     """Authenticate a connection this side opened; the server's proven identity."""
-    handshake = Handshake(credentials.secret, plane, me, client=True, now=asyncio.get_running_loop().time(),
+    handshake = Handshake(credentials.keys, plane, me, client=True, now=asyncio.get_running_loop().time(),
                           timeout=timeout, peer_name=_peer_name(writer))
     return await _run_stream(handshake, reader, writer, None)
 
@@ -167,7 +202,7 @@ async def server_stream(credentials: Credentials, reader: asyncio.StreamReader, 
                         refuse: Refuse, accept: Callable[[Identity], str | None] | None = None) -> Identity:
     """Authenticate a connection this side accepted; the client's proven identity. ``refuse`` answers a
     client that spoke the plane's protocol without authenticating, in that protocol's error form."""
-    handshake = Handshake(credentials.secret, plane, me, client=False, now=asyncio.get_running_loop().time(),
+    handshake = Handshake(credentials.keys, plane, me, client=False, now=asyncio.get_running_loop().time(),
                           timeout=timeout, allowed=allowed, accept=accept, peer_name=_peer_name(writer))
     return await _run_stream(handshake, reader, writer, refuse)
 
@@ -303,7 +338,7 @@ class ServerGate(_Gate):
         self._on_refused = on_refused
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        handshake = Handshake(self._credentials.secret, self._plane, self._me, client=False,
+        handshake = Handshake(self._credentials.keys, self._plane, self._me, client=False,
                               now=asyncio.get_running_loop().time(), timeout=self._timeout, allowed=self._allowed,
                               peer_name=_peer_name(transport))
         self._start(transport, handshake)
@@ -336,7 +371,7 @@ class ClientGate(_Gate):
         self.result: asyncio.Future[Identity] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        handshake = Handshake(self._credentials.secret, self._plane, self._me, client=True,
+        handshake = Handshake(self._credentials.keys, self._plane, self._me, client=True,
                               now=asyncio.get_running_loop().time(), timeout=self._timeout,
                               peer_name=_peer_name(transport))
         self._start(transport, handshake)
@@ -400,7 +435,7 @@ def server_factory(credentials: Credentials | None, inner: Callable[[Identity | 
 def client_socket(credentials: Credentials, sock: socket.socket, *, plane: Plane, me: Identity,
                   timeout: float) -> Identity:
     """Authenticate a connected blocking socket; the server's identity (AuthError on failure)."""
-    handshake = Handshake(credentials.secret, plane, me, client=True, now=time.monotonic(), timeout=timeout,
+    handshake = Handshake(credentials.keys, plane, me, client=True, now=time.monotonic(), timeout=timeout,
                           peer_name=str(sock.getpeername()))
     previous = sock.gettimeout()
     try:

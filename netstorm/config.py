@@ -125,6 +125,15 @@ class Config:
     """Seconds a new data-plane connection may take to say which member it is; then it is closed."""
     frame_timeout: float = 60.0
     """Seconds a data-plane connection may stall in the middle of a frame; then it is closed."""
+    idle_timeout: float = 60.0
+    """Seconds a connection past its handshake may stay silent before it is closed: a data-plane
+    connection after its Hello (senders keep an idle link open with a keepalive every third of this), a
+    node's control connection after registration (nodes heartbeat every ``heartbeat_interval``) and an
+    admin tool's between requests."""
+    trainer_idle_timeout: float = 3600.0
+    """Seconds a trainer connection (Unix socket or TCP) may stay silent between requests, from its
+    first byte on; then it is closed and its place at the node freed. A trainer computes between
+    requests: this bounds the longest step, not the wait for a reply."""
     max_connections_per_source: int = 64
     """Data-plane connections one source address may hold open at a node; more are closed at once."""
     # Emulation.
@@ -146,6 +155,16 @@ class Config:
     """Encrypt node-to-node and node-to-scheduler connections with TLS, pinning the job certificate
     SECRET_FILE.crt (and key SECRET_FILE.key) that `netstorm secret FILE --tls` writes; needs
     secret_file, and the same setting on every process of the job."""
+    member_file: str = ""
+    """This process's own member credential (`netstorm secret FILE --issue node:3 --authority AUTH`
+    writes one): every TCP connection then proves this member's identity with its own key instead of
+    the shared job secret, and checks the other side's certificate against the job's authority. The
+    scheduler, every node and every admin tool each hold their own; ``secret_file`` then only keys the
+    LAN tier's datagrams."""
+    revoked_file: str = ""
+    """The job's revocation list (`netstorm secret FILE --revoke MEMBER`): serials of member
+    certificates refused from then on, read again whenever it changes; a revoked node's scheduler
+    connection is closed at its next heartbeat. Empty: nothing revoked."""
     state_dir: str = ""
     """Directory where the scheduler keeps membership, policy versions and iteration bindings (an sqlite
     file, created with the directory if missing), so a scheduler restarted with the same command line
@@ -261,6 +280,9 @@ class Config:
     def validate(self) -> None:
         """Reject values no run could use, naming the option."""
         self.secret()
+        if self.idle_timeout <= self.heartbeat_interval:
+            raise ConfigError(f"idle_timeout ({self.idle_timeout:g} s) must exceed heartbeat_interval "
+                              f"({self.heartbeat_interval:g} s): a registered node is silent between heartbeats")
         if self.wan_tls and not self.secret_file:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
@@ -283,7 +305,7 @@ class Config:
             raise ConfigError(f"num_root_servers must be >= 0 (0 = all nodes), got {self.num_root_servers}")
         for name in ("update_time", "iteration_timeout", "connect_timeout", "heartbeat_interval",
                      "heartbeat_timeout", "clock_sync_interval", "hello_timeout", "frame_timeout",
-                     "scheduler_grace"):
+                     "scheduler_grace", "idle_timeout", "trainer_idle_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive seconds, got {getattr(self, name)!r}")
         for name in ("update_rate", "react_change", "react_interval", "probe_window", "stale_after"):
@@ -342,7 +364,8 @@ PAPER_DESIGN: dict[str, Any] = {
     "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
-LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket"})
+LOCAL: frozenset[str] = frozenset({"secret_file", "member_file", "revoked_file", "wan_tls", "torch_round",
+                                   "torch_socket"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

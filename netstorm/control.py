@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
+import operator
 import struct
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Generic, TypeVar
@@ -29,9 +31,11 @@ import msgspec
 
 from netstorm import auth
 from netstorm.errors import AuthError, ErrorCode, NetStormError
+from netstorm.policywire import PolicyForm
 from netstorm.schema import (
     DECODE_ERRORS,
     MAX_ITEMS,
+    MAX_NAME,
     MAX_NODE_ID,
     MAX_NODES,
     Finite,
@@ -42,6 +46,7 @@ from netstorm.schema import (
     Port,
     Text,
     Version,
+    envelope,
     stated,
     typed_error,
     unstated,
@@ -53,7 +58,11 @@ V = TypeVar("V")
 VERSION = 1
 LENGTH = struct.Struct("<I")
 MAX_CONTROL_FRAME = 64 * 1024 * 1024
-"""Largest control frame body accepted: a 200-node policy with auxiliary paths fits comfortably."""
+"""Largest control frame body of any kind: a 200-node policy with auxiliary paths fits comfortably."""
+MAX_SMALL_FRAME = 1024 * 1024
+MAX_OVERRIDE_FRAME = 8 * 1024 * 1024
+"""Largest admin ``PolicyOverride``: the rates of every directed link among a few hundred DCs."""
+"""Largest body of a message without a long list (most kinds): its bounded fields fit far below it."""
 
 
 class ControlError(NetStormError):
@@ -131,9 +140,11 @@ class RowMap(Mapping[K, V], Generic[K, V]):
         """The mapping from rows msgspec already validated one by one; ValueError for what relates rows."""
 
     @classmethod
-    def of(cls, value: Mapping[K, V]) -> Any:
-        """``value`` as this class (itself when it already is one)."""
-        return value if type(value) is cls else cls(value)
+    def of(cls, value: Mapping[K, V] | list[Any]) -> Any:
+        """``value`` as this class: itself when it already is one, a mapping, or the rows msgspec decoded."""
+        if type(value) is cls:
+            return value
+        return cls.from_rows(value) if isinstance(value, list) else cls(value)
 
 
 def _once(node_id: int, seen: Mapping[int, object]) -> int:
@@ -255,8 +266,11 @@ if TYPE_CHECKING:  # to a type checker any mapping will do; msgspec reads (and w
     RatesField = Mapping[tuple[int, int], float]
     MovesField = Mapping[tuple[int, int], tuple[Move, ...]]
     EdgeModesField = Mapping[int, tuple[str, str]]
-else:
-    MembersField, WorkersField, RatesField, MovesField, EdgeModesField = Members, WorkerCounts, Rates, Moves, EdgeModes
+    PolicyField = dict[str, Any]
+else:  # msgspec decodes the bounded rows, typed, and ``__post_init__`` makes them the mapping
+    MembersField, WorkersField, RatesField, MovesField, EdgeModesField = (
+        _ROWS[Members], _ROWS[WorkerCounts], _ROWS[Rates], _ROWS[Moves], _ROWS[EdgeModes])
+    PolicyField = PolicyForm
 
 
 def _enc_hook(value: Any) -> Any:
@@ -265,16 +279,6 @@ def _enc_hook(value: Any) -> Any:
     if isinstance(value, int):  # an Unstated version
         return int(value)
     raise NotImplementedError(f"cannot encode {type(value).__name__}")
-
-
-def _dec_hook(kind: type, value: Any) -> Any:
-    if kind in _ROWS:
-        try:
-            rows = msgspec.convert(value, _ROWS[kind])
-        except msgspec.ValidationError as exc:  # a ValueError gets the field's path from msgspec
-            raise ValueError(f"rows: {exc}") from None
-        return kind.from_rows(rows)
-    raise NotImplementedError(f"cannot decode {kind.__name__}")
 
 
 def _force(message: msgspec.Struct, name: str, value: object) -> None:
@@ -295,6 +299,8 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbi
     the message's tag on the wire."""
 
     TYPE: ClassVar[str] = ""
+    MAX_BYTES: ClassVar[int] = MAX_SMALL_FRAME
+    """Largest body of this kind: a receiver reads at most the largest bound of the kinds it accepts."""
     v: int = msgspec.field(default_factory=unstated(VERSION))
 
     def __post_init__(self) -> None:
@@ -321,8 +327,11 @@ class Register(Message, frozen=True, tag="register", omit_defaults=True):
 class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     """Sent to every node once all expected nodes have registered."""
 
+    MAX_BYTES = MAX_CONTROL_FRAME
+
     members: MembersField
-    config: dict[str, Any]
+    config: Annotated[dict[Name, bool | int | float | Text | None], msgspec.Meta(max_length=MAX_NAME)]
+    """The scheduler's options (every value a scalar)."""
     scheduler_time: Finite
     workers: WorkersField = _NO_WORKERS
     """Member -> workers its contribution sums (Register.workers). Kept, and sent, only where it is not
@@ -334,6 +343,7 @@ class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         _force(self, "members", Members.of(self.members))
+        _force(self, "workers", WorkerCounts.of(self.workers))
         strangers = sorted(set(self.workers) - set(self.members))
         if strangers:
             raise ControlError(f"{self.TYPE}.workers: node(s) {strangers} are not members")
@@ -409,6 +419,8 @@ class LinkBeliefs(Message, frozen=True, tag="link_beliefs", omit_defaults=True):
     auxiliary paths by what the scheduler now believes: a detour through a link that has fallen behind
     the bound policy's plan only adds to that link's backlog."""
 
+    MAX_BYTES = MAX_CONTROL_FRAME
+
     version: Version
     rates: RatesField
     """Directed link -> Mbit/s."""
@@ -436,12 +448,19 @@ class PolicyReply(Message, frozen=True, tag="policy_reply", omit_defaults=True):
     """The policy bound to ``iteration``; ``policy`` (``Policy.to_wire``'s form) is None when the node
     already holds ``version``."""
 
+    MAX_BYTES = MAX_CONTROL_FRAME
+
     iteration: Version
     version: Version
-    policy: dict[str, Any] | None
+    policy: PolicyField | None
     joining: NodeIds = ()
     """DCs admitted at this iteration: it hands them the live model (one live DC contributes its
     trainer's model, everyone else zeros) instead of summing gradients."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.policy, PolicyForm):  # decoded typed; its readers take the builtin form
+            _force(self, "policy", msgspec.to_builtins(self.policy))
 
 
 class LinkReport(Message, frozen=True, tag="link_report"):
@@ -467,6 +486,8 @@ class Error(Message, frozen=True, tag="error"):
 class PolicyOverride(Message, frozen=True, tag="policy_override"):
     """Admin: plan a new policy version from these rates now (tests and operators force a change)."""
 
+    MAX_BYTES = MAX_OVERRIDE_FRAME
+
     rates: RatesField
 
     def __post_init__(self) -> None:
@@ -483,6 +504,7 @@ class StatusRequest(Message, frozen=True, tag="status_request"):
 
 
 class Status(Message, frozen=True, tag="status", omit_defaults=True):
+    MAX_BYTES = MAX_CONTROL_FRAME
     expected: NodeIds
     registered: NodeIds
     alive: NodeIds
@@ -556,6 +578,8 @@ class History(Message, frozen=True, tag="history"):
     """The answer to a ``HistoryRequest``: a page of bindings and of published policy versions. A page
     shorter than the scheduler's page size is the last; bindings and versions older than what the
     scheduler remembers are gone (it keeps a bounded window of each)."""
+
+    MAX_BYTES = MAX_CONTROL_FRAME
 
     bindings: Annotated[tuple[tuple[Version, Version], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     """(iteration, version) bound, by iteration."""
@@ -663,11 +687,58 @@ for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, Me
     MESSAGES[_cls.TYPE] = _cls
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-_DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
-    Register | RegisterAck | LayoutCheck | LayoutAck | Heartbeat | Leave | MemberDown | PeerUnreachable | MemberUp
-    | LinkBeliefs | PolicyRequest | PolicyReply | LinkReport | Error | PolicyOverride | PolicyOverrideAck
-    | StatusRequest | Status | PolicyFetch | EdgeReport | HistoryRequest | History | LanReport | LanPlan,
-    dec_hook=_dec_hook)
+
+
+class Inbound:
+    """What one receiver accepts: its kinds, decoded with their schema and nothing else, and the largest
+    frame it reads (the largest ``MAX_BYTES`` of those kinds), so a frame is bounded by its kind before
+    its body is read and after it is decoded."""
+
+    def __init__(self, who: str, kinds: tuple[type[Message], ...]) -> None:
+        self.who = who
+        self.kinds = {kind.TYPE: kind for kind in kinds}
+        self.max_frame = max(kind.MAX_BYTES for kind in kinds)
+        self._decoder: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
+            functools.reduce(operator.or_, kinds))
+
+    def decode(self, body: bytes | bytearray | memoryview) -> Message:
+        """One message from a frame body (without the length prefix)."""
+        try:
+            message = self._decoder.decode(body)
+        except DECODE_ERRORS as exc:
+            raise self._diagnose(body, exc) from None
+        if not stated(message.v):
+            raise ControlError(f"unsupported control protocol version None (this side speaks {VERSION})")
+        if len(body) > message.MAX_BYTES:
+            raise ControlError(f"{message.TYPE} frame of {len(body)} bytes exceeds its kind's limit of "
+                               f"{message.MAX_BYTES}")
+        return message
+
+    def _diagnose(self, body: bytes | bytearray | memoryview, exc: Exception) -> ControlError:
+        """Why a frame did not decode, in the words of its envelope (map, version, type) before its
+        fields'; only the envelope is decoded again, never the frame as untyped msgpack."""
+        try:
+            version, kind = envelope(body)
+        except msgspec.ValidationError as not_map:
+            return ControlError(f"control frame ({len(body)} bytes) is not a map: {not_map}")
+        except DECODE_ERRORS as undecodable:
+            return ControlError(f"undecodable control frame ({len(body)} bytes): "
+                                f"{typed_error(ControlError, 'frame', undecodable)}")
+        if version != VERSION or isinstance(version, bool):
+            return ControlError(f"unsupported control protocol version {version!r} (this side speaks {VERSION})")
+        if not isinstance(kind, str) or kind not in MESSAGES:
+            return ControlError(f"unknown control message type {kind!r}")
+        if kind not in self.kinds:
+            return ControlError(f"{self.who} does not accept {kind} messages")
+        return typed_error(ControlError, kind, exc)
+
+
+ANY = Inbound("this side", tuple(MESSAGES.values()))
+"""Every kind (what tools and tests decode)."""
+TO_SCHEDULER = Inbound("the scheduler", (Register, LayoutCheck, Heartbeat, Leave, PeerUnreachable, PolicyRequest,
+                                         LinkReport, EdgeReport, LanReport, PolicyOverride, StatusRequest,
+                                         PolicyFetch, HistoryRequest))
+"""What nodes and admin tools send the scheduler: none of it is larger than an override's rates."""
 
 
 # --- codec -------------------------------------------------------------------------------------------
@@ -676,41 +747,22 @@ _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(
 def encode(message: Message) -> bytes:
     """The whole frame: length prefix and msgpack body."""
     body = _ENCODER.encode(message)
-    if len(body) > MAX_CONTROL_FRAME:
-        raise ControlError(f"{message.TYPE} frame of {len(body)} bytes exceeds {MAX_CONTROL_FRAME}")
+    if len(body) > message.MAX_BYTES:
+        raise ControlError(f"{message.TYPE} frame of {len(body)} bytes exceeds its kind's limit of "
+                           f"{message.MAX_BYTES}")
     return LENGTH.pack(len(body)) + body
 
 
-def decode(body: bytes | bytearray | memoryview) -> Message:
-    """One message from a frame body (without the length prefix)."""
-    try:
-        message = _DECODER.decode(body)
-    except DECODE_ERRORS as exc:
-        raise _diagnose(body, exc) from None
-    if not stated(message.v):
-        raise ControlError(f"unsupported control protocol version None (this side speaks {VERSION})")
-    return message
+def decode(body: bytes | bytearray | memoryview, inbound: Inbound = ANY) -> Message:
+    """One message from a frame body (without the length prefix), of a kind ``inbound`` accepts."""
+    return inbound.decode(body)
 
 
-def _diagnose(body: bytes | bytearray | memoryview, exc: Exception) -> ControlError:
-    """Why a frame did not decode, in the words of its envelope (map, version, type) before its fields'."""
-    try:
-        data: Any = msgspec.msgpack.decode(body)
-    except DECODE_ERRORS as undecodable:
-        return ControlError(f"undecodable control frame ({len(body)} bytes): {undecodable}")
-    if not isinstance(data, dict):
-        return ControlError(f"control frame is not a map but {type(data).__name__}")
-    version = data.get("v")
-    if version != VERSION or isinstance(version, bool):
-        return ControlError(f"unsupported control protocol version {version!r} (this side speaks {VERSION})")
-    kind = data.get("type")
-    if not isinstance(kind, str) or kind not in MESSAGES:
-        return ControlError(f"unknown control message type {kind!r}")
-    return typed_error(ControlError, kind, exc)
-
-
-async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CONTROL_FRAME) -> Message | None:
-    """The next message, or None at a clean end of stream between frames."""
+async def read_message(reader: asyncio.StreamReader, *, inbound: Inbound = ANY,
+                       max_frame: int | None = None) -> Message | None:
+    """The next message, or None at a clean end of stream between frames. A frame longer than
+    ``inbound`` accepts (or ``max_frame``) is refused from its length prefix, before it is read."""
+    limit = inbound.max_frame if max_frame is None else min(max_frame, inbound.max_frame)
     try:
         prefix = await reader.readexactly(LENGTH.size)
     except asyncio.IncompleteReadError as exc:
@@ -721,13 +773,14 @@ async def read_message(reader: asyncio.StreamReader, *, max_frame: int = MAX_CON
         raise ControlAuthError("authentication failed: the peer authenticates with a job secret, this side "
                                "has none (secret_file)")
     (length,) = LENGTH.unpack(prefix)
-    if length > max_frame:
-        raise ControlError(f"control frame of {length} bytes exceeds the limit of {max_frame}")
+    if length > limit:
+        raise ControlError(f"control frame of {length} bytes exceeds the limit of {limit} ({inbound.who} reads "
+                           f"no kind larger)")
     try:
         body = await reader.readexactly(length)
     except asyncio.IncompleteReadError:
         raise ControlError(f"connection closed inside a {length}-byte control frame") from None
-    return decode(body)
+    return inbound.decode(body)
 
 
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:

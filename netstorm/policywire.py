@@ -43,6 +43,37 @@ class PolicyWire(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     offload: Annotated[dict[Link, Moves], msgspec.Meta(max_length=MAX_ITEMS)] = {}
 
 
+NodeKey = Annotated[str, msgspec.Meta(pattern=r"^-?(?:0|[1-9][0-9]*)$", max_length=11)]
+"""A node id as ``to_wire`` writes it in a key: a decimal string."""
+ByNodeKey = Annotated[dict[NodeKey, float], msgspec.Meta(max_length=MAX_NODES)]
+
+
+PathList = Annotated[list[NodeId], msgspec.Meta(max_length=MAX_NODES)]
+MoveRow = Annotated[list[PathList | float], msgspec.Meta(min_length=2, max_length=2)]
+"""[path, fraction], as ``to_wire`` writes a move (``parse`` checks which is which)."""
+
+
+class PolicyForm(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """``PolicyWire`` as msgpack carries it, in ``to_wire``'s shapes (lists, node ids as decimal-string
+    keys): the type a control frame's policy decodes into, so that it is typed and bounded while it
+    decodes; its builtin form equals what ``to_wire`` wrote, and ``parse`` reads that."""
+
+    wire: int
+    version: Count
+    topology: Annotated[str, msgspec.Meta(max_length=16)]
+    roots: Annotated[list[NodeId], msgspec.Meta(max_length=MAX_NODES)]
+    trees: Annotated[dict[NodeKey, Annotated[dict[NodeKey, NodeId | None], msgspec.Meta(max_length=MAX_NODES)]],
+                     msgspec.Meta(max_length=MAX_NODES)]
+    chunk_share: ByNodeKey
+    quality: ByNodeKey
+    aux_paths: Annotated[dict[Link, Annotated[list[PathList], msgspec.Meta(max_length=MAX_NODES)]],
+                         msgspec.Meta(max_length=MAX_ITEMS)]
+    rates: Annotated[dict[Link, float], msgspec.Meta(max_length=MAX_ITEMS)] = {}
+    explore: Annotated[list[Link], msgspec.Meta(max_length=MAX_ITEMS)] = []
+    offload: Annotated[dict[Link, Annotated[list[MoveRow], msgspec.Meta(max_length=MAX_NODES)]],
+                       msgspec.Meta(max_length=MAX_ITEMS)] = {}
+
+
 def parse(data: Mapping[str, Any]) -> PolicyWire:
     """``data`` (a decoded wire form) as a PolicyWire; PolicyError names what does not fit."""
     try:

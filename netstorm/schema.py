@@ -11,6 +11,7 @@ decode alike.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from typing import Annotated, Any, Final, TypeVar
@@ -51,6 +52,42 @@ DECODE_ERRORS = (msgspec.MsgspecError, UnicodeDecodeError, RecursionError)
 """What decoding untrusted bytes may raise: msgspec's errors, UnicodeDecodeError for a string that is
 not UTF-8 (msgspec lets it through as it is), and RecursionError for input nested deeper than the
 interpreter's recursion limit (where a field holds arbitrary msgpack)."""
+
+
+class _Envelope(msgspec.Struct):
+    """A message's version and type, each kept as the raw bytes of its value; every other field is
+    skipped, not decoded."""
+
+    v: msgspec.Raw = msgspec.Raw(b"\xc0")
+    type: msgspec.Raw = msgspec.Raw(b"\xc0")
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_SCALAR = msgspec.msgpack.Decoder(bool | int | float | Annotated[str, msgspec.Meta(max_length=64)] | None)
+
+
+SHOWN_BYTES: Final = 64
+"""A non-scalar envelope value this short is shown as it is (it holds at most this many objects)."""
+
+
+def _scalar(raw: msgspec.Raw) -> object:
+    try:
+        return _SCALAR.decode(raw)
+    except DECODE_ERRORS:
+        pass
+    if len(raw) <= SHOWN_BYTES:
+        with contextlib.suppress(*DECODE_ERRORS):
+            return msgspec.msgpack.decode(raw)
+    return f"<a {len(raw)}-byte value>"
+
+
+def envelope(data: bytes | bytearray | memoryview) -> tuple[object, object]:
+    """The ``v`` and ``type`` of a message that did not decode, to name why (None where absent, a
+    description where not a scalar). A hostile message is never decoded as untyped msgpack here: that
+    would build every object it holds (a frame of nested empty arrays is tens of millions of lists).
+    Raises msgspec.ValidationError when the message is not a map, or another of DECODE_ERRORS."""
+    found = _ENVELOPE.decode(data)
+    return _scalar(found.v), _scalar(found.type)
 
 
 def typed_error(error: type[E], what: str, exc: Exception) -> E:

@@ -14,7 +14,7 @@ raised; the client raises the exception class of that code.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 import msgspec
 
@@ -28,6 +28,7 @@ from netstorm.schema import (
     NodeId,
     Text,
     Version,
+    envelope,
     plain,
     stated,
     typed_error,
@@ -189,16 +190,16 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
 
 
 def _diagnose(data: bytes | bytearray | memoryview, exc: Exception) -> TrainerProtocolError:
-    """Why a header did not decode, in the words of its envelope (map, version, type) before its fields'."""
+    """Why a header did not decode, in the words of its envelope (map, version, type) before its fields';
+    only the envelope is decoded again, never the header as untyped msgpack."""
     try:
-        obj: Any = msgspec.msgpack.decode(data)
+        version, name = envelope(data)
+    except msgspec.ValidationError:
+        return TrainerProtocolError("message must be a map")
     except DECODE_ERRORS as undecodable:
         return typed_error(TrainerProtocolError, "message", undecodable)
-    if not isinstance(obj, dict):
-        return TrainerProtocolError("message must be a map")
-    if obj.get("v") != VERSION or isinstance(obj.get("v"), bool):
-        return TrainerProtocolError(f"message version {obj.get('v')!r}, this side speaks {VERSION}")
-    name = obj.get("type")
+    if version != VERSION or isinstance(version, bool):
+        return TrainerProtocolError(f"message version {version!r}, this side speaks {VERSION}")
     if not isinstance(name, str) or name not in TYPES:
         return TrainerProtocolError(f"unknown message type {name!r}")
     return typed_error(TrainerProtocolError, name, exc)

@@ -84,15 +84,18 @@ def _admit_all(header: ChunkHeader) -> bool:
 class InboundProtocol(asyncio.BufferedProtocol):
     """Frames from one peer. Callbacks raise FrameError/ChunkError to reject the peer's input.
 
-    Deadlines: a connection that has not said Hello within ``hello_timeout`` and one that stalls in the
-    middle of a frame for ``frame_timeout`` (no byte arrives) are closed, so idle or half-sent
-    connections cannot pile up. A chunk header is checked (``on_admit``) before its payload is
-    allocated; while the node has no layout the connection stops reading (the bytes stay in the
-    kernel and the sender's queue) instead of buffering chunks nobody can check."""
+    Deadlines, one in every state: a connection that has not said Hello within ``hello_timeout``, one
+    that stalls in the middle of a frame for ``frame_timeout`` (no byte arrives), one silent between
+    frames for ``idle_timeout`` after its Hello (a live sender repeats its Hello as a keepalive) and one
+    held for ``held_timeout`` are closed, so idle or half-sent connections cannot pile up. A chunk
+    header is checked (``on_admit``) before its payload is allocated; while the node has no layout the
+    connection stops reading (held: the bytes stay in the kernel and the sender's queue) instead of
+    buffering chunks nobody can check."""
 
     def __init__(self, *, on_hello: OnHello, on_chunk: OnChunk, on_lost: OnLost, max_frame_bytes: int,
                  clock: Callable[[], float], on_admit: OnAdmit = _admit_all, on_made: OnMade | None = None,
-                 hello_timeout: float | None = None, frame_timeout: float | None = None) -> None:
+                 hello_timeout: float | None = None, frame_timeout: float | None = None,
+                 idle_timeout: float | None = None, held_timeout: float | None = None) -> None:
         self._on_hello = on_hello
         self._on_chunk = on_chunk
         self._on_lost = on_lost
@@ -100,6 +103,9 @@ class InboundProtocol(asyncio.BufferedProtocol):
         self._on_made = on_made
         self._hello_timeout = hello_timeout
         self._frame_timeout = frame_timeout
+        self._idle_timeout = idle_timeout
+        self._held_timeout = held_timeout
+        self._held_at = 0.0
         self._max_frame = max_frame_bytes
         self._clock = clock
         self._staging = bytearray(STAGING_BYTES)
@@ -143,12 +149,18 @@ class InboundProtocol(asyncio.BufferedProtocol):
 
     def _deadline(self) -> tuple[float, str] | None:
         """When this connection is closed unless it makes progress, and why (None: no deadline)."""
-        if self._closing or self._held is not None:
+        if self._closing:
             return None
+        if self._held is not None:
+            if self._held_timeout is None:
+                return None
+            return self._held_at + self._held_timeout, f"this node had no layout for {self._held_timeout:g} s"
         if self.peer_id is None and self._hello_timeout is not None:
             return self._last_read + self._hello_timeout, f"no Hello within {self._hello_timeout:g} s"
         if self.in_frame and self._frame_timeout is not None:
             return self._last_read + self._frame_timeout, f"stalled mid-frame for {self._frame_timeout:g} s"
+        if not self.in_frame and self._idle_timeout is not None:
+            return self._last_read + self._idle_timeout, f"silent for {self._idle_timeout:g} s"
         return None
 
     def _arm(self) -> None:
@@ -224,6 +236,7 @@ class InboundProtocol(asyncio.BufferedProtocol):
         stopped until the node has a layout)."""
         if not self._on_admit(header):
             self._held = header
+            self._held_at = time.monotonic()
             self._compact(pos)
             assert self.transport is not None
             self.transport.pause_reading()
@@ -271,8 +284,9 @@ class InboundProtocol(asyncio.BufferedProtocol):
                 pos = after
                 continue
             if isinstance(header, Hello):
-                if self.peer_id is not None:
-                    raise FrameError(f"second Hello from node {self.peer_id}")
+                # A repeated Hello is the sender's keepalive (it may name the layout the first lacked).
+                if self.peer_id is not None and header.node_id != self.peer_id:
+                    raise FrameError(f"Hello as node {header.node_id} on node {self.peer_id}'s connection")
                 self._on_hello(header, self)
                 self.peer_id = header.node_id
             else:
@@ -393,8 +407,11 @@ class PeerLink:
     def __init__(self, *, peer_id: int, address: tuple[str, int], hello: Callable[[], Hello],
                  clock: Callable[[], float], connect_timeout: float, stall_timeout: float = 300.0,
                  on_progress: Callable[[int, Outgoing | None], None] | None = None,
-                 credentials: Credentials | None = None, node_id: int = 0) -> None:
+                 credentials: Credentials | None = None, node_id: int = 0, keepalive: float | None = None) -> None:
         self.peer_id = peer_id
+        self._keepalive = keepalive
+        """Seconds an open connection may go without a frame before its Hello is sent again, so the
+        receiver's idle deadline never closes a live link (None: never)."""
         self._credentials = credentials
         """With a job secret, a connection proves this is node ``node_id`` before its Hello."""
         self._node_id = node_id
@@ -480,6 +497,19 @@ class PeerLink:
         protocol.transport.write(self._hello().encode())
         return protocol
 
+    async def _idle(self) -> None:
+        """Wait for a frame to send; on an open connection, say Hello again every ``keepalive`` s."""
+        protocol = self.protocol
+        if protocol is None or self._keepalive is None:
+            await self._wakeup.wait()
+            return
+        try:
+            async with asyncio.timeout(self._keepalive):
+                await self._wakeup.wait()
+        except TimeoutError:
+            if not protocol.closed.done() and protocol.transport is not None:
+                protocol.transport.write(self._hello().encode())
+
     async def run(self) -> None:
         """Send queued frames until closed; raises PeerError when the peer cannot be reached."""
         try:
@@ -490,7 +520,7 @@ class PeerLink:
                     if self._closing:
                         return
                     self._wakeup.clear()
-                    await self._wakeup.wait()
+                    await self._idle()
                 if self.protocol is None:
                     self.protocol = await self._connect()
                 protocol = self.protocol

@@ -281,7 +281,8 @@ class GeneralNode:
         link = PeerLink(peer_id=peer, address=address, hello=self._hello, clock=self.clock,
                         connect_timeout=self.config.connect_timeout,
                         stall_timeout=self.config.iteration_timeout, on_progress=self._link_progress,
-                        credentials=self.credentials, node_id=self.node_id)
+                        credentials=self.credentials, node_id=self.node_id,
+                        keepalive=self.config.idle_timeout / 3)
         old = self.links.get(peer)
         if old is not None:
             old.close()
@@ -554,7 +555,8 @@ class GeneralNode:
         protocol = InboundProtocol(on_hello=self._on_hello, on_chunk=self._on_chunk, on_lost=self._on_lost,
                                    max_frame_bytes=self.config.max_frame_bytes, clock=self.clock,
                                    on_admit=self.core.admit, on_made=self._on_made,
-                                   hello_timeout=self.config.hello_timeout, frame_timeout=self.config.frame_timeout)
+                                   hello_timeout=self.config.hello_timeout, frame_timeout=self.config.frame_timeout,
+                                   idle_timeout=self.config.idle_timeout, held_timeout=self.config.iteration_timeout)
         protocol.proven = proven.id if proven is not None else None
         self._inbound.add(protocol)
         return protocol

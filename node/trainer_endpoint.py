@@ -197,9 +197,17 @@ class TrainerEndpoint:
                     log.warning("node %d: %s refused: %s", self.node.node_id, session.name, exc)
                     return
             while True:
+                idle = self.node.config.trainer_idle_timeout
                 try:
-                    prefix = await reader.readexactly(tw.PREFIX.size)
+                    async with asyncio.timeout(idle):  # a trainer computes between requests, never forever
+                        prefix = await reader.readexactly(tw.PREFIX.size)
                 except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                except TimeoutError:
+                    log.warning("node %d: closing %s: no request for %g s", self.node.node_id, session.name, idle)
+                    with contextlib.suppress(ConnectionError, TimeoutError):
+                        await self._reply(writer, tw.ErrorReply(ErrorCode.TIMEOUT, f"closing the connection: no "
+                                                                f"request for {idle:g} s (trainer_idle_timeout)"))
                     return
                 try:
                     header_len, payload_len = tw.decode_prefix(prefix, max_payload=1 << 40)

@@ -14,13 +14,22 @@ Schema (``SCHEMA_VERSION``):
 - ``policies(version, wire, reason)``: every published policy in its wire form (msgpack).
 - ``bindings(iteration, version, joining)``: iteration -> version, and the DCs the iteration admitted
   (JSON list, empty for most).
+
+A full disk (or another I/O error sqlite reports as SQLITE_FULL or SQLITE_IOERR) does not stop the job:
+a write that fails is kept in memory, the newest of each kind replacing older ones, and retried with
+every later write and at every ``catch_up`` (the scheduler calls it as heartbeats arrive), in the order
+the writes were made, until the file holds them all again. Meanwhile ``behind`` says so: a scheduler
+restarted then resumes from what the file held when the disk filled.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import sqlite3
+from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +38,20 @@ import msgspec
 from netstorm.errors import ConfigError
 from scheduler.membership import Row
 
+log = logging.getLogger(__name__)
+
 SCHEMA_VERSION = 1
 FILE_NAME = "scheduler.sqlite3"
 KEEP_BINDINGS = 4096
 """Bindings kept in the file (the consistency core's window); older ones are deleted as new ones come."""
+_UNWRITABLE = (sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+"""Primary sqlite result codes of a write the disk could not take now (full, or an I/O error)."""
+
+
+def unwritable(exc: sqlite3.Error) -> bool:
+    """Whether ``exc`` is the disk refusing a write (to be retried), not a bug or a corrupt file."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code is not None and code & 0xFF in _UNWRITABLE
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS job (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -68,6 +87,48 @@ class StateStore:
     def __init__(self, connection: sqlite3.Connection, path: Path) -> None:
         self._db = connection
         self.path = path
+        self._pending: dict[Hashable, Callable[[], None]] = {}
+        """Writes the disk refused, by what they write (the newest of each), oldest first."""
+        self.refused = 0
+        """Writes held back so far, refused by the disk or queued behind one it refused."""
+
+    @property
+    def behind(self) -> bool:
+        """Some decisions are not in the file yet (the disk refused them); they are retried."""
+        return bool(self._pending)
+
+    def catch_up(self) -> bool:
+        """Retry what the disk refused, oldest first; True once the file holds everything."""
+        while self._pending:
+            key, write = next(iter(self._pending.items()))
+            try:
+                write()
+            except sqlite3.Error as exc:
+                if not unwritable(exc):
+                    raise
+                return False
+            del self._pending[key]
+            if not self._pending:
+                log.warning("state %s caught up: every decision is written again", self.path)
+        return True
+
+    def _write(self, key: Hashable, write: Callable[[], None]) -> None:
+        """Run ``write`` after every earlier refused one; if the disk refuses, keep it for later (a newer
+        write of the same ``key`` replaces it, in place, since it supersedes it)."""
+        if key in self._pending or not self.catch_up():
+            self.refused += 1
+            self._pending[key] = write
+            return
+        try:
+            write()
+        except sqlite3.Error as exc:
+            if not unwritable(exc):
+                raise
+            self.refused += 1
+            if not self._pending:
+                log.warning("state %s: cannot write (%s); the job goes on and the state catches up when the "
+                            "disk takes writes again", self.path, exc)
+            self._pending[key] = write
 
     @classmethod
     def open(cls, state_dir: str | Path, job: dict[str, Any]) -> StateStore:
@@ -119,26 +180,36 @@ class StateStore:
     # --- writes ----------------------------------------------------------------------------------
 
     def save_complete(self) -> None:
-        self._set("complete", "1")
+        self._write(("job", "complete"), lambda: self._set("complete", "1"))
 
     def save_layout(self, layout_hash: str, node_id: int) -> None:
-        self._set("layout", json.dumps([layout_hash, node_id]))
+        value = json.dumps([layout_hash, node_id])
+        self._write(("job", "layout"), lambda: self._set("layout", value))
 
     def save_members(self, rows: list[Row]) -> None:
-        with self._transaction():
-            self._db.execute("DELETE FROM members")
-            self._db.executemany("INSERT INTO members VALUES (?, ?, ?, ?, ?)",
-                                 [(r.node_id, r.host, r.port, r.workers, r.dead) for r in rows])
+        values = [(r.node_id, r.host, r.port, r.workers, r.dead) for r in rows]
+
+        def write() -> None:
+            with self._transaction():
+                self._db.execute("DELETE FROM members")
+                self._db.executemany("INSERT INTO members VALUES (?, ?, ?, ?, ?)", values)
+        self._write(("members",), write)
 
     def save_policy(self, version: int, wire: dict[str, Any], reason: str) -> None:
-        self._db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?)",
-                         (version, msgspec.msgpack.encode(wire), reason))
+        row = (version, msgspec.msgpack.encode(wire), reason)
+
+        def write() -> None:
+            self._db.execute("INSERT OR REPLACE INTO policies VALUES (?, ?, ?)", row)
+        self._write(("policy", version), write)
 
     def save_binding(self, iteration: int, version: int, joining: tuple[int, ...] = ()) -> None:
-        with self._transaction():
-            self._db.execute("INSERT OR REPLACE INTO bindings VALUES (?, ?, ?)",
-                             (iteration, version, json.dumps(list(joining))))
-            self._db.execute("DELETE FROM bindings WHERE iteration <= ?", (iteration - KEEP_BINDINGS,))
+        row = (iteration, version, json.dumps(list(joining)))
+
+        def write() -> None:
+            with self._transaction():
+                self._db.execute("INSERT OR REPLACE INTO bindings VALUES (?, ?, ?)", row)
+                self._db.execute("DELETE FROM bindings WHERE iteration <= ?", (iteration - KEEP_BINDINGS,))
+        self._write(("binding", iteration), write)
 
     # --- internals -------------------------------------------------------------------------------
 
@@ -163,4 +234,15 @@ class _Transaction:
         self._db.execute("BEGIN")
 
     def __exit__(self, kind: object, *rest: object) -> None:
-        self._db.execute("ROLLBACK" if kind is not None else "COMMIT")
+        if kind is None:
+            try:
+                self._db.execute("COMMIT")
+            except sqlite3.Error:
+                self._rollback()
+                raise
+        else:
+            self._rollback()
+
+    def _rollback(self) -> None:
+        with contextlib.suppress(sqlite3.Error):  # sqlite may have rolled back already (a full disk)
+            self._db.execute("ROLLBACK")

@@ -255,12 +255,18 @@ class SchedulerService:
             if self.credentials is not None and not await self._authenticate(conn, reader):
                 return
             while True:
-                timeout = None if conn.node_id is not None else self.config.connect_timeout
+                # Every state has a deadline: a registered node heartbeats far more often than
+                # idle_timeout; anything else (an admin tool, a node yet to register) must say what it
+                # wants within connect_timeout of connecting or of its last answer.
+                timeout = self.config.idle_timeout if conn.node_id is not None else self.config.connect_timeout
                 try:
                     async with asyncio.timeout(timeout):
-                        message = await control.read_message(reader)
+                        message = await control.read_message(reader, inbound=control.TO_SCHEDULER)
                 except TimeoutError:
                     log.warning("%s sent nothing for %s s: closing", conn.name(), timeout)
+                    with contextlib.suppress(ConnectionError):
+                        await conn.send(control.Error(f"closing the connection: nothing received for {timeout:g} s",
+                                                      ErrorCode.TIMEOUT))
                     break
                 if message is None:
                     break
@@ -271,6 +277,9 @@ class SchedulerService:
             code = ErrorCode.AUTH if isinstance(exc, AuthError) else ErrorCode.MALFORMED
             with contextlib.suppress(ConnectionError):
                 await conn.send(control.Error(f"bad control message: {exc}", code))
+                # The sender may still be writing the refused frame: read and drop what it sends for a
+                # moment, so it reads the refusal instead of a reset (its frame is never kept).
+                await authconn.linger(reader, conn.writer)
         except ConnectionError as exc:
             log.warning("control connection to %s failed: %s", conn.name(), exc)
         except asyncio.CancelledError:
@@ -482,6 +491,12 @@ class SchedulerService:
 
     async def _heartbeat(self, conn: _Connection, message: control.Heartbeat) -> bool:
         problem = self._member(conn, message.node_id, "heartbeat")
+        if problem is None and self.credentials is not None and self.credentials.revoked(conn.proven):
+            log.warning("%s: its member key is revoked; closing its connection", conn.name())
+            await conn.send(control.Error(f"{conn.proven}'s member key is revoked", ErrorCode.AUTH))
+            return False
+        if self.store is not None and self.store.behind:
+            self.store.catch_up()  # a full disk may take writes again
         if problem is None:
             try:
                 self.membership.heartbeat(message.node_id, self.clock())

@@ -85,11 +85,13 @@ async def until(check: Callable[[], bool], what: str, within: float = 10.0) -> N
 @contextlib.asynccontextmanager
 async def cluster(ids: list[int], config: Config, policies: Callable[[int], Policy],
                   workers: Mapping[int, int] | None = None,
-                  credentials: Credentials | None = None) -> AsyncIterator[dict[int, GeneralNode]]:
+                  credentials: Credentials | Mapping[int, Credentials] | None = None
+                  ) -> AsyncIterator[dict[int, GeneralNode]]:
     """Nodes ``ids`` serving on loopback, each running in this scope; stopped on exit. ``workers``: how
     many workers a node's contributions sum (1 unless given), as its Register says; ``credentials``: the
-    job secret every node proves on its data connections (none by default)."""
-    nodes = {i: GeneralNode(i, config, credentials=credentials) for i in ids}
+    job secret every node proves on its data connections (none by default), or each node's own."""
+    own = credentials if isinstance(credentials, Mapping) else dict.fromkeys(ids, credentials)
+    nodes = {i: GeneralNode(i, config, credentials=own[i]) for i in ids}
     members = {i: await n.serve_data("127.0.0.1", 0) for i, n in nodes.items()}
     async with asyncio.TaskGroup() as tg:
         for i, n in nodes.items():
