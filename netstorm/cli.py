@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from netstorm import logjson
 from netstorm.errors import NetStormError
 
 # command name -> module under netstorm.commands
@@ -63,6 +65,17 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
     return parser, modules
 
 
+def _log_format(args: argparse.Namespace) -> str:
+    """``log_format`` as the command line, environment or config file says (before the full Config exists,
+    so the first lines already follow it); a bad value is reported by the Config later."""
+    given = getattr(args, "opt_log_format", None) or os.environ.get("NETSTORM_LOG_FORMAT")
+    if given is None and getattr(args, "config", None):
+        from netstorm.config import load_file
+
+        given = load_file(args.config).get("log_format")
+    return "json" if str(given).strip().lower() == "json" else "text"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     named = next((arg for arg in argv if not arg.startswith("-")), None)
@@ -72,8 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        logjson.configure(level, _log_format(args), role=args.command, dc=getattr(args, "id", None))
         return int(modules[args.command].run(args))
     except NetStormError as exc:
         print(f"netstorm {args.command}: error: {exc}", file=sys.stderr)

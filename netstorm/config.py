@@ -153,6 +153,14 @@ class Config:
     scheduler_grace: float = 60.0
     """Seconds a node rides out the loss of the scheduler: it keeps running iterations already bound,
     reconnects with backoff and re-attaches; only after this long does it give up."""
+    # Operations.
+    metrics_listen: str = ""
+    """HOST:PORT where this process serves Prometheus metrics at /metrics (names prefixed netstorm_);
+    empty: none. Under `netstorm local` it is the scheduler's address and node i (in the job's order)
+    serves on PORT + 1 + i."""
+    log_format: str = "text"
+    """Log lines as "text" (one human-readable line each) or "json" (one JSON object per line: time,
+    level, logger, message, and the process's role and DC)."""
     allow_joiners: bool = False
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
@@ -302,6 +310,12 @@ class Config:
         if not 0 <= self.aux_reroute <= 1:
             raise ConfigError(f"aux_reroute must be in [0, 1], got {self.aux_reroute!r}")
         self._validate_compression()
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.metrics_listen:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
         if self.dc_planner not in PLANNERS:
             raise ConfigError(f"dc_planner must be one of {', '.join(PLANNERS)}, got {self.dc_planner!r}")
         if self.dc_plan_time_limit <= 0:
@@ -340,7 +354,8 @@ PAPER_DESIGN: dict[str, Any] = {
     "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
-LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket"})
+LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket", "metrics_listen",
+                                   "log_format"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

@@ -70,8 +70,18 @@ def run(args: argparse.Namespace) -> int:
         assert task is not None
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await service.serve(host, port, ready=ready)
+        metrics = None
+        if config.metrics_listen:  # from the start: its gauges have samples before any node registers
+            from netstorm.metricserve import serve_metrics
+            from scheduler.metrics import renderer
+
+            metrics = await serve_metrics(config.metrics_listen, renderer(service))
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await service.serve(host, port, ready=ready)
+        finally:
+            if metrics is not None:
+                metrics.close()
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(main())
