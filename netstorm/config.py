@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import itertools
 import os
 import tomllib
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +148,7 @@ class Config:
     """Encrypt node-to-node and node-to-scheduler connections with TLS, pinning the job certificate
     SECRET_FILE.crt (and key SECRET_FILE.key) that `netstorm secret FILE --tls` writes; needs
     secret_file, and the same setting on every process of the job."""
+    # Recovery.
     state_dir: str = ""
     """Directory where the scheduler keeps membership, policy versions and iteration bindings (an sqlite
     file, created with the directory if missing), so a scheduler restarted with the same command line
@@ -153,6 +156,9 @@ class Config:
     scheduler_grace: float = 60.0
     """Seconds a node rides out the loss of the scheduler: it keeps running iterations already bound,
     reconnects with backoff and re-attaches; only after this long does it give up."""
+    allow_joiners: bool = False
+    """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
+    always readmitted)."""
     # Operations.
     metrics_listen: str = ""
     """HOST:PORT where this process serves Prometheus metrics at /metrics (names prefixed netstorm_);
@@ -161,9 +167,6 @@ class Config:
     log_format: str = "text"
     """Log lines as "text" (one human-readable line each) or "json" (one JSON object per line: time,
     level, logger, message, and the process's role and DC)."""
-    allow_joiners: bool = False
-    """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
-    always readmitted)."""
     # PyTorch integration (the ``netstorm`` process-group backend and the DDP comm hook).
     torch_round: int = 262_144
     """Float32 elements of one node iteration of the torch backend (its one registered tensor): a collective
@@ -372,8 +375,39 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
+def _field_sections() -> dict[str, str]:
+    """Field -> the concern it belongs to: the ``# Section.`` comment above it in ``Config``."""
+    sections: dict[str, str] = {}
+    current = "Other"
+    for line in inspect.getsource(Config).splitlines():
+        stripped = line.strip()
+        if line.startswith("    # ") and not line.startswith("     "):
+            current = stripped[2:].split(" (")[0].rstrip(".")
+        elif line.startswith("    ") and not line.startswith("     ") and ":" in stripped:
+            name = stripped.split(":", 1)[0]
+            if name in FIELDS:
+                sections.setdefault(name, current)
+    return sections
+
+
 DOCS = _field_docs()
+SECTIONS = _field_sections()
+"""Option -> its concern ("Paper, Table II", "Runtime", "Trust", "Operations", "LAN tier", ...)."""
 ENV_PREFIX = "NETSTORM_"
+NOT_OPTIONS: frozenset[str] = frozenset({"SOCKET", "CLOCK_SKEW", "LOCAL_RUN_DIR", "EMU_REGISTRY"})
+"""``NETSTORM_`` variables that are not options (so no "did you mean" is offered for them)."""
+
+
+def closest(name: str, known: Collection[str]) -> str | None:
+    """The one of ``known`` a mistyped ``name`` most likely meant (None when none is close)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def suggest(name: str, known: Collection[str]) -> str:
+    """ "; did you mean 'X'?" for the closest of ``known`` to a mistyped ``name``, or ""."""
+    match = closest(name, known)
+    return f"; did you mean {match!r}?" if match else ""
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -436,7 +470,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
     for key, value in table.items():
         name = _normalise(key)
         if name not in FIELDS:
-            raise ConfigError(f"{path}: unknown option {key!r}; known: {', '.join(sorted(FIELDS))}")
+            raise ConfigError(f"{path}: unknown option {key!r}{suggest(name, FIELDS)} (every option: "
+                              "netstorm scheduler --help)")
         out[name] = _coerce(name, value, str(path))
     return out
 
@@ -451,6 +486,11 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
         name = _normalise(key[len(ENV_PREFIX):])
         if name in FIELDS:
             out[name] = _coerce(name, value, f"environment {key}")
+        elif key[len(ENV_PREFIX):] not in NOT_OPTIONS:
+            match = closest(name, FIELDS)
+            if match:  # another tool's variable is left alone; one a letter away from an option is not
+                warnings.warn(f"environment {key} is not an option; did you mean {ENV_PREFIX}{match.upper()}?",
+                              stacklevel=2)
     return out
 
 
@@ -478,20 +518,45 @@ def resolve(
     return config
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``."""
-    group = parser.add_argument_group("NetStorm options (also NETSTORM_<NAME> or a [netstorm] TOML table)")
-    group.add_argument("--config", metavar="FILE", help="TOML file with options")
+def first_sentence(text: str) -> str:
+    """The first sentence of an option's docstring (``--help`` is a summary; the docstring says the rest)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char in ".;:" and depth == 0 and text[i + 1:i + 2] == " " and i >= 20:
+            return text[:i]
+    return text.rstrip(".")
+
+
+JOB_SECTIONS: tuple[str, ...] = ("Paper, Table II", "Paper, Table I", "Runtime", "Trust", "Recovery", "Operations",
+                                  "Compression", "DC planning", "LAN tier")
+"""The concerns of a job's options (what the scheduler hands its nodes, and ``local`` its children)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | None = None,
+                  names: Sequence[str] = ()) -> None:
+    """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``. The help shows the options
+    of ``sections`` (every one when None) and ``names``, one group per concern, with their defaults; the
+    others are still accepted (a supervisor hands every child the same flags) but not shown."""
+    shown = {n for n in FIELDS if sections is None or SECTIONS.get(n) in sections} | set(names)
+    parser.add_argument("--config", metavar="FILE", help="TOML file with options (top level or [netstorm]); "
+                        "every option is also NETSTORM_<NAME>")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        doc = DOCS.get(name, "").replace("%", "%%")  # argparse formats help with %
         kind = type(field.default)
-        if kind is bool:
-            group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,
-                               help=f"{doc} (default {str(field.default).lower()})")
+        default = str(field.default).lower() if kind is bool else repr(field.default) if kind is str else field.default
+        if name in shown:
+            section = SECTIONS.get(name, "Other")
+            if section not in groups:
+                groups[section] = parser.add_argument_group(f"{section} options")
+            target: argparse._ActionsContainer = groups[section]
+            doc = first_sentence(DOCS.get(name, "")).replace("%", "%%")  # argparse formats help with %
+            help_text = f"{doc} (default {default})"
         else:
-            group.add_argument(flag, dest=f"opt_{name}", metavar=kind.__name__.upper(), default=None,
-                               help=f"{doc} (default {field.default})")
+            target, help_text = parser, argparse.SUPPRESS
+        target.add_argument(flag, dest=f"opt_{name}", metavar="BOOL" if kind is bool else kind.__name__.upper(),
+                            default=None, help=help_text)
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-going", action="store_true",
                         help="a node that dies is reported and the job goes on without its DC (default: the "
                              "run stops with its log tail)")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, config_module.JOB_SECTIONS)
 
 
 def config_flags(args: argparse.Namespace) -> list[str]:

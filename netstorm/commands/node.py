@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     edge.add_argument("--edge-lan", metavar="FILE",
                       help="instead of --edge-scenario: a file holding this LAN's description alone (the scenario "
                            "format's [node.lan] table at the top level; the emulator writes one per planned DC)")
-    config_mod.add_arguments(parser)
+    config_mod.add_arguments(parser, ("Runtime", "Trust", "Operations", "LAN tier"), ("scheduler_grace",))
 
 
 def lan_description(scenario: str | None, node_id: int, lan_file: str | None = None) -> LanSpec | None:

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roots", type=int, metavar="N", help="number of roots (default NUM_ROOT_SERVERS)")
     parser.add_argument("--bw-scale", type=float, default=1.0, metavar="X",
                         help="multiply the scenario's rates by X for the first plan (default 1)")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, config_module.JOB_SECTIONS)
 
 
 def parse_nodes(text: str | None, scenario: scenario_module.Scenario) -> list[int]:

@@ -24,7 +24,7 @@ HELP = "show a running scheduler's members, policy version and last bound iterat
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's control address")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, (), ("connect_timeout", "secret_file", "wan_tls", "log_format"))
 
 
 def summary(status: control.Status) -> dict[str, Any]:

@@ -48,6 +48,7 @@ from netstorm.emulation.lantier import DcTier, planned_tiers, run_config
 from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.lan_scenario import lan_toml, uniform_lan
+from netstorm.progress import Progress
 from netstorm.scenario import Rates, Scenario, load
 from netstorm.trainers.launch import torch_ddp_args
 from netstorm.trainers.tasks import TASKS
@@ -724,6 +725,7 @@ class SystemRun:
                 versions = self.policy_versions()
                 latest = max(versions["bound"].items(), key=lambda kv: int(kv[0]), default=(None, "?"))[1]
                 version = f"policy v{latest} (of {len(versions['policies'])} published) "
+            progress.advance(self.system.name, k + 1)
             progress.line(f"[{self.system.name}] iteration {k + 1}/{self.opts.iterations}: {secs:.2f} s "
                           f"(limit {self.limit_for(self.net.rates):.2f} s) {version}epoch {self.epoch} "
                           f"cpu {cpu_pct:.0f}% rates(Mbit/s) {rates}")
@@ -784,18 +786,6 @@ class SystemRun:
         return out
 
 
-class Progress:
-    """Progress lines on a stream (stderr by default): one per iteration and per rate change."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-        self.t0 = time.monotonic()
-
-    def line(self, text: str) -> None:
-        self.stream.write(f"{time.monotonic() - self.t0:8.1f}s {text}\n")
-        self.stream.flush()
-
-
 def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
     """Wait until something listens on TCP ``port`` inside ``namespace`` (the scheduler is up)."""
     while True:
@@ -820,6 +810,7 @@ def run(opts: Options) -> dict[str, Any]:
     progress = Progress(opts.stream)
     result = results.new_result(scenario, opts, parameters, bounds)
     with contextlib.ExitStack() as stack:
+        stack.callback(progress.close)
         if opts.run_dir:
             tmp = opts.run_dir
             Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -865,6 +856,7 @@ def run(opts: Options) -> dict[str, Any]:
 
             player = DynamicsPlayer(net, schedule(scenario, time_scale=opts.time_scale), on_change=on_change)
             progress.line(f"[{system.name}] starting ({system.kind})")
+            progress.bar(system.name, f"{system.name} iterations", opts.iterations)
             # The schedule starts with training, when the first iteration (which also sets up every
             # connection) completes: start-up time varies from run to run, and timing the schedule from the
             # launch gave each system a different number of iterations on each epoch's rates.
