@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "secret": "secret",
     "status": "status",
+    "probe": "probe",
     "lan-aggregator": "lan_aggregator",
 }
 

@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--roots must be >= 0, got {args.roots}")
     host, port = parse_address(args.listen, "--listen")
     rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
+    if scenario.unknown:  # the passive estimator measures them from the first iteration on
+        print(f"scheduler: {scenario.name} states no rate for {len(scenario.unknown)} directed link(s): the first "
+              f"policy assumes the prior {scenario.prior_mbit:g} Mbit/s there (netstorm probe measures them first)",
+              file=sys.stderr, flush=True)
     service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots,
                                credentials=Credentials.from_config(config))
 

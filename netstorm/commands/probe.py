@@ -1,0 +1,150 @@
+"""``netstorm probe``: measure a job's WAN links with short bulk probes and write a scenario with the rates.
+
+A scenario for real hosts may list only its DCs (with their addresses), or links without rates; the
+probe fills the rates in. ``--emulate`` builds the emulated network of ``--applied`` (default: the
+scenario itself), measures every directed link in it and checks each measurement against the rate
+the emulator applied. On real hosts every DC runs ``--sink``, and each DC's host measures its own
+outgoing links with ``--from DC`` (they are that host's to send on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from netstorm import config as config_module
+from netstorm import scenario as scenario_module
+from netstorm.control import parse_address
+from netstorm.errors import ConfigError
+
+NAME = "probe"
+HELP = "measure a job's WAN links with short bulk probes and write a scenario with the measured rates"
+DEFAULT_BYTES = 4_000_000
+DEFAULT_PORT = 9750
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("scenario", help="scenario name (klonet-scenarios/) or TOML file; rates may be missing")
+    where = parser.add_argument_group("where to measure (one of)")
+    where.add_argument("--emulate", action="store_true",
+                       help="build the emulated network (root) and measure every link in it")
+    where.add_argument("--from", dest="from_dc", type=int, metavar="DC",
+                       help="real hosts: measure the links from DC (this host) to its neighbours' addresses")
+    where.add_argument("--sink", metavar="HOST:PORT", help="real hosts: answer the other DCs' probes until killed")
+    probe = parser.add_argument_group("the probe")
+    probe.add_argument("--bytes", type=int, default=DEFAULT_BYTES, metavar="N",
+                       help=f"bytes per directed link; the second half is timed (default {DEFAULT_BYTES})")
+    probe.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the sinks' port (default {DEFAULT_PORT})")
+    probe.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds per link (default 60)")
+    emulation = parser.add_argument_group("emulation")
+    emulation.add_argument("--applied", metavar="SCENARIO",
+                           help="the scenario whose rates the emulator applies (default: SCENARIO, which then "
+                                "must state them)")
+    emulation.add_argument("--bw-scale", type=float, default=1.0, metavar="X",
+                           help="the emulator applies rates times X; measured rates are written divided by X")
+    emulation.add_argument("--tolerance", type=float, default=0.15, metavar="F",
+                           help="a measurement more than this fraction off the applied rate fails (default 0.15)")
+    output = parser.add_argument_group("output")
+    output.add_argument("--out", metavar="FILE", help="write the result here: the scenario with the measured rates "
+                        "(--emulate), the measured links as JSON (--from)")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    config_module.add_arguments(parser, (), ("log_format",))
+
+
+def run(args: argparse.Namespace) -> int:
+    config_module.from_args(args)
+    if sum(bool(x) for x in (args.emulate, args.from_dc is not None, args.sink)) != 1:
+        raise ConfigError("give one of --emulate, --from DC or --sink HOST:PORT")
+    if args.sink:
+        from netstorm.bulkprobe import main as bulk
+
+        return bulk(["sink", args.sink])
+    scenario = scenario_module.load(args.scenario)
+    if args.emulate:
+        measured, applied = _emulated(scenario, args)
+    else:
+        measured, applied = _from_host(scenario, args), {}
+    rows = [{"src": a, "dst": b, "measured_mbit": round(rate, 3),
+             "applied_mbit": applied.get((a, b)),
+             "ratio": round(rate / applied[(a, b)], 4) if applied.get((a, b)) else None}
+            for (a, b), rate in sorted(measured.items())]
+    off = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) > args.tolerance]
+    if args.out and not args.emulate:  # one host's outgoing links: directed rows, for the links' other ends
+        Path(args.out).write_text(json.dumps({"scenario": scenario.name, "from": args.from_dc, "links": rows},
+                                             indent=1) + "\n")
+    elif args.out:
+        written = scenario.with_rates(measured)
+        note = (f"{scenario.description.strip()}\nRates measured by netstorm probe ({args.bytes} bytes per link, "
+                f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).")
+        Path(args.out).write_text(scenario_module.to_toml(written, note))
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "links": rows, "tolerance": args.tolerance,
+                          "off": len(off)}, indent=1))
+    else:
+        for r in rows:
+            applied_text = f"{r['applied_mbit']:.1f}" if r["applied_mbit"] else "-"
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+            print(f"{r['src']:>4}->{r['dst']:<4} measured {r['measured_mbit']:>9.1f} Mbit/s  applied "
+                  f"{applied_text:>8}  ratio {ratio}")
+        if applied:
+            print(f"{len(rows) - len(off)} of {len(rows)} links within {args.tolerance:.0%} of the applied rate")
+    return 1 if off else 0
+
+
+def _emulated(scenario: scenario_module.Scenario, args: argparse.Namespace
+              ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
+    """Every directed link measured in the emulated network of ``--applied``; (measured, applied), in the
+    scenario's units (the emulator's rates divided by ``--bw-scale``)."""
+    from netstorm.emulation.network import EmulatedNetwork
+
+    truth = scenario_module.load(args.applied) if args.applied else scenario
+    if truth.unknown:
+        raise ConfigError(f"--emulate needs rates to apply: {truth.name} states none for "
+                          f"{len(truth.unknown) // 2} link(s); name a scenario that does with --applied")
+    want = {(lk.a, lk.b) for lk in scenario.links} | {(lk.b, lk.a) for lk in scenario.links}
+    have = set(truth.rates())
+    if not want <= have:
+        raise ConfigError(f"--applied {truth.name} lacks links of {scenario.name}: {sorted(want - have)}")
+    measured: dict[tuple[int, int], float] = {}
+    with EmulatedNetwork(truth, bw_scale=args.bw_scale, loss=False) as net:
+        sinks = {dc: net.spawn(dc, [sys.executable, "-m", "netstorm.bulkprobe", "sink",
+                                    f"{net.node_address(dc)}:{args.port}"], stdout=subprocess.PIPE)
+                 for dc in sorted({b for _, b in want})}
+        for proc in sinks.values():  # each prints one line once it listens
+            assert proc.stdout is not None
+            if not proc.stdout.readline():
+                raise ConfigError("a probe sink did not start in its namespace")
+        for src, dst in sorted(want):  # one link at a time: a DC's links do not share its probe
+            sender = net.spawn(src, [sys.executable, "-m", "netstorm.bulkprobe", "send",
+                                     f"{net.node_address(dst)}:{args.port}", str(args.bytes),
+                                     "--timeout", str(args.timeout)], stdout=subprocess.PIPE)
+            out, _ = sender.communicate(timeout=args.timeout + 30)
+            answer: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
+            if "mbit" not in answer:
+                raise ConfigError(f"probe {src}->{dst}: {answer.get('error', 'no answer')}")
+            measured[(src, dst)] = float(answer["mbit"]) / args.bw_scale
+    applied = {link: truth.rates()[link] for link in want}
+    return measured, applied
+
+
+def _from_host(scenario: scenario_module.Scenario, args: argparse.Namespace) -> dict[tuple[int, int], float]:
+    """The links from ``--from`` DC to each neighbour, probed at the neighbour's address (real hosts)."""
+    from netstorm.bulkprobe import measure
+
+    src = args.from_dc
+    if src not in scenario.node_ids:
+        raise ConfigError(f"--from {src}: {scenario.name} has DCs {scenario.node_ids}")
+    measured: dict[tuple[int, int], float] = {}
+    for dst in scenario.neighbors(src):
+        address = scenario.node(dst).address
+        if not address:
+            raise ConfigError(f"DC {dst} of {scenario.name} states no address to probe")
+        host, port = parse_address(address if ":" in address else f"{address}:{args.port}", f"DC {dst} address")
+        measured[(src, dst)] = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
+    return measured
