@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from netstorm import config as config_module
 from netstorm import scenario as scenario_module
@@ -70,10 +67,12 @@ def run(args: argparse.Namespace) -> int:
         measured, applied = _emulated(scenario, args)
     else:
         measured, applied = _from_host(scenario, args), {}
-    rows = [{"src": a, "dst": b, "measured_mbit": round(rate, 3),
-             "applied_mbit": applied.get((a, b)),
-             "ratio": round(rate / applied[(a, b)], 4) if applied.get((a, b)) else None}
+    rows = [{"src": a, "dst": b, "measured_mbit": round(rate, 3), "applied_mbit": None, "ratio": None}
             for (a, b), rate in sorted(measured.items())]
+    if applied:
+        from netstorm.emulation.linkprobe import comparison
+
+        rows = comparison(measured, applied)
     off = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) > args.tolerance]
     if args.out and not args.emulate:  # one host's outgoing links: directed rows, for the links' other ends
         Path(args.out).write_text(json.dumps({"scenario": scenario.name, "from": args.from_dc, "links": rows},
@@ -101,6 +100,7 @@ def _emulated(scenario: scenario_module.Scenario, args: argparse.Namespace
               ) -> tuple[dict[tuple[int, int], float], dict[tuple[int, int], float]]:
     """Every directed link measured in the emulated network of ``--applied``; (measured, applied), in the
     scenario's units (the emulator's rates divided by ``--bw-scale``)."""
+    from netstorm.emulation.linkprobe import probe_links
     from netstorm.emulation.network import EmulatedNetwork
 
     truth = scenario_module.load(args.applied) if args.applied else scenario
@@ -111,24 +111,8 @@ def _emulated(scenario: scenario_module.Scenario, args: argparse.Namespace
     have = set(truth.rates())
     if not want <= have:
         raise ConfigError(f"--applied {truth.name} lacks links of {scenario.name}: {sorted(want - have)}")
-    measured: dict[tuple[int, int], float] = {}
     with EmulatedNetwork(truth, bw_scale=args.bw_scale, loss=False) as net:
-        sinks = {dc: net.spawn(dc, [sys.executable, "-m", "netstorm.bulkprobe", "sink",
-                                    f"{net.node_address(dc)}:{args.port}"], stdout=subprocess.PIPE)
-                 for dc in sorted({b for _, b in want})}
-        for proc in sinks.values():  # each prints one line once it listens
-            assert proc.stdout is not None
-            if not proc.stdout.readline():
-                raise ConfigError("a probe sink did not start in its namespace")
-        for src, dst in sorted(want):  # one link at a time: a DC's links do not share its probe
-            sender = net.spawn(src, [sys.executable, "-m", "netstorm.bulkprobe", "send",
-                                     f"{net.node_address(dst)}:{args.port}", str(args.bytes),
-                                     "--timeout", str(args.timeout)], stdout=subprocess.PIPE)
-            out, _ = sender.communicate(timeout=args.timeout + 30)
-            answer: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
-            if "mbit" not in answer:
-                raise ConfigError(f"probe {src}->{dst}: {answer.get('error', 'no answer')}")
-            measured[(src, dst)] = float(answer["mbit"]) / args.bw_scale
+        measured = probe_links(net, want, args.bytes, port=args.port, timeout=args.timeout)
     applied = {link: truth.rates()[link] for link in want}
     return measured, applied
 
