@@ -83,3 +83,34 @@ def test_probing_an_emulated_wan_without_rates_recovers_the_applied_ones(tmp_pat
     applied = load(truth).rates()
     for link, rate in measured.rates().items():
         assert abs(rate / applied[link] - 1) <= 0.15, link
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_an_emulated_job_told_no_rates_plans_its_first_policy_from_probed_ones(tmp_path: Path) -> None:
+    truth = tmp_path / "truth.toml"
+    truth.write_text('name = "tri"\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n[[link]]\na = 1\nb = 2\n'
+                     'rate_mbit = [40, 80]\n[[link]]\na = 2\nb = 3\nrate_mbit = 60\n[[link]]\na = 1\nb = 3\n'
+                     'rate_mbit = 30\n')
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "tri"\n[defaults]\nprior_mbit = 500\n'
+                    '[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n')
+    out, run_dir = tmp_path / "result.json", tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(truth), "--system", "netstorm",
+                           "--iterations", "2", "--model", "200k", "--plan-scenario", str(bare), "--probe-bytes",
+                           "2000000", "--run-dir", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["probe"]["links"]
+    assert len(rows) == 6 and all(abs(r["ratio"] - 1) <= 0.15 for r in rows), rows
+    assert result["systems"]["netstorm"]["iterations_completed"] == 2
+    # the scheduler's first policy names the rates it was planned from: the probed ones, not the prior
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("scheduler*.log"))
+    line = next(ln for ln in logs.splitlines() if "policy version 0 (first plan)" in ln)
+    planned = {tuple(map(int, pair.split(":")[0].split(">"))): float(pair.split(":")[1])
+               for pair in line.split("planned from Mbit/s ")[1].split()}
+    measured = {(r["src"], r["dst"]): r["measured_mbit"] for r in rows}
+    assert planned.keys() == measured.keys()
+    for link, rate in measured.items():
+        assert planned[link] == pytest.approx(rate, abs=0.06), link
