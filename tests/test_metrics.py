@@ -20,10 +20,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import netstorm
 from netstorm import logjson
+from netstorm.cli import build_parser
+from netstorm.commands import probe as probe_command
 from netstorm.commands import status as status_command
 from netstorm.config import Config
+from netstorm.control import format_address
 from netstorm.local import LocalCluster
 from netstorm.metricserve import serve_metrics
+from netstorm.scenario import load as load_scenario
 from scheduler import admin
 from scheduler.iterlog import IterationLog
 from scheduler.metrics import renderer
@@ -164,6 +168,11 @@ def test_a_scrape_of_a_running_job_matches_what_it_did(tmp_path: Path) -> None:
                     await asyncio.sleep(0.1)
                 table = status_command.render(status_command.summary(
                     await admin.status(cluster.scheduler_address, timeout=TIMEOUT)))
+                written = tmp_path / "measured.toml"
+                probed = await asyncio.to_thread(probe_command.run, build_parser(only="probe")[0].parse_args(
+                    ["probe", str(scenario), "--scheduler", format_address(cluster.scheduler_address),
+                     "--out", str(written)]))
+                final = await admin.status(cluster.scheduler_address, timeout=TIMEOUT)
             finally:
                 for kv in clients.values():
                     await kv.close()
@@ -192,5 +201,10 @@ def test_a_scrape_of_a_running_job_matches_what_it_did(tmp_path: Path) -> None:
                     if name == "netstorm_link_sent_bytes_total")
         assert total >= (2 * last + 1) * (len(NODES) - 1) * 4 * 30_010
         assert "x limit" in table and "believed Mbit/s" in table, table
+        # netstorm probe of the running job: its links at the rates the nodes measured
+        assert probed == 0
+        believed = {(src, dst): (measured if measured >= 0 else belief)
+                    for src, dst, belief, measured, _ in final.links}
+        assert load_scenario(written).rates() == pytest.approx(believed, abs=1e-3)
 
     asyncio.run(main())

@@ -1,116 +1,164 @@
-"""Scenarios without rates, and the bulk probe that measures them (``netstorm probe``)."""
+"""ProbeEstimator against hand-checked cases and a simulated bottleneck link."""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import subprocess
-import sys
-from pathlib import Path
-
+import numpy as np
 import pytest
 
-from netstorm import bulkprobe
-from netstorm.scenario import PRIOR_MBIT, load, parse, to_toml
+from netstorm.probe import LinkReport, ProbeEstimator
 
-DCS = {"name": "bare", "node": [{"id": 1, "address": "10.0.0.1"}, {"id": 2, "address": "10.0.0.2"},
-                                {"id": 3, "address": "10.0.0.3"}]}
+MB = 1_000_000
 
 
-def test_a_scenario_of_dcs_alone_is_a_full_mesh_at_the_prior() -> None:
-    scenario = parse(DCS)
-    assert sorted((lk.a, lk.b) for lk in scenario.links) == [(1, 2), (1, 3), (2, 3)]
-    assert scenario.unknown == frozenset(scenario.rates())
-    assert set(scenario.rates().values()) == {PRIOR_MBIT}
-    assert scenario.node(2).address == "10.0.0.2"
-    stated = parse({**DCS, "defaults": {"prior_mbit": 250}})
-    assert set(stated.rates().values()) == {250.0}
+def simulate_link(t_send: np.ndarray, sizes: np.ndarray, mbit_s: float, latency: float) -> np.ndarray:
+    """Arrival of each chunk's last byte on a FIFO bottleneck of ``mbit_s`` with one-way ``latency``."""
+    rate = mbit_s * 1e6 / 8
+    arrivals = np.empty_like(t_send)
+    free_at = -np.inf
+    for i in range(len(t_send)):  # a reference model, not a data path
+        free_at = max(t_send[i], free_at) + sizes[i] / rate
+        arrivals[i] = free_at + latency
+    return arrivals
 
 
-def test_links_without_rates_keep_their_stated_neighbours_and_mix_with_stated_ones() -> None:
-    scenario = parse({**DCS, "link": [{"a": 1, "b": 2, "rate_mbit": 40}, {"a": 2, "b": 3}]})
-    assert scenario.unknown == {(2, 3), (3, 2)}
-    assert scenario.rates()[(1, 2)] == 40.0 and scenario.rates()[(2, 3)] == PRIOR_MBIT
-    assert (1, 3) not in scenario.rates()
+def feed(est: ProbeEstimator, sizes, t_send, t_last) -> list[LinkReport]:
+    reports = []
+    for n, ts, tr in zip(sizes, t_send, t_last, strict=True):
+        rep = est.on_chunk(int(n), float(ts), float(tr))
+        if rep is not None:
+            reports.append(rep)
+    return reports
 
 
-def test_measured_rates_written_out_load_back_as_stated(tmp_path: Path) -> None:
-    measured = {(1, 2): 41.5, (2, 1): 80.25, (1, 3): 30.0, (3, 1): 29.0, (2, 3): 60.0, (3, 2): 59.5}
-    path = tmp_path / "measured.toml"
-    path.write_text(to_toml(parse(DCS).with_rates(measured)))
-    again = load(path)
-    assert not again.unknown and again.rates() == measured
-    assert [n.address for n in again.nodes] == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
-    half = parse(DCS).with_rates({(1, 2): 41.5, (2, 1): 80.25})
-    path.write_text(to_toml(half))
-    assert load(path).unknown == {(1, 3), (3, 1), (2, 3), (3, 2)}
+def test_idle_chunks_give_bytes_over_one_way_time():
+    # Eq. 14 averaged: 4 isolated chunks, each sent long after the previous arrived.
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=4)
+    sizes = [MB, 2 * MB, MB, 4 * MB]
+    t_send = [0.0, 10.0, 20.0, 30.0]
+    t_last = [0.5, 11.5, 20.25, 32.0]
+    reports = feed(est, sizes, t_send, t_last)
+    assert len(reports) == 1
+    expected = 8 * 8 * MB / (0.5 + 1.5 + 0.25 + 2.0) / 1e6
+    assert reports[0].mbit_s == pytest.approx(expected)
+    assert reports[0] == LinkReport(1, 2, reports[0].mbit_s, 32.0, 4, warm=False)
 
 
-def test_the_bulk_probe_times_what_the_receiver_got() -> None:
-    async def main() -> None:
-        server = await bulkprobe.serve_sink("127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        try:
-            assert await bulkprobe.measure("127.0.0.1", port, 2_000_000) > 0
-            with pytest.raises(bulkprobe.ProbeError, match="sends 2"):
-                await bulkprobe.measure("127.0.0.1", port, 1)
-        finally:
-            server.close()
-        with pytest.raises(bulkprobe.ProbeError, match="failed"):
-            await bulkprobe.measure("127.0.0.1", port, 1000, timeout=5)
-
-    asyncio.run(main())
+def test_back_to_back_chunks_are_not_charged_for_queueing():
+    # Five 1 MB chunks handed to the socket at once on an 8 Mbit/s link with 50 ms latency: the last
+    # byte of chunk i arrives at 1.05 + i s. Naively chunk 4 would be charged 5.05 s for 1 MB.
+    est = ProbeEstimator(3, 4, probe_chunk_bytes=MB, probe_chunk_num=4)
+    t_last = [1.05, 2.05, 3.05, 4.05, 5.05]
+    reports = feed(est, [MB] * 5, [0.0] * 5, t_last)
+    assert len(reports) == 1
+    # Window = chunks 0..3; chunk 0 is cold (latency included), 1..3 are warm and exact: 1 s each.
+    assert reports[0].mbit_s == pytest.approx(8.0)
+    assert reports[0].samples == 4 and reports[0].t == 4.05
 
 
-@pytest.mark.root
-@pytest.mark.slow
-def test_probing_an_emulated_wan_without_rates_recovers_the_applied_ones(tmp_path: Path) -> None:
-    truth = tmp_path / "truth.toml"
-    truth.write_text('name = "tri"\n[defaults]\nlatency_ms = 10.0\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\n'
-                     'id = 3\n[[link]]\na = 1\nb = 2\nrate_mbit = [40, 80]\n[[link]]\na = 2\nb = 3\nrate_mbit = 60\n'
-                     '[[link]]\na = 1\nb = 3\nrate_mbit = 30\n')
-    bare = tmp_path / "bare.toml"
-    bare.write_text('name = "tri"\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n')
-    out = tmp_path / "measured.toml"
-    done = subprocess.run([sys.executable, "-m", "netstorm.cli", "probe", str(bare), "--emulate", "--applied",
-                           str(truth), "--bytes", "2000000", "--out", str(out), "--json"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = json.loads(done.stdout)["links"]
-    assert len(rows) == 6 and all(abs(r["ratio"] - 1) <= 0.15 for r in rows), rows
-    measured = load(out)
-    assert not measured.unknown
-    applied = load(truth).rates()
-    for link, rate in measured.rates().items():
-        assert abs(rate / applied[link] - 1) <= 0.15, link
+def test_small_chunks_are_ignored_but_still_queue_the_next():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=1)
+    assert est.on_chunk(1000, 0.0, 0.3) is None  # below the probe size: no sample
+    rep = est.on_chunk(MB, 0.0, 1.3)  # waited 0.3 s behind the small one
+    assert rep is not None
+    assert rep.mbit_s == pytest.approx(8.0)
 
 
-@pytest.mark.root
-@pytest.mark.slow
-def test_an_emulated_job_told_no_rates_plans_its_first_policy_from_probed_ones(tmp_path: Path) -> None:
-    truth = tmp_path / "truth.toml"
-    truth.write_text('name = "tri"\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n[[link]]\na = 1\nb = 2\n'
-                     'rate_mbit = [40, 80]\n[[link]]\na = 2\nb = 3\nrate_mbit = 60\n[[link]]\na = 1\nb = 3\n'
-                     'rate_mbit = 30\n')
-    bare = tmp_path / "bare.toml"
-    bare.write_text('name = "tri"\n[defaults]\nprior_mbit = 500\n'
-                    '[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n')
-    out, run_dir = tmp_path / "result.json", tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(truth), "--system", "netstorm",
-                           "--iterations", "2", "--model", "200k", "--plan-scenario", str(bare), "--probe-bytes",
-                           "2000000", "--run-dir", str(run_dir), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(out.read_text())
-    rows = result["probe"]["links"]
-    assert len(rows) == 6 and all(abs(r["ratio"] - 1) <= 0.15 for r in rows), rows
-    assert result["systems"]["netstorm"]["iterations_completed"] == 2
-    # the scheduler's first policy names the rates it was planned from: the probed ones, not the prior
-    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("scheduler*.log"))
-    line = next(ln for ln in logs.splitlines() if "policy version 0 (first plan)" in ln)
-    planned = {tuple(map(int, pair.split(":")[0].split(">"))): float(pair.split(":")[1])
-               for pair in line.split("planned from Mbit/s ")[1].split()}
-    measured = {(r["src"], r["dst"]): r["measured_mbit"] for r in rows}
-    assert planned.keys() == measured.keys()
-    for link, rate in measured.items():
-        assert planned[link] == pytest.approx(rate, abs=0.06), link
+def test_only_cold_samples_when_nothing_is_warm():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=2)
+    assert est.on_chunk(MB, 0.0, 1.1) is None
+    rep = est.on_chunk(MB, 5.0, 6.1)
+    assert rep is not None
+    assert rep.mbit_s == pytest.approx(16 / 2.2)
+
+
+def test_a_window_grows_until_its_samples_span_the_shortest_window():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=1000, probe_chunk_num=2, min_window_s=0.1)
+    t = 0.0
+    reports: list[LinkReport | None] = []
+    for _ in range(7):  # 1000-byte chunks back to back, 30 ms each; one stamp arrives 9 ms late
+        t += 0.03
+        reports.append(est.on_chunk(1000, 0.0, t + (0.009 if len(reports) == 2 else 0.0)))
+    # The first sample is cold, so the warm ones count alone: two of them span 60 ms, not yet; the fifth
+    # chunk makes four warm samples over 120 ms (the late stamp cancels out), and the window starts over.
+    assert [r is not None for r in reports] == [False, False, False, False, True, False, False]
+    report = reports[4]
+    assert report is not None and report.samples == 5 and report.warm
+    assert report.mbit_s == pytest.approx(4000 * 8 / 0.12 / 1e6)
+    with pytest.raises(ValueError, match="min_window_s"):
+        ProbeEstimator(1, 2, probe_chunk_bytes=1000, probe_chunk_num=2, min_window_s=-1.0)
+
+
+def test_cold_and_warm_reports_are_flagged():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=2)
+    assert est.on_chunk(MB, 0.0, 1.1) is None
+    cold = est.on_chunk(MB, 5.0, 6.1)  # sent after the first had arrived: the link was idle
+    assert cold is not None and not cold.warm
+    assert est.on_chunk(MB, 6.0, 7.1) is None  # sent while the one before was arriving
+    warm = est.on_chunk(MB, 7.0, 8.1)
+    assert warm is not None and warm.warm
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_exact_rate_for_any_send_schedule_without_latency(seed):
+    # With no propagation delay every sample, warm or cold, is pure serialization time.
+    rng = np.random.default_rng(seed)
+    n = 40
+    sizes = rng.integers(MB, 4 * MB, n).astype(float)
+    t_send = np.cumsum(rng.exponential(0.3, n))
+    t_last = simulate_link(t_send, sizes, 37.0, 0.0)
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=4)
+    reports = feed(est, sizes, t_send, t_last)
+    assert len(reports) == n // 4
+    assert [r.mbit_s for r in reports] == pytest.approx([37.0] * len(reports), rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_latency_only_ever_lowers_the_estimate_by_at_most_one_latency_per_chunk(seed):
+    rng = np.random.default_rng(100 + seed)
+    n = 60
+    sizes = rng.integers(MB, 3 * MB, n).astype(float)
+    t_send = np.cumsum(rng.exponential(0.4, n))
+    latency = 0.03
+    t_last = simulate_link(t_send, sizes, 50.0, latency)
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=4)
+    reports = feed(est, sizes, t_send, t_last)
+    floor = 50.0 * MB / (MB + latency * 50e6 / 8)  # the smallest chunk carrying a full latency
+    for r in reports:
+        assert floor - 1e-9 <= r.mbit_s <= 50.0 + 1e-9
+
+
+def test_streaming_is_immune_to_clock_offset():
+    # Chunks handed over together; the sender's clock is off by -0.4 s or +0.2 s (less than one chunk's
+    # serialization time). Warm samples use only the receiver's stamps, so every report is exact.
+    sizes = np.full(8, 2.0 * MB)
+    t_send = np.zeros(8)
+    t_last = simulate_link(t_send, sizes, 20.0, 0.01)
+    for offset in (-0.4, 0.2):
+        est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=4)
+        reports = feed(est, sizes, t_send + offset, t_last)
+        assert [r.mbit_s for r in reports] == pytest.approx([20.0, 20.0], rel=1e-9)
+
+
+def test_non_positive_duration_is_dropped_not_reported():
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=1)
+    assert est.on_chunk(MB, 5.0, 4.0) is None  # sender clock ahead of the arrival: impossible sample
+    assert est.dropped == 1
+    rep = est.on_chunk(MB, 4.5, 5.0)  # sent after the previous arrived: cold, 0.5 s
+    assert rep is not None and rep.mbit_s == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize(("nbytes", "ts", "tr"), [(-1, 0.0, 1.0), (MB, float("nan"), 1.0), (MB, 0.0, float("inf"))])
+def test_bad_stamps_raise_and_keep_state(nbytes, ts, tr):
+    est = ProbeEstimator(1, 2, probe_chunk_bytes=MB, probe_chunk_num=2)
+    est.on_chunk(MB, 0.0, 1.0)
+    with pytest.raises(ValueError, match="1->2"):
+        est.on_chunk(nbytes, ts, tr)
+    rep = est.on_chunk(MB, 0.5, 2.0)
+    assert rep is not None and rep.mbit_s == pytest.approx(8.0)
+
+
+@pytest.mark.parametrize("kwargs", [{"probe_chunk_bytes": 0, "probe_chunk_num": 4},
+                                    {"probe_chunk_bytes": MB, "probe_chunk_num": 0}])
+def test_rejects_nonsense_configuration(kwargs):
+    with pytest.raises(ValueError):
+        ProbeEstimator(1, 2, **kwargs)

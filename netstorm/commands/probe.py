@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     where.add_argument("--from", dest="from_dc", type=int, metavar="DC",
                        help="real hosts: measure the links from DC (this host) to its neighbours' addresses")
     where.add_argument("--sink", metavar="HOST:PORT", help="real hosts: answer the other DCs' probes until killed")
+    where.add_argument("--scheduler", metavar="HOST:PORT",
+                       help="a running job: what its nodes measured passively, as its scheduler believes it")
     probe = parser.add_argument_group("the probe")
     probe.add_argument("--bytes", type=int, default=DEFAULT_BYTES, metavar="N",
                        help=f"bytes per directed link; the second half is timed (default {DEFAULT_BYTES})")
@@ -51,13 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument("--out", metavar="FILE", help="write the result here: the scenario with the measured rates "
                         "(--emulate), the measured links as JSON (--from)")
     output.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    config_module.add_arguments(parser, (), ("log_format",))
+    config_module.add_arguments(parser, (), ("connect_timeout", "secret_file", "wan_tls", "log_format"))
 
 
 def run(args: argparse.Namespace) -> int:
     config_module.from_args(args)
-    if sum(bool(x) for x in (args.emulate, args.from_dc is not None, args.sink)) != 1:
-        raise ConfigError("give one of --emulate, --from DC or --sink HOST:PORT")
+    if sum(bool(x) for x in (args.emulate, args.from_dc is not None, args.sink, args.scheduler)) != 1:
+        raise ConfigError("give one of --emulate, --from DC, --sink HOST:PORT or --scheduler HOST:PORT")
     if args.sink:
         from netstorm.bulkprobe import main as bulk
 
@@ -65,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     scenario = scenario_module.load(args.scenario)
     if args.emulate:
         measured, applied = _emulated(scenario, args)
+    elif args.scheduler:
+        measured, applied = from_scheduler(args), {}
     else:
         measured, applied = _from_host(scenario, args), {}
     rows = [{"src": a, "dst": b, "measured_mbit": round(rate, 3), "applied_mbit": None, "ratio": None}
@@ -74,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
         rows = comparison(measured, applied)
     off = [r for r in rows if r["ratio"] is not None and abs(r["ratio"] - 1) > args.tolerance]
-    if args.out and not args.emulate:  # one host's outgoing links: directed rows, for the links' other ends
+    if args.out and args.from_dc is not None:  # one host's outgoing links: directed rows, for the links' other ends
         Path(args.out).write_text(json.dumps({"scenario": scenario.name, "from": args.from_dc, "links": rows},
                                              indent=1) + "\n")
     elif args.out:
@@ -115,6 +119,18 @@ def _emulated(scenario: scenario_module.Scenario, args: argparse.Namespace
         measured = probe_links(net, want, args.bytes, port=args.port, timeout=args.timeout)
     applied = {link: truth.rates()[link] for link in want}
     return measured, applied
+
+
+def from_scheduler(args: argparse.Namespace) -> dict[tuple[int, int], float]:
+    """A running job's links as its scheduler believes them (each link's newest report, its belief where
+    none came): the rates its nodes measured passively from their chunks."""
+    from netstorm.authconn import Credentials
+    from scheduler import admin
+
+    config = config_module.from_args(args)
+    status = asyncio.run(admin.status(parse_address(args.scheduler, "--scheduler"), timeout=config.connect_timeout,
+                                      credentials=Credentials.from_config(config)))
+    return {(src, dst): measured if measured >= 0 else believed for src, dst, believed, measured, _ in status.links}
 
 
 def _from_host(scenario: scenario_module.Scenario, args: argparse.Namespace) -> dict[tuple[int, int], float]:
