@@ -66,6 +66,9 @@ def fold(results: list[dict[str, Any]], system: str) -> dict[str, Any]:
         "probed_iteration_s": [r["systems"][system]["iteration_s"] for r in probed],
         "true_iteration_s": [r["systems"][system]["iteration_s"] for r in true],
         "limit_s": probed[0]["limit_s"],
+        "true_over_limit": round(statistics.fmean(t_means) / probed[0]["limit_s"], 2),
+        "note": "the probed runs ran first in each pair; when true_over_limit is well above 1 the iterations are "
+                "the host's (CPU), not the links', and the comparison says the probe costs no more than that",
         "ratio_probed_over_true": round(ratio, 4), "within_10pct": abs(ratio - 1) <= 0.10,
         "first_policy": {"reasons": first,
                          "planned_from": "the plan scenario with the probed rates filled in (scheduler-scenario.toml)"},
