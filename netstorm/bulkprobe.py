@@ -100,9 +100,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="role", required=True)
     sink = sub.add_parser("sink", help="accept probes until killed")
     sink.add_argument("listen", metavar="HOST:PORT")
-    send = sub.add_parser("send", help="probe one link; prints {\"mbit\": rate} as JSON")
-    send.add_argument("target", metavar="HOST:PORT")
+    send = sub.add_parser("send", help="probe links one after the other; one JSON line per target")
     send.add_argument("bytes", type=int)
+    send.add_argument("targets", metavar="HOST:PORT", nargs="+")
     send.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
     if args.role == "sink":
@@ -115,14 +115,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(KeyboardInterrupt):
             asyncio.run(run_sink())
         return 0
-    host, port = parse_address(args.target, "target")
-    try:
-        rate = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
-    except ProbeError as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
-        return 1
-    print(json.dumps({"mbit": rate}), flush=True)
-    return 0
+    failed = 0
+    for target in args.targets:  # one at a time: this host's links do not share its probe
+        host, port = parse_address(target, "target")
+        try:
+            rate = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
+        except ProbeError as exc:
+            print(json.dumps({"target": target, "error": str(exc)}), flush=True)
+            failed += 1
+            continue
+        print(json.dumps({"target": target, "mbit": rate}), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

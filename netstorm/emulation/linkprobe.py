@@ -33,16 +33,17 @@ def probe_links(net: EmulatedNetwork, links: Collection[tuple[int, int]], nbytes
             if not proc.stdout.readline():
                 raise EmulationError("a probe sink did not start in its namespace")
         measured: Rates = {}
-        for src, dst in sorted(links):
-            sender = net.spawn(src, [sys.executable, "-m", "netstorm.bulkprobe", "send",
-                                     f"{net.node_address(dst)}:{port}", str(nbytes), "--timeout", str(timeout)],
+        for src in sorted({a for a, _ in links}):  # one process per DC, its links one after the other
+            dsts = sorted(b for a, b in links if a == src)
+            sender = net.spawn(src, [sys.executable, "-m", "netstorm.bulkprobe", "send", str(nbytes),
+                                     *(f"{net.node_address(dst)}:{port}" for dst in dsts), "--timeout", str(timeout)],
                                stdout=subprocess.PIPE)
-            out, _ = sender.communicate(timeout=timeout + 30)
-            lines = out.decode().strip().splitlines()
-            answer: dict[str, Any] = json.loads(lines[-1]) if lines else {}
-            if "mbit" not in answer:
-                raise EmulationError(f"probe {src}->{dst}: {answer.get('error', 'no answer')}")
-            measured[(src, dst)] = float(answer["mbit"]) / net.bw_scale
+            out, _ = sender.communicate(timeout=(timeout + 30) * len(dsts))
+            answers: list[dict[str, Any]] = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+            for dst, answer in zip(dsts, answers + [{}] * (len(dsts) - len(answers)), strict=True):
+                if "mbit" not in answer:
+                    raise EmulationError(f"probe {src}->{dst}: {answer.get('error', 'no answer')}")
+                measured[(src, dst)] = float(answer["mbit"]) / net.bw_scale
         return measured
     finally:
         for proc in sinks:
