@@ -34,6 +34,7 @@ import numpy as np
 
 from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
+from netstorm.compression.methods import METHODS
 from netstorm.errors import (
     AuthError,
     ErrorCode,
@@ -162,8 +163,8 @@ class Registry:
                 raise WrongDtype(f"tensor {name!r}: dtype {array.dtype} not supported "
                                  f"(supported: {', '.join(TENSOR_DTYPES)})")
             _check_exact(name, array)
-        if compression not in ("none", "fediac", "topk", "fp16"):
-            raise TrainerError(f"compression must be none, fediac, topk or fp16, got {compression!r}")
+        if compression not in METHODS:
+            raise TrainerError(f"compression must be one of {', '.join(METHODS)}, got {compression!r}")
         specs = [TensorSpec.of(name, array) for name, array in arrays.items()]
         # Only offsets matter here; the node cuts the chunks with the job's chunk_size.
         layout = Layout.build(specs, 1 << 62)
@@ -171,7 +172,7 @@ class Registry:
         request_tensors = tuple((s.name, s.shape, s.dtype) for s in specs)
         if self.inline:
             payload = b"".join(np.ascontiguousarray(arrays[s.name], dtype="<f4").tobytes() for s in specs)
-            return (tw.InitRequest(request_tensors, "", compression, votes, bits, gia_reuse),  # type: ignore[arg-type]
+            return (tw.InitRequest(request_tensors, "", compression, votes, bits, gia_reuse),
                     payload, "")
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
@@ -182,7 +183,7 @@ class Registry:
         except BaseException:
             release_init(path)
             raise
-        return (tw.InitRequest(request_tensors, path, compression, votes, bits, gia_reuse),  # type: ignore[arg-type]
+        return (tw.InitRequest(request_tensors, path, compression, votes, bits, gia_reuse),
                 b"", path)
 
     def _create_shm(self, size: int) -> str:

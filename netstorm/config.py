@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.auth import load_secret
-from netstorm.compression.options import CompressionOptions
+from netstorm.compression.options import METHODS, CompressionOptions
+from netstorm.dcplanners import PLANNERS
 from netstorm.errors import ConfigError
-from netstorm.planning.lanmodel import PLANNERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +339,8 @@ class Config:
 
 
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
+CHOICES: dict[str, tuple[str, ...]] = {"compression": METHODS, "dc_planner": PLANNERS}
+"""Options whose values are an extension point's registered names: their flags offer exactly those."""
 DESIGN_SWITCHES: tuple[str, ...] = (
     "tree_packing", "planned_offload", "aux_slowdown", "aux_reroute", "explore_links", "stale_decay",
     "belief_reports", "react_change", "replan_gain", "update_rate",
@@ -555,8 +557,11 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | Non
             help_text = f"{doc} (default {default})"
         else:
             target, help_text = parser, argparse.SUPPRESS
-        target.add_argument(flag, dest=f"opt_{name}", metavar="BOOL" if kind is bool else kind.__name__.upper(),
-                            default=None, help=help_text)
+        if name in CHOICES:  # an extension point's registered names: the flag offers exactly those
+            target.add_argument(flag, dest=f"opt_{name}", choices=CHOICES[name], default=None, help=help_text)
+        else:
+            target.add_argument(flag, dest=f"opt_{name}", metavar="BOOL" if kind is bool else kind.__name__.upper(),
+                                default=None, help=help_text)
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:

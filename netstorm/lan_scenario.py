@@ -9,6 +9,7 @@ heterogeneity a planner is measured against can be varied from one number.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,13 @@ PRECISIONS = ("fp32", "fp16", "bf16", "int8")
 
 DEFAULT_RATE_GBIT = 10.0
 """A worker's rate per direction when the scenario gives none."""
+MAX_GBIT = 1e4
+"""The fastest port, uplink or aggregator a LAN may describe (10 Tbit/s): anything above is a typo (a
+rate in bit/s written as Gbit/s), and the planners' sums must stay far from float overflow."""
+MAX_COMPUTE_S = 3600.0
+"""The longest computation per iteration a worker may describe."""
+MAX_WORKERS = 64
+"""Workers one described LAN holds (the emulation's and the data plane's bound)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +85,35 @@ Fail = Callable[[str, str], Exception]
 """(where, problem) -> the error to raise; the scenario loader's, so messages name the file."""
 
 
-def _num(fail: Fail, where: str, value: Any, *, positive: bool = False, minimum: float | None = None) -> float:
+def number(fail: Fail, where: str, value: Any, *, positive: bool = False, minimum: float | None = None,
+           maximum: float | None = None) -> float:
+    """``value`` as a finite float within the bounds, else ``fail`` naming the key and the problem (TOML
+    reads ``nan`` and ``inf`` as floats, so finiteness is checked, not assumed)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise fail(where, f"expected a number, got {value!r}")
+    if not math.isfinite(value):
+        raise fail(where, f"must be a finite number, got {value!r}")
     if positive and value <= 0:
         raise fail(where, f"must be positive, got {value!r}")
     if minimum is not None and value < minimum:
         raise fail(where, f"must be >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise fail(where, f"must be at most {maximum:g}, got {value!r}")
     return float(value)
+
+
+def count(fail: Fail, where: str, value: Any, *, minimum: int = 0, maximum: int) -> int:
+    """``value`` as a whole count in [minimum, maximum], else ``fail`` naming the key and the problem."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise fail(where, f"expected a whole number, got {value!r}")
+    if not minimum <= value <= maximum:
+        raise fail(where, f"expected an integer in {minimum}..{maximum}, got {value!r}")
+    return value
+
+
+def _num(fail: Fail, where: str, value: Any, *, positive: bool = False, minimum: float | None = None) -> float:
+    """A rate or capacity in Gbit/s (at most ``MAX_GBIT``)."""
+    return number(fail, where, value, positive=positive, minimum=minimum, maximum=MAX_GBIT)
 
 
 def _keys(fail: Fail, where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
@@ -107,6 +136,8 @@ def parse_lan(fail: Fail, where: str, raw: Any, lan_workers: int | None) -> LanS
     """A ``[node.lan]`` table -> LanSpec; ``lan_workers`` is the node's count, if it gave one."""
     if not isinstance(raw, dict):
         raise fail(where, "must be a table")
+    if lan_workers is not None:
+        count(fail, f"{where} (lan_workers)", lan_workers, maximum=MAX_WORKERS)
     _keys(fail, where, raw, {"worker", "draw", "rack", "gateway_gbit", *_WORKER_KEYS - {"rack"}})
     defaults = {k: raw[k] for k in _WORKER_KEYS - {"rack"} if k in raw}
     racks = _racks(fail, where, raw.get("rack", []))
@@ -123,6 +154,8 @@ def parse_lan(fail: Fail, where: str, raw: Any, lan_workers: int | None) -> LanS
         if not lan_workers:
             raise fail(where, "give [[...lan.worker]] entries, a [...lan.draw] table, or the node's lan_workers")
         workers = tuple(_worker(fail, where, i, {}, defaults, racks) for i in range(lan_workers))
+    if len(workers) > MAX_WORKERS:
+        raise fail(f"{where}.worker", f"describes {len(workers)} workers; a LAN holds at most {MAX_WORKERS}")
     if lan_workers and lan_workers != len(workers):
         raise fail(where, f"describes {len(workers)} workers but the node's lan_workers is {lan_workers}")
     gateway = _num(fail, f"{where}.gateway_gbit", raw.get("gateway_gbit", DEFAULT_RATE_GBIT * 4), positive=True)
@@ -138,9 +171,7 @@ def _racks(fail: Fail, where: str, raw: Any) -> tuple[Rack, ...]:
         if not isinstance(r, dict):
             raise fail(w, "must be a table")
         _keys(fail, w, r, {"id", "aggregator_gbit", "uplink_gbit", "precision_gbit"})
-        rid = r.get("id")
-        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
-            raise fail(f"{w}.id", f"expected an integer >= 0, got {rid!r}")
+        rid = count(fail, f"{w}.id", r.get("id"), maximum=2**31 - 1)
         if any(x.id == rid for x in out):
             raise fail(f"{w}.id", f"duplicate rack id {rid}")
         per = r.get("precision_gbit", {})
@@ -162,7 +193,7 @@ def _worker(fail: Fail, where: str, index: int, raw: Any, defaults: Mapping[str,
     merged = {**defaults, **raw}
     up = _num(fail, f"{where}.up_gbit", merged.get("up_gbit", DEFAULT_RATE_GBIT), positive=True)
     down = _num(fail, f"{where}.down_gbit", merged.get("down_gbit", up), positive=True)
-    compute = _num(fail, f"{where}.compute_s", merged.get("compute_s", 0.0), minimum=0.0)
+    compute = number(fail, f"{where}.compute_s", merged.get("compute_s", 0.0), minimum=0.0, maximum=MAX_COMPUTE_S)
     precision = _precision(fail, f"{where}.precision", merged.get("precision", "fp32"))
     rack = merged.get("rack")
     if rack is not None and (isinstance(rack, bool) or not isinstance(rack, int) or all(r.id != rack for r in racks)):
@@ -180,11 +211,9 @@ def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
     if not isinstance(raw, dict):
         raise fail(where, "must be a table")
     _keys(fail, where, raw, _DRAW_KEYS)
-    count = raw.get("workers")
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 64:
-        raise fail(f"{where}.workers", f"expected an integer in 1..64, got {count!r}")
+    workers = count(fail, f"{where}.workers", raw.get("workers"), minimum=1, maximum=MAX_WORKERS)
     mean = _num(fail, f"{where}.mean_gbit", raw.get("mean_gbit", DEFAULT_RATE_GBIT), positive=True)
-    spread = _num(fail, f"{where}.spread", raw.get("spread", 0.0), minimum=0.0)
+    spread = number(fail, f"{where}.spread", raw.get("spread", 0.0), minimum=0.0, maximum=10.0)
     floor = _num(fail, f"{where}.min_gbit", raw.get("min_gbit", mean * 0.05), positive=True)
     seed = raw.get("seed", 0)
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -194,12 +223,13 @@ def _draw(fail: Fail, where: str, raw: Any, defaults: Mapping[str, Any],
         raise fail(f"{where}.precisions", "must be a non-empty array")
     for p in precisions:
         _precision(fail, f"{where}.precisions", p)
-    compute = _num(fail, f"{where}.compute_s", raw.get("compute_s", defaults.get("compute_s", 0.0)), minimum=0.0)
+    compute = number(fail, f"{where}.compute_s", raw.get("compute_s", defaults.get("compute_s", 0.0)), minimum=0.0,
+                     maximum=MAX_COMPUTE_S)
     agg = raw.get("agg_gbit", defaults.get("agg_gbit"))
     agg_gbit = None if agg is None else _num(fail, f"{where}.agg_gbit", agg, positive=True)
     rng = random.Random(seed)
     out = []
-    for i in range(count):
+    for i in range(workers):
         rate = round(max(floor, rng.gauss(mean, spread * mean)), 3)
         out.append(LanWorker(i, rate, rate, compute, str(precisions[i % len(precisions)]),
                              racks[i % len(racks)].id if racks else None, agg_gbit))
@@ -214,8 +244,8 @@ def uniform_lan(workers: int, like: LanSpec | None = None) -> LanSpec:
     fp32, no racks, the default gateway port. With ``like`` (the DC's description of another count) the
     workers take its means (uplink, downlink, compute, aggregation capacity), its precisions in turn and
     its racks in turn, and the gateway keeps its port: the same LAN, resized."""
-    if not 1 <= workers <= 64:
-        raise ValueError(f"a described LAN holds 1..64 workers, got {workers}")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"a described LAN holds 1..{MAX_WORKERS} workers, got {workers}")
     if like is None:
         return LanSpec(tuple(LanWorker(i, DEFAULT_RATE_GBIT, DEFAULT_RATE_GBIT) for i in range(workers)))
     given = like.workers

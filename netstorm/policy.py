@@ -15,11 +15,10 @@ from typing import Any
 from netstorm import policywire
 from netstorm.errors import PolicyError
 from netstorm.policywire import WIRE_VERSION
+from netstorm.topologies import NAMES as TOPOLOGIES
 from netstorm.tree import Tree
 
 __all__ = ["TOPOLOGIES", "WIRE_VERSION", "Policy", "PolicyError", "Tree", "tree_pairs"]
-
-TOPOLOGIES = ("fapt", "fapt1", "star", "star-mxnet", "bkt", "mst")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.errors import ScenarioError
-from netstorm.lan_scenario import LanSpec, parse_lan
+from netstorm.lan_scenario import MAX_WORKERS, LanSpec, count, number, parse_lan
+from netstorm.schema import MAX_NODE_ID, MAX_NODES
+
+MAX_MBIT = 1e7
+"""The fastest WAN link a scenario may describe (10 Tbit/s): above it is a unit slip, not a link."""
+MAX_LATENCY_MS = 60_000.0
+"""The longest one-way delay a link may describe (a minute)."""
+MAX_PERIOD_S = 86_400.0
+"""The longest period between rate changes (a day)."""
 
 SCENARIO_DIR = Path(__file__).resolve().parent.parent / "klonet-scenarios"
 
@@ -170,14 +178,9 @@ class _Ctx:
         return ScenarioError(f"{self.source}: {where}: {problem}")
 
 
-def _number(ctx: _Ctx, where: str, value: Any, *, positive: bool = False, minimum: float | None = None) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ctx.fail(where, f"expected a number, got {value!r}")
-    if positive and value <= 0:
-        raise ctx.fail(where, f"must be positive, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ctx.fail(where, f"must be >= {minimum}, got {value!r}")
-    return float(value)
+def _number(ctx: _Ctx, where: str, value: Any, *, positive: bool = False, minimum: float | None = None,
+            maximum: float | None = None) -> float:
+    return number(ctx.fail, where, value, positive=positive, minimum=minimum, maximum=maximum)
 
 
 def _int(ctx: _Ctx, where: str, value: Any) -> int:
@@ -211,6 +214,8 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
     raw_nodes = data.get("node")
     if not isinstance(raw_nodes, list) or not raw_nodes:
         raise ctx.fail("node", "at least one [[node]] entry is required")
+    if len(raw_nodes) > MAX_NODES:
+        raise ctx.fail("node", f"{len(raw_nodes)} nodes; a job holds at most {MAX_NODES}")
     nodes: list[DataCenter] = []
     seen_ids: set[int] = set()
     for i, raw in enumerate(raw_nodes):
@@ -220,18 +225,15 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         _check_keys(ctx, where, raw, {"id", "name", "lan_workers", "lan", "address"})
         if "id" not in raw:
             raise ctx.fail(where, "missing 'id'")
-        node_id = _int(ctx, f"{where}.id", raw["id"])
-        if node_id < 0:
-            raise ctx.fail(f"{where}.id", f"must be >= 0, got {node_id}")
+        node_id = count(ctx.fail, f"{where}.id", raw["id"], maximum=MAX_NODE_ID)
         if node_id in seen_ids:
             raise ctx.fail(f"{where}.id", f"duplicate node id {node_id}")
         seen_ids.add(node_id)
         node_name = raw.get("name", f"dc{node_id}")
         if not isinstance(node_name, str):
             raise ctx.fail(f"{where}.name", "must be a string")
-        workers = _int(ctx, f"{where}.lan_workers", raw.get("lan_workers", defaults.get("lan_workers", 0)))
-        if workers < 0:
-            raise ctx.fail(f"{where}.lan_workers", f"must be >= 0, got {workers}")
+        workers = count(ctx.fail, f"{where}.lan_workers", raw.get("lan_workers", defaults.get("lan_workers", 0)),
+                        maximum=MAX_WORKERS)
         lan = None
         if "lan" in raw:
             lan = parse_lan(ctx.fail, f"{where}.lan", raw["lan"], raw.get("lan_workers"))
@@ -287,16 +289,16 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
             if isinstance(rate, list):
                 if len(rate) != 2:
                     raise ctx.fail(f"{where}.rate_mbit", "give one rate or [a->b, b->a]")
-                r_ab = _number(ctx, f"{where}.rate_mbit", rate[0], positive=True)
-                r_ba = _number(ctx, f"{where}.rate_mbit", rate[1], positive=True)
+                r_ab = _number(ctx, f"{where}.rate_mbit[0]", rate[0], positive=True, maximum=MAX_MBIT)
+                r_ba = _number(ctx, f"{where}.rate_mbit[1]", rate[1], positive=True, maximum=MAX_MBIT)
             else:
-                r_ab = r_ba = _number(ctx, f"{where}.rate_mbit", rate, positive=True)
+                r_ab = r_ba = _number(ctx, f"{where}.rate_mbit", rate, positive=True, maximum=MAX_MBIT)
         elif generated is not None:
             r_ab, r_ba = generated[(a, b)], generated[(b, a)]
         else:  # no rate stated: the prior until measured (netstorm probe, the scheduler's first probe)
             r_ab = r_ba = prior
         latency = _number(ctx, f"{where}.latency_ms", raw.get("latency_ms", defaults.get("latency_ms", 0.0)),
-                          minimum=0.0)
+                          minimum=0.0, maximum=MAX_LATENCY_MS)
         loss_pct = _number(ctx, f"{where}.loss_pct", raw.get("loss_pct", defaults.get("loss_pct", 0.0)),
                            minimum=0.0)
         if loss_pct >= 100.0:
@@ -310,7 +312,7 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         if not isinstance(raw_dyn, dict):
             raise ctx.fail("dynamics", "must be a table")
         _check_keys(ctx, "dynamics", raw_dyn, {"period_s", "range_mbit", "seed"})
-        period = _number(ctx, "dynamics.period_s", raw_dyn.get("period_s"), positive=True)
+        period = _number(ctx, "dynamics.period_s", raw_dyn.get("period_s"), positive=True, maximum=MAX_PERIOD_S)
         low, high = _range(ctx, "dynamics.range_mbit", raw_dyn.get("range_mbit"))
         dynamics = Dynamics(period, low, high, _int(ctx, "dynamics.seed", raw_dyn.get("seed", 0)))
 
@@ -322,8 +324,8 @@ def _range(ctx: _Ctx, where: str, value: Any) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2):
         raise ctx.fail(where, f"expected [low, high] in Mbit/s, got {value!r}")
     low, high = (_int(ctx, where, v) for v in value)
-    if low <= 0 or high < low:
-        raise ctx.fail(where, f"need 0 < low <= high, got [{low}, {high}]")
+    if low <= 0 or high < low or high > MAX_MBIT:
+        raise ctx.fail(where, f"need 0 < low <= high <= {MAX_MBIT:g}, got [{low}, {high}]")
     return low, high
 
 

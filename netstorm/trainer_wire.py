@@ -14,10 +14,11 @@ raised; the client raises the exception class of that code.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 
+from netstorm.compression.methods import WireName as CompressionName
 from netstorm.errors import ErrorCode, TrainerProtocolError
 from netstorm.schema import (
     DECODE_ERRORS,
@@ -64,9 +65,10 @@ class InitRequest(_Message, frozen=True, tag="init"):
 
     tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     shm: Name
-    compression: Literal["none", "fediac", "topk", "fp16"] = "none"
-    """The job's compression as this trainer runs it; "fp16" makes the nodes send float chunks as float16,
-    "fediac" has the roots threshold the vote counts (the rest runs in the trainer)."""
+    compression: CompressionName = "none"
+    """The job's compression as this trainer runs it (a name of ``COMPRESSION``): a ``float16`` method makes
+    the nodes send float chunks as float16, a ``consensus`` one has the roots threshold the vote counts
+    (the rest runs in the trainer)."""
     votes: Count = 0
     """FediAC's threshold a (``fediac_votes``; 0: derived from the job's workers as the trainer would)."""
     bits: Count = 0

@@ -39,10 +39,10 @@ import enum
 
 import numpy as np
 
+from netstorm.allot import allot_chunks
 from netstorm.errors import ChunkError
 from netstorm.frames import FLOAT_WIRE, WIRE_FORMATS, ChunkHeader, Phase, WireDtype
 from netstorm.layout import INT_EXACT, Chunk, Layout
-from netstorm.planning.allot import allot_chunks
 from netstorm.policy import Policy
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from netstorm import auth, authconn
 from netstorm.authconn import Credentials
+from netstorm.compression.methods import COMPRESSION
 from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
@@ -349,10 +350,10 @@ class GeneralNode:
         fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
         as the trainer derives it), and the layout hash covers a. A gateway's LAN tier is told a sparse
         compression (and FediAC's ``bits`` and ``gia_reuse``): its rounds then travel on their own wires."""
-        fp16 = "fp16" in (compression, self.config.compression)
+        fp16 = any(COMPRESSION.get_entry(c).float16 for c in (compression, self.config.compression))
         gia = None
-        if compression == "fediac" and any(spec.name == VOTES for spec in specs):
-            a = CompressionOptions("fediac", votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
+        if COMPRESSION.get_entry(compression).consensus and any(spec.name == VOTES for spec in specs):
+            a = CompressionOptions(compression, votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
             gia = (VOTES, a)
         layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
         if self.layout is not None:
@@ -367,8 +368,8 @@ class GeneralNode:
         # a DC admitted into a running job starts at its boundary iteration
         self.core.first_iteration = max(self.core.first_iteration, getattr(self.control, "first_iteration", 0))
         self._apply(self.core.register(layout, self._links(), self._now()))
-        if self.edge is not None and compression in ("fediac", "topk") and any(s.name == VOTES for s in specs):
-            self.edge.compressed(layout, CompressionOptions(compression, bits=bits,  # type: ignore[arg-type]
+        if self.edge is not None and COMPRESSION.get_entry(compression).sparse and any(s.name == VOTES for s in specs):
+            self.edge.compressed(layout, CompressionOptions(compression, bits=bits,
                                                             votes=votes or self.config.fediac_votes,
                                                             gia_reuse=max(1, gia_reuse)))
         for inbound in list(self._inbound):

@@ -122,6 +122,8 @@ class LanPlanning:
             self._planned[job.node_id] = job.spec
             return None
         self._planned[job.node_id] = job.spec
+        if plan.fallback:
+            log.warning("DC %d: %s", job.node_id, plan.notes[-1])
         version = self._version.get(job.node_id, -1) + 1
         self._version[job.node_id] = version
         message = LanPlan(node_id=job.node_id, version=version, planner=plan.planner,

@@ -21,12 +21,10 @@ from netstorm.planning.plan import plan
 from netstorm.planning.predict import busiest_link_s
 from netstorm.policy import Policy
 from netstorm.scenario import Rates
+from netstorm.topologies import TOPOLOGIES
 from scheduler.collector import LinkCollector
 
 log = logging.getLogger(__name__)
-
-ROOTED_TOPOLOGIES = ("fapt", "fapt1")
-"""Topologies whose roots come from quality scores and stay fixed after the first decision."""
 
 
 class PlanningError(NetStormError):
@@ -48,7 +46,7 @@ class Planner:
         """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.offload = offload
         """Plan the auxiliary paths' share of bottleneck tree links (only with auxiliary paths on)."""
-        self.num_roots = 1 if topology == "fapt1" else num_roots
+        self.num_roots = 1 if TOPOLOGIES.get_entry(topology).single_root else num_roots
         self.update_rate = update_rate
         self.replan_gain = replan_gain
         self._relative_change = relative_change
@@ -111,7 +109,7 @@ class Planner:
             if roots is None:
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing,
                             offload=self.offload)
-            if self.topology in ROOTED_TOPOLOGIES:
+            if TOPOLOGIES[self.topology].rooted:  # roots from quality scores stay; baselines keep their hub
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots,
                             packing=self.packing, offload=self.offload)
             return plan(rates, topology=self.topology, hub=roots[0])

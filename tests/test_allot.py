@@ -7,8 +7,8 @@ import random
 import numpy as np
 import pytest
 
+from netstorm.allot import allot_chunks, split_chunks
 from netstorm.errors import PolicyError
-from netstorm.planning.allot import allot_chunks, split_chunks
 
 
 def test_split_chunks_by_hand():

@@ -16,6 +16,7 @@ import pytest
 
 from netstorm import scenario
 from netstorm.config import Config
+from netstorm.dcplanners import PLANNERS
 from netstorm.errors import PolicyError
 from netstorm.lan_scenario import LanSpec, LanWorker, Rack
 from netstorm.planning import aleph, dcplan, eina, lanmodel, lanwire, pahina
@@ -576,7 +577,7 @@ def test_eina_baselines_are_feasible_plans() -> None:
 
 
 @pytest.mark.parametrize("planner", [pytest.param(p, marks=pytest.mark.slow) if p == "eina" else p
-                                     for p in lanmodel.PLANNERS])
+                                     for p in PLANNERS])
 def test_every_planner_keeps_every_capacity_on_random_dcs(planner: str) -> None:
     rng = random.Random(hash(planner) % 1000)
     for trial in range(12):
@@ -604,7 +605,7 @@ def test_every_planner_runs_on_every_described_dc(name: str) -> None:
             continue
         base = dcplan.baselines(node.lan)
         assert set(base) == set(dcplan.BASELINES)
-        for planner in lanmodel.PLANNERS:
+        for planner in PLANNERS:
             plan = dcplan.plan_dc(node.lan, planner)
             assert plan.prediction.gbit > 0 and math.isfinite(plan.prediction.gbit)
             if not node.lan.racks and planner != "flat":
@@ -625,7 +626,7 @@ def test_cli_json_shape() -> None:
     assert all(v is None or isinstance(v, int | str) for v in r["assignment"].values())
     assert set(r["aggregators"]) == {v for v in r["assignment"].values() if v is not None}
     assert isinstance(r["predicted_gbit"], float) and set(r["baselines"]) == set(dcplan.BASELINES)
-    assert r["baselines"]["flat"] > 0 and set(r["planners"]) == set(lanmodel.PLANNERS)
+    assert r["baselines"]["flat"] > 0 and set(r["planners"]) == set(PLANNERS)
     assert r["predicted_gbit"] == r["planners"]["pahina"]
     assert "clusters" in r["runtime"]
 

@@ -34,12 +34,17 @@ LIGHT_MODULES = (
     "netstorm.aclient",
     "netstorm.policy",
     "netstorm.planning",
-    "netstorm.planning.allot",
+    "netstorm.allot",
     "netstorm.planning.lanmodel",
     "netstorm.lanreport",
+    "netstorm.registry",
+    "netstorm.topologies",
+    "netstorm.dcplanners",
+    "netstorm.compression.methods",
+    "netstorm.config",
 )
 
-PLANNING_MODULES = ("allot", "auxpath", "baselines", "fapt", "limit", "offload", "packing", "plan", "predict",
+PLANNING_MODULES = ("auxpath", "baselines", "fapt", "limit", "offload", "packing", "plan", "predict",
                     "rategraph", "rootpacking", "lanmodel", "lanwire", "aleph", "pahina", "eina", "milp", "dcplan",
                     "dcreport")
 

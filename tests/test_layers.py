@@ -173,6 +173,22 @@ def test_only_the_top_layer_imports_the_top_layer() -> None:
     assert not wrong, "the library and the services build on nothing above them:\n" + "\n".join(wrong)
 
 
+PLANNERS = "netstorm.planning"
+PLANNING_USERS = (PLANNERS, "scheduler")
+"""Who may import the planners: the planning package itself, the scheduler that plans, and the top layer."""
+
+
+def test_only_the_scheduler_and_the_top_layer_import_the_planners() -> None:
+    """A node, the LAN tier and the rest of the library read planners' names from the registries below
+    planning (``netstorm.topologies``, ``netstorm.dcplanners``) and allot chunks with ``netstorm.allot``;
+    they never import ``netstorm.planning`` (its modules load solvers), not even for type checking."""
+    wrong = [f"{names_file(i.importer)}:{i.line} imports {i.imported}" for i in imports()
+             if (i.imported == PLANNERS or i.imported.startswith(PLANNERS + "."))
+             and layer(i.importer) != TOP
+             and not any(i.importer == u or i.importer.startswith(u + ".") for u in PLANNING_USERS)]
+    assert not wrong, "only scheduler/ and the top layer import netstorm.planning:\n" + "\n".join(wrong)
+
+
 def test_no_cycle_between_packages() -> None:
     graph: dict[str, set[str]] = {}
     for i in imports():

@@ -19,10 +19,10 @@ import networkx as nx
 import pytest
 
 from netstorm import control
+from netstorm.allot import allot_chunks, split_chunks
 from netstorm.cli import main
 from netstorm.config import DESIGN_SWITCHES, PAPER_DESIGN, Config
 from netstorm.emulation import systems
-from netstorm.planning.allot import allot_chunks, split_chunks
 from netstorm.planning.fapt import theorem1_delay
 from netstorm.planning.plan import plan
 from netstorm.policy import Policy

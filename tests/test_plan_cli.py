@@ -123,9 +123,9 @@ def test_chunks_are_the_ones_the_nodes_cut(capsys, model, chunk_size):
     # The node builds its layout from the trainer's tensors (netstorm.layout); the plan must count the
     # same chunks (ResNet-50's many small tensors share chunks there) and fill the pipeline with the
     # largest of them.
+    from netstorm.allot import allot_chunks
     from netstorm.layout import Layout, TensorSpec
     from netstorm.models import layout
-    from netstorm.planning.allot import allot_chunks
 
     out = _json(capsys, "internet2-9", "--bw-scale", "0.25", "--model", model, "--chunk-size", str(chunk_size))
     specs = [TensorSpec(name, tuple(shape), "float32") for name, shape in layout(model).tensors]

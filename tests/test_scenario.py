@@ -60,7 +60,7 @@ id = 3
         ("[[link]]\na = 1\nb = 4\nrate_mbit = 10\n", r"link\[0\]\.b: unknown node 4"),
         ("[[link]]\na = 1\nb = 2\nrate_mbit = 10\n[[link]]\na = 2\nb = 1\nrate_mbit = 5\n"
          "[[link]]\na = 2\nb = 3\nrate_mbit = 5\n", r"link\[1\]: duplicate link 2-1"),
-        ("[[link]]\na = 1\nb = 2\nrate_mbit = [10, 0]\n", r"link\[0\]\.rate_mbit: must be positive"),
+        ("[[link]]\na = 1\nb = 2\nrate_mbit = [10, 0]\n", r"link\[0\]\.rate_mbit\[1\]: must be positive"),
         ("[[link]]\na = 1\nb = 2\nrate_mbit = 10\n", r"disconnected: nodes \[3\]"),
         ("[[link]]\na = 1\nb = 2\nrate_mbit = 10\nloss_pct = 100\n", r"loss_pct"),
         ("[[link]]\na = 1\nb = 2\nrate = 10\n", r"unknown key 'rate'"),

@@ -12,7 +12,12 @@ Three studies, each against its paper's baselines, all judged by models (the emu
   spread grows, and the spread from which ALEPH is ahead of the ring;
 * ``pahina``: PAHInA's assignment against the precision-oblivious one on DCs with mixed precisions
   (the paper's 5:3:2 int8:fp16:fp32 mix, and fp16 with bf16), with the inflation term on and off;
-* ``dcs``: every planner (by its option value) and every baseline on the shipped LAN scenarios.
+* ``dcs``: every planner (by its option value) and every baseline on the shipped LAN scenarios;
+* ``claims``: each paper's headline claim on random instances rather than its own (PAHInA's +30 %
+  over the precision-oblivious assignment across random precision mixes, ALEPH's +88 % over the flat
+  gateway and the ring, EINA's 3.02x ATP and 3.45x GRID, FAPT's speed-ups over STAR and BKT and
+  multi-root's over one root), how often each DC planner's own tree is predicted below the flat gateway
+  (what ``plan_dc`` falls back from), and where a claim does not hold.
 
 Each study writes ``results/dc-planners-<study>.json`` with the command that made it; the markdown
 (``results/dc-planners.md``) is rendered from those files only (``--render`` redoes it alone).
@@ -32,11 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from netstorm import scenario as scenario_mod
+from netstorm.dcplanners import PLANNERS
 from netstorm.lan_scenario import LanSpec, LanWorker
 from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
 
 HELP = "model-level results of the DC planners (EINA, ALEPH, PAHInA) against their papers' baselines"
-STUDIES = ("eina", "aleph", "pahina", "dcs")
+STUDIES = ("eina", "aleph", "pahina", "dcs", "claims")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.render:
         studies = STUDIES if args.study == "all" else (args.study,)
         runners: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-            "eina": eina_study, "aleph": aleph_study, "pahina": pahina_study, "dcs": dcs_study}
+            "eina": eina_study, "aleph": aleph_study, "pahina": pahina_study, "dcs": dcs_study,
+            "claims": claims_study}
         for study in studies:
             start = time.perf_counter()
             body = runners[study](args)
@@ -224,7 +231,7 @@ def dcs_study(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 options = dcplan.Options(tor=tor, time_limit=args.time_limit)
                 planners = {}
-                for p in lanmodel.PLANNERS:
+                for p in PLANNERS:
                     start = time.perf_counter()
                     plan = dcplan.plan_dc(node.lan, p, options)
                     planners[p] = {"gbit": plan.prediction.gbit, "bottleneck": plan.prediction.bottleneck,
@@ -274,7 +281,8 @@ def render(out: Path) -> str:
             continue
         data = json.loads(path.read_text())
         lines += [f"## {study}", "", f"`{data['command']}` ({data['wall_s']:.0f} s)", ""]
-        renderers = {"eina": _render_eina, "aleph": _render_aleph, "pahina": _render_pahina, "dcs": _render_dcs}
+        renderers = {"eina": _render_eina, "aleph": _render_aleph, "pahina": _render_pahina, "dcs": _render_dcs,
+                     "claims": _render_claims}
         lines += renderers[study](data)
         lines.append("")
     return "\n".join(lines) + "\n"
@@ -411,14 +419,26 @@ def _render_dcs(d: dict[str, Any]) -> list[str]:
              "ToR aggregators aggregate (the data plane runs worker aggregators only). EINA sees each rack's "
              "uplink as a link its aggregators share (`rack_uplinks`, a deviation); `eina, non-blocking` is "
              "EINA planning as its paper does, every link but the aggregators' own unlimited.", "",
-             "| scenario | DC | workers | racks | ToR | " + " | ".join(lanmodel.PLANNERS) + " | eina, non-blocking | "
+             "| scenario | DC | workers | racks | ToR | " + " | ".join(PLANNERS) + " | eina, non-blocking | "
              + " | ".join(b for b in dcplan.BASELINES if b != "flat") + " |",
-             "| --- " * (5 + len(lanmodel.PLANNERS) + len(dcplan.BASELINES)) + "|"]
+             "| --- " * (5 + len(PLANNERS) + len(dcplan.BASELINES)) + "|"]
     for r in d["rows"]:
         blind = r.get("eina_non_blocking")
         lines.append(f"| {r['scenario']} | {r['dc']} ({r['name']}) | {r['workers']} | {r['racks']} | "
                      f"{'yes' if r['tor'] else 'no'} | "
-                     + " | ".join(f"{r['planners'][p]['gbit']:.2f}" for p in lanmodel.PLANNERS) + " | "
+                     + " | ".join(f"{r['planners'][p]['gbit']:.2f}" for p in PLANNERS) + " | "
                      + ("-" if blind is None else f"{blind['gbit']:.2f}") + " | "
                      + " | ".join(f"{r['baselines'][b]:.2f}" for b in dcplan.BASELINES if b != "flat") + " |")
     return lines
+
+
+def claims_study(args: argparse.Namespace) -> dict[str, Any]:
+    from netstorm.bench import claims
+
+    return claims.claims_study(args)
+
+
+def _render_claims(d: dict[str, Any]) -> list[str]:
+    from netstorm.bench import claims
+
+    return claims.render_claims(d)

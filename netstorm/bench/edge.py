@@ -196,10 +196,11 @@ def planned_topology(spec: Any, planner: str, config: Any) -> tuple[Any, dict[st
     import dataclasses
 
     from netstorm import lanreport
+    from netstorm.dcplanners import PLANNERS
     from netstorm.errors import NetStormError, PolicyError
     from netstorm.lan.deploy import LanTopology
     from netstorm.planning import dcplan
-    from netstorm.planning.lanmodel import PLANNERS, two_level
+    from netstorm.planning.lanmodel import two_level
     from scheduler.lanplanning import LanPlanning
 
     if planner not in (*PLANNERS, *dcplan.TREE_BASELINES):

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from netstorm import config as config_module
 from netstorm import scenario as scenario_module
-from netstorm.commands.scheduler import TOPOLOGIES, parse_nodes
+from netstorm.commands.scheduler import parse_nodes
+from netstorm.topologies import NAMES as TOPOLOGIES
 
 NAME = "local"
 HELP = "run a scheduler and one node per DC on 127.0.0.1 (trainer sockets at RUN_DIR/node-<i>.sock)"

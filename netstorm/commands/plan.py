@@ -11,11 +11,11 @@ from typing import Any
 
 from netstorm import config as config_mod
 from netstorm import scenario as scenario_mod
+from netstorm.allot import allot_chunks
+from netstorm.dcplanners import PLANNERS
 from netstorm.errors import PolicyError
 from netstorm.layout import Layout, TensorSpec
 from netstorm.models import FLOAT32_BYTES, ModelLayout, layout
-from netstorm.planning.allot import allot_chunks
-from netstorm.planning.lanmodel import PLANNERS
 from netstorm.planning.limit import MinCut, min_cut
 from netstorm.planning.plan import plan
 from netstorm.planning.predict import Prediction, predict

@@ -13,10 +13,10 @@ from netstorm import config as config_module
 from netstorm import scenario as scenario_module
 from netstorm.control import format_address, parse_address
 from netstorm.errors import ConfigError
+from netstorm.topologies import NAMES as TOPOLOGIES
 
 NAME = "scheduler"
 HELP = "run the central scheduler: registration, heartbeats, policies per iteration, link reports, SNTP"
-TOPOLOGIES = ("fapt", "star", "star-mxnet", "bkt", "mst", "fapt1")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Literal, cast
+from typing import Any
 
+from netstorm.compression.methods import COMPRESSION, METHODS, Method
 from netstorm.errors import ConfigError
 
-Method = Literal["none", "fediac", "topk", "fp16"]
-METHODS: tuple[Method, ...] = ("none", "fediac", "topk", "fp16")
+__all__ = ["METHODS", "CompressionOptions", "Method"]
 MAX_BITS = 24
 """Widest value lane: the trainer path carries integers as float32, exact up to 2**24."""
 PREFIX = "netstorm.compress."
@@ -32,7 +32,8 @@ VOTE_SHARE = 0.15
 class CompressionOptions:
     """A job's compression settings (see ``Config``'s Compression section for each field)."""
 
-    method: Method = "none"
+    method: str = "none"
+    """A name of ``netstorm.compression.methods.COMPRESSION``."""
     k: float = 0.05
     """Votes per contributor: a share of the model's elements when below 1, else a count."""
     bits: int = 0
@@ -45,6 +46,7 @@ class CompressionOptions:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ConfigError(f"compression must be one of {', '.join(METHODS)}, got {self.method!r}")
+
         if not (self.k > 0 and math.isfinite(self.k)) or (self.k >= 1 and not float(self.k).is_integer()):
             raise ConfigError(f"fediac_k must be a share in (0, 1) or a whole count >= 1, got {self.k!r}")
         if self.bits != 0 and not 2 <= self.bits <= MAX_BITS:
@@ -57,13 +59,18 @@ class CompressionOptions:
     @classmethod
     def of(cls, config: Any) -> CompressionOptions:
         """The options of a ``Config`` (or anything with its compression attributes)."""
-        return cls(cast(Method, config.compression), float(config.fediac_k), int(config.fediac_bits),
+        return cls(str(config.compression), float(config.fediac_k), int(config.fediac_bits),
                    int(config.fediac_votes), int(getattr(config, "fediac_gia_reuse", 1)))
+
+    @property
+    def spec(self) -> Method:
+        """The method's registry entry (what it asks of the rest of the system)."""
+        return COMPRESSION.get_entry(self.method)
 
     @property
     def sparse(self) -> bool:
         """Whether the method votes on indices (two rounds per iteration)."""
-        return self.method in ("fediac", "topk")
+        return self.spec.sparse
 
     def k_of(self, elements: int) -> int:
         """k for a model of ``elements`` values: at least 1, at most all of them."""
@@ -71,8 +78,8 @@ class CompressionOptions:
         return max(1, min(elements, k))
 
     def votes_of(self, contributors: int) -> int:
-        """Threshold a for ``contributors`` voters; top-k takes the union (a = 1)."""
-        if self.method == "topk":
+        """Threshold a for ``contributors`` voters; a method without consensus (top-k) takes the union (a = 1)."""
+        if not self.spec.consensus:
             return 1
         if self.votes > contributors:
             raise ConfigError(f"fediac_votes={self.votes} exceeds the {contributors} contributors: the GIA "

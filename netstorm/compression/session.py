@@ -135,7 +135,7 @@ class Rounds:
         d = self.elements
         # The votes' dtype bounds a single contribution (0 or 1); sums travel as wide as they need.
         out[VOTES] = np.zeros(d, dtype=np.uint8)
-        if self.options.method == "fediac":
+        if self.options.spec.quantized:
             out[SCALE] = np.zeros(quantize.SCALE_BUCKETS, dtype=np.uint8)
             lane = quantize.lane_dtype(self.bits or DERIVED_BITS_MAX)
             out[VALUES] = np.zeros(d, dtype=lane)
@@ -158,7 +158,7 @@ class Rounds:
             return
         rng = np.random.default_rng([self.seed, node_id])
         k = self.options.k_of(self.elements)
-        if self.options.method == "topk":
+        if not self.options.spec.quantized:
             self.codec = TopkCodec(self.elements, k=k)
         elif self.bits:
             self._fediac(rng)
@@ -259,7 +259,7 @@ class Rounds:
         and whose next piece failed never reached the trainer (``torch/compressed.py``). The next
         ``begin`` is the dense round again, as in a run without the failed bucket. Call it between
         iterations, after rolling back what the derived codec did."""
-        if self.options.method != "fediac" or self.options.bits or self.codec is None:
+        if not self.options.spec.quantized or self.options.bits or self.codec is None:
             return
         self.codec, self.bits, self.derived_bits = None, self.options.bits, 0
 

@@ -129,7 +129,7 @@ class RoundPlan:
         """What the gateway applies to the counts it returns (1: the roots' GIA, 0/1 already)."""
         self._index = {name: i for i, name in enumerate(self.names)}
         self.model = tuple(i for i, n in enumerate(self.names) if n not in (VOTES, SCALE, VALUES))
-        self._first = Kind.DENSE if options.method == "fediac" and not options.bits else Kind.VOTES
+        self._first = Kind.DENSE if options.spec.quantized and not options.bits else Kind.VOTES
 
     # ---- the schedule -------------------------------------------------------------------------------
 
@@ -144,7 +144,7 @@ class RoundPlan:
             gia = np.asarray(returned[wire.tensors.index(self._index[VOTES])])
             return self.wire(Kind.VALUES, gia_size(gia, 1), served=1)
         # the codec's rule (``FediacCodec.must_vote``): a GIA serves ``gia_reuse`` iterations; top-k votes always
-        reuse = self.options.gia_reuse if self.options.method == "fediac" else 1
+        reuse = self.options.gia_reuse if self.options.spec.quantized else 1
         if wire.kind in (Kind.VALUES, Kind.REUSED) and wire.served < reuse:
             return self.wire(Kind.REUSED, wire.gia, served=wire.served + 1)
         return self.wire(Kind.VOTES)

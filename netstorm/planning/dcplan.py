@@ -1,9 +1,11 @@
 """Plan a DC's LAN tier with one of the planners (``dc_planner``), and the baselines beside it.
 
-``plan_dc`` runs ``flat``, ``aleph``, ``pahina`` or ``eina`` on a ``LanSpec``; ``baselines`` gives the
-trees the papers compare against (the flat gateway, ATP-style rack aggregation, GRID-style single
-aggregation, PAHInA's precision-oblivious assignment) and the ring all-reduce, all judged by the one
-fluid model of ``lanmodel``.
+``plan_dc`` runs a planner of the ``netstorm.dcplanners`` registry (``flat``, ``aleph``, ``pahina``,
+``eina``) on a ``LanSpec`` and never returns a tree predicted slower than the flat gateway: it falls
+back to it and says why (``no_worse_than_flat``). ``baselines`` gives the trees the papers compare
+against (the flat gateway, ATP-style rack aggregation, GRID-style single aggregation, PAHInA's
+precision-oblivious assignment) and the ring all-reduce, all judged by the one fluid model of
+``lanmodel``.
 
 ``tor``: where the DC describes racks, EINA and ATP aggregate at the racks' ToR aggregators (their
 papers' edge aggregators) and PAHInA uses them as its programmable nodes. The data plane runs only
@@ -22,12 +24,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from netstorm.errors import PolicyError
+from netstorm import registry
+from netstorm.dcplanners import DC_PLANNERS
+from netstorm.errors import NetStormError, PolicyError
 from netstorm.lan_scenario import LanSpec
 from netstorm.planning import aleph, eina, pahina
 from netstorm.planning.lanmodel import (
     GATEWAY,
-    PLANNERS,
     DcPlan,
     Node,
     Prediction,
@@ -64,6 +67,9 @@ class Options:
     """EINA and GRID see each rack's uplink as a link its aggregators share (a deviation: EINA's fabric is
     non-blocking, so without it a plan with workers as aggregators is blind to the uplinks it crosses)."""
     seed: int = 0
+    fallback: bool = True
+    """Return the flat gateway where the planner's tree is predicted slower (off: the planner's own tree,
+    for measuring the planners themselves)."""
 
     @classmethod
     def from_config(cls, config: Config, **changes: Any) -> Options:
@@ -73,17 +79,49 @@ class Options:
         return dataclasses.replace(base, **changes)
 
 
+FALLBACK_TOLERANCE = 1e-9
+"""Relative shortfall below the flat gateway's prediction that counts as worse (float noise is not)."""
+
+
 def plan_dc(lan: LanSpec, planner: str, options: Options = Options()) -> DcPlan:
-    """The tree, rates and prediction ``planner`` gives this LAN."""
-    if planner == "flat":
-        return make_plan("flat", lan, flat(lan))
-    if planner == "aleph":
-        return aleph.plan(lan, seed=options.seed)
-    if planner == "pahina":
-        return pahina.plan(lan, inflation=options.inflation, tor=options.tor)
-    if planner == "eina":
-        return eina_plan(lan, options)
-    raise PolicyError(f"unknown DC planner {planner!r} (one of {', '.join(PLANNERS)})")
+    """The tree, rates and prediction ``planner`` (a name of ``DC_PLANNERS``) gives this LAN; never a
+    tree predicted slower than the flat gateway (``no_worse_than_flat``) unless ``options.fallback`` is off."""
+    try:
+        entry = DC_PLANNERS.get_entry(planner)
+    except NetStormError as exc:
+        raise PolicyError(str(exc)) from None
+    plan: DcPlan = registry.load(entry.target)(lan, options)
+    return no_worse_than_flat(lan, plan) if options.fallback else plan
+
+
+def no_worse_than_flat(lan: LanSpec, plan: DcPlan) -> DcPlan:
+    """``plan``, or the flat gateway's tree where ``plan`` is predicted slower, in the same model. The
+    result keeps the planner's name and says which tree it fell back to and why (``fallback``, a note,
+    ``detail["fallback"]``), so a DC never runs a plan predicted worse than doing nothing."""
+    base = make_plan("flat", lan, flat(lan))
+    planned, floor = plan.prediction.gbit, base.prediction.gbit
+    if planned >= floor * (1 - FALLBACK_TOLERANCE):
+        return plan
+    why = (f"{plan.planner}'s tree was predicted {planned:.6g} Gbit/s (bottleneck {plan.prediction.bottleneck}), "
+           f"below the flat gateway's {floor:.6g}: fell back to the flat gateway")
+    detail = {**plan.detail, "fallback": {"to": "flat", "planned_gbit": round(planned, 6),
+                                          "planned_bottleneck": plan.prediction.bottleneck,
+                                          "flat_gbit": round(floor, 6)}}
+    return dataclasses.replace(base, planner=plan.planner, notes=(*plan.notes, why), detail=detail,
+                               fallback="flat")
+
+
+def flat_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    """Today's tier (``dc_planner = "flat"``): every worker sends to the gateway."""
+    return make_plan("flat", lan, flat(lan))
+
+
+def aleph_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    return aleph.plan(lan, seed=options.seed)
+
+
+def pahina_plan(lan: LanSpec, options: Options = Options()) -> DcPlan:
+    return pahina.plan(lan, inflation=options.inflation, tor=options.tor)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from netstorm.dcplanners import PLANNERS
 from netstorm.errors import PolicyError
 from netstorm.planning.dcplan import Options, baselines, plan_dc
-from netstorm.planning.lanmodel import PLANNERS, two_level
+from netstorm.planning.lanmodel import two_level
 from netstorm.scenario import Scenario
 
 
@@ -39,7 +40,8 @@ def report(scenario: Scenario, dc: int, planner: str, options: Options) -> dict[
 def text(r: dict[str, Any]) -> str:
     lines = [f"source {r['source']}, DC {r['dc']} ({r['name']}): {r['workers']} workers, {r['racks']} racks"
              f"{'' if r['tor'] else ' (workers only aggregate)'}",
-             f"planner {r['planner']}: predicted {r['predicted_gbit']:.3f} Gbit/s (bottleneck {r['bottleneck']})",
+             f"planner {r['planner']}: predicted {r['predicted_gbit']:.3f} Gbit/s (bottleneck {r['bottleneck']})"
+             + (f", the {r['fallback']} tree: its own was predicted slower" if r.get("fallback") else ""),
              f"  aggregators: {', '.join(map(str, r['aggregators'])) or '(none)'}"]
     for worker, agg in r["assignment"].items():
         target = "gateway" if agg is None else agg

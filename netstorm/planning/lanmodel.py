@@ -44,9 +44,6 @@ GATEWAY = "gateway"
 PRECISION_SCALE: dict[str, float] = {"fp32": 1.0, "fp16": 0.5, "bf16": 0.5, "int8": 0.25}
 """Bytes of a gradient at each precision, relative to fp32."""
 
-PLANNERS = ("flat", "aleph", "pahina", "eina")
-"""The ``dc_planner`` option's values."""
-
 Node = int | str
 """A worker's index, a rack's ToR aggregator (``tor_id``) or ``GATEWAY``."""
 
@@ -103,6 +100,9 @@ class DcPlan:
     """How the planner degraded on this DC (no racks, no solver in time...), for people."""
     detail: Mapping[str, Any] = field(default_factory=dict)
     """Planner-specific facts (EINA's solver status and shares, ALEPH's rounds...), JSON-able."""
+    fallback: str = ""
+    """The tree used instead of the planner's ("flat") when its own was predicted slower; the reason is
+    the last note. Empty: the planner's own tree."""
 
     @property
     def aggregators(self) -> list[Node]:
@@ -131,6 +131,7 @@ class DcPlan:
                 "predicted_gbit": round(self.prediction.gbit, 6),
                 "bottleneck": self.prediction.bottleneck,
                 "notes": list(self.notes),
+                **({"fallback": self.fallback} if self.fallback else {}),
                 **({"detail": dict(self.detail)} if self.detail else {})}
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from netstorm import registry
 from netstorm.errors import PolicyError
 from netstorm.planning.auxpath import auxiliary_paths
 from netstorm.planning.baselines import (
@@ -22,11 +23,15 @@ from netstorm.planning.offload import plan_offload
 from netstorm.planning.predict import routed_delay, routes_for
 from netstorm.planning.rategraph import RateGraph
 from netstorm.planning.rootpacking import pack_for_roots
-from netstorm.policy import TOPOLOGIES, Policy, tree_pairs
+from netstorm.policy import Policy, tree_pairs
 from netstorm.scenario import Rates
+from netstorm.topologies import TOPOLOGIES
 from netstorm.tree import Tree
 
-__all__ = ["plan"]
+__all__ = ["baseline_trees", "fapt_trees", "plan"]
+
+Trees = tuple[tuple[int, ...], dict[int, Tree], dict[int, float]]
+"""What a topology's builder returns: the roots, each root's tree, and the roots' quality q = 1 / w(T)."""
 
 
 def _tree_edge_paths(graph: RateGraph, trees: Mapping[int, Tree]) -> dict[tuple[int, int], tuple[tuple[int, ...], ...]]:
@@ -62,6 +67,25 @@ def _baseline_tree(graph: RateGraph, rates: Rates, topology: str, hub: int | Non
     return star_tree(graph, root) if topology in ("star", "star-mxnet") else bkt_tree(graph, root, bkt_k)
 
 
+def fapt_trees(graph: RateGraph, rates: Rates, topology: str, *, num_roots: int, roots: Sequence[int] | None,
+               hub: int | None, bkt_k: int) -> Trees:
+    """Algorithm 2's trees: the top ``num_roots`` roots (0 = every node; one for a ``single_root``
+    topology), or the fixed ``roots`` of an earlier decision."""
+    if TOPOLOGIES[topology].single_root:
+        if roots is not None and len(roots) != 1:
+            raise PolicyError(f"single-root FAPT takes one root, got {list(roots)}")
+        num_roots = 1
+    result = build_multi_root_fapt(graph, num_roots, roots)
+    return result.roots, result.trees, result.quality
+
+
+def baseline_trees(graph: RateGraph, rates: Rates, topology: str, *, num_roots: int, roots: Sequence[int] | None,
+                   hub: int | None, bkt_k: int) -> Trees:
+    """One baseline tree (``_baseline_tree``) and its quality."""
+    tree = _baseline_tree(graph, rates, topology, hub, bkt_k)
+    return (tree.root,), {tree.root: tree}, {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
+
+
 def plan(
     rates: Rates,
     *,
@@ -91,22 +115,12 @@ def plan(
     the shares again together with the fractions of tree links' chunks their auxiliary paths carry
     (``netstorm.planning.offload``).
     """
-    if topology not in TOPOLOGIES:
-        raise PolicyError(f"unknown topology {topology!r} (known: {', '.join(TOPOLOGIES)})")
+    entry = TOPOLOGIES.get_entry(topology)
     graph = RateGraph.from_rates(rates)
-    trees: dict[int, Tree]
-    if topology in ("fapt", "fapt1"):
-        if topology == "fapt1":
-            if roots is not None and len(roots) != 1:
-                raise PolicyError(f"single-root FAPT takes one root, got {list(roots)}")
-            num_roots = 1
-        result = build_multi_root_fapt(graph, num_roots, roots)
-        chosen, trees, quality = result.roots, result.trees, result.quality
-    else:
-        tree = _baseline_tree(graph, rates, topology, hub, bkt_k)
-        chosen, trees = (tree.root,), {tree.root: tree}
-        quality = {tree.root: 1.0 / routed_delay(tree, graph, routes_for(graph))}
-    if topology == "fapt" and packing:
+    build = registry.load(entry.builder)
+    chosen, trees, quality = build(graph, rates, topology, num_roots=num_roots, roots=roots, hub=hub, bkt_k=bkt_k)
+    packed = entry.packs and packing
+    if packed:
         trees, share = pack_for_roots(graph, chosen, seeds=[trees[r] for r in chosen])
     else:
         total_q = sum(quality[r] for r in chosen)
@@ -115,6 +129,6 @@ def plan(
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
     planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
     moves: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
-    if offload and aux and topology == "fapt" and packing:
+    if offload and aux and packed:
         share, moves = plan_offload(planned, trees, share, aux_paths)
     return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned, offload=moves)

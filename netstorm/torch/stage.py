@@ -120,7 +120,7 @@ class Stage:
         if self.compression.sparse:
             self.buckets = BucketRounds(self.compression, ROUND_NAME, round_elements, seed)
             tensors = self.buckets.registered()
-        elif self.compression.method == "fp16":
+        elif self.compression.spec.float16:
             tensors[EXACT_NAME] = np.zeros(round_elements, dtype=np.int32)
         self._zeros = {name: np.zeros_like(value) for name, value in tensors.items()}
         # The init round: every DC's rank registers the same layout (hash-checked) and waits for the others.

@@ -73,7 +73,7 @@ import numpy as np
 import netstorm
 from netstorm import config, models
 from netstorm.auth import load_secret
-from netstorm.compression.options import CompressionOptions
+from netstorm.compression.options import METHODS, CompressionOptions
 from netstorm.compression.session import CompressedClient, RoundStats
 from netstorm.errors import IterationError, NetStormError, NodeGone, PolicyError
 
@@ -256,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rejoinable", action="store_true",
                         help="carry the step in the model, so a restarted DC continues at the live DCs' step")
     parser.add_argument("--out", default=None, help="JSON lines file, appended to (default stdout)")
-    parser.add_argument("--compression", default=None, choices=("none", "fediac", "topk", "fp16"),
+    parser.add_argument("--compression", default=None, choices=METHODS,
                         help="gradient compression (default: NETSTORM_COMPRESSION, else none)")
     parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
     parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
@@ -447,7 +447,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
         if options.sparse and args.edge is None:
             kv = CompressedClient(raw, options)
         try:
-            initial = (kv.init(grads, compression=options.method) if options.method == "fp16"
+            initial = (kv.init(grads, compression=options.method) if options.spec.float16
                        else kv.init(grads))
             if args.rejoinable:
                 step[0] = int(initial[STEP_TENSOR][0])

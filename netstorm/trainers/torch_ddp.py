@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from netstorm.compression.methods import METHODS
 from netstorm.trainers.tasks import TASKS
 
 HELD_OUT = 1000
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.torch_ddp", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["netstorm", "gloo"], required=True)
     parser.add_argument("--task", choices=list(TASKS), default=next(iter(TASKS)))
@@ -168,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--address", default=None, help="gloo: the address gloo's data connections use")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds any collective may take")
     parser.add_argument("--out", default=None, help="JSON lines file (default stdout)")
-    parser.add_argument("--compression", default=None, choices=("none", "fediac", "topk", "fp16"),
+    parser.add_argument("--compression", default=None, choices=METHODS,
                         help="netstorm: gradient compression (default: NETSTORM_COMPRESSION, else none)")
     parser.add_argument("--fediac-k", type=float, default=None, help="votes per contributor (share or count)")
     parser.add_argument("--fediac-bits", type=int, default=None, help="bits b of a value (0: derived)")
@@ -179,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="netstorm: DDP's bucket all-reduce (default) or compressed_hook even without compression")
     parser.add_argument("--digest", action="store_true", help="add params_digest (a hash of the model) to each line")
     parser.add_argument("--save", default=None, help="directory: write the final parameters to rank-R.npy there")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.backend == "netstorm" and not args.socket:
         parser.error("--backend netstorm needs --socket")
