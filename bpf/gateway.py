@@ -200,6 +200,17 @@ class GatewayRole:
         self.rounds: GatewayRounds | None = None
         """A compressed job's wires, one per iteration (planned as each result is released)."""
         self._wired = asyncio.Event()
+        self.lan_iterations = 0
+        """Iterations whose LAN sums this gateway collected."""
+        self.lan_failures = 0
+        """Iterations whose LAN sum failed (a timeout naming missing workers, an overflow, an abort)."""
+        self.lan_bytes = 0
+        """Bytes of float32 gradients the LAN summed: the model's size times the workers, per iteration."""
+        self.lan_seconds = 0.0
+        """Seconds of the LAN phases: from the previous result's release to the last chunk summed."""
+        self.lan_last_gbit = 0.0
+        """The newest LAN phase's throughput (its bytes over its seconds), Gbit/s; 0 before one."""
+        self._model_bytes = 0
         self._released: deque[int] = deque(maxlen=8)
         """The newest iterations whose results went back: a failure reported for one of them is ignored
         (its workers have, or can PULL, the result)."""
@@ -446,6 +457,7 @@ class GatewayRole:
                 await self.wait_plan()
                 # compiling and loading the XDP program takes seconds: keep the node's loop (heartbeats) free
                 self.agent = await asyncio.to_thread(self._start, sizes)
+                self._model_bytes = 4 * sum(sizes)
                 self._started.set()
                 if self.on_started is not None:
                     self.on_started(self.mode, self.fallback)
@@ -501,11 +513,33 @@ class GatewayRole:
             sums = await self.agent.collect(iteration, timeout=self.iteration_timeout)
         except (EdgeTimeout, WireError, IterationAborted) as exc:
             log.error("edge: %s", exc)
+            self.lan_failures += 1
             return exc
+        self._count(iteration)
         self._log_phases(iteration, asked)
         self._measured(iteration)
         # a compressed round's sums cover its wire: the rest of every tensor is zeros
         return sums if self.rounds is None else self.rounds.contribution(iteration, sums)
+
+    def _count(self, iteration: int) -> None:
+        """Count one collected LAN sum for operators (``lan_*`` attributes, the node's metrics)."""
+        assert self.agent is not None
+        self.lan_iterations += 1
+        nbytes = self._model_bytes * self.options.workers
+        self.lan_bytes += nbytes
+        summed = self.agent.summed_at(iteration)
+        released = self._released_at.get(iteration - 1)
+        if summed is not None and released is not None and summed[1] > released:
+            self.lan_seconds += summed[1] - released
+            self.lan_last_gbit = nbytes * 8 / (summed[1] - released) / 1e9
+
+    def lan_losses(self) -> dict[str, int]:
+        """Recoveries the LAN needed so far, by kind: NACK datagrams (each names missing workers' chunks),
+        QUERY answers, NACKs to cluster aggregators; zeros on the TCP path, which loses nothing."""
+        agent = self.agent
+        return {"nack": int(getattr(agent, "nack_datagrams", 0)),
+                "query_nack": int(getattr(agent, "query_nacks_sent", 0)),
+                "cluster_nack": int(getattr(agent, "cluster_nacks_sent", 0))}
 
     def _log_phases(self, iteration: int, asked: float) -> None:
         """One line per iteration with the LAN phase's times, from which an iteration's time splits into the

@@ -7,12 +7,16 @@ modules are imported only when their command runs, so ``netstorm plan`` never pa
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from types import ModuleType
+from typing import Any, NoReturn
 
+from netstorm import logjson
 from netstorm.errors import NetStormError
 
 # command name -> module under netstorm.commands
@@ -29,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "bench": "bench",
     "secret": "secret",
     "status": "status",
+    "probe": "probe",
     "lan-aggregator": "lan_aggregator",
 }
 
@@ -42,14 +47,41 @@ def _load(module: str) -> ModuleType | None:
         raise
 
 
-def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict[str, ModuleType]]:
+class Parser(argparse.ArgumentParser):
+    """argparse with a one-line error: the problem, a "did you mean" for a mistyped flag, and where the
+    help is, instead of the whole usage before the one line that matters."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, Parser] = {}
+        """Sub-command -> its parser (the top parser's; an unknown flag is reported by its command's)."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = ""
+        if message.startswith("unrecognized arguments:"):
+            flags = [o for a in self._actions if a.help != argparse.SUPPRESS for o in a.option_strings]
+            for given in message.split(":", 1)[1].split():
+                match = difflib.get_close_matches(given.split("=", 1)[0], flags, n=1, cutoff=0.7)
+                if match:
+                    hint = f"; did you mean {match[0]}?"
+                    break
+        elif "invalid choice: " in message and "(choose from " in message:
+            given = message.split("invalid choice: ", 1)[1].split(" (choose from ", 1)[0].strip("'")
+            choices = [c.strip(" '") for c in message.rsplit("(choose from ", 1)[1].rstrip(")").split(",")]
+            match = difflib.get_close_matches(given, choices, n=1, cutoff=0.6)
+            if match:
+                hint = f"; did you mean {match[0]!r}?"
+        self.exit(2, f"{self.prog}: error: {message}{hint}\n  (see '{self.prog} --help')\n")
+
+
+def build_parser(only: str | None = None) -> tuple[Parser, dict[str, ModuleType]]:
     """The parser with every command, or with just ``only`` (child processes start faster)."""
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="netstorm",
         description="Geo-distributed parameter synchronization over multi-root FAPT trees.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     modules: dict[str, ModuleType] = {}
     for name, module_name in COMMANDS.items():
         if only is not None and name != only:
@@ -60,20 +92,34 @@ def build_parser(only: str | None = None) -> tuple[argparse.ArgumentParser, dict
         modules[name] = module
         command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(command_parser)
+        parser.commands[name] = command_parser
     return parser, modules
+
+
+def _log_format(args: argparse.Namespace) -> str:
+    """``log_format`` as the command line, environment or config file says (before the full Config exists,
+    so the first lines already follow it); a bad value is reported by the Config later."""
+    given = getattr(args, "opt_log_format", None) or os.environ.get("NETSTORM_LOG_FORMAT")
+    if given is None and getattr(args, "config", None):
+        from netstorm.config import load_file
+
+        given = load_file(args.config).get("log_format")
+    return "json" if str(given).strip().lower() == "json" else "text"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     named = next((arg for arg in argv if not arg.startswith("-")), None)
     parser, modules = build_parser(only=named if named in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.commands.get(args.command or "", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command is None:
         parser.print_help()
         return 2
     level = logging.WARNING - 10 * min(args.verbose, 2)
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        logjson.configure(level, _log_format(args), role=args.command, dc=getattr(args, "id", None))
         return int(modules[args.command].run(args))
     except NetStormError as exc:
         print(f"netstorm {args.command}: error: {exc}", file=sys.stderr)

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import difflib
 import inspect
 import itertools
 import os
 import tomllib
-from collections.abc import Mapping
+import warnings
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,7 @@ class Config:
     """The job's revocation list (`netstorm secret FILE --revoke MEMBER`): serials of member
     certificates refused from then on, read again whenever it changes; a revoked node's scheduler
     connection is closed at its next heartbeat. Empty: nothing revoked."""
+    # Recovery.
     state_dir: str = ""
     """Directory where the scheduler keeps membership, policy versions and iteration bindings (an sqlite
     file, created with the directory if missing), so a scheduler restarted with the same command line
@@ -175,6 +178,14 @@ class Config:
     allow_joiners: bool = False
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
+    # Operations.
+    metrics_listen: str = ""
+    """HOST:PORT where this process serves Prometheus metrics at /metrics (names prefixed netstorm_);
+    empty: none. Under `netstorm local` it is the scheduler's address and node i (in the job's order)
+    serves on PORT + 1 + i."""
+    log_format: str = "text"
+    """Log lines as "text" (one human-readable line each) or "json" (one JSON object per line: time,
+    level, logger, message, and the process's role and DC)."""
     # PyTorch integration (the ``netstorm`` process-group backend and the DDP comm hook).
     torch_round: int = 262_144
     """Float32 elements of one node iteration of the torch backend (its one registered tensor): a collective
@@ -324,6 +335,12 @@ class Config:
         if not 0 <= self.aux_reroute <= 1:
             raise ConfigError(f"aux_reroute must be in [0, 1], got {self.aux_reroute!r}")
         self._validate_compression()
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, got {self.log_format!r}")
+        if self.metrics_listen:
+            host, sep, port = self.metrics_listen.rpartition(":")
+            if not sep or not host or not port.isdigit() or int(port) > 65535:
+                raise ConfigError(f"metrics_listen must be HOST:PORT, got {self.metrics_listen!r}")
         if self.dc_planner not in PLANNERS:
             raise ConfigError(f"dc_planner must be one of {', '.join(PLANNERS)}, got {self.dc_planner!r}")
         if self.dc_plan_time_limit <= 0:
@@ -365,7 +382,7 @@ PAPER_DESIGN: dict[str, Any] = {
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
 LOCAL: frozenset[str] = frozenset({"secret_file", "member_file", "revoked_file", "wan_tls", "torch_round",
-                                   "torch_socket"})
+                                   "torch_socket", "metrics_listen", "log_format"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 
@@ -382,8 +399,39 @@ def _field_docs() -> dict[str, str]:
     return docs
 
 
+def _field_sections() -> dict[str, str]:
+    """Field -> the concern it belongs to: the ``# Section.`` comment above it in ``Config``."""
+    sections: dict[str, str] = {}
+    current = "Other"
+    for line in inspect.getsource(Config).splitlines():
+        stripped = line.strip()
+        if line.startswith("    # ") and not line.startswith("     "):
+            current = stripped[2:].split(" (")[0].rstrip(".")
+        elif line.startswith("    ") and not line.startswith("     ") and ":" in stripped:
+            name = stripped.split(":", 1)[0]
+            if name in FIELDS:
+                sections.setdefault(name, current)
+    return sections
+
+
 DOCS = _field_docs()
+SECTIONS = _field_sections()
+"""Option -> its concern ("Paper, Table II", "Runtime", "Trust", "Operations", "LAN tier", ...)."""
 ENV_PREFIX = "NETSTORM_"
+NOT_OPTIONS: frozenset[str] = frozenset({"SOCKET", "CLOCK_SKEW", "LOCAL_RUN_DIR", "EMU_REGISTRY"})
+"""``NETSTORM_`` variables that are not options (so no "did you mean" is offered for them)."""
+
+
+def closest(name: str, known: Collection[str]) -> str | None:
+    """The one of ``known`` a mistyped ``name`` most likely meant (None when none is close)."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.75)
+    return close[0] if close else None
+
+
+def suggest(name: str, known: Collection[str]) -> str:
+    """ "; did you mean 'X'?" for the closest of ``known`` to a mistyped ``name``, or ""."""
+    match = closest(name, known)
+    return f"; did you mean {match!r}?" if match else ""
 
 
 def _coerce(name: str, value: Any, source: str) -> Any:
@@ -446,7 +494,8 @@ def load_file(path: str | Path) -> dict[str, Any]:
     for key, value in table.items():
         name = _normalise(key)
         if name not in FIELDS:
-            raise ConfigError(f"{path}: unknown option {key!r}; known: {', '.join(sorted(FIELDS))}")
+            raise ConfigError(f"{path}: unknown option {key!r}{suggest(name, FIELDS)} (every option: "
+                              "netstorm scheduler --help)")
         out[name] = _coerce(name, value, str(path))
     return out
 
@@ -461,6 +510,11 @@ def load_env(environ: Mapping[str, str]) -> dict[str, Any]:
         name = _normalise(key[len(ENV_PREFIX):])
         if name in FIELDS:
             out[name] = _coerce(name, value, f"environment {key}")
+        elif key[len(ENV_PREFIX):] not in NOT_OPTIONS:
+            match = closest(name, FIELDS)
+            if match:  # another tool's variable is left alone; one a letter away from an option is not
+                warnings.warn(f"environment {key} is not an option; did you mean {ENV_PREFIX}{match.upper()}?",
+                              stacklevel=2)
     return out
 
 
@@ -488,23 +542,48 @@ def resolve(
     return config
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``."""
-    group = parser.add_argument_group("NetStorm options (also NETSTORM_<NAME> or a [netstorm] TOML table)")
-    group.add_argument("--config", metavar="FILE", help="TOML file with options")
+def first_sentence(text: str) -> str:
+    """The first sentence of an option's docstring (``--help`` is a summary; the docstring says the rest)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char in ".;:" and depth == 0 and text[i + 1:i + 2] == " " and i >= 20:
+            return text[:i]
+    return text.rstrip(".")
+
+
+JOB_SECTIONS: tuple[str, ...] = ("Paper, Table II", "Paper, Table I", "Runtime", "Trust", "Recovery", "Operations",
+                                  "Compression", "DC planning", "LAN tier")
+"""The concerns of a job's options (what the scheduler hands its nodes, and ``local`` its children)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | None = None,
+                  names: Sequence[str] = ()) -> None:
+    """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``. The help shows the options
+    of ``sections`` (every one when None) and ``names``, one group per concern, with their defaults; the
+    others are still accepted (a supervisor hands every child the same flags) but not shown."""
+    shown = {n for n in FIELDS if sections is None or SECTIONS.get(n) in sections} | set(names)
+    parser.add_argument("--config", metavar="FILE", help="TOML file with options (top level or [netstorm]); "
+                        "every option is also NETSTORM_<NAME>")
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for name, field in FIELDS.items():
         flag = "--" + name.replace("_", "-")
-        doc = DOCS.get(name, "").replace("%", "%%")  # argparse formats help with %
         kind = type(field.default)
-        if kind is bool:
-            group.add_argument(flag, dest=f"opt_{name}", metavar="BOOL", default=None,
-                               help=f"{doc} (default {str(field.default).lower()})")
-        elif name in CHOICES:
-            group.add_argument(flag, dest=f"opt_{name}", choices=CHOICES[name], default=None,
-                               help=f"{doc} (default {field.default})")
+        default = str(field.default).lower() if kind is bool else repr(field.default) if kind is str else field.default
+        if name in shown:
+            section = SECTIONS.get(name, "Other")
+            if section not in groups:
+                groups[section] = parser.add_argument_group(f"{section} options")
+            target: argparse._ActionsContainer = groups[section]
+            doc = first_sentence(DOCS.get(name, "")).replace("%", "%%")  # argparse formats help with %
+            help_text = f"{doc} (default {default})"
         else:
-            group.add_argument(flag, dest=f"opt_{name}", metavar=kind.__name__.upper(), default=None,
-                               help=f"{doc} (default {field.default})")
+            target, help_text = parser, argparse.SUPPRESS
+        if name in CHOICES:  # an extension point's registered names: the flag offers exactly those
+            target.add_argument(flag, dest=f"opt_{name}", choices=CHOICES[name], default=None, help=help_text)
+        else:
+            target.add_argument(flag, dest=f"opt_{name}", metavar="BOOL" if kind is bool else kind.__name__.upper(),
+                                default=None, help=help_text)
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:

@@ -365,9 +365,19 @@ class LayoutAck(Message, frozen=True, tag="layout_ack", omit_defaults=True):
     DC admitted into a running job, the boundary iteration that hands it the live model."""
 
 
-class Heartbeat(Message, frozen=True, tag="heartbeat"):
+IterationTimes = Annotated[tuple[tuple[Version, Annotated[float, msgspec.Meta(ge=0, le=1e9)]], ...],
+                          msgspec.Meta(max_length=MAX_NODES)]
+"""(iteration, seconds from its start at the node to its result there)."""
+
+
+class Heartbeat(Message, frozen=True, tag="heartbeat", omit_defaults=True):
     node_id: NodeId
     t: Finite
+    done: IterationTimes = ()
+    """Iterations the node completed since its last heartbeat, with their times there (for operators:
+    the scheduler sets them against their min-cut limit)."""
+    model_bytes: Annotated[int, msgspec.Meta(ge=0, le=2**53)] = 0
+    """Bytes of the registered model (0 before registration): the M of the limit M / λ."""
 
 
 class Leave(Message, frozen=True, tag="leave"):
@@ -522,6 +532,15 @@ class Status(Message, frozen=True, tag="status", omit_defaults=True):
     states: Annotated[tuple[tuple[NodeId, Name, Text], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
     """(node, state, why) of every expected node: state ``expected`` (not registered yet), ``registered``
     (waiting for the others), ``alive`` or ``down`` (why: the reason it was declared gone)."""
+    links: Annotated[tuple[tuple[NodeId, NodeId, Finite, Finite, Finite], ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    """(src, dst, believed Mbit/s, newest reported Mbit/s or -1, seconds since that report or -1) of every
+    directed link the scheduler plans with."""
+    iterations: Annotated[tuple[tuple[Version, Version, Finite, Finite], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
+    """(iteration, policy version, seconds its slowest DC took, its min-cut limit in seconds or -1) of the
+    newest iterations nodes reported complete, oldest first."""
+    lan: Annotated[tuple[tuple[NodeId, Name, Version, Name, Finite], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
+    """(DC, LAN aggregation mode or "", LAN plan version or -1, its planner or "", its predicted Gbit/s or
+    0) of every DC with a LAN tier the scheduler knows of."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -92,6 +92,9 @@ class LocalCluster:
     """The job secret the children prove (their --secret-file), for asking the scheduler's status."""
     keep_going: bool = False
     """A node that dies after startup is reported, not fatal: the others and the scheduler keep running."""
+    metrics_listen: str = ""
+    """HOST:PORT of the scheduler's metrics; node i (in ``node_ids`` order) serves them on PORT + 1 + i
+    (every child on a port of its own choosing with PORT 0); empty: no metrics."""
     children: list[Child] = dataclasses.field(default_factory=list)
     scheduler_address: tuple[str, int] | None = None
 
@@ -155,7 +158,8 @@ class LocalCluster:
                 self.socket_path(node_id).unlink()
         deadline = time.monotonic() + self.startup_timeout
         scheduler = await self._spawn("scheduler", ["scheduler", self.scenario, "--listen", "127.0.0.1:0",
-                                                    *self.scheduler_args, *self.common_args])
+                                                    *self.scheduler_args, *self.common_args,
+                                                    *self._metrics_args(-1)])
         self.scheduler_address = await self._scheduler_address(scheduler, deadline)
         address = format_address(self.scheduler_address)
         (self.run_dir / ADDRESS_FILE).write_text(address + "\n")
@@ -164,8 +168,21 @@ class LocalCluster:
             # chosen here can be taken by another process before the node binds it.
             await self._spawn(f"node-{node_id}", [
                 "node", "--id", str(node_id), "--scheduler", address, "--listen", "127.0.0.1:0",
-                "--socket", str(self.socket_path(node_id)), *self.common_args])
+                "--socket", str(self.socket_path(node_id)), *self.common_args,
+                *self._metrics_args(self.node_ids.index(node_id))])
         await self._wait_ready(deadline)
+
+    def _metrics_args(self, index: int) -> list[str]:
+        """``--metrics-listen`` for the scheduler (index -1) or the index-th node."""
+        address = self.metrics_address(index)
+        return ["--metrics-listen", address] if address else []
+
+    def metrics_address(self, index: int) -> str:
+        """Where the scheduler (index -1) or the index-th node serves its metrics ("" without metrics)."""
+        if not self.metrics_listen:
+            return ""
+        host, _, port = self.metrics_listen.rpartition(":")
+        return f"{host}:{int(port) + 1 + index if int(port) else 0}"
 
     async def __aenter__(self) -> LocalCluster:
         """Start (stopping whatever started if that fails); for tests that drive a cluster from Python."""

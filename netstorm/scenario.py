@@ -8,6 +8,7 @@ silently different experiment.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 import tomllib
 from collections.abc import Iterator, Mapping
@@ -29,6 +30,8 @@ SCENARIO_DIR = Path(__file__).resolve().parent.parent / "klonet-scenarios"
 
 Rates = dict[tuple[int, int], float]
 """Directed link rates in Mbit/s, keyed by (from, to)."""
+PRIOR_MBIT = 100.0
+"""The prior rate of a link a scenario gives no rate for (``[defaults] prior_mbit`` overrides it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +43,9 @@ class DataCenter:
     lan: LanSpec | None = None
     """The LAN described worker by worker (rates, compute, precision, racks), if the scenario does;
     its worker count is ``lan_workers``."""
+    address: str = ""
+    """Where the DC's node is reached on real hosts (a host name or IP; what ``netstorm probe`` measures
+    towards), empty when the scenario does not say."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,8 @@ class Link:
     latency_ms: float = 0.0
     loss: float = 0.0
     """Packet loss probability per direction, as a fraction (0.0002 = 0.02 %)."""
+    measured: bool = True
+    """The scenario states the rates; False: they are the scenario's prior, to be measured."""
 
     def rate(self, src: int, dst: int) -> float:
         if (src, dst) == (self.a, self.b):
@@ -80,6 +88,20 @@ class Scenario:
     links: tuple[Link, ...]
     dynamics: Dynamics | None = None
     source: str = "<memory>"
+    prior_mbit: float = PRIOR_MBIT
+    """The rate assumed for a link whose rate the scenario does not state, until it is measured."""
+
+    @property
+    def unknown(self) -> frozenset[tuple[int, int]]:
+        """Directed links whose rate the scenario does not state (their ``rates()`` are the prior)."""
+        return frozenset(pair for lk in self.links if not lk.measured for pair in ((lk.a, lk.b), (lk.b, lk.a)))
+
+    def with_rates(self, rates: Rates) -> Scenario:
+        """This scenario with ``rates`` stated for the links they cover (as measured)."""
+        links = tuple(dataclasses.replace(lk, rate_ab_mbit=rates[(lk.a, lk.b)], rate_ba_mbit=rates[(lk.b, lk.a)],
+                                          measured=True)
+                      if (lk.a, lk.b) in rates and (lk.b, lk.a) in rates else lk for lk in self.links)
+        return dataclasses.replace(self, links=links)
 
     @property
     def node_ids(self) -> list[int]:
@@ -186,7 +208,8 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
     defaults = data.get("defaults", {})
     if not isinstance(defaults, dict):
         raise ctx.fail("defaults", "must be a table")
-    _check_keys(ctx, "defaults", defaults, {"latency_ms", "loss_pct", "lan_workers"})
+    _check_keys(ctx, "defaults", defaults, {"latency_ms", "loss_pct", "lan_workers", "prior_mbit"})
+    prior = _number(ctx, "defaults.prior_mbit", defaults.get("prior_mbit", PRIOR_MBIT), positive=True)
 
     raw_nodes = data.get("node")
     if not isinstance(raw_nodes, list) or not raw_nodes:
@@ -199,7 +222,7 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         where = f"node[{i}]"
         if not isinstance(raw, dict):
             raise ctx.fail(where, "must be a table")
-        _check_keys(ctx, where, raw, {"id", "name", "lan_workers", "lan"})
+        _check_keys(ctx, where, raw, {"id", "name", "lan_workers", "lan", "address"})
         if "id" not in raw:
             raise ctx.fail(where, "missing 'id'")
         node_id = count(ctx.fail, f"{where}.id", raw["id"], maximum=MAX_NODE_ID)
@@ -215,13 +238,21 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         if "lan" in raw:
             lan = parse_lan(ctx.fail, f"{where}.lan", raw["lan"], raw.get("lan_workers"))
             workers = len(lan.workers)
-        nodes.append(DataCenter(node_id, node_name, workers, lan))
+        address = raw.get("address", "")
+        if not isinstance(address, str):
+            raise ctx.fail(f"{where}.address", "must be a string (a host name or IP address)")
+        nodes.append(DataCenter(node_id, node_name, workers, lan, address))
 
     rate_gen = data.get("rates")
     generated: Rates | None = None
     raw_links = data.get("link")
+    if raw_links is None:  # no links: every pair of DCs is one, at rates to be measured
+        ids = [n.id for n in nodes]
+        raw_links = [{"a": a, "b": b} for i, a in enumerate(ids) for b in ids[i + 1:]]
+        if not raw_links:
+            raise ctx.fail("node", "a job needs at least two DCs")
     if not isinstance(raw_links, list) or not raw_links:
-        raise ctx.fail("link", "at least one [[link]] entry is required")
+        raise ctx.fail("link", "give at least one [[link]] entry, or none at all for a full mesh")
     if rate_gen is not None:
         if not isinstance(rate_gen, dict):
             raise ctx.fail("rates", "must be a table")
@@ -264,15 +295,16 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
                 r_ab = r_ba = _number(ctx, f"{where}.rate_mbit", rate, positive=True, maximum=MAX_MBIT)
         elif generated is not None:
             r_ab, r_ba = generated[(a, b)], generated[(b, a)]
-        else:
-            raise ctx.fail(where, "missing 'rate_mbit' (and no [rates] table to draw it from)")
+        else:  # no rate stated: the prior until measured (netstorm probe, the scheduler's first probe)
+            r_ab = r_ba = prior
         latency = _number(ctx, f"{where}.latency_ms", raw.get("latency_ms", defaults.get("latency_ms", 0.0)),
                           minimum=0.0, maximum=MAX_LATENCY_MS)
         loss_pct = _number(ctx, f"{where}.loss_pct", raw.get("loss_pct", defaults.get("loss_pct", 0.0)),
                            minimum=0.0)
         if loss_pct >= 100.0:
             raise ctx.fail(f"{where}.loss_pct", f"must be below 100, got {loss_pct}")
-        links.append(Link(a, b, r_ab, r_ba, latency, loss_pct / 100.0))
+        links.append(Link(a, b, r_ab, r_ba, latency, loss_pct / 100.0,
+                          measured="rate_mbit" in raw or generated is not None))
 
     dynamics = None
     raw_dyn = data.get("dynamics")
@@ -285,7 +317,7 @@ def parse(data: Mapping[str, Any], source: str = "<memory>") -> Scenario:
         dynamics = Dynamics(period, low, high, _int(ctx, "dynamics.seed", raw_dyn.get("seed", 0)))
 
     _check_connected(ctx, [n.id for n in nodes], links)
-    return Scenario(name, description, tuple(nodes), tuple(links), dynamics, source)
+    return Scenario(name, description, tuple(nodes), tuple(links), dynamics, source, prior)
 
 
 def _range(ctx: _Ctx, where: str, value: Any) -> tuple[int, int]:
@@ -335,3 +367,29 @@ def load(name_or_path: str | Path) -> Scenario:
 def available() -> list[str]:
     """Names of the scenarios shipped in ``klonet-scenarios/``."""
     return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+
+
+def to_toml(scenario: Scenario, description: str | None = None) -> str:
+    """The scenario as a file ``load`` reads back: its DCs (ids, names, addresses, LAN worker counts) and
+    its links with their rates, latencies and losses (a LAN described worker by worker is not written)."""
+
+    def text(value: str) -> str:
+        return json.dumps(value)  # a TOML basic string is a JSON string
+
+    lines = [f"name = {text(scenario.name)}",
+             f"description = {text(scenario.description if description is None else description)}", ""]
+    if scenario.unknown:
+        lines += ["[defaults]", f"prior_mbit = {scenario.prior_mbit!r}", ""]
+    for node in scenario.nodes:
+        lines += ["[[node]]", f"id = {node.id}", f"name = {text(node.name)}"]
+        if node.address:
+            lines.append(f"address = {text(node.address)}")
+        if node.lan_workers:
+            lines.append(f"lan_workers = {node.lan_workers}")
+        lines.append("")
+    for link in scenario.links:
+        lines += ["[[link]]", f"a = {link.a}", f"b = {link.b}"]
+        if link.measured:
+            lines.append(f"rate_mbit = [{link.rate_ab_mbit:.3f}, {link.rate_ba_mbit:.3f}]")
+        lines += [f"latency_ms = {link.latency_ms!r}", f"loss_pct = {link.loss * 100:.6g}", ""]
+    return "\n".join(lines)

@@ -97,6 +97,9 @@ class SchedulerClient:
         self._tasks: asyncio.TaskGroup | None = None
         self._started = asyncio.Event()
         self._runner: asyncio.Task[None] | None = None
+        self.progress: Callable[[], tuple[tuple[tuple[int, float], ...], int]] | None = None
+        """What each heartbeat carries for operators: (iterations completed since the last one with their
+        times, the model's bytes); None sends neither."""
         self.dropped_reports = 0
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -568,7 +571,8 @@ class SchedulerClient:
         interval = self.config.heartbeat_interval
         while True:
             try:
-                await self._send(control.Heartbeat(self.node_id, time.time()))
+                done, model_bytes = self.progress() if self.progress is not None else ((), 0)
+                await self._send(control.Heartbeat(self.node_id, time.time(), done=done, model_bytes=model_bytes))
             except (TimeoutError, ConnectionError, OSError) as exc:
                 self._disconnected(ControlError(f"{self._name}: heartbeat of node {self.node_id} failed: "
                                                 f"{exc or type(exc).__name__}"))

@@ -369,7 +369,17 @@ class Ranks:
         iteration = self.book.pull_target(rank_id, layout, keys)
         for key in keys:  # sums held back while an earlier iteration was still open at the node
             await self._flush(key)
-        await self.node.wait_keys(iteration, keys)
+        stats = getattr(self.node, "stats", None)
+        if stats is not None and not self.node.core.keys_ready(iteration, keys):
+            loop = asyncio.get_running_loop()
+            began = loop.time()
+            try:
+                await self.node.wait_keys(iteration, keys)
+            finally:
+                stats.trainer_waits += 1
+                stats.trainer_wait_s += loop.time() - began
+        else:
+            await self.node.wait_keys(iteration, keys)
         result = self.node.core.result(iteration)
         for key in keys:
             sink(key, result[layout.key_slice(key)])

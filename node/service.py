@@ -50,6 +50,7 @@ from node.actions import (
 from node.core import LinkState, NodeCore
 from node.forwarding import Forwarding
 from node.linkstats import LinkCounters
+from node.nodestats import NodeStats
 from node.peers import InboundProtocol, PeerError, PeerLink
 from node.sendqueue import Outgoing
 
@@ -167,6 +168,8 @@ class GeneralNode:
         self.members: dict[int, tuple[str, int]] = {}
         self.links: dict[int, PeerLink] = {}
         self.wan_sent: dict[int, int] = {}
+        self.stats = NodeStats()
+        """What this node did, for operators (``node/metrics.py``, the heartbeat's iteration times)."""
         """Per iteration, bytes of the chunk frames this node queued on its WAN links."""
         self._inbound: set[InboundProtocol] = set()
         self._inbound_by_peer: dict[int, InboundProtocol] = {}
@@ -190,6 +193,11 @@ class GeneralNode:
     @property
     def layout(self) -> Layout | None:
         return self.core.layout
+
+    def progress(self) -> tuple[tuple[tuple[int, float], ...], int]:
+        """What a heartbeat tells the scheduler: the iteration times since the last one, the model's bytes."""
+        layout = self.core.layout
+        return self.stats.take_unreported(), 4 * layout.total if layout is not None else 0
 
     @property
     def workers(self) -> dict[int, int]:
@@ -531,6 +539,7 @@ class GeneralNode:
                     return
                 if link.sent_frames > sent:  # it worked for a while: a new outage, not the same one
                     delay, reported = RECONNECT_FIRST, False
+                self.stats.errors["link_lost"] += 1
                 log.warning("node %d: link to node %d lost (%s); reconnecting in %.1f s", self.node_id,
                             link.peer_id, exc, delay)
                 if self.control is not None and not reported:  # once per outage: evidence, not a drumbeat
@@ -595,6 +604,7 @@ class GeneralNode:
                             f"has {self.layout.hash}", ErrorCode.LAYOUT_MISMATCH)
 
     def _on_chunk(self, peer: int, header: ChunkHeader, payload: np.ndarray, t_last_byte: float) -> None:
+        self.stats.received_bytes[peer] += frame_size(header)
         self._apply(self.core.chunk_received(header, payload, t_last_byte, self._links(), self._now()))
 
     def _on_lost(self, protocol: InboundProtocol, reason: str) -> None:
@@ -643,10 +653,14 @@ class GeneralNode:
         for action in actions:
             if isinstance(action, SendFrame):
                 self.links[action.link].enqueue(Outgoing(action.header, action.payload, action.ticket))
-                self._count_wan(action.header)
+                size = frame_size(action.header)
+                self._count_wan(action.header.iteration, size)
+                self.stats.sent_bytes[action.link] += size
             elif isinstance(action, MoveFrame):
                 item = self.links[action.source].take_back(action.ticket)
                 self.links[action.target].enqueue(Outgoing(action.header, item.payload, action.ticket))
+                self.stats.sent_bytes[action.source] -= frame_size(item.header)
+                self.stats.sent_bytes[action.target] += frame_size(action.header)
             elif isinstance(action, KeyDone):
                 self._wake(action.iteration)
             elif isinstance(action, IterationDone):
@@ -654,6 +668,7 @@ class GeneralNode:
                 self._log_done(action.iteration)
             elif isinstance(action, act.IterationFailed):
                 self._wake(action.iteration)
+                self.stats.failed[str(action.cause)] += 1
                 log.error("node %d: %s", self.node_id, action.reason)
                 if self.edge is not None:   # its LAN workers end the iteration too, and go on with the next
                     self.edge.failed(action.iteration)
@@ -669,12 +684,13 @@ class GeneralNode:
                 self._release(action)
         self._rearm()
 
-    def _count_wan(self, header: ChunkHeader) -> None:
-        """Add a frame to its iteration's WAN bytes; only the newest ``WAN_HISTORY`` iterations are kept."""
+    def _count_wan(self, iteration: int, size: int) -> None:
+        """Add a frame of ``size`` bytes to its iteration's WAN bytes; only the newest ``WAN_HISTORY``
+        iterations are kept."""
         sent = self.wan_sent
-        if header.iteration not in sent and len(sent) >= WAN_HISTORY:
+        if iteration not in sent and len(sent) >= WAN_HISTORY:
             del sent[min(sent)]
-        sent[header.iteration] = sent.get(header.iteration, 0) + frame_size(header)
+        sent[iteration] = sent.get(iteration, 0) + size
 
     def wan_bytes(self, iteration: int) -> int:
         """Bytes of chunk frames this node queued on WAN links for ``iteration`` (0 when not held)."""
@@ -725,6 +741,8 @@ class GeneralNode:
     def _log_done(self, iteration: int) -> None:
         started = self.core.started(iteration)
         policy = self.core.policy(iteration)
+        self.stats.done(iteration, self._now() - started if started is not None else 0.0,
+                        policy.version if policy is not None else -1)
         forwarding = self.core.forwarding
         log.info("node %d: iteration %d complete in %.3f s (policy version %s, %d chunks sent on auxiliary paths "
                  "so far, %d of them moved from a queue, %d exploring); links %s", self.node_id, iteration,

@@ -80,6 +80,10 @@ class Consistency:
         """iteration -> version, for the remembered window (a copy)."""
         return dict(self._bindings)
 
+    def bound_version(self, iteration: int) -> int | None:
+        """The version bound to ``iteration`` (None when unbound or forgotten)."""
+        return self._bindings.get(iteration)
+
     @property
     def last_bound(self) -> int:
         """The newest bound iteration (-1 before any)."""

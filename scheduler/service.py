@@ -32,6 +32,7 @@ from netstorm.scenario import Rates
 from scheduler.cadence import Cadence
 from scheduler.collector import LinkCollector
 from scheduler.consistency import Answer, Consistency, ConsistencyError
+from scheduler.iterlog import IterationLog
 from scheduler.lanplanning import LanPlanning
 from scheduler.membership import Down, Membership, MembershipError
 from scheduler.persistence import StateStore
@@ -131,6 +132,14 @@ class SchedulerService:
         self._lan_wake = asyncio.Event()
         """Gateway node -> (LAN aggregation mode, why XDP fell back), from its EdgeReport."""
         self._published: collections.deque[control.PolicyRecord] = collections.deque(maxlen=POLICY_RECORDS)
+        self._planned_rates: collections.OrderedDict[int, dict[tuple[int, int], float]] = collections.OrderedDict()
+        """Published version -> the rates it was planned with (the newest POLICY_RECORDS)."""
+        self.iterations = IterationLog(self._planned_rates.get)
+        """The iteration times nodes report in their heartbeats, against each one's min-cut limit."""
+        self.publications = 0
+        """Policy versions published by this process (the first plan, re-plans, admissions, overrides)."""
+        self.errors: collections.Counter[str] = collections.Counter()
+        """Errors by type, for operators: bad or unauthenticated control input, failed connections and plans."""
         self.complete = asyncio.Event()
         """Set once every node registered, the first policy exists and every RegisterAck went out."""
         self._admitting: set[int] = set()
@@ -275,6 +284,7 @@ class SchedulerService:
         except control.ControlError as exc:
             log.warning("bad control input from %s: %s", conn.name(), exc)
             code = ErrorCode.AUTH if isinstance(exc, AuthError) else ErrorCode.MALFORMED
+            self.errors["auth" if code is ErrorCode.AUTH else "malformed_control"] += 1
             with contextlib.suppress(ConnectionError):
                 await conn.send(control.Error(f"bad control message: {exc}", code))
                 # The sender may still be writing the refused frame: read and drop what it sends for a
@@ -282,6 +292,7 @@ class SchedulerService:
                 await authconn.linger(reader, conn.writer)
         except ConnectionError as exc:
             log.warning("control connection to %s failed: %s", conn.name(), exc)
+            self.errors["control_connection"] += 1
         except asyncio.CancelledError:
             if not self._stopping:
                 raise
@@ -500,6 +511,8 @@ class SchedulerService:
         if problem is None:
             try:
                 self.membership.heartbeat(message.node_id, self.clock())
+                if message.done or message.model_bytes:
+                    self.iterations.record(message.done, message.model_bytes, self.consistency.bound_version)
                 return True
             except MembershipError as exc:
                 problem = str(exc)
@@ -600,6 +613,7 @@ class SchedulerService:
                     plan = await asyncio.to_thread(self.lan.compute, job)
                     message = self.lan.finish(job, plan)
                 except Exception as exc:  # a planner's failure must not end the scheduler
+                    self.errors["lan_planning"] += 1
                     message = self.lan.finish(job, None, str(exc))
                 if message is None:
                     continue
@@ -632,7 +646,28 @@ class SchedulerService:
         return control.Status(expected=self.membership.expected, registered=self.membership.registered,
                               alive=self.membership.alive, complete=self.complete.is_set(),
                               version=-1 if current is None else current, bindings=tuple(bindings),
-                              edge=dict(self._edge), addresses=self.membership.members(), states=self._states())
+                              edge=dict(self._edge), addresses=self.membership.members(), states=self._states(),
+                              links=self.link_rows(), iterations=tuple(self.iterations.rows()), lan=self.lan_rows())
+
+    def link_rows(self) -> tuple[tuple[int, int, float, float, float], ...]:
+        """(src, dst, believed Mbit/s, newest report or -1, its age in seconds or -1) of every link planned with."""
+        now = self.clock()
+        rows = []
+        for (src, dst), believed in sorted(self.collector.estimate(now).items()):
+            state = self.collector.state(src, dst)
+            measured = state.measured and bool(state.recent_at)
+            rows.append((src, dst, float(believed), float(state.latest) if measured else -1.0,
+                         now - state.recent_at[-1] if measured else -1.0))
+        return tuple(rows)
+
+    def lan_rows(self) -> tuple[tuple[int, str, int, str, float], ...]:
+        """(DC, aggregation mode, LAN plan version, planner, predicted Gbit/s) of every DC with a LAN tier."""
+        rows = []
+        for node_id in sorted(set(self._edge) | set(self.lan.plans)):
+            plan = self.lan.plans.get(node_id)
+            rows.append((node_id, self._edge.get(node_id, ("", ""))[0], plan.version if plan else -1,
+                         plan.planner if plan else "", float(plan.predicted_gbit) if plan else 0.0))
+        return tuple(rows)
 
     def _states(self) -> tuple[tuple[int, str, str], ...]:
         """(node, state, why) of every expected node, for operators (``netstorm status``)."""
@@ -723,6 +758,7 @@ class SchedulerService:
                 await self._carry_out(lambda: self.replanner.timer(self.clock(), alive=self.membership.alive,
                                                                    complete=self.complete.is_set()))
             except PlanningError as exc:
+                self.errors["planning"] += 1
                 log.error("re-plan failed, keeping policy %s: %s", self.consistency.current_version, exc)
 
     async def replan(self, rates: Rates, *, force: bool, reason: str) -> int:
@@ -771,9 +807,13 @@ class SchedulerService:
         self._admitting.difference_update(joining)
         if self.store is not None:
             self.store.save_policy(policy.version, policy.to_wire(), reason)
+        self.publications += 1
         self._record(policy, reason)
 
     def _record(self, policy: Policy, reason: str) -> None:
+        self._planned_rates[policy.version] = dict(policy.rates)
+        while len(self._planned_rates) > POLICY_RECORDS:
+            self._planned_rates.popitem(last=False)
         self._published.append(control.PolicyRecord(
             policy.version, reason, tuple(policy.roots),
             tuple((root, child, parent) for root in policy.roots for child, parent in policy.trees[root].edges())))

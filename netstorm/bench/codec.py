@@ -143,7 +143,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed runs; the best counts (default %(default)s)")
     parser.add_argument("--baseline", metavar="TREE",
                         help="first time the checkout at TREE (this file run with PYTHONPATH=TREE), then this one")
-    parser.add_argument("--json", dest="json_out", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--out", dest="json_out", metavar="FILE", help="also write the rows as JSON to FILE")
+    parser.add_argument("--json", dest="json_out", help=argparse.SUPPRESS)  # the former name of --out
 
 
 def _baseline(tree: str, number: int, repeats: int) -> list[dict[str, Any]]:
@@ -152,7 +153,7 @@ def _baseline(tree: str, number: int, repeats: int) -> list[dict[str, Any]]:
         out = Path(scratch) / "rows.json"
         env = {**os.environ, "PYTHONPATH": str(Path(tree).resolve())}
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "--number", str(number), "--repeats",
-                        str(repeats), "--json", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+                        str(repeats), "--out", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
         rows: list[dict[str, Any]] = json.loads(out.read_text())["rows"]
     return rows
 

@@ -44,7 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iterations", type=int, default=3, help="iterations, at least 2 (default 3)")
     parser.add_argument("--run-dir", default=None, help="sockets and logs (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one step")
-    parser.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    parser.add_argument("--out", dest="json", default=None, metavar="FILE",
+                        help="also write the results as JSON to FILE")
+    parser.add_argument("--json", dest="json", help=argparse.SUPPRESS)  # the former name of --out
     parser.add_argument("--tls-cost", action="store_true",
                         help="compare no secret, a job secret, and a secret with wan_tls, one right after the other "
                              "(a fresh secret and certificate in a temporary directory)")

@@ -13,7 +13,7 @@ HELP = ("run a benchmark (policy, packing, loopback, edge, codec, dc-plan, lan-r
         "baseline measured in the same run")
 
 BENCHMARKS = {"policy": "policy", "packing": "packing", "loopback": "loopback", "edge": "edge", "codec": "codec",
-              "dc-plan": "dcplan", "lan-rounds": "lan_rounds", "replan": "replan"}
+              "dc-plan": "dcplan", "lan-rounds": "lan_rounds", "replan": "replan", "probe-first": "probefirst"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

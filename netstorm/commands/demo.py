@@ -24,7 +24,9 @@ HELP = "run the demo: dynamic internet2-9, netstorm vs star (and gloo), table an
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", default="demo-results", help="where the result JSON and plots go")
     parser.add_argument("--scenario", default="internet2-9-dynamic")
-    parser.add_argument("--systems", default=None, help="default: netstorm,star plus gloo when torch is installed")
+    parser.add_argument("--system", dest="systems", default=None, metavar="NAMES",
+                        help="comma-separated systems (default: netstorm,star plus gloo when torch is installed)")
+    parser.add_argument("--systems", dest="systems", help=argparse.SUPPRESS)  # the former name
     parser.add_argument("--iterations", type=int, default=3)
     parser.add_argument("--model", default="1.25M", help="parameters (default 1.25M = 5 MB of float32)")
     parser.add_argument("--bw-scale", type=float, default=0.25)

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attach", choices=("auto", "native", "generic"), default="auto",
                         help="XDP mode on IFACE (auto: native where the driver has it; generic on a veth, which "
                              "drops a native program's XDP_TX frames unless its peer runs NAPI)")
-    config_mod.add_arguments(parser)
+    config_mod.add_arguments(parser, ("Trust", "Operations", "LAN tier"))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--keep-going", action="store_true",
                         help="a node that dies is reported and the job goes on without its DC (default: the "
                              "run stops with its log tail)")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, config_module.JOB_SECTIONS)
 
 
 def config_flags(args: argparse.Namespace) -> list[str]:
@@ -38,6 +38,8 @@ def config_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "config", None):
         out += ["--config", str(Path(args.config).resolve())]
     for name in config_module.FIELDS:
+        if name == "metrics_listen":
+            continue  # one address per child (LocalCluster.metrics_listen)
         value = getattr(args, f"opt_{name}", None)
         if value is not None:
             if name == "secret_file" and value:
@@ -63,5 +65,5 @@ def run(args: argparse.Namespace) -> int:
         scenario=str(Path(scenario.source).resolve()) if Path(scenario.source).exists() else args.scenario,
         node_ids=nodes, run_dir=run_dir.resolve(), scheduler_args=scheduler_args, common_args=config_flags(args),
         verbose=args.verbose, startup_timeout=max(args.startup_timeout, config.connect_timeout),
-        credentials=Credentials.from_config(config), keep_going=args.keep_going)
+        credentials=Credentials.from_config(config), keep_going=args.keep_going, metrics_listen=config.metrics_listen)
     return asyncio.run(run_local(cluster))

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     edge.add_argument("--edge-lan", metavar="FILE",
                       help="instead of --edge-scenario: a file holding this LAN's description alone (the scenario "
                            "format's [node.lan] table at the top level; the emulator writes one per planned DC)")
-    config_mod.add_arguments(parser)
+    config_mod.add_arguments(parser, ("Runtime", "Trust", "Operations", "LAN tier"), ("scheduler_grace",))
 
 
 def lan_description(scenario: str | None, node_id: int, lan_file: str | None = None) -> LanSpec | None:
@@ -132,6 +132,12 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
         log.warning("node %d: %s; timestamps stay uncorrected until a later sync succeeds", node_id, exc)
     credentials = Credentials.from_config(config)
     node = GeneralNode(node_id, config, clock=clock.now, credentials=credentials)
+    metrics = None  # served from the start, before the node registers
+    if config.metrics_listen:
+        from netstorm.metricserve import serve_metrics
+        from node.metrics import renderer
+
+        metrics = await serve_metrics(config.metrics_listen, renderer(node))
     bound = await node.serve_data(*listen)
     data_address = advertise or bound
     log.info("node %d: data plane on %s:%d", node_id, *bound)
@@ -139,6 +145,7 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
     workers = config.trainers + (edge.workers if edge is not None else 0)
     control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout,
                                             workers=workers, credentials=credentials)
+    control.progress = node.progress
     endpoint = TrainerEndpoint(node, credentials=credentials)
 
     def scheduler_lost(error: Exception) -> None:
@@ -182,6 +189,8 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
                 edge_task.cancel()
     finally:
         endpoint.close()
+        if metrics is not None:
+            metrics.close()
         await control.leave("stopped")
         await asyncio.to_thread(socket_path.unlink, missing_ok=True)
     return 0

@@ -50,7 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers-only", action="store_true",
                         help="with --dc: aggregate at workers only, as the data plane runs it (racks' ToR "
                              "aggregators unused; their uplinks still count)")
-    config_mod.add_arguments(parser)
+    config_mod.add_arguments(parser, ("Paper, Table II", "DC planning"),
+                             ("enable_aux_path", "tree_packing", "planned_offload", "log_format"))
 
 
 def load_rates_file(path: str) -> Rates:

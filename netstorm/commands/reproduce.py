@@ -17,9 +17,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="the quick profile: fewer iterations and sweep points, within an hour on a 2-core host "
                              "(default: the full profile, a few hours)")
-    parser.add_argument("--out", metavar="DIR", default="reproduce-results",
+    parser.add_argument("--out-dir", dest="out", metavar="DIR", default="reproduce-results",
                         help="result JSON, logs, plots and README.md go here; runs whose JSON is already here are "
                              "skipped, so a second call resumes (default ./reproduce-results)")
+    # --out names a file on every other command; the directory's former flag still works
+    parser.add_argument("--out", dest="out", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("--only", metavar="FIGS",
                         help="comma-separated figures to run (13,14,15,16,17,18,19a,19b,20); the report still "
                              "covers every figure with the results there are")

@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roots", type=int, metavar="N", help="number of roots (default NUM_ROOT_SERVERS)")
     parser.add_argument("--bw-scale", type=float, default=1.0, metavar="X",
                         help="multiply the scenario's rates by X for the first plan (default 1)")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, config_module.JOB_SECTIONS)
 
 
 def parse_nodes(text: str | None, scenario: scenario_module.Scenario) -> list[int]:
@@ -58,6 +58,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--roots must be >= 0, got {args.roots}")
     host, port = parse_address(args.listen, "--listen")
     rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
+    if scenario.unknown:  # the passive estimator measures them from the first iteration on
+        print(f"scheduler: {scenario.name} states no rate for {len(scenario.unknown)} directed link(s): the first "
+              f"policy assumes the prior {scenario.prior_mbit:g} Mbit/s there (netstorm probe measures them first)",
+              file=sys.stderr, flush=True)
     service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots,
                                credentials=Credentials.from_config(config))
 
@@ -70,8 +74,18 @@ def run(args: argparse.Namespace) -> int:
         assert task is not None
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        with contextlib.suppress(asyncio.CancelledError):
-            await service.serve(host, port, ready=ready)
+        metrics = None
+        if config.metrics_listen:  # from the start: its gauges have samples before any node registers
+            from netstorm.metricserve import serve_metrics
+            from scheduler.metrics import renderer
+
+            metrics = await serve_metrics(config.metrics_listen, renderer(service))
+        try:
+            with contextlib.suppress(asyncio.CancelledError):
+                await service.serve(host, port, ready=ready)
+        finally:
+            if metrics is not None:
+                metrics.close()
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(main())

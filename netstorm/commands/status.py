@@ -24,7 +24,7 @@ HELP = "show a running scheduler's members, policy version and last bound iterat
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", required=True, metavar="HOST:PORT", help="the scheduler's control address")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    config_module.add_arguments(parser)
+    config_module.add_arguments(parser, (), ("connect_timeout", "secret_file", "wan_tls", "log_format"))
 
 
 def summary(status: control.Status) -> dict[str, Any]:
@@ -40,7 +40,20 @@ def summary(status: control.Status) -> dict[str, Any]:
     last = status.bindings[-1] if status.bindings else None
     return {"members": members, "complete": status.complete, "policy_version": status.version,
             "last_bound_iteration": last[0] if last else None, "last_bound_version": last[1] if last else None,
-            "edge": {str(node_id): {"mode": mode, "fallback": why} for node_id, (mode, why) in status.edge.items()}}
+            "edge": {str(node_id): {"mode": mode, "fallback": why} for node_id, (mode, why) in status.edge.items()},
+            "links": [{"src": src, "dst": dst, "believed_mbit": believed,
+                       "measured_mbit": measured if measured >= 0 else None, "age_s": age if age >= 0 else None}
+                      for src, dst, believed, measured, age in status.links],
+            "iterations": [{"iteration": it, "version": version if version >= 0 else None, "seconds": seconds,
+                            "limit_s": limit if limit >= 0 else None}
+                           for it, version, seconds, limit in status.iterations],
+            "lan": [{"dc": dc, "mode": mode or None, "plan_version": version if version >= 0 else None,
+                     "planner": planner or None, "predicted_gbit": gbit if version >= 0 else None}
+                    for dc, mode, version, planner, gbit in status.lan]}
+
+
+RECENT_SHOWN = 8
+"""Iterations the table shows (``--json`` has all the scheduler sent)."""
 
 
 def render(data: dict[str, Any]) -> str:
@@ -55,6 +68,23 @@ def render(data: dict[str, Any]) -> str:
     for node_id, edge in sorted(data["edge"].items()):
         lines.append(f"node {node_id} aggregates its LAN in {edge['mode']}"
                      + (f" (XDP unavailable: {edge['fallback']})" if edge["fallback"] else ""))
+    if data["links"]:
+        lines.append(f"{'link':>9}  {'believed Mbit/s':>15}  {'measured Mbit/s':>15}  {'age s':>7}")
+        for link in data["links"]:
+            measured = f"{link['measured_mbit']:.1f}" if link["measured_mbit"] is not None else "-"
+            age = f"{link['age_s']:.1f}" if link["age_s"] is not None else "-"
+            lines.append(f"{link['src']:>4}->{link['dst']:<4} {link['believed_mbit']:>15.1f}  {measured:>15}  {age:>7}")
+    if data["iterations"]:
+        lines.append(f"{'iteration':>9}  {'version':>7}  {'seconds':>8}  {'limit s':>8}  {'x limit':>7}")
+        for row in data["iterations"][-RECENT_SHOWN:]:
+            limit = row["limit_s"]
+            version = row["version"] if row["version"] is not None else "-"
+            shown, ratio = (f"{limit:.3f}", f"{row['seconds'] / limit:.2f}") if limit else ("-", "-")
+            lines.append(f"{row['iteration']:>9}  {version:>7}  {row['seconds']:>8.3f}  {shown:>8}  {ratio:>7}")
+    for lan in data["lan"]:
+        plan = (f"plan {lan['plan_version']} ({lan['planner']}, predicted {lan['predicted_gbit']:.2f} Gbit/s)"
+                if lan["plan_version"] is not None else "no plan yet")
+        lines.append(f"DC {lan['dc']} LAN tier: {lan['mode'] or 'not serving yet'}; {plan}")
     return "\n".join(lines)
 
 

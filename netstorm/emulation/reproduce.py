@@ -25,6 +25,7 @@ from typing import IO, Any
 
 from netstorm.emulation import results, systems
 from netstorm.emulation.figures import Profile, Run
+from netstorm.progress import Progress
 
 Launcher = Callable[[Run, Path, Path, Callable[[str], None]], int]
 """(run, result path, log path, line callback) -> exit code: starts ``netstorm emulate`` for the run,
@@ -136,6 +137,9 @@ class ProgressView:
         self.clock = clock
         self.t0 = clock()
         self.state = State(total=len(pending))
+        self.live = Progress(stream)
+        """Bars for the runs and the running system's iterations on a terminal; plain lines elsewhere."""
+        self.live.bar("runs", "runs", len(pending))
 
     def left_s(self) -> float:
         st = self.state
@@ -153,8 +157,12 @@ class ProgressView:
 
     def line(self, text: str) -> None:
         elapsed = self.clock() - self.t0
-        self.stream.write(f"[{_clock_text(elapsed)} elapsed, about {_clock_text(self.left_s())} left] {text}\n")
-        self.stream.flush()
+        self.live.line(f"[{_clock_text(elapsed)} elapsed, about {_clock_text(self.left_s())} left] {text}", stamp=False)
+        st = self.state
+        self.live.advance("runs", max(0, st.index - (st.run is not None)), f"runs (Fig. {', '.join(st.run.figures)})"
+                          if st.run is not None else "runs")
+        if st.run is not None and st.system:
+            self.live.advance("iterations", st.iteration, f"{st.system} iterations")
 
     def where(self) -> str:
         st = self.state
@@ -170,6 +178,8 @@ class ProgressView:
         """A line of the running ``netstorm emulate``: follow its system and iteration."""
         if (m := _STARTING.search(text)) is not None:
             self.state.system, self.state.iteration = m["system"], 0
+            if self.state.run is not None:
+                self.live.bar("iterations", f"{m['system']} iterations", self.state.run.iterations)
             self.line(self.where())
         elif (m := _ITERATION.search(text)) is not None:
             self.state.system, self.state.iteration = m["system"], int(m["k"])
@@ -276,6 +286,7 @@ def execute(profile: Profile, all_runs: list[Run], out_dir: Path, *, stream: IO[
             outcome.failed[run.name] = "system(s) failed: " + ", ".join(failed)
         view.state = State(index, len(todo))
         view.line(f"run {run.name} done ({index}/{len(todo)})" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    view.live.close()
     return outcome
 
 

@@ -48,6 +48,7 @@ from netstorm.emulation.lantier import DcTier, planned_tiers, run_config
 from netstorm.emulation.network import EmulatedNetwork
 from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.lan_scenario import lan_toml, uniform_lan
+from netstorm.progress import Progress
 from netstorm.scenario import Rates, Scenario, load
 from netstorm.trainers.launch import torch_ddp_args
 from netstorm.trainers.tasks import TASKS
@@ -100,6 +101,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kill and restart DCs and the scheduler, take links down and up, from the first "
                              "iteration's end: e.g. kill-dc:3@20s,restart-dc:3@35s,kill-scheduler@50s,"
                              "restart-scheduler@60s,link-down:2-5@70s,link-up:2-5@80s (NetStorm systems only)")
+    parser.add_argument("--plan-scenario", metavar="SCENARIO",
+                        help="what the scheduler is told (the same DCs and links; rates may be missing): links "
+                             "without a rate are measured by a bulk probe from each DC before the first policy "
+                             "(default: the emulated scenario, rates and all)")
+    parser.add_argument("--probe-bytes", type=int, default=4_000_000, metavar="N",
+                        help="bytes of each link's bulk probe, with --plan-scenario (default 4000000)")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
     from netstorm.trainers.launch import TRAINERS
@@ -145,6 +152,11 @@ class Options:
     """torch-ddp's task (``netstorm/trainers/tasks.py``)."""
     plan_lans: bool = False
     """``dc_planner`` was given: every DC with LAN workers gets a described LAN to plan (``resize_lans``)."""
+    plan_scenario: str | None = None
+    """The scenario the scheduler is given instead of the emulated one (links without rates are probed)."""
+    probe_bytes: int = 4_000_000
+    scheduler_scenario: str | None = None
+    """The file the scheduler loads (set by ``run``: the plan scenario with the probed rates filled in)."""
 
     def parameters(self) -> int:
         """Float32 elements synchronized per iteration: the task's model, or ``--model``."""
@@ -264,7 +276,8 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    overlap=bool(getattr(args, "overlap", False)),
                    chaos=chaos, trainer=trainer, train=getattr(args, "train", "blobs"),
                    compressions=compression_list, compression_flags=compression_flags,
-                   plan_lans="dc_planner" in given,
+                   plan_lans="dc_planner" in given, plan_scenario=getattr(args, "plan_scenario", None),
+                   probe_bytes=getattr(args, "probe_bytes", 4_000_000),
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -471,7 +484,7 @@ class SystemRun:
     def _start_netstorm(self, deadline: float) -> None:
         net, opts = self.net, self.opts
         scheduler = f"{net.scheduler_host}:{SCHEDULER_PORT}"
-        scenario_path = str(Path(self.scenario.source).resolve())
+        scenario_path = opts.scheduler_scenario or str(Path(self.scenario.source).resolve())
         nodes = ",".join(str(dc) for dc in net.plan.node_ids)
         persisted = ["--state-dir", str(self.dir / "scheduler-state")] if opts.chaos else []
         self._spawn("scheduler", "mgmt", self._python(
@@ -724,6 +737,7 @@ class SystemRun:
                 versions = self.policy_versions()
                 latest = max(versions["bound"].items(), key=lambda kv: int(kv[0]), default=(None, "?"))[1]
                 version = f"policy v{latest} (of {len(versions['policies'])} published) "
+            progress.advance(self.system.name, k + 1)
             progress.line(f"[{self.system.name}] iteration {k + 1}/{self.opts.iterations}: {secs:.2f} s "
                           f"(limit {self.limit_for(self.net.rates):.2f} s) {version}epoch {self.epoch} "
                           f"cpu {cpu_pct:.0f}% rates(Mbit/s) {rates}")
@@ -784,18 +798,6 @@ class SystemRun:
         return out
 
 
-class Progress:
-    """Progress lines on a stream (stderr by default): one per iteration and per rate change."""
-
-    def __init__(self, stream: IO[str]) -> None:
-        self.stream = stream
-        self.t0 = time.monotonic()
-
-    def line(self, text: str) -> None:
-        self.stream.write(f"{time.monotonic() - self.t0:8.1f}s {text}\n")
-        self.stream.flush()
-
-
 def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess.Popen[bytes]) -> None:
     """Wait until something listens on TCP ``port`` inside ``namespace`` (the scheduler is up)."""
     while True:
@@ -820,6 +822,7 @@ def run(opts: Options) -> dict[str, Any]:
     progress = Progress(opts.stream)
     result = results.new_result(scenario, opts, parameters, bounds)
     with contextlib.ExitStack() as stack:
+        stack.callback(progress.close)
         if opts.run_dir:
             tmp = opts.run_dir
             Path(tmp).mkdir(parents=True, exist_ok=True)
@@ -839,6 +842,8 @@ def run(opts: Options) -> dict[str, Any]:
                 result["features"]["lan_racks"] = net.rack_record()
         for line in net.features.lines():
             progress.line(line)
+        if opts.plan_scenario:
+            result["probe"] = _probe_first(net, scenario, opts, Path(tmp), progress)
         picks: dict[int, str] = {}
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
             from netstorm.lan.pathpick import candidates
@@ -865,6 +870,7 @@ def run(opts: Options) -> dict[str, Any]:
 
             player = DynamicsPlayer(net, schedule(scenario, time_scale=opts.time_scale), on_change=on_change)
             progress.line(f"[{system.name}] starting ({system.kind})")
+            progress.bar(system.name, f"{system.name} iterations", opts.iterations)
             # The schedule starts with training, when the first iteration (which also sets up every
             # connection) completes: start-up time varies from run to run, and timing the schedule from the
             # launch gave each system a different number of iterations on each epoch's rates.
@@ -899,6 +905,33 @@ def run(opts: Options) -> dict[str, Any]:
                     f"DC {dc} {mode}" for dc, mode in outcome["edge_mode"].items()))
             _warn_cpu(outcome, progress, system.name)
     return result
+
+
+def _probe_first(net: EmulatedNetwork, truth: Scenario, opts: Options, where: Path,
+                 progress: Progress) -> dict[str, Any]:
+    """Give the scheduler ``--plan-scenario`` with its missing rates measured by bulk probes from the DCs,
+    each against the rate the emulator applied; the record of what was probed."""
+    from netstorm.emulation.linkprobe import comparison, probe_links
+    from netstorm.scenario import to_toml
+
+    assert opts.plan_scenario is not None
+    told = load(opts.plan_scenario)
+    pairs = {(lk.a, lk.b) for lk in told.links} | {(lk.b, lk.a) for lk in told.links}
+    if set(told.node_ids) != set(truth.node_ids) or not pairs <= set(truth.rates()):
+        raise EmulationError(f"--plan-scenario {told.name} must have the DCs and links of {truth.name}")
+    started = time.monotonic()
+    measured = probe_links(net, sorted(told.unknown), opts.probe_bytes) if told.unknown else {}
+    rows = comparison(measured, truth.rates())
+    filled = told.with_rates(measured)
+    path = where / "scheduler-scenario.toml"
+    path.write_text(to_toml(filled, f"{told.description.strip()}\nRates probed before the first policy."))
+    opts.scheduler_scenario = str(path)
+    worst = max((abs(r["ratio"] - 1) for r in rows), default=0.0)
+    progress.line(f"probed {len(rows)} directed links in {time.monotonic() - started:.1f} s; measured/applied "
+                  f"within {worst:.1%}; the scheduler plans from {path}")
+    return {"plan_scenario": told.name, "probe_bytes": opts.probe_bytes, "prior_mbit": told.prior_mbit,
+            "seconds": round(time.monotonic() - started, 3), "links": rows,
+            "worst_relative_error": round(worst, 4)}
 
 
 def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,

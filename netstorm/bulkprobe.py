@@ -1,0 +1,132 @@
+"""A short bulk probe of one directed WAN link: a sender streams bytes, the receiver times them.
+
+Where a scenario states no rates, they are measured before a job plans on them. The receiver stamps
+when the first half of the bytes has arrived and when the last has, and the rate is the second half
+over that time: TCP's slow start (several round trips on a WAN) is over by then, so a probe of a few
+megabytes already measures the path's steady rate, which the passive estimator (``netstorm.probe``)
+then follows. The wire is a fixed header (magic, bytes to come) and an answer of two numbers;
+``python -m netstorm.bulkprobe sink|send`` runs either end as a process (the emulator starts them in
+its namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import struct
+import sys
+import time
+from collections.abc import Sequence
+
+from netstorm.control import parse_address
+from netstorm.errors import NetStormError
+
+MAGIC = b"NSPROBE1"
+HEADER = struct.Struct("!8sQ")
+"""Magic and the number of bytes that follow."""
+ANSWER = struct.Struct("!Qd")
+"""Bytes received and seconds the second half of them took."""
+MAX_BYTES = 1 << 34
+"""Largest probe a sink accepts (16 GiB)."""
+BLOCK = 1 << 16
+
+
+class ProbeError(NetStormError):
+    """A probe could not measure its link."""
+
+
+async def _serve_one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, timeout: float) -> None:  # noqa: ASYNC109
+    try:
+        async with asyncio.timeout(timeout):
+            magic, total = HEADER.unpack(await reader.readexactly(HEADER.size))
+            if magic != MAGIC or not 0 < total <= MAX_BYTES:
+                return
+            half = total // 2
+            got = 0
+            t_half = t_last = 0.0
+            while got < total:
+                chunk = await reader.read(min(BLOCK * 16, total - got))
+                if not chunk:
+                    return
+                got += len(chunk)
+                now = time.monotonic()
+                if not t_half and got >= half:
+                    t_half = now
+                t_last = now
+            writer.write(ANSWER.pack(got - half, t_last - t_half))
+            await writer.drain()
+    except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def serve_sink(host: str, port: int, *, timeout: float = 60.0) -> asyncio.Server:  # noqa: ASYNC109
+    """Accept probes on host:port (port 0 picks one) until the server closes."""
+    return await asyncio.start_server(lambda r, w: _serve_one(r, w, timeout), host, port)
+
+
+async def measure(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -> float:  # noqa: ASYNC109
+    """Stream ``nbytes`` to the sink at host:port; the rate (Mbit/s) the receiver saw after slow start."""
+    if not 2 <= nbytes <= MAX_BYTES:
+        raise ProbeError(f"a probe sends 2..{MAX_BYTES} bytes, not {nbytes}")
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(host, port)
+            try:
+                writer.write(HEADER.pack(MAGIC, nbytes))
+                block = bytes(BLOCK)
+                left = nbytes
+                while left:
+                    writer.write(block[:min(BLOCK, left)])
+                    left -= min(BLOCK, left)
+                    await writer.drain()
+                counted, seconds = ANSWER.unpack(await reader.readexactly(ANSWER.size))
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+        raise ProbeError(f"probe to {host}:{port} failed: {exc or type(exc).__name__}") from None
+    if not seconds > 0:
+        raise ProbeError(f"probe to {host}:{port}: {nbytes} bytes are too few to time; send more")
+    return counted * 8 / seconds / 1e6
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m netstorm.bulkprobe", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="role", required=True)
+    sink = sub.add_parser("sink", help="accept probes until killed")
+    sink.add_argument("listen", metavar="HOST:PORT")
+    send = sub.add_parser("send", help="probe links one after the other; one JSON line per target")
+    send.add_argument("bytes", type=int)
+    send.add_argument("targets", metavar="HOST:PORT", nargs="+")
+    send.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    if args.role == "sink":
+        async def run_sink() -> None:
+            server = await serve_sink(*parse_address(args.listen, "sink"))
+            print(f"sink on {args.listen}", flush=True)
+            async with server:
+                await server.serve_forever()
+
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(run_sink())
+        return 0
+    failed = 0
+    for target in args.targets:  # one at a time: this host's links do not share its probe
+        host, port = parse_address(target, "target")
+        try:
+            rate = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
+        except ProbeError as exc:
+            print(json.dumps({"target": target, "error": str(exc)}), flush=True)
+            failed += 1
+            continue
+        print(json.dumps({"target": target, "mbit": rate}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Scenarios without rates, and the bulk probe that measures them (``netstorm probe``, ``emulate --plan-scenario``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netstorm import bulkprobe
+from netstorm.scenario import PRIOR_MBIT, load, parse, to_toml
+
+DCS = {"name": "bare", "node": [{"id": 1, "address": "10.0.0.1"}, {"id": 2, "address": "10.0.0.2"},
+                                {"id": 3, "address": "10.0.0.3"}]}
+
+
+def test_a_scenario_of_dcs_alone_is_a_full_mesh_at_the_prior() -> None:
+    scenario = parse(DCS)
+    assert sorted((lk.a, lk.b) for lk in scenario.links) == [(1, 2), (1, 3), (2, 3)]
+    assert scenario.unknown == frozenset(scenario.rates())
+    assert set(scenario.rates().values()) == {PRIOR_MBIT}
+    assert scenario.node(2).address == "10.0.0.2"
+    stated = parse({**DCS, "defaults": {"prior_mbit": 250}})
+    assert set(stated.rates().values()) == {250.0}
+
+
+def test_links_without_rates_keep_their_stated_neighbours_and_mix_with_stated_ones() -> None:
+    scenario = parse({**DCS, "link": [{"a": 1, "b": 2, "rate_mbit": 40}, {"a": 2, "b": 3}]})
+    assert scenario.unknown == {(2, 3), (3, 2)}
+    assert scenario.rates()[(1, 2)] == 40.0 and scenario.rates()[(2, 3)] == PRIOR_MBIT
+    assert (1, 3) not in scenario.rates()
+
+
+def test_measured_rates_written_out_load_back_as_stated(tmp_path: Path) -> None:
+    measured = {(1, 2): 41.5, (2, 1): 80.25, (1, 3): 30.0, (3, 1): 29.0, (2, 3): 60.0, (3, 2): 59.5}
+    path = tmp_path / "measured.toml"
+    path.write_text(to_toml(parse(DCS).with_rates(measured)))
+    again = load(path)
+    assert not again.unknown and again.rates() == measured
+    assert [n.address for n in again.nodes] == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    half = parse(DCS).with_rates({(1, 2): 41.5, (2, 1): 80.25})
+    path.write_text(to_toml(half))
+    assert load(path).unknown == {(1, 3), (3, 1), (2, 3), (3, 2)}
+
+
+def test_the_bulk_probe_times_what_the_receiver_got() -> None:
+    async def main() -> None:
+        server = await bulkprobe.serve_sink("127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            assert await bulkprobe.measure("127.0.0.1", port, 2_000_000) > 0
+            with pytest.raises(bulkprobe.ProbeError, match="sends 2"):
+                await bulkprobe.measure("127.0.0.1", port, 1)
+        finally:
+            server.close()
+        with pytest.raises(bulkprobe.ProbeError, match="failed"):
+            await bulkprobe.measure("127.0.0.1", port, 1000, timeout=5)
+
+    asyncio.run(main())
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_probing_an_emulated_wan_without_rates_recovers_the_applied_ones(tmp_path: Path) -> None:
+    truth = tmp_path / "truth.toml"
+    truth.write_text('name = "tri"\n[defaults]\nlatency_ms = 10.0\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\n'
+                     'id = 3\n[[link]]\na = 1\nb = 2\nrate_mbit = [40, 80]\n[[link]]\na = 2\nb = 3\nrate_mbit = 60\n'
+                     '[[link]]\na = 1\nb = 3\nrate_mbit = 30\n')
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "tri"\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n')
+    out = tmp_path / "measured.toml"
+    done = subprocess.run([sys.executable, "-m", "netstorm.cli", "probe", str(bare), "--emulate", "--applied",
+                           str(truth), "--bytes", "2000000", "--out", str(out), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads(done.stdout)["links"]
+    assert len(rows) == 6 and all(abs(r["ratio"] - 1) <= 0.15 for r in rows), rows
+    measured = load(out)
+    assert not measured.unknown
+    applied = load(truth).rates()
+    for link, rate in measured.rates().items():
+        assert abs(rate / applied[link] - 1) <= 0.15, link
+
+
+@pytest.mark.root
+@pytest.mark.slow
+def test_an_emulated_job_told_no_rates_plans_its_first_policy_from_probed_ones(tmp_path: Path) -> None:
+    truth = tmp_path / "truth.toml"
+    truth.write_text('name = "tri"\n[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n[[link]]\na = 1\nb = 2\n'
+                     'rate_mbit = [40, 80]\n[[link]]\na = 2\nb = 3\nrate_mbit = 60\n[[link]]\na = 1\nb = 3\n'
+                     'rate_mbit = 30\n')
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "tri"\n[defaults]\nprior_mbit = 500\n'
+                    '[[node]]\nid = 1\n[[node]]\nid = 2\n[[node]]\nid = 3\n')
+    out, run_dir = tmp_path / "result.json", tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "netstorm.cli", "emulate", str(truth), "--system", "netstorm",
+                           "--iterations", "2", "--model", "200k", "--plan-scenario", str(bare), "--probe-bytes",
+                           "2000000", "--run-dir", str(run_dir), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    rows = result["probe"]["links"]
+    assert len(rows) == 6 and all(abs(r["ratio"] - 1) <= 0.15 for r in rows), rows
+    assert result["systems"]["netstorm"]["iterations_completed"] == 2
+    # the scheduler's first policy names the rates it was planned from: the probed ones, not the prior
+    logs = "".join(p.read_text(errors="replace") for p in run_dir.rglob("scheduler*.log"))
+    line = next(ln for ln in logs.splitlines() if "policy version 0 (first plan)" in ln)
+    planned = {tuple(map(int, pair.split(":")[0].split(">"))): float(pair.split(":")[1])
+               for pair in line.split("planned from Mbit/s ")[1].split()}
+    measured = {(r["src"], r["dst"]): r["measured_mbit"] for r in rows}
+    assert planned.keys() == measured.keys()
+    for link, rate in measured.items():
+        assert planned[link] == pytest.approx(rate, abs=0.06), link
