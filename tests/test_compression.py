@@ -204,7 +204,7 @@ def test_options_validate_and_derive() -> None:
     assert CompressionOptions("topk", k=10).k_of(5) == 5
     assert CompressionOptions("topk", votes=4).votes_of(9) == 1
     with pytest.raises(ConfigError):
-        CompressionOptions("gzip")  # type: ignore[arg-type]
+        CompressionOptions("gzip")
     with pytest.raises(ConfigError):
         CompressionOptions("fediac", k=1.5)
     with pytest.raises(ConfigError):

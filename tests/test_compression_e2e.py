@@ -94,7 +94,7 @@ async def run_cluster(tmp_path: Path, options: CompressionOptions, steps: int,
 
 @pytest.mark.parametrize("method", ["fediac", "topk"])
 def test_sparse_methods_match_their_replay_bit_for_bit(tmp_path: Path, method: str) -> None:
-    options = CompressionOptions(method, k=0.03, bits=0, votes=2)  # type: ignore[arg-type]
+    options = CompressionOptions(method, k=0.03, bits=0, votes=2)
     results, stats, applied = asyncio.run(run_cluster(tmp_path, options, STEPS))
     expected = replay(options, STEPS)
     for step, (got, want) in enumerate(zip(results, expected, strict=True), start=1):

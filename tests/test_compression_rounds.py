@@ -135,7 +135,7 @@ def test_the_gia_and_the_decoded_sum_are_identical_at_every_dc() -> None:
 
 @pytest.mark.parametrize("method", ["fediac", "topk"])
 def test_error_feedback_returns_exactly_what_was_not_sent(method: str) -> None:
-    options = CompressionOptions(method, k=0.03, bits=8, votes=2)  # type: ignore[arg-type]
+    options = CompressionOptions(method, k=0.03, bits=8, votes=2)
     rounds = cores(options)
     carried = {dc: np.zeros(ELEMENTS) for dc in DCS}
     for t in range(1, 5):

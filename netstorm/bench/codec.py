@@ -73,8 +73,9 @@ def _control_cases(policy: dict[str, Any]) -> list[Case]:
         return Policy.from_wire(reply.policy)  # type: ignore[attr-defined]
 
     members = {n: (f"10.0.0.{n}", 40000 + n) for n in range(1, 10)}
-    config = {"chunk_size": 65536, "iteration_timeout": 60.0, "heartbeat_interval": 1.0, "topology": "fapt",
-              "enable_awareness": True, "probe_chunk_num": 4}
+    config: dict[str, bool | int | float | str | None] = {
+        "chunk_size": 65536, "iteration_timeout": 60.0, "heartbeat_interval": 1.0, "topology": "fapt",
+        "enable_awareness": True, "probe_chunk_num": 4}
     return [
         ("control", "Heartbeat", body(control.Heartbeat(node_id=4, t=1_700_000_000.5)), control.decode),
         ("control", "LinkReport", body(control.LinkReport(src=4, dst=7, mbit_s=123.25, t=1_700_000_000.5,
