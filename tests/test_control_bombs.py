@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import re
 import socket
 import struct
@@ -27,7 +28,7 @@ from netstorm.errors import ErrorCode
 from scheduler import admin
 from tests.test_auth_planes import ADMIN, register
 from tests.test_auth_planes import scheduler as secret_scheduler
-from tests.test_scheduler_service import T, addr
+from tests.test_scheduler_service import FAST, T, addr
 
 MIB = 1024 * 1024
 BOMB_ITEMS = 32 * MIB - 5
@@ -94,9 +95,14 @@ BOMBS = {
 }
 
 
+SCHEDULER = dataclasses.replace(FAST, heartbeat_timeout=5.0)
+"""Nodes are declared dead after 5 s of silence (the default): the bombs must not stall the loop that
+long; the untyped decode stalled it for tens of seconds. (A shorter bound fails on a loaded host.)"""
+
+
 def test_control_bombs_are_refused_with_bounded_memory_and_the_job_goes_on() -> None:
     async def main() -> None:
-        async with secret_scheduler() as service:
+        async with secret_scheduler(config=SCHEDULER) as service:
             clients = await asyncio.gather(*(register(service, n) for n in (1, 2, 3, 4)))
             lag = 0.0
             stop = asyncio.Event()
