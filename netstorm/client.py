@@ -52,7 +52,7 @@ from netstorm.errors import (
     WrongDtype,
     WrongShape,
 )
-from netstorm.layout import INT_DTYPES, INT_EXACT, TENSOR_DTYPES, Layout, TensorSpec
+from netstorm.layout import INT_DTYPES, INT_EXACT, TENSOR_DTYPES, Layout, TensorSpec, dtype_name
 
 DEFAULT_TIMEOUT = 300.0
 ENV_SOCKET = "NETSTORM_SOCKET"
@@ -158,7 +158,7 @@ class Registry:
             raise TrainerError("init needs at least one tensor")
         arrays = {name: np.asarray(value) for name, value in tensors.items()}
         for name, array in arrays.items():
-            if np.dtype(array.dtype).name not in TENSOR_DTYPES:
+            if dtype_name(array.dtype) not in TENSOR_DTYPES:
                 raise WrongDtype(f"tensor {name!r}: dtype {array.dtype} not supported "
                                  f"(supported: {', '.join(TENSOR_DTYPES)})")
             _check_exact(name, array)
@@ -176,9 +176,7 @@ class Registry:
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
         try:
-            for key, spec in enumerate(layout.tensors):
-                np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name],
-                          casting="same_kind")
+            _place(self.shm, layout, [(key, arrays[spec.name]) for key, spec in enumerate(layout.tensors)])
         except BaseException:
             release_init(path)
             raise
@@ -217,7 +215,7 @@ class Registry:
         spec = layout.tensors[key]
         if tuple(value.shape) != spec.shape:
             raise WrongShape(f"tensor {name!r}: shape {tuple(value.shape)}, registered {spec.shape}")
-        if np.dtype(value.dtype).name != spec.dtype:
+        if dtype_name(value.dtype) != spec.dtype:
             raise WrongDtype(f"tensor {name!r}: dtype {value.dtype}, registered {spec.dtype}")
         _check_exact(name, value)
         return key
@@ -238,30 +236,28 @@ class Registry:
         if self.inline:
             return names, b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in arrays.values())
         assert self.shm is not None
-        for key, array in zip(keys, arrays.values(), strict=True):
-            np.copyto(self.shm[layout.key_slice(key)].reshape(array.shape), array, casting="same_kind")
+        _place(self.shm, layout, list(zip(keys, arrays.values(), strict=True)))
         return names, b""
 
     def results(self, names: Sequence[str], payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Fresh arrays of the registered shapes and dtypes from the node's reply."""
         layout = self._need_layout()
-        flat = np.frombuffer(payload, dtype="<f4") if self.inline else None
+        if not self.inline:
+            assert self.shm is not None
+            return _gather(self.shm, layout, [self.key(name) for name in names])
+        flat = np.frombuffer(payload, dtype="<f4")
         out: dict[str, np.ndarray] = {}
         position = 0
         for name in names:
             key = self.key(name)
             spec = layout.tensors[key]
-            if flat is not None:
-                values = flat[position:position + spec.size]
-                position += spec.size
-            else:
-                assert self.shm is not None
-                values = self.shm[layout.key_slice(key)]
+            values = flat[position:position + spec.size]
+            position += spec.size
             if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
                 out[name] = np.rint(values).astype(np.int64).reshape(spec.shape)
             else:
                 out[name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
-        if flat is not None and position != flat.size:
+        if position != flat.size:
             raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
         return out
 
@@ -295,6 +291,49 @@ class Registry:
             return 0
         layout = self._need_layout()
         return 4 * sum(layout.tensors[self.key(n)].size for n in names)
+
+
+def _runs(layout: Layout, keys: Sequence[int]) -> list[list[int]]:
+    """``keys`` (in order) cut into runs of tensors adjacent in the flat model (key k, then k + 1), each
+    one contiguous slice: a model of many small tensors is copied in a few large copies."""
+    runs: list[list[int]] = []
+    for key in keys:
+        if runs and runs[-1][-1] + 1 == key:
+            runs[-1].append(key)
+        else:
+            runs.append([key])
+    return runs
+
+
+def _place(shm: np.ndarray, layout: Layout, values: Sequence[tuple[int, np.ndarray]]) -> None:
+    """Write each (key, array) into its slice of the shared model, converting as ``same_kind`` allows."""
+    by_key = dict(values)
+    for run in _runs(layout, sorted(by_key)):
+        start, stop = layout.offsets[run[0]], layout.key_slice(run[-1]).stop
+        if len(run) == 1:
+            np.copyto(shm[start:stop].reshape(by_key[run[0]].shape), by_key[run[0]], casting="same_kind")
+        else:
+            np.concatenate([by_key[k].reshape(-1) for k in run], out=shm[start:stop], casting="same_kind")
+
+
+def _gather(shm: np.ndarray, layout: Layout, keys: Sequence[int]) -> dict[str, np.ndarray]:
+    """Fresh arrays of ``keys``' registered shapes and dtypes from the shared model: float32 tensors adjacent
+    in the model share one copy (each its own view of it, nothing of the shared file), others convert."""
+    out: dict[str, np.ndarray] = {}
+    for run in _runs(layout, sorted(keys)):
+        start = layout.offsets[run[0]]
+        block = shm[start:layout.key_slice(run[-1]).stop].copy() if len(run) > 1 else None
+        for key in run:
+            spec = layout.tensors[key]
+            span = layout.key_slice(key)
+            values = block[span.start - start:span.stop - start] if block is not None else shm[span]
+            if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
+                out[spec.name] = np.rint(values).astype(np.int64).reshape(spec.shape)
+            elif spec.dtype == "float32" and block is not None:
+                out[spec.name] = values.reshape(spec.shape)
+            else:
+                out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+    return {layout.tensors[key].name: out[layout.tensors[key].name] for key in keys}
 
 
 def release_init(path: str) -> None:

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import grp
 import logging
+import math
 import mmap
 import os
 import socket
@@ -73,7 +74,7 @@ class _Session:
                 self._mmap.close()
             self._mmap = None
 
-    def attach(self, path: str, layout: Layout, peer_uid: int | None) -> None:
+    def attach(self, path: str, elements: int, peer_uid: int | None) -> None:
         """Map the trainer's model file: only a netstorm-* regular file in the shared-memory directory,
         owned by the trainer's user, so a trainer cannot make the node write into any other file."""
         if not path:
@@ -93,9 +94,9 @@ class _Session:
                 raise TrainerProtocolError(f"shared-memory file {path} belongs to uid {info.st_uid}, the trainer "
                                            f"runs as uid {peer_uid}")
             size = info.st_size
-            if size != layout.total * 4:
+            if size != elements * 4:
                 raise TrainerProtocolError(f"shared-memory file {path} holds {size} bytes; the model needs "
-                                           f"{layout.total * 4}")
+                                           f"{elements * 4}")
             self.close()
             self._mmap = mmap.mmap(fd, size) if size else None
         finally:
@@ -249,7 +250,7 @@ class TrainerEndpoint:
 
     def _payload_len(self, session: _Session, request: tw.Message) -> int:
         if isinstance(request, tw.InitRequest):
-            elements = sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
+            elements = sum(math.prod(shape) for _, shape, _ in request.tensors)
             most = MAX_ITEMS * self.node.config.chunk_size
             if elements > most:  # refused before a layout (or a payload) is built for it
                 raise TrainerProtocolError(f"init of {elements} elements: more than the {MAX_ITEMS} chunks of "
@@ -300,7 +301,7 @@ class TrainerEndpoint:
         assert session.rank is not None
         specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
         if not session.inline:  # check the file before the tensors become the node's layout
-            session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
+            session.attach(request.shm, sum(spec.size for spec in specs), session.peer_uid)
         layout = await node.register(specs, compression=request.compression, votes=request.votes, bits=request.bits,
                                      gia_reuse=request.gia_reuse)
         if not session.inline:

@@ -262,6 +262,7 @@ def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the
 
 
 def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypatch: pytest.MonkeyPatch):
+    from netstorm import client as client_module
     from netstorm.client import Registry
 
     def interrupted(*args: object, **kwargs: object) -> None:
@@ -269,7 +270,7 @@ def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypat
 
     before = shm_files()
     registry = Registry(inline=False)
-    monkeypatch.setattr(np, "copyto", interrupted)
+    monkeypatch.setattr(client_module, "_place", interrupted)
     with pytest.raises(KeyboardInterrupt):
         registry.prepare_init(model(1))
     monkeypatch.undo()
