@@ -46,6 +46,7 @@ from netstorm.errors import (
     ErrorCode,
     IterationError,
     LayoutError,
+    LayoutMismatch,
     ModelTooLarge,
     NodeGone,
     NonFinite,
@@ -73,6 +74,7 @@ ERRORS: dict[ErrorCode, type[TrainerError]] = {
     ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError, ErrorCode.INTERNAL: IterationError,
     ErrorCode.TRAINER_LIMIT: TrainerLimit, ErrorCode.TOO_FAR_AHEAD: TooFarAhead, ErrorCode.NON_FINITE: NonFinite,
     ErrorCode.AUTH: TrainerAuthError, ErrorCode.MODEL_TOO_LARGE: ModelTooLarge,
+    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
 }
 """The exception a trainer raises for the code of a node's ErrorReply; any other code (the request broke
 the protocol, or the node refused it) raises TrainerProtocolError."""

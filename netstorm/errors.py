@@ -144,6 +144,13 @@ class ModelTooLarge(TrainerError, LayoutError):
     code: ClassVar[ErrorCode] = ErrorCode.MODEL_TOO_LARGE
 
 
+class LayoutMismatch(TrainerError, LayoutError):
+    """A trainer's ``init`` names a model other than the job's (the layout a majority of its DCs agreed
+    on, or the one its node already serves); the job goes on without this model."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.LAYOUT_MISMATCH
+
+
 class TooFarAhead(TrainerError):
     """A push more than ``max_ahead`` iterations ahead of this trainer's oldest unpulled result: pull
     first. Nothing of the push was counted."""

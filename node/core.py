@@ -391,6 +391,14 @@ class NodeCore:
                                              f"gone ({reason})", Cause.GONE, _Links({}), now)
         return actions
 
+    def iteration_lost(self, iteration: int, reason: str, now: float) -> list[Action]:
+        """A DC's part of ``iteration`` will not come (its trainer is gone): the iteration fails at once as a
+        lost peer's does (``PeerLost``: retry), unless it is over already."""
+        tracker = self._trackers.get(iteration)
+        if tracker is not None and (tracker.done or tracker.failure is not None):
+            return []
+        return self._fail(iteration, reason, Cause.GONE, _Links({}), now)
+
     def contribution_failed(self, iteration: int, reason: str, now: float) -> list[Action]:
         """This DC's contribution to ``iteration`` cannot be made (its gateway's LAN tier failed it: a
         worker missing, an overflow): the iteration fails here at once, so the DC's next push goes to the

@@ -89,6 +89,9 @@ class RankBook:
     def name(self, rank_id: int) -> str:
         return self._ranks[rank_id].name
 
+    def has(self, rank_id: int) -> bool:
+        return rank_id in self._ranks
+
     # ---- joining and leaving ------------------------------------------------------------------------
 
     def join(self, name: str) -> int:
@@ -145,6 +148,20 @@ class RankBook:
         if self._init_source == rank_id and not self.initialized:
             self._init_source = None
         return [release for key in range(keys) for release in self.releasable(key)]
+
+    def lost_iteration(self, keys: int) -> int | None:
+        """With a place empty after the init round, the iteration this DC's contribution is now missing
+        from: its next one, when it is under way (some of this DC's tensors in, or peers' chunks for it
+        arrived) and not complete; None otherwise (a replacement may still push it in time)."""
+        if not self.initialized or len(self._ranks) >= self.slots or not keys:
+            return None
+        core = self.core
+        nexts = [core.key_next(k) for k in range(keys)]
+        iteration = min(nexts)
+        started = max(nexts) > iteration or iteration in core.chunks.live_iterations()
+        if not started or core.failure(iteration) is not None or core.keys_ready(iteration, range(keys)):
+            return None
+        return iteration
 
     def init_values(self, rank_id: int, first: bool) -> bool:
         """Whether this rank's values are the DC's in the init round (``first``: this node contributes
@@ -325,8 +342,15 @@ class Ranks:
 
     def leave(self, rank_id: int | None) -> None:
         layout = self.node.layout
+        present = rank_id is not None and self.book.has(rank_id)
         self._release(self.book.leave(rank_id, len(layout.tensors) if layout is not None else 0))
         self._wake()
+        if present and layout is not None:
+            lost = self.book.lost_iteration(len(layout.tensors))
+            if lost is not None:
+                log.warning("node %d: a trainer left before its part of iteration %d was in: the iteration fails",
+                            self.node.node_id, lost)
+                self.node.contribution_lost(lost, "its trainer closed or died before pushing its part")
 
     async def settle(self, layout: Layout) -> None:
         """Release every result all ranks have read, waiting for those not complete yet (what a departed

@@ -36,6 +36,7 @@ import os
 import socket
 import stat
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -142,6 +143,39 @@ class _Session:
         return keys
 
 
+class _TrainerGone(Exception):
+    """The trainer's connection closed while one of its requests was being served."""
+
+
+class _WatchedReader(asyncio.StreamReader):
+    """A stream reader that says when its connection reached its end (EOF or an error), so a request can
+    be abandoned while the trainer is gone even though nothing reads the socket meanwhile."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit=limit)
+        self.gone = asyncio.Event()
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self.gone.set()
+
+    def set_exception(self, exc: Exception) -> None:
+        super().set_exception(exc)
+        self.gone.set()
+
+
+def _watched(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+             ) -> Callable[[], asyncio.StreamReaderProtocol]:
+    """A protocol factory like ``asyncio.start_server``'s, with a ``_WatchedReader`` per connection."""
+    def factory() -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(_WatchedReader(READ_LIMIT), handler)
+    return factory
+
+
+READ_LIMIT = 2**16
+"""asyncio's default stream buffer limit (what start_server uses)."""
+
+
 def _peer(writer: asyncio.StreamWriter) -> tuple[int, int] | None:
     """The pid and uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
     sock = writer.get_extra_info("socket")
@@ -158,6 +192,7 @@ class TrainerEndpoint:
         self.node = node
         self.ranks = Ranks(node)
         self._handover_lock = asyncio.Lock()
+        self._background: set[asyncio.Future[None]] = set()
         self.credentials = credentials
         """With a job secret, a TCP trainer proves it before its first request (the Unix socket is
         guarded by its file permissions instead)."""
@@ -190,18 +225,22 @@ class TrainerEndpoint:
             with contextlib.suppress(FileNotFoundError):
                 staging.unlink()
             raise
-        server = await asyncio.start_unix_server(lambda r, w: self._handle(r, w, inline=False), sock=sock)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(_watched(lambda r, w: self._handle(r, w, inline=False)), sock=sock)
         self._servers.append(server)
         return server
 
     async def serve_tcp(self, host: str, port: int) -> asyncio.Server:
-        server = await asyncio.start_server(lambda r, w: self._handle(r, w, inline=True), host, port)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_watched(lambda r, w: self._handle(r, w, inline=True)), host, port)
         self._servers.append(server)
         return server
 
     def close(self) -> None:
         for server in self._servers:
             server.close()
+        for task in self._background:
+            task.cancel()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool) -> None:
         self._sessions += 1
@@ -254,7 +293,11 @@ class TrainerEndpoint:
                     await self._reply(writer, tw.ErrorReply(code, str(exc)))
                     return
                 try:
-                    reply, out = await self._serve(session, request, payload)
+                    reply, out = await self._serve_watched(session, request, payload)
+                except _TrainerGone:
+                    log.warning("node %d: %s went away in the middle of its %s; its place is free", self.node.node_id,
+                                session.name, request.TYPE)
+                    return
                 except NetStormError as exc:
                     log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
                     reply, out = tw.ErrorReply(exc.code, str(exc)), b""
@@ -274,6 +317,28 @@ class TrainerEndpoint:
             self.ranks.leave(session.rank)
             session.close()
             writer.close()
+
+    async def _serve_watched(self, session: _Session, request: tw.Message,
+                             payload: bytes) -> tuple[tw.Message, bytes]:
+        """Serve one request, unless the trainer goes away first (its socket closed: it closed or died):
+        then the request is abandoned at once, so its place at the node is free for a replacement now,
+        not when the iteration it waited for ends."""
+        reader = session.reader
+        if not isinstance(reader, _WatchedReader):
+            return await self._serve(session, request, payload)
+        serving = asyncio.ensure_future(self._serve(session, request, payload))
+        gone = asyncio.ensure_future(reader.gone.wait())
+        try:
+            await asyncio.wait({serving, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not serving.done() and reader.gone.is_set():
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NetStormError, ConnectionError,
+                                     asyncio.IncompleteReadError):
+                await serving
+            raise _TrainerGone
+        return await serving
 
     async def _reply(self, writer: asyncio.StreamWriter, reply: tw.Message, out: bytes | memoryview = b"") -> None:
         writer.write(tw.encode(reply, len(out)))
@@ -359,7 +424,11 @@ class TrainerEndpoint:
         names = tuple(t.name for t in layout.tensors)
         if self.ranks.initialized:
             self.ranks.start(session.rank, layout, replacement=True)
-            await self.ranks.settle(layout)
+            # what its predecessor left unread is released once complete, in the background: the
+            # replacement starts now, not when the iteration its predecessor was in ends
+            settling = asyncio.ensure_future(self.ranks.settle(layout))
+            self._background.add(settling)
+            settling.add_done_callback(self._background.discard)
             iteration = min(self.ranks.push_iteration(session.rank, k) for k in keys) if keys else 0
             log.info("node %d: %s replaces a trainer: %d tensors (layout %s), continues at iteration %d with its "
                      "own values", node.node_id, session.name, len(names), layout.hash, iteration)
