@@ -90,6 +90,7 @@ class AsyncClient(RegistryView):
             reply, data = await self._call(request, payload, tw.InitReply, "init")
         finally:
             release_init(path)
+            self.registry.handed_over()
         return self.registry.accept_init(reply, list(tensors), data)
 
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:

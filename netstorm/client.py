@@ -8,10 +8,16 @@ out = kv.push_pull({"fc1.weight": g, ...}, average=True)   # one synchronous ite
 kv.push("fc1.weight", g); out = kv.pull("fc1.weight")      # the split form
 ```
 
-Over a Unix socket the model lives in a shared-memory file both sides map: a push converts the tensor
-into it (float16 becomes float32 on the way), the node reads it from there and writes the sums back;
-the socket carries only names. The file is unlinked as soon as the node has mapped it, so nothing is
-left behind even if either side dies. Over TCP the values travel inline.
+Over a Unix socket the model lives in shared memory both sides map: a push converts the tensor into it
+(float16 becomes float32 on the way), the node reads it from there and writes the sums back; the socket
+carries only names. The memory is anonymous (a memfd the node opens through ``/proc/<trainer>/fd``), so
+it has no name to outlive either process, even killed with SIGKILL. Where the node may not open another
+process's descriptors (it runs as another user), ``NETSTORM_SHM=file`` names a file in ``/dev/shm``
+instead, which the node unlinks as soon as it has mapped it; files left by trainers that died before
+that are swept by the next trainer or node on the host. Over TCP the values travel inline.
+
+A model above ``max_model_bytes`` (``NETSTORM_MAX_MODEL_BYTES``) or above the memory free is refused by
+``init`` (``ModelTooLarge``) before anything is allocated or sent.
 
 When a DC is admitted into a running job, one live DC's trainer hands over its current model: its node
 answers a push with ``ModelWanted`` and the client sends what its model provider returns. The provider
@@ -22,6 +28,7 @@ same names in that dict); ``set_model_provider`` names another (the torch optimi
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import socket
@@ -40,6 +47,8 @@ from netstorm.errors import (
     ErrorCode,
     IterationError,
     LayoutError,
+    LayoutMismatch,
+    ModelTooLarge,
     NodeGone,
     NonFinite,
     PeerLost,
@@ -53,7 +62,7 @@ from netstorm.errors import (
     WrongDtype,
     WrongShape,
 )
-from netstorm.layout import INT_DTYPES, INT_EXACT, TENSOR_DTYPES, Layout, TensorSpec
+from netstorm.layout import INT_DTYPES, INT_EXACT, TENSOR_DTYPES, Layout, TensorSpec, dtype_name
 
 DEFAULT_TIMEOUT = 300.0
 ENV_SOCKET = "NETSTORM_SOCKET"
@@ -65,7 +74,8 @@ ERRORS: dict[ErrorCode, type[TrainerError]] = {
     ErrorCode.PEER_LOST: PeerLost, ErrorCode.PEER_GONE: PeerLost, ErrorCode.NODE_GONE: NodeGone,
     ErrorCode.TIMEOUT: TrainerTimeout, ErrorCode.ITERATION_FAILED: IterationError, ErrorCode.INTERNAL: IterationError,
     ErrorCode.TRAINER_LIMIT: TrainerLimit, ErrorCode.TOO_FAR_AHEAD: TooFarAhead, ErrorCode.NON_FINITE: NonFinite,
-    ErrorCode.AUTH: TrainerAuthError,
+    ErrorCode.AUTH: TrainerAuthError, ErrorCode.MODEL_TOO_LARGE: ModelTooLarge,
+    ErrorCode.LAYOUT_MISMATCH: LayoutMismatch,
 }
 """The exception a trainer raises for the code of a node's ErrorReply; any other code (the request broke
 the protocol, or the node refused it) raises TrainerProtocolError."""
@@ -88,6 +98,94 @@ def resolve_address(address: str | os.PathLike[str] | None) -> tuple[str, str | 
 
 SHM_PREFIX = "netstorm-"
 """Shared-memory files are named netstorm-<pid>-<random> in ``shm_directory()``; nodes map no others."""
+MEMFD_NAME = "netstorm-model"
+"""The name of a trainer's anonymous model memory (``/memfd:netstorm-model`` in /proc); nodes map no other."""
+ENV_SHM = "NETSTORM_SHM"
+"""How a Unix-socket trainer shares its model: "memfd" (default: anonymous) or "file" (named in /dev/shm)."""
+ENV_MAX_MODEL = "NETSTORM_MAX_MODEL_BYTES"
+"""The ``max_model_bytes`` option as a trainer reads it (its default is the option's)."""
+
+
+def model_bound() -> int:
+    """``max_model_bytes`` for this trainer: NETSTORM_MAX_MODEL_BYTES, else the option's default."""
+    from netstorm.config import Config
+
+    text = os.environ.get(ENV_MAX_MODEL, "")
+    if not text:
+        return Config.max_model_bytes
+    try:
+        bound = int(text)
+    except ValueError:
+        raise TrainerError(f"{ENV_MAX_MODEL} must be a number of bytes, got {text!r}") from None
+    if bound <= 0:
+        raise TrainerError(f"{ENV_MAX_MODEL} must be positive, got {bound}")
+    return bound
+
+
+def memory_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), or a very large number
+    where /proc/meminfo does not say."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
+def shm_free(directory: str) -> int:
+    """Bytes a file in ``directory`` can still grow by (tmpfs's own size limit)."""
+    info = os.statvfs(directory)
+    return info.f_bavail * info.f_frsize
+
+
+def check_model_size(elements: int, bound: int, *, shared: str | None) -> None:
+    """Refuse a model of ``elements`` float32 elements above ``bound`` bytes or the memory free (``shared``:
+    the shared memory it will live in, "memfd" or a directory), before anything is allocated."""
+    need = 4 * elements
+    if need > bound:
+        raise ModelTooLarge(f"init of {elements} elements ({need} bytes of float32) exceeds max_model_bytes = "
+                            f"{bound} (NETSTORM_MAX_MODEL_BYTES); nothing was allocated")
+    free = memory_available()
+    where = "memory available"
+    if shared not in (None, "memfd"):
+        directory_free = shm_free(shared)
+        if directory_free < free:
+            free, where = directory_free, f"space free in {shared}"
+    if need > free:
+        raise ModelTooLarge(f"init of {elements} elements needs {need} bytes of shared memory, but only {free} "
+                            f"bytes are {where}; nothing was allocated")
+
+
+def sweep_shm(directory: str | None = None) -> list[str]:
+    """Remove shared-memory files whose trainer is dead (netstorm-<pid>-*, the pid gone or started after the
+    file was made): what a trainer killed before its node unlinked the file left behind."""
+    where = Path(directory or shm_directory())
+    removed: list[str] = []
+    for path in where.glob(f"{SHM_PREFIX}*"):
+        pid_text = path.name[len(SHM_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        try:
+            started = _started(int(pid_text))
+            if started is not None and started <= path.stat().st_mtime + 1.0:
+                continue  # its trainer (or the process that made it) still runs
+            path.unlink()
+            removed.append(str(path))
+        except OSError:
+            continue
+    return removed
+
+
+def _started(pid: int) -> float | None:
+    """When process ``pid`` started (epoch seconds), or None if there is none (a reused pid started later
+    than the file it did not make)."""
+    try:
+        ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def tcp_credentials(secret_file: str | os.PathLike[str] | None) -> authconn.Credentials | None:
@@ -109,11 +207,18 @@ def _check_exact(name: str, array: np.ndarray) -> None:
 class Registry:
     """The trainer side's view of the registered tensors: checks, shared memory, result decoding."""
 
-    def __init__(self, inline: bool) -> None:
+    def __init__(self, inline: bool, *, max_model_bytes: int | None = None, shm: str | None = None) -> None:
         self.inline = inline
+        self.max_model_bytes = max_model_bytes if max_model_bytes is not None else model_bound()
+        """The largest model ``init`` may name (``max_model_bytes``)."""
+        self.shm_mode = shm if shm is not None else (os.environ.get(ENV_SHM) or "memfd")
+        if self.shm_mode not in ("memfd", "file"):
+            raise TrainerError(f"{ENV_SHM} must be memfd or file, got {self.shm_mode!r}")
         self.layout: Layout | None = None
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
+        self._memfd = -1
+        """The anonymous model memory, held open until the node has it (its init reply)."""
         self.num_workers = 0
         self.node_id = -1
         self.iteration = -1
@@ -146,6 +251,7 @@ class Registry:
         return tw.ModelOffer(wanted.iteration), b"".join(parts)
 
     def close(self) -> None:
+        self.handed_over()
         self.shm = None
         if self._mmap is not None:
             with contextlib.suppress(BufferError):
@@ -159,12 +265,16 @@ class Registry:
             raise TrainerError("init needs at least one tensor")
         arrays = {name: np.asarray(value) for name, value in tensors.items()}
         for name, array in arrays.items():
-            if np.dtype(array.dtype).name not in TENSOR_DTYPES:
+            if dtype_name(array.dtype) not in TENSOR_DTYPES:
                 raise WrongDtype(f"tensor {name!r}: dtype {array.dtype} not supported "
                                  f"(supported: {', '.join(TENSOR_DTYPES)})")
             _check_exact(name, array)
         if compression not in METHODS:
             raise TrainerError(f"compression must be one of {', '.join(METHODS)}, got {compression!r}")
+        # before a spec, a layout or a byte of memory exists for it (a 10^6 x 10^6 view is refused here)
+        check_model_size(sum(math.prod(array.shape) for array in arrays.values()), self.max_model_bytes,
+                         shared=None if self.inline else self.shm_mode if self.shm_mode == "memfd"
+                         else shm_directory())
         specs = [TensorSpec.of(name, array) for name, array in arrays.items()]
         # Only offsets matter here; the node cuts the chunks with the job's chunk_size.
         layout = Layout.build(specs, 1 << 62)
@@ -177,29 +287,44 @@ class Registry:
         path = self._create_shm(layout.total * 4)
         assert self.shm is not None
         try:
-            for key, spec in enumerate(layout.tensors):
-                np.copyto(self.shm[layout.key_slice(key)].reshape(spec.shape), arrays[spec.name],
-                          casting="same_kind")
+            _place(self.shm, layout, [(key, arrays[spec.name]) for key, spec in enumerate(layout.tensors)])
         except BaseException:
             release_init(path)
+            self.close()
             raise
-        return (tw.InitRequest(request_tensors, path, compression, votes, bits, gia_reuse),
+        return (tw.InitRequest(request_tensors, path, compression, votes, bits, gia_reuse, fd=self._memfd),
                 b"", path)
 
     def _create_shm(self, size: int) -> str:
+        """The model's shared memory: an anonymous memfd ("" returned), or a named file (its path)."""
         self.close()
-        path = str(Path(shm_directory()) / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        if self.shm_mode == "memfd":
+            fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+            path = ""
+        else:
+            sweep_shm()
+            path = str(Path(shm_directory()) / f"{SHM_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, size)
             self._mmap = mmap.mmap(fd, size) if size else None
         except OSError:
-            os.unlink(path)
-            raise
-        finally:
             os.close(fd)
+            release_init(path)
+            raise
+        if path:
+            os.close(fd)
+        else:
+            self._memfd = fd
         self.shm = np.frombuffer(self._mmap, dtype="<f4") if self._mmap is not None else np.zeros(0, "<f4")
         return path
+
+    def handed_over(self) -> None:
+        """The node holds the model's memory (or the init is over): this side needs no descriptor for it."""
+        if self._memfd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._memfd)
+            self._memfd = -1
 
     def _need_layout(self) -> Layout:
         if self.layout is None:
@@ -218,7 +343,7 @@ class Registry:
         spec = layout.tensors[key]
         if tuple(value.shape) != spec.shape:
             raise WrongShape(f"tensor {name!r}: shape {tuple(value.shape)}, registered {spec.shape}")
-        if np.dtype(value.dtype).name != spec.dtype:
+        if dtype_name(value.dtype) != spec.dtype:
             raise WrongDtype(f"tensor {name!r}: dtype {value.dtype}, registered {spec.dtype}")
         _check_exact(name, value)
         return key
@@ -239,30 +364,28 @@ class Registry:
         if self.inline:
             return names, b"".join(np.ascontiguousarray(a, dtype="<f4").tobytes() for a in arrays.values())
         assert self.shm is not None
-        for key, array in zip(keys, arrays.values(), strict=True):
-            np.copyto(self.shm[layout.key_slice(key)].reshape(array.shape), array, casting="same_kind")
+        _place(self.shm, layout, list(zip(keys, arrays.values(), strict=True)))
         return names, b""
 
     def results(self, names: Sequence[str], payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Fresh arrays of the registered shapes and dtypes from the node's reply."""
         layout = self._need_layout()
-        flat = np.frombuffer(payload, dtype="<f4") if self.inline else None
+        if not self.inline:
+            assert self.shm is not None
+            return _gather(self.shm, layout, [self.key(name) for name in names])
+        flat = np.frombuffer(payload, dtype="<f4")
         out: dict[str, np.ndarray] = {}
         position = 0
         for name in names:
             key = self.key(name)
             spec = layout.tensors[key]
-            if flat is not None:
-                values = flat[position:position + spec.size]
-                position += spec.size
-            else:
-                assert self.shm is not None
-                values = self.shm[layout.key_slice(key)]
+            values = flat[position:position + spec.size]
+            position += spec.size
             if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
                 out[name] = np.rint(values).astype(np.int64).reshape(spec.shape)
             else:
                 out[name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
-        if flat is not None and position != flat.size:
+        if position != flat.size:
             raise TrainerProtocolError(f"node sent {flat.size} values for {position}")
         return out
 
@@ -270,6 +393,7 @@ class Registry:
                     payload: bytes | bytearray) -> dict[str, np.ndarray]:
         """Take the node's InitReply: who and where we are, and the agreed initial values."""
         assert isinstance(reply, tw.InitReply)
+        self.handed_over()
         self.num_workers = reply.num_workers
         self.node_id = reply.node_id
         self.iteration = reply.iteration
@@ -296,6 +420,49 @@ class Registry:
             return 0
         layout = self._need_layout()
         return 4 * sum(layout.tensors[self.key(n)].size for n in names)
+
+
+def _runs(layout: Layout, keys: Sequence[int]) -> list[list[int]]:
+    """``keys`` (in order) cut into runs of tensors adjacent in the flat model (key k, then k + 1), each
+    one contiguous slice: a model of many small tensors is copied in a few large copies."""
+    runs: list[list[int]] = []
+    for key in keys:
+        if runs and runs[-1][-1] + 1 == key:
+            runs[-1].append(key)
+        else:
+            runs.append([key])
+    return runs
+
+
+def _place(shm: np.ndarray, layout: Layout, values: Sequence[tuple[int, np.ndarray]]) -> None:
+    """Write each (key, array) into its slice of the shared model, converting as ``same_kind`` allows."""
+    by_key = dict(values)
+    for run in _runs(layout, sorted(by_key)):
+        start, stop = layout.offsets[run[0]], layout.key_slice(run[-1]).stop
+        if len(run) == 1:
+            np.copyto(shm[start:stop].reshape(by_key[run[0]].shape), by_key[run[0]], casting="same_kind")
+        else:
+            np.concatenate([by_key[k].reshape(-1) for k in run], out=shm[start:stop], casting="same_kind")
+
+
+def _gather(shm: np.ndarray, layout: Layout, keys: Sequence[int]) -> dict[str, np.ndarray]:
+    """Fresh arrays of ``keys``' registered shapes and dtypes from the shared model: float32 tensors adjacent
+    in the model share one copy (each its own view of it, nothing of the shared file), others convert."""
+    out: dict[str, np.ndarray] = {}
+    for run in _runs(layout, sorted(keys)):
+        start = layout.offsets[run[0]]
+        block = shm[start:layout.key_slice(run[-1]).stop].copy() if len(run) > 1 else None
+        for key in run:
+            spec = layout.tensors[key]
+            span = layout.key_slice(key)
+            values = block[span.start - start:span.stop - start] if block is not None else shm[span]
+            if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
+                out[spec.name] = np.rint(values).astype(np.int64).reshape(spec.shape)
+            elif spec.dtype == "float32" and block is not None:
+                out[spec.name] = values.reshape(spec.shape)
+            else:
+                out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+    return {layout.tensors[key].name: out[layout.tensors[key].name] for key in keys}
 
 
 def release_init(path: str) -> None:
@@ -460,6 +627,7 @@ class Client(RegistryView):
             reply, data = self._call(request, payload, tw.InitReply, "init")
         finally:
             release_init(path)
+            self.registry.handed_over()
         return self.registry.accept_init(reply, list(tensors), data)
 
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:

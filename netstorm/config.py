@@ -121,6 +121,10 @@ class Config:
     max_ahead: int = 1
     """Iterations a trainer's push may run ahead of its oldest unpulled result (an error beyond it), and
     of the slowest rank's at the node (the push waits); bounds the results a node holds."""
+    max_model_bytes: int = 16 * 1024**3
+    """Largest model (float32 bytes of every registered tensor) a trainer's ``init`` may name: refused
+    (``ModelTooLarge``) before anything is allocated for it, by the trainer (which also refuses a model
+    larger than the shared memory free) and by its node."""
     check_finite: bool = False
     """Reject a push holding NaN or Inf, naming the DC and the tensor; nothing of it is counted."""
     hello_timeout: float = 10.0
@@ -297,7 +301,7 @@ class Config:
         if self.wan_tls and not self.secret_file:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",
-                         "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers",
+                         "probe_chunk_size", "probe_chunk_num", "max_frame_bytes", "trainers", "max_model_bytes",
                          "max_connections_per_source", "belief_reports", "torch_round")
         for name in positive_ints:
             if getattr(self, name) <= 0:

@@ -363,6 +363,8 @@ class LayoutAck(Message, frozen=True, tag="layout_ack", omit_defaults=True):
     first_iteration: Version = 0
     """The iteration this node's first contribution belongs to: 0 for a node there from the start; for a
     DC admitted into a running job, the boundary iteration that hands it the live model."""
+    pending: bool = False
+    """The job's layout is not decided yet (fewer than a majority of its DCs agree on one): ask again."""
 
 
 IterationTimes = Annotated[tuple[tuple[Version, Annotated[float, msgspec.Meta(ge=0, le=1e9)]], ...],
@@ -392,6 +394,16 @@ class MemberDown(Message, frozen=True, tag="member_down"):
     """Pushed to every node when a member is declared dead (or to a node declared dead itself)."""
 
     node_id: NodeId
+    reason: Text
+
+
+class IterationLost(Message, frozen=True, tag="iteration_lost"):
+    """Node ``node_id``'s part of ``iteration`` will not come (its trainer closed or died before pushing
+    it): the node tells the scheduler, which tells every other member, so the iteration fails everywhere
+    at once (``PeerLost``) instead of at its timeout. The node itself stays a member."""
+
+    node_id: NodeId
+    iteration: Version
     reason: Text
 
 
@@ -699,7 +711,8 @@ class LanPlan(Message, frozen=True, tag="lan_plan", omit_defaults=True):
 
 
 MESSAGES: dict[str, type[Message]] = {}
-for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, PeerUnreachable, MemberUp,
+for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, IterationLost,
+             PeerUnreachable, MemberUp,
              LinkBeliefs, PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck,
              StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History, LanReport, LanPlan):
     _cls.TYPE = str(_cls.__struct_config__.tag)
@@ -754,7 +767,8 @@ class Inbound:
 
 ANY = Inbound("this side", tuple(MESSAGES.values()))
 """Every kind (what tools and tests decode)."""
-TO_SCHEDULER = Inbound("the scheduler", (Register, LayoutCheck, Heartbeat, Leave, PeerUnreachable, PolicyRequest,
+TO_SCHEDULER = Inbound("the scheduler", (Register, LayoutCheck, Heartbeat, Leave, IterationLost, PeerUnreachable,
+                                         PolicyRequest,
                                          LinkReport, EdgeReport, LanReport, PolicyOverride, StatusRequest,
                                          PolicyFetch, HistoryRequest))
 """What nodes and admin tools send the scheduler: none of it is larger than an override's rates."""

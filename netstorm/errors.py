@@ -34,6 +34,9 @@ class ErrorCode(enum.StrEnum):
     """This DC's own node is gone or unreachable: retrying through it is pointless."""
     TRAINER_LIMIT = "trainer_limit"
     """The node already serves as many trainers as it is configured for (``trainers``)."""
+    MODEL_TOO_LARGE = "model_too_large"
+    """An ``init`` whose model exceeds ``max_model_bytes`` or the shared memory free: refused before any
+    allocation."""
     TOO_FAR_AHEAD = "too_far_ahead"
     """A push ran more than ``max_ahead`` iterations ahead of the trainer's oldest unpulled result."""
     NON_FINITE = "non_finite"
@@ -132,6 +135,20 @@ class TrainerLimit(TrainerError):
     second trainer never adds its values to the DC's contribution unnoticed."""
 
     code: ClassVar[ErrorCode] = ErrorCode.TRAINER_LIMIT
+
+
+class ModelTooLarge(TrainerError, LayoutError):
+    """An ``init`` names a model larger than ``max_model_bytes`` or than the shared memory free; nothing
+    was allocated for it."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.MODEL_TOO_LARGE
+
+
+class LayoutMismatch(TrainerError, LayoutError):
+    """A trainer's ``init`` names a model other than the job's (the layout a majority of its DCs agreed
+    on, or the one its node already serves); the job goes on without this model."""
+
+    code: ClassVar[ErrorCode] = ErrorCode.LAYOUT_MISMATCH
 
 
 class TooFarAhead(TrainerError):

@@ -19,9 +19,13 @@ every dtype and the float wire, so DCs that disagree on either fail at registrat
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
+import math
+import operator
 from collections.abc import Iterable, Sequence
 
 import msgpack
@@ -61,6 +65,17 @@ def lane(dtype: str) -> str:
     return dtype if dtype in INT_DTYPES else "float32"
 
 
+@functools.lru_cache(maxsize=64)
+def dtype_name(dtype: np.dtype) -> str:
+    """``dtype.name``, looked up once per dtype (numpy builds the string on every access: a model of
+    100k tensors would pay for it 100k times per push)."""
+    return np.dtype(dtype).name
+
+
+_ORDER: dict[str, tuple[bool, str]] = {d: (lane(d) != "float32", lane(d)) for d in TENSOR_DTYPES}
+"""Where a dtype's tensors go in a layout: float tensors first, then the integer lanes by name."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
     """One registered tensor: name, shape and dtype as the trainer gave them."""
@@ -68,24 +83,24 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    size: int = dataclasses.field(init=False, repr=False, compare=False)
+    """Elements, computed once (Python integers: a shape's product never wraps around)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise LayoutError(f"tensor name must be a non-empty string, got {self.name!r}")
-        if any((not isinstance(d, int)) or isinstance(d, bool) or d < 0 for d in self.shape):
+        if not all(type(d) is int and d >= 0 for d in self.shape) \
+                and any((not isinstance(d, int)) or isinstance(d, bool) or d < 0 for d in self.shape):
             raise LayoutError(f"tensor {self.name!r}: shape must be non-negative integers, got {self.shape!r}")
         if self.dtype not in TENSOR_DTYPES:
             raise LayoutError(f"tensor {self.name!r}: dtype {self.dtype!r} not supported "
                               f"(supported: {', '.join(TENSOR_DTYPES)})")
-
-    @property
-    def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        object.__setattr__(self, "size", math.prod(self.shape))
 
     @classmethod
     def of(cls, name: str, array: np.ndarray) -> TensorSpec:
         """The spec of a numpy array registered under ``name``."""
-        return cls(name, tuple(int(d) for d in array.shape), np.dtype(array.dtype).name)
+        return cls(name, tuple(int(d) for d in array.shape), dtype_name(array.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,75 +150,83 @@ class Layout:
         if float_wire not in FLOAT_WIRES:
             raise LayoutError(f"float_wire must be one of {', '.join(FLOAT_WIRES)}, got {float_wire!r}")
         # float tensors first, then integer tensors grouped by lane; names order within each group
-        tensors = tuple(sorted(specs, key=lambda s: (lane(s.dtype) != "float32", lane(s.dtype), s.name)))
+        groups: dict[tuple[bool, str], list[TensorSpec]] = {}
+        for spec in specs:
+            groups.setdefault(_ORDER[spec.dtype], []).append(spec)
+        by_name = operator.attrgetter("name")
+        lanes_in_order = sorted(groups)
+        for group in lanes_in_order:
+            groups[group].sort(key=by_name)
+        tensors = tuple(spec for group in lanes_in_order for spec in groups[group])
         names = [t.name for t in tensors]
-        duplicates = sorted({n for n in names if names.count(n) > 1})
-        if duplicates:
+        if len(set(names)) != len(names):  # a set, not a count per name: O(n)
+            duplicates = sorted(n for n, times in collections.Counter(names).items() if times > 1)
             raise LayoutError(f"tensor names registered twice: {', '.join(duplicates)}")
         if not tensors:
             raise LayoutError("no tensors registered")
-        offsets: list[int] = []
-        # Chunk boundaries as (offset, count); small tensors accumulate into an open chunk.
+        sizes_list = [spec.size for spec in tensors]
+        offsets = [0, *itertools.accumulate(sizes_list)]
+        position = offsets.pop()
+        int_start = next((offsets[k] for k, spec in enumerate(tensors) if spec.dtype in INT_DTYPES), None)
+        # Chunk boundaries as (offset, count), lane by lane (a chunk never mixes lanes): small tensors
+        # accumulate into an open chunk, larger ones are cut into near-equal pieces.
         bounds: list[tuple[int, int]] = []
-        position = 0
-        open_start: int | None = None
-        open_lane = "float32"
-        int_start: int | None = None
-        for spec in tensors:
-            offsets.append(position)
-            size = spec.size
-            if lane(spec.dtype) != open_lane:  # a chunk never mixes lanes
-                if open_start is not None and position > open_start:
-                    bounds.append((open_start, position - open_start))
-                open_start = None
-                open_lane = lane(spec.dtype)
-            if int_start is None and spec.dtype in INT_DTYPES:
-                int_start = position
+        first = 0
+        for group in lanes_in_order:
+            members = groups[group]
             # chunk_size counts float32 elements; an integer lane's chunks hold as many bytes of its dtype
-            limit = chunk_size * 4 // TENSOR_DTYPES[spec.dtype].itemsize if spec.dtype in INT_DTYPES else chunk_size
-            if size > limit:
-                if open_start is not None and position > open_start:
-                    bounds.append((open_start, position - open_start))
-                open_start = None
-                pieces = -(-size // limit)
-                base, extra = divmod(size, pieces)
-                start = position
-                for i in range(pieces):
-                    count = base + (1 if i < extra else 0)
-                    bounds.append((start, count))
-                    start += count
-            else:
-                if open_start is not None and position + size - open_start > limit:
-                    bounds.append((open_start, position - open_start))
-                    open_start = None
-                if open_start is None:
-                    open_start = position
-            position += size
-        if open_start is not None and position > open_start:
-            bounds.append((open_start, position - open_start))
+            dtype = members[0].dtype  # an integer lane holds one dtype
+            limit = chunk_size * 4 // INT_DTYPES[dtype].itemsize if dtype in INT_DTYPES else chunk_size
+            open_start = -1
+            here = offsets[first]
+            for size in sizes_list[first:first + len(members)]:
+                if size > limit:
+                    if 0 <= open_start < here:
+                        bounds.append((open_start, here - open_start))
+                    open_start = -1
+                    pieces = -(-size // limit)
+                    base, extra = divmod(size, pieces)
+                    start = here
+                    for i in range(pieces):
+                        count = base + (1 if i < extra else 0)
+                        bounds.append((start, count))
+                        start += count
+                else:
+                    if open_start >= 0 and here + size - open_start > limit:
+                        bounds.append((open_start, here - open_start))
+                        open_start = -1
+                    if open_start < 0:
+                        open_start = here
+                here += size
+            if 0 <= open_start < here:
+                bounds.append((open_start, here - open_start))
+            first += len(members)
         if not bounds:
             raise LayoutError("the registered tensors hold no elements")
-        chunk_starts = np.array([offset for offset, _ in bounds], dtype=np.int64)
-        key_chunks: list[tuple[int, int]] = []
-        for spec, offset in zip(tensors, offsets, strict=True):
-            first = max(int(np.searchsorted(chunk_starts, min(offset, position - 1), side="right")) - 1, 0)
-            if spec.size == 0:
-                key_chunks.append((first, first + 1))
-            else:
-                key_chunks.append((first, int(np.searchsorted(chunk_starts, offset + spec.size, side="left"))))
-        first_key = [len(tensors)] * len(bounds)
-        last_key = [-1] * len(bounds)
-        for key, (lo, hi) in enumerate(key_chunks):
-            for index in range(lo, hi):
-                first_key[index] = min(first_key[index], key)
-                last_key[index] = max(last_key[index], key)
+        # Which chunks each tensor overlaps, and each chunk's first and last tensor, in array operations:
+        # a model of many small tensors (100k) builds as fast as one of a few large ones.
+        chunk_starts = np.fromiter((offset for offset, _ in bounds), dtype=np.int64, count=len(bounds))
+        starts = np.asarray(offsets, dtype=np.int64)
+        sizes = np.asarray(sizes_list, dtype=np.int64)
+        firsts = np.maximum(np.searchsorted(chunk_starts, np.minimum(starts, position - 1), side="right") - 1, 0)
+        lasts = np.where(sizes == 0, firsts + 1, np.searchsorted(chunk_starts, starts + sizes, side="left"))
+        key_chunks = list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+        spans = lasts - firsts  # >= 1 for every tensor
+        owners = np.repeat(np.arange(len(tensors), dtype=np.int64), spans)
+        covered = np.arange(int(spans.sum()), dtype=np.int64) - np.repeat(np.cumsum(spans) - spans - firsts, spans)
+        first_key = np.full(len(bounds), len(tensors), dtype=np.int64)
+        last_key = np.full(len(bounds), -1, dtype=np.int64)
+        np.minimum.at(first_key, covered, owners)
+        np.maximum.at(last_key, covered, owners)
         # a chunk's lane is that of the non-empty tensor holding its first element
-        filled = [(offset, lane(spec.dtype)) for spec, offset in zip(tensors, offsets, strict=True) if spec.size]
-        filled_starts = np.array([offset for offset, _ in filled], dtype=np.int64)
-        chunks = tuple(Chunk(i, offset, count, first_key[i], last_key[i],
-                             filled[int(np.searchsorted(filled_starts, offset, side="right")) - 1][1])
-                       for i, (offset, count) in enumerate(bounds))
-        described: list[object] = [LAYOUT_VERSION, chunk_size, [[t.name, list(t.shape), t.dtype] for t in tensors]]
+        filled = np.flatnonzero(sizes)
+        holder = filled[np.searchsorted(starts[filled], chunk_starts, side="right") - 1]
+        lanes = [lane(tensors[int(k)].dtype) for k in holder]
+        chunks = tuple(Chunk(i, offset, count, first, last, chunk_lane)
+                       for i, ((offset, count), first, last, chunk_lane)
+                       in enumerate(zip(bounds, first_key.tolist(), last_key.tolist(), lanes, strict=True)))
+        # tuples pack as msgpack arrays, as lists do: the hash is the one lists gave
+        described: list[object] = [LAYOUT_VERSION, chunk_size, [(t.name, t.shape, t.dtype) for t in tensors]]
         if float_wire != "float32":  # a float32 wire keeps the hashes layouts had before other wires existed
             described.append(float_wire)
         gia_key = -1

@@ -62,7 +62,7 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forb
 
 
 class InitRequest(_Message, frozen=True, tag="init"):
-    """Register tensors (name, shape, dtype); ``shm`` is the shared-memory file, "" over TCP."""
+    """Register tensors (name, shape, dtype); ``shm`` is the shared-memory file, "" over TCP or with ``fd``."""
 
     tensors: Annotated[tuple[tuple[Name, Shape, Dtype], ...], msgspec.Meta(max_length=MAX_ITEMS)]
     shm: Name
@@ -78,6 +78,9 @@ class InitRequest(_Message, frozen=True, tag="init"):
     gia_reuse: Count = 1
     """Iterations one FediAC GIA serves (``fediac_gia_reuse``): a gateway's LAN tier plans the reused
     iterations' wires by it."""
+    fd: Annotated[int, msgspec.Meta(ge=-1, le=1 << 20)] = -1
+    """Over a Unix socket, the trainer's descriptor of its anonymous model memory (a memfd), which the node
+    opens through ``/proc/<trainer pid>/fd``; -1: ``shm`` names a file instead."""
 
 
 class InitReply(_Message, frozen=True, tag="init_ok"):

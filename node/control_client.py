@@ -41,6 +41,9 @@ EDGE_REASON = 400
 BACKOFF_FIRST = 0.05
 """Seconds before the first reconnection attempt; each failure doubles it, up to ``BACKOFF_MOST``."""
 BACKOFF_MOST = 1.0
+LAYOUT_RETRY_FIRST = 0.05
+"""Seconds before a node asks again whether the job's layout is decided (doubling, up to the next)."""
+LAYOUT_RETRY_MOST = 0.5
 
 
 class _Lost(Exception):
@@ -75,6 +78,7 @@ class SchedulerClient:
         self._reports: collections.deque[control.LinkReport] = collections.deque(maxlen=REPORT_QUEUE)
         self._reports_ready = asyncio.Event()
         self._down_callbacks: list[Callable[[int, str], None]] = []
+        self._iteration_lost_callbacks: list[Callable[[int, int, str], None]] = []
         self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
         self._lan_plan_callbacks: list[Callable[[control.LanPlan], None]] = []
         self.lan_plan: control.LanPlan | None = None
@@ -256,6 +260,19 @@ class SchedulerClient:
         """Call ``callback(node_id, reason)`` when the scheduler declares a member dead."""
         self._down_callbacks.append(callback)
 
+    def on_iteration_lost(self, callback: Callable[[int, int, str], None]) -> None:
+        """Call ``callback(node_id, iteration, reason)`` when a member's part of an iteration will not come."""
+        self._iteration_lost_callbacks.append(callback)
+
+    def report_iteration_lost(self, iteration: int, reason: str) -> None:
+        """Tell the scheduler (and through it every member) that this node's part of ``iteration`` will not
+        come (sent in the background; a failure is logged)."""
+        if self._tasks is None:
+            log.warning("node %d: lost iteration %d not reported: the client is closed", self.node_id, iteration)
+            return
+        message = control.IterationLost(self.node_id, iteration, reason[:EDGE_REASON])
+        self._tasks.create_task(self._report_edge(message))
+
     def on_member_up(self, callback: Callable[[int, tuple[str, int], int, int], None]) -> None:
         """Call ``callback(node_id, data_address, workers, joins_at)`` when a DC registers into the running
         job (``joins_at`` -1) and again when it is admitted (its boundary iteration)."""
@@ -294,12 +311,27 @@ class SchedulerClient:
     # --- requests --------------------------------------------------------------------------------
 
     async def check_layout(self, layout_hash: str, *, timeout: float) -> None:  # noqa: ASYNC109 (the contract's per-call deadline)
-        """Check this node's tensor layout against the job's; LayoutMismatch names both sides."""
-        reply = await self._request(control.LayoutCheck(self.node_id, layout_hash), "layout check", timeout)
-        if isinstance(reply, control.Error):
-            raise control.refusal(reply, f"{self._name}: ")
-        if not isinstance(reply, control.LayoutAck):
-            raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
+        """Check this node's tensor layout against the job's; LayoutMismatch names both sides. While the job's
+        layout is not decided (a majority of its DCs must agree on one), ask again, within ``timeout``."""
+        delay = LAYOUT_RETRY_FIRST
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        seconds = timeout
+        while True:
+            reply = await self._request(control.LayoutCheck(self.node_id, layout_hash), "layout check", seconds)
+            if isinstance(reply, control.Error):
+                raise control.refusal(reply, f"{self._name}: ")
+            if not isinstance(reply, control.LayoutAck):
+                raise ControlError(f"{self._name} answered a layout check with {reply.TYPE}")
+            if not reply.pending:
+                break
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                raise ControlTimeout(f"{self._name}: the job's layout was not agreed by a majority of its DCs "
+                                     f"within {timeout} s (layout check of node {self.node_id})")
+            await asyncio.sleep(min(delay, remaining))  # the other DCs' trainers are still to register
+            delay = min(2 * delay, LAYOUT_RETRY_MOST)
+            seconds = round(max(deadline - loop.time(), 1e-3), 3)
         self.first_iteration = reply.first_iteration
 
     def prefetch(self, iteration: int) -> None:
@@ -361,7 +393,8 @@ class SchedulerClient:
             return
         self._tasks.create_task(self._report_edge(control.EdgeReport(self.node_id, mode, fallback[:EDGE_REASON])))
 
-    async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable | control.LanReport) -> None:
+    async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable | control.LanReport
+                           | control.IterationLost) -> None:
         try:
             await self._send(message)
         except (TimeoutError, ConnectionError, OSError) as exc:
@@ -469,6 +502,12 @@ class SchedulerClient:
                     raise ControlError(f"{self._name} closed the control connection of node {self.node_id}")
                 if isinstance(message, control.MemberDown):
                     self._member_down(message)
+                    continue
+                if isinstance(message, control.IterationLost):
+                    log.warning("node %d: node %d lost its part of iteration %d: %s", self.node_id, message.node_id,
+                                message.iteration, message.reason)
+                    _notify(self._iteration_lost_callbacks, "iteration-lost", message.node_id, message.iteration,
+                            message.reason)
                     continue
                 if isinstance(message, control.MemberUp):
                     self._member_up(message)

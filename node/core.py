@@ -47,6 +47,7 @@ from node.actions import (
     ReportLink,
     SendFrame,
 )
+from node.counters import Counters
 from node.forwarding import Forwarding
 from node.sendqueue import leave_order
 
@@ -154,8 +155,8 @@ class NodeCore:
         self.joined = False
         """The control plane gave this node its job (members, workers, config)."""
         self.first_iteration = 0
-        self._key_next: np.ndarray = np.zeros(0, dtype=np.int64)
-        self._key_pull: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._key_next = Counters(0, 0)
+        self._key_pull = Counters(0, 0)
         self._trackers: dict[int, _Tracker] = {}
         self._policies: dict[int, Policy] = {}
         self._asked: set[int] = set()
@@ -179,33 +180,33 @@ class NodeCore:
 
     def register(self, layout: Layout, links: Mapping[int, LinkState], now: float) -> list[Action]:
         """The layout every DC agreed on; chunks peers sent before it are processed now."""
-        self._key_next = np.full(len(layout.tensors), self.first_iteration, dtype=np.int64)
-        self._key_pull = self._key_next.copy()
+        self._key_next = Counters(len(layout.tensors), self.first_iteration)
+        self._key_pull = Counters(len(layout.tensors), self.first_iteration)
         self.chunks.horizon = self.first_iteration + self.config.max_ahead
         return self._process(self.chunks.set_layout(layout), _Links(links), now)
 
     def next_iteration(self) -> int:
         """The iteration the next contribution of every tensor belongs to; error if they diverge."""
         layout = self._need_layout()
-        low, high = int(self._key_next.min()), int(self._key_next.max())
+        low, high = self._key_next.low, self._key_next.high()
         if low != high:
-            behind = [layout.tensors[i].name for i in np.flatnonzero(self._key_next == low)[:5]]
+            behind = [layout.tensors[i].name for i in self._key_next.behind()[:5]]
             raise ChunkError(f"tensors are at different iterations ({low}..{high}); not yet pushed for "
                              f"iteration {low}: {', '.join(behind)}")
         return low
 
     def pull_iteration(self, key: int) -> int:
         """The iteration the next collection of tensor ``key`` returns."""
-        return int(self._key_pull[key])
+        return self._key_pull[key]
 
     def open_contribution(self, key: int, iteration: int | None, now: float) -> int:
         """The iteration the next contribution of tensor ``key`` belongs to (``iteration``, when given,
         must be it); its clock starts now if it has not."""
         layout = self._need_layout()
-        if iteration is not None and iteration != int(self._key_next[key]):
+        if iteration is not None and iteration != self._key_next[key]:
             raise ChunkError(f"tensor {layout.tensors[key].name!r}: contribution for iteration {iteration}, "
-                             f"but its next iteration is {int(self._key_next[key])}")
-        iteration = int(self._key_next[key])
+                             f"but its next iteration is {self._key_next[key]}")
+        iteration = self._key_next[key]
         if not self.window(iteration):
             raise ChunkError(f"tensor {layout.tensors[key].name!r}: a contribution for iteration {iteration} runs "
                              f"more than max_ahead = {self.config.max_ahead} iterations past iteration "
@@ -218,9 +219,31 @@ class NodeCore:
         """This DC's values of tensor ``key`` for ``iteration`` (from ``open_contribution``; None: zeros).
         A contribution the aggregation core refuses (it raises) changes no counter."""
         actions = self.chunks.push_local(iteration, key, values)
-        self._key_next[key] += 1
+        self._key_next.step(key)
         self._widen_horizon()
         return self._process(actions, _Links(links), now)
+
+    def contribute_many(self, iteration: int, items: Sequence[tuple[int, np.ndarray | None]],
+                        links: Mapping[int, LinkState], now: float) -> tuple[list[Action], ChunkError | None]:
+        """This DC's values of many tensors for ``iteration`` (each opened with ``open_contribution``), in
+        order, as one event: a push of n small tensors costs one pass over the node's actions, not n. The
+        first tensor the aggregation core refuses stops the batch: the tensors before it count, it and
+        those after do not, and the refusal is returned beside the actions of those that counted."""
+        chunk_actions: list[chunks.Action] = []
+        error: ChunkError | None = None
+        for key, values in items:
+            if self._key_next[key] != iteration:
+                error = ChunkError(f"tensor {self._need_layout().tensors[key].name!r}: contribution for iteration "
+                                   f"{iteration}, but its next iteration is {self._key_next[key]}")
+                break
+            try:
+                chunk_actions += self.chunks.push_local(iteration, key, values)
+            except ChunkError as exc:
+                error = exc
+                break
+            self._key_next.step(key)
+        self._widen_horizon()
+        return self._process(chunk_actions, _Links(links), now), error
 
     def contribute_part(self, key: int, iteration: int, part: int, values: np.ndarray | None,
                         links: Mapping[int, LinkState], now: float) -> list[Action]:
@@ -229,17 +252,17 @@ class NodeCore:
         next contribution belongs to the next iteration once every part is in."""
         actions = self.chunks.push_part(iteration, key, part, values)
         if self.chunks.key_pushed(iteration, key):
-            self._key_next[key] += 1
+            self._key_next.step(key)
             self._widen_horizon()
         return self._process(actions, _Links(links), now)
 
     def key_next(self, key: int) -> int:
         """The iteration the next contribution of tensor ``key`` belongs to."""
-        return int(self._key_next[key])
+        return self._key_next[key]
 
     def oldest_unpulled(self) -> int:
         """The oldest iteration some tensor has not been collected from yet."""
-        return int(self._key_pull.min()) if self._key_pull.size else self.first_iteration
+        return self._key_pull.low if len(self._key_pull) else self.first_iteration
 
     def window(self, iteration: int) -> bool:
         """A contribution to ``iteration`` is within ``max_ahead`` iterations of the oldest unpulled one,
@@ -262,13 +285,13 @@ class NodeCore:
     def _widen_horizon(self) -> None:
         """Peers may send chunks up to ``max_ahead`` iterations past this node's slowest tensor: a peer's
         trainer runs at most that far ahead of its own pulls, which wait for this node's contributions."""
-        if self._key_next.size:
-            self.chunks.horizon = max(self.chunks.horizon, int(self._key_next.min()) + self.config.max_ahead)
+        if len(self._key_next):
+            self.chunks.horizon = max(self.chunks.horizon, self._key_next.low + self.config.max_ahead)
 
     def collect_iteration(self, keys: Sequence[int]) -> int:
         """The iteration a collection of ``keys`` returns: their oldest unpulled one, the same for all."""
         layout = self._need_layout()
-        iterations = {int(self._key_pull[k]) for k in keys}
+        iterations = {self._key_pull[k] for k in keys}
         if len(iterations) != 1:
             raise ChunkError(f"tensors pulled together are at different iterations {sorted(iterations)}")
         iteration = iterations.pop()
@@ -286,7 +309,7 @@ class NodeCore:
         """Tensor ``key``'s sum of ``iteration`` was read; after the last tensor the iteration is released."""
         layout = self._need_layout()
         tracker = self._trackers[iteration]
-        self._key_pull[key] += 1
+        self._key_pull.step(key)
         tracker.pulled.add(key)
         if len(tracker.pulled) < len(layout.tensors):
             return []
@@ -367,6 +390,14 @@ class NodeCore:
             actions += self._fail(iteration, f"iteration {iteration} failed at node {self.node_id}: node {peer} is "
                                              f"gone ({reason})", Cause.GONE, _Links({}), now)
         return actions
+
+    def iteration_lost(self, iteration: int, reason: str, now: float) -> list[Action]:
+        """A DC's part of ``iteration`` will not come (its trainer is gone): the iteration fails at once as a
+        lost peer's does (``PeerLost``: retry), unless it is over already."""
+        tracker = self._trackers.get(iteration)
+        if tracker is not None and (tracker.done or tracker.failure is not None):
+            return []
+        return self._fail(iteration, reason, Cause.GONE, _Links({}), now)
 
     def contribution_failed(self, iteration: int, reason: str, now: float) -> list[Action]:
         """This DC's contribution to ``iteration`` cannot be made (its gateway's LAN tier failed it: a
@@ -516,8 +547,8 @@ class NodeCore:
         """A failed iteration is over for every tensor: the DC's next push and pull go to the one after."""
         if self.chunks.layout is None:
             return
-        np.maximum(self._key_next, iteration + 1, out=self._key_next)
-        np.maximum(self._key_pull, iteration + 1, out=self._key_pull)
+        self._key_next.raise_to(iteration + 1)
+        self._key_pull.raise_to(iteration + 1)
         self.chunks.horizon = max(self.chunks.horizon, iteration + 2)
         self._widen_horizon()
         for old in [k for k, t in self._trackers.items() if k < iteration - 2 and t.failure is not None]:

@@ -51,14 +51,17 @@ from node.service import GeneralNode
 
 log = logging.getLogger("netstorm.node.trainer")
 
+BATCH = 2048
+"""Tensors of one push handed to the node between turns of the event loop."""
+
 
 @dataclasses.dataclass
 class _Rank:
     id: int
     name: str
-    next_push: np.ndarray
+    next_push: list[int]
     """Per tensor, the iteration this rank's next push belongs to (never behind the node's)."""
-    next_pull: np.ndarray
+    next_pull: list[int]
     """Per tensor, the iteration this rank's next pull returns (never behind the node's)."""
 
 
@@ -71,10 +74,11 @@ class RankBook:
         self.slots = slots
         self._ranks: dict[int, _Rank] = {}
         self._ids = itertools.count(1)
-        self._pending: dict[tuple[int, int], dict[int, np.ndarray | None]] = {}
-        """(iteration, key) -> each rank's values not yet handed to the node (None: zeros)."""
-        self._reads: dict[tuple[int, int], set[int]] = {}
-        """(iteration, key) -> the ranks that read its sum, until every rank has."""
+        self._pending: dict[int, dict[int, dict[int, np.ndarray | None]]] = {}
+        """key -> iteration -> each rank's values not yet handed to the node (None: zeros). Per key, so
+        that what one tensor does never scans another's: a push of n tensors costs O(n), not O(n²)."""
+        self._reads: dict[int, dict[int, set[int]]] = {}
+        """key -> iteration -> the ranks that read its sum, until every rank has."""
         self.initialized = False
         """An init round completed here: later inits are replacements and run no round of their own."""
         self._init_source: int | None = None
@@ -85,6 +89,9 @@ class RankBook:
     def name(self, rank_id: int) -> str:
         return self._ranks[rank_id].name
 
+    def has(self, rank_id: int) -> bool:
+        return rank_id in self._ranks
+
     # ---- joining and leaving ------------------------------------------------------------------------
 
     def join(self, name: str) -> int:
@@ -92,7 +99,7 @@ class RankBook:
         if len(self._ranks) >= self.slots:
             raise TrainerLimit(f"node {self.node_id} already serves {len(self._ranks)} trainer(s), as many as it "
                                f"is configured for (trainers = {self.slots}); {name} is refused")
-        rank = _Rank(next(self._ids), name, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        rank = _Rank(next(self._ids), name, [], [])
         self._ranks[rank.id] = rank
         return rank.id
 
@@ -101,18 +108,18 @@ class RankBook:
         nothing older: the results between the node's oldest unpulled and its next are marked read."""
         rank = self._ranks[rank_id]
         core = self.core
-        rank.next_push = np.array([core.key_next(k) for k in range(keys)], dtype=np.int64)
+        rank.next_push = [core.key_next(k) for k in range(keys)]
         if not replacement:
-            rank.next_pull = np.array([core.pull_iteration(k) for k in range(keys)], dtype=np.int64)
+            rank.next_pull = [core.pull_iteration(k) for k in range(keys)]
             return
         # A predecessor that died in the middle of a push left some tensors an iteration behind: that
         # iteration lacks part of this DC's gradient and can only fail (at its timeout, everywhere); the
         # replacement starts after it for every tensor.
-        rank.next_push[:] = int(rank.next_push.max(initial=0))
-        rank.next_pull = rank.next_push.copy()
+        rank.next_push = [max(rank.next_push, default=0)] * keys
+        rank.next_pull = list(rank.next_push)
         for key in range(keys):
             for iteration in range(core.pull_iteration(key), core.key_next(key)):
-                self._reads.setdefault((iteration, key), set()).add(rank_id)
+                self._reads.setdefault(key, {}).setdefault(iteration, set()).add(rank_id)
 
     def unread(self, keys: int) -> tuple[int, list[int]] | None:
         """The oldest iteration every rank has read (or was excused from) but the node still holds, and
@@ -132,13 +139,29 @@ class RankBook:
         Returns the (iteration, key) sums to release now that it no longer reads."""
         if rank_id is None or self._ranks.pop(rank_id, None) is None:
             return []
-        for entry in self._pending.values():
-            entry.pop(rank_id, None)
-        for readers in self._reads.values():
-            readers.discard(rank_id)
+        for by_iteration in self._pending.values():
+            for entry in by_iteration.values():
+                entry.pop(rank_id, None)
+        for by_iteration_read in self._reads.values():
+            for readers in by_iteration_read.values():
+                readers.discard(rank_id)
         if self._init_source == rank_id and not self.initialized:
             self._init_source = None
         return [release for key in range(keys) for release in self.releasable(key)]
+
+    def lost_iteration(self, keys: int) -> int | None:
+        """With a place empty after the init round, the iteration this DC's contribution is now missing
+        from: its next one, when it is under way (some of this DC's tensors in, or peers' chunks for it
+        arrived) and not complete; None otherwise (a replacement may still push it in time)."""
+        if not self.initialized or len(self._ranks) >= self.slots or not keys:
+            return None
+        core = self.core
+        nexts = [core.key_next(k) for k in range(keys)]
+        iteration = min(nexts)
+        started = max(nexts) > iteration or iteration in core.chunks.live_iterations()
+        if not started or core.failure(iteration) is not None or core.keys_ready(iteration, range(keys)):
+            return None
+        return iteration
 
     def init_values(self, rank_id: int, first: bool) -> bool:
         """Whether this rank's values are the DC's in the init round (``first``: this node contributes
@@ -157,10 +180,10 @@ class RankBook:
     # ---- counters -----------------------------------------------------------------------------------
 
     def push_iteration(self, rank_id: int, key: int) -> int:
-        return max(int(self._ranks[rank_id].next_push[key]), self.core.key_next(key))
+        return max(self._ranks[rank_id].next_push[key], self.core.key_next(key))
 
     def pull_iteration(self, rank_id: int, key: int) -> int:
-        return max(int(self._ranks[rank_id].next_pull[key]), self.core.pull_iteration(key))
+        return max(self._ranks[rank_id].next_pull[key], self.core.pull_iteration(key))
 
     # ---- pushes -------------------------------------------------------------------------------------
 
@@ -193,7 +216,7 @@ class RankBook:
         to push: the trainer may reuse its buffer); returns the iteration."""
         iteration = self.push_iteration(rank_id, key)
         held = value.copy() if self.slots > 1 and value is not None else value
-        self._pending.setdefault((iteration, key), {})[rank_id] = held
+        self._pending.setdefault(key, {}).setdefault(iteration, {})[rank_id] = held
         self._ranks[rank_id].next_push[key] = iteration + 1
         return iteration
 
@@ -202,7 +225,7 @@ class RankBook:
         goes back (the iteration, if it failed at the node, is over for everyone anyway)."""
         if self.core.key_next(key) > iteration:
             return
-        entry = self._pending.get((iteration, key))
+        entry = self._pending.get(key, {}).get(iteration)
         if entry is not None:
             entry.pop(rank_id, None)
         self._ranks[rank_id].next_push[key] = iteration
@@ -211,9 +234,12 @@ class RankBook:
         """The next sum of ``key`` to hand the node: its iteration is the node's next for ``key`` and
         every rank pushed (None: values only, zeros). None while some rank has still to push."""
         iteration = self.core.key_next(key)
-        for stale in [ik for ik in self._pending if ik[1] == key and ik[0] < iteration]:
-            del self._pending[stale]  # an iteration the node skipped (it failed)
-        entry = self._pending.get((iteration, key))
+        by_iteration = self._pending.get(key)
+        if by_iteration is None:
+            return None
+        for stale in [i for i in by_iteration if i < iteration]:
+            del by_iteration[stale]  # an iteration the node skipped (it failed)
+        entry = by_iteration.get(iteration)
         if entry is None or len(entry) < self.slots:
             return None
         total: np.ndarray | None = None
@@ -225,7 +251,11 @@ class RankBook:
     def handed(self, key: int, iteration: int) -> None:
         """The node took (or is over with) ``iteration``'s sum of ``key``."""
         if self.core.key_next(key) > iteration:
-            self._pending.pop((iteration, key), None)
+            by_iteration = self._pending.get(key)
+            if by_iteration is not None:
+                by_iteration.pop(iteration, None)
+                if not by_iteration:
+                    del self._pending[key]
 
     # ---- pulls --------------------------------------------------------------------------------------
 
@@ -246,7 +276,7 @@ class RankBook:
         rank = self._ranks[rank_id]
         for key in keys:
             rank.next_pull[key] = iteration + 1
-            self._reads.setdefault((iteration, key), set()).add(rank_id)
+            self._reads.setdefault(key, {}).setdefault(iteration, set()).add(rank_id)
         return [release for key in keys for release in self.releasable(key)]
 
     def releasable(self, key: int) -> list[tuple[int, int]]:
@@ -255,17 +285,21 @@ class RankBook:
         core = self.core
         out: list[tuple[int, int]] = []
         iteration = core.pull_iteration(key)
-        for stale in [ik for ik in self._reads if ik[1] == key and ik[0] < iteration]:
-            del self._reads[stale]
+        reads = self._reads.get(key, {})
+        for stale in [i for i in reads if i < iteration]:
+            del reads[stale]
         while iteration < core.key_next(key) and self._all_read(iteration, key) \
                 and core.failure(iteration) is None and core.keys_ready(iteration, [key]):
-            self._reads.pop((iteration, key), None)
+            reads.pop(iteration, None)
             out.append((iteration, key))
             iteration += 1
+        if not reads:
+            self._reads.pop(key, None)
         return out
 
     def _all_read(self, iteration: int, key: int) -> bool:
-        return set(self._ranks) <= self._reads.get((iteration, key), set())
+        readers = self._reads.get(key, {}).get(iteration, set())
+        return len(readers) >= len(self._ranks) and set(self._ranks) <= readers
 
 
 class Ranks:
@@ -308,8 +342,15 @@ class Ranks:
 
     def leave(self, rank_id: int | None) -> None:
         layout = self.node.layout
+        present = rank_id is not None and self.book.has(rank_id)
         self._release(self.book.leave(rank_id, len(layout.tensors) if layout is not None else 0))
         self._wake()
+        if present and layout is not None:
+            lost = self.book.lost_iteration(len(layout.tensors))
+            if lost is not None:
+                log.warning("node %d: a trainer left before its part of iteration %d was in: the iteration fails",
+                            self.node.node_id, lost)
+                self.node.contribution_lost(lost, "its trainer closed or died before pushing its part")
 
     async def settle(self, layout: Layout) -> None:
         """Release every result all ranks have read, waiting for those not complete yet (what a departed
@@ -331,35 +372,49 @@ class Ranks:
         targets = book.check_push(rank_id, layout, values)
         max_ahead = self.node.config.max_ahead
         for key, iteration in targets.items():  # the slowest rank's pulls: wait for them
+            if not book.blocked(key, iteration):
+                continue
+
             def pulled(k: int = key, i: int = iteration) -> bool:
                 return not book.blocked(k, i)
             await self._wait(pulled, f"{book.name(rank_id)}'s push of iteration {iteration} waits for the node's "
                                      f"other trainers to pull iteration {iteration - max_ahead}")
-        last = -1
-        for key in targets:
-            iteration = book.record(rank_id, key, values[key])
-            try:
-                await self._flush(key)
-            except BaseException:
-                book.take_back(rank_id, key, iteration)
-                raise
-            last = iteration
-        return last
-
-    async def _flush(self, key: int) -> None:
-        """Hand the node every complete sum of ``key``, oldest first (one flush per tensor at a time)."""
-        if key in self._flushing:
-            return
-        self._flushing.add(key)
+        recorded = {key: book.record(rank_id, key, values[key]) for key in targets}
         try:
-            while (ready := self.book.ready(key)) is not None:
-                iteration, total = ready
-                try:
-                    await self.node.contribute(key, total, iteration=iteration)
-                finally:
-                    self.book.handed(key, iteration)
+            await self._flush_many(list(recorded))
+        except BaseException:
+            for key, iteration in recorded.items():  # those the node did not count leave the sum
+                book.take_back(rank_id, key, iteration)
+            raise
+        return max(recorded.values(), default=-1)
+
+    async def _flush_many(self, keys: Sequence[int]) -> None:
+        """Hand the node every complete sum of ``keys``, oldest first, in batches of ``BATCH`` tensors with a
+        turn of the event loop between them (heartbeats and peers' frames go on during a large push)."""
+        mine = [key for key in keys if key not in self._flushing]
+        self._flushing.update(mine)
+        try:
+            while True:
+                groups: dict[int, list[tuple[int, np.ndarray | None]]] = {}
+                for key in mine:
+                    ready = self.book.ready(key)
+                    if ready is not None:
+                        groups.setdefault(ready[0], []).append((key, ready[1]))
+                if not groups:
+                    return
+                for iteration in sorted(groups):
+                    items = groups[iteration]
+                    for start in range(0, len(items), BATCH):
+                        batch = items[start:start + BATCH]
+                        try:
+                            await self.node.contribute_many(iteration, batch)
+                        finally:
+                            for key, _ in batch:
+                                self.book.handed(key, iteration)
+                        if start + BATCH < len(items):
+                            await asyncio.sleep(0)
         finally:
-            self._flushing.discard(key)
+            self._flushing.difference_update(mine)
 
     async def pull(self, rank_id: int, layout: Layout, keys: Sequence[int],
                    sink: Callable[[int, np.ndarray], None]) -> int:
@@ -367,8 +422,7 @@ class Ranks:
         if not keys:
             return -1
         iteration = self.book.pull_target(rank_id, layout, keys)
-        for key in keys:  # sums held back while an earlier iteration was still open at the node
-            await self._flush(key)
+        await self._flush_many(keys)  # sums held back while an earlier iteration was still open at the node
         stats = getattr(self.node, "stats", None)
         if stats is not None and not self.node.core.keys_ready(iteration, keys):
             loop = asyncio.get_running_loop()

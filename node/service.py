@@ -28,7 +28,7 @@ from netstorm.compression.methods import COMPRESSION
 from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
-from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutError, NetStormError
+from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
@@ -254,6 +254,8 @@ class GeneralNode:
         control.on_beliefs(self._believe)
         if hasattr(control, "on_member_up"):
             control.on_member_up(self.member_up)
+        if hasattr(control, "on_iteration_lost"):
+            control.on_iteration_lost(self._iteration_lost)
         if hasattr(control, "on_lan_plan"):
             control.on_lan_plan(self._lan_plan)
             pushed = getattr(control, "lan_plan", None)
@@ -359,11 +361,12 @@ class GeneralNode:
         layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
         if self.layout is not None:
             if layout.hash != self.layout.hash:
-                raise LayoutError(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
-                                  f"registers {layout.hash} (different tensors, shapes or dtypes)")
+                raise LayoutMismatch(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
+                                     f"registers {layout.hash} (different tensors, shapes or dtypes)")
             return self.layout
         assert self.control is not None
-        await self.control.check_layout(layout.hash, timeout=self.config.connect_timeout)
+        # the job's layout waits for a majority of its DCs' trainers to agree: as long as an iteration may take
+        await self.control.check_layout(layout.hash, timeout=self.config.iteration_timeout)
         if self.layout is not None:  # a concurrent registration won
             return await self.register(specs, compression, votes, bits, gia_reuse)
         # a DC admitted into a running job starts at its boundary iteration
@@ -426,6 +429,26 @@ class GeneralNode:
             self._check(iteration)
         self._apply(self.core.contribute(key, iteration, values, self._links(), self._now()))
         return iteration
+
+    async def contribute_many(self, iteration: int, items: Sequence[tuple[int, np.ndarray | None]]) -> None:
+        """This DC's values of many tensors, each in its next iteration ``iteration``: ``contribute`` for each,
+        as one event of the core when no gateway's LAN tier adds to them (a push of a model of many small
+        tensors must not cost a turn of the node's machinery per tensor)."""
+        if self.edge is not None:
+            for key, values in items:
+                await self.contribute(key, values, iteration=iteration)
+            return
+        now = self._now()
+        for key, _ in items:
+            self.core.open_contribution(key, iteration, now)
+        self._rearm()
+        self._check(iteration)
+        await self.ensure_policy(iteration)
+        self._check(iteration)
+        actions, error = self.core.contribute_many(iteration, items, self._links(), self._now())
+        self._apply(actions)
+        if error is not None:
+            raise error
 
     async def collect(self, keys: Sequence[int], sink: Callable[[int, np.ndarray], None]) -> int:
         """Wait for the oldest unpulled iteration of ``keys``; ``sink(key, flat float32 sum)`` reads each."""
@@ -521,6 +544,23 @@ class GeneralNode:
         if self._stopping.is_set():
             return
         self._apply(self.core.member_down(peer, reason, self._now()))
+
+    def contribution_lost(self, iteration: int, reason: str) -> None:
+        """This DC's part of ``iteration`` will not come (its trainer closed or died before pushing it): the
+        iteration fails here at once (``PeerLost`` for whoever waits) and every member is told, so theirs
+        fails too instead of waiting for its timeout."""
+        self._apply(self.core.iteration_lost(iteration, f"iteration {iteration} failed at node {self.node_id}: "
+                                                        f"{reason}", self._now()))
+        report = getattr(self.control, "report_iteration_lost", None)
+        if report is not None:
+            report(iteration, reason)
+
+    def _iteration_lost(self, peer: int, iteration: int, reason: str) -> None:
+        """A member's part of ``iteration`` will not come: it fails here at once, naming that member."""
+        if self._stopping.is_set():
+            return
+        self._apply(self.core.iteration_lost(iteration, f"iteration {iteration} failed at node {self.node_id}: "
+                                                        f"node {peer}: {reason}", self._now()))
 
     async def _run_link(self, link: PeerLink) -> None:
         """Run the link to one peer; when it fails, tell the scheduler and reconnect with a growing

@@ -1,9 +1,10 @@
 """The trainer endpoint of a general node: a Unix socket (tensors in shared memory) and optionally TCP.
 
-Over the Unix socket the trainer creates a shared-memory file holding the whole model as one float32
-vector in layout order and names it in ``init``; pushes name tensors whose values are already in that
-file, and results are written back into it, so no tensor byte crosses the socket. Over TCP (a trainer
-on another host of the DC) the same messages carry the float32 values inline.
+Over the Unix socket the trainer creates shared memory holding the whole model as one float32 vector in
+layout order (an anonymous memfd, or a named file the node unlinks once mapped) and names it in
+``init``; pushes name tensors whose values are already in that memory, and results are written back
+into it, so no tensor byte crosses the socket. Over TCP (a trainer on another host of the DC) the same
+messages carry the float32 values inline.
 
 A DC admitted into a running job gets the live model from its trainer's ``init``: the boundary iteration
 that admits it is a hand-over, in which one live DC (the lowest id among those already in) contributes its
@@ -29,11 +30,13 @@ import asyncio
 import contextlib
 import grp
 import logging
+import math
 import mmap
 import os
 import socket
 import stat
 import struct
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +44,16 @@ import numpy as np
 from netstorm import auth, authconn
 from netstorm import trainer_wire as tw
 from netstorm.authconn import Credentials
-from netstorm.client import SHM_PREFIX, shm_directory
-from netstorm.errors import AuthError, ChunkError, ErrorCode, LayoutError, NetStormError, TrainerProtocolError
+from netstorm.client import MEMFD_NAME, SHM_PREFIX, shm_directory, sweep_shm
+from netstorm.errors import (
+    AuthError,
+    ChunkError,
+    ErrorCode,
+    LayoutError,
+    ModelTooLarge,
+    NetStormError,
+    TrainerProtocolError,
+)
 from netstorm.layout import Layout, TensorSpec
 from netstorm.schema import MAX_ITEMS
 from node.ranks import Ranks
@@ -54,11 +65,14 @@ log = logging.getLogger("netstorm.node.trainer")
 class _Session:
     """One trainer connection: its transport kind and, for Unix sockets, the shared model vector."""
 
-    def __init__(self, node: GeneralNode, inline: bool, name: str, peer_uid: int | None = None) -> None:
+    def __init__(self, node: GeneralNode, inline: bool, name: str,
+                 peer: tuple[int, int] | None = None) -> None:
         self.node = node
         self.inline = inline
         self.name = name
-        self.peer_uid = peer_uid
+        self.peer_pid: int | None = peer[0] if peer is not None else None
+        self.peer_uid: int | None = peer[1] if peer is not None else None
+        """The trainer's process and user over a Unix socket (SO_PEERCRED)."""
         self.rank: int | None = None
         """This trainer's rank at the node, from its init on."""
         self.shm: np.ndarray | None = None
@@ -73,33 +87,52 @@ class _Session:
                 self._mmap.close()
             self._mmap = None
 
-    def attach(self, path: str, layout: Layout, peer_uid: int | None) -> None:
-        """Map the trainer's model file: only a netstorm-* regular file in the shared-memory directory,
-        owned by the trainer's user, so a trainer cannot make the node write into any other file."""
-        if not path:
-            raise TrainerProtocolError("init over a Unix socket needs a shared-memory file")
-        where = Path(path)
-        if where.parent != Path(shm_directory()) or not where.name.startswith(SHM_PREFIX):
-            raise TrainerProtocolError(f"shared-memory file {path} is not a {SHM_PREFIX}* file in {shm_directory()}")
+    def attach(self, path: str, fd: int, elements: int) -> None:
+        """Map the trainer's model memory: its anonymous memfd (descriptor ``fd`` of the process at the other
+        end of the socket, opened through /proc), or a netstorm-* file in the shared-memory directory, which
+        is unlinked once mapped (both sides hold it: nothing is left if either dies). Either must belong to
+        the trainer's user, so a trainer cannot make the node write into memory that is not its own."""
+        if fd >= 0:
+            if self.peer_pid is None:
+                raise TrainerProtocolError("a model memfd needs a Unix socket whose peer's pid is known")
+            where = f"/proc/{self.peer_pid}/fd/{fd}"
+            try:
+                target = os.readlink(where)
+            except OSError as exc:
+                raise TrainerProtocolError(f"cannot reach the trainer's model memory {where}: {exc.strerror} "
+                                           f"(a node running as another user needs NETSTORM_SHM=file)") from None
+            if not target.startswith(f"/memfd:{MEMFD_NAME}"):
+                raise TrainerProtocolError(f"descriptor {fd} of the trainer is {target}, not its model memory")
+            path = where
+        else:
+            if not path:
+                raise TrainerProtocolError("init over a Unix socket needs a shared-memory file or memfd")
+            named = Path(path)
+            if named.parent != Path(shm_directory()) or not named.name.startswith(SHM_PREFIX):
+                raise TrainerProtocolError(f"shared-memory file {path} is not a {SHM_PREFIX}* file in "
+                                           f"{shm_directory()}")
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+            handle = os.open(path, os.O_RDWR | (os.O_NOFOLLOW if fd < 0 else 0))
         except OSError as exc:
-            raise TrainerProtocolError(f"cannot open shared-memory file {path}: {exc.strerror}") from None
+            raise TrainerProtocolError(f"cannot open shared memory {path}: {exc.strerror}") from None
         try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise TrainerProtocolError(f"shared-memory file {path} is not a regular file")
-            if peer_uid is not None and info.st_uid != peer_uid:
-                raise TrainerProtocolError(f"shared-memory file {path} belongs to uid {info.st_uid}, the trainer "
-                                           f"runs as uid {peer_uid}")
+            info = os.fstat(handle)
+            if not stat.S_ISREG(info.st_mode) or (fd >= 0 and info.st_nlink != 0):
+                raise TrainerProtocolError(f"shared memory {path} is not an anonymous or regular file")
+            if self.peer_uid is not None and info.st_uid != self.peer_uid:
+                raise TrainerProtocolError(f"shared memory {path} belongs to uid {info.st_uid}, the trainer "
+                                           f"runs as uid {self.peer_uid}")
             size = info.st_size
-            if size != layout.total * 4:
-                raise TrainerProtocolError(f"shared-memory file {path} holds {size} bytes; the model needs "
-                                           f"{layout.total * 4}")
+            if size != elements * 4:
+                raise TrainerProtocolError(f"shared memory {path} holds {size} bytes; the model needs "
+                                           f"{elements * 4}")
             self.close()
-            self._mmap = mmap.mmap(fd, size) if size else None
+            self._mmap = mmap.mmap(handle, size) if size else None
+            if fd < 0:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # both sides hold it now
         finally:
-            os.close(fd)
+            os.close(handle)
         self.shm = (np.frombuffer(self._mmap, dtype="<f4") if self._mmap is not None
                     else np.zeros(0, dtype="<f4"))
 
@@ -110,13 +143,46 @@ class _Session:
         return keys
 
 
-def _peer_uid(writer: asyncio.StreamWriter) -> int | None:
-    """The uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
+class _TrainerGone(Exception):
+    """The trainer's connection closed while one of its requests was being served."""
+
+
+class _WatchedReader(asyncio.StreamReader):
+    """A stream reader that says when its connection reached its end (EOF or an error), so a request can
+    be abandoned while the trainer is gone even though nothing reads the socket meanwhile."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit=limit)
+        self.gone = asyncio.Event()
+
+    def feed_eof(self) -> None:
+        super().feed_eof()
+        self.gone.set()
+
+    def set_exception(self, exc: Exception) -> None:
+        super().set_exception(exc)
+        self.gone.set()
+
+
+def _watched(handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+             ) -> Callable[[], asyncio.StreamReaderProtocol]:
+    """A protocol factory like ``asyncio.start_server``'s, with a ``_WatchedReader`` per connection."""
+    def factory() -> asyncio.StreamReaderProtocol:
+        return asyncio.StreamReaderProtocol(_WatchedReader(READ_LIMIT), handler)
+    return factory
+
+
+READ_LIMIT = 2**16
+"""asyncio's default stream buffer limit (what start_server uses)."""
+
+
+def _peer(writer: asyncio.StreamWriter) -> tuple[int, int] | None:
+    """The pid and uid of the process at the other end of a Unix socket (Linux SO_PEERCRED)."""
     sock = writer.get_extra_info("socket")
     if sock is None or not hasattr(socket, "SO_PEERCRED"):
         return None
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return int(struct.unpack("3i", creds)[1])
+    pid, uid, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return int(pid), int(uid)
 
 
 class TrainerEndpoint:
@@ -126,6 +192,7 @@ class TrainerEndpoint:
         self.node = node
         self.ranks = Ranks(node)
         self._handover_lock = asyncio.Lock()
+        self._background: set[asyncio.Future[None]] = set()
         self.credentials = credentials
         """With a job secret, a TCP trainer proves it before its first request (the Unix socket is
         guarded by its file permissions instead)."""
@@ -141,6 +208,8 @@ class TrainerEndpoint:
         path = Path(path)
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+        for stale in sweep_shm():
+            log.info("node %d: removed %s, left by a trainer that died", self.node.node_id, stale)
         staging = path.with_name(f".{path.name}.{os.getpid()}")
         with contextlib.suppress(FileNotFoundError):
             staging.unlink()
@@ -156,23 +225,27 @@ class TrainerEndpoint:
             with contextlib.suppress(FileNotFoundError):
                 staging.unlink()
             raise
-        server = await asyncio.start_unix_server(lambda r, w: self._handle(r, w, inline=False), sock=sock)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(_watched(lambda r, w: self._handle(r, w, inline=False)), sock=sock)
         self._servers.append(server)
         return server
 
     async def serve_tcp(self, host: str, port: int) -> asyncio.Server:
-        server = await asyncio.start_server(lambda r, w: self._handle(r, w, inline=True), host, port)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(_watched(lambda r, w: self._handle(r, w, inline=True)), host, port)
         self._servers.append(server)
         return server
 
     def close(self) -> None:
         for server in self._servers:
             server.close()
+        for task in self._background:
+            task.cancel()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, inline: bool) -> None:
         self._sessions += 1
         session = _Session(self.node, inline, f"trainer {self._sessions} of node {self.node.node_id}",
-                           None if inline else _peer_uid(writer))
+                           None if inline else _peer(writer))
         session.reader, session.writer = reader, writer
         log.info("node %d: %s connected (%s)", self.node.node_id, session.name, "tcp" if inline else "unix")
         peer = writer.get_extra_info("peername") if inline else None
@@ -224,10 +297,15 @@ class TrainerEndpoint:
                     return
                 except (TrainerProtocolError, LayoutError) as exc:
                     log.warning("node %d: closing %s: %s", self.node.node_id, session.name, exc)
-                    await self._reply(writer, tw.ErrorReply(ErrorCode.PROTOCOL, str(exc)))
+                    code = exc.code if isinstance(exc, ModelTooLarge) else ErrorCode.PROTOCOL
+                    await self._reply(writer, tw.ErrorReply(code, str(exc)))
                     return
                 try:
-                    reply, out = await self._serve(session, request, payload)
+                    reply, out = await self._serve_watched(session, request, payload)
+                except _TrainerGone:
+                    log.warning("node %d: %s went away in the middle of its %s; its place is free", self.node.node_id,
+                                session.name, request.TYPE)
+                    return
                 except NetStormError as exc:
                     log.warning("node %d: %s: %s failed: %s", self.node.node_id, session.name, request.TYPE, exc)
                     reply, out = tw.ErrorReply(exc.code, str(exc)), b""
@@ -248,6 +326,28 @@ class TrainerEndpoint:
             session.close()
             writer.close()
 
+    async def _serve_watched(self, session: _Session, request: tw.Message,
+                             payload: bytes) -> tuple[tw.Message, bytes]:
+        """Serve one request, unless the trainer goes away first (its socket closed: it closed or died):
+        then the request is abandoned at once, so its place at the node is free for a replacement now,
+        not when the iteration it waited for ends."""
+        reader = session.reader
+        if not isinstance(reader, _WatchedReader):
+            return await self._serve(session, request, payload)
+        serving = asyncio.ensure_future(self._serve(session, request, payload))
+        gone = asyncio.ensure_future(reader.gone.wait())
+        try:
+            await asyncio.wait({serving, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+        if not serving.done() and reader.gone.is_set():
+            serving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, NetStormError, ConnectionError,
+                                     asyncio.IncompleteReadError):
+                await serving
+            raise _TrainerGone
+        return await serving
+
     async def _reply(self, writer: asyncio.StreamWriter, reply: tw.Message, out: bytes | memoryview = b"") -> None:
         writer.write(tw.encode(reply, len(out)))
         if out:
@@ -257,9 +357,13 @@ class TrainerEndpoint:
 
     def _payload_len(self, session: _Session, request: tw.Message) -> int:
         if isinstance(request, tw.InitRequest):
-            elements = sum(TensorSpec(n, s, d).size for n, s, d in request.tensors)
+            elements = sum(math.prod(shape) for _, shape, _ in request.tensors)
             most = MAX_ITEMS * self.node.config.chunk_size
-            if elements > most:  # refused before a layout (or a payload) is built for it
+            bound = self.node.config.max_model_bytes
+            if 4 * elements > bound:  # refused before a layout (or a payload) is built for it
+                raise ModelTooLarge(f"node {self.node.node_id}: init of {elements} elements ({4 * elements} bytes "
+                                    f"of float32) exceeds its max_model_bytes = {bound}; nothing was allocated")
+            if elements > most:
                 raise TrainerProtocolError(f"init of {elements} elements: more than the {MAX_ITEMS} chunks of "
                                            f"{self.node.config.chunk_size} elements a layout may hold")
             return 4 * elements if session.inline else 0
@@ -308,7 +412,7 @@ class TrainerEndpoint:
         assert session.rank is not None
         specs = [TensorSpec(n, s, d) for n, s, d in request.tensors]
         if not session.inline:  # check the file before the tensors become the node's layout
-            session.attach(request.shm, Layout.build(specs, node.config.chunk_size), session.peer_uid)
+            session.attach(request.shm, request.fd, sum(spec.size for spec in specs))
         layout = await node.register(specs, compression=request.compression, votes=request.votes, bits=request.bits,
                                      gia_reuse=request.gia_reuse)
         if not session.inline:
@@ -328,7 +432,11 @@ class TrainerEndpoint:
         names = tuple(t.name for t in layout.tensors)
         if self.ranks.initialized:
             self.ranks.start(session.rank, layout, replacement=True)
-            await self.ranks.settle(layout)
+            # what its predecessor left unread is released once complete, in the background: the
+            # replacement starts now, not when the iteration its predecessor was in ends
+            settling = asyncio.ensure_future(self.ranks.settle(layout))
+            self._background.add(settling)
+            settling.add_done_callback(self._background.discard)
             iteration = min(self.ranks.push_iteration(session.rank, k) for k in keys) if keys else 0
             log.info("node %d: %s replaces a trainer: %d tensors (layout %s), continues at iteration %d with its "
                      "own values", node.node_id, session.name, len(names), layout.hash, iteration)

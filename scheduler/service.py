@@ -34,6 +34,7 @@ from scheduler.collector import LinkCollector
 from scheduler.consistency import Answer, Consistency, ConsistencyError
 from scheduler.iterlog import IterationLog
 from scheduler.lanplanning import LanPlanning
+from scheduler.layoutvote import LayoutVote
 from scheduler.membership import Down, Membership, MembershipError
 from scheduler.persistence import StateStore
 from scheduler.planner import Planner, PlanningError, restrict
@@ -126,6 +127,8 @@ class SchedulerService:
         self._replan_wake = asyncio.Event()
         """Set when the re-plan core's deadline may have moved earlier (a member down, a report)."""
         self._layout: tuple[str, int] | None = None
+        self._votes: LayoutVote | None = None
+        """The DCs' votes for the job's layout until a majority agrees (``scheduler.layoutvote``)."""
         self._edge: dict[int, tuple[str, str]] = {}
         self.lan = LanPlanning(config)
         """Plans of each DC's LAN tier (``dc_planner``), from its gateway's LAN reports."""
@@ -356,6 +359,14 @@ class SchedulerService:
                 return False
             case control.PeerUnreachable():
                 await self._peer_unreachable(conn, message)
+            case control.IterationLost():
+                if conn.node_id is None or message.node_id != conn.node_id:
+                    log.warning("iteration lost of node %d from %s ignored: not that node's connection",
+                                message.node_id, conn.name())
+                    return True
+                log.warning("node %d lost its part of iteration %d: %s", message.node_id, message.iteration,
+                            message.reason)
+                await self._broadcast(message, skip=message.node_id)
             case control.PolicyRequest():
                 await self._policy_request(conn, message)
             case control.LayoutCheck():
@@ -553,15 +564,22 @@ class SchedulerService:
         code = ErrorCode.NOT_MEMBER
         first = 0
         if problem is None:
-            if self._layout is None:
-                self._layout = (message.layout_hash, message.node_id)
+            if self._votes is None or (self._layout is not None and self._votes.adopted != self._layout):
+                self._votes = LayoutVote(self.membership.expected, self._layout)
+            verdict = self._votes.check(message.node_id, message.layout_hash)
+            if self._layout is None and self._votes.adopted is not None:
+                self._layout = self._votes.adopted
                 if self.store is not None:
                     self.store.save_layout(*self._layout)
-                log.info("tensor layout %s registered by node %d", message.layout_hash, message.node_id)
-            elif self._layout[0] != message.layout_hash:
-                problem = (f"layout mismatch: node {message.node_id} has layout {message.layout_hash} but node "
-                           f"{self._layout[1]} registered layout {self._layout[0]}")
-                code = ErrorCode.LAYOUT_MISMATCH
+                log.info("tensor layout %s agreed by %d of %d DCs (first node %d)", self._layout[0],
+                         self._votes.needed, len(self._votes.expected), self._layout[1])
+            if verdict.mismatch:
+                problem, code = verdict.mismatch, ErrorCode.LAYOUT_MISMATCH
+            elif not verdict.agreed:
+                log.info("layout check of node %d: layout %s has %d of the %d votes it needs", message.node_id,
+                         message.layout_hash, verdict.votes, verdict.needed)
+                await conn.send(control.LayoutAck(pending=True))
+                return
         if problem is None and message.node_id in self.membership.pending:
             try:
                 first = await self._admit(message.node_id)

@@ -228,11 +228,11 @@ def test_the_node_maps_only_the_trainers_own_shared_memory_files(tmp_path: Path)
     link.unlink(missing_ok=True)
     link.symlink_to(victim)
 
-    def init_with(address: str, shm: str) -> tw.Message:
+    def init_with(address: str, shm: str, fd: int = -1) -> tw.Message:
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(10)
             s.connect(address)
-            s.sendall(tw.encode(tw.InitRequest((("w", (4,), "float32"),), shm)))
+            s.sendall(tw.encode(tw.InitRequest((("w", (4,), "float32"),), shm, fd=fd)))
             prefix = s.recv(tw.PREFIX.size, socket.MSG_WAITALL)
             header_len, _ = tw.decode_prefix(prefix, max_payload=0)
             return tw.decode(s.recv(header_len, socket.MSG_WAITALL))
@@ -241,6 +241,10 @@ def test_the_node_maps_only_the_trainers_own_shared_memory_files(tmp_path: Path)
         for shm, message in ((str(victim), "is not a netstorm-* file"), (str(link), "cannot open")):
             reply = await asyncio.to_thread(init_with, addresses[1], shm)
             assert isinstance(reply, tw.ErrorReply) and message in reply.message, reply
+        # a descriptor of this process that is not its model memory: the node opens nothing through it
+        with victim.open("rb") as held:
+            reply = await asyncio.to_thread(init_with, addresses[1], "", held.fileno())
+        assert isinstance(reply, tw.ErrorReply) and "not its model memory" in reply.message, reply
         assert victim.read_bytes() == b"\x01" * 16
 
     try:
@@ -262,6 +266,7 @@ def test_the_nodes_iteration_timeout_reaches_the_trainer_as_a_timeout_naming_the
 
 
 def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypatch: pytest.MonkeyPatch):
+    from netstorm import client as client_module
     from netstorm.client import Registry
 
     def interrupted(*args: object, **kwargs: object) -> None:
@@ -269,7 +274,7 @@ def test_an_init_that_fails_while_filling_shared_memory_leaves_no_file(monkeypat
 
     before = shm_files()
     registry = Registry(inline=False)
-    monkeypatch.setattr(np, "copyto", interrupted)
+    monkeypatch.setattr(client_module, "_place", interrupted)
     with pytest.raises(KeyboardInterrupt):
         registry.prepare_init(model(1))
     monkeypatch.undo()

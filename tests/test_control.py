@@ -48,6 +48,8 @@ SAMPLES: list[control.Message] = [
     Heartbeat(node_id=1, t=99.25),
     Leave(node_id=2, reason="stopped"),
     MemberDown(node_id=4, reason="no heartbeat for 5.0 s"),
+    control.IterationLost(node_id=2, iteration=7, reason="its trainer closed or died before pushing its part"),
+    LayoutAck(pending=True),
     PeerUnreachable(node_id=2, peer=4, reason="connection to node 4 closed"),
     control.MemberUp(node_id=4, data_host="10.0.0.4", data_port=7001, workers=2),
     LayoutAck(first_iteration=12),

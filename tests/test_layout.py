@@ -77,3 +77,62 @@ def test_bad_tensor_lists_are_rejected_by_name():
     assert layout.key("b") == 1
     with pytest.raises(LayoutError, match="'zz'"):
         layout.key("zz")
+
+
+def _reference_chunk_keys(layout: Layout) -> tuple[list[int], list[int], list[str]]:
+    """Each chunk's first and last tensor and its lane, tensor by tensor (the plain definition)."""
+    first = [len(layout.tensors)] * len(layout.chunks)
+    last = [-1] * len(layout.chunks)
+    for key, (lo, hi) in enumerate(layout.key_chunks):
+        for index in range(lo, hi):
+            first[index] = min(first[index], key)
+            last[index] = max(last[index], key)
+    lanes = []
+    for chunk in layout.chunks:
+        holder = max(k for k, spec in enumerate(layout.tensors) if spec.size and layout.offsets[k] <= chunk.offset)
+        dtype = layout.tensors[holder].dtype
+        lanes.append(dtype if dtype in ("uint8", "int8", "int16", "int32") else "float32")
+    return first, last, lanes
+
+
+def test_chunk_keys_and_lanes_match_their_plain_definition_on_mixed_models():
+    rng = np.random.default_rng(11)
+    dtypes = ["float32", "float16", "uint8", "int16", "int32"]
+    for _ in range(200):
+        count = int(rng.integers(1, 14))
+        model = [TensorSpec(f"t{i}", (int(rng.integers(0, 30)),), dtypes[int(rng.integers(0, len(dtypes)))])
+                 for i in range(count)]
+        if not any(spec.size for spec in model):
+            continue
+        layout = Layout.build(model, int(rng.integers(1, 12)))
+        first, last, lanes = _reference_chunk_keys(layout)
+        assert [c.first_key for c in layout.chunks] == first
+        assert [c.last_key for c in layout.chunks] == last
+        assert [c.dtype for c in layout.chunks] == lanes
+        for key, spec in enumerate(layout.tensors):  # a tensor's chunks cover it (an empty one names one chunk)
+            lo, hi = layout.key_chunks[key]
+            if spec.size:
+                assert layout.chunks[lo].offset <= layout.offsets[key]
+                assert layout.chunks[hi - 1].stop >= layout.offsets[key] + spec.size
+            else:
+                assert hi == lo + 1
+
+
+def test_hashes_are_those_of_earlier_releases():
+    """Nodes of one job compare hashes: a faster build must not change them."""
+    model = [TensorSpec("w", (3, 4), "float32"), TensorSpec("b", (4,), "float16"),
+             TensorSpec("votes", (5,), "uint8"), TensorSpec("e", (0,), "int32")]
+    assert Layout.build(model, 8).hash == "9e3750cdfecbc7c2"
+    fediac = [TensorSpec("w", (3, 4), "float32"), TensorSpec("votes", (5,), "uint8")]
+    assert Layout.build(fediac, 8, "float16", ("votes", 2)).hash == "ce21e2b394aae6e9"
+
+
+def test_a_model_of_100k_tensors_builds_and_duplicates_are_found_among_them():
+    """Layout building is O(n log n) (its time is measured by ``netstorm bench layout``)."""
+    model = [TensorSpec(f"layer{i:06d}", (3,), "float32") for i in range(100_000)]
+    layout = Layout.build(model, 65536)
+    assert layout.total == 300_000 and len(layout.chunks) == 5
+    assert layout.key(f"layer{99_999:06d}") == 99_999
+    with pytest.raises(LayoutError, match="registered twice: layer000007, layer004321"):
+        Layout.build([*model[:5000], TensorSpec("layer004321", (3,), "float32"),
+                      TensorSpec("layer000007", (2,), "int8")], 65536)

@@ -198,18 +198,23 @@ def test_a_new_policy_pushes_its_rates_and_moves_replanned_for_the_running_itera
     run(main())
 
 
-def test_layout_mismatch_names_both_hashes_and_nodes() -> None:
+def test_the_layout_a_majority_agrees_on_is_the_jobs_and_a_mismatch_names_both_hashes() -> None:
     async def main() -> None:
-        async with scheduler(nodes=(1, 2)) as service:
-            one, two = await connect_all(service, (1, 2))
+        async with scheduler(nodes=(1, 2, 3)) as service:
+            one, two, three = await connect_all(service, (1, 2, 3))
             try:
+                early = asyncio.ensure_future(three.check_layout("bbbb", timeout=T))  # first, and wrong
+                first = asyncio.ensure_future(one.check_layout("aaaa", timeout=T))
+                await asyncio.wait({early, first}, timeout=0.3)
+                assert not early.done() and not first.done()  # one vote each: undecided
+                await two.check_layout("aaaa", timeout=T)  # a majority
+                await first
+                with pytest.raises(LayoutMismatch, match="node 3 has layout bbbb but the job's layout is aaaa"):
+                    await early
                 await one.check_layout("aaaa", timeout=T)
-                await one.check_layout("aaaa", timeout=T)
-                with pytest.raises(LayoutMismatch, match="node 2 has layout bbbb but node 1 registered layout aaaa"):
-                    await two.check_layout("bbbb", timeout=T)
-                await two.check_layout("aaaa", timeout=T)  # the connection is still usable
+                await three.check_layout("aaaa", timeout=T)  # the connection is still usable
             finally:
-                await close_all([one, two])
+                await close_all([one, two, three])
 
     run(main())
 

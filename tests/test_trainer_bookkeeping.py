@@ -328,3 +328,37 @@ def test_a_rank_ahead_of_the_slowest_waits_for_it(tmp_path: Path) -> None:
         for kv in [a, b, *others.values()]:
             await kv.close()
     run(tmp_path, body, workers={1: 2}, trainers={1: 2})
+
+
+def test_a_trainer_that_goes_away_mid_request_frees_its_place_at_once(tmp_path: Path,
+                                                                     record_property: Callable[[str, object], None]
+                                                                     ) -> None:
+    """Its push_pull waits for the other DCs; it closes; a replacement inits straight away, well before
+    iteration_timeout (60 s), and the iteration it had pushed completes exactly for the others."""
+    async def body(j: Job) -> None:
+        clients = {dc: await j.connect(dc, within=60) for dc in (1, 2, 3)}
+        await init_all(clients)
+        steps = {dc: model(40 + dc) for dc in clients}
+        waiting = asyncio.ensure_future(clients[1].push_pull(steps[1]))
+        await until(lambda: j.nodes[1].core.key_next(0) == 2, "DC 1's push in")
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        clients[1]._writer.transport.abort()  # as a killed process's socket closes
+        await until(lambda: len(j.endpoints[1].ranks) == 0, "DC 1's place free", within=5)
+        freed = loop.time() - start
+        with contextlib.suppress(Exception):
+            await waiting
+        await clients[1].close()
+        replacement = await j.connect(1, within=5)
+        own = model(8)
+        async with asyncio.timeout(5):
+            same(await replacement.init(own), own)
+        record_property("place_freed_s", freed)
+        record_property("replacement_init_s", loop.time() - start)
+        for got in await asyncio.gather(*(clients[dc].push_pull(steps[dc]) for dc in (2, 3))):
+            same(got, total(*steps.values()))
+        clients[1] = replacement
+        steps = {dc: model(50 + dc) for dc in clients}
+        for got in await asyncio.gather(*(kv.push_pull(steps[dc]) for dc, kv in clients.items())):
+            same(got, total(*steps.values()))
+    run(tmp_path, body, config=CONFIG.replace(iteration_timeout=60.0))

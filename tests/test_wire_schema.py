@@ -138,7 +138,8 @@ def test_every_error_class_names_a_code() -> None:
     (ErrorCode.TOO_FAR_AHEAD, TooFarAhead), (ErrorCode.NON_FINITE, NonFinite),
     (ErrorCode.ITERATION_FAILED, IterationError), (ErrorCode.INTERNAL, IterationError),
     (ErrorCode.PROTOCOL, TrainerProtocolError), (ErrorCode.MALFORMED, TrainerProtocolError),
-    (ErrorCode.LAYOUT_MISMATCH, TrainerProtocolError), (ErrorCode.NOT_MEMBER, TrainerProtocolError),
+    (ErrorCode.LAYOUT_MISMATCH, errors.LayoutMismatch), (ErrorCode.MODEL_TOO_LARGE, errors.ModelTooLarge),
+    (ErrorCode.NOT_MEMBER, TrainerProtocolError),
 ])
 def test_a_trainer_raises_the_class_of_the_code_whatever_the_words(code: ErrorCode, raised: type) -> None:
     with pytest.raises(raised) as info:

@@ -22,7 +22,7 @@ from typing import IO, Any
 from netstorm.emulation import lossfilter, netns, racks, registry, shaping
 from netstorm.emulation.bridge_lan import quiet_bridge
 from netstorm.emulation.errors import EmulationError
-from netstorm.emulation.teardown import teardown_record
+from netstorm.emulation.teardown import cleanup, teardown_record
 from netstorm.emulation.topology import MGMT_HOST, Plan, build_plan
 from netstorm.scenario import Rates, Scenario
 
@@ -72,6 +72,12 @@ class EmulatedNetwork:
             raise EmulationError(f"lan_uplink_shaping is one of {', '.join(shaping.UPLINK_MODES)}, got {lan_uplink!r}")
         self.lan_uplink = lan_uplink
         self._want_loss = loss
+        if record is None:
+            # the start-up sweep: namespaces (and their qdiscs), bpffs mounts and records of runs whose owner
+            # died without tearing down; live runs of other owners are left alone
+            swept = cleanup()
+            if swept.runs or swept.namespaces:
+                log.info("emulation: removed what dead runs left: %s", "; ".join(swept.lines()))
         self.record = record or registry.reserve(netns.list_namespaces())
         self.plan: Plan = build_plan(scenario, self.record.run_id)
         self.rates: Rates = {}
