@@ -45,7 +45,11 @@
  * last one is reported through the ring buffer (slot NS_ITERATION_DONE). An overflowed slot still goes up to
  * the agent as AGG, which has the workers re-quantise.
  *
- * Uplink meter (bpf/uplinks.py): every DATA packet of an expected worker that passed the token check counts
+ * Horizon (cfg.bounded): DATA of an iteration newer than cfg.horizon is dropped and counted (ST_FUTURE) before it
+ * touches a slot. The agent raises the horizon as iterations complete or fail; in results mode the packet that
+ * completes an iteration raises it here, since its workers may send the next one at once.
+ *
+ * Uplink meter (netstorm/lan/uplinks.py): every DATA packet of an expected worker that passed the token check counts
  * towards NS_METER_MAP's entry for its worker and iteration (one per worker and iteration of a window, indexed
  * by iteration modulo NS_TOKEN_WINDOW, then worker, so an iteration's entries are consecutive): its UDP payload
  * bytes as sent and its arrival time, for the first cfg.meter_packets datagrams (the worker's first window,
@@ -69,7 +73,7 @@
 enum ns_stat {
     ST_RX, ST_DUP, ST_COMPLETE, ST_STALE, ST_COLLISION, ST_BAD, ST_UNEXPECTED, ST_OVERFLOW, ST_REEMIT,
     ST_TIMER_EVENTS, ST_BUSY_EVICTED, ST_TIMER_FAIL, ST_REPORT_LOST, ST_BAD_TOKEN, ST_FORWARDED, ST_WIDEN_UP,
-    ST_OLD_EPOCH, ST_RESULT, ST_ITERATION_DONE, ST_GAP_REPORTS, NS_NSTATS
+    ST_OLD_EPOCH, ST_RESULT, ST_ITERATION_DONE, ST_GAP_REPORTS, ST_FUTURE, NS_NSTATS
 };
 
 struct ns_cfg {
@@ -97,6 +101,8 @@ struct ns_cfg {
     u32 group_ip;               /* results: the workers' multicast group, network order */
     u16 group_port;             /* results: the group's UDP port, network order */
     u8 group_mac[6];            /* results: the group's Ethernet address */
+    u32 horizon;                /* bounded: the newest iteration whose DATA is summed */
+    u32 bounded;                /* 1: DATA of an iteration past horizon is refused (ST_FUTURE) */
 };
 
 /* How many of an iteration's chunks this program returned results for (results mode): one entry per iteration
@@ -402,6 +408,8 @@ static __always_inline void ns_count_done(struct ns_cfg *cfg, u32 iteration)
     d->count += 1;
     complete = d->count == cfg->chunks;
     bpf_spin_unlock(&d->lock);
+    if (complete && cfg->bounded && (s32)(iteration + 1 - cfg->horizon) > 0)
+        cfg->horizon = iteration + 1;   /* its workers have every result: the next one's DATA may come now */
     if (complete) {
         struct ns_event ev = {};
         ev.iteration = iteration;
@@ -604,6 +612,12 @@ int ns_aggregate(struct xdp_md *ctx)
             bump(ST_BAD_TOKEN);
             return XDP_DROP;
         }
+    }
+    if (cfg->bounded && (s32)(h->iteration - cfg->horizon) > 0) {
+        /* an iteration beyond the window: no worker can have it yet (each needs every result of the one
+         * before), and taking a slot for it would evict a chunk still being summed */
+        bump(ST_FUTURE);
+        return XDP_DROP;
     }
     if (h->epoch != cfg->epoch) {
         /* DATA of another deployment: never summed here; passed to this port's socket, whose service tells

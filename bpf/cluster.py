@@ -47,16 +47,17 @@ from pathlib import Path
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
-from bpf.outbox import Outbox
 from bpf.writer import SocketWriter
-from bpf.xdp import TOKEN_WINDOW, XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
+from bpf.xdp import XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan import udp
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, StaleDeployment, WireError
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Flag, Header, Kind
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.outbox import Outbox
 from netstorm.lan.packets import control_packet, nack_packets
 from netstorm.lan.sender import EdgeSender, GroupOpener
+from netstorm.lan.slots import TOKEN_WINDOW
 from netstorm.lan.tokens import LanTokens, Sender
 
 log = logging.getLogger("netstorm.edge.cluster")

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from bpf.xdp import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 from netstorm.lan.errors import StaleDeployment, WireError
 from netstorm.lan.fixedpoint import INT32_MAX
 from netstorm.lan.header import (
@@ -35,6 +34,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.precision import to_fixed
+from netstorm.lan.slots import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 
 _PRECISIONS = {int(p): p for p in DATA_PRECISIONS}
 
@@ -78,10 +78,26 @@ class UserspaceAggregator:
         """Nonzero: DATA must carry an installed token, and aggregates carry this value."""
         self.epoch = 0
         """The deployment epoch DATA must carry (netstorm/lan/redeploy.py); other DATA raises StaleDeployment."""
+        self.horizon: int | None = None
+        """The newest iteration whose DATA is summed (``bound``; None: any)."""
 
     def require_tokens(self, agg_token: int) -> None:
         """As XdpAggregator.require_tokens."""
         self.agg_token = agg_token
+
+    def redeploy(self, *, expected: int, epoch: int) -> None:
+        """As XdpAggregator.redeploy: the contributors expected and the epoch DATA must carry from now on."""
+        self.expected = expected
+        self.epoch = epoch
+
+    def stats(self) -> dict[str, int]:
+        """As XdpAggregator.stats."""
+        return dict(self.counters)
+
+    def bound(self, horizon: int | None) -> None:
+        """Sum DATA of no iteration newer than ``horizon`` from now on (None: of any); newer DATA is dropped and
+        counted (``future``) before it touches a slot, as the XDP program does."""
+        self.horizon = horizon
 
     def install_tokens(self, entries: list[tuple[int, int, int]]) -> None:
         """As XdpAggregator.install_tokens: (worker, iteration, token) into the worker's window."""
@@ -115,6 +131,9 @@ class UserspaceAggregator:
             if want is None or want != (iteration, token):
                 self.counters["bad_token"] += 1
                 return None
+        if self.horizon is not None and 0 < ((iteration - self.horizon) & 0xFFFFFFFF) < 2**31:
+            self.counters["future"] += 1
+            return None
         if epoch != self.epoch:
             self.counters["old_epoch"] += 1
             raise StaleDeployment(f"DATA of worker {worker} for iteration {iteration} carries deployment epoch "

@@ -1,5 +1,5 @@
 """The one task that writes a UDP socket of the LAN tier (the gateway's agent, a cluster aggregator): it
-sends what its ``Outbox`` (bpf/outbox.py) says goes next, and treats a full buffer as back-pressure.
+sends what its ``Outbox`` (netstorm/lan/outbox.py) says goes next, and treats a full buffer as back-pressure.
 
 EAGAIN (the socket's send buffer is full, its datagrams wait in the interface's queue) waits for the socket
 to be writable; ENOBUFS (the interface's queue refused the datagram) waits a pause growing from 1 ms to
@@ -17,8 +17,8 @@ import logging
 import socket
 import time
 
-from bpf.outbox import Outbox
 from netstorm.lan import udp
+from netstorm.lan.outbox import Outbox
 
 log = logging.getLogger(__name__)
 YIELD_DATAGRAMS = 64

@@ -17,7 +17,6 @@ import socket
 import struct
 import time
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -29,28 +28,14 @@ from bpf.timer_memory import SlabRoom
 from netstorm.lan.batch import distinct
 from netstorm.lan.header import MAX_WORKERS, OFFSETS, Header, Kind, c_definitions
 from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.slots import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 
 HERE = Path(__file__).resolve().parent
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1
 XDP_FLAGS_SKB_MODE = 2
 XDP_FLAGS_DRV_MODE = 4
-STATS = ("rx", "dup", "complete", "stale", "collision", "bad", "unexpected", "overflow", "reemit",
-         "timer_events", "busy_evicted", "timer_fail", "report_lost", "bad_token", "forwarded", "widened", "old_epoch",
-         "result", "iteration_done", "gap_reports")
-TOKEN_WINDOW = 8
-"""Iterations per worker the token map holds (a power of two): the agent keeps the ones it may receive."""
-GROUP_TOKENS = MAX_WORKERS
-"""The token map's window after the workers': the group's tokens, which the RESULTs the program sends
-itself carry (``install_tokens`` with this as the worker)."""
-ITERATION_DONE = 0xFFFFFFFF
-"""A ring-buffer report with this slot says every chunk of its iteration completed in the program (results
-mode), not that a slot is missing contributors."""
 _EVENT = struct.Struct("<IIIIQQHbBI")
 """``struct ns_event`` (bpf/aggregator.c) for one report: the fields of ``SlotEvent`` in order, then padding."""
-SLOT_FIELDS = {"names": ["iteration", "tensor", "chunk", "scale", "busy", "bitmap"],
-               "formats": ["<u4", "<u4", "<u4", "i1", "u1", "<u8"], "offsets": [20, 24, 28, 34, 38, 48]}
-"""Where ``struct ns_slot`` (bpf/slot.h) keeps a slot's key and contributors: after the 16-byte bpf_timer and
-the 4-byte bpf_spin_lock; the map value's size comes from the kernel."""
 METER_DTYPE = np.dtype({"names": ["iteration", "packets", "bytes", "first_ns", "last_ns"],
                          "formats": ["<u4", "<u4", "<u8", "<u8", "<u8"], "offsets": [4, 8, 16, 24, 32],
                          "itemsize": 40})
@@ -65,36 +50,10 @@ SLOT_RUN = 64
 _instances = itertools.count()
 
 
-def slot_dtype(itemsize: int) -> np.dtype[Any]:
-    """The slot fields a QUERY answer reads, in rows of ``itemsize`` bytes (the map's value size)."""
-    spec: Any = {**SLOT_FIELDS, "itemsize": itemsize}
-    return np.dtype(spec)
-
-
 class _BatchOpts(ctypes.Structure):
     _fields_ = [("sz", ctypes.c_size_t), ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
 #: tries per slot before the loader gives up on its timer (each ENOMEM is followed by making room)
 PRIME_ATTEMPTS = 32
-
-
-@dataclass(frozen=True)
-class SlotEvent:
-    """The timer callback's report: a slot that is still missing contributors after its period."""
-
-    iteration: int
-    tensor: int
-    chunk: int
-    slot: int
-    bitmap: int
-    expected: int
-    job: int
-    scale: int
-    nacks: int
-
-    @cached_property
-    def missing(self) -> list[int]:
-        left = self.expected & ~self.bitmap
-        return [w for w in range(left.bit_length()) if left >> w & 1]
 
 
 class _TestRunOpts(ctypes.Structure):
@@ -189,6 +148,8 @@ class XdpAggregator:
         pool, which a worker sends back to back before its first ACK wait."""
         self.epoch = 0
         """The deployment epoch DATA must carry (``redeploy``)."""
+        self.horizon: int | None = None
+        """The newest iteration whose DATA is summed (``bound``; None: any)."""
         self._attached: list[tuple[int, int]] = []
         self.results: KernelResults | None = None
         """Where the program returns results itself (``return_results``; None: to the agent as AGG)."""
@@ -246,6 +207,8 @@ class XdpAggregator:
         value.epoch = self.epoch
         value.auth = 1 if self._agg_token else 0
         value.agg_token = self._agg_token
+        value.bounded = 0 if self.horizon is None else 1
+        value.horizon = 0 if self.horizon is None else self.horizon & 0xFFFFFFFF
         self._put_results(value)
         up = self.upstream
         if up is not None:
@@ -296,6 +259,19 @@ class XdpAggregator:
         value = table[table.Key(0)]
         value.expected = expected
         value.epoch = epoch
+        table[table.Key(0)] = value
+
+    def bound(self, horizon: int | None) -> None:
+        """Sum DATA of no iteration newer than ``horizon`` from now on (None: of any), as the fallback's
+        ``bound``. A bound only rises: where the program raised it itself (results mode, as an iteration
+        completes) the newer of the two stays."""
+        table = self._module[b"ns_cfg"]
+        value = table[table.Key(0)]
+        if horizon is not None and value.bounded and ((int(value.horizon) - horizon) & 0xFFFFFFFF) < 2**31:
+            horizon = int(value.horizon)
+        self.horizon = horizon
+        value.bounded = 0 if horizon is None else 1
+        value.horizon = 0 if horizon is None else horizon & 0xFFFFFFFF
         table[table.Key(0)] = value
 
     def configured(self) -> dict[str, int]:

@@ -7,7 +7,7 @@ pushes each chunk as a burst of datagrams, so the span from a burst's first to i
 receiver measures the worker's port, not the plan's pacing share of it, as long as a burst is sent
 back to back; the meter keeps the median of a worker's last ``window`` burst rates (robust to one
 queued burst) and believes a direction only after ``min_samples`` of them. Uplinks are measured where
-the gateway receives a worker's chunks (bpf/uplinks.py; in XDP mode by the program), downlinks where the
+the gateway receives a worker's chunks (netstorm/lan/uplinks.py; in XDP mode by the program), downlinks where the
 worker receives its result burst (netstorm/lan/downlink.py: it reports each iteration's burst to its
 gateway in a REPORT datagram, which the gateway feeds to its meter).
 

@@ -7,7 +7,6 @@ its rows."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import socket
 import time
 from collections.abc import Iterator
@@ -21,11 +20,13 @@ from bpf.agent import EdgeAgent
 from netstorm.lan import udp
 from netstorm.lan.batch import ROW_BYTES, DatagramBatch, valid_headers
 from netstorm.lan.errors import WireError
+from netstorm.lan.gatewaycore import GatewayCore
 from netstorm.lan.header import FIELDS, HEADER_BYTES, OFFSETS, TOKEN_AT, Flag, Header, Kind, Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import ack_packets, control_packet, data_packets, nack_packets, result_packets, with_token
 from netstorm.lan.sender import EdgeSender, _Flight
 from netstorm.lan.tokens import LanTokens
+from tests.lan_gateway import KernelMaps, hello, sent
 from tests.test_edge_fuzz import datagrams
 
 LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=64)
@@ -285,73 +286,71 @@ def test_the_window_opens_as_far_as_the_per_chunk_rule_says() -> None:
         assert flight.sendable() == (flight.next, stop)
 
 
-@pytest.fixture
-def agent() -> Iterator[EdgeAgent]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-
-    class Kernel:   # the agent's view of an XDP aggregator, enough to take aggregates
-        def require_tokens(self, token: int) -> None:
-            self.token = token
-
-        def install_tokens(self, tokens: object) -> None:
-            pass
-
-    try:
-        yield EdgeAgent(sock, LAYOUT, workers=3, job=JOB, mode="xdp", xdp=Kernel(), secret=SECRET)  # type: ignore[arg-type]
-    finally:
-        sock.close()
-
-
-def _aggs(agent: EdgeAgent, iteration: int, sums: list[np.ndarray]) -> list[bytes]:
+def _aggs(agg_token: int, iteration: int, sums: list[np.ndarray]) -> list[bytes]:
     out = []
     for t, s in enumerate(sums):
         rows = data_packets(LAYOUT, job=JOB, worker=0, iteration=iteration, tensor=t, values=s)
         rows[:, OFFSETS["kind"]] = int(Kind.AGG)
-        out += [r.tobytes() for r in with_token(rows, agent.agg_token)]
+        out += [r.tobytes() for r in with_token(rows, agg_token)]
     return out
 
 
-def test_the_agent_takes_a_batch_of_aggregates_and_rejects_the_bad_ones_alone(agent: EdgeAgent) -> None:
-    agent.expect(1)
+def test_the_agent_takes_a_batch_of_aggregates_and_rejects_the_bad_ones_alone() -> None:
+    core = GatewayCore(LAYOUT, KernelMaps(LAYOUT), workers=3, job=JOB, userspace=False, port=0, secret=SECRET)
+    core.expect(1)
+    hello(core, 0, ("10.0.0.1", 5000), secret=SECRET)
+    sent(core)
     rng = np.random.default_rng(1)
     sums = [np.rint(rng.standard_normal(1000) * 1e3) / 2**10, np.arange(7.0)]
-    good = _aggs(agent, 1, sums)
-    forged = good[0][:TOKEN_AT] + (agent.agg_token ^ 1).to_bytes(8, "little") + good[0][TOKEN_AT + 8:]
+    good = _aggs(core.agg_token, 1, sums)
+    forged = good[0][:TOKEN_AT] + (core.agg_token ^ 1).to_bytes(8, "little") + good[0][TOKEN_AT + 8:]
     bad_chunk = good[1][:OFFSETS["chunk"]] + (900).to_bytes(4, "little") + good[1][OFFSETS["chunk"] + 4:]
     items = [forged, bad_chunk, good[0][:30], *good, good[2]]
-    agent._rx = batch_of(items)
-    agent._rx.names[:, :2] = np.frombuffer(socket.AF_INET.to_bytes(2, "little"), np.uint8)
-    heads = agent._rx.headers()
-    agent._take_aggs(np.flatnonzero(valid_headers(heads, agent._rx.lengths) & (heads["kind"] == Kind.AGG)))
-    result = agent._sums(1)
-    assert result.done and agent.forged == 1 and agent.errors == 1
-    assert result.first_at <= result.done_at < float("inf")   # the gateway's phase log reads these
+    batch = batch_of(items)
+    batch.names[:, :2] = np.frombuffer(socket.AF_INET.to_bytes(2, "little"), np.uint8)
+    core.datagrams(batch, 5.0)
+    result = core.book.sums(1)
+    # the forged aggregate is counted as forged, the wrong chunk and the cut datagram as errors
+    assert result.done and core.roster.forged == 1 and core.errors == 2
+    assert result.first_at == result.done_at == 5.0   # the gateway's phase log reads these
     for want, have in zip(sums, result.result(), strict=True):
         np.testing.assert_array_equal(have, want.astype(np.float32))
     # every genuine aggregate is acknowledged once per copy received (the duplicate again)
-    assert sorted(agent._acks[1]) == sorted([*range(LAYOUT.num_chunks), 2])
+    acked = [s for d, _ in sent(core) for s in np.frombuffer(d, "<u4", Header.decode(d).count, HEADER_BYTES).tolist()]
+    assert sorted(acked) == sorted([*range(LAYOUT.num_chunks), 2])
 
 
-def test_the_agent_drains_a_socket_in_batches(agent: EdgeAgent) -> None:
+def test_the_agent_drains_a_socket_in_batches() -> None:
     """Through the socket: valid aggregates complete the iteration, the rest go one by one to the
     per-datagram handler, which rejects them without losing the others."""
-    agent.expect(1)
     sums = [np.arange(1000.0) / 4, np.ones(7)]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.setblocking(False)
     tx = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        for data in [b"junk", *_aggs(agent, 1, sums), control_packet(Kind.NACK, job=JOB, worker=0)]:
-            tx.sendto(data, agent.sock.getsockname())
-        deadline = time.monotonic() + 10
-        while not agent._sums(1).done and time.monotonic() < deadline:
-            with contextlib.suppress(BlockingIOError):
-                agent._drain()
-        assert agent._sums(1).done and agent.errors == 2
-        for want, have in zip(sums, agent._sums(1).result(), strict=True):
+
+    async def play() -> None:
+        agent = EdgeAgent(sock, LAYOUT, workers=3, job=JOB, mode="xdp", xdp=KernelMaps(LAYOUT),  # type: ignore[arg-type]
+                          secret=SECRET)
+        agent.expect(1)
+        async with asyncio.TaskGroup() as tg:
+            serving = tg.create_task(agent.run())
+            for data in [b"junk", *_aggs(agent.agg_token, 1, sums), control_packet(Kind.NACK, job=JOB, worker=0)]:
+                tx.sendto(data, sock.getsockname())
+            try:
+                got = await agent.collect(1, timeout=10)
+            finally:
+                agent.close()
+                await serving
+        assert agent.errors == 2
+        for want, have in zip(sums, got, strict=True):
             np.testing.assert_array_equal(have, np.asarray(want, np.float32))
+
+    try:
+        asyncio.run(play())
     finally:
         tx.close()
+        sock.close()
 
 
 def test_coalesced_datagrams_are_cut_back_into_rows() -> None:

@@ -17,14 +17,15 @@ import numpy as np
 import pytest
 
 from bpf.agent import EdgeAgent
-from bpf.xdp import slot_dtype
 from netstorm.lan.batch import DatagramBatch
+from netstorm.lan.gatewaycore import GatewayCore
 from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, OFFSETS, TOKEN_AT, Header, Kind
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import data_packets, nack_packets
 from netstorm.lan.sender import EdgeSender, _Flight
 from netstorm.lan.tokens import LanTokens
 from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
+from tests.lan_gateway import KernelMaps, hello, sent
 from tests.lan_reference import fixed_point_sums
 
 LAYOUT = EdgeLayout.uniform([3000, 7], scale=10, lanes=64)
@@ -153,39 +154,16 @@ def test_rows_sent_under_loss_are_the_kept_ones_in_order_without_copies(sender: 
             assert all(np.shares_memory(part, keep) for part in sent)
 
 
-class Kernel:
-    """The agent's view of an XDP aggregator: tokens, and the slot map a NACK reads (one per test)."""
-
-    def __init__(self) -> None:
-        self.states = np.zeros(LAYOUT.num_slots, slot_dtype(56))
-
-    def require_tokens(self, token: int) -> None:
-        pass
-
-    def install_tokens(self, tokens: object) -> None:
-        pass
-
-    def slot_states(self, indices: np.ndarray) -> np.ndarray:
-        return self.states[np.asarray(indices, np.int64)]
-
-
 @pytest.fixture
-def agent() -> Iterator[EdgeAgent]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-
-    try:
-        yield EdgeAgent(sock, LAYOUT, workers=4, job=JOB, mode="xdp", xdp=Kernel(), secret=SECRET)  # type: ignore[arg-type]
-    finally:
-        sock.close()
+def core() -> GatewayCore:
+    return GatewayCore(LAYOUT, KernelMaps(LAYOUT), workers=4, job=JOB, userspace=False, port=0, secret=SECRET)
 
 
-def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from(agent: EdgeAgent) -> None:
+def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from(core: GatewayCore) -> None:
     iteration = 1
-    agent.expect(iteration)
-    sums = agent._sums(iteration)
-    states = agent._aggregator.states  # type: ignore[union-attr]
+    core.expect(iteration)
+    sums = core.book.sums(iteration)
+    states = core.aggregator.states  # type: ignore[attr-defined]
     rng = np.random.default_rng(7)
     bitmaps = {}
     for seq in range(LAYOUT.num_chunks):
@@ -193,21 +171,17 @@ def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from
         bitmap = int(rng.integers(0, 16))
         bitmaps[seq] = bitmap
         states[seq % LAYOUT.num_slots] = (iteration, tensor, chunk, LAYOUT.scales[tensor], 1, bitmap)
-    sent: list[tuple[bytes, tuple[str, int]]] = []
-
-    def record(datagram: bytes, address: tuple[str, int]) -> bool:
-        sent.append((datagram, address))
-        return True
-
-    agent._control = record  # type: ignore[method-assign]
-    agent.addresses = {w: ("10.0.0.1", 5000 + w) for w in range(4)}
+    for w in range(4):
+        hello(core, w, ("10.0.0.1", 5000 + w), secret=SECRET)
+    sent(core)   # the HELLO answers
     asked = np.arange(0, LAYOUT.num_chunks, 2)
-    agent._missing_nacks(sums, None, asked)
-    agent._missing_nacks(sums, None, asked[:5])    # the same chunks again in the same wake-up: listed once
-    agent._flush_nacks()
+    core.nacks.missing(sums, None, asked, 0.0)
+    core.nacks.missing(sums, None, asked[:5], 0.0)    # the same chunks again in the same wake-up: listed once
+    core.nacks.flush(0.0)
     tokens = LanTokens(SECRET, JOB)
     got: dict[int, list[int]] = {}
-    for datagram, address in sent:
+    out = sent(core)
+    for datagram, address in out:
         head = Header.decode(datagram)
         worker = address[1] - 5000
         assert head.kind == Kind.NACK and head.token == tokens.gateway(worker, iteration)
@@ -216,13 +190,13 @@ def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from
     # datagram of a chunk below a completed one was lost)
     want = {w: [int(s) for s in asked if not bitmaps[int(s)] >> w & 1] for w in range(4)}
     assert got == {w: s for w, s in want.items() if s}
-    assert agent.nack_datagrams == len(sent) == len(got)   # 24 chunks a worker fit one datagram
+    assert core.nacks.nack_datagrams == len(out) == len(got)   # 24 chunks a worker fit one datagram
     # a slot holding another chunk names only the asker, who suspects its own datagram
-    sent.clear()
     states[:] = np.zeros_like(states)
-    agent._missing_nacks(sums, 3, np.array([5, 6]))
-    agent._flush_nacks()
-    assert [(a[1] - 5000, np.frombuffer(d, "<u4", offset=HEADER_BYTES).tolist()) for d, a in sent] == [(3, [5, 6])]
+    core.nacks.missing(sums, 3, np.array([5, 6]), 0.0)
+    core.nacks.flush(0.0)
+    assert [(a[1] - 5000, np.frombuffer(d, "<u4", offset=HEADER_BYTES).tolist()) for d, a in sent(core)] == \
+        [(3, [5, 6])]
 
 
 # ---- in network namespaces, both aggregation paths ----
@@ -266,7 +240,7 @@ async def run_lan(mode: str, xdp: Any, *, iterations: int, drop: frozenset[int] 
                      for i, ns in enumerate(lan.workers)]
             nodes[LOSER].drop = drop
             nacks: list[tuple[int, list[int]]] = []
-            control = agent._control
+            control = agent.outbox.control
 
             def record(datagram: bytes, address: tuple[str, int]) -> bool:
                 if datagram[OFFSETS["kind"]] == Kind.NACK:
@@ -275,7 +249,7 @@ async def run_lan(mode: str, xdp: Any, *, iterations: int, drop: frozenset[int] 
                     nacks.append((worker, np.frombuffer(datagram, "<u4", head.count, HEADER_BYTES).tolist()))
                 return control(datagram, address)
 
-            agent._control = record  # type: ignore[method-assign]
+            agent.outbox.control = record  # type: ignore[method-assign]
             sent = [list[int]() for _ in nodes]
             for node, log in zip(nodes, sent, strict=True):
                 original = node.batch.send
@@ -368,46 +342,39 @@ def test_the_matrix_names_whom_the_per_chunk_rule_names_with_clusters() -> None:
     nobody; with random bitmaps, askers and newer slots."""
     from netstorm.lan.deploy import LanTopology
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.setblocking(False)
-
     topology = LanTopology(workers=6, clusters={0: (1, 2)})
-    kernel = Kernel()
-    try:
-        agent = EdgeAgent(sock, LAYOUT, workers=6, job=JOB, mode="xdp", xdp=kernel,  # type: ignore[arg-type]
-                          topology=topology)
-        agent.expect(1)
-        sums = agent._sums(1)
-        rng = np.random.default_rng(9)
-        for _ in range(40):
-            for seq in range(LAYOUT.num_chunks):
-                tensor, chunk = LAYOUT.locate(seq)
-                stale = rng.random() < 0.2
-                kernel.states[seq % LAYOUT.num_slots] = (1 + stale, tensor, chunk, 0, 1,
-                                                         int(rng.integers(0, 64)) & agent.expected)
-            asker = None if rng.random() < 0.3 else int(rng.integers(0, 6))
-            seqs = np.unique(rng.integers(0, LAYOUT.num_chunks, int(rng.integers(1, 20))))
-            want: dict[int, list[int]] = {}
-            head = None if asker is None else topology.aggregator_of(asker)
-            for seq in seqs.tolist():
-                state = kernel.states[seq % LAYOUT.num_slots]
-                here = int(state["iteration"]) == 1 and int(state["bitmap"]) != 0
-                if here:
-                    left = agent.expected & ~int(state["bitmap"])
-                elif asker is not None:   # the asker, or its cluster's aggregator, suspects its own datagram
-                    left = 1 << (asker if head is None else head)
-                elif int(state["bitmap"]) == 0:   # nothing of a chunk below a completed one: all were lost
-                    left = agent.expected
-                else:   # a newer key took the slot (and holds some of it): the chunk completed
-                    left = 0
-                # a cluster aggregator is NACKed as a unit, at its service (not listed here)
-                named = {w for w in range(6) if left >> w & 1 and w not in topology.clusters}
-                for w in named:
-                    want.setdefault(w, []).append(seq)
-            agent._nacks = {}
-            agent._missing_nacks(sums, asker, seqs)
-            got = {w: np.unique(np.concatenate(parts)).tolist() for (_, w), parts in agent._nacks.items()}
-            assert got == want
-    finally:
-        sock.close()
+    kernel = KernelMaps(LAYOUT)
+    core = GatewayCore(LAYOUT, kernel, workers=6, job=JOB, userspace=False, port=0, topology=topology)
+    expected = core.roster.expected
+    core.expect(1)
+    sums = core.book.sums(1)
+    rng = np.random.default_rng(9)
+    for _ in range(40):
+        for seq in range(LAYOUT.num_chunks):
+            tensor, chunk = LAYOUT.locate(seq)
+            stale = rng.random() < 0.2
+            kernel.states[seq % LAYOUT.num_slots] = (1 + stale, tensor, chunk, 0, 1,
+                                                     int(rng.integers(0, 64)) & expected)
+        asker = None if rng.random() < 0.3 else int(rng.integers(0, 6))
+        seqs = np.unique(rng.integers(0, LAYOUT.num_chunks, int(rng.integers(1, 20))))
+        want: dict[int, list[int]] = {}
+        head = None if asker is None else topology.aggregator_of(asker)
+        for seq in seqs.tolist():
+            state = kernel.states[seq % LAYOUT.num_slots]
+            here = int(state["iteration"]) == 1 and int(state["bitmap"]) != 0
+            if here:
+                left = expected & ~int(state["bitmap"])
+            elif asker is not None:   # the asker, or its cluster's aggregator, suspects its own datagram
+                left = 1 << (asker if head is None else head)
+            elif int(state["bitmap"]) == 0:   # nothing of a chunk below a completed one: all were lost
+                left = expected
+            else:   # a newer key took the slot (and holds some of it): the chunk completed
+                left = 0
+            # a cluster aggregator is NACKed as a unit, at its service (not listed here)
+            named = {w for w in range(6) if left >> w & 1 and w not in topology.clusters}
+            for w in named:
+                want.setdefault(w, []).append(seq)
+        core.nacks.pending.clear()
+        core.nacks.missing(sums, asker, seqs, 0.0)
+        got = {w: np.unique(np.concatenate(parts)).tolist() for (_, w), parts in core.nacks.pending.items()}
+        assert got == want

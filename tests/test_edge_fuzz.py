@@ -92,10 +92,10 @@ def test_the_agent_handles_or_rejects_random_datagrams(agents: dict[bool, EdgeAg
                                                         secret: bool) -> None:
     agent = agents[secret]
     with contextlib.suppress(WireError):
-        agent._handle(data, ("10.0.0.9", 4000))
+        agent.core.datagram(data, ("10.0.0.9", 4000), 0.0)
     while (batch := agent.outbox.next(0.0)) is not None:   # answers (HELLO, PULL) would go out; nothing piles up
         agent.outbox.done(batch, 0.0)
-    assert len(agent._open) <= 8 and set(agent.addresses) <= {0, 1, 2}
+    assert len(agent.core.book.open) <= 8 and set(agent.addresses) <= {0, 1, 2}
 
 
 def test_a_valid_data_datagram_still_goes_through_the_fuzzed_path() -> None:

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bpf.agent import IterationSums
 from netstorm.lan.batch import RUN_SEGMENTS, copy_rows, distinct
 from netstorm.lan.fixedpoint import EXACT_FLOAT32_SCALES, dequantize, dequantize_rows
 from netstorm.lan.header import HEADER_BYTES
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import chunk_result_packets, chunk_results_into, result_packets
 from netstorm.lan.prefault import populated
+from netstorm.lan.sums import IterationSums
 
 INT32 = np.iinfo(np.int32)
 

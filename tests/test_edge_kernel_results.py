@@ -180,7 +180,8 @@ def _checksum_ok(ip: bytes) -> bool:
 @pytest.mark.root
 @pytest.mark.bcc
 def test_the_program_sends_a_completed_slot_to_the_group_as_its_result(program: Any) -> None:
-    from bpf.xdp import GROUP_TOKENS, ITERATION_DONE, XDP_DROP, XDP_PASS, XDP_TX, KernelResults, multicast_mac
+    from bpf.xdp import XDP_DROP, XDP_PASS, XDP_TX, KernelResults, multicast_mac
+    from netstorm.lan.slots import GROUP_TOKENS, ITERATION_DONE
     from netstorm.lan.tokens import LanTokens
 
     tokens = LanTokens(b"s" * 32, JOB)

@@ -1,4 +1,4 @@
-"""The gateway's outbox (bpf/outbox.py): one writer's order of sends, with an injected clock. Result bursts
+"""The gateway's outbox (netstorm/lan/outbox.py): one writer's order of sends, with an injected clock. Result bursts
 to several destinations interleave batch by batch, control datagrams and bulk take turns, a paced
 destination's bytes never exceed its rate, a refused send changes nothing, and memory stays bounded."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bpf.outbox import Outbox
+from netstorm.lan.outbox import Outbox
 
 A, B, C = ("10.0.0.1", 1), ("10.0.0.2", 1), ("10.0.0.3", 1)
 

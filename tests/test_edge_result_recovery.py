@@ -113,7 +113,7 @@ async def run_lan(mode: str, program: Any, *, chunks: int, workers: int, iterati
                             np.testing.assert_array_equal(got, want)
                         await agent.send_results(iteration, sums, total=workers)
                         if not keep_results:   # the gateway forgets them: what a worker missed cannot come back
-                            agent._results.pop(iteration)
+                            agent.results.kept.pop(iteration)
                         for task in pushes:
                             got_sums, got_total = await task
                             assert got_total == workers

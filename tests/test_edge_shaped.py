@@ -5,7 +5,7 @@ iteration as soon as its own first result is in, as a LAN worker does.
 The gateway's port queue holds its sends, so its socket's send buffer fills: the first result (a copy per
 worker) and the ACKs, NACKs and answers meet a full buffer at once. Two waiters on one socket's
 writability do not both wake (the event loop keeps one writer per descriptor), and that wedged the tier:
-some workers never got their first result. With one writer (bpf/outbox.py) every worker gets it and every
+some workers never got their first result. With one writer (netstorm/lan/outbox.py) every worker gets it and every
 iteration's sum is exact, also with a send buffer cut to 16 KB, where nearly every send meets a full one.
 The gateway also measures each worker's first window of DATA per iteration (its achieved uplink)."""
 

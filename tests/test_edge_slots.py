@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from bpf.fallback import UserspaceAggregator
-from bpf.xdp import SlotEvent
 from netstorm.lan.fixedpoint import rescale_for
 from netstorm.lan.header import Flag, Header, Kind, lanes_of
 from netstorm.lan.packets import data_packets
+from netstorm.lan.slots import SlotEvent
 from tests.edge_programs import JOB, LAYOUT, PORT, SLOT_TENSORS, shared_program
 
 SLOT_CHUNKS = sum(LAYOUT.chunks[t] for t in SLOT_TENSORS)
@@ -167,6 +167,36 @@ def test_stale_iteration_is_dropped_and_newer_takes_over(backend: Backend) -> No
     assert out is not None and np.array_equal(lanes_of(out)[:7], np.full(7, 2 * 2**12))
 
 
+def test_data_past_the_horizon_is_refused_counted_and_leaves_the_open_slot_exact(backend: Backend) -> None:
+    backend.configure(expected=0b11)
+    iteration = next(_iterations)
+    for _ in range(3):
+        next(_iterations)
+    counted = backend.agg.stats() if backend.kind == "xdp" else backend.agg.counters
+    before = counted["future"]
+    backend.agg.bound(iteration)
+    try:
+        part = data_packets(LAYOUT, job=JOB, worker=0, iteration=iteration, tensor=2, values=np.ones(7))[0]
+        assert backend.feed(bytes(part)) is None
+        for ahead in (2, 1, 2**31 - 1):   # k+2, k+1 and the farthest an iteration can be ahead, modulo 2**32
+            far = data_packets(LAYOUT, job=JOB, worker=1, iteration=(iteration + ahead) & 0xFFFFFFFF, tensor=2,
+                               values=np.full(7, 1000.0))[0]
+            assert backend.feed(bytes(far)) is None
+        counted = backend.agg.stats() if backend.kind == "xdp" else backend.agg.counters
+        assert counted["future"] - before == 3
+        out = backend.feed(bytes(data_packets(LAYOUT, job=JOB, worker=1, iteration=iteration, tensor=2,
+                                              values=2 * np.ones(7))[0]))
+        assert out is not None and Header.decode(out).iteration == iteration
+        assert np.array_equal(lanes_of(out)[:7], np.full(7, 3 * 2**12))
+        backend.agg.bound(iteration + 1)   # the next iteration is summed once the bound moves
+        nxt = data_packets(LAYOUT, job=JOB, worker=0, iteration=iteration + 1, tensor=2, values=np.ones(7))[0]
+        assert backend.feed(bytes(nxt)) is None
+        counted = backend.agg.stats() if backend.kind == "xdp" else backend.agg.counters
+        assert counted["future"] - before == 3
+    finally:
+        backend.agg.bound(None)
+
+
 def test_timer_reports_the_slot_and_its_bitmap_until_complete(backend: Backend) -> None:
     backend.configure(expected=0b1011, timeout=0.05, max_nacks=2)
     iteration = next(_iterations)
@@ -237,7 +267,7 @@ def test_data_needs_the_installed_token_and_the_aggregate_carries_the_agents(bac
     """With tokens required, DATA is aggregated only with the token installed for its worker and iteration;
     a wrong token, a token of another iteration sharing the window entry, or one never installed is
     dropped and counted, and the aggregate carries the value only the agent knows."""
-    from bpf.xdp import TOKEN_WINDOW
+    from netstorm.lan.slots import TOKEN_WINDOW
 
     backend.configure(expected=0b11)
     iteration = next(_iterations)

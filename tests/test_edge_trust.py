@@ -86,13 +86,13 @@ class Scene:
         for datagram in datagrams:
             await sendto(sock or self.attacker, datagram, to)
 
-    async def iteration(self, iteration: int, seed: int, *,
-                        before_results: Callable[[], Any] | None = None) -> None:
+    async def iteration(self, iteration: int, seed: int, *, before_results: Callable[[], Any] | None = None,
+                        within: float = 15) -> None:
         """One iteration: both workers push, the gateway's sum and every worker's result are exact."""
         contribs = contributions(seed)
         expected = reference(contribs)
         pushes = [asyncio.create_task(n.push_pull(iteration, contribs[n.worker], timeout=20)) for n in self.nodes]
-        sums = await self.agent.collect(iteration, timeout=15)
+        sums = await self.agent.collect(iteration, timeout=within)
         for got, want in zip(sums, expected, strict=True):
             np.testing.assert_array_equal(got, want)
         if before_results is not None:
@@ -165,6 +165,26 @@ def test_data_spoofed_as_worker_1_changes_no_sum_and_the_kernel_counts_it(mode: 
 
 @pytest.mark.root
 @pytest.mark.slow
+def test_data_of_a_worker_two_iterations_ahead_is_refused_and_stalls_no_window(mode: str,
+                                                                             request: pytest.FixtureRequest) -> None:
+    from netstorm.emulation.bridge_lan import GATEWAY_IP
+
+    async def play(scene: Scene) -> None:
+        iteration = next(_iterations)
+        scene.agent.expect(iteration)
+        # worker 1's own token for iteration k+2 (installed: the token window spans 8), with values that would
+        # show in any sum they reached
+        ahead = forged_data(iteration + 2, worker=1, token=LanTokens(SECRET, JOB).worker(1, iteration + 2))
+        await scene.send(ahead, (GATEWAY_IP, PORT))
+        await until(lambda: scene.agent.future_refused >= len(ahead), "refusing DATA two iterations ahead")
+        for k in range(iteration, iteration + 3):   # each exact, within a few slot periods (no stall)
+            await scene.iteration(k, seed=k, within=3)
+
+    asyncio.run(in_scene(mode, program(mode, request), play))
+
+
+@pytest.mark.root
+@pytest.mark.slow
 def test_forged_agg_and_result_change_nothing_the_workers_receive(mode: str, request: pytest.FixtureRequest) -> None:
     from netstorm.emulation.bridge_lan import GATEWAY_IP
 
@@ -223,7 +243,7 @@ def test_a_spoofed_hello_steals_nothing_and_a_restarted_worker_is_found_again(
         genuine = control_packet(Kind.HELLO, job=JOB, worker=1, iteration=nonce,
                                  token=LanTokens(SECRET, JOB).worker(1, nonce))
         await scene.send([genuine], (GATEWAY_IP, PORT), sock=restarted.sock)
-        await until(lambda: nonce in scene.agent._nonces[1], "the worker's own HELLO")
+        await until(lambda: nonce in scene.agent.roster.nonces(1), "the worker's own HELLO")
         before = scene.agent.bad_tokens
         await scene.send([genuine], (GATEWAY_IP, PORT))
         await until(lambda: scene.agent.bad_tokens > before, "refusing the replayed HELLO")
@@ -339,7 +359,7 @@ def test_thousands_of_forged_datagrams_leave_the_gateway_memory_flat(path: str, 
             for kind in kinds:
                 for datagram in forged_stream(kind, count, start):
                     with contextlib.suppress(WireError):
-                        agent._handle(datagram, ("10.77.0.99", 5000))
+                        agent.core.datagram(datagram, ("10.77.0.99", 5000), 0.0)
 
         tracemalloc.start()
         try:
@@ -351,7 +371,7 @@ def test_thousands_of_forged_datagrams_leave_the_gateway_memory_flat(path: str, 
             tracemalloc.stop()
         per_iteration = LAYOUT.num_slots * LAYOUT.lanes * 4
         assert after - before < 4 * per_iteration, (after - before, per_iteration)
-        assert len(agent._open) <= 8 and agent.outbox.pending == 0
+        assert len(agent.core.book.open) <= 8 and agent.outbox.pending == 0
     finally:
         sock.close()
         if xdp is not None:

@@ -68,7 +68,7 @@ def test_only_the_first_window_counts_and_iterations_take_entries_over_forwards_
     feed(agg, rows)                                     # three chunks, the window is two
     ((worker, nbytes, *_),) = agg.uplink_spans(k, 8)
     assert (worker, nbytes) == (1, rows[:2].nbytes)
-    from bpf.xdp import TOKEN_WINDOW
+    from netstorm.lan.slots import TOKEN_WINDOW
 
     later = k + TOKEN_WINDOW                            # the same entry, a newer iteration: taken over
     feed(agg, datagrams(1, later)[:1])

@@ -1,4 +1,4 @@
-"""Passive uplink measurement at the gateway (bpf/uplinks.py, bpf/gateway.py): each worker's first window
+"""Passive uplink measurement at the gateway (netstorm/lan/uplinks.py, bpf/gateway.py): each worker's first window
 of DATA per iteration becomes a burst, the meter takes the median of enough of them, and the gateway
 reports the measured LAN when a rate moved past the threshold, no more often than the hold (fake clock)."""
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from bpf.gateway import EdgeOptions, GatewayRole
-from bpf.uplinks import UplinkTracker
 from netstorm import scenario
+from netstorm.lan.uplinks import UplinkTracker
 from netstorm.lan_scenario import LanSpec
 
 

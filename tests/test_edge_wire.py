@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from bpf.agent import IterationSums
-from bpf.xdp import SlotEvent
 from netstorm.lan.batch import valid_headers
 from netstorm.lan.errors import WireError
 from netstorm.lan.fixedpoint import INT32_MAX, quantize, rescale_for
@@ -34,6 +33,7 @@ from netstorm.lan.header import (
 )
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, fit_scales, nack_packets, result_packets
+from netstorm.lan.slots import SlotEvent
 
 LAYOUT = EdgeLayout.uniform([1000, 7], scale=10, lanes=358)
 BPF = Path(__file__).resolve().parent.parent / "bpf"

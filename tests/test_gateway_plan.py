@@ -131,7 +131,7 @@ def test_a_pending_deployment_switches_at_a_release_once_its_aggregator_services
         assert role.pending is planned and agent.epoch == 0   # no service has said HELLO: it waits
         for i, head in enumerate(topology.clusters):   # each aggregator's service says HELLO
             hello = control_packet(Kind.HELLO, job=1, worker=head, iteration=1000 + i, flags=Flag.AGGREGATOR)
-            agent._handle(hello, ("127.0.0.1", 40000 + i))
+            agent.core.datagram(hello, ("127.0.0.1", 40000 + i), 0.0)
         role.released(8, [np.zeros(1000, np.float32), np.zeros(24, np.float32)], 13)
         assert role.pending is None and role.plan is planned and role.options.topology == topology
         assert agent.epoch == 1 and agent.deployments.since == 9 and agent.topology == topology

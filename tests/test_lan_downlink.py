@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from bpf.agent import EdgeAgent, IterationSums
+from bpf.agent import EdgeAgent
 from bpf.gateway import EdgeOptions, GatewayRole
 from netstorm import scenario
 from netstorm.lan.batch import valid_headers
@@ -22,6 +22,7 @@ from netstorm.lan.errors import WireError
 from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, MAX_REPORT_BYTES, Header, Kind
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet
+from netstorm.lan.sums import IterationSums
 from netstorm.lan.tokens import LanTokens
 from netstorm.lan_scenario import LanSpec
 
@@ -106,13 +107,16 @@ def test_the_agent_takes_a_report_only_with_the_workers_token_for_a_collected_it
     tokens = LanTokens(SECRET, JOB)
     report = DownlinkReport(2_000_000, 16_000_000)
     agent.expect(3)
-    agent._finished[3] = IterationSums(LAYOUT, 3, 2, JOB)
+    agent.core.collected(3, IterationSums(LAYOUT, 3, 2, JOB))   # as a collect of it ends
     address = ("127.0.0.1", 5000)
-    agent._handle(report_packet(report, job=JOB, worker=1, iteration=4, token=tokens.worker(1, 4)), address)
+    def say(iteration: int, token: int) -> None:
+        agent.core.datagram(report_packet(report, job=JOB, worker=1, iteration=iteration, token=token), address, 0.0)
+
+    say(4, tokens.worker(1, 4))
     with pytest.raises(WireError, match="wrong token"):
-        agent._handle(report_packet(report, job=JOB, worker=1, iteration=3, token=tokens.worker(0, 3)), address)
+        say(3, tokens.worker(0, 3))
     assert agent.downlink_bursts() == []          # not collected yet, and forged
-    agent._handle(report_packet(report, job=JOB, worker=1, iteration=3, token=tokens.worker(1, 3)), address)
+    say(3, tokens.worker(1, 3))
     assert agent.downlink_bursts() == [(1, 2_000_000, 0.0, pytest.approx(0.016))]
     assert agent.forged == 1 and agent.outbox.pending == 0     # never answered
 
