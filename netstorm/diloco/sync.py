@@ -104,6 +104,8 @@ class DiLoCo:
         self.straggler_s = straggler_s
         self.max_attempts = max_attempts
         self.records: list[SyncRecord] = []
+        self.last_wait_s = 0.0
+        """Seconds the last ``step()`` waited for a sync's result (blocking syncs, or a late one)."""
         self._lock = threading.Lock()
         self._claimed: set[int] = set()
         self._pending: dict[int, concurrent.futures.Future[SyncRecord]] = {}
@@ -134,6 +136,7 @@ class DiLoCo:
         """One inner step done (``params`` updated in place): send a fragment or apply one, as scheduled.
         Returns the record of a sync applied now."""
         self.steps += 1
+        self.last_wait_s = 0.0
         sent = self.schedule.sent_after(self.steps)
         if sent is not None:
             index = self.schedule.sync_index(self.steps)
@@ -153,7 +156,9 @@ class DiLoCo:
             future = self._pending.pop(index, None)
         if future is None:  # a sync before this DC joined
             return None
+        waited = time.monotonic()
         record = future.result()
+        self.last_wait_s = time.monotonic() - waited
         self.state.merge(self.schedule.fragment_of(index), self.local, self.merge_alpha)
         return record
 
