@@ -43,6 +43,25 @@ class GlobalState:
         self.width = self.bounds[0][1] - self.bounds[0][0]
         self.residual = np.zeros(self.params.size if self.compression.error_feedback else 0, np.float32)
         self.outer_steps = 0
+        self._zeros: dict[str, np.ndarray] | None = None
+
+    def zeros(self) -> dict[str, np.ndarray]:
+        """Every registered tensor as zeros (shared arrays: callers replace entries, never write into them)."""
+        if self._zeros is None:
+            snapshot_words = self.snapshot(0, 0).words()
+            self._zeros = {name: np.zeros_like(value) for name, value in self.registered_shapes().items()}
+            self._zeros[STATE] = np.zeros(2 * snapshot_words, np.int32)
+        return dict(self._zeros)
+
+    def registered_shapes(self) -> dict[str, np.ndarray]:
+        tensors: dict[str, np.ndarray] = {}
+        if self.compression.quantized:
+            tensors[LANES] = np.zeros(self.width, self.compression.lane)
+            tensors[PEAK] = np.zeros(quantize.SCALE_BUCKETS, np.uint8)
+        else:
+            tensors[DELTA] = np.zeros(self.width, np.float32)
+        tensors[META] = np.zeros(st.META_WORDS, np.int32)
+        return tensors
 
     def digest(self) -> bytes:
         return st.digest(self.params, self.outer.state_arrays(), self.outer_steps)
@@ -60,13 +79,7 @@ class GlobalState:
 
     def registered(self, snapshot: st.Snapshot) -> dict[str, np.ndarray]:
         """The tensors a DC registers: every fragment's sync travels in them, so the layout is fixed."""
-        tensors: dict[str, np.ndarray] = {}
-        if self.compression.quantized:
-            tensors[LANES] = np.zeros(self.width, self.compression.lane)
-            tensors[PEAK] = np.zeros(quantize.SCALE_BUCKETS, np.uint8)
-        else:
-            tensors[DELTA] = np.zeros(self.width, np.float32)
-        tensors[META] = np.zeros(st.META_WORDS, np.int32)
+        tensors = self.registered_shapes()
         tensors[STATE] = snapshot.encode()
         return tensors
 
@@ -119,20 +132,14 @@ class FragmentSync:
         """DCs whose digests the sync summed (every contributor, left out or not)."""
         self.total_weight = 0
         self._sent: np.ndarray | None = None
-        self._zeros = {name: np.zeros_like(value) for name, value in
-                       state.registered(state.snapshot(0, 0)).items() if name != STATE}
-        self._zeros[STATE] = np.zeros(state.snapshot(0, 0).words() * 2, np.int32)
 
     @property
     def rounds(self) -> int:
         return self.state.compression.rounds
 
-    def zeros(self) -> dict[str, np.ndarray]:
-        return dict(self._zeros)
-
     def tensors(self, round_: int) -> dict[str, np.ndarray]:
         """What this DC pushes in ``round_`` (0-based; one node iteration each)."""
-        out = self.zeros()
+        out = self.state.zeros()
         codec = self.state.compression
         if codec.quantized and round_ == 0:
             if self.weight:

@@ -243,7 +243,6 @@ class DiLoCo:
             raise IterationError("the node asked for the model outside a sync")
         index, round_ = current
         snapshot = self.state.snapshot(self.schedule.sync_step(index), index, True, round_)
-        tensors = {name: value.astype(np.float32) for name, value in
-                   FragmentSync(self.state, index, None, self.rng).zeros().items()}
+        tensors = {name: value.astype(np.float32) for name, value in self.state.zeros().items()}
         tensors[STATE] = snapshot.encode().astype(np.float32)
         return tensors
