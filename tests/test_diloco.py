@@ -129,19 +129,50 @@ def test_a_digest_mismatch_is_a_typed_error() -> None:
     assert st.check_meta(st.meta(1, mine) + st.meta(0, mine), mine, 7, (1, 2)) == (1, 2)
 
 
-def test_a_snapshot_carries_the_global_state_exactly() -> None:
+@pytest.mark.parametrize("halves", [False, True])
+def test_a_snapshot_carries_the_global_state_exactly(halves: bool) -> None:
     state = GlobalState(np.random.default_rng(0).normal(size=33).astype(np.float32), Schedule(6, 3, 1))
+    state.params[5] = -0.0  # summed with zeros by the nodes it would come back +0.0: the state never holds it
+    state.adopt(state.snapshot(0, 0))
     state.outer.buffer[:] = np.random.default_rng(1).normal(size=33).astype(np.float32)
     state.outer_steps = 17
     snapshot = state.snapshot(step=42, next_sync=20, in_sync=True, round_=1)
-    halves = snapshot.encode()
-    assert halves.dtype == np.int32 and halves.min() >= 0 and halves.max() <= 0xFFFF
-    # the nodes carry it as float32 and sum it with other DCs' zeros: still exact
-    back = state.decode_snapshot(np.rint(halves.astype(np.float32) + np.float32(0)).astype(np.int64))
+    encoded = snapshot.encode(halves)
+    if halves:
+        assert encoded.dtype == np.int32 and encoded.min() >= 0 and encoded.max() <= 0xFFFF
+        carried = np.rint(encoded.astype(np.float32) + np.float32(0)).astype(np.int64)  # the node's int sum
+    else:
+        carried = encoded + np.zeros_like(encoded)  # the node's float32 sum with the other DCs' zeros
+    back = state.decode_snapshot(carried)
     joiner = GlobalState(np.zeros(33, np.float32), Schedule(6, 3, 1))
     joiner.adopt(back)
     assert joiner.digest() == state.digest()
     assert (back.step, back.next_sync, back.in_sync, back.round) == (42, 20, True, 1)
+
+
+def test_without_rejoin_every_dc_must_start_alike_and_sync_0_checks_it() -> None:
+    dcs = [1, 2]
+    job = Job(dcs)
+
+    def one(dc: int, params: dict[str, np.ndarray]) -> DiLoCo:
+        dl = DiLoCo(job.client(dc), params, sync_every=2, rejoin=False)
+        for step in range(1, 5):
+            inner(dc - 1, step, dl.local)
+            dl.step()
+        dl.close()
+        return dl
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = [pool.submit(one, dc, initial(1)) for dc in dcs]
+        runs = [f.result(timeout=30) for f in same]
+    want, _ = simulate(flat(initial(1)), 2, inner, 4, Schedule(2))
+    np.testing.assert_array_equal(runs[1].state.params, want.params)
+    assert "netstorm.diloco.state" not in runs[0].state.zeros()
+    job = Job(dcs)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        apart = [pool.submit(one, dc, initial(dc)) for dc in dcs]
+        for f in apart:
+            with pytest.raises(DigestMismatch, match="sync 0"):
+                f.result(timeout=30)
 
 
 # ---- elasticity ----------------------------------------------------------------------------------------

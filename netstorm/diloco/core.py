@@ -33,12 +33,19 @@ class GlobalState:
     """The state every DC holds identically, and the residual only this DC holds."""
 
     def __init__(self, params: np.ndarray, schedule: Schedule, outer: OuterSGD | None = None,
-                 compression: OuterCompression | None = None) -> None:
+                 compression: OuterCompression | None = None, rejoin: bool = True) -> None:
         self.params = np.array(params, np.float32).reshape(-1)
+        st.canonical(self.params)
+        self.rejoin = rejoin
+        """The state snapshot is registered: a job starts from the lowest DC's state and a restarted DC
+        rejoins with the live one. It costs a zero tensor of the state's size in every push (header-only
+        frames on the WAN, but the nodes still handle its elements)."""
         self.schedule = schedule
         self.outer = outer if outer is not None else OuterSGD()
         self.outer.bind(self.params.size)
         self.compression = compression if compression is not None else OuterCompression()
+        self.halves = self.compression.method == "fp16"
+        """The snapshot travels as 16-bit halves (a float16 job's nodes would round float32 values)."""
         self.bounds = fragment_bounds(self.params.size, schedule.fragments)
         self.width = self.bounds[0][1] - self.bounds[0][0]
         self.residual = np.zeros(self.params.size if self.compression.error_feedback else 0, np.float32)
@@ -50,7 +57,9 @@ class GlobalState:
         if self._zeros is None:
             snapshot_words = self.snapshot(0, 0).words()
             self._zeros = {name: np.zeros_like(value) for name, value in self.registered_shapes().items()}
-            self._zeros[STATE] = np.zeros(2 * snapshot_words, np.int32)
+            if self.rejoin:
+                self._zeros[STATE] = (np.zeros(2 * snapshot_words, np.int32) if self.halves
+                                      else np.zeros(snapshot_words, np.float32))
         return dict(self._zeros)
 
     def registered_shapes(self) -> dict[str, np.ndarray]:
@@ -71,7 +80,10 @@ class GlobalState:
 
     def adopt(self, snapshot: st.Snapshot) -> None:
         self.params[...] = snapshot.params
+        st.canonical(self.params)
         self.outer.load_state(snapshot.outer_state)
+        for array in self.outer.state_arrays():
+            st.canonical(array)
         self.outer_steps = snapshot.outer_steps
 
     def decode_snapshot(self, halves: np.ndarray) -> st.Snapshot:
@@ -80,7 +92,8 @@ class GlobalState:
     def registered(self, snapshot: st.Snapshot) -> dict[str, np.ndarray]:
         """The tensors a DC registers: every fragment's sync travels in them, so the layout is fixed."""
         tensors = self.registered_shapes()
-        tensors[STATE] = snapshot.encode()
+        if self.rejoin:
+            tensors[STATE] = snapshot.encode(self.halves)
         return tensors
 
     def delta(self, fragment: int, local: np.ndarray) -> np.ndarray:
@@ -96,6 +109,9 @@ class GlobalState:
             return False
         start, stop = self.bounds[sync.fragment]
         self.outer.step(self.params, sync.mean[:stop - start], start, stop)
+        st.canonical(self.params[start:stop])
+        for array in self.outer.state_arrays():
+            st.canonical(array[start:stop] if array.size == self.params.size else array)
         self.outer_steps += 1
         return True
 

@@ -5,9 +5,10 @@ count of outer steps. It rides with every sync as bytes d and their squares d*d 
 sum exactly): for n contributors, sum(d) = n m and sum(d*d) = n m*m for every byte hold only when
 every contributor's byte is m, so equal sums prove equal digests, not merely a likely match.
 
-A snapshot is the state as 32-bit words (a header, the parameters' and the optimizer's float32 bits)
-carried as 16-bit halves in an int32 tensor: exact through every node, float16 jobs included, where
-float chunks would be rounded.
+A snapshot is the state as float32 values (a header of small integers, the parameters, the optimizer's
+state), which a node sums with the other DCs' zeros exactly (x + 0 = x; the state never holds -0.0,
+see ``canonical``). In a float16 job, whose nodes would round float chunks, it travels instead as the
+values' 32-bit words cut in 16-bit halves in an int32 tensor, twice the elements.
 """
 
 from __future__ import annotations
@@ -70,30 +71,51 @@ class Snapshot:
     def words(self) -> int:
         return HEADER_WORDS + self.params.size + sum(a.size for a in self.outer_state)
 
-    def encode(self) -> np.ndarray:
+    def encode(self, halves: bool = False) -> np.ndarray:
+        if not halves:
+            header_f = np.array([VERSION, self.step, self.next_sync, self.outer_steps, int(self.in_sync), self.round],
+                                np.float32)
+            return np.concatenate([header_f, *(np.asarray(a, np.float32).reshape(-1)
+                                               for a in (self.params, *self.outer_state))])
         header = np.array([VERSION, self.step, self.next_sync, self.outer_steps, int(self.in_sync), self.round],
                           np.uint32)
         floats = [np.ascontiguousarray(a, "<f4").reshape(-1).view("<u4") for a in (self.params, *self.outer_state)]
         words = np.concatenate([header, *floats])
-        halves = np.empty(2 * words.size, np.int32)
-        halves[0::2] = words & 0xFFFF
-        halves[1::2] = words >> 16
-        return halves
+        cut = np.empty(2 * words.size, np.int32)
+        cut[0::2] = words & 0xFFFF
+        cut[1::2] = words >> 16
+        return cut
 
     @classmethod
-    def decode(cls, halves: np.ndarray, params_size: int, state_sizes: list[int]) -> Snapshot:
-        halves = np.asarray(halves, np.int64)
+    def decode(cls, values: np.ndarray, params_size: int, state_sizes: list[int]) -> Snapshot:
+        if np.asarray(values).dtype.kind == "f":  # float32 values
+            array = np.asarray(values, np.float32)
+            if array.size != HEADER_WORDS + params_size + sum(state_sizes) or array[0] != VERSION:
+                raise TrainerProtocolError(f"DiLoCo snapshot of {array.size} values, version {array[:1]}; expected "
+                                           f"{HEADER_WORDS + params_size + sum(state_sizes)}, version {VERSION}")
+            return cls._of(array[:HEADER_WORDS].astype(np.int64), array[HEADER_WORDS:], params_size, state_sizes)
+        halves = np.asarray(values, np.int64)
         if np.any((halves < 0) | (halves > 0xFFFF)) or halves.size % 2:
             raise TrainerProtocolError("a DiLoCo snapshot holds values beyond 16-bit halves: not one DC's state")
         words = (halves[0::2] | (halves[1::2] << 16)).astype("<u4")
         if int(words[0]) != VERSION or words.size != HEADER_WORDS + params_size + sum(state_sizes):
             raise TrainerProtocolError(f"DiLoCo snapshot version {int(words[0])} of {words.size} words; expected "
                                        f"version {VERSION}, {HEADER_WORDS + params_size + sum(state_sizes)}")
-        step, next_sync, outer_steps, in_sync, round_ = (int(w) for w in words[1:HEADER_WORDS])
-        floats = words[HEADER_WORDS:].view("<f4")
+        return cls._of(words[:HEADER_WORDS].astype(np.int64), words[HEADER_WORDS:].view("<f4"), params_size,
+                       state_sizes)
+
+    @classmethod
+    def _of(cls, header: np.ndarray, floats: np.ndarray, params_size: int, state_sizes: list[int]) -> Snapshot:
+        step, next_sync, outer_steps, in_sync, round_ = (int(w) for w in header[1:HEADER_WORDS])
         params = floats[:params_size].copy()
         states, at = [], params_size
         for size in state_sizes:
             states.append(floats[at:at + size].copy())
             at += size
         return cls(params, states, step, next_sync, outer_steps, bool(in_sync), round_)
+
+
+def canonical(values: np.ndarray) -> None:
+    """-0.0 becomes +0.0 in place (every other value is unchanged): a snapshot summed with zeros by the
+    nodes must come back bit for bit."""
+    np.add(values, np.float32(0.0), out=values)

@@ -16,6 +16,10 @@ outer step, so the trainer only waits when it must merge the result. A sync that
 DC was lost (``PeerLost``) runs again in the next iteration, which the scheduler plans without that DC:
 the round completes with the survivors and its mean is over the contributors the sync names.
 
+``rejoin=False`` registers no state snapshot: every push then carries no zero tensor of the state's
+size (the nodes handle every element of a registered tensor, zeros too), but every DC must start from
+the same parameters (the same seed; sync 0's digest checks it) and a restarted DC cannot rejoin.
+
 With ``straggler_s``, a DC that has not sent its next fragment ``straggler_s`` seconds after its last
 sync completed is left out of that sync: its worker pushes weight 0 (and its digest) at once, so the
 others do not wait for it, and the DC takes the merged result like everyone when it gets there.
@@ -86,7 +90,7 @@ class DiLoCo:
     def __init__(self, kv: SyncClient, params: Mapping[str, np.ndarray], *, sync_every: int, fragments: int = 1,
                  fragment_delay: int = 0, outer: OuterSGD | None = None, outer_compression: Method = "none",
                  error_feedback: bool = False, merge_alpha: float = 0.0, straggler_s: float | None = None,
-                 seed: int = 0, max_attempts: int = 8) -> None:
+                 seed: int = 0, max_attempts: int = 8, rejoin: bool = True) -> None:
         self.kv = kv
         self.schedule = Schedule(sync_every, fragments, fragment_delay)
         self.shapes = {name: np.shape(value) for name, value in params.items()}
@@ -99,7 +103,7 @@ class DiLoCo:
             at += size
         self.compression = OuterCompression(outer_compression, error_feedback)
         self.state = GlobalState(self.local, self.schedule, outer if outer is not None else OuterSGD(),
-                                 self.compression)
+                                 self.compression, rejoin)
         self.merge_alpha = merge_alpha
         self.straggler_s = straggler_s
         self.max_attempts = max_attempts
@@ -116,7 +120,8 @@ class DiLoCo:
         got = kv.init(self.state.registered(self.state.snapshot(0, 0)),
                       compression="fp16" if outer_compression == "fp16" else "none")
         self.rng = np.random.default_rng([seed, max(kv.node_id, 0)])
-        snapshot = self.state.decode_snapshot(got[STATE])
+        snapshot = (self.state.decode_snapshot(got[STATE]) if rejoin
+                    else self.state.snapshot(0, 0))  # without it every DC must start alike: sync 0's digest checks
         self.state.adopt(snapshot)
         self.local[...] = self.state.params
         self.steps = snapshot.step
@@ -244,5 +249,7 @@ class DiLoCo:
         index, round_ = current
         snapshot = self.state.snapshot(self.schedule.sync_step(index), index, True, round_)
         tensors = {name: value.astype(np.float32) for name, value in self.state.zeros().items()}
-        tensors[STATE] = snapshot.encode().astype(np.float32)
+        if not self.state.rejoin:
+            raise IterationError("a DC joins the job, but this one registered no state to hand over (rejoin=False)")
+        tensors[STATE] = snapshot.encode(self.state.halves).astype(np.float32)
         return tensors

@@ -74,7 +74,7 @@ class DiLoCo:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, outer_optimizer: Any = None,
                  kv: SyncClient | None = None, *, sync_every: int, fragments: int = 1, fragment_delay: int = 0,
                  outer_compression: Method = "none", error_feedback: bool = False, merge_alpha: float = 0.0,
-                 straggler_s: float | None = None, seed: int = 0) -> None:
+                 straggler_s: float | None = None, seed: int = 0, rejoin: bool = True) -> None:
         if kv is None:
             import netstorm
             kv = netstorm.connect()
@@ -91,7 +91,7 @@ class DiLoCo:
             self.sync = FlatDiLoCo(kv, values, sync_every=sync_every, fragments=fragments,
                                    fragment_delay=fragment_delay, outer=outer_of(outer_optimizer),
                                    outer_compression=outer_compression, error_feedback=error_feedback,
-                                   merge_alpha=merge_alpha, straggler_s=straggler_s, seed=seed)
+                                   merge_alpha=merge_alpha, straggler_s=straggler_s, seed=seed, rejoin=rejoin)
             self.params = [p for _, p in named]
             self.flat = torch.from_numpy(self.sync.local)
             if self.fsdp:

@@ -33,6 +33,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--straggler-s", type=float, default=None)
+    parser.add_argument("--no-rejoin", action="store_true",
+                        help="register no state snapshot (cheaper pushes; no rejoin, every DC starts from --seed)")
     parser.add_argument("--compute-s", type=float, default=0.0)
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--batch", type=int, default=0, help="samples per inner step (0: the task's)")
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     dl = DiLoCo(task.model, inner, OuterSGD(args.outer_lr, args.outer_momentum), kv, sync_every=args.sync_every,
                 fragments=args.fragments, fragment_delay=args.fragment_delay,
                 outer_compression=args.outer_compression, error_feedback=args.error_feedback,
-                straggler_s=args.straggler_s, seed=args.seed)
+                straggler_s=args.straggler_s, seed=args.seed, rejoin=not args.no_rejoin)
     # evaluation runs on the global parameters: a second model whose parameters are views of them
     import copy
     evaluator = copy.deepcopy(task.model)
