@@ -33,8 +33,7 @@ def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]
 
 async def run(args: argparse.Namespace, trainer_args: list[str]) -> dict[str, Any]:
     nodes = [int(n) for n in args.nodes.split(",")]
-    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="diloco-", dir="/tmp"))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(args.run_dir)
     cluster = LocalCluster(args.scenario, nodes, run_dir, scheduler_args=["--nodes", args.nodes],
                            common_args=["--iteration-timeout", "600"])
     outs = {dc: run_dir / f"trainer-{dc}.jsonl" for dc in nodes}
@@ -73,6 +72,9 @@ async def run(args: argparse.Namespace, trainer_args: list[str]) -> dict[str, An
 
 def main(argv: list[str] | None = None) -> int:
     args, trainer_args = parse(argv)
+    run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="diloco-", dir="/tmp"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    args.run_dir = str(run_dir)
     result = asyncio.run(run(args, trainer_args))
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     first = next(iter(result["dcs"].values()))
