@@ -195,3 +195,8 @@ class PeerLost(IterationError):
     lost at every DC, and the next one runs without it. Retryable (an ``IterationError`` too)."""
 
     code: ClassVar[ErrorCode] = ErrorCode.PEER_LOST
+
+
+class DigestMismatch(NetStormError):
+    """After an outer step the DCs' global parameters or outer-optimizer state are not bit-identical
+    (DiLoCo's digest, compared at every sync): training would drift apart silently."""

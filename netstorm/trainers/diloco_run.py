@@ -1,0 +1,129 @@
+"""One DC's DiLoCo trainer on real data: ``python -m netstorm.trainers.diloco_run --socket PATH ...``.
+
+It trains ``--train`` (``realdata``: digits or pylm) with AdamW inner steps and ``netstorm.torch``'s
+DiLoCo against its DC's node, and writes JSON lines to ``--out``: ``start`` (parameters, bytes, the
+step it joined a running job at), one ``sync`` per fragment sync (its seconds, contributors, weight,
+attempts, WAN bytes, digest), ``eval`` after every full round of fragments (held-out loss and
+accuracy of the global parameters, when no sync is in flight) and ``end`` (compute and wall seconds,
+evaluation excluded). ``--compute-s S`` pads every inner step to at least S seconds of wall time: a
+GPU-class step on a CPU-only host. Run again with the same command line after its DC restarted, it
+rejoins the running job and continues from the live step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import IO, Any
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.diloco_run")
+    parser.add_argument("--socket", required=True, help="the DC's node (a Unix socket path or tcp://HOST:PORT)")
+    parser.add_argument("--train", choices=("digits", "pylm"), default="digits")
+    parser.add_argument("--dc-index", type=int, required=True, help="this DC's shard of the data (0-based)")
+    parser.add_argument("--dcs", type=int, required=True, help="DCs sharing the data")
+    parser.add_argument("--sync-every", type=int, required=True)
+    parser.add_argument("--fragments", type=int, default=1)
+    parser.add_argument("--fragment-delay", type=int, default=0)
+    parser.add_argument("--outer-compression", choices=("none", "fp16", "int8", "int4"), default="none")
+    parser.add_argument("--error-feedback", action="store_true")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument("--straggler-s", type=float, default=None)
+    parser.add_argument("--no-rejoin", action="store_true",
+                        help="register no state snapshot (cheaper pushes; no rejoin, every DC starts from --seed)")
+    parser.add_argument("--compute-s", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=0, help="samples per inner step (0: the task's)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def emit(out: IO[str], kind: str, **fields: Any) -> None:
+    out.write(json.dumps({"kind": kind, **fields}) + "\n")
+    out.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    import torch
+
+    import netstorm
+    from netstorm.diloco.outer import OuterSGD
+    from netstorm.torch.diloco import DiLoCo
+    from netstorm.trainers.realdata import build
+
+    torch.set_num_threads(args.threads)
+    task = build(args.train, args.dc_index, args.dcs, args.seed, args.batch)
+    kv = netstorm.connect(args.socket, timeout=args.timeout)
+    inner = torch.optim.AdamW(task.model.parameters(), lr=task.lr)
+    dl = DiLoCo(task.model, inner, OuterSGD(args.outer_lr, args.outer_momentum), kv, sync_every=args.sync_every,
+                fragments=args.fragments, fragment_delay=args.fragment_delay,
+                outer_compression=args.outer_compression, error_feedback=args.error_feedback,
+                straggler_s=args.straggler_s, seed=args.seed, rejoin=not args.no_rejoin)
+    # evaluation runs on the global parameters: a second model whose parameters are views of them
+    import copy
+    evaluator = copy.deepcopy(task.model)
+    with torch.no_grad():
+        for p, view in zip(evaluator.parameters(), _views(dl), strict=True):
+            p.data = torch.from_numpy(view)
+    with open(args.out, "a", encoding="utf-8") as out:
+        emit(out, "start", dc=kv.node_id, train=args.train, parameters=task.parameters,
+             bytes=4 * task.parameters, joined_at=dl.sync.joined_at, step=dl.sync.steps, t=time.time())
+        start = time.monotonic()
+        compute = eval_s = 0.0
+        seen = 0
+        while dl.sync.steps < args.steps:
+            t0 = time.monotonic()
+            x, y = task.batch(dl.sync.steps + 1)
+            loss = task.loss(task.model, x, y)
+            loss.backward()
+            inner_start = time.monotonic()
+            remaining = args.compute_s - (inner_start - t0)
+            if remaining > 0:
+                time.sleep(remaining)  # the padding --compute-s asks for: a GPU-class step's wall time
+            record = dl.step()
+            inner.zero_grad()
+            compute += (time.monotonic() - t0) - (_last_wait(dl))
+            for r in dl.records[seen:]:
+                emit(out, "sync", **{k: (list(v) if isinstance(v, tuple) else v) for k, v in r.__dict__.items()})
+            seen = len(dl.records)
+            if record is not None and (record.index + 1) % args.fragments == 0 and dl.sync.in_flight() == 0:
+                e0 = time.monotonic()
+                eval_loss, accuracy = task.evaluate(evaluator)
+                eval_s += time.monotonic() - e0
+                emit(out, "eval", t_s=time.monotonic() - start - eval_s, step=dl.sync.steps, loss=eval_loss,
+                     accuracy=accuracy)
+        wall = time.monotonic() - start - eval_s
+        dl.close()
+        emit(out, "end", steps=dl.sync.steps, wall_s=wall, compute_s=compute,
+             compute_fraction=compute / wall if wall else None, digest=dl.digest().hex())
+    kv.close()
+    return 0
+
+
+def _views(dl: Any) -> list[Any]:
+    state = dl.sync.state.params
+    out, at = [], 0
+    for shape in dl.sync.shapes.values():
+        size = 1
+        for n in shape:
+            size *= n
+        out.append(state[at:at + size].reshape(shape))
+        at += size
+    return out
+
+
+def _last_wait(dl: Any) -> float:
+    """Seconds the last ``step()`` waited for a sync's result (what is not compute)."""
+    return float(dl.sync.last_wait_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
