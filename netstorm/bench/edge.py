@@ -605,9 +605,9 @@ def run(args: argparse.Namespace) -> int:
             import shlex
             import sys
 
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc},
-                                                 indent=1) + "\n")
+            from netstorm.provenance import write_result
+
+            write_result(args.out, {"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc})
         print(json.dumps(doc, indent=2) if args.json else
               f"XDP aggregator for {args.elements} elements ({doc['chunks']} chunks, pool {doc['pool_slots']} slots): "
               f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel")
@@ -662,8 +662,9 @@ def run(args: argparse.Namespace) -> int:
         import sys
 
         doc = {"command": shlex.join(["netstorm", *sys.argv[1:]]), **out}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.out, doc)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

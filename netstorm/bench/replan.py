@@ -38,7 +38,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -264,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
     result["command"] = "netstorm bench replan " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "replan"] \
         else " ".join(sys.argv)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.out, result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:
