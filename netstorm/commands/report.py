@@ -95,6 +95,7 @@ def _fold_or_csv(args: argparse.Namespace) -> int:
         if args.csv == "-":
             repeats.write_csv(sys.stdout, named)
         else:
+            Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
             with open(args.csv, "w", newline="") as out:
                 count = repeats.write_csv(out, named)
             print(f"written {args.csv} ({count} rows)", file=sys.stderr)
