@@ -1,32 +1,7 @@
 """The gateway's edge agent: turns completed slots into per-iteration LAN sums, NACKs missing workers,
 recovers overflow by re-quantisation, and hands results back to the workers.
 
-``IterationSums`` is the sans-I/O core (fed AGG datagrams and slot reports, returns datagrams to send);
-``EdgeAgent`` is the asyncio shell around one UDP socket. In "xdp" mode the kernel aggregates and only
-AGG datagrams and ring-buffer reports reach the agent (the program also times each worker's first window
-of DATA, read back per iteration); in "userspace" mode the agent feeds DATA to ``UserspaceAggregator``
-itself. Both modes speak the same wire format to the same workers. Every
-completed chunk is ACKed (the ACKs of one batch of datagrams in one datagram, multicast once to the
-group, so the workers' pool windows move); results go to the group once, or, for an iteration the node
-failed (``fail``), a FAILED notice; a QUERY is answered with the ACKs a worker missed; the HELLO answer
-carries the worker's deployment (``netstorm/lan/deploy.py``).
-Everything the agent sends leaves through one outbox and one writer task (``bpf/outbox.py``,
-``bpf/writer.py``): a full send buffer is back-pressure, never a failure; in userspace mode the agent
-also times each worker's first window of DATA (``bpf/uplinks.py``), its achieved uplink (in xdp mode the
-program does).
-
-Where the LAN's own sum is the result, the XDP program can send every result itself
-(``return_results_from_kernel``, ALEPH's result path): the agent then sees no aggregate but an overflowed
-one, handles slot reports and HELLOs, and learns from the program's ring-buffer report when an iteration's
-chunks all completed (``completed``).
-
-With a job secret (``secret``) every datagram is authenticated by its token (netstorm/lan/tokens.py): the
-agent installs the tokens of the iterations it may receive next into the aggregator (kernel map or
-fallback), checks HELLO and PULL tokens itself, accepts an AGG only with the value it gave the
-aggregator, and stamps every datagram it sends a worker with that worker's gateway token. Whatever
-arrives, the agent allocates per-iteration state only for iterations in the window it installed tokens
-for, so forged or stray datagrams cannot grow it.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 
