@@ -1,18 +1,6 @@
 """The gateway's edge agent: the asyncio shell of the LAN gateway's UDP port.
 
-Every rule lives in ``GatewayCore`` (netstorm/lan/gatewaycore.py): decode and checks, tokens, the receive
-window, sums, ACKs, NACKs, the answers to HELLO, PULL, QUERY and REPORT, results and redeployment. The shell
-moves bytes and time: one ``recvmmsg`` batch per wake-up of the socket into ``GatewayCore.datagrams``, the
-XDP program's ring buffer into ``slot_events``, one timer (the userspace aggregator's slot timers) into
-``handle_timer``, and the outbox out through one writer task (bpf/writer.py). It wakes whoever awaits an
-iteration the core names in ``woken``. In "xdp" mode the kernel aggregates and only AGG datagrams and ring
-reports reach the agent; in "userspace" mode the core feeds DATA to ``UserspaceAggregator``.
-
-Where the LAN's own sum is the result, the XDP program can send every result itself
-(``return_results_from_kernel``, ALEPH's result path): the agent then sees no aggregate but an overflowed
-one, handles slot reports and HELLOs, and learns from the program's ring-buffer report when an iteration's
-chunks all completed (``completed``).
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

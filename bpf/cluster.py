@@ -2,37 +2,7 @@
 cluster, and each completed slot goes on to the gateway as this worker's DATA, so the gateway sums one
 datagram per cluster instead of one per member.
 
-``ClusterAggregator`` says HELLO to the gateway (flagged AGGREGATOR), which answers with its deployment
-(pool, lanes, scale, the members, the multicast group) and from then on tells the members to send their
-DATA here. With ``mode="xdp"`` the program is attached to the LAN interface (the members' packets) and,
-in generic mode, to the loopback device (this host's own trainer sends to the same address, and a host's
-packets to itself never cross its NIC); a completed slot is rewritten and sent out of the LAN interface
-by the program itself (XDP_TX or bpf_redirect): no userspace work per packet. With ``mode="userspace"``
-the fallback aggregates behind a UDP socket and sends the forwarded DATA itself.
-
-Tokens: members' DATA must carry their tokens, checked here as at the gateway; the forwarded DATA carries
-this worker's own token. Both are installed per iteration for a window that starts at the deployment's
-``first_iteration`` and moves with the iterations the gateway's multicast ACKs and results name.
-
-Loss below this level: the gateway sees only that this cluster's aggregate of a chunk is missing, not whose
-datagram the cluster lacks. So it NACKs this service (not its members) for the chunk, and the service reads
-its own slot (the kernel's slot map in XDP mode, one locked lookup; the fallback's slot otherwise) and NACKs
-exactly the members missing from its contributor bitmap, stamped with the gateway's token for each (a worker
-takes a NACK only with it). The slot is read a reorder window after the NACK (``REORDER_MIN``), since the
-gateway may ask while members' datagrams are still on their way. A completed slot means the forwarded
-aggregate was lost on its way up: this worker's own trainer is NACKed, and its duplicate makes the program
-re-emit the aggregate. Members' addresses are those of their HELLOs, which every member sends here before
-its first window.
-
-A changed deployment (netstorm/lan/redeploy.py): the gateway sends this service MOVED when it switches, and
-every RESULT on the group announces the epoch of the next iteration; either makes the service say HELLO
-again (repeated until answered) and take its new part in place: the members it sums and the epoch their
-DATA must carry, rewritten in the program's configuration map (or the fallback's fields), and the members'
-tokens. A worker that aggregates nothing in a deployment keeps its service running on standby (it sums
-nothing) so a later deployment can name it without starting anything. DATA of another epoch is never summed
-(the program passes it up here): its sender is sent MOVED, and the service asks the gateway too, in case it
-is the one behind.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

@@ -1,35 +1,7 @@
 """The gateway role of a general node: its LAN workers' sum joins the DC's contribution, and the WAN result
 goes back to them.
 
-The node calls ``combine(iteration, key, values)`` while its own trainer contributes tensor ``key``
-(that is how the gateway's own trainer is included: explicitly, since its packets to its own address
-would never cross the NIC's XDP hook), or ``combine_parts`` for a tensor the node contributes in parts (a
-WAN chunk each: each part is handed as soon as the LAN chunks under it are summed, ``bpf/lanparts.py``,
-so the WAN step of a part starts while the LAN sums the rest), and ``released(iteration, result, workers)``
-once the iteration's result has been read; ``workers`` (how many workers' gradients the result sums, over
-every DC) goes to the LAN workers with it, so they can average exactly as a trainer at a node does;
-``failed(iteration)`` when the node failed it instead (the LAN workers are told, and a compressed job's
-rounds restart on the next iteration's wire). The first iteration (the trainer's ``init``) carries no LAN
-sum: its result, the values every DC agrees on, is what the LAN
-workers' ``init`` returns.
-
-Planned LAN tier (``dc_planner``): a gateway given its LAN's description (``lan``) announces it to the
-scheduler (``announce``), which answers with a ``LanPlan``; ``apply_lan_plan`` turns the plan's two-level
-form into the deployment. Workers learn their part (where to send, which members an aggregator sums) in
-the answer to their HELLO. The first plan is waited for (``plan_wait`` seconds) before the LAN tier
-starts, and becomes its deployment from the first summed iteration. A plan with another deployment
-arriving once the tier runs (the scheduler re-plans on measured LAN rates) is kept as ``pending`` until
-the node releases its next result, say of iteration k: then it becomes the deployment from iteration
-k + 1 under a new epoch (netstorm/lan/redeploy.py). The gateway's expected contributors and epoch are
-rewritten in its aggregator in place (the XDP program's configuration map, no reload), the aggregator
-services are told (MOVED), and k's result announces the epoch, so every worker asks for its new part
-before it sends k + 1. Every aggregator sums only DATA of its own epoch, so no sum mixes two
-deployments, and a sender that did not follow is answered MOVED. A deployment naming an aggregator
-whose service (``netstorm lan-aggregator``) never said HELLO stays pending, looked at again at each
-released result, until it has. An iteration the node fails does not switch: the next released result
-does. A plan with the running deployment (new rates only) is taken at once. The TCP path is one level:
-a plan with clusters is refused there (its rates apply; every worker keeps streaming to the gateway).
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

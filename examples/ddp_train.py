@@ -1,7 +1,7 @@
 """DDP, unchanged, on the ``netstorm`` process-group backend: one rank per process, started by torchrun.
 
-    netstorm local scenario.toml --run-dir RUN &          # scheduler + one node per DC
-    NETSTORM_TORCH_SOCKET='RUN/dc-{rank}.sock' torchrun --nproc-per-node 3 examples/ddp_train.py --out OUT
+    netstorm local examples/job.toml --run-dir RUN &      # scheduler + one node per DC (ids 0, 1, 2)
+    NETSTORM_TORCH_SOCKET='RUN/node-{rank}.sock' torchrun --nproc-per-node 3 examples/ddp_train.py --out OUT
 
 Each rank finds its DC's node (the ``torch_socket`` template, or NETSTORM_SOCKET), trains the MLP of
 ``train_mlp.py`` on its shard of the same generated data with ``DistributedDataParallel``, and writes
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(loss.item())
             params.append(flat(model))
             print(json.dumps({"step": step, "rank": rank, "loss": losses[-1]}), flush=True)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
         np.savez(Path(args.out) / f"rank-{rank}.npz", params=np.stack(params), losses=np.array(losses))
         dist.barrier()
     except RuntimeError as exc:

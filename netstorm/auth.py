@@ -1,30 +1,6 @@
 """Job membership proven on every TCP connection: a mutual challenge-response over one job secret.
 
-Every process of a job holds the same secret (``secret_file``, at least ``MIN_SECRET_BYTES`` random
-bytes). Before a connection carries its own protocol (data frames, control messages, trainer requests),
-the side that connected (the client) and the side that accepted (the server) run four messages::
-
-    client -> server  Challenge(plane, client identity, client nonce)
-    server -> client  Answer(server identity, server nonce, server proof)
-    client -> server  Proof(client proof)
-    server -> client  Welcome()                      (or Refusal(message) from either side, then close)
-
-A proof is HMAC-SHA256(secret, DOMAIN | transcript | prover's side), where the transcript is the plane,
-both nonces in order and both claimed identities (a role and, for a node, its id). So a proof binds the
-claimed identity to this connection: it is worthless on any other connection (another nonce), on
-another plane, for another identity, or reflected back to the side that made it. Proofs are compared
-with ``hmac.compare_digest``. A replayed transcript fails because the other side's nonce is fresh.
-
-``Handshake`` is the protocol with no I/O (the shape of aioquic's connection): it is fed bytes and the
-time, says what to send, when it gives up (``deadline``), and ends in ``done`` with the peer's proven
-``Identity`` or raises ``AuthError``. ``netstorm.authconn`` runs it on asyncio streams, in front of an
-asyncio protocol, and on a blocking socket.
-
-A side without a secret never speaks this protocol; one with a secret insists on it. The first bytes
-tell them apart (``MAGIC`` cannot start a data frame, and read as any other plane's length prefix it is
-far beyond that plane's limit), so each side can say clearly that the other has a different idea of the
-secret instead of failing on garbage.
-"""
+See docs/ARCHITECTURE.md, *Trust*."""
 
 from __future__ import annotations
 

@@ -38,13 +38,38 @@ COMMANDS: dict[str, str] = {
 }
 
 
+EXTRAS: dict[str, str] = {"networkx": "scheduler", "scipy": "scheduler", "numba": "scheduler",
+                          "highspy": "scheduler", "matplotlib": "emulate", "torch": "torch"}
+"""Optional dependency -> the install extra that brings it (pyproject.toml); the core install is a node's."""
+
+
 def _load(module: str) -> ModuleType | None:
     try:
         return importlib.import_module(f"netstorm.commands.{module}")
     except ModuleNotFoundError as exc:
         if exc.name == f"netstorm.commands.{module}":
             return None
-        raise
+        return needs_extra(module, exc)
+
+
+def needs_extra(module: str, exc: ModuleNotFoundError) -> ModuleType:
+    """A stand-in for a command whose optional dependencies are not installed: listed, and run, it says
+    which extra to install (``exc`` is raised again when what is missing is no optional dependency)."""
+    missing = str(exc.name)
+    extra = EXTRAS.get(missing.split(".")[0])
+    if extra is None:
+        raise exc
+    stub = ModuleType(f"netstorm.commands.{module}")
+    stub.HELP = f"(not installed: needs {missing}; pip install 'netstorm[{extra}]')"  # type: ignore[attr-defined]
+    stub.add_arguments = lambda parser: parser.add_argument("rest", nargs=argparse.REMAINDER)  # type: ignore[attr-defined]
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"netstorm {module.replace('_', '-')}: needs {missing}, which this install lacks: "
+              f"pip install 'netstorm[{extra}]'", file=sys.stderr)
+        return 2
+
+    stub.run = run  # type: ignore[attr-defined]
+    return stub
 
 
 class Parser(argparse.ArgumentParser):
@@ -89,9 +114,14 @@ def build_parser(only: str | None = None) -> tuple[Parser, dict[str, ModuleType]
         module = _load(module_name)
         if module is None:
             continue
-        modules[name] = module
         command_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(command_parser)
+        try:
+            module.add_arguments(command_parser)
+        except ModuleNotFoundError as exc:   # a command whose options come from an optional module
+            module = needs_extra(module_name, exc)
+            command_parser.description = module.HELP
+            module.add_arguments(command_parser)
+        modules[name] = module
         parser.commands[name] = command_parser
     return parser, modules
 
@@ -124,6 +154,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except NetStormError as exc:
         print(f"netstorm {args.command}: error: {exc}", file=sys.stderr)
         return 1
+    except ModuleNotFoundError as exc:
+        extra = EXTRAS.get((exc.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"netstorm {args.command}: needs {exc.name}, which this install lacks: pip install "
+              f"'netstorm[{extra}]'", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

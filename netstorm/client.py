@@ -1,29 +1,6 @@
 """The trainer API: ``netstorm.connect()`` and its PUSH/PULL verbs.
 
-```python
-kv = netstorm.connect()                       # NETSTORM_SOCKET, a Unix socket path, or "tcp://host:port"
-params = kv.init({"fc1.weight": w, ...})      # every DC gets the same initial values (the lowest id's);
-                                              # a DC restarted into a running job gets the live model
-out = kv.push_pull({"fc1.weight": g, ...}, average=True)   # one synchronous iteration
-kv.push("fc1.weight", g); out = kv.pull("fc1.weight")      # the split form
-```
-
-Over a Unix socket the model lives in shared memory both sides map: a push converts the tensor into it
-(float16 becomes float32 on the way), the node reads it from there and writes the sums back; the socket
-carries only names. The memory is anonymous (a memfd the node opens through ``/proc/<trainer>/fd``), so
-it has no name to outlive either process, even killed with SIGKILL. Where the node may not open another
-process's descriptors (it runs as another user), ``NETSTORM_SHM=file`` names a file in ``/dev/shm``
-instead, which the node unlinks as soon as it has mapped it; files left by trainers that died before
-that are swept by the next trainer or node on the host. Over TCP the values travel inline.
-
-A model above ``max_model_bytes`` (``NETSTORM_MAX_MODEL_BYTES``) or above the memory free is refused by
-``init`` (``ModelTooLarge``) before anything is allocated or sent.
-
-When a DC is admitted into a running job, one live DC's trainer hands over its current model: its node
-answers a push with ``ModelWanted`` and the client sends what its model provider returns. The provider
-is, by default, the dict ``init`` returned (train those arrays in place, or store new arrays under the
-same names in that dict); ``set_model_provider`` names another (the torch optimizer gives its parameters).
-"""
+See docs/ARCHITECTURE.md, *One chunk, from trainer to root and back*."""
 
 from __future__ import annotations
 

@@ -1,34 +1,6 @@
 """Passive LAN rate reports: what a gateway tells the scheduler about its LAN, and how it measures it.
 
-The scheduler plans each DC's tier (``dc_planner``) from the DC's ``LanSpec``; a gateway node sends it
-as a ``LanReport``, first as configured, then with the rates its traffic shows. The measurement is
-passive, as on the WAN (``netstorm.probe``): no probe traffic, only the gradients themselves. A worker
-pushes each chunk as a burst of datagrams, so the span from a burst's first to its last datagram at the
-receiver measures the worker's port, not the plan's pacing share of it, as long as a burst is sent
-back to back; the meter keeps the median of a worker's last ``window`` burst rates (robust to one
-queued burst) and believes a direction only after ``min_samples`` of them. Uplinks are measured where
-the gateway receives a worker's chunks (netstorm/lan/uplinks.py; in XDP mode by the program), downlinks where the
-worker receives its result burst (netstorm/lan/downlink.py: it reports each iteration's burst to its
-gateway in a REPORT datagram, which the gateway feeds to its meter).
-
-A sample can be censored by the gateway itself. A worker paced to its plan rate (``dc_pace_rates``, the
-pace in its HELLO answer) sends no faster than that pace, whatever its link could carry; a cluster
-aggregator's uplink is measured from the aggregates it forwards, and it forwards a slot's sum only once
-every member's chunk of it arrived, so its sums leave no faster than its slowest member feeds it (that
-member's pace, or its uplink as believed). Such a sample, taken at its ``bound``, says only that the link
-carries at least about the bound: reported as the link's rate it would make the scheduler re-plan around a
-slowness the gateway caused (an aggregator "measured" at its members' rate, a paced worker at its pace). A
-sample clearly below its bound (below ``bound x (1 - margin)``, ``margin`` the report threshold
-``dc_replan_change``: a smaller gap is one no report would answer anyway) is a real drop and counts as
-measured. The meter keeps censored samples in the window as "at least the bound": the median of the window
-is believed only where it falls on an uncensored sample (a right-censored median); where it falls on a
-censored one the direction keeps its previous belief, raised to the least bound of the window's censored
-samples if it was below that (the link demonstrably carried that much). The rule lives here and not in the
-gateway role so that it is tested without sockets; the gateway passes the bounds in (``uplink_bounds``).
-
-The meter is a sans-I/O core (bursts in, a report out); the data plane calls ``on_burst`` where it
-already timestamps datagrams and a gateway sends ``report`` when ``changed`` says a rate moved.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

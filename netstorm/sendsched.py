@@ -1,40 +1,6 @@
 """The sender's communication scheduler (paper Fig. 7): primary path first, auxiliary paths when it lags.
 
-One ``PathScheduler`` per tree edge ``src -> dst``. Paths are node-id tuples from ``src`` to ``dst``:
-the primary (the tree edge itself, or its route) and the auxiliary paths of Algorithm 3, fastest
-first. A new chunk goes to the primary unless more than ``busy_bound`` chunks are already in flight
-on it; then (the paper's rule) to the first auxiliary path with fewer than ``aux_queue_length`` chunks
-in flight; when none qualifies, to the primary again (its queue is where waiting is cheapest).
-
-Given a view of the links (``LinkView``: the bytes waiting for each neighbour and the rate it sends
-at, measured by the node) and a ``slowdown`` above 0, two refinements keep auxiliary chunks off
-capacity the plan counts on:
-
-- *Only from a lagging edge.* The primary must be sending more than ``slowdown`` (a
-  fraction) below the rate its policy was planned with. The policy's trees are packed onto every link's
-  planned capacity, so while the plan holds an auxiliary chunk only takes capacity some other tree
-  planned for; when a link falls behind its plan (the WAN changed and the plan is stale), its chunks
-  are what holds the iteration up, and moving them is the gain.
-- *Earliest delivery.* Among the auxiliary paths with room, the one whose estimated delivery is
-  earliest, if earlier than the primary's: the first hop's waiting bytes plus the chunk at its measured
-  rate, and the chunk at the planned (or newer believed) rate of every later hop (whose queues the
-  sender cannot see).
-
-Once the scheduler has published a newer policy, ``believe`` hands the scheduler the rates it was
-planned from. The bound policy's trees stay, but a path with a later hop that runs more than
-``slowdown`` below the rate this policy planned for it is left out (planned offload, auxiliary choice,
-moves and exploring alike): that hop is already behind with the trees' own chunks, and a detour through
-it only lengthens its backlog. The sender cannot see that hop's queue; in the iteration a WAN change
-lands in, other nodes' detours through such a hop made it the iteration's bottleneck.
-
-A planned ``offload`` ((path, fraction), ...; ``netstorm.planning.offload``) comes first: each path gets its
-fraction of the edge's chunks, spread evenly by a credit per path (a chunk goes to the path whose
-credit reaches one first), whatever the primary's backlog, because the plan counted on it.
-
-"In flight" means chosen and not yet handed off the first hop's socket: the node calls ``done``
-when the chunk's last byte has left (it then counts against the link, not against this queue).
-The scheduler never blocks: back-pressure is the per-neighbour send queue's job.
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

@@ -1,36 +1,6 @@
 """The aggregation core of a general node: a sans-I/O state machine over (iteration, chunk).
 
-It is fed the layout, the policy bound to each iteration, this DC's contribution per tensor and the
-chunks peers send, and answers with actions: chunks to send over a tree edge (or onward along an
-auxiliary path), tensors whose sums are complete, iterations that completed or failed. No sockets and
-no clock: ``NodeCore`` (``node/core.py``) wraps it with the rest of the node's protocol, and tests wire
-several cores together with plain calls.
-
-Per chunk and iteration the rule is the paper's aggregate-forward: once this DC's contribution and
-every child's partial sum (in the tree of the chunk's root) are in, send the partial sum to the parent;
-the root instead holds the full sum and sends it down the same tree; a node receiving the full sum
-from its parent keeps it and passes it on to its children. Sums accumulate in one float32 vector per
-iteration (``np.add(..., out=...)`` on slices, never a Python loop over elements).
-
-Chunks that arrive for an iteration whose policy is not bound yet are kept and processed when it is;
-nothing is dropped. A contribution that arrives twice is rejected. Chunks from before the layout can
-be kept too, but the node's shell never feeds any: it stops reading a connection until the layout
-exists (``NodeCore.admit``), so nothing is buffered for a layout that does not exist.
-
-Integer chunks (vote counts, quantized values: ``layout.INT_DTYPES``) are summed exactly in an int32
-vector beside the float one, and each hop travels in the narrowest integer dtype that holds its partial
-sum (bits for 0/1 sums such as a single contributor's votes, uint8 or int8, int16, int32; the receiver
-reads it from the header), so a lane never wraps and a sum costs no more than it needs. Every
-integer contribution and sum is bounded by ``INT_EXACT`` (2**24, what the trainer's float32 path holds
-exactly): a larger one fails the iteration, as no correct trainer sends it; with fewer than 128
-children per node the int32 sums cannot wrap before that check. A sender elides a chunk's all-zero
-tail (the header's count says how many leading elements follow), so a sparse chunk costs what it
-holds. Float chunks travel as float16 when the layout says so (the fp16 compression), as float32
-where a value would not fit, and the root keeps the rounded sum it sends, so every DC holds the same
-result. When the layout names a GIA tensor (FediAC's vote counts), the root of each chunk, the one
-node that holds its shard's full counts, applies the threshold before sending the sum down, so the
-GIA travels down the tree as a bitmap (1/8 byte per element) instead of the counts.
-"""
+See docs/ARCHITECTURE.md, *One chunk, from trainer to root and back*."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """TCP transport between general nodes: one connection per ordered pair, opened by the sender.
 
-Receiving: ``InboundProtocol`` is an ``asyncio.BufferedProtocol``. Prefix and header land in a small
-staging buffer; a chunk's payload is received straight into a freshly allocated array of its wire dtype, so the
-only copy of the payload is the kernel's. The first frame must be a Hello from a member; any malformed,
-oversized or unexpected frame gets an Error frame back and the connection is closed, and the node goes
-on serving every other peer.
-
-Sending: one ``PeerLink`` per peer with its own task and queue. A frame is stamped (t_send) when its
-first byte is handed to the socket, written, and the next one waits until the transport has handed all
-of it to the kernel (``pause_writing``/``resume_writing`` with a zero high-water mark), while the kernel
-holds at most ``SEND_LOWAT`` unsent bytes (``TCP_NOTSENT_LOWAT``). So a slow link slows its sender and
-the waiting happens in the link's queue, visible as ``queued_bytes``, not in a socket buffer that
-autotuning grows to megabytes: there, seconds of one kind of traffic would sit in FIFO order ahead of
-everything queued after it, and the auxiliary path scheduler would see nothing in flight. The queue
-itself holds views of the iteration's buffers: with synchronous iterations its size is bounded by the
-model.
-
-The queue is ordered, not FIFO: the oldest iteration first, and within it the lowest chunk number
-(see ``node/sendqueue.py``). A link carries both full sums going down and partial sums going up (it is a
-child's edge in one root's tree and a parent's in another's); leaves have every partial sum ready at
-once, so in FIFO order a link's results waited behind a whole iteration's worth of other roots'
-pushes, and the subtrees below it idled.
-"""
+See docs/ARCHITECTURE.md, *The node: data plane, trainers, back-pressure*."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
 """The trainers of one DC: how their pushes and pulls become the node's one contribution stream.
 
-A node serves ``trainers`` trainers (ranks; 1 unless configured). Each rank's push of a tensor counts:
-the DC contributes the sum of every rank's values once all have pushed, and the DC's worker count says
-so (it registered ``trainers`` workers, plus its LAN workers). A trainer beyond them is refused at its
-``init`` at once (``TrainerLimit``), so a second process on the same node can never slip its values
-into the DC's gradient.
-
-The bookkeeping cannot lie:
-
-- A push that fails changes no counter: it is checked whole before anything of it is recorded (finite
-  values with ``check_finite``, the ``max_ahead`` window), and if handing the sum to the node fails
-  before the node counted it, the rank's values are taken back out.
-- A result is released at the node only after every rank has read it, so ``max_ahead`` bounds both
-  the results held and how far any rank runs ahead: a rank more than ``max_ahead`` iterations ahead of
-  its own oldest unpulled result is refused (``TooFarAhead``: it must pull first; waiting would
-  deadlock a trainer that sends one request at a time), one ahead of the slowest rank waits for it.
-- A rank that disconnects frees its slot and its values not yet summed are dropped; a replacement
-  ``init`` takes the slot and continues at the node's next iteration, reading nothing older (the
-  results its predecessor left unread are released once complete).
-
-Counters are per rank and per tensor, and never behind the node's: an iteration that failed at the
-node is over for every rank, whoever has not heard yet.
-
-``RankBook`` holds these rules without I/O: it reads the node's counters from ``NodeCore`` and answers
-what to hand the node, what to release and what to refuse; tests drive it with plain calls. ``Ranks``
-is its asyncio shell in the trainer endpoint: it awaits the node (policies, sums, waits).
-"""
+See docs/ARCHITECTURE.md, *The node: data plane, trainers, back-pressure*."""
 
 from __future__ import annotations
 

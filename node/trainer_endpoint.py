@@ -1,28 +1,6 @@
 """The trainer endpoint of a general node: a Unix socket (tensors in shared memory) and optionally TCP.
 
-Over the Unix socket the trainer creates shared memory holding the whole model as one float32 vector in
-layout order (an anonymous memfd, or a named file the node unlinks once mapped) and names it in
-``init``; pushes name tensors whose values are already in that memory, and results are written back
-into it, so no tensor byte crosses the socket. Over TCP (a trainer on another host of the DC) the same
-messages carry the float32 values inline.
-
-A DC admitted into a running job gets the live model from its trainer's ``init``: the boundary iteration
-that admits it is a hand-over, in which one live DC (the lowest id among those already in) contributes its
-trainer's current model and every other DC zeros. A live node runs that iteration itself when its
-trainer's push would start it, asking its trainer for the model (``ModelWanted`` / ``ModelOffer``) if it
-is the provider; the trainer's push then goes to the next iteration.
-
-Each connection handles one request at a time. A bad request (unknown tensor, wrong size, bad message)
-gets an error reply naming the problem and the connection stays usable; a malformed frame closes the
-connection. Either way the node goes on serving its peers.
-
-An ``init`` makes the connection one of the node's trainers (ranks, ``node/ranks.py``): as many as the
-node is configured for (``trainers``), the next one is refused at once. The first init round is the
-all-reduce that hands every DC the lowest id's values; a trainer that replaces one that disconnected
-runs no round: it gets its own values back (say, from its checkpoint) and continues at the node's next
-iteration. The Unix socket is protected by its file permissions: whoever may connect to it may train
-for this DC.
-"""
+See docs/ARCHITECTURE.md, *The node: data plane, trainers, back-pressure*."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """When the scheduler re-plans, as a sans-I/O core: the service feeds it events and times.
 
-Three reasons, most urgent first:
-
-* a member went down: at once (iterations bound to a policy naming it can only fail);
-* the collector marked a network change (several links' reports far from their plan at once): at
-  once too (``change``). The iteration running then keeps its trees for its whole length, and the
-  moves the scheduler re-plans for it with the new policy (``LinkBeliefs``) help only the chunks not
-  yet sent, so waiting up to ``react_interval`` after an unrelated cycle costs a large part of that
-  iteration;
-* one link's belief and its last two reports moved far from the rate the current policy was planned
-  with (more than ``react_change`` relative) and that slows the current policy: its busiest link, at
-  the believed rates, takes more than ``react_change`` longer than planned (``slows``). Early, but at
-  most once per ``react_interval``, so a burst of reports after one rate change re-plans once and the
-  later reports wait for the next cycle. A link the policy barely loads, or a report that only says a
-  link got faster, waits for the periodic update: probe reports carry noise, and re-planning on every
-  link that strays re-planned about once a second on the dynamic internet2-9 run, each plan fitted to
-  that noise;
-* otherwise every ``update_time`` since the last re-plan (the paper's UPDATE_TIME).
-
-Re-planning early matters because a new policy binds only from the next iteration nobody has asked for:
-waiting for the period adds up to ``update_time`` to every reaction, which against rates that change
-every few tens of seconds is a large share of each period spent on a stale plan.
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

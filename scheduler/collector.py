@@ -1,49 +1,7 @@
 """The scheduler's network collector: the latest probe report per directed link, and what to believe
 about links nobody has measured lately.
 
-The avalanche effect. Probes ride on the model's chunks, so a link that no tree uses is never
-measured. If its estimate stayed at whatever it was when it dropped out of the trees (often a bad
-moment: that is why it dropped out), it would never be chosen again even after its real rate recovered,
-and the trees would shrink onto fewer and fewer links. Auxiliary paths measure some idle links; for
-the rest, optimism under uncertainty:
-
-* Fresh information is believed: the median of a link's last three reports (fewer while it has fewer),
-  or the scenario's initial rate for a link never measured, for ``stale_after`` seconds after the last
-  report (since the collector started, for the initial rates). The median drops a lone outlier (a
-  receiver descheduled for a moment makes one report read far too fast or too slow, and a plan built on
-  it overloads the link) and still follows a real change from its second report on.
-* The initial rate counts as the first report, if the real first comes within ``stale_after``: a
-  connection's first report reads low while TCP's windows open, and on a loaded host, alone, it
-  re-planned runs whose initial rates were exact a few seconds after the start. Now the first report
-  moves the belief halfway (the median of two is their mean) and the second decides.
-* After that the estimate decays exponentially, with ``half_life``, from that value toward an
-  optimistic target: the largest rate currently believed for any link. A stale slow link therefore
-  becomes attractive after a while, gets a tree edge or an auxiliary path, is measured, and its real
-  rate takes over. Exploration costs at most one re-plan on a slow link per ``stale_after`` plus a few
-  half-lives, instead of losing the link forever. Stale values above the target stay as they are (they
-  are already attractive and will be measured).
-
-``stale_after=math.inf`` turns the decay off (every link keeps its last value; ``stale_decay`` false).
-``recent=1`` believes each link's newest report alone, as the paper does (``belief_reports``).
-
-Change points. When, within a second, the newest reports of several links are far from the rates the
-current policy was planned with, some above and some below, and at least one of those links has sent two
-such reports (``change_seen``), the network changed at the first of them, and every older report of
-every link describes the old network. ``note_change`` marks that moment: a link's belief is then the
-median of its reports since (the first of them alone at first), and a link with no report since is
-believed halfway between its old value and the median of the links already measured since: it is as
-likely to have changed as those. Without change points the median of three kept believing the old rate
-on links whose new reports came one at a time, and links whose rate fell while no tree used them lured
-the plans (replayed reports in ``results/DECISIONS.md``). Live runs showed what must not mark a change:
-the first reports of every link at once (TCP still opening its windows), one link's shift alone in a
-static period, and a busy host whose receivers all read well below their rates for a second; each
-re-planned exact rates from single reports. A host stall skews one report per link, not two, and slows
-every link, not some. Marks within ``change_gap`` of the last belong to the same change.
-
-Relative change. ``relative_change(old, new)`` is the largest relative change of any link,
-``max |new - old| / old``: one link whose rate halves can reshape the trees, however many others are
-steady, so it must not be averaged away. A link present in only one of the two counts as infinite.
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

@@ -1,44 +1,7 @@
 """The scheduler's re-plan rules as a sans-I/O core: what link reports mean, when to re-plan, and what a
 new policy's publication carries.
 
-The shell (service.py) feeds it events with the scheduler's clock ``now`` and carries out the actions
-it returns, in order:
-
-* events: ``link_report`` (a node's measurement of one directed link), ``member_down``, ``timer`` (the
-  shell's one timer reached ``next_deadline``), ``first_plan`` (the membership is complete),
-  ``plan`` (an override, or any re-plan the shell asks for), and the results of the work the core
-  hands out: ``planned`` (a plan came back) and ``moves_planned`` (re-planned moves came back);
-* actions: ``Plan`` (run the planner in a worker thread, hand the policy to ``planned``), ``Publish``
-  (make a policy current), ``PlanMoves`` (plan offload moves in a worker thread, hand them to
-  ``moves_planned``), ``PushBeliefs`` (send ``LinkBeliefs`` to every node) and ``Log``.
-
-The rules, each with its reason:
-
-* A report lands in the ``LinkCollector`` (its beliefs per link). A report on a link that is not an
-  overlay link (a baseline's tree edge between DCs that share no link measures a route) is ignored,
-  and said once per link.
-* With network awareness on and ``react_change`` above 0, when several links' reports move away from
-  the plan at once (``LinkCollector.change_seen``) the network changed: reports before it stop
-  counting and a re-plan is due at once (``Cadence.change``): the plans since then were made from the
-  old network.
-* The policy asks its senders to explore links no tree uses and nobody measured since that change
-  (``explore_links``); the first report of such a link that shows it much faster than planned re-plans early (shifted
-  cadence): the trees may want it.
-* A link believed far from its plan, on its last two reports too, re-plans early when that slows the
-  current policy's busiest link (``cadence.shifted``/``slows``); otherwise it waits for the period,
-  since probe reports carry noise.
-* On the timer: a member down re-plans without it; otherwise, with awareness off, nothing changes.
-  The planner (in the worker) skips a plan that changed too little (UPDATE_RATE) or is not REPLAN_GAIN
-  faster at the rates it was made from, since a plan fitted to noise only moves chunks onto links
-  nobody has seen under load.
-* A published policy's rates go to every node (auxiliary paths on, for senders that weigh detours by
-  them, ``aux_slowdown``, or follow planned moves): the iteration running keeps its trees, so moves for
-  those trees at the new rates are planned too and pushed with them (``planned_offload``).
-
-With ``react_change``, ``replan_gain`` and ``update_rate`` at 0, ``explore_links``, ``planned_offload`` and
-``stale_decay`` off and ``belief_reports`` at 1, these rules are the paper's: every UPDATE_TIME the
-newest report of every link re-plans the job (its network collector's threshold, UPDATE_RATE, is 0).
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

@@ -59,9 +59,13 @@ def run_cli(tree: Path, args: list[str], out: Path, log: Path) -> None:
 def measure(args: argparse.Namespace) -> None:
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    from netstorm.provenance import write_result
+
     meta = {"base": rev_name(args.base), "head": rev_name(args.head), "rounds": args.rounds,
+            "base_commit": rev_name(args.base, short=False), "head_commit": rev_name(args.head, short=False),
             "commands": {"loopback": LOOPBACK, "static": STATIC, "dynamic": DYNAMIC}}
-    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    write_result(out / "meta.json", meta, indent=2)   # the host's load and versions when the rounds began
     with tempfile.TemporaryDirectory(prefix="netstorm-compare-") as tmp:
         trees = {"base": checkout(args.base, Path(tmp) / "base"), "head": checkout(args.head, Path(tmp) / "head")}
         try:
@@ -81,9 +85,9 @@ def measure(args: argparse.Namespace) -> None:
     summarize(out)
 
 
-def rev_name(rev: str) -> str:
-    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev], check=True, capture_output=True,
-                          text=True).stdout.strip()
+def rev_name(rev: str, short: bool = True) -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", *(["--short"] if short else []), rev], check=True,
+                          capture_output=True, text=True).stdout.strip()
 
 
 def figures(what: str, doc: dict[str, Any]) -> dict[str, float]:

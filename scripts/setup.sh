@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent setup: Debian packages (bcc, kernel headers, iproute2, openssl for the job certificate),
-# the headers linked where bcc looks, and the project's virtualenv at .venv with bcc made importable
-# from it. Every step checks first, so a second run costs about a second.
+# the headers linked where bcc looks, and the project's virtualenv at .venv (every extra, pinned by
+# constraints.txt) with bcc made importable from it. Every step checks first, so a second run costs
+# about a second.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -51,7 +52,7 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 
-stamp_now=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+stamp_now=$(cat pyproject.toml constraints.txt scripts/setup.sh | sha256sum | cut -d' ' -f1)
 stamp_file=.venv/.netstorm-setup
 if [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$stamp_now" ]; then
     log "installing the project and its dependencies into .venv"
@@ -62,7 +63,9 @@ if [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$stamp_now" ]; then
         .venv/bin/pip install -q 'torch==2.13.0' \
             || log "warning: torch 2.13.0 not installable here; the gloo baseline and the PyTorch example will be unavailable"
     fi
-    .venv/bin/pip install -q -e '.[dev]'
+    # Every extra (a node alone needs none: pip install netstorm), at the versions constraints.txt pins
+    # (scripts/constraints.py writes it); torch is the step above.
+    .venv/bin/pip install -q -c constraints.txt -e '.[scheduler,emulate,dev]'
     echo "$stamp_now" > "$stamp_file"
 fi
 

@@ -1,6 +1,6 @@
 """Print the markdown table of torch-ddp emulation results (results/README.md's DDP section) from their JSON.
 
-    python scripts/torch_results.py results/internet2-9-torch-ddp.json results/internet2-9-dynamic-torch-ddp.json
+    python scripts/torch_results.py results/internet2-9-torch-ddp.json
 """
 
 from __future__ import annotations

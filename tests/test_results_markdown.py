@@ -30,7 +30,7 @@ def test_the_reproduce_report_is_what_its_results_give(tmp_path: Path) -> None:
 
 
 def test_markdown_mode_writes_and_checks_a_directory(tmp_path: Path, capsys) -> None:
-    source = json.loads((RESULTS / "scale-5.json").read_text())
+    source = json.loads((RESULTS / "scale-5-overlap-c9.json").read_text())
     (tmp_path / "run-a.json").write_text(json.dumps({**source, "command": "netstorm emulate scale-5 --out x"}))
     (tmp_path / "notes.json").write_text('{"not": "a result"}')
     (tmp_path / "run-a-iterations.png").write_bytes(b"png")
@@ -40,7 +40,7 @@ def test_markdown_mode_writes_and_checks_a_directory(tmp_path: Path, capsys) -> 
     assert "netstorm emulate scale-5 --out x" in text and "rebuilt from the result's fields" not in text
     assert "[run-a-iterations.png](run-a-iterations.png)" in text and "run-a-rates.png" not in text
     assert "- [`notes.json`](notes.json)" in text
-    assert "| `netstorm` | 2.83 |" in text
+    assert "| `netstorm` | 9.48 |" in text
     assert main(["report", "--markdown", str(tmp_path), "--check"]) == 0
     # A changed result makes the committed markdown stale, and --check says so.
     source["systems"]["netstorm"]["iteration_s"] = [9.0, 1.0, 1.0]

@@ -183,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{was['total_us']:7.2f}/{row['total_us']:<7.2f} {was['total_us'] / row['total_us']:5.2f}")
         print("(before/after; x = before total / after total)")
     if args.json_out:
-        with open(args.json_out, "w") as out:
-            json.dump(report, out, indent=1)
-            out.write("\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.json_out, report)
     return 0
 
 

@@ -40,6 +40,7 @@ from netstorm import scenario as scenario_mod
 from netstorm.dcplanners import PLANNERS
 from netstorm.lan_scenario import LanSpec, LanWorker
 from netstorm.planning import aleph, dcplan, eina, lanmodel, pahina
+from netstorm.provenance import write_result
 
 HELP = "model-level results of the DC planners (EINA, ALEPH, PAHInA) against their papers' baselines"
 STUDIES = ("eina", "aleph", "pahina", "dcs", "claims")
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             body = {"study": study, "command": command, "machine": platform.machine(),
                     "python": platform.python_version(), "wall_s": round(time.perf_counter() - start, 3), **body}
             path = out / f"dc-planners-{study}.json"
-            path.write_text(json.dumps(body, indent=1) + "\n")
+            write_result(path, body)
             print(f"wrote {path} ({body['wall_s']:.1f} s)")
     md = render(out)
     (out / "dc-planners.md").write_text(md)

@@ -1,47 +1,6 @@
 """``netstorm bench edge``: LAN aggregation per CPU core, XDP against the userspace fallback, same run.
 
-Both paths run on the same namespace LAN (a gateway and N workers on a bridge, the gateway's veth with
-two queues), the same model, the same iterations and the same injected loss. Each worker is a process in
-its own namespace (``edge_worker.py``), as gloo's ranks are; the gateway's agent runs in this process.
-Each iteration's LAN sum is checked exactly against numpy (int64 fixed-point sums) before its result goes
-back to the workers, and every worker checks every result it received after its measured window.
-
-Two CPU figures per path (result broadcast and the exactness checks are excluded from both):
-- aggregation (``pps_per_core``, ``ratio_per_core``, ``cpu_seconds_per_gb``): xdp = the XDP program's run
-  time (kernel BPF run-time statistics, enabled for this run only through BPF_ENABLE_STATS); userspace =
-  the agent thread's CPU receiving and aggregating DATA datagrams, minus the delivery below;
-- gateway (``gateway_pps_per_core``, ``gateway_ratio_per_core``): aggregation plus the agent's work that
-  both paths share per completed chunk (receiving the aggregate and taking it into the iteration's sums,
-  ring-buffer reports, NACKs). Because that work is per chunk, not per worker packet, this ratio grows with
-  the number of workers.
-``pps_per_core`` = DATA datagrams aggregated per CPU-second; ratios are against the userspace fallback of
-the same run. With ``--secret-file`` every datagram carries its token and both paths check it (the cost of
-authentication: run once with and once without).
-
-Against the peer a DC would otherwise run, every path (and ``gloo``: torch.distributed gloo all_reduce
-among the same workers on the same LAN, ``gloo_lan.py``) also reports, on the same inputs
-(``edge_inputs.py``):
-- ``wall_gbit``: the gradient bytes the workers contribute (workers x elements x 4, float32 gradients
-  whatever precision travels), summed over the measured iterations, x8/1e9 per wall-second;
-- ``host_cpu_seconds_per_gb``: CPU-seconds over the same window of every process of the path and of the
-  kernel's packet work (``hostcpu.py``) per GB of those bytes; ``host_busy_seconds_per_gb`` is the whole
-  host's busy time from /proc/stat, which on a shared host also counts other work;
-- ``exact``: every result equals the int64 reference from the same quantised inputs.
-``kernel_map_bytes`` is the memory the kernel charged for the XDP aggregator's maps (``kernelmaps.py``).
-``auto_pick`` is the faster of the two LAN paths in wall_gbit for these conditions: what the
-gateway's ``edge_mode=auto`` takes. ``--loss`` drops the LAN paths' first transmissions at the senders;
-gloo runs over TCP on the same LAN and loses nothing.
-
-A planned tier on a scenario's LAN (``--lan-scenario S --dc N [--lan-bw-scale X] [--dc-planner P]``): the
-DC's workers, each port shaped to its described uplink and downlink and the gateway's port to its rate
-(times X), the precisions as described, and the two-level deployment the scheduler's planning core makes
-with planner P (``flat``, ``aleph``, ``pahina``, ``eina``), or a baseline's two-level form (``atp``: one
-worker per rack, drawn at random, aggregates the rack; ``grid``: GRID's rounded single aggregation;
-``precision-oblivious``: PAHInA's greedy as if every worker sent fp32). Every
-path then runs on that one LAN, gloo among the same workers included: the LAN tier alone, without a WAN
-step, which is what the planners' papers compare (communication time per iteration and aggregation
-throughput).
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 
@@ -606,9 +565,9 @@ def run(args: argparse.Namespace) -> int:
             import shlex
             import sys
 
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc},
-                                                 indent=1) + "\n")
+            from netstorm.provenance import write_result
+
+            write_result(args.out, {"command": shlex.join(["netstorm", *sys.argv[1:]]), **doc})
         print(json.dumps(doc, indent=2) if args.json else
               f"XDP aggregator for {args.elements} elements ({doc['chunks']} chunks, pool {doc['pool_slots']} slots): "
               f"{doc['kernel_map_bytes'] / 2**20:.1f} MiB of maps in the kernel")
@@ -663,8 +622,9 @@ def run(args: argparse.Namespace) -> int:
         import sys
 
         doc = {"command": shlex.join(["netstorm", *sys.argv[1:]]), **out}
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.out, doc)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

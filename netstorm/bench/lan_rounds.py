@@ -20,7 +20,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -55,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.out, out)
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -124,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
         return run_tls_cost(args)
     result = measure(args, config_flags(args))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.json, result, indent=2)
     return 0 if result["exact"] else 1
 
 
@@ -170,8 +171,10 @@ def run_tls_cost(args: argparse.Namespace) -> int:
               f"{_times(row['cpu_vs_plain'])}   throughput {_times(row['throughput_vs_plain'])}")
     exact = all(r["exact"] for r in runs)
     if args.json:
-        Path(args.json).write_text(json.dumps({"settings": list(TLS_SETTINGS), "rounds": args.rounds,
-                                               "summary": summary, "exact": exact, "runs": runs}, indent=2) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.json, {"settings": list(TLS_SETTINGS), "rounds": args.rounds, "summary": summary,
+                                 "exact": exact, "runs": runs}, indent=2)
     return 0 if exact else 1
 
 

@@ -1,32 +1,7 @@
 """``netstorm bench replan``: a LAN whose link changes mid-run, measured, re-planned, and switched at an
 iteration boundary of the running tier, against the same run keeping its first deployment.
 
-The LAN tier alone (no WAN step) on a scenario's LAN in namespaces: every worker's ports shaped to its
-described rates times ``--lan-bw-scale`` (the LAN the planner is told is that shaped one), the gateway's
-agent (``--mode`` userspace or xdp) and every worker's sender in this process, and an aggregator service on
-every worker's host (on standby where its worker aggregates nothing). The first deployment is what the
-scheduler's planning core (``scheduler.lanplanning``, ``--dc-planner``) makes of the described LAN. After
-iteration ``--degrade-at`` worker W's ports are reshaped to FACTOR of their rates (``--degrade W:FACTOR``).
-From then on nothing is told: the gateway's meter (``netstorm.lanreport.LanRateMeter``, the one the node's
-gateway role feeds) measures every worker's uplink (the data reaching the gateway) and downlink (the
-workers' REPORTs), its ``ReportSchedule`` decides when the measured LAN moved enough to report
-(``dc_replan_change``, at most once per ``dc_replan_hold``), the planning core takes the report and plans
-the DC when it is due (the same hold between two plans from measured rates; looked at after every
-iteration, as the scheduler's timer would), and a changed deployment runs from the iteration after the
-next released result (``EdgeAgent.redeploy``, as ``GatewayRole`` calls it). Clock: this process's
-monotonic one. What the run leaves out is the TCP hop between gateway and scheduler
-(``tests/test_gateway_replan.py`` covers it). The ``keep`` run is the same LAN, inputs and degradation
-with the re-plan ignored.
-
-An uplink sample the gateway's own pacing bounds (a paced worker's pace, a cluster aggregator's slowest
-feed: ``lanreport.uplink_bounds``) is censored as the gateway role censors it. The result records the cut
-(iteration and time), every report (time, the rates that moved against the report before, the whole
-measured LAN) and per iteration each sample with its bound, so a re-plan can be traced to its reading.
-
-Per iteration: the LAN time (the first push to every worker holding the result), the deployment epoch
-and clusters, how many aggregates each service forwarded (read from its data plane's counters), and
-whether the sum equals the exact reference (int64 fixed point of each worker's values at its precision).
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 
@@ -38,7 +13,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -264,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
     result["command"] = "netstorm bench replan " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "replan"] \
         else " ".join(sys.argv)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        from netstorm.provenance import write_result
+
+        write_result(args.out, result)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

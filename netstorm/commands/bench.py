@@ -25,7 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         except ModuleNotFoundError as exc:
             if exc.name == f"netstorm.bench.{module_name}":
                 continue
-            raise
+            from netstorm.cli import needs_extra
+
+            module = needs_extra(f"bench {name}", exc)   # listed, and says which extra to install
         bench_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
         module.add_arguments(bench_parser)
         bench_parser.set_defaults(bench_module=module)

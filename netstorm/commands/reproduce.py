@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="print the runs, their commands and the estimated time, and run nothing")
     parser.add_argument("--report-only", action="store_true",
                         help="run nothing: write the report from the results already in DIR")
+    parser.add_argument("--bundle", action="store_true",
+                        help="with --report-only: also fold DIR's run files into DIR/runs.json (how a committed "
+                             "evaluation is kept: one file for all its runs)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
         outcome = reproduce.execute(profile, chosen, out, out_label=args.out)
         for name, why in outcome.failed.items():
             print(f"netstorm reproduce: run {name}: {why}", file=sys.stderr)
+    if args.bundle:
+        print(f"runs folded into {reproduce.bundle(out, profile.name)}", file=sys.stderr)
     path = write_report(profile, out)
     print(f"report written to {path}", file=sys.stderr)
     return 0
@@ -72,7 +77,7 @@ def write_report(profile: Any, out: Path) -> Path:
 
     found = {}
     for r in figures.runs(profile):
-        result = reproduce.load_result(out / f"{r.name}.json")
+        result = reproduce.load_run(out, r.name)
         if result is not None:
             found[r.name] = result
     reports = [build(found, profile) for build in figures.FIGURES.values()]

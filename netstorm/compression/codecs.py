@@ -1,25 +1,6 @@
 """One contributor's side of FediAC and of top-k: what it sends in each round and what it keeps.
 
-A codec is pure (no I/O): ``votes`` turns this iteration's update plus the carried residual into the
-phase-1 tensors, ``values`` turns the summed counts into the phase-2 tensor, and ``decode`` turns the
-summed values back into the sum of every contributor's sent update. The residual (error feedback) is
-what this contributor did not send, the rounding error included: after ``values``,
-``residual + sent == update + previous residual`` where ``sent`` is what ``decode`` attributes to it.
-
-Both methods send the values at the agreed indices compacted to the front of a model-sized tensor, in
-ascending index order, so every contributor's j-th value is the same coordinate and trees add them
-element-wise; the node elides the all-zero tail (frames carry only up to the last nonzero element).
-
-What a contributor carries from one iteration to the next is its ``CodecState``: the residual and, for
-FediAC's GIA reuse (``fediac_gia_reuse``, ours, off by default), the GIA of the last vote, how many
-iterations it has served, and the global m of the last round. A caller that compresses several
-independent tensors with one codec (DDP's buckets) swaps the state per tensor.
-
-A failed iteration (a round's sums never came: a timeout, a lost contributor) is undone with
-``checkpoint`` and ``rollback``: the state and the random generator go back to what they were before its
-``votes``, so the residual holds exactly what was not applied of the earlier iterations (nothing of the
-failed one was applied anywhere) and the next iteration draws as if the failed one had not run.
-"""
+See docs/ARCHITECTURE.md, *Compression*."""
 
 from __future__ import annotations
 

@@ -1,45 +1,6 @@
 """A job's compression on the trainer side: which tensors to register, and the rounds of one iteration.
 
-FediAC and top-k need two synchronous rounds per iteration on the same trees: the votes (and FediAC's
-scale histogram) first, then the values at the agreed indices. They run here, in the trainer, as two
-``push_pull`` calls over integer tensors registered beside the model; the nodes only sum integers
-exactly and elide zero tails (``node/chunks.py``), so nothing in the node knows about compression. Every
-round pushes every registered tensor (the node completes an iteration when all are in), the ones not in
-play as zeros, which the nodes send as header-only frames. Hence one node iteration per round.
-
-For FediAC the trainer tells the node the threshold at init (``votes``), and each chunk's root, which
-holds its shard's full counts, applies it before the sum goes down (``node/chunks.py``): the GIA travels
-down the trees as a bitmap, and every DC reads the same 0/1 array (``applied``). For top-k (threshold 1,
-the union) and with a node that does not threshold, each DC applies the threshold to the full counts it
-gets back; those are identical integers at every DC, so the GIA is too.
-
-With ``fediac_bits = 0`` the first iteration is dense (the model's float32 tensors, as the paper's
-first round through a server) and b is derived from its sum, which every DC holds identically
-(``bitwidth.derive_bits``), so every DC derives the same b.
-
-With ``fediac_gia_reuse = N > 1`` (ours, off by default) a GIA serves N iterations: the one of its
-vote and N - 1 more that skip the vote round and push only values, quantized with the m agreed in the
-previous round (clipped to what that m allows; ``FediacCodec.reused``) and carrying this iteration's
-scale one-hot for the next one. The GIA is the same at every DC because the iterations are (every DC
-runs the same rounds), and error feedback stays exact: the residual keeps what the reused GIA left out.
-
-``Rounds`` is the protocol as a sans-I/O core: ``begin`` takes an iteration's gradients, ``received``
-each round's sums (with the round's seconds and WAN bytes, for the stats), and each returns the next
-action, ``Push`` (these tensors, one node iteration) or ``Done`` (the decoded sum). ``CompressedClient``
-and ``AsyncCompressedClient`` are thin shells that carry the pushes over ``netstorm.Client`` and
-``netstorm.AsyncClient``; ``Rounds.iteration`` is the same core as a generator, for callers that
-interleave it with their own work (DDP's stage, in-process replays).
-
-A round that fails (its push_pull raised: a timeout, a lost peer or LAN worker, an overflow) ends the
-iteration with that error at every contributor, since none of them gets the round's sums. The shells
-(and DDP's stage, for every piece of a failed bucket: ``torch/compressed.py``) then call ``abort``:
-the core goes back to what it was before ``begin`` (the codec's residual, its kept GIA and its random
-generator, ``codecs.Checkpoint``). That keeps error feedback exact: no contributor
-decoded any part of the failed iteration, so the residual must still be exactly what was not applied of
-the earlier ones, which is what it was before; the failed iteration's update stays the caller's (it
-raised), to push again or to drop. The next ``begin`` starts a whole iteration (votes first, or the
-dense round if b is not derived yet), as every other contributor's does.
-"""
+See docs/ARCHITECTURE.md, *Compression*."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from netstorm.emulation import compressed, results
+from netstorm.emulation import compressed, repeats, results
 from netstorm.emulation.figures import FigureReport, Profile, Table
 
 PLOT_KINDS = ("iterations", "rates", "trees", "accuracy")
@@ -125,6 +125,13 @@ def _result_section(stem: str, result: dict[str, Any], directory: Path, level: s
         lines += ["(The command is rebuilt from the result's fields: this file predates recorded commands; "
                   "`--chunk-size` and `--probe-chunk-size` are the values the emulator chose.)", ""]
     lines += ["```text", *head, "```", "", system_table(result), ""]
+    if "folded" in result:
+        folded = result["folded"]
+        lines += [f"{folded['count']} runs of this experiment, folded into this file (the table above is the "
+                  f"first; sources: {', '.join(f'`{s}`' for s in folded['sources'])}). Mean iteration time per run:",
+                  "", table(["system", "iter s by run", "range (spread)"], repeats.spread_table(result)), ""]
+    if not result.get("provenance", {}).get("recorded", True) or "provenance" not in result:
+        lines += ["(Measured before results recorded their commit, package versions and host load.)", ""]
     if notes:
         lines += ["```text", *notes, "```", ""]
     rows = [line for line in compressed.summary_lines(result) if line]  # rows of `emulate --compression`
@@ -173,9 +180,42 @@ def results_readme(directory: Path, label: str = "results") -> str:
         lines += [f"- [`{name}/`]({name}/README.md)" for name in subdirs]
         lines += [f"- [`{name}`]({name})" for name in [*other, *extra]]
         lines.append("")
+    lines += _lan_bench_section(directory, other)
     for name in other:
         lines += _sweep_section(directory / name)
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _lan_bench_section(directory: Path, names: Sequence[str]) -> list[str]:
+    """The ``netstorm bench edge`` results among ``names`` as one table, a row per run and path (every
+    repeat of a folded file), with each file's command and host load."""
+    from netstorm.bench.edge_report import PATHS, rows
+
+    found = []
+    for name in names:
+        try:
+            doc = json.loads((directory / name).read_text())
+        except ValueError:
+            continue
+        if isinstance(doc, dict) and "workers" in doc and any(isinstance(doc.get(p), dict) for p in PATHS):
+            found.append((name, doc))
+    if not found:
+        return []
+    lines = ["## LAN benchmarks", "", "Every `netstorm bench edge` result here, a row per run and LAN path "
+             "(wall Gbit/s: the workers' float32 gradient bytes per wall-second; CPU-s/GB: CPU per GB of them):", "",
+             "| file | workers | loss | elements | MTU | path | wall Gbit/s | vs gloo | host CPU-s/GB | vs gloo | "
+             "gateway CPU-s/GB | exact |",
+             "|" + "|".join(" --- " for _ in range(12)) + "|"]
+    notes = []
+    for name, doc in found:
+        runs = repeats.runs_of(doc)
+        for i, run in enumerate(runs, 1):
+            lines += rows(run, name if len(runs) == 1 else f"{name} (run {i})")
+        loads = [r.get("host", {}).get("load_average_before") for r in runs]
+        load = ", ".join(f"{x[0]:.1f}" for x in loads if x)
+        notes.append(f"- `{name}`: `{doc.get('command', '?')}`"
+                     + (f"; host load average before: {load}" if load else ""))
+    return [*lines, "", *notes, ""]
 
 
 def _sweep_section(path: Path) -> list[str]:

@@ -1,26 +1,7 @@
 """Racks in an emulated LAN: a bridge per rack, joined to the DC's bridge by a veth shaped both ways to the
 rack's uplink.
 
-A LAN description may put its workers in racks (``lan_scenario.Rack``), and the planners that use them
-(EINA with ``rack_uplinks``, ATP's one aggregator per rack) plan around each rack's uplink: the rate at
-which everything the rack sends to the gateway, or receives from it, must share one link. One bridge
-with a port per worker has no such link, so a rack-aware plan would be measured without the constraint
-it plans around. Here each rack's workers sit on their own bridge (their ports shaped as on the single
-bridge), and the rack's bridge reaches the DC's bridge (the gateway and unracked workers) through one
-veth pair whose two egresses are HTB-shaped (``shaping.lan_port_lines``) to ``uplink_gbit`` x the run's
-LAN rate scale: the rack end's egress carries rack -> DC, the DC end's egress DC -> rack. Traffic between
-two workers of one rack (a cluster member to its rack's aggregator) stays on the rack's bridge.
-
-Every rack bridge lives in the LAN's bridge namespace (the run's own, deleted with it), so the
-namespace-wide bridge sysctls (``bridge_lan.quiet_bridge``) hold for all of them, and each is created
-exactly like the single bridge (``type bridge``, kernel defaults: IGMP snooping on, no querier). With
-no querier on the LAN the kernel floods multicast, so the gateway's results reach every rack's
-members; both ends of a rack link are also made permanent multicast-router ports (``mcast_router 2``)
-so that, should a querier ever appear, snooping still forwards every group across the rack link and
-the members' IGMP reports up to the DC's bridge. A worker's own veth is unchanged (its peer is a port
-of its rack's bridge instead of the DC's), so where its XDP program attaches and how (generic or
-native) is as on the single bridge.
-"""
+See docs/ARCHITECTURE.md, *Emulation and results*."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from typing import IO, Any
 from netstorm.emulation import results, systems
 from netstorm.emulation.figures import Profile, Run
 from netstorm.progress import Progress
+from netstorm.provenance import write_result
 
 Launcher = Callable[[Run, Path, Path, Callable[[str], None]], int]
 """(run, result path, log path, line callback) -> exit code: starts ``netstorm emulate`` for the run,
@@ -218,6 +219,41 @@ def load_result(path: Path) -> dict[str, Any] | None:
     return result
 
 
+BUNDLE = "runs.json"
+"""The file one evaluation's run results are folded into for committing (``netstorm reproduce --bundle``):
+``{"reproduce": {"profile": ...}, "runs": {name: result}}``; a run's own file, when there, wins."""
+
+
+def load_run(out_dir: Path, name: str) -> dict[str, Any] | None:
+    """Run ``name``'s result in ``out_dir``: its own file, else its entry in the folder's bundle."""
+    own = load_result(out_dir / f"{name}.json")
+    if own is not None:
+        return own
+    try:
+        bundled = json.loads((out_dir / BUNDLE).read_text()).get("runs", {}).get(name)
+    except (OSError, ValueError, AttributeError):
+        return None
+    ok = isinstance(bundled, dict) and bundled.get("format") == results.FORMAT_VERSION and "systems" in bundled
+    return bundled if ok else None
+
+
+def bundle(out_dir: Path, profile: str) -> Path:
+    """Fold every run result file in ``out_dir`` into its bundle (entries already there are kept) and
+    remove the files; returns the bundle's path."""
+    path = out_dir / BUNDLE
+    try:
+        runs = json.loads(path.read_text()).get("runs", {})
+    except (OSError, ValueError):
+        runs = {}
+    files = [p for p in sorted(out_dir.glob("*.json")) if p.name != BUNDLE and load_result(p) is not None]
+    runs.update({p.stem: load_result(p) for p in files})
+    path.write_text(json.dumps({"reproduce": {"profile": profile, "bundle": True}, "runs": dict(sorted(runs.items()))},
+                               indent=1) + "\n")
+    for p in files:
+        p.unlink()
+    return path
+
+
 @dataclasses.dataclass
 class Outcome:
     results: dict[str, dict[str, Any]]
@@ -245,7 +281,7 @@ def execute(profile: Profile, all_runs: list[Run], out_dir: Path, *, stream: IO[
         usable, dropped = available(run)
         if dropped:
             outcome.dropped[run.name] = dropped
-        existing = load_result(out_dir / f"{run.name}.json")
+        existing = load_run(out_dir, run.name)
         if existing is not None:
             outcome.results[run.name] = existing
             outcome.resumed.append(run.name)
@@ -277,7 +313,7 @@ def execute(profile: Profile, all_runs: list[Run], out_dir: Path, *, stream: IO[
             continue
         result["command"] = run.command(f"{label}/{run.name}.json")
         result["reproduce"] = {"profile": profile.name, "run": run.name, "figures": list(run.figures)}
-        (out_dir / f"{run.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        result = write_result(out_dir / f"{run.name}.json", result)
         tmp.unlink()
         outcome.results[run.name] = result
         estimator.learn(run, result)

@@ -341,8 +341,9 @@ def run_from_args(args: argparse.Namespace) -> int:
     result = run(opts)
     result.setdefault("command", "netstorm " + shlex.join(sys.argv[1:]))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        from netstorm.provenance import write_result
+
+        result = write_result(args.out, result)
         print(f"result written to {args.out}", file=sys.stderr)
     print(results.summary(result))
     for line in compressed.summary_lines(result):

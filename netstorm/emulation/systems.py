@@ -1,28 +1,6 @@
 """The systems ``netstorm emulate --system`` can run, and what each one means.
 
-Two designs run on the same runtime, and each system names one:
-
-- ``netstorm``, this project's: LP-packed trees, planned offload, the sender's slowdown rule and moves
-  of queued chunks, exploration and stale decay of link beliefs, change points, REPLAN_GAIN and an
-  UPDATE_RATE threshold (``docs/ARCHITECTURE.md``, *Decisions*);
-- ``paper``, the published NetStorm: Algorithm 2's shortest-path trees with chunk shares q_i / sum q,
-  Algorithm 3's auxiliary paths, the Fig. 7 sender rule (primary first, auxiliary past
-  PRIMARY_BUSY_BOUND), a re-plan from the newest reports every UPDATE_TIME (UPDATE_RATE 0, as the
-  paper's implementation sets it), and none of the rest.
-
-Every switch that separates them is a config option (``netstorm.config.DESIGN_SWITCHES``); a system
-carries its design's values of all of them (``System.switches``) and the result records the values in
-effect per system (``in_effect``), including any the command line changed.
-
-netstorm/pro: multi-root FAPT, awareness and auxiliary paths on (the paper's full system, "Pro").
-std: awareness on, auxiliary paths off. lite: MR-FAPT planned once, awareness and auxiliary paths off.
-paper, paper-std, paper-lite: the same three stages (the paper's Table I switches ENABLE_AWARENESS and
-ENABLE_AUX_PATH) on the paper's design.
-star/bkt/mst: the paper's baselines as policies of the same runtime (static: planned once); star runs
-at the hub whose physical bound is smallest, star-mxnet at the best-connected hub an MXNet user would pick.
-fapt: single-root FAPT with awareness and auxiliary paths, to isolate what multiple roots buy.
-gloo: torch.distributed all_reduce (gloo backend), the tool a user would reach for today.
-"""
+See docs/ARCHITECTURE.md, *Emulation and results*."""
 
 from __future__ import annotations
 

@@ -1,27 +1,6 @@
 """The emulated network's plan: namespace and interface names, addresses and routes (no I/O).
 
-Every name carries the run id, so two runs on one host never collide and ``--cleanup`` can tell a
-run's leftovers by their prefix. Interface names stay within the kernel's 15 characters.
-
-Addressing (namespaces isolate addresses, so every run may use the same ones):
-- DC at index k (ids in ascending order): node address 10.100.0.(k+1)/32 on the namespace's ``lo``;
-  processes bind to it and peers reach it over the overlay.
-- Overlay link number l (file order): a /30 in 10.101.0.0/16; the a-side gets .1, the b-side .2.
-- Management network: a bridge in its own namespace at 10.102.0.1/24 (the scheduler's address);
-  DC k's management interface has 10.102.0.(k+2)/24. It is not shaped.
-- LAN of the DC at index k (scenario ``lan_workers`` > 0): 10.103.k.0/24 on a bridge in its own
-  namespace beside the DC's; the DC's gateway-facing interface (the one the XDP aggregator attaches to)
-  has 10.103.k.1, LAN worker i (one namespace each) 10.103.k.(10+i). The LAN is not routed onto the
-  overlay: LAN workers talk to their gateway only. Where the scenario describes the DC's LAN
-  (``[node.lan]``), each worker's port is shaped to its uplink and downlink and the gateway's port to
-  ``gateway_gbit`` (``LanPlan.rates``); an undescribed LAN is not shaped. Where it describes racks,
-  each rack holding a worker gets its own bridge in the LAN's bridge namespace (its workers' ports on
-  it), joined to the DC's bridge by a veth shaped both ways to the rack's uplink (``LanPlan.racks``,
-  see ``racks``).
-Routes: in DC s, the node address of every other DC d goes via the next hop of
-``netstorm.routing.shortest_hop_routes`` with ``src`` set to s's node address, so replies come back to
-the node address and any pair, adjacent or not, talks over the overlay as plain IP would.
-"""
+See docs/ARCHITECTURE.md, *Emulation and results*."""
 
 from __future__ import annotations
 

@@ -1,30 +1,6 @@
 """The LAN edge wire format: one UDP datagram = a 44-byte header + up to ``MAX_LANES`` lanes.
 
-The header has a fixed binary layout that two sides parse: this module (workers, the gateway's agent and
-its userspace aggregator) and the XDP program in C (bpf/aggregator.c). ``FIELDS`` is the one definition:
-the numpy dtype and ``struct`` format used here are derived from it, and so is the C text
-(``c_definitions``: ``struct ns_hdr``, the NS_* constants and static asserts of every offset) that the
-loader puts in front of the program before bcc compiles it. A field added or moved here moves in C too.
-
-All fields are little-endian (the XDP program adds lanes in host order on x86/arm64 without swaps).
-DATA carries lanes of the sender's ``precision`` (``Precision``: int32 fixed point at ``scale``, or raw
-fp16, bf16, or int8 at the sender's own ``wscale``, which the aggregator converts exactly to int32 fixed
-point at ``scale``); AGG carries int32 fixed-point lanes; RESULT carries float32 lanes, or, for a compressed
-job's integer rounds, int8, int16 or int32 integers or a bitmap (8 elements per byte) named by its ``precision``
-(``RESULT_PRECISIONS``, ``netstorm/lan/resultwire.py``); ACK, QUERY and NACK carry u32
-chunk sequence numbers (a chunk's index in the whole model: its slot's key); a RESCALE NACK names its one
-chunk by ``tensor`` and ``chunk`` instead (it needs that chunk's new ``scale``) and carries no lanes.
-DATA is always padded with zero lanes to the layout's lane width (the XDP program then runs fixed-trip
-loops the verifier accepts in linear time); ``count`` says how many lanes matter. ``lanes_for_mtu`` gives
-the lane width an MTU holds: 44 + 357*4 bytes of UDP payload plus 28 bytes of IPv4/UDP headers fit a 1500-byte MTU.
-
-``token`` authenticates a datagram when the job has a secret (``netstorm/lan/tokens.py``): a keyed value per
-(sender, worker, iteration) that the receiver compares with the one it derived or installed, zero when
-the job runs without a secret.
-
-The XDP program never reads ``total``: DATA carries zero there and AGG keeps it. Only the loader's own
-TIMER_INIT frames (bpf/xdp.py), which never leave the host, use that word, to read back an errno.
-"""
+See docs/ARCHITECTURE.md, *Wires*."""
 
 from __future__ import annotations
 

@@ -1,52 +1,6 @@
 """FediAC's rounds on the LAN tier: which lanes travel in each round, as exact integer lanes.
 
-A compressed job registers the model's tensors and, beside them, the integer tensors of
-``netstorm.compression.session.Rounds`` (votes, the scale one-hot, the b-bit values). Each round a
-contributor pushes all of them, most as zeros. On the WAN the nodes elide zero tails; on the LAN the
-datagrams would carry every lane of every tensor, twice per iteration. Here only the lanes that carry data
-travel, and each round has its own ``EdgeLayout`` (its *wire*):
-
-- dense (b derived: the first iteration): the model's tensors, at the model's fixed-point scale;
-- votes: the vote array and the scale one-hot, whole;
-- values: the values' first ``g`` lanes, g the GIA's size (they are compacted to the front, in ascending
-  index order, so every contributor's j-th value is the same coordinate);
-- reused (``fediac_gia_reuse``, ours): the values' first ``g`` lanes at the kept GIA and the scale one-hot,
-  one round without a vote, as on the WAN (``codecs.FediacCodec.reused``).
-
-Integer tensors travel at scale 0: the int32 lane is the integer itself, which the XDP program (and the
-userspace fallback) sums like any int32 lane, exactly. Overflow is handled where it can happen. A round
-travels on int8 lanes where the paper's scale bounds every contributor's integer by 127; the aggregator
-widens every datagram to int32 before adding, at both levels, so no narrow *sum* can overflow; what can is a
-contributor's own integer outgrowing the narrow lane, which that contributor sees before sending, so its
-push goes wider (fp16 up to 2048, else int32 lanes), counted as ``EdgeSender.widened``, and the slot adds
-the mix of precisions exactly. The fixed-point path needs a RESCALE round trip because a slot's scale must
-be common to its contributors; a precision need not be, so no round trip is needed, and rescaling would
-make integers inexact anyway. An int32 sum cannot overflow either (integers are at most 2**24 and a LAN
-has at most 64 workers); were it flagged, the gateway fails the iteration (``IntegerOverflow``) and the
-job recovers as from any failed iteration, below.
-
-Nobody sends a lane past a wire's extent, and nobody needs to: every party derives the same wire for every
-iteration. The first summed iteration is dense (b derived) or votes; a votes round is followed by its
-values round and, with ``fediac_gia_reuse = N``, by N - 1 reused ones (the wire counts the iterations its
-GIA served, as the codec does), then the next vote; g is the GIA's size, read from the votes round's
-result, which every LAN worker and the gateway hold identically (the gateway sent it). So the gateway
-plans iteration k+1's wire (``GatewayRounds.released``) before it sends iteration k's result, which is
-before any worker can send k+1's first datagram. Chunk sequence numbers, pool slots and ACKs follow the
-wire: the slot pool cycles over the GIA-sized work, not over the model.
-
-Results go back over the same tensors (the lanes past them are zeros in every contributor's tensor, hence
-in the sum), in the narrowest form that carries what a worker needs exactly (``Wire.back``,
-``netstorm/lan/resultwire.py``): a votes round's counts as the GIA bitmap (the gateway holds the full
-counts, or the roots' 0/1 GIA, and applies the threshold itself: ``RoundPlan.returned``), the scale
-histogram as the bitmap of its occupied buckets (the global m is the top one's edge), the b-bit values'
-sums as int8, int16 or int32, whichever holds them; a LAN worker reads the GIA as the roots' (threshold 1).
-
-An iteration that fails (a worker missing, a lost round, a DC timing out) ends at every contributor with a
-typed error and no sums; each ``Rounds`` undoes it (``Rounds.abort``) and the next iteration starts the
-rounds again, so the wire after a failed one is votes (or dense again, or the same reused values wire: the
-undone codec reuses its kept GIA again; ``RoundPlan.restart``), which the gateway plans when the node
-reports the failure (``GatewayRounds.failed``) and each worker derives itself.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

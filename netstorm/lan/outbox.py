@@ -1,31 +1,6 @@
 """What the gateway sends its LAN, in what order and how fast (sans-I/O).
 
-Every datagram the gateway's agent sends goes through one ``Outbox`` and leaves through one writer (the
-agent's send task), because two coroutines waiting for the same socket to become writable do not both
-wake: the event loop keeps one writer callback per file descriptor, so the second waiter replaces the
-first, which then waits forever. That is how a shaped LAN wedged the tier: the result burst and the NACK
-queue both met a full send buffer, and one of them never woke.
-
-Two kinds of traffic:
-
-- **control** (ACKs, NACKs, HELLO answers): small, one datagram at a time, first in first out, bounded
-  (``control_limit``; a refused datagram is one the protocol repeats: a NACK timer fires again, a worker
-  asks again);
-- **bulk** (result bursts and PULL answers): rows of equal-size datagrams kept by reference (the agent
-  keeps the same rows for PULLs anyway), queued per destination and sent one batch of at most
-  ``batch`` datagrams and ``batch_bytes`` (one UDP GSO send) per turn, round-robin over the destinations. A result to a
-  worker whose copy is slow to leave waits behind that worker's own backlog, not behind another's.
-  A destination holds at most ``keep`` datagrams of bulk; a newer burst pushes out the oldest (that
-  worker is so far behind that its iteration's timeout will name what it lacks).
-
-Turns alternate: up to ``control_per_turn`` control datagrams, then one bulk batch, so a NACK storm
-cannot starve results nor a result burst the ACKs that move the workers' windows.
-
-Pacing: a destination may be given a rate (``pace``): its batches then leave no faster, one batch of
-credit at most (a token bucket whose depth is one batch). The kernel's back-pressure (a full send buffer)
-and ENOBUFS are the shell's business: it waits, and asks ``next`` again; nothing is lost or reordered
-by a refused send, since ``next`` only looks and ``done`` consumes.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

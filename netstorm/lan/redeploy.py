@@ -1,33 +1,6 @@
 """A changed LAN deployment taking effect in a running job, at an iteration boundary, with every sum exact.
 
-The deployment (who aggregates whom, ``LanTopology``) is numbered by an ``epoch`` (a u16 in every LAN
-header, netstorm/lan/header.py). ``Redeployment`` is the gateway's sans-I/O core of it: no sockets, no clock
-of its own (the caller passes ``now``).
-
-- A plan with a changed topology is held (``propose``) until the gateway releases a result: the result of
-  iteration k is the last thing every worker hears before it sends k + 1, and the LAN sum of k is complete
-  by then (the node needs it for the WAN step that makes the result). So ``released(k)`` makes the pending
-  topology current from iteration s = k + 1 under the next epoch: the gateway loads the new expected
-  contributors and epoch into its aggregator (the XDP program's configuration map, or the fallback's
-  fields: no reload), and every RESULT datagram of k carries the new epoch.
-- A worker takes the epoch of every RESULT it accepts; one that differs from its deployment's makes it say
-  HELLO again before it sends k + 1 (the answer is its part of the new deployment: where to send, or, for
-  an aggregator service, which members to sum). It cannot miss the announcement: it needs every chunk of
-  k's result (a lost one is PULLed, and the PULLed copy carries the epoch too).
-- Every aggregator (the gateway's, a cluster's) takes only DATA carrying its own epoch; other DATA is passed
-  to its service and counted, never summed. So a sender with an old deployment cannot put a contribution
-  into a sum of the new one: a stale member's DATA is refused where it lands, a stale cluster service's
-  forwarded sum carries its old epoch and is refused at the gateway.
-- A refused datagram is answered with MOVED (``on_stale``: once per sender and hold, and only for
-  iterations from the switch on; older ones are late copies of an iteration summed already), after which
-  its sender says HELLO again and resends the iteration. That is how a worker that did not act on the
-  announcement (or an aggregator service that missed the gateway's MOVED at the switch) is told.
-- A member's HELLO is answered only once its cluster's aggregator service said HELLO under the current
-  epoch (``member_ready``): its DATA must find an aggregator that expects it. The member asks again.
-
-So every iteration runs under exactly one deployment, ``epoch_of(k)``, and its sums hold every worker's
-contribution once, whichever deployment each worker was told.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

@@ -1,27 +1,7 @@
 """How a result travels back to the LAN workers: float32 lanes, or, for a compressed job's integer rounds,
 exact integers of the narrowest width that holds them, or a bitmap.
 
-A RESULT datagram used to carry float32 lanes whatever it held. A compressed job's rounds
-(``netstorm/lan/introunds.py``) return integers: the values round's sums of b-bit values, which fit 8 or 16
-bits where float32 spends 32; and the votes round's counts, of which a worker needs only the GIA, the
-indices whose full count reaches the threshold (the decision is made where the full count is known: at
-the WAN roots, or at the gateway, which holds the DC's WAN result). So each tensor of a result has a
-``Format``, derived by every party from the round's wire:
-
-- FLOAT: float32 lanes (a dense round, top-k's values, any uncompressed job);
-- INTEGER: exact integers, each tensor at the narrowest of int8, int16 and int32 that holds all of its
-  sums, chosen by the gateway from the sums and named in every datagram's ``precision`` (the receiver
-  converts each datagram by its own header, so nothing about the width has to be agreed beforehand);
-- BITMAP: 0/1 elements packed 8 per byte (``numpy.packbits``, little bit order), one byte per lane: the
-  GIA (the votes thresholded) and the scale histogram's occupied buckets (the global m is the top
-  occupied bucket's edge, ``quantize.global_peak``, so occupancy is all a worker needs of the counts).
-
-Chunking follows the format, and every party derives it: a wire of bitmaps only packs as many byte lanes
-per datagram as the int32 lanes' bytes allow (at most MAX_LANES); any other keeps the wire's lanes per
-datagram (a narrower integer then shortens each datagram instead of packing more lanes, which is what lets
-the width be chosen per result from the data). A result has no aggregation slots: its layout's pool is one
-slot, never used.
-"""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

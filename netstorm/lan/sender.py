@@ -4,35 +4,7 @@ result (PULLing chunks whose RESULT was lost) with the number of workers it sums
 datagram carries (``Header.total``): float32 lanes, or, as a compressed round's wire says
 (``netstorm/lan/resultwire.py``), exact integers at the width each datagram names, or a bitmap.
 
-Flow control is SwitchML's: chunk ``seq`` uses slot ``seq % pool`` and is sent only once the ACK of the
-chunk that used the slot before it came back (``layout.py``). ACKs and results arrive by multicast (one
-datagram the LAN replicates for every worker) on a second socket joined to the group the gateway names in
-its HELLO answer (``deploy.Deployment``), or by unicast without a group. Loss is found by the worker, as
-TCP's selective acknowledgements find it: ACKs come back roughly in sending order, so a chunk still
-unacknowledged ``retransmit`` seconds after a later chunk was acknowledged is resent; and when no ACK at
-all comes for a few ``retransmit`` periods (or two ACK round trips), the oldest unacknowledged chunks are.
-With ``query_nacks`` (the gateway's choice, in its HELLO answer) a chunk below an acknowledged one is only
-asked about, ``retransmit`` (or 1.25 ACK round trips, if longer) after that later ACK came (not after its own
-send, which includes the queue of the window sent before it), and again each timeout while it stays open:
-one QUERY, which the gateway answers with an ACK for each chunk that completed (its ACK was what got lost)
-and, for each one still incomplete, a NACK to exactly the workers missing from its slot, who resend. So one
-worker's lost datagram costs one resend, not one per worker; the gateway also NACKs a gap itself as soon as
-a later chunk completes, so the QUERY is mostly a backstop. The iteration's last chunk has no later chunk to
-reveal its loss: a tail probe asks about it (or resends it, without ``query_nacks``) a measured reorder
-window after the chunk sent before it was acknowledged, or a measured tail round trip after its send
-(``_Flight.probe``, TCP's tail loss probe). The stall rule and the gateway's slot timers stay as the
-backstops. Without ``query_nacks``, each round resends at once, in one batch with a QUERY for those chunks.
-Duplicates cost nothing: the aggregator's contributor bitmap drops them, and a NACK for a chunk this worker
-resent within the last timeout (several workers asked about it) is ignored.
-Datagrams go out in batches (``udp.BatchSender``): UDP GSO, 64 datagrams per system call, to the gateway;
-to a cluster aggregator separate datagrams, up to 256 per ``sendmmsg``.
-
-An iteration the gateway's node failed ends here with ``IterationAborted`` as soon as the gateway's FAILED
-datagram for it arrives (multicast when it fails, or the answer to a PULL or QUERY), not at the timeout.
-
-With the job's secret, every datagram it sends carries its token for the iteration, and it takes RESULT,
-NACK, ACK, FAILED and the HELLO answer only with the gateway's token for it or for the group
-(netstorm/lan/tokens.py): a datagram forged by anyone without the secret changes nothing it receives."""
+See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
 

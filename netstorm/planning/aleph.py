@@ -1,32 +1,6 @@
 """ALEPH's M-WCHA: pick aggregator workers and their clusters from each worker's bandwidth and compute.
 
-The HA problem (ALEPH Eq. 1): cover every worker with as few clusters as possible, a cluster being an
-aggregator w and at most g_w members in its neighbourhood, g_w = min(B_w/b - 1, C_w/c): an aggregator
-with g members moves (1+g)·b through its port each way and sums g gradients. Fewer clusters mean fewer
-flows into the gateway, which is where a flat DC congests.
-
-M-WCHA (Algorithm 1) is Jia-Rajaraman-Suel's randomized greedy for dominating sets with capacities:
-in rounds, workers whose rounded capacity ĝ is largest within two hops become candidates; each
-candidate is selected with probability 1/m (m the median support of its uncovered neighbours) and each
-uncovered neighbour joins it with probability α = ḡ/|uncovered neighbours|. Two corrections make it
-implementable, both from the paper's own proof obligations:
-
-* **capacity cap**: joining by independent trials only respects |V_w| - 1 <= g_w in expectation; here
-  a cluster stops admitting members once it holds ḡ_w of them, so capacities are never exceeded;
-* **probability clamp**: β is a sum of fractions and can be below 1, so 1/m is clamped to 1; a
-  candidate none of whose uncovered neighbours has a support (all are candidates) is selected.
-
-Also: capacities are whole workers (floor); ``goto Step 3`` in the candidate loop means "skip this
-worker"; a selected aggregator that gathers no member is a worker sending straight to the gateway; the
-round that selects nobody ends the algorithm (the paper's rule) and whoever is left sends to the
-gateway. The graph is "one switch apart": every pair of workers in a rack, everyone when the DC has no
-racks. B_w is min(up, down) (push and pull run at once), b = min B_w, c = b and C_w the worker's
-``agg_gbit`` (its ports alone bound it when unset).
-
-The randomised rounds are repeated ``trials`` times from one seed and the clustering with the fewest
-clusters (then the best predicted throughput) kept; ``optimum`` solves HA exactly by enumeration on
-small DCs, to check the O(log n) approximation claim (Theorem 7: E|D| <= 8·H_Δ·|OPT|).
-"""
+See docs/ARCHITECTURE.md, *Planning the tier inside a DC*."""
 
 from __future__ import annotations
 

@@ -1,23 +1,6 @@
 """Algorithm 3: edge-disjoint auxiliary paths for ordered pairs of nodes.
 
-For (src, dst): take the fastest path (sum of w_trans), record it, remove its edges, repeat until dst is
-unreachable. Entry 0 is the primary path; each later path is at least as slow as the one before,
-because removing edges never shortens a shortest path. Paths of one pair share no directed link, so a
-chunk offloaded onto an auxiliary path never queues behind the primary's traffic on a common link.
-
-A policy needs this for hundreds of pairs every few seconds: one A* search per pair and round. The A*
-bound is the full graph's cheapest way into dst over an in-link the pair has not used yet
-(``_EntryBound``): removed edges only lengthen paths, so it never overestimates and each search still
-finds a shortest path of its residual graph, yet it steers the later rounds around the links already
-taken. A pair is done when src has no unused out-link, dst no unused in-link, or its search runs dry.
-
-The searches are defined as a lockstep over all pairs (every step pops one node in every pair's
-search; the last TAIL_ROWS pairs still searching finish one by one with scipy's Dijkstra), which fixes
-which of several equally fast paths is returned. They run as one compiled loop over the pairs
-(``_search_rows``, numba): a pair's search never looks at another's, so running the pairs one after
-another and counting each one's steps gives the lockstep's paths exactly, at a fraction of the numpy
-lockstep's cost (whose per-step array passes over every pair dominated a plan).
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

@@ -1,48 +1,6 @@
 """EINA: throughput-maximizing aggregation routing over edge aggregators (the MIQCP, corrected).
 
-For every PS p, a tree over the aggregators rooted at the PS's aggregator π[p], and one per-worker rate
-r_p, maximizing Σ_p r_p (each PS then owns the share r_p / Σ r_p of the model). Variables x_{p,i,j}
-(i sends p's flow to j), depths d_{p,i}, rates r_p; the products x·r are linearised exactly
-(z <= r^U·x, z <= r, z >= r - r^U·(1 - x), z >= 0, x binary), so HiGHS solves it as a MILP; with r_p
-integer it is the paper's IQCP variant (option ``eina_integer_rates``).
-
-The printed model (1)-(13) is wrong in ways that change answers. The notes (notes-eina.md §2.1) list
-eight defects; numbered as there, each is corrected here, and ``printed`` (names in ``PRINTED``) keeps
-any of the ones a model can be built from, so the tests show the printed form wrong on the notes' case
-and the corrected one right (``literal=True``: the notes' own check, ``LITERAL``):
-
-1. (10) as typeset counts a_j once per i != j, (|A| - 1) times; the intended
-   Σ_p (Σ_i x_{p,i,j} + a_j)·r_p <= c_j is used (``printed`` "10");
-2. (12) is quantified "for all i" over a row indexed by j: as printed j is unbound and no model can be
-   built from it, so there is no printed form to keep; it is read "for all j";
-3. (8) says an idle aggregator forwards only if it receives, never that it must forward what it
-   receives: trees may sink into an idle aggregator that is not the root. Corrected:
-   x_{p,k,i} <= Σ_j x_{p,i,j} for every idle i other than the root, and (8) as out <= in (``printed`` "8");
-4. a PS whose aggregator hosts workers is infeasible ((2) makes it send, (3) gives it depth 0).
-   Corrected: (2) over A_W \\ {π[p]}, and the root sends nothing (``printed`` "root");
-5. (11) caps Σ_p r_p by every non-root aggregator's b^I, used or not, and exempts a PS's aggregator even
-   when it forwards other PSs' flows; corrected to what j sends, Σ_p Σ_k x_{p,j,k}·r_p <= b^I_j, for
-   every j (``printed`` "11");
-6. (9), d_{p,i} >= out-degree, is implied by (5): an aggregator that sends sits one deeper than its
-   parent, at depth >= 1. It is dropped, which changes no solution, so there is nothing to show (an
-   idle aggregator that sends nothing may sit at depth 0 here, the notes' reading of (4) and (9));
-7. (8) and (9) lack "for all p": as printed p is unbound (no model again); both hold per PS;
-8. the objective Σ_p r_p cannot tell {10, 20} from {0, 30}: at r^L = 0 an optimum may give a PS no rate
-   and so no shard. ``Instance.r_low`` (r^L) is the floor every PS keeps; the MILP bounds r_p by it and
-   the heuristic reserves it for every PS before any takes more. The DC planner (``dcplan``) has one PS,
-   the gateway, so it cannot starve one and keeps r^L = 0.
-
-``duplex`` aggregators carry what they receive and what they send on one link (a rack's uplink, where
-pushes and results cross in both directions): their in + out <= b^E. ``shared`` links are not in the
-paper, whose fabric is non-blocking: a set of aggregators behind one link (a rack's uplink, when the
-workers are the aggregators), which every flow between one inside and one outside crosses.
-
-When HiGHS cannot prove the optimum within the time budget (option ``dc_plan_time_limit``, default
-60 s) the better of its incumbent and the solver-free heuristic is used: per PS (roots with the most
-downlink first), the largest rate at which a depth-bounded tree exists, found by bisection (feasibility
-is monotone in r), the tree built level by level with the aggregators that accept the most children
-nearest the root.
-"""
+See docs/ARCHITECTURE.md, *Planning the tier inside a DC*."""
 
 from __future__ import annotations
 

@@ -1,32 +1,6 @@
 """The tier inside a DC as the planners see it: an aggregation tree over the LAN and its predicted throughput.
 
-A plan of the LAN tier is a tree towards the DC's gateway: every worker sends its gradient to a parent
-(an aggregator worker, a rack's ToR aggregator, or the gateway itself), an aggregator sums what it
-receives with its own gradient and sends one aggregate up, and the result comes back down the same
-edges. Every planner (ALEPH, PAHInA, EINA) and every baseline produces such a tree, and one fluid model
-judges them all, so their predicted throughputs compare like for like.
-
-The fluid model, for a gradient of G bits at fp32 (a worker of precision p sends G·β_p, β from
-``PRECISION_SCALE``): a flow leaving node v carries its subtree's aggregate, whose lane is the merged
-precision of the workers below it (``merge``: homogeneous lanes stay as they are, mixed ones are
-up-cast, as PAHInA's precision normalisation does). Push and pull run at once and are symmetric, so
-each resource carries the same bits in both directions:
-
-* a worker's port: its own flow up plus its children's flows (pushes in, results out), at
-  min(up, down);
-* an aggregator's summing capacity (a worker's ``agg_gbit``, a rack's per-precision capacity): what its
-  children send plus, for a worker, its own gradient;
-* a rack's uplink: every tree edge with exactly one end inside the rack;
-* the gateway's port: every flow into the gateway.
-
-The synchronization takes T = max over resources of bits / rate (pipelined, the WAN predictor's bulk
-term), each worker sends at G·β_w / T, and the predicted aggregation throughput is Σ_w G·β_w / T: the
-gradient bits the DC's workers push per second. For the flat gateway with n fp32 workers this is
-min(n·min port, gateway rate), what the gateway absorbs today. ALEPH's Table 1 (4.2 Gb from each of 4
-workers, PS 0.84 s, ALEPH 0.42 s) is reproduced by this model (workers at 20, 10, 20, 10 Gbit/s, a
-20 Gbit/s gateway); its ring's 0.63 s is 2(n-1)/n of the gradient at 10 Gbit/s, the ring without the
-gateway as a member (``ring_allreduce`` has it, n + 1 members).
-"""
+See docs/ARCHITECTURE.md, *Planning the tier inside a DC*."""
 
 from __future__ import annotations
 

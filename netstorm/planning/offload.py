@@ -1,25 +1,6 @@
 """Planned offload: chunk shares and the part of each tree link's chunks auxiliary paths carry, together.
 
-Spanning trees send every tree edge's share both ways, the push up and the result down, so a link pair
-that is fast one way and slow the other is held to its slow direction. On asymmetric rates (the
-dynamic scenario's re-draws) even the optimal mix of spanning trees then stays well above the directed
-min-cut limit, and no tree plan can do better. Auxiliary paths are not bound to the
-trees: a chunk of tree link a -> b may go a -> c -> b over directions the trees leave idle.
-
-For the policy's trees (one per root), one LP picks the roots' shares s and the load z moved from each
-directed tree link e onto each of its auxiliary paths p (Algorithm 3's), so the busiest link finishes
-first:
-
-    minimise T  subject to, for every directed link l,
-        sum_r s_r a_rl - sum_p z_lp + sum_{(e, p): l on p} z_ep <= T rate_l,
-        sum_p z_ep <= sum_r s_r a_re,    sum_r s_r = 1,    s, z >= 0
-
-where a_rl is 1 when root r's tree sends on l. Shares and moves are chosen together, which lowers the
-busiest link further than moves with the packing's shares held fixed (``results/DECISIONS.md``). A light
-penalty on the load moved per hop keeps moves to what lowers T. The result is kept only when it lowers
-the busiest link by ``OFFLOAD_MIN_GAIN``: moved chunks take longer paths, store-and-forward at every
-hop, which a few per cent of bandwidth does not pay for.
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
 """Fractional spanning-tree packing: the chunk shares and trees that minimise the busiest link's load.
 
-A spanning tree t that aggregates a fraction f_t of the model moves f_t·M bytes up and f_t·M bytes down
-each of its edges, so a directed link e is busy for sum_t f_t·[e in t]·M / s(e) seconds. The best
-fractional mix of trees solves the linear program
-
-    min T  s.t.  sum_t f_t·[e in t] / s(e) <= T  for every directed link e,   sum_t f_t = 1,  f >= 0
-
-over all spanning trees of the overlay (the links present in both directions). There are exponentially
-many trees, so the program is solved by column generation: a restricted master over a few trees (the
-FAPT trees, the fastest and the minimum-bottleneck spanning trees to start with) gives link duals
-y_e >= 0 and the dual of the share constraint μ; a tree prices out when its cost sum over its edges
-{u, v} of y_uv/s_uv + y_vu/s_vu is below μ, and the cheapest tree is a minimum spanning tree under
-those edge weights. When no tree prices out the master's optimum is the optimum over every spanning
-tree. The master lives in one HiGHS model (highspy) so each round re-solves from the previous basis.
-
-The runtime wants one tree per root, so an optimum using more trees than there are roots is cut down
-to the best of a few candidate subsets (``pack_trees``), each with re-optimised shares;
-``netstorm.planning.rootpacking`` then improves the cut tree by tree.
-
-The paper's multi-root FAPT (shortest-path trees, shares proportional to quality) loads the links around
-the fastest nodes and lands well above the physical limit M/λ; the packing is optimal over spanning
-trees (``results/DECISIONS.md`` has the measured gap). Everything is deterministic: inputs are sorted,
-ties are broken by link speed and then node ids, and shares are rounded to 1e-9.
-"""
+See docs/ARCHITECTURE.md, *The WAN tier: planning and the scheduler*."""
 
 from __future__ import annotations
 

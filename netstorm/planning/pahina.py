@@ -1,29 +1,7 @@
 """PAHInA's precision-aware assignment: a priority-ordered greedy with per-(aggregator, precision)
 capacity (Algorithm 1), then the weighted rate allocation (Stage 2, Eq. 2).
 
-Stage 1 orders workers by Π(n) = w_size·NormSize(p_n) + w_cost·NormCost(n) (min-max normalised over
-the DC, ties by index) and gives each the cheapest candidate aggregation node that supports its
-precision and still has capacity for it, the gateway (PAHInA's PS) being the fallback. The path cost
-d(n, v) is 1 / the bottleneck rate from n to v (its port, the rack uplinks crossed, v's port).
-Candidates are the racks' ToR aggregators where the DC describes racks; otherwise workers, which
-aggregate in XDP as ALEPH's do (capacity ``agg_gbit``, else their port), two levels deep: a worker that
-aggregates others sends to the gateway, a worker that joined one aggregates nobody.
-
-Capacity semantics: the paper's LP caps a switch's output while its Theorem 3 and Algorithm 1 charge
-inputs; here inputs are charged (an XDP aggregator's work grows with the packets it receives), r_est·β_p
-per worker of precision p, consistent with Stage 2's r_n = w_p·m (w_p ∝ the precision's bytes).
-
-Stage 2's LP has a closed form (every y_{s,p} sits at w_p·m), so the rates are the shared fluid model's
-(``lanmodel.predict``): r_n = β_n / T, T set by the busiest port, uplink or (aggregator, lane) capacity.
-
-Our extension, ``inflation`` (default on, option ``pahina_inflation``): Algorithm 1 ranks candidates by
-path cost alone, so precisions mix at an aggregator whenever it is near, and the mixed aggregate is
-up-cast (fp16 with bf16 travels as fp32) — the precision inflation the paper sets out to avoid. With
-``inflation`` a candidate's cost also counts the bytes its outgoing aggregate would grow by when the
-worker's precision joins the lanes it already sums, per second of its path to the gateway. ``oblivious`` is the
-precision-oblivious baseline: the same greedy with every worker treated as fp32 (no size priority, no
-precision filter, flat capacity charges, no inflation term).
-"""
+See docs/ARCHITECTURE.md, *Planning the tier inside a DC*."""
 
 from __future__ import annotations
 

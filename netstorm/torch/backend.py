@@ -1,33 +1,6 @@
 """The ``netstorm`` process-group backend: ``dist.init_process_group("netstorm")`` syncs through the DC's node.
 
-    import netstorm.torch                       # registers the backend
-    dist.init_process_group("netstorm")         # torchrun's env:// variables, or rank/world_size/store
-    model = DistributedDataParallel(model)      # unchanged: buckets, overlap, bucket rebuild
-
-Each rank is one trainer of its DC's general node (the node's ``trainers`` = ranks per DC); it finds the
-node through ``NETSTORM_SOCKET`` like ``netstorm.connect()``, or through the ``torch_socket`` template.
-The store ``init_process_group`` builds is not used: ranks meet at their nodes, whose first iteration is
-the job-wide barrier that registers the round (``stage.py``) in every DC.
-
-What DDP calls, and how each becomes node sums (``codec.py`` says why each encoding is exact):
-
-- ``allreduce`` / ``allreduce_coalesced`` (DDP's buckets; SUM or AVG): floating tensors as float32
-  values, integer tensors as 16-bit pieces; AVG divides by the ranks the node counted.
-- ``broadcast`` (DDP's parameters at construction, its bucket indices at the rebuild, buffers per step):
-  a sum where only the source contributes, its bytes as pieces, the other ranks zeros. It costs a whole
-  all-reduce of twice the tensor's bytes, against a tree broadcast's one copy down each link: it is rare
-  in training (once at construction; buffers only for models that have them) and it keeps one path and
-  one layout.
-- ``allgather`` (DDP's shape check at construction): each rank's pieces in its own slot of a
-  ``world``-times larger sum; ``barrier``: a one-element sum.
-
-Collectives run in call order on one worker thread per process group, so backward keeps computing while
-a bucket is on the WAN, as with gloo. A collective's ``Work`` future completes with the tensors, or with
-a ``NetStormBackendError`` (a ``torch.distributed.DistBackendError``) that names the DC, the rank, the
-collective and the node iteration: the node fails an iteration when a DC dies or its ``iteration_timeout``
-passes, and the client's socket timeout is the process group's ``timeout``, so no call waits forever.
-After an error every later collective of the group fails at once with it.
-"""
+See docs/ARCHITECTURE.md, *PyTorch*."""
 
 from __future__ import annotations
 

@@ -1,29 +1,7 @@
 """Compression of DDP's gradient buckets: FediAC's or top-k's two rounds per bucket piece, error feedback
 kept per bucket piece.
 
-Under DDP the natural unit of compression is the bucket its comm hook gets: ``compressed_hook`` hands
-each bucket to the ``netstorm`` process group, whose ``Stage`` cuts it into pieces of ``torch_round``
-elements and runs each piece through ``netstorm.compression.session.Rounds`` (votes, then values at the
-agreed indices). One protocol (one FediAC b, one seed, one vote threshold) serves every bucket; what is
-per bucket is the residual, because error feedback must add back the part of *this* bucket's gradient
-that was not sent (with ``fediac_gia_reuse``, the kept GIA and m too: a bucket's indices are not
-another's). The key is DDP's bucket index with the bucket's size, so a bucket rebuild (new sizes after
-the first step) starts fresh residuals instead of adding one layer's leftovers to another's.
-
-A bucket's pieces are one collective: its sum reaches the caller only when every piece is done. So
-when a piece's round fails (a timeout, a DC gone, ``GroupIncomplete``) the stage undoes the whole
-bucket (``collective``): the piece in flight with ``Rounds.abort``, and the pieces already decoded with
-the checkpoints taken before each began (residual, kept GIA and random draws, restored in place in that
-piece's state; a dense first round's b forgotten; a piece's state first made by this bucket dropped).
-Every contributor's piece fails alike (none gets the round's sums), so every contributor undoes the same
-pieces, and the next bucket computes exactly what it would in a run without the failed one; the failed
-bucket's gradient stays the caller's (it raised). A failure after the bucket's sum came back (storing it
-into the tensor) undoes nothing: the other contributors applied their rounds, and undoing only here would
-part this contributor's kept GIA from theirs.
-
-Only gradient buckets go through here: DDP's broadcasts and shape checks, and any ``all_reduce`` a user
-calls, stay exact. ``BucketRounds`` does no I/O and imports no torch; the stage drives it.
-"""
+See docs/ARCHITECTURE.md, *Compression*."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
 """A DDP communication hook: gloo or NCCL inside a DC, NetStorm across DCs (hybrid replication).
 
-    state = NetStormHookState.connect(group=dc_group)       # the DC's leader joins its node
-    model = DistributedDataParallel(model, process_group=dc_group)
-    model.register_comm_hook(state, netstorm_hook)
-
-For users who keep their fast in-DC collective library and want NetStorm only on the WAN, the replicate
-dimension of hybrid sharding. DDP's process group is the DC's own (gloo, NCCL); each bucket is first
-summed inside the DC on that group, then the DC's leader (one rank per DC, the node's one trainer) sums
-the DC sums through its node, and broadcasts the result back inside the DC, divided by the ranks of the
-whole job. That count travels with the bucket as one extra element (each leader adds its DC's ranks),
-so DCs of different sizes need no configuration. A leader whose node fails broadcasts -1 in that
-element: every rank of its DC raises the error instead of waiting for a broadcast that never comes.
-
-Buckets of any size go through the leader's ``Stage`` (``stage.py``); they run in order on one worker
-thread per state, so backward keeps computing while a bucket crosses the WAN.
-
-With the job's compression (``compression = fediac|topk|fp16``, resolved as every option is, or given
-to ``connect``) the leader sends its DC's sum through ``Stage.reduce_compressed`` as the backend's
-``compressed_hook`` does: each leader is one contributor, error feedback is kept per bucket piece
-(keyed by DDP's bucket index and size; a bucket whose rounds fail is undone in the stage before its
-error reaches DDP), and fp16 travels as float16 on the WAN. The rank count then
-cannot ride in the bucket (a sparse method would drop it, and FediAC would quantize it), so the leaders
-sum their DCs' rank counts once, exactly, before their first bucket, and keep the total.
-"""
+See docs/ARCHITECTURE.md, *PyTorch*."""
 
 from __future__ import annotations
 

@@ -1,31 +1,6 @@
 """One registered round: how collectives of any size travel through a node that knows one fixed layout.
 
-A node sums the tensors its trainers registered at ``init``, with one layout checked by hash across
-DCs, and every node iteration carries every registered tensor. DDP all-reduces flat buckets whose sizes
-change after its first step (bucket rebuild), and ``torch.distributed`` users call collectives of any
-size. So a rank registers one float32 tensor of ``round`` elements (``torch_round``), the same in every
-rank, and a collective becomes a sequence of node iterations: its float32 payload cut into pieces of
-``round`` elements, the last one padded with zeros. Every rank issues the same collectives in the same
-order (what every ``torch.distributed`` backend requires), so every rank's k-th iteration holds the same
-piece of the same collective and the node's sums are the collective's. Nothing is registered lazily and
-no layout changes: a bucket rebuild only changes how many iterations a bucket takes.
-
-The price is the padding: a collective of N elements moves ``ceil(N / round) * round`` elements. With
-``round`` equal to DDP's bucket size (``bucket_cap_mb``) a bucket is one iteration and nothing is
-padded but its last bucket; a barrier or a small broadcast costs one whole round.
-
-``Stage`` also keeps the integration's own cost apart from the node's: the seconds spent waiting in the
-client for the node's sums (``node_s``) and those spent copying into and out of the round
-(``copy_s``); the backend adds its encoding and decoding (``overhead_s``).
-
-With the job's compression (``compression`` option) the round registers more, so that the layout stays
-fixed: for fediac and topk the integer tensors of their two rounds (``netstorm.compression.session``),
-each ``round`` elements long, which ``reduce_compressed`` drives for a gradient bucket with error
-feedback kept per bucket piece (``compressed.py``); for fp16, whose nodes send every float chunk as
-float16, an int32 tensor that carries the exact collectives (broadcast, allgather, integer sums,
-barrier) so their 16-bit pieces are not rounded. Every push carries every registered tensor, the ones
-not in play as zeros, which the nodes send as header-only frames.
-"""
+See docs/ARCHITECTURE.md, *PyTorch*."""
 
 from __future__ import annotations
 

@@ -1,58 +1,6 @@
 """A trainer that pushes model-shaped, integer-valued gradients and checks every sum exactly.
 
-``python -m netstorm.trainers.synthetic --socket PATH --model alexnet|resnet50|SIZE --iterations N``
-``python -m netstorm.trainers.synthetic --edge edge://GATEWAY:PORT?worker=I --dc ID ...``
-(a LAN worker behind a DC gateway, in edge mode)
-
-Each iteration sleeps the compute time (the stand-in for a forward and backward pass; writing the
-gradients counts towards it), push_pulls one gradient per layer and checks the result exactly; with
-``--overlap`` it pushes each layer during the backward part of the compute time instead, then pulls
-them all (DDP's overlap, what ``DistributedOptimizer(overlap=True)`` does with a real model). One
-JSON line per iteration: ``seconds`` (compute + synchronization, what training would take),
-``sync_s`` (the time blocked on the node: the push_pull, or the pushes and pulls), ``check_s`` (the
-exact check, outside ``seconds``), ``exact``, ``workers`` (contributors to the sum: every DC's trainer
-and LAN workers, as the node or gateway reports them, or ``--contributors``, which the reported count
-must then equal), ``cpu_s`` (this process's CPU time so far) and ``began`` (the wall-clock time the
-iteration began, by which the emulator places it among the link rate changes).
-An iteration that fails because a DC died is written with ``"failed": true`` and the trainer goes
-on with the survivors (the node then counts only the iteration's contributors, ``workers``); after
-``--max-failures`` failures in a row (its own node is gone) it stops. The exit status is non-zero
-unless every iteration was exact.
-
-DC ``d`` pushes, in iteration ``k``,
-
-    g_d = A * c1(k) + B * (d + c2(k))
-
-with ``A`` and ``B`` small integer patterns every DC derives from the layer shapes alone. The sum over
-the ``n`` contributing DCs is ``A * c1(k) * n + B * (S + n * c2(k))`` with ``S`` the sum of their ids;
-``A`` is 0 and ``B`` is 1 at the first element, so that element reveals ``S`` and the rest is checked
-against it (and ``S`` against its first value). A missing or doubled contribution, a stale iteration or
-a chunk written to the wrong place changes the result, and float32 holds these integers exactly.
-
-With LAN workers the contributors are the DCs' own trainers and every LAN worker, each with its own id
-(``--dc``; the emulator numbers LAN workers after the highest DC id). Every contributor is told ``n``
-with each result (``num_workers``: the DCs register their LAN workers with the scheduler, and a gateway
-passes the count on to its LAN), but not ``S``: ``--contributor-sum S`` gives it (and ``--contributors N``
-pins ``n``), so every contributor computes the exact expected sum itself instead of reading ``S`` from
-its first result.
-
-With ``--compression fp16`` the nodes send float chunks as float16; these small integers stay exact, so
-the check holds. With ``--compression fediac`` or ``topk`` (and ``--fediac-k``, ``--fediac-bits``,
-``--fediac-votes``, ``--fediac-gia-reuse``; defaults from NETSTORM_<NAME> or the Config defaults) each
-iteration runs the compression's rounds (``netstorm.compression.session``); the sum is then not exact by design, so the
-line carries ``exact: null`` and, when the expected sum is known (``--contributor-sum``), ``rel_error``
-(||decoded - exact|| / ||exact||, this iteration's: error feedback moves part of it to later ones) and
-``cum_rel_error`` (the same over the running sums since the first iteration: what the residuals still
-hold back), with ``round_trips``, ``gia``, ``bits`` and ``round_s`` (each round's seconds). Every line carries
-``wan_bytes``: what this DC's node queued on WAN links for the iteration (all its rounds).
-
-With ``--rejoinable`` the trainer also registers a one-element tensor ``STEP_TENSOR`` holding its next
-step, pushed as zero every iteration, and hands its model provider that step: a DC restarted into the
-running job gets the live DCs' step with the model its ``init`` returns, so it pushes the gradient of
-the step the others push (the iteration numbers the node reports skip the hand-over iterations, the
-steps do not), and runs until the same last step. Each line then also carries ``t`` (wall clock at the
-end of the iteration) and ``node_iteration``.
-"""
+See docs/ARCHITECTURE.md, *Emulation and results*."""
 
 from __future__ import annotations
 

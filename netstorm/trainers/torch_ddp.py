@@ -1,31 +1,6 @@
 """The emulator's torch-ddp trainer: a real model trained with DDP, on backend ``netstorm`` or ``gloo``.
 
-``python -m netstorm.trainers.torch_ddp --backend netstorm|gloo --task blobs --rank R --world N --dc D
---iterations K (--socket PATH | --store HOST:PORT --address ADDR) [--out FILE]``
-
-One process per DC. On ``netstorm`` the rank joins its DC's node (``--socket``) and needs no rendezvous
-(the nodes are the meeting point: a local store is passed to ``init_process_group``); on ``gloo`` rank 0
-serves the rendezvous store on the unshaped management network and gloo's data connections bind to the
-DC's address on the shaped overlay (``--address``). Both run the same DDP: one
-bucket holding the whole gradient (``bucket_cap_mb`` = the model), and on netstorm ``torch_round`` = the
-model, so each step is one all-reduce and one node iteration.
-
-Output: one JSON line per step, in the synthetic trainer's format (iteration, seconds, sync_s, exact,
-dc) plus, from rank 0, the held-out ``loss`` and ``accuracy`` after the step (every rank's model is the
-same under DDP) and, on netstorm, ``overhead_s``: the backend's own seconds in that step (encoding,
-copies, decoding: everything but the node's synchronization, ``node_s``). ``sync_s`` is the time from
-the end of backward's own computation to the end of the step's synchronization: what DDP's overlap did
-not hide.
-
-``--compression fediac|topk|fp16`` (with ``--fediac-k``, ``--fediac-bits``, ``--fediac-votes``,
-``--fediac-gia-reuse``; defaults from NETSTORM_<NAME> or the Config defaults, as every option resolves)
-runs the job's compression on backend ``netstorm``: the options reach the process group through the
-environment it resolves its config from, and DDP's bucket goes through ``compressed_hook`` (two rounds
-for fediac and topk, one for a fediac iteration that reuses its GIA; error feedback per bucket). Every
-netstorm line then carries ``wan_bytes`` (what this DC's node queued on WAN links in the step),
-``round_trips`` (node iterations), ``gia``, ``bits`` and ``round_s`` (the vote round's seconds first, 0
-when the GIA was reused), the fields ``netstorm emulate --compression`` reads.
-"""
+See docs/ARCHITECTURE.md, *PyTorch*."""
 
 from __future__ import annotations
 
