@@ -155,11 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"netstorm {args.command}: error: {exc}", file=sys.stderr)
         return 1
     except ModuleNotFoundError as exc:
-        extra = EXTRAS.get((exc.name or "").split(".")[0])
-        if extra is None:
+        needed = EXTRAS.get((exc.name or "").split(".")[0])
+        if needed is None:
             raise
         print(f"netstorm {args.command}: needs {exc.name}, which this install lacks: pip install "
-              f"'netstorm[{extra}]'", file=sys.stderr)
+              f"'netstorm[{needed}]'", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -11,7 +11,7 @@ import asyncio
 import socket
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -163,7 +163,7 @@ def test_the_agent_nacks_each_worker_once_listing_every_chunk_it_is_missing_from
     iteration = 1
     core.expect(iteration)
     sums = core.book.sums(iteration)
-    states = core.aggregator.states  # type: ignore[attr-defined]
+    states = cast(KernelMaps, core.aggregator).states
     rng = np.random.default_rng(7)
     bitmaps = {}
     for seq in range(LAYOUT.num_chunks):

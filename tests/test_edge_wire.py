@@ -219,18 +219,18 @@ def test_iteration_sums_nack_exactly_the_missing_and_rescale_everyone() -> None:
     assert sums.missing == {(1, 0): [1, 3]}
     done = IterationSums(LAYOUT, iteration=9, workers=4, job=1)
     done.take(np.array([(1, 0, 7, 10)], [("tensor", "<u4"), ("chunk", "<u4"), ("count", "<u2"), ("scale", "i1")]),
-              np.zeros((1, 358), np.int32))
+              np.zeros((1, 358), np.int32), now=0.0)
     assert done.on_event(event) is None     # completed since: nobody is NACKed
     over = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=10, need=11, flags=Flag.OVERFLOW)
-    rescale = sums.on_agg(over, np.zeros(358, np.int32))
+    rescale = sums.on_agg(over, np.zeros(358, np.int32), 0.0)
     assert [w for w, _ in rescale] == [0, 1, 2, 3]   # each fits at 11, four of them at 11 - 2
     assert all(Header.decode(d).scale == 9 and Header.decode(d).flags == Flag.RESCALE for _, d in rescale)
     # an overflow the workers' own needs cannot explain is an error, not a silent wrap
     with pytest.raises(WireError, match="overflow at scale 10"):
         sums.on_agg(Header(Kind.AGG, 1, 0, 9, 0, 1, 1, 358, scale=10, need=12, flags=Flag.OVERFLOW),
-                    np.zeros(358, np.int32))
+                    np.zeros(358, np.int32), 0.0)
     ok = Header(Kind.AGG, 1, 0, 9, 1, 0, 3, 7, scale=8)
-    assert sums.on_agg(ok, np.arange(358, dtype=np.int32)) == []
+    assert sums.on_agg(ok, np.arange(358, dtype=np.int32), 0.0) == []
     assert np.array_equal(sums.result()[1], (np.arange(7) / 2**8).astype(np.float32))
     assert (1, 0) not in sums.pending and "tensor 0 chunk 0" in sums.describe_missing()
 
