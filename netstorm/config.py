@@ -164,7 +164,12 @@ class Config:
     exactly one iteration. Every rank of the job must use the same value (the layout hash checks it)."""
     torch_socket: str = ""
     """Where a rank finds its DC's node, as a template with {rank}, {local_rank} and {group_rank} (torchrun's
-    variables); empty: NETSTORM_SOCKET, as ``netstorm.connect()`` does."""
+    variables), {dc_index} (RANK // ranks per DC) and {dc} (dc_index + 1); empty: NETSTORM_SOCKET, as
+    ``netstorm.connect()`` does."""
+    torch_ranks_per_dc: int = 0
+    """With one torchrun across several DCs: the ranks of each DC, consecutive in rank order, which the
+    torch_socket fields {dc} and {dc_index} divide RANK by; 0: torchrun's LOCAL_WORLD_SIZE (one host per
+    DC). One torchrun per DC needs neither: each sets NETSTORM_SOCKET to its DC's node."""
     # Compression.
     compression: str = "none"
     """Gradient compression: none, fediac (consensus sparsification: vote on indices, then send b-bit
@@ -277,6 +282,8 @@ class Config:
             raise ConfigError(f"edge_plan_wait must be >= 0 seconds, got {self.edge_plan_wait!r}")
         if self.edge_retransmit <= 0:
             raise ConfigError(f"edge_retransmit must be positive seconds, got {self.edge_retransmit!r}")
+        if self.torch_ranks_per_dc < 0:
+            raise ConfigError(f"torch_ranks_per_dc must be >= 0 (0: LOCAL_WORLD_SIZE), got {self.torch_ranks_per_dc}")
         if self.max_ahead < 0:
             raise ConfigError(f"max_ahead must be >= 0, got {self.max_ahead!r}")
         if self.num_root_servers < 0:
@@ -340,7 +347,7 @@ PAPER_DESIGN: dict[str, Any] = {
     "update_rate": 0.0,        # the paper's implementation refreshes every UPDATE_TIME regardless
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
-LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket"})
+LOCAL: frozenset[str] = frozenset({"secret_file", "wan_tls", "torch_round", "torch_socket", "torch_ranks_per_dc"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

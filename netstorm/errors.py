@@ -178,3 +178,9 @@ class PeerLost(IterationError):
     lost at every DC, and the next one runs without it. Retryable (an ``IterationError`` too)."""
 
     code: ClassVar[ErrorCode] = ErrorCode.PEER_LOST
+
+
+class UnsupportedCollective(NetStormError, NotImplementedError):
+    """A collective, or a reduce op of it, that the ``netstorm`` process-group backend cannot run as sums at
+    the nodes (point-to-point send and recv, a subgroup that is no group of a partition of the job's ranks);
+    the message names the collective and the op."""

@@ -150,6 +150,10 @@ class Stage:
         """The newest node iteration this rank has completed (-1 before the first)."""
         return self.client.iteration
 
+    def contributors(self) -> tuple[int, ...]:
+        """The DCs whose values the newest node iteration's sums hold (empty before the first)."""
+        return tuple(getattr(self.client, "contributors", ()))
+
     def reduce(self, payload: np.ndarray, *, average: bool = False, exact: bool = False) -> np.ndarray:
         """The element-wise sum (or mean over ``workers``) of ``payload`` over every rank, in as many node
         iterations as it takes; every rank must call it with a payload of the same size. ``exact``: the
