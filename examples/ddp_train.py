@@ -21,9 +21,10 @@ the ranks' gradients, so with equal shards the two agree up to float rounding.
 ``fully_shard`` over the whole job, ``--shard hsdp`` over a 2-D mesh (DCs x ranks per DC) that shards
 inside each DC over gloo (the DC's own rendezvous) and replicates across DCs over netstorm.
 
-The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set (the
-env:// rendezvous). ``--backend gloo`` runs it on gloo for comparison. On a failed collective it prints
-one JSON line ``{"error": ..., "type": ...}`` and exits with status 3.
+With NETSTORM_ON_DC_LOSS=continue the survivors of a lost DC train on (``mean_hook`` averages over
+the ranks each sum counts). The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT are set (the env:// rendezvous). ``--backend gloo`` runs it on gloo for comparison. On a
+failed collective it prints one JSON line ``{"error": ..., "type": ...}`` and exits with status 3.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def shard(model: nn.Module, how: str, world: int) -> nn.Module:
         per_dc = int(os.environ["LOCAL_WORLD_SIZE"])
         mesh = init_device_mesh("cpu", (world // per_dc, per_dc), mesh_dim_names=("replicate", "shard"),
                                 backend_override={"shard": "gloo"})
-    for layer in model:
+    for layer in model.children():
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.backend == "netstorm":
-        import netstorm.torch  # noqa: F401  (registers the backend)
+        import netstorm.torch  # registers the backend
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     print(json.dumps({"rank": rank, "world": world, "launcher_rank": int(os.environ.get("RANK", rank))}),
@@ -107,8 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         model = make_model(args.seed + 1)  # FSDP keeps each rank's values: every rank starts alike
         ddp = shard(model, args.shard, world)
+    if args.backend == "netstorm" and args.shard == "ddp":
+        group = dist.distributed_c10d._get_default_group()
+        if getattr(getattr(group, "stage", None), "on_dc_loss", "error") == "continue":
+            # the survivors' mean after a lost DC: DDP itself divides by the group's size
+            ddp.register_comm_hook(group, netstorm.torch.mean_hook)  # type: ignore[operator]
     if args.compile:
-        ddp = torch.compile(ddp)
+        ddp = torch.compile(ddp)  # type: ignore[assignment]
     opt = make_optimizer(ddp, args.lr)
     loss_fn = nn.CrossEntropyLoss()
     stall = tuple(int(v) for v in args.stall.split(":")) if args.stall else None

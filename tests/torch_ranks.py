@@ -9,6 +9,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ def main() -> int:
     gloo = dist.new_group(backend="gloo")
     done: list[str] = []
 
-    def same(name: str, run: Callable[[dist.ProcessGroup | None], object], exact: bool = True) -> None:
+    def same(name: str, run: Callable[[Any], Any], exact: bool = True) -> None:
         ours, theirs = run(None), run(gloo)
         pairs = list(zip(ours, theirs, strict=True)) if isinstance(ours, list) else [(ours, theirs)]
         for a, b in pairs:
@@ -47,10 +48,10 @@ def main() -> int:
                 assert torch.allclose(a, b, rtol=1e-6, atol=1e-4), (name, a, b)
         done.append(name)
 
-    def all_reduce(dtype: torch.dtype, op: object, small: bool = False) -> Callable[[object], torch.Tensor]:
-        def run(group: object) -> torch.Tensor:
+    def all_reduce(dtype: torch.dtype, op: object, small: bool = False) -> Callable[[Any], torch.Tensor]:
+        def run(group: Any) -> torch.Tensor:
             t = value(rank, dtype, 7, small=small)
-            dist.all_reduce(t, op=op, group=group)  # type: ignore[arg-type]
+            dist.all_reduce(t, op=op, group=group)
             return t
         return run
 
@@ -63,80 +64,80 @@ def main() -> int:
     for op in ("BAND", "BOR", "BXOR"):
         same(f"all_reduce {op} int64", all_reduce(torch.int64, getattr(R, op)))
 
-    def reduce_scatter(group: object) -> torch.Tensor:
+    def reduce_scatter(group: Any) -> torch.Tensor:
         out = torch.empty(3)
         dist.reduce_scatter(out, [value(rank, torch.float32, 3, small=True) + r for r in range(world)],
-                            group=group)  # type: ignore[arg-type]
+                            group=group)
         return out
     same("reduce_scatter SUM", reduce_scatter)
 
-    def reduce_scatter_tensor(op: object) -> Callable[[object], torch.Tensor]:
-        def run(group: object) -> torch.Tensor:
+    def reduce_scatter_tensor(op: object) -> Callable[[Any], torch.Tensor]:
+        def run(group: Any) -> torch.Tensor:
             out = torch.empty(4)
             dist.reduce_scatter_tensor(out, value(rank, torch.float32, 4 * world, small=True), op=op,
-                                       group=group)  # type: ignore[arg-type]
+                                       group=group)
             return out
         return run
     same("reduce_scatter_tensor SUM", reduce_scatter_tensor(R.SUM))
     same("reduce_scatter_tensor MAX", reduce_scatter_tensor(R.MAX))
 
-    def all_gather(group: object) -> list[torch.Tensor]:
+    def all_gather(group: Any) -> list[torch.Tensor]:
         outs = [torch.empty(5, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(outs, value(rank, torch.int64, 5), group=group)  # type: ignore[arg-type]
+        dist.all_gather(outs, value(rank, torch.int64, 5), group=group)
         return outs
     same("all_gather int64", all_gather)
 
-    def all_gather_into_tensor(group: object) -> torch.Tensor:
+    def all_gather_into_tensor(group: Any) -> torch.Tensor:
         out = torch.empty(world * 4, dtype=torch.float64)
-        dist.all_gather_into_tensor(out, value(rank, torch.float64, 4), group=group)  # type: ignore[arg-type]
+        dist.all_gather_into_tensor(out, value(rank, torch.float64, 4), group=group)
         return out
     same("all_gather_into_tensor float64", all_gather_into_tensor)
 
-    def all_to_all_single(uneven: bool) -> Callable[[object], torch.Tensor]:
-        def run(group: object) -> torch.Tensor:
+    def all_to_all_single(uneven: bool) -> Callable[[Any], torch.Tensor]:
+        def run(group: Any) -> torch.Tensor:
             if not uneven:
                 out = torch.empty(world * 2, dtype=torch.int32)
-                dist.all_to_all_single(out, value(rank, torch.int32, world * 2), group=group)  # type: ignore[arg-type]
+                dist.all_to_all_single(out, value(rank, torch.int32, world * 2), group=group)
                 return out
             sends = [(rank + j) % 3 + 1 for j in range(world)]  # rank sends j this many rows
             recvs = [(r + rank) % 3 + 1 for r in range(world)]
             data = value(rank, torch.float32, sum(sends) * 2).reshape(-1, 2)
             out = torch.empty(sum(recvs), 2)
-            dist.all_to_all_single(out, data, recvs, sends, group=group)  # type: ignore[arg-type]
+            dist.all_to_all_single(out, data, recvs, sends, group=group)
             return out
         return run
     same("all_to_all_single", all_to_all_single(False))
     same("all_to_all_single uneven", all_to_all_single(True))
 
-    def all_to_all(group: object) -> list[torch.Tensor]:
+    def all_to_all(group: Any) -> list[torch.Tensor]:
         outs = [torch.empty(3) for _ in range(world)]  # gloo needs equal sizes
         dist.all_to_all(outs, [value(rank, torch.float32, 3) + j for j in range(world)],
-                        group=group)  # type: ignore[arg-type]
+                        group=group)
         return outs
     same("all_to_all", all_to_all)
 
-    def gather(group: object) -> list[torch.Tensor]:
+    def gather(group: Any) -> list[torch.Tensor]:
         outs = [torch.empty(3) for _ in range(world)] if rank == 1 else None
-        dist.gather(value(rank, torch.float32, 3), outs, dst=1, group=group)  # type: ignore[arg-type]
+        dist.gather(value(rank, torch.float32, 3), outs, dst=1, group=group)
         return outs if outs is not None else [torch.zeros(1)]
     same("gather", gather)
 
-    def scatter(group: object) -> torch.Tensor:
+    def scatter(group: Any) -> torch.Tensor:
         out = torch.empty(4, dtype=torch.int64)
         chunks = [value(r, torch.int64, 4) for r in range(world)] if rank == 0 else None
-        dist.scatter(out, chunks, src=0, group=group)  # type: ignore[arg-type]
+        dist.scatter(out, chunks, src=0, group=group)
         return out
     same("scatter", scatter)
 
-    def broadcast(group: object) -> torch.Tensor:
+    def broadcast(group: Any) -> torch.Tensor:
         t = value(rank, torch.bfloat16, 9)
-        dist.broadcast(t, src=world - 1, group=group)  # type: ignore[arg-type]
+        dist.broadcast(t, src=world - 1, group=group)
         return t
     same("broadcast bfloat16", broadcast)
 
-    def reduce(group: object) -> torch.Tensor:
+    def reduce(group: Any) -> torch.Tensor:
         t = value(rank, torch.int64, 6)
-        dist.reduce(t, dst=0, op=R.MIN, group=group)  # type: ignore[arg-type]
+        dist.reduce(t, dst=0, op=R.MIN, group=group)
         return t if rank == 0 else torch.zeros(1)  # only the root's tensor is defined
     same("reduce MIN", reduce)
 
@@ -148,7 +149,7 @@ def main() -> int:
     ours, _ = dist.new_subgroups_by_enumeration(parts)
     theirs, _ = dist.new_subgroups_by_enumeration(parts, backend="gloo")
 
-    def sub(group: object) -> list[torch.Tensor]:
+    def sub(group: Any) -> list[torch.Tensor]:
         s = value(rank, torch.float32, 5, small=True)
         m = value(rank, torch.int64, 5)
         g = ours if group is None else theirs

@@ -722,7 +722,8 @@ def connect(launcher_rank: int, launcher_world: int, timeout: datetime.timedelta
     where = address or os.environ.get("NETSTORM_SOCKET")
     client = netstorm.connect(address, timeout=timeout.total_seconds())
     try:
-        stage = Stage(client, config.torch_round, CompressionOptions.of(config), seed=launcher_rank)
+        stage = Stage(client, config.torch_round, CompressionOptions.of(config), seed=launcher_rank,
+                      on_dc_loss=config.on_dc_loss)
     except Exception as exc:
         client.close()
         raise NetStormBackendError(f"netstorm backend: rank {launcher_rank} could not join at its node "
@@ -764,3 +765,16 @@ def compressed_hook(group: ProcessGroupNetStorm, bucket: dist.GradBucket) -> Fut
 # DDP's register_comm_hook checks the annotations as objects; this module's are strings (postponed).
 compressed_hook.__annotations__ = {"group": ProcessGroupNetStorm, "bucket": dist.GradBucket,
                                    "return": Future[torch.Tensor]}
+
+
+def mean_hook(group: ProcessGroupNetStorm, bucket: dist.GradBucket) -> Future[torch.Tensor]:
+    """DDP comm hook: each gradient bucket's mean over the ranks the nodes counted, not over the group's
+    size as DDP divides by. With ``on_dc_loss = "continue"`` it is the survivors' mean after a DC was
+    lost; ``ddp.register_comm_hook(group, mean_hook)``."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]
+    return group.allreduce([bucket.buffer()], opts).get_future().then(lambda f: f.value()[0])
+
+
+mean_hook.__annotations__ = {"group": ProcessGroupNetStorm, "bucket": dist.GradBucket,
+                             "return": Future[torch.Tensor]}
