@@ -694,6 +694,17 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
         raise self._unsupported("recv from any source", "point-to-point transfers need only two ranks")
 
 
+COLLECTIVES = ("allreduce", "allreduce_coalesced", "allreduce_compressed", "reduce", "reduce_scatter",
+               "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_tensor_coalesced",
+               "reduce_scatter_single_coalesced", "broadcast", "allgather", "allgather_coalesced",
+               "all_gather_single", "_allgather_base", "allgather_into_tensor_coalesced",
+               "all_gather_single_coalesced", "gather", "scatter", "alltoall_base", "all_to_all_single", "alltoall",
+               "barrier", "monitored_barrier", "send", "recv", "recv_anysource")
+"""The group's methods torch.compile must run as they are, never trace: DDP under torch.compile calls the
+group from code dynamo traces (the bucket rebuild's broadcast), and a collective queues work for a thread."""
+for _name in COLLECTIVES:
+    setattr(ProcessGroupNetStorm, _name, torch.compiler.disable(getattr(ProcessGroupNetStorm, _name)))
+
 def create(options: Any, backend_options: Any = None) -> ProcessGroupNetStorm:
     """The creator ``register_backend`` calls (its extended form: the group's job ranks come with it).
 
