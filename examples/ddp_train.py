@@ -1,7 +1,15 @@
 """DDP, unchanged, on the ``netstorm`` process-group backend: one rank per process, started by torchrun.
 
-    netstorm local examples/job.toml --run-dir RUN &      # scheduler + one node per DC (ids 0, 1, 2)
-    NETSTORM_TORCH_SOCKET='RUN/node-{rank}.sock' torchrun --nproc-per-node 3 examples/ddp_train.py --out OUT
+    netstorm local scenario.toml --run-dir RUN --trainers 2 &          # scheduler + one node per DC
+    # one torchrun per DC (each its own rendezvous), each rank a trainer of its DC's node:
+    NETSTORM_SOCKET=RUN/node-1.sock torchrun --nproc-per-node 2 --master-port 29501 examples/ddp_train.py --out OUT
+    NETSTORM_SOCKET=RUN/node-2.sock torchrun --nproc-per-node 2 --master-port 29502 examples/ddp_train.py --out OUT
+    # or one torchrun across the DCs: rank r finds the node of DC r // 2 + 1
+    NETSTORM_TORCH_SOCKET='RUN/node-{dc}.sock' NETSTORM_TORCH_RANKS_PER_DC=2 \
+        torchrun --nproc-per-node 4 examples/ddp_train.py --out OUT
+
+Either way the process group spans the job: ``get_world_size()`` counts every DC's ranks and
+``get_rank()`` is unique across the job.
 
 Each rank finds its DC's node (the ``torch_socket`` template, or NETSTORM_SOCKET), trains the MLP of
 ``train_mlp.py`` on its shard of the same generated data with ``DistributedDataParallel``, and writes
@@ -9,9 +17,14 @@ its parameters after every step to ``OUT/rank-<r>.npz``; ``--check`` (rank 0, af
 process on the union of the shards from the same initial values and compares every step. DDP averages
 the ranks' gradients, so with equal shards the two agree up to float rounding.
 
-The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set (the
-env:// rendezvous). ``--backend gloo`` runs it on gloo for comparison. On a failed collective it prints
-one JSON line ``{"error": ..., "type": ...}`` and exits with status 3.
+``--compile`` trains ``torch.compile(DDP(model))``; ``--shard fsdp`` shards the model with FSDP2's
+``fully_shard`` over the whole job, ``--shard hsdp`` over a 2-D mesh (DCs x ranks per DC) that shards
+inside each DC over gloo (the DC's own rendezvous) and replicates across DCs over netstorm.
+
+With NETSTORM_ON_DC_LOSS=continue the survivors of a lost DC train on (``mean_hook`` averages over
+the ranks each sum counts). The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT are set (the env:// rendezvous). ``--backend gloo`` runs it on gloo for comparison. On a
+failed collective it prints one JSON line ``{"error": ..., "type": ...}`` and exits with status 3.
 """
 
 from __future__ import annotations
@@ -35,7 +48,32 @@ from train_mlp import make_data, make_model, make_optimizer, train_reference
 
 
 def flat(model: nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    """Every parameter's full values (a sharded one gathered: a collective, so every rank calls it)."""
+    parts = []
+    for p in model.parameters():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        parts.append(full.detach().reshape(-1))
+    return torch.cat(parts).numpy().copy()
+
+
+def shard(model: nn.Module, how: str, world: int) -> nn.Module:
+    """FSDP2 over the job (``fsdp``) or HSDP (``hsdp``): a (DCs, ranks per DC) mesh whose ranks of one DC
+    share a row (the job's ranks are numbered DC by DC), sharded in the row over gloo, replicated down
+    the columns over netstorm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if how == "fsdp":
+        mesh = init_device_mesh("cpu", (world,))
+    else:
+        per_dc = int(os.environ["LOCAL_WORLD_SIZE"])
+        mesh = init_device_mesh("cpu", (world // per_dc, per_dc), mesh_dim_names=("replicate", "shard"),
+                                backend_override={"shard": "gloo"})
+    for layer in model.children():
+        if any(True for _ in layer.parameters()):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,17 +88,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="rank 0 compares with one-process training")
     parser.add_argument("--rtol", type=float, default=1e-4)
     parser.add_argument("--atol", type=float, default=1e-5)
+    parser.add_argument("--compile", action="store_true", help="train torch.compile(DDP(model))")
+    parser.add_argument("--shard", choices=["ddp", "fsdp", "hsdp"], default="ddp",
+                        help="DDP, FSDP2 over the job, or FSDP2 sharded in the DC and replicated across DCs")
     parser.add_argument("--stall", default=None, metavar="RANK:STEP",
                         help="that rank waits before that step's backward until killed (fault tests)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.backend == "netstorm":
-        import netstorm.torch  # noqa: F401  (registers the backend)
+        import netstorm.torch  # registers the backend
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
+    print(json.dumps({"rank": rank, "world": world, "launcher_rank": int(os.environ.get("RANK", rank))}),
+          flush=True)
     x, y = make_data(args.seed, world, args.batch, args.steps)
-    model = make_model(args.seed + 1 + rank)  # DDP broadcasts rank 0's values at construction
-    ddp = DistributedDataParallel(model)
+    if args.shard == "ddp":
+        model = make_model(args.seed + 1 + rank)  # DDP broadcasts rank 0's values at construction
+        ddp: nn.Module = DistributedDataParallel(model)
+    else:
+        model = make_model(args.seed + 1)  # FSDP keeps each rank's values: every rank starts alike
+        ddp = shard(model, args.shard, world)
+    if args.backend == "netstorm" and args.shard == "ddp":
+        group = dist.distributed_c10d._get_default_group()
+        if getattr(getattr(group, "stage", None), "on_dc_loss", "error") == "continue":
+            # the survivors' mean after a lost DC: DDP itself divides by the group's size
+            ddp.register_comm_hook(group, netstorm.torch.mean_hook)  # type: ignore[operator]
+    if args.compile:
+        ddp = torch.compile(ddp)  # type: ignore[assignment]
     opt = make_optimizer(ddp, args.lr)
     loss_fn = nn.CrossEntropyLoss()
     stall = tuple(int(v) for v in args.stall.split(":")) if args.stall else None

@@ -198,7 +198,16 @@ class Config:
     exactly one iteration. Every rank of the job must use the same value (the layout hash checks it)."""
     torch_socket: str = ""
     """Where a rank finds its DC's node, as a template with {rank}, {local_rank} and {group_rank} (torchrun's
-    variables); empty: NETSTORM_SOCKET, as ``netstorm.connect()`` does."""
+    variables), {dc_index} (RANK // ranks per DC) and {dc} (dc_index + 1); empty: NETSTORM_SOCKET, as
+    ``netstorm.connect()`` does."""
+    on_dc_loss: str = "error"
+    """What the torch backend's collectives do when a DC is lost: error (a typed error, the process group
+    is broken) or continue (each collective is the survivors' sum or mean, one in flight runs again
+    without the lost DC; DDP then needs ``netstorm.torch.mean_hook`` to average over the survivors)."""
+    torch_ranks_per_dc: int = 0
+    """With one torchrun across several DCs: the ranks of each DC, consecutive in rank order, which the
+    torch_socket fields {dc} and {dc_index} divide RANK by; 0: torchrun's LOCAL_WORLD_SIZE (one host per
+    DC). One torchrun per DC needs neither: each sets NETSTORM_SOCKET to its DC's node."""
     # Compression.
     compression: str = "none"
     """Gradient compression: none, fediac (consensus sparsification: vote on indices, then send b-bit
@@ -314,6 +323,10 @@ class Config:
             raise ConfigError(f"edge_plan_wait must be >= 0 seconds, got {self.edge_plan_wait!r}")
         if self.edge_retransmit <= 0:
             raise ConfigError(f"edge_retransmit must be positive seconds, got {self.edge_retransmit!r}")
+        if self.on_dc_loss not in ("error", "continue"):
+            raise ConfigError(f"on_dc_loss must be error or continue, got {self.on_dc_loss!r}")
+        if self.torch_ranks_per_dc < 0:
+            raise ConfigError(f"torch_ranks_per_dc must be >= 0 (0: LOCAL_WORLD_SIZE), got {self.torch_ranks_per_dc}")
         if self.max_ahead < 0:
             raise ConfigError(f"max_ahead must be >= 0, got {self.max_ahead!r}")
         if self.num_root_servers < 0:
@@ -386,7 +399,8 @@ PAPER_DESIGN: dict[str, Any] = {
 }
 """The published NetStorm's value of every design switch (``Config().replace(**PAPER_DESIGN)``)."""
 LOCAL: frozenset[str] = frozenset({"secret_file", "member_file", "revoked_file", "wan_tls", "torch_round",
-                                   "torch_socket", "metrics_listen", "log_format"})
+                                   "torch_socket", "torch_ranks_per_dc", "on_dc_loss", "metrics_listen",
+                                   "log_format"})
 """Options each process sets for itself: the scheduler does not hand them to the nodes with the job's
 configuration (a path on its own host means nothing on theirs)."""
 

@@ -200,3 +200,9 @@ class PeerLost(IterationError):
 class DigestMismatch(NetStormError):
     """After an outer step the DCs' global parameters or outer-optimizer state are not bit-identical
     (DiLoCo's digest, compared at every sync): training would drift apart silently."""
+
+
+class UnsupportedCollective(NetStormError, NotImplementedError):
+    """A collective, or a reduce op of it, that the ``netstorm`` process-group backend cannot run as sums at
+    the nodes (point-to-point send and recv, a subgroup that is no group of a partition of the job's ranks);
+    the message names the collective and the op."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from netstorm.errors import PeerLost
 from netstorm.torch.stage import ROUND_NAME, GroupIncomplete, Stage
 
 pytestmark = pytest.mark.torch
@@ -83,3 +84,37 @@ def test_a_sum_that_lost_a_dc_is_an_error_not_a_smaller_sum() -> None:
     ranks.contributors = (1, 2)  # type: ignore[attr-defined]
     with pytest.raises(GroupIncomplete, match=r"counts 2 trainers \(DCs \[1, 2\]\).*all 3: node 3 left the job"):
         stage.reduce(np.ones(4, np.float32))
+
+
+class Losing(Ranks):
+    """DC 3 is lost in the collective's second piece: that iteration fails (PeerLost), the next count two."""
+
+    def __init__(self) -> None:
+        super().__init__([0.0, 0.0, 0.0])
+        self.contributors: tuple[int, ...] = (1, 2, 3)
+        self.calls = 0
+
+    def push_pull(self, tensors: dict[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+        self.calls += 1
+        if self.calls == 3:
+            self.offsets = [0.0, 0.0]
+            self.num_workers = 2
+            self.contributors = (1, 2)
+            raise PeerLost("node 3 was declared dead")
+        return super().push_pull(tensors, average)
+
+
+@pytest.mark.parametrize("mode", ["error", "continue"])
+def test_with_continue_a_collective_in_flight_runs_again_without_the_lost_dc(mode: str) -> None:
+    ranks = Losing()
+    stage = Stage(ranks, 4, on_dc_loss=mode)
+    np.testing.assert_array_equal(stage.reduce(np.ones(4, np.float32)), np.full(4, 3.0))
+    payload = np.arange(1, 9, dtype=np.float32)
+    if mode == "error":
+        with pytest.raises(PeerLost):
+            stage.reduce(payload)
+        return
+    np.testing.assert_array_equal(stage.reduce(payload), 2 * payload)  # both pieces: the survivors' sum
+    stats = stage.snapshot()
+    assert (stats.retried, stats.contributors, stats.workers) == (1, (1, 2), 2)
+    assert ranks.calls == 1 + 2 + 2

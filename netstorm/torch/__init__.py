@@ -15,11 +15,19 @@ try:
 except ImportError as exc:  # the torch extra is optional; say which one to install
     raise ImportError(f"netstorm.torch needs PyTorch (pip install 'netstorm[torch]'): {exc}") from exc
 
-from netstorm.torch.backend import BACKEND, NetStormBackendError, ProcessGroupNetStorm, compressed_hook, register, stats
+from netstorm.torch.backend import (
+    BACKEND,
+    NetStormBackendError,
+    ProcessGroupNetStorm,
+    compressed_hook,
+    mean_hook,
+    register,
+    stats,
+)
 from netstorm.torch.hook import NetStormHookState, netstorm_hook
 from netstorm.torch.optimizer import DistributedOptimizer
 
 register()
 
 __all__ = ["BACKEND", "DistributedOptimizer", "NetStormBackendError", "NetStormHookState", "ProcessGroupNetStorm",
-           "compressed_hook", "netstorm_hook", "register", "stats"]
+           "compressed_hook", "mean_hook", "netstorm_hook", "register", "stats"]

@@ -28,7 +28,7 @@ def values(tensor: torch.Tensor) -> np.ndarray:
     """A floating tensor's values as a fresh float32 vector."""
     if tensor.dtype not in FLOATS:
         raise TypeError(f"values encoding is for floating tensors, not {tensor.dtype}")
-    return tensor.detach().reshape(-1).to(torch.float32).numpy().copy()
+    return tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float32).numpy().copy()
 
 
 def store_values(tensor: torch.Tensor, flat: np.ndarray) -> None:
@@ -39,7 +39,7 @@ def store_values(tensor: torch.Tensor, flat: np.ndarray) -> None:
 
 def _raw(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as uint8 (a copy, contiguous)."""
-    flat = tensor.detach().contiguous().reshape(-1)
+    flat = tensor.detach().contiguous().reshape(-1).cpu()  # a GPU tensor is staged through host memory
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
     return flat.view(torch.uint8).numpy().copy()
@@ -47,10 +47,35 @@ def _raw(tensor: torch.Tensor) -> np.ndarray:
 
 def bits(tensor: torch.Tensor) -> np.ndarray:
     """The tensor's bytes as float32-held 16-bit pieces (an odd byte count gets one zero byte)."""
-    raw = _raw(tensor)
+    return pieces(_raw(tensor))
+
+
+def raw_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes (a contiguous uint8 copy, on the host): what ``pieces`` encodes."""
+    return _raw(tensor)
+
+
+def pieces(raw: np.ndarray) -> np.ndarray:
+    """Bytes as float32-held 16-bit pieces (an odd count gets one zero byte)."""
     if raw.size % 2:
         raw = np.concatenate([raw, np.zeros(1, np.uint8)])
     return raw.view("<u2").astype(np.float32)
+
+
+def unpieces(flat: np.ndarray, nbytes: int) -> np.ndarray:
+    """Summed pieces that each came from one rank back to ``nbytes`` bytes."""
+    whole = _pieces(flat)
+    if whole.size and whole.max() >= PIECE:
+        raise ValueError("a copied piece exceeds 16 bits: more than one rank contributed it")
+    return whole.astype("<u2").view(np.uint8)[:nbytes]
+
+
+def store_raw(tensor: torch.Tensor, raw: np.ndarray) -> None:
+    """Write bytes (as ``raw_bytes`` gave them) into ``tensor``, bit for bit, on its device."""
+    target_dtype = torch.uint8 if tensor.dtype == torch.bool else tensor.dtype
+    decoded = torch.from_numpy(np.ascontiguousarray(raw).copy()).view(target_dtype).reshape(tensor.shape)
+    with torch.no_grad():
+        tensor.copy_(decoded)
 
 
 def bits_size(tensor: torch.Tensor) -> int:

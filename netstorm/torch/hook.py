@@ -51,12 +51,13 @@ class NetStormHookState:
         keep the group. Every leader must use the same compression and round (the layout hash checks)."""
         import netstorm
         from netstorm.config import resolve
-        from netstorm.torch.backend import socket_address
+        from netstorm.torch.jobranks import socket_address
 
         stage = None
         if dist.get_rank(group) == leader:
             config = resolve(environ=os.environ)
-            where = address if address is not None else socket_address(config.torch_socket, dist.get_rank())
+            where = address if address is not None else socket_address(config.torch_socket, dist.get_rank(),
+                                                                                 ranks_per_dc=config.torch_ranks_per_dc)
             client = netstorm.connect(where) if timeout is None else netstorm.connect(where, timeout=timeout)
             options = compression if compression is not None else CompressionOptions.of(config)
             try:

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from netstorm.compression.options import CompressionOptions
-from netstorm.errors import IterationError
+from netstorm.errors import IterationError, PeerLost
 from netstorm.torch.compressed import BucketRounds
 
 ROUND_NAME = "netstorm.torch.round"
@@ -66,6 +66,13 @@ class StageStats:
     """Indices agreed on, summed over the compressed pieces."""
     bits: int = 0
     """FediAC's b in the newest compressed piece (0 before b is known)."""
+    contributors: tuple[int, ...] = ()
+    """The DCs whose values the newest sum holds (fewer than the job's after a DC was lost, with
+    ``on_dc_loss = "continue"``)."""
+    workers: int = 0
+    """The ranks the newest sum counts."""
+    retried: int = 0
+    """Collectives run again from their first piece because a DC was lost while they were in flight."""
 
     def copy(self) -> StageStats:
         return dataclasses.replace(self)
@@ -81,10 +88,15 @@ class Stage:
     """A connected, registered rank: ``reduce(payload)`` returns the sum (or mean) over all ranks."""
 
     def __init__(self, client: RoundClient, round_elements: int, compression: CompressionOptions | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, on_dc_loss: str = "error") -> None:
         if round_elements < 1:
             raise ValueError(f"a round needs at least one element, got {round_elements}")
+        if on_dc_loss not in ("error", "continue"):
+            raise ValueError(f"on_dc_loss is error or continue, not {on_dc_loss!r}")
         self.client = client
+        self.on_dc_loss = on_dc_loss
+        """``continue``: a sum without a lost DC is the survivors' (a collective in flight when it was lost
+        runs again without it); ``error``: it raises ``GroupIncomplete``."""
         self.round = round_elements
         self.compression = compression if compression is not None else CompressionOptions()
         self._buffer = np.zeros(round_elements, dtype=np.float32)
@@ -125,11 +137,31 @@ class Stage:
         """The newest node iteration this rank has completed (-1 before the first)."""
         return self.client.iteration
 
+    def contributors(self) -> tuple[int, ...]:
+        """The DCs whose values the newest node iteration's sums hold (empty before the first)."""
+        return tuple(getattr(self.client, "contributors", ()))
+
     def reduce(self, payload: np.ndarray, *, average: bool = False, exact: bool = False) -> np.ndarray:
         """The element-wise sum (or mean over ``workers``) of ``payload`` over every rank, in as many node
         iterations as it takes; every rank must call it with a payload of the same size. ``exact``: the
         payload holds whole 16-bit pieces (``codec.bits``) that must come back unrounded (with fp16
-        compression they travel in the int32 tensor)."""
+        compression they travel in the int32 tensor).
+
+        With ``on_dc_loss = "continue"`` a DC lost while the collective is in flight (its iteration fails
+        at every DC with ``PeerLost``) makes every survivor run the collective again from its first piece,
+        so each sum holds the same DCs throughout: the survivors'."""
+        losses = 0
+        while True:
+            try:
+                return self._reduce(payload, average=average, exact=exact)
+            except PeerLost:
+                losses += 1
+                if self.on_dc_loss != "continue" or losses > max(1, len(self._group_dcs)):
+                    raise
+                with self._lock:
+                    self.stats.retried += 1
+
+    def _reduce(self, payload: np.ndarray, *, average: bool, exact: bool) -> np.ndarray:
         size = int(payload.size)
         out = np.empty(size, dtype=np.float32)
         lane = EXACT_NAME if exact and EXACT_NAME in self._zeros else ROUND_NAME
@@ -221,8 +253,11 @@ class Stage:
         self.stats.iterations += 1
         self.stats.wan_bytes += int(getattr(self.client, "wan_bytes", 0))
         dcs = tuple(getattr(self.client, "contributors", ()))
+        self.stats.contributors, self.stats.workers = dcs, self.client.num_workers
         if self.client.num_workers == self.group_workers:
             self._group_dcs = self._group_dcs or dcs
+        elif self.on_dc_loss == "continue" and self.client.num_workers < self.group_workers and self.buckets is None:
+            pass  # the survivors' sum: the stats name its DCs
         else:
             gone = sorted(set(self._group_dcs) - set(dcs))
             left = f"{', '.join(f'node {d}' for d in gone)} left the job" if gone else "a DC left the job"
