@@ -9,11 +9,12 @@ import argparse
 import importlib
 
 NAME = "bench"
-HELP = ("run a benchmark (policy, packing, loopback, edge, codec, dc-plan, lan-rounds, replan): ratios against a "
-        "baseline measured in the same run")
+HELP = ("run a benchmark (policy, packing, loopback, edge, codec, dc-plan, lan-rounds, replan, sizes): ratios "
+        "against a baseline measured in the same run")
 
 BENCHMARKS = {"policy": "policy", "packing": "packing", "loopback": "loopback", "edge": "edge", "codec": "codec",
-              "dc-plan": "dcplan", "lan-rounds": "lan_rounds", "replan": "replan"}
+              "dc-plan": "dcplan", "lan-rounds": "lan_rounds", "replan": "replan",
+              "sizes": "sizes"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
