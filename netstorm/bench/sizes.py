@@ -41,6 +41,7 @@ class Row:
 LARGEST = ("resnet50", "alexnet")
 SIZES = ("250k", "2.5M/20", "25M")
 LAN = ("--lan-workers", "2")
+HEARTBEAT_30 = ("--heartbeat-timeout", "30", "--heartbeat-interval", "2")
 
 
 def matrix(quick: bool = False) -> list[Row]:
@@ -67,6 +68,10 @@ def matrix(quick: bool = False) -> list[Row]:
                     (*LAN, "--edge-mode", "userspace", "--dc-planner", "pahina", "--dc-pace-rates", "false")))
     rows.append(Row(f"{lan} edge userspace fediac", lan, (*LAN, "--edge-mode", "userspace", "--compression", "fediac")))
     rows.append(Row(f"{big} secret", big, secret="plain"))
+    # The failures above at the largest sizes are missed heartbeats on a loaded host: the same runs with
+    # a longer heartbeat_timeout tell that cause from a wrong sum.
+    rows += [Row(f"{model} heartbeat_timeout 30", model, HEARTBEAT_30) for model in LARGEST[1:]]
+    rows.append(Row(f"{big} compression fp16 heartbeat_timeout 30", big, ("--compression", "fp16", *HEARTBEAT_30)))
     return rows
 
 
@@ -108,7 +113,7 @@ def run_row(row: Row, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
                "--iterations", str(args.iterations), "--model", row.model, "--bw-scale", str(args.bw_scale),
                "--no-loss", "--timeout", str(args.row_timeout), "--out", str(out), *flags]
     if args.keep_logs:
-        command += ["--run-dir", str(Path(args.keep_logs) / row.name.replace(" ", "-").replace("/", "_"))]
+        command += ["--run-dir", str(_row_dir(args, row))]
     started = time.monotonic()
     log = tmp / "row.log"
     # A row that outlives its timeout is recorded below as a row without a result.
@@ -151,6 +156,20 @@ def run_row(row: Row, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     return record
 
 
+def evidence(run_dir: Path) -> str | None:
+    """The scheduler's first warning or error in a kept run directory: what went wrong first (a node
+    declared dead, a refused registration), where the row's own error is often only a traceback's tail."""
+    for log in sorted(run_dir.glob("**/scheduler.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            if " WARNING " in line or " ERROR " in line:
+                return line[:400]
+    return None
+
+
+def _row_dir(args: argparse.Namespace, row: Row) -> Path:
+    return Path(args.keep_logs) / row.name.replace(" ", "-").replace("/", "_")
+
+
 def run(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("netstorm bench sizes: needs root (it runs netstorm emulate)", file=sys.stderr)
@@ -171,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             print(f"[sizes] {row.name} ...", file=sys.stderr, flush=True)
             record = run_row(row, args, Path(tmp))
+            if args.keep_logs and not record["exact"]:
+                record["evidence"] = evidence(_row_dir(args, row))
             document["rows"].append(record)
             document["all_exact"] = all(r["exact"] for r in document["rows"])
             out_path.parent.mkdir(parents=True, exist_ok=True)
