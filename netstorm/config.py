@@ -12,7 +12,9 @@ import dataclasses
 import difflib
 import inspect
 import itertools
+import math
 import os
+import re
 import tomllib
 import warnings
 from collections.abc import Collection, Mapping, Sequence
@@ -302,7 +304,13 @@ class Config:
         return load_secret(self.secret_file) if self.secret_file else None
 
     def validate(self) -> None:
-        """Reject values no run could use, naming the option."""
+        """Reject values no run could use, naming the option first (``resolve`` prefixes where it came from)."""
+        for name, field in FIELDS.items():
+            value = getattr(self, name)
+            if type(field.default) is float and not math.isfinite(value):
+                raise ConfigError(f"{name} must be a finite number, got {value!r}")
+            if type(field.default) is int and not -MAX_INT <= value <= MAX_INT:
+                raise ConfigError(f"{name} must fit in 64 bits (the job's wire), got {value!r}")
         self.secret()
         if self.idle_timeout <= self.heartbeat_interval:
             raise ConfigError(f"idle_timeout ({self.idle_timeout:g} s) must exceed heartbeat_interval "
@@ -377,6 +385,8 @@ class Config:
         CompressionOptions.of(self)  # raises ConfigError naming the option
 
 
+MAX_INT = 2**63 - 1
+"""Largest integer option: the scheduler hands the job's options to the nodes as msgpack int64."""
 FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(Config)}
 CHOICES: dict[str, tuple[str, ...]] = {"compression": METHODS, "dc_planner": PLANNERS}
 """Options whose values are an extension point's registered names: their flags offer exactly those."""
@@ -482,13 +492,17 @@ def _coerce(name: str, value: Any, source: str) -> Any:
         if kind is float:
             if isinstance(value, bool):
                 raise ValueError(value)
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # NaN passes every range check, so refuse it here
+                raise ValueError(value)
+            return number
         if kind is str:
             if not isinstance(value, str):
                 raise ValueError(value)
             return value
     except (TypeError, ValueError):
-        raise ConfigError(f"{source}: {name} expects {kind.__name__}, got {value!r}") from None
+        finite = " (a finite number)" if kind is float else ""
+        raise ConfigError(f"{source}: {name} expects {kind.__name__}{finite}, got {value!r}") from None
     return value
 
 
@@ -545,18 +559,30 @@ def resolve(
 ) -> Config:
     """Defaults < file < environment < overrides (e.g. CLI flags), validated."""
     values: dict[str, Any] = dataclasses.asdict(base or Config())
+    sources: dict[str, str] = {}
     if file is not None:
-        values.update(load_file(file))
+        from_file = load_file(file)
+        values.update(from_file)
+        sources.update(dict.fromkeys(from_file, str(file)))
     if environ is not None:
-        values.update(load_env(environ))
+        from_env = load_env(environ)
+        values.update(from_env)
+        sources.update({name: f"environment {ENV_PREFIX}{name.upper()}" for name in from_env})
     for key, value in (overrides or {}).items():
         name = _normalise(key)
         if name not in FIELDS:
             raise ConfigError(f"unknown option {key!r}")
         if value is not None:
             values[name] = _coerce(name, value, "command line")
+            sources[name] = "command line"
     config = Config(**values)
-    config.validate()
+    try:
+        config.validate()
+    except ConfigError as exc:
+        named = dict.fromkeys(sources[word] for word in re.findall(r"[a-z_]+", str(exc)) if word in sources)
+        if not named:
+            raise
+        raise ConfigError(f"{', '.join(named)}: {exc}") from None
     return config
 
 

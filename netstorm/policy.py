@@ -46,6 +46,9 @@ class Policy:
         default_factory=dict)
     """Directed tree link -> (auxiliary path, fraction of the chunks it sends on that link), planned
     (``netstorm.planning.offload``): what the trees alone cannot balance."""
+    fallback: str = dataclasses.field(default="", compare=False)
+    """Why the planner returned a simpler plan than the one asked for (a multi-root FAPT predicted slower
+    than one of its roots alone, or than STAR); empty: it did not. The planner's account, not the wire's."""
 
     @property
     def nodes(self) -> tuple[int, ...]:

@@ -105,6 +105,12 @@ class Planner:
 
     def _plan(self, rates: Rates, roots: tuple[int, ...] | None) -> Policy:
         """Rooted topologies keep their root set; baselines keep their hub (the root of the first plan)."""
+        policy = self._plan_at(rates, roots)
+        if policy.fallback:
+            log.info("%s plan: %s", self.topology, policy.fallback)
+        return policy
+
+    def _plan_at(self, rates: Rates, roots: tuple[int, ...] | None) -> Policy:
         try:
             if roots is None:
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing,

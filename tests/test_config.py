@@ -61,3 +61,23 @@ def test_unknown_key_in_file(tmp_path) -> None:
 def test_every_option_is_documented() -> None:
     assert set(config.DOCS) == set(config.FIELDS)
     assert all(config.DOCS[name] for name in config.FIELDS)
+
+
+NUMERIC = sorted(name for name, field in config.FIELDS.items() if type(field.default) in (int, float))
+
+
+@pytest.mark.parametrize("name", NUMERIC)
+def test_every_numeric_option_refuses_what_it_cannot_take(name, tmp_path) -> None:
+    """NaN slips through every range comparison, and a negative count or timeout through none of the
+    options; each is refused with the option's name and where the value came from."""
+    kind = type(config.FIELDS[name].default)
+    bad = ["-1", "nan", "inf", "-inf"] if kind is float else ["-1", str(2**64)]
+    for value in bad:
+        with pytest.raises(ConfigError, match=rf"environment NETSTORM_{name.upper()}: .*{name}"):
+            config.resolve(environ={f"NETSTORM_{name.upper()}": value})
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"{name} = {'nan' if kind is float else -1}\n")
+    with pytest.raises(ConfigError, match=rf"{toml}: .*{name}"):
+        config.resolve(file=toml)
+    with pytest.raises(ConfigError, match=name):
+        config.Config(**{name: float("nan") if kind is float else -1}).validate()

@@ -151,8 +151,10 @@ def test_plan_rejects_bad_rates_and_options():
 
 
 def test_fixed_roots_are_kept_in_the_given_order():
-    policy = plan(internet2(), roots=[9, 1], packing=False)
+    # Algorithm 2's shares (the fallback to one root, which these two roots take, is test_plan_guarantees's).
+    policy = plan(internet2(), roots=[9, 1], packing=False, fallback=False)
     assert policy.roots == (9, 1)
+    assert plan(internet2(), roots=[9, 1], packing=False).roots == (9, 1)
     assert set(policy.trees) == {9, 1}
     # Only the roots' scores are known when R was fixed earlier.
     assert set(policy.quality) == {9, 1}

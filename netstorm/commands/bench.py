@@ -9,12 +9,11 @@ import argparse
 import importlib
 
 NAME = "bench"
-HELP = ("run a benchmark (policy, packing, loopback, edge, codec, dc-plan, lan-rounds, replan, probe-first, "
-        "layout): ratios against a baseline measured in the same run")
-
 BENCHMARKS = {"policy": "policy", "packing": "packing", "loopback": "loopback", "edge": "edge", "codec": "codec",
               "dc-plan": "dcplan", "lan-rounds": "lan_rounds", "replan": "replan", "probe-first": "probefirst",
-              "layout": "layout"}
+              "layout": "layout", "sizes": "sizes"}
+"""Each benchmark's name on the command line -> its module in netstorm/bench/ (the help follows from it)."""
+HELP = f"run a benchmark ({', '.join(BENCHMARKS)}): ratios against a baseline measured in the same run"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     owners = allot_chunks(chunks, chosen.chunk_share)
     report = _report(name, args.bw_scale, model, cfg.chunk_size, chosen, chunks, owners, predictions, cut, limit)
     report["tree_packing"] = cfg.tree_packing
+    report["fallback"] = chosen.fallback
     if args.json:
         print(json.dumps(report))
     else:
@@ -185,6 +186,8 @@ def _text(r: dict[str, Any]) -> str:
         f"{total_chunks} chunks of at most {r['chunk_size']:,} elements",
         f"topology {r['topology']}: {len(r['roots'])} root(s), best first",
     ]
+    if r.get("fallback"):
+        lines.append(f"  {r['fallback']}")
     for root in r["roots"]:
         key = str(root)
         share = r["chunks_per_root"][key]

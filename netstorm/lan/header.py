@@ -176,9 +176,9 @@ PRECISION_NAMES: Final = {"fp32": Precision.FIXED32, "fp16": Precision.FP16, "bf
 
 def lanes_for_mtu(mtu: int) -> int:
     """The widest lane count whose int32/float32 datagram fits an ``mtu``-byte IPv4 packet (narrower lanes:
-    ``lanes_for_bytes``)."""
-    lanes = (mtu - IP_UDP_BYTES - HEADER_BYTES) // 4
-    if not 1 <= lanes <= MAX_LANES:
+    ``lanes_for_bytes``), at most the wire's MAX_LANES: a jumbo MTU (9000) carries MAX_LANES lanes."""
+    lanes = min(MAX_LANES, (mtu - IP_UDP_BYTES - HEADER_BYTES) // 4)
+    if lanes < 1:
         raise WireError(f"an MTU of {mtu} bytes holds {lanes} lanes; the wire carries 1..{MAX_LANES}")
     return lanes
 

@@ -20,7 +20,7 @@ from netstorm.planning.baselines import (
 )
 from netstorm.planning.fapt import build_multi_root_fapt
 from netstorm.planning.offload import plan_offload
-from netstorm.planning.predict import routed_delay, routes_for
+from netstorm.planning.predict import busiest_link_s, routed_delay, routes_for
 from netstorm.planning.rategraph import RateGraph
 from netstorm.planning.rootpacking import pack_for_roots
 from netstorm.policy import Policy, tree_pairs
@@ -28,7 +28,11 @@ from netstorm.scenario import Rates
 from netstorm.topologies import TOPOLOGIES
 from netstorm.tree import Tree
 
-__all__ = ["baseline_trees", "fapt_trees", "plan"]
+__all__ = ["FALLBACK_TOLERANCE", "baseline_trees", "fapt_trees", "plan", "simpler_alternatives"]
+
+FALLBACK_TOLERANCE = 1e-9
+"""Relative margin by which a simpler plan must be predicted faster before ``plan`` returns it (rounding
+in the fluid model must not flip the choice)."""
 
 Trees = tuple[tuple[int, ...], dict[int, Tree], dict[int, float]]
 """What a topology's builder returns: the roots, each root's tree, and the roots' quality q = 1 / w(T)."""
@@ -98,6 +102,7 @@ def plan(
     aux: bool = True,
     packing: bool = True,
     offload: bool = False,
+    fallback: bool = True,
 ) -> Policy:
     """A policy for the directed ``rates`` (Mbit/s for every overlay link).
 
@@ -114,6 +119,10 @@ def plan(
     1's); off, ``fapt`` is the paper's Algorithm 2. ``offload`` (with ``aux``, for packed ``fapt``) plans
     the shares again together with the fractions of tree links' chunks their auxiliary paths carry
     (``netstorm.planning.offload``).
+
+    With ``fallback`` (the default), a multi-root plan predicted slower than a simpler one (one of its
+    roots' trees alone, or STAR at one of them) is replaced by the fastest of those, and ``Policy.fallback``
+    says why; the roots stay, the others at share 0.
     """
     entry = TOPOLOGIES.get_entry(topology)
     graph = RateGraph.from_rates(rates)
@@ -125,10 +134,55 @@ def plan(
     else:
         total_q = sum(quality[r] for r in chosen)
         share = {r: quality[r] / total_q for r in chosen}
+    why = ""
+    if fallback and entry.rooted and len(chosen) > 1:
+        trees, share, why = _no_worse_than_simpler(graph, rates, topology, chosen, trees, share)
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
     planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
     moves: dict[tuple[int, int], tuple[tuple[tuple[int, ...], float], ...]] = {}
     if offload and aux and packed:
         share, moves = plan_offload(planned, trees, share, aux_paths)
-    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned, offload=moves)
+    return Policy(version, topology, chosen, trees, share, quality, aux_paths, planned, offload=moves,
+                  fallback=why)
+
+
+def simpler_alternatives(graph: RateGraph, rates: Rates, trees: Mapping[int, Tree]) -> dict[str, Tree]:
+    """The plans a multi-root one must not be predicted slower than: each of its roots' trees alone, and
+    STAR at the hub with the smallest physical bound (every DC straight to one hub) when that hub is one of
+    the roots."""
+    out = {f"root {root} alone": tree for root, tree in sorted(trees.items())}
+    hub = best_bound_hub(rates)
+    if hub in trees:
+        out[f"star at {hub}"] = star_tree(graph, hub)
+    return out
+
+
+def _no_worse_than_simpler(
+    graph: RateGraph, rates: Rates, topology: str, chosen: tuple[int, ...], trees: dict[int, Tree],
+    share: dict[int, float],
+) -> tuple[dict[int, Tree], dict[int, float], str]:
+    """The multi-root plan's trees and shares, or the simpler alternative predicted fastest when that is
+    faster: every chunk to its root (the other roots keep their trees at share 0, so the root set, and a
+    later re-plan's choice among them, stays what Algorithm 2 decided).
+
+    Compared on the busiest link's seconds per byte (the bulk term of ``predict``, what the scheduler's
+    re-plan rule compares), so the choice does not depend on the model's size. Algorithm 2's shares are
+    proportional to quality, not to the links the trees share, so on some overlays several roots load one
+    link more than a single root would.
+    """
+    def bulk(root_trees: Mapping[int, Tree], shares: Mapping[int, float]) -> float:
+        return busiest_link_s(Policy(0, topology, chosen, root_trees, shares, dict.fromkeys(chosen, 1.0), {}), rates)
+
+    def alone(tree: Tree) -> tuple[dict[int, Tree], dict[int, float]]:
+        return {**trees, tree.root: tree}, {r: 1.0 if r == tree.root else 0.0 for r in chosen}
+
+    multi = bulk(trees, share)
+    name, tree = min(simpler_alternatives(graph, rates, trees).items(),
+                     key=lambda item: (bulk(*alone(item[1])), item[0]))
+    best = bulk(*alone(tree))
+    if best >= multi * (1 - FALLBACK_TOLERANCE):
+        return trees, share, ""
+    note = (f"fell back to {name}: predicted {100 * (1 - best / multi):.1f} % faster than the "
+            f"{len(chosen)}-root plan (busiest link); the other roots get no chunks")
+    return (*alone(tree), note)
