@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import pytest
 
@@ -80,4 +81,5 @@ def test_every_numeric_option_refuses_what_it_cannot_take(name, tmp_path) -> Non
     with pytest.raises(ConfigError, match=rf"{toml}: .*{name}"):
         config.resolve(file=toml)
     with pytest.raises(ConfigError, match=name):
-        config.Config(**{name: float("nan") if kind is float else -1}).validate()
+        invalid: dict[str, Any] = {name: float("nan") if kind is float else -1}
+        config.Config(**invalid).validate()
