@@ -17,7 +17,7 @@ import os
 import re
 import tomllib
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -602,10 +602,12 @@ JOB_SECTIONS: tuple[str, ...] = ("Paper, Table II", "Paper, Table I", "Runtime",
 
 
 def add_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | None = None,
-                  names: Sequence[str] = ()) -> None:
+                  names: Sequence[str] = (), listed: Sequence[str] = ()) -> None:
     """Add ``--config FILE`` and one ``--<option>`` flag per field to ``parser``. The help shows the options
     of ``sections`` (every one when None) and ``names``, one group per concern, with their defaults; the
-    others are still accepted (a supervisor hands every child the same flags) but not shown."""
+    others are still accepted (a supervisor hands every child the same flags) but not shown. An extension
+    point's flag offers its registered names; one in ``listed`` takes a comma-separated list of them (each
+    ``name`` or ``name:settings``), as the emulator's one row per entry does."""
     shown = {n for n in FIELDS if sections is None or SECTIONS.get(n) in sections} | set(names)
     parser.add_argument("--config", metavar="FILE", help="TOML file with options (top level or [netstorm]); "
                         "every option is also NETSTORM_<NAME>")
@@ -623,11 +625,25 @@ def add_arguments(parser: argparse.ArgumentParser, sections: Sequence[str] | Non
             help_text = f"{doc} (default {default})"
         else:
             target, help_text = parser, argparse.SUPPRESS
-        if name in CHOICES:  # an extension point's registered names: the flag offers exactly those
+        if name in listed:
+            target.add_argument(flag, dest=f"opt_{name}", type=_registered_list(name), metavar="LIST",
+                                default=None, help=help_text)
+        elif name in CHOICES:  # an extension point's registered names: the flag offers exactly those
             target.add_argument(flag, dest=f"opt_{name}", choices=CHOICES[name], default=None, help=help_text)
         else:
             target.add_argument(flag, dest=f"opt_{name}", metavar="BOOL" if kind is bool else kind.__name__.upper(),
                                 default=None, help=help_text)
+
+
+def _registered_list(name: str) -> Callable[[str], str]:
+    """An argparse type: a comma-separated list whose every entry names one of ``CHOICES[name]``."""
+    def check(text: str) -> str:
+        unknown = [e for e in (p.strip() for p in text.split(",")) if e and e.split(":")[0] not in CHOICES[name]]
+        if unknown or not text.strip():
+            raise argparse.ArgumentTypeError(f"unknown {name} {', '.join(unknown) or repr(text)} "
+                                             f"(choose from {', '.join(CHOICES[name])})")
+        return text
+    return check
 
 
 def from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> Config:

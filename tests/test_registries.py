@@ -100,3 +100,12 @@ def test_a_registry_refuses_an_unknown_name_with_its_typed_error_and_every_choic
         reg.check(3)
     with pytest.raises(ValueError):
         Registry("nothing", {}, PolicyError)
+
+
+def test_the_emulators_compression_flag_takes_a_list_of_registered_methods() -> None:
+    """`emulate --compression none,fediac` runs one row per entry; each entry must name a registered method."""
+    parser, _ = build_parser(only="emulate")
+    args = parser.parse_args(["emulate", "internet2-9", "--compression", "none,fediac:gia_reuse=4"])
+    assert args.opt_compression == "none,fediac:gia_reuse=4"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["emulate", "internet2-9", "--compression", "none,gzip"])

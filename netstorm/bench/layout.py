@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from netstorm.provenance import write_result
+
 HELP = "layout building and init of 1k, 20k, 100k tensors (and a 3-DC local cluster's init + push_pull)"
 
 
@@ -145,9 +147,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"cluster  {args.cluster:>7} tensors, 3 DCs: init {row['init_s']:.1f} s + push_pull "
               f"{row['push_pull_s']:.1f} s, exact {row['exact']}, dead {row['dead']}, cpu {row['cpu_s']}, "
               f"load {row['load_average'][0]:.1f}", flush=True)
-    text = json.dumps(result, indent=1)
     if args.out:
-        Path(args.out).write_text(text + "\n")
+        write_result(args.out, result)
     else:
-        sys.stdout.write(text + "\n")
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
     return 0 if not args.cluster or (result["cluster"]["exact"] and not result["cluster"]["dead"]) else 1

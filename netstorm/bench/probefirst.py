@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from netstorm.provenance import write_result
+
 HELP = "a job told no rates (links probed before the first policy) against one told the true rates"
 
 
@@ -100,9 +102,8 @@ def run(args: argparse.Namespace) -> int:
                     results.append(json.loads(out.read_text()))
     system = args.system.split(",")[0]
     folded = fold(results, system)
-    text = json.dumps(folded, indent=1) + "\n"
     if args.out:
-        Path(args.out).write_text(text)
+        folded = write_result(args.out, folded)
     print(f"probed {folded['probed_mean_iteration_s']} s vs true {folded['true_mean_iteration_s']} s per iteration: "
           f"ratio {folded['ratio_probed_over_true']:.3f} (within 10 %: {folded['within_10pct']}); probes within "
           f"{max(folded['probe']['worst_relative_error']):.1%} of the applied rates")

@@ -22,6 +22,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+from netstorm.provenance import write_result
+
 HELP = ("the size matrix: model sizes up to alexnet and resnet50 x features (compression, topology, LAN edge "
         "modes, DC planners, overlap, secret and wan_tls, paced rates) in emulation; exactness, time, peak RSS")
 
@@ -84,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-timeout", type=float, default=900.0, help="seconds one row may take in all")
     parser.add_argument("--keep-logs", metavar="DIR", default="",
                         help="keep each row's process logs under DIR/<row> (the evidence of a failed row)")
-    parser.add_argument("--out", default="results/size-matrix.json", help="result JSON (rewritten after each row)")
+    parser.add_argument("--out", metavar="FILE", default="results/size-matrix.json",
+                        help="result JSON (rewritten after each row)")
 
 
 def _peak_rss_runner() -> str:
@@ -194,8 +197,8 @@ def run(args: argparse.Namespace) -> int:
                 record["evidence"] = evidence(_row_dir(args, row))
             document["rows"].append(record)
             document["all_exact"] = all(r["exact"] for r in document["rows"])
-            out_path.parent.mkdir(parents=True, exist_ok=True)
-            out_path.write_text(json.dumps(document, indent=1) + "\n")
+            document.pop("provenance", None)  # this revision's, not the one an earlier part ran at
+            document = write_result(out_path, document)
             status = "exact" if record["exact"] else f"FAILED: {record['error']}"
             print(f"[sizes] {row.name}: {status}; median {record.get('median_iteration_s')} s, limit "
                   f"{record.get('limit_s')} s, peak RSS {record.get('peak_rss_mb')} MB, {record['wall_s']} s",

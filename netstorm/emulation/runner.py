@@ -118,7 +118,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "gloo system; loss and accuracy per iteration in the result)")
     parser.add_argument("--train", choices=list(TASKS), default=next(iter(TASKS)),
                         help="torch-ddp's task: model and generated data (replaces --model)")
-    config.add_arguments(parser)
+    config.add_arguments(parser, listed=("compression",))  # one row per listed compression
 
 
 @dataclasses.dataclass

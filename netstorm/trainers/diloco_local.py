@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from netstorm.local import LocalCluster
+from netstorm.provenance import write_result
 
 
 def parse(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     args.run_dir = str(run_dir)
     result = asyncio.run(run(args, trainer_args))
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.out, result)
     first = next(iter(result["dcs"].values()))
     print(f"identical={result['identical']} parameters={first['parameters']} final eval={first['eval'][-1:]}")
     return 0
