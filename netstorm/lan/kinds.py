@@ -84,7 +84,10 @@ class Kind(enum.IntEnum):
 
     spec: KindSpec
 
-    def __new__(cls, number: int, spec: KindSpec) -> Kind:
+    def __new__(cls, number: int, spec: KindSpec | None = None) -> Kind:
+        # (a look-up, ``Kind(6)``, never gets here: the enum's own look-up takes it, hence the default)
+        if spec is None:
+            raise TypeError(f"kind {number} is registered without its KindSpec")
         member = int.__new__(cls, number)
         member._value_ = number
         member.spec = spec
