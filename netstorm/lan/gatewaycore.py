@@ -291,7 +291,7 @@ class GatewayCore:
             self._on_agg(agg, now)
 
     def datagram(self, data: bytes, address: Address, now: float) -> None:
-        """One datagram that is not an aggregate of a batch, to its kind's handler (``_HANDLERS``, from the
+        """One datagram that is not an aggregate of a batch, to its kind's handler (``_RAW``, ``_REQUESTS``: from the
         registry in netstorm/lan/kinds.py); WireError (or StaleDeployment) for one refused.
 
         The data plane's kinds (unchecked: DATA, AGG) go to their handler as bytes, before any decoding; a
