@@ -16,7 +16,7 @@ from netstorm.lan.errors import WireError
 from netstorm.lan.gatewaycore import GatewayCore
 from netstorm.lan.gatewayrequests import WorkerRequests
 from netstorm.lan.header import FIELDS, HEADER_BYTES, HEADER_DTYPE, Header, c_definitions
-from netstorm.lan.kinds import CHECKED_KINDS, GATEWAY_TOKENED, Kind, Party, Payload, Token
+from netstorm.lan.kinds import CHECKED_KINDS, GATEWAY_TOKENED, LOADER_KINDS, Kind, Party, Payload, Token
 from netstorm.lan.packets import control_packet
 from netstorm.lan.tokens import LanTokens, Sender
 from tests.lan_gateway import sent
@@ -32,10 +32,11 @@ def test_the_wire_numbers_are_unchanged() -> None:
     assert Kind(6) is Kind.HELLO and Kind.HELLO.value == 6
 
 
-def test_every_kind_has_its_c_define_and_only_registered_kinds_do() -> None:
+def test_every_kind_has_its_c_define_and_only_registered_or_reserved_kinds_do() -> None:
     text = c_definitions()
     defined = dict(re.findall(r"#define NS_KIND_(\w+) (\d+)", text))
-    assert {name: int(n) for name, n in defined.items()} == {k.name: int(k) for k in Kind}
+    assert {name: int(n) for name, n in defined.items()} == {k.name: int(k) for k in Kind} | LOADER_KINDS
+    assert not set(LOADER_KINDS.values()) & set(WIRE_NUMBERS.values())
     kind_field = next(f for f in FIELDS if f.name == "kind")
     assert all(k.name in kind_field.meaning for k in Kind)
 

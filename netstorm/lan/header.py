@@ -14,8 +14,8 @@ import numpy as np
 
 from netstorm.lan.errors import WireError
 from netstorm.lan.kinds import LANED_KINDS as LANED_KINDS
+from netstorm.lan.kinds import LOADER_KINDS, MAX_PAYLOAD, NAMES
 from netstorm.lan.kinds import MAX_DEPLOY_BYTES as MAX_DEPLOY_BYTES
-from netstorm.lan.kinds import MAX_PAYLOAD, NAMES
 from netstorm.lan.kinds import MAX_REPORT_BYTES as MAX_REPORT_BYTES
 from netstorm.lan.kinds import Kind as Kind
 
@@ -269,6 +269,7 @@ def c_definitions() -> str:
              f"#define NS_MAX_WORKERS {MAX_WORKERS}",
              f"#define NS_NEED_NONE {NEED_NONE}"]
     lines += [f"#define NS_KIND_{k.name} {int(k)}" for k in Kind]
+    lines += [f"#define NS_KIND_{name} {number}" for name, number in LOADER_KINDS.items()]
     lines += [f"#define NS_FLAG_{f.name} {int(f)}" for f in Flag if f.name and f is not Flag.NONE]
     lines += [f"#define NS_PREC_{p.name} {int(p)}" for p in Precision]
     lines.append("struct ns_hdr {")

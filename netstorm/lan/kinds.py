@@ -128,6 +128,13 @@ class Kind(enum.IntEnum):
         "resend the iteration to where it says; no payload (netstorm/lan/redeploy.py)"))
 
 
+LOADER_KINDS: Final = {"TIMER_INIT": 0x7F}
+"""Kind numbers the XDP program's loader alone uses, never on the wire (bpf/xdp.py: TIMER_INIT initialises
+the timer of the slot its frame names), reserved here so that no registered kind takes them."""
+if set(LOADER_KINDS.values()) & {int(k) for k in Kind}:
+    raise RuntimeError(f"a LAN kind takes a loader's reserved number {LOADER_KINDS}")
+
+
 def kinds_where(*, payload: Payload | None = None, token: Token | None = None, checked: bool | None = None,
                 handler: Party | None = None) -> frozenset[Kind]:
     """The registered kinds whose entry matches every criterion given."""
