@@ -76,7 +76,7 @@ def _spec(senders: set[Party], handlers: set[Party], payload: Payload, token: To
     return KindSpec(frozenset(senders), frozenset(handlers), payload, token, meaning, checked, gateway, max_payload)
 
 
-W, A, G, C = Party.WORKER, Party.AGGREGATOR, Party.GATEWAY, Party.CLUSTER
+_W, _A, _G, _C = Party.WORKER, Party.AGGREGATOR, Party.GATEWAY, Party.CLUSTER
 
 
 class Kind(enum.IntEnum):
@@ -93,35 +93,35 @@ class Kind(enum.IntEnum):
         member.spec = spec
         return member
 
-    DATA = 1, _spec({W, C}, {A}, Payload.LANES, Token.WORKER, gateway="_on_data", meaning=(
+    DATA = 1, _spec({_W, _C}, {_A}, Payload.LANES, Token.WORKER, gateway="_on_data", meaning=(
         "worker -> aggregator: fixed-point contribution (a cluster's service forwards its aggregate as DATA)"))
-    AGG = 2, _spec({A}, {G}, Payload.LANES, Token.AGENT, gateway="_on_agg_datagram", meaning=(
+    AGG = 2, _spec({_A}, {_G}, Payload.LANES, Token.AGENT, gateway="_on_agg_datagram", meaning=(
         "gateway data plane -> gateway agent: the completed fixed-point sum of a slot"))
-    NACK = 3, _spec({G, C}, {W, C}, Payload.LANES, Token.GATEWAY, meaning=(
+    NACK = 3, _spec({_G, _C}, {_W, _C}, Payload.LANES, Token.GATEWAY, meaning=(
         "agent -> worker: resend the chunks its u32 lanes list (sequence numbers, one datagram per worker for "
         "every chunk the agent found it missing from in one wake-up); with RESCALE and no lanes, re-quantise "
         "(iteration, tensor, chunk) at ``scale`` first and resend it"))
-    RESULT = 4, _spec({G, A}, {W, C}, Payload.LANES, Token.GATEWAY, meaning=(
+    RESULT = 4, _spec({_G, _A}, {_W, _C}, Payload.LANES, Token.GATEWAY, meaning=(
         "agent -> worker: the result of the WAN step for one chunk (float32 lanes, or a compressed round's "
         "exact integers or bitmap, named by ``precision``)"))
-    PULL = 5, _spec({W}, {G}, Payload.NONE, Token.WORKER, checked=True, gateway="on_pull", meaning=(
+    PULL = 5, _spec({_W}, {_G}, Payload.NONE, Token.WORKER, checked=True, gateway="on_pull", meaning=(
         "worker -> agent: resend the RESULT of (iteration, tensor, chunk)"))
-    HELLO = 6, _spec({W, C, G}, {G, W, C}, Payload.BYTES, Token.WORKER, checked=True, gateway="on_hello",
+    HELLO = 6, _spec({_W, _C, _G}, {_G, _W, _C}, Payload.BYTES, Token.WORKER, checked=True, gateway="on_hello",
                      max_payload=MAX_DEPLOY_BYTES, meaning=(
         "worker -> agent: announces the worker's address; the agent answers with a HELLO whose payload is the "
         "worker's deployment (netstorm/lan/deploy.py: pool, lane width, where to send DATA, its cluster)"))
-    ACK = 7, _spec({G}, {W, C}, Payload.LANES, Token.GATEWAY, meaning=(
+    ACK = 7, _spec({_G}, {_W, _C}, Payload.LANES, Token.GATEWAY, meaning=(
         "agent -> every worker (one multicast datagram): these chunks' slots completed, send what reuses them"))
-    QUERY = 8, _spec({W}, {G}, Payload.LANES, Token.WORKER, checked=True, gateway="on_query", meaning=(
+    QUERY = 8, _spec({_W}, {_G}, Payload.LANES, Token.WORKER, checked=True, gateway="on_query", meaning=(
         "worker -> agent: which of these chunks (u32 sequence numbers) completed? Answered by a unicast ACK"))
-    REPORT = 9, _spec({W}, {G}, Payload.BYTES, Token.WORKER, checked=True, gateway="on_report",
+    REPORT = 9, _spec({_W}, {_G}, Payload.BYTES, Token.WORKER, checked=True, gateway="on_report",
                       max_payload=MAX_REPORT_BYTES, meaning=(
         "worker -> agent: how its result burst of ``iteration`` arrived (netstorm/lan/downlink.py: bytes and "
         "span, msgpack in the payload), so the gateway measures its downlink; never answered"))
-    FAILED = 10, _spec({G}, {W}, Payload.NONE, Token.GATEWAY, meaning=(
+    FAILED = 10, _spec({_G}, {_W}, Payload.NONE, Token.GATEWAY, meaning=(
         "agent -> every worker (one multicast datagram; unicast in answer to a PULL or QUERY): the node failed "
         "``iteration``, no result will come; the workers end it with a typed error and go on with the next"))
-    MOVED = 11, _spec({G, C}, {W, C}, Payload.NONE, Token.GATEWAY, meaning=(
+    MOVED = 11, _spec({_G, _C}, {_W, _C}, Payload.NONE, Token.GATEWAY, meaning=(
         "agent or cluster aggregator -> a worker or aggregator service whose DATA (of ``iteration``) carried "
         "another deployment ``epoch`` than the current one (this header's ``epoch``), or agent -> every "
         "aggregator service when the deployment changes: say HELLO again for the current deployment, then "
