@@ -10,7 +10,8 @@
  *
  * The datagram header (struct ns_hdr) and the NS_MAGIC, NS_VERSION, NS_KIND_*, NS_FLAG_* and NS_MAX_WORKERS
  * constants are not written here: the loader puts the text netstorm/lan/header.py generates from its
- * field table (c_definitions) in front of this file, so Python and C share one definition of the layout.
+ * field table and the kinds' registry (netstorm/lan/kinds.py) in front of this file (c_definitions), so
+ * Python and C share one definition of the layout and of every kind number, the loader's own TIMER_INIT too.
  *
  * Authentication (cfg.auth, when the job has a secret): a DATA packet must carry the token the agent
  * installed for its (worker, iteration) in ns_tokens (NS_TOKEN_WINDOW iterations per worker, indexed by
@@ -59,8 +60,7 @@
  *
  * Defined by the loader: NS_LANES, NS_SLOTS, NS_RING_PAGES (room for a report from every slot), NS_SLOT_MAP
  * (replaced by the shared table's name), NS_METER_MAP and NS_METER_ENTRIES (the meter's table and its
- * NS_MAX_WORKERS * NS_TOKEN_WINDOW entries), NS_TOKEN_WINDOW (a power of two), NS_KIND_TIMER_INIT (a loader-only kind: initialise one slot's
- * timer, see prime_timers), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
+ * NS_MAX_WORKERS * NS_TOKEN_WINDOW entries), NS_TOKEN_WINDOW (a power of two), TIMER_MAP_FD, TIMER_CB_MARK (64-bit constant the loader turns into a
  * BPF_PSEUDO_FUNC reference to ns_timer_cb). */
 #include <linux/if_ether.h>
 #include <linux/in.h>

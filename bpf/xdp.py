@@ -27,6 +27,7 @@ from bpf.timer_link import LoaderError
 from bpf.timer_memory import SlabRoom
 from netstorm.lan.batch import distinct
 from netstorm.lan.header import MAX_WORKERS, OFFSETS, Header, Kind, c_definitions
+from netstorm.lan.kinds import LOADER_KINDS
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.slots import STATS, TOKEN_WINDOW, SlotEvent, slot_dtype
 
@@ -116,7 +117,7 @@ class XdpAggregator:
         pages = 1 << max(4, math.ceil(math.log2(max(1, layout.num_slots) * 2 * 64 / 4096)))
         cflags = [f"-I{HERE}", f"-DNS_LANES={layout.lanes}", f"-DNS_SLOTS={max(1, layout.num_slots)}",
                   f"-DNS_TOKEN_WINDOW={TOKEN_WINDOW}",
-                  f"-DNS_RING_PAGES={pages}", f"-DNS_KIND_TIMER_INIT={TIMER_INIT_KIND}"]
+                  f"-DNS_RING_PAGES={pages}"]
         cflags.append(f"-DNS_METER_ENTRIES={METER_ENTRIES}")
         self._slot_map = name.encode()
         self._meter_map = f"ns_meter_{name[len('ns_slots_'):]}".encode()
@@ -500,7 +501,7 @@ class XdpAggregator:
 
 
 XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 1, 2, 3, 4
-TIMER_INIT_KIND = 0x7F
+TIMER_INIT_KIND = LOADER_KINDS["TIMER_INIT"]
 """The loader's own kind (never on the wire): initialise the timer of the slot the frame names."""
 UDP_PAYLOAD = 14 + 20 + 8
 """Where the datagram starts in the Ethernet/IPv4/UDP frames ``udp_frame`` builds."""

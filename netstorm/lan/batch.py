@@ -27,9 +27,7 @@ from netstorm.lan.header import (
     HEADER_DTYPE,
     LANED_KINDS,
     MAGIC,
-    MAX_DEPLOY_BYTES,
     MAX_LANES,
-    MAX_REPORT_BYTES,
     MAX_WORKERS,
     RESULT_PRECISIONS,
     VERSION,
@@ -37,6 +35,7 @@ from netstorm.lan.header import (
     Kind,
     Precision,
 )
+from netstorm.lan.kinds import MAX_PAYLOAD
 from netstorm.lan.prefault import populated
 
 ROW_BYTES: Final = HEADER_BYTES + 4 * MAX_LANES
@@ -48,6 +47,9 @@ _LANED: Final = np.array([k in LANED_KINDS for k in range(256)])
 _DATA_PRECISION: Final = np.array([p in {int(q) for q in DATA_PRECISIONS} for p in range(256)])
 _RESULT_PRECISION: Final = np.array([p in {int(q) for q in RESULT_PRECISIONS} for p in range(256)])
 _KNOWN: Final = np.array([k in {int(kind) for kind in Kind} for k in range(256)])
+_BYTES_MOST: Final = np.zeros(256, np.int64)
+_BYTES_MOST[[int(k) for k in MAX_PAYLOAD]] = list(MAX_PAYLOAD.values())
+"""The payload limit of each kind whose payload is bytes (indexed by kind code; 0 for every other)."""
 _LANE_BYTES: Final = np.array([Precision(p).lane_bytes if p in {int(q) for q in Precision} else 1
                                for p in range(256)], np.int64)
 
@@ -64,8 +66,7 @@ def _pair_tables() -> tuple[np.ndarray, ...]:
     laned = _LANED[kind]
     pair_ok = _KNOWN[kind] & ((precision == Precision.FIXED32) | (_DATA_PRECISION[precision] & (kind == Kind.DATA))
                               | (_RESULT_PRECISION[precision] & (kind == Kind.RESULT)))
-    most = np.where(laned, width * MAX_LANES, np.where(kind == Kind.HELLO, MAX_DEPLOY_BYTES,
-                                                       np.where(kind == Kind.REPORT, MAX_REPORT_BYTES, 0)))
+    most = np.where(laned, width * MAX_LANES, _BYTES_MOST[kind])
     return (pair_ok, np.where(laned, width, 1).astype(np.int64), np.where(laned, width, 0).astype(np.int64),
             most.astype(np.int64), kind == Kind.RESULT, kind == Kind.NACK)
 

@@ -24,21 +24,23 @@ import numpy as np
 
 from netstorm.lan.batch import DatagramBatch, distinct, valid_headers
 from netstorm.lan.deploy import LanTopology
-from netstorm.lan.downlink import DownlinkReports, parse_report
+from netstorm.lan.downlink import DownlinkReports
 from netstorm.lan.errors import IterationAborted, StaleDeployment, WireError
 from netstorm.lan.gatewayacks import AckBook
-from netstorm.lan.gatewaynacks import QUERY_LIMIT, NackRules
+from netstorm.lan.gatewaynacks import NackRules
+from netstorm.lan.gatewayrequests import WorkerRequests
 from netstorm.lan.gatewayresults import ResultBook
 from netstorm.lan.gatewayroster import GatewayRoster
 from netstorm.lan.header import HEADER_BYTES, KIND_AT, OFFSETS, Flag, Header, Kind, Precision, lanes_of
+from netstorm.lan.kinds import CHECKED_KINDS
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.outbox import Outbox
-from netstorm.lan.packets import control_packet, with_token
+from netstorm.lan.packets import control_packet
 from netstorm.lan.redeploy import Switch
 from netstorm.lan.resultwire import ResultWire
 from netstorm.lan.slots import GROUP_TOKENS, ITERATION_DONE, TOKEN_WINDOW, Aggregator, SlotEvent
 from netstorm.lan.sums import IterationSums, SumsBook
-from netstorm.lan.tokens import LanTokens, Sender
+from netstorm.lan.tokens import LanTokens
 from netstorm.lan.uplinks import UplinkTracker
 from netstorm.lan.window import ReceiveWindow
 
@@ -53,7 +55,6 @@ KEEP_MODELS = 8
 """Models' worth of bulk (result copies, PULL answers) the outbox holds per destination."""
 KEEP_FAILED = 8
 """Failed iterations remembered, so a worker's PULL or QUERY about one is answered with FAILED."""
-_ASKS = (Kind.HELLO, Kind.PULL, Kind.QUERY, Kind.REPORT)
 
 
 class DataPlane(Aggregator, Protocol):
@@ -118,6 +119,8 @@ class GatewayCore:
         """The program returns each chunk's result itself; the core handles slot reports and overflow only."""
         self.done_through: int | None = None
         """The newest iteration every chunk of which completed in the program (its ring-buffer reports)."""
+        self.requests = WorkerRequests(self)
+        """The answers to the workers' HELLO, PULL, QUERY and REPORT (netstorm/lan/gatewayrequests.py)."""
         self.errors = 0
         self.delivery_cpu = 0.0
         """CPU seconds spent taking completed slots into the iteration's sums."""
@@ -288,14 +291,38 @@ class GatewayCore:
             self._on_agg(agg, now)
 
     def datagram(self, data: bytes, address: Address, now: float) -> None:
-        """One datagram that is not an aggregate of a batch; WireError (or StaleDeployment) for one refused."""
+        """One datagram that is not an aggregate of a batch, to its kind's handler (``_RAW``, ``_REQUESTS``: from the
+        registry in netstorm/lan/kinds.py); WireError (or StaleDeployment) for one refused.
+
+        The data plane's kinds (unchecked: DATA, AGG) go to their handler as bytes, before any decoding; a
+        worker's request (checked) is decoded, its job and worker id checked, and its handler checks the
+        token (``WorkerRequests.admit``) once its own cheap filters pass."""
         kind = data[KIND_AT] if len(data) >= HEADER_BYTES else 0
-        if kind == Kind.AGG:
-            if self.userspace:   # the userspace aggregator hands its aggregates over directly
-                raise WireError(f"AGG datagram from {address}: only the XDP data plane makes them")
-            self._on_agg(data, now)
+        raw = _RAW.get(kind)
+        if raw is not None:
+            raw(self, data, address, now)
             return
-        if kind == Kind.DATA and self.userspace:
+        head = Header.decode(data)
+        if head.job != self.job:
+            raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
+        handler = _REQUESTS.get(kind)
+        if handler is None:
+            raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+        if head.worker >= self.workers:
+            raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
+                            f"0..{self.workers - 1}")
+        handler(self.requests, head, data, address, now)
+
+    # ------------------------------------------------------------------ the kinds' handlers (kinds.py)
+    def _on_agg_datagram(self, data: bytes, address: Address, now: float) -> None:
+        """An AGG from the XDP program (the userspace aggregator hands its aggregates over directly)."""
+        if self.userspace:
+            raise WireError(f"AGG datagram from {address}: only the XDP data plane makes them")
+        self._on_agg(data, now)
+
+    def _on_data(self, data: bytes, address: Address, now: float) -> None:
+        """DATA: the userspace aggregator's own, fed to it, or one the XDP program passed up."""
+        if self.userspace:
             iteration, tensor, chunk = (int.from_bytes(data[at: at + 4], "little")
                                         for at in (_ITERATION_AT, _TENSOR_AT, _CHUNK_AT))
             self._measure(data[_WORKER_AT], iteration, tensor, chunk, len(data), now)
@@ -307,49 +334,7 @@ class GatewayCore:
         head = Header.decode(data)
         if head.job != self.job:
             raise WireError(f"datagram of job {head.job}, this gateway serves job {self.job}")
-        if head.kind in _ASKS and head.worker >= self.workers:
-            raise WireError(f"{head.kind.name} from worker {head.worker}: this gateway serves workers "
-                            f"0..{self.workers - 1}")
-        if head.kind == Kind.DATA:
-            self._passed_data(head, data, address, now)
-            return
-        # a PULL for a result we do not keep has no answer: dropped before any token is derived for it
-        failed = head.kind in (Kind.PULL, Kind.QUERY) and head.iteration in self.failed
-        row = None
-        if head.kind == Kind.PULL and not failed:
-            with contextlib.suppress(WireError):
-                row = self.results.row(head.iteration, head.tensor, head.chunk)
-            if row is None:
-                return
-        book = self.book
-        if head.kind == Kind.QUERY and head.iteration not in book.open and head.iteration not in book.finished \
-                and not failed and not (self.kernel_results and (book.accepts(head.iteration)
-                                                                 or self.done(head.iteration))):
-            return   # (with results from the kernel no aggregate opens an iteration: the slots answer)
-        if head.kind == Kind.REPORT and head.iteration not in book.finished:
-            return
-        # HELLO nonces are the sender's choice: their tokens are derived, never cached
-        if head.kind in _ASKS and not self.tokens.valid(Sender.WORKER, head.worker, head.iteration, head.token,
-                                                        keep=head.kind != Kind.HELLO):
-            self.roster.forged += 1
-            raise WireError(f"{head.kind.name} as worker {head.worker} from {address} with a wrong token")
-        if failed:   # about an iteration the node failed: the worker missed the FAILED notice
-            notice = control_packet(Kind.FAILED, job=self.job, worker=head.worker, iteration=head.iteration)
-            self.roster.control(self.roster.stamp(notice, head.worker), address)
-        elif head.kind == Kind.HELLO:
-            if self.roster.on_hello(head, address, first_iteration=self.window.base):
-                self.hello_seen = True
-        elif head.kind == Kind.QUERY:
-            self._answer_query(head, data, address, now)
-        elif head.kind == Kind.REPORT:
-            self.downlinks.on_report(head.worker, head.iteration, parse_report(data)[1])
-        elif head.kind == Kind.PULL and row is not None:
-            if self.tokens.enabled:
-                row = with_token(row, self.tokens.gateway(head.worker, head.iteration))
-            # with that worker's other bulk: a slow worker's PULLs wait behind its own backlog
-            self.outbox.bulk(row, address, tag=head.iteration)
-        elif head.kind != Kind.PULL:
-            raise WireError(f"unexpected {head.kind.name} datagram from {address}")
+        self._passed_data(head, data, address, now)
 
     def _passed_data(self, head: Header, data: bytes, address: Address, now: float) -> None:
         """DATA the XDP program passed up instead of summing it."""
@@ -482,32 +467,6 @@ class GatewayCore:
         finally:
             self.delivery_cpu += self.cpu() - started
 
-    def _answer_query(self, head: Header, data: bytes, address: Address, now: float) -> None:
-        """A worker asks which of its unacknowledged chunks completed (its ACKs may have been lost)."""
-        seqs = np.frombuffer(data, "<u4", count=min(head.count, QUERY_LIMIT), offset=HEADER_BYTES).astype(np.int64)
-        if self.kernel_results and self.done(head.iteration):
-            # every chunk of it completed in the program, whose shadow slots keep each until every worker has
-            # its result: the asker lost these, and its resends have the program send them again
-            seqs = seqs[seqs < self.layout.num_chunks]
-            if seqs.size:
-                self.nacks.add(head.iteration, head.worker, seqs)
-                self.nacks.query_nacks_sent += int(seqs.size)
-            return
-        sums = self.book.open.get(head.iteration)
-        if sums is None and self.kernel_results and self.book.accepts(head.iteration):
-            sums = self.book.sums(head.iteration)   # no aggregate ever opens it: the slots say everything
-        pending = seqs[:0]
-        if sums is not None:
-            seqs = seqs[seqs < sums.layout.num_chunks]
-            done, pending = seqs[~sums.open[seqs]], seqs[sums.open[seqs]]
-        elif head.iteration in self.book.finished:
-            done = seqs
-        else:
-            return
-        self.acks.answer(head.iteration, done, head.worker, address)
-        if self.query_nacks and sums is not None and pending.size:
-            self.nacks.missing(sums, head.worker, pending, now)
-
     def _measure(self, worker: int, iteration: int, tensor: int, chunk: int, nbytes: int, now: float) -> None:
         """Count a DATA datagram towards its worker's achieved uplink (netstorm/lan/uplinks.py)."""
         if not self.book.accepts(iteration):
@@ -516,3 +475,12 @@ class GatewayCore:
         if tensor >= len(layout.sizes) or chunk >= layout.chunks[tensor]:
             return
         self.uplinks.on_data(worker, iteration, layout.first_slot[tensor] + chunk, nbytes, now)
+
+
+_RAW: dict[int, Callable[..., None]] = {int(k): getattr(GatewayCore, k.spec.gateway) for k in Kind
+                                         if k.spec.gateway is not None and k not in CHECKED_KINDS}
+_REQUESTS: dict[int, Callable[..., None]] = {int(k): getattr(WorkerRequests, k.spec.gateway) for k in CHECKED_KINDS
+                                             if k.spec.gateway is not None}
+"""Each kind's handler as the registry names it (netstorm/lan/kinds.py): a ``GatewayCore`` method taking the
+bytes, or for a worker's request a ``WorkerRequests`` method taking the decoded header. A name with no method
+fails here, at import; a kind without one is refused as unexpected."""

@@ -13,6 +13,11 @@ from typing import Final
 import numpy as np
 
 from netstorm.lan.errors import WireError
+from netstorm.lan.kinds import LANED_KINDS as LANED_KINDS
+from netstorm.lan.kinds import LOADER_KINDS, MAX_PAYLOAD, NAMES
+from netstorm.lan.kinds import MAX_DEPLOY_BYTES as MAX_DEPLOY_BYTES
+from netstorm.lan.kinds import MAX_REPORT_BYTES as MAX_REPORT_BYTES
+from netstorm.lan.kinds import Kind as Kind
 
 MAGIC: Final = 0x534E
 """``"NS"`` in the first two bytes."""
@@ -46,7 +51,7 @@ class Field:
 FIELDS: Final = (
     Field("magic", "u16", "0x534E (MAGIC)"),
     Field("version", "u8", "VERSION"),
-    Field("kind", "u8", "DATA, AGG, NACK, RESULT, PULL, HELLO, ACK, QUERY, REPORT, FAILED (see Kind)"),
+    Field("kind", "u8", ", ".join(NAMES) + " (netstorm/lan/kinds.py)"),
     Field("job", "u16", "training job; the gateway ignores other jobs' packets"),
     Field("worker", "u8", "LAN worker id, 0..63 (bit in the contributor bitmap)"),
     Field("flags", "u8", "OVERFLOW (lane sum or own value out of int32 range), RESCALE (on a NACK)"),
@@ -89,40 +94,6 @@ TOKEN_AT: Final = OFFSETS["token"]
 """Where a receiver peeks at the kind before decoding the whole header."""
 assert HEADER_DTYPE.itemsize == HEADER_STRUCT.size == HEADER_BYTES
 assert all(HEADER_DTYPE.fields is not None and HEADER_DTYPE.fields[n][1] == at for n, at in OFFSETS.items())
-
-
-class Kind(enum.IntEnum):
-    DATA = 1
-    """worker -> gateway: fixed-point contribution."""
-    AGG = 2
-    """gateway data plane -> gateway agent: the completed fixed-point sum of a slot."""
-    NACK = 3
-    """agent -> worker: resend the chunks its u32 lanes list (sequence numbers, one datagram per worker for
-    every chunk the agent found it missing from in one wake-up); with RESCALE and no lanes, re-quantise
-    (iteration, tensor, chunk) at ``scale`` first and resend it."""
-    RESULT = 4
-    """agent -> worker: the result of the WAN step for one chunk (float32 lanes, or a compressed round's
-    exact integers or bitmap, named by ``precision``)."""
-    PULL = 5
-    """worker -> agent: resend the RESULT of (iteration, tensor, chunk)."""
-    HELLO = 6
-    """worker -> agent: announces the worker's address; the agent answers with a HELLO whose payload is the
-    worker's deployment (netstorm/lan/deploy.py: pool, lane width, where to send DATA, its cluster)."""
-    ACK = 7
-    """agent -> every worker (one multicast datagram): these chunks' slots completed, send what reuses them."""
-    QUERY = 8
-    """worker -> agent: which of these chunks (u32 sequence numbers) completed? Answered by a unicast ACK."""
-    REPORT = 9
-    """worker -> agent: how its result burst of ``iteration`` arrived (netstorm/lan/downlink.py: bytes and
-    span, msgpack in the payload), so the gateway measures its downlink; never answered."""
-    FAILED = 10
-    """agent -> every worker (one multicast datagram; unicast in answer to a PULL or QUERY): the node failed
-    ``iteration``, no result will come; the workers end it with a typed error and go on with the next."""
-    MOVED = 11
-    """agent or cluster aggregator -> a worker or aggregator service whose DATA (of ``iteration``) carried
-    another deployment ``epoch`` than the current one (this header's ``epoch``), or agent -> every aggregator
-    service when the deployment changes: say HELLO again for the current deployment, then resend the
-    iteration to where it says; no payload (netstorm/lan/redeploy.py)."""
 
 
 class Precision(enum.IntEnum):
@@ -198,16 +169,10 @@ class Flag(enum.IntFlag):
     worker's own HELLO address)."""
 
 
-LANED_KINDS: Final = frozenset({Kind.DATA, Kind.AGG, Kind.RESULT, Kind.ACK, Kind.QUERY, Kind.NACK})
-"""Kinds whose payload is lanes (ACK, QUERY and NACK: u32 sequence numbers)."""
 _KINDS: Final = {int(k): k for k in Kind}
 _PRECISIONS: Final = {int(p): p for p in Precision}
 _ALLOWED: Final = {Kind.DATA: frozenset(DATA_PRECISIONS), Kind.RESULT: frozenset(RESULT_PRECISIONS)}
 """Lane encodings each kind may carry (every other kind: FIXED32 only)."""
-MAX_DEPLOY_BYTES: Final = 1024
-"""Largest HELLO payload (a worker's deployment)."""
-MAX_REPORT_BYTES: Final = 64
-"""Largest REPORT payload (a worker's downlink report)."""
 _FLAGS: Final = {int(f): Flag(f) for f in range(8)}
 """Decoding looks kinds and flags up instead of constructing enums: it runs once per datagram."""
 
@@ -269,12 +234,9 @@ class Header:
             width = precision.lane_bytes
             if payload % width or not width * count <= payload <= width * MAX_LANES:
                 raise WireError(f"{kind.name} datagram with {payload} payload bytes cannot hold {count} lanes")
-        elif kind == Kind.HELLO:
-            if payload > MAX_DEPLOY_BYTES:
-                raise WireError(f"HELLO datagram with {payload} payload bytes (at most {MAX_DEPLOY_BYTES})")
-        elif kind == Kind.REPORT:
-            if payload > MAX_REPORT_BYTES:
-                raise WireError(f"REPORT datagram with {payload} payload bytes (at most {MAX_REPORT_BYTES})")
+        elif kind in MAX_PAYLOAD:
+            if payload > MAX_PAYLOAD[kind]:
+                raise WireError(f"{kind.name} datagram with {payload} payload bytes (at most {MAX_PAYLOAD[kind]})")
         elif payload:
             raise WireError(f"{kind.name} datagram carries {payload} unexpected payload bytes")
         flag = _FLAGS.get(flags)
@@ -307,6 +269,7 @@ def c_definitions() -> str:
              f"#define NS_MAX_WORKERS {MAX_WORKERS}",
              f"#define NS_NEED_NONE {NEED_NONE}"]
     lines += [f"#define NS_KIND_{k.name} {int(k)}" for k in Kind]
+    lines += [f"#define NS_KIND_{name} {number}" for name, number in LOADER_KINDS.items()]
     lines += [f"#define NS_FLAG_{f.name} {int(f)}" for f in Flag if f.name and f is not Flag.NONE]
     lines += [f"#define NS_PREC_{p.name} {int(p)}" for p in Precision]
     lines.append("struct ns_hdr {")

@@ -33,6 +33,7 @@ from netstorm.lan.header import (
     Kind,
     Precision,
 )
+from netstorm.lan.kinds import GATEWAY_TOKENED
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.pacing import Pace
 from netstorm.lan.packets import control_packet, data_packets, header_rows, set_epoch
@@ -55,6 +56,8 @@ MIN_PROBE = 0.0002
 PULL_CHUNKS = 1024
 """Missing result chunks PULLed per probe once results flow: a burst that overflowed the group socket can
 leave most of a large model's results missing, and each probe waits a few retransmission timeouts."""
+_GATEWAY_TOKENED = np.array([k in GATEWAY_TOKENED for k in range(256)])
+"""Kinds (indexed by code) a worker takes only with the gateway's token (netstorm/lan/kinds.py)."""
 RCVBUF_BYTES = 8 << 20
 """Receive buffer asked for the group socket (forced past ``net.core.rmem_max`` where allowed)."""
 
@@ -644,8 +647,7 @@ class EdgeSender:
             tokens = heads["token"]
             genuine = (tokens == np.uint64(self.tokens.gateway(self.worker, iteration))) | \
                 (tokens == np.uint64(self.tokens.group(iteration)))
-            forged = ok & ((kind == Kind.RESULT) | (kind == Kind.NACK) | (kind == Kind.ACK) |
-                           (kind == Kind.FAILED) | (kind == Kind.MOVED)) & ~genuine
+            forged = ok & _GATEWAY_TOKENED[kind] & ~genuine
             self.forged += int(forged.sum())
             ok &= ~forged
         if np.any(ok & (kind == Kind.FAILED)):
