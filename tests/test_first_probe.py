@@ -101,3 +101,44 @@ def test_the_first_policy_is_planned_from_the_probe_while_the_nodes_heartbeat(
 
     with caplog.at_level(logging.INFO, logger="scheduler.service"):
         run(main())
+
+
+def test_past_the_probe_deadline_the_first_policy_comes_from_the_prior_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """No probe ever returns: at the deadline the scheduler plans from the prior, the nodes (alive all
+    along) are acknowledged and their stuck probes end with their registration."""
+    never = asyncio.Event()
+
+    async def stuck(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -> float:  # noqa: ASYNC109
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    monkeypatch.setattr(firstprobe.bulkprobe, "measure", stuck)
+
+    async def main() -> None:
+        deadline = 2 * FAST.heartbeat_timeout
+        service = SchedulerService(BARE.rates(), BARE.node_ids, FAST, unknown=BARE.unknown, probe_deadline=deadline)
+        ready = asyncio.Event()
+        task = asyncio.create_task(service.serve("127.0.0.1", 0, ready=lambda _address: ready.set()))
+        clients: list[SchedulerClient] = []
+        try:
+            await asyncio.wait_for(ready.wait(), T)
+            clients = list(await asyncio.gather(*(
+                SchedulerClient.connect(addr(service), n, ("127.0.0.1", 40000 + n), timeout=T,
+                                        probe_host="127.0.0.1") for n in (1, 2, 3))))
+            assert sorted(service.membership.alive) == [1, 2, 3]
+            version = service.consistency.current_version
+            assert version is not None
+            policy = service.consistency.policy(version)
+            assert isinstance(policy, Policy)
+            assert policy.rates == BARE.rates()
+            assert "probe deadline passed: link(s) ['1->2', '2->1', '2->3', '3->2'] start from the prior" in caplog.text
+            assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("first-probe-")]
+        finally:
+            for client in clients:
+                await client.close()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="scheduler.service"):
+        run(main())
