@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from netstorm.control import parse_address
+from netstorm.control import PROBE_MAX_BYTES, parse_address
 from netstorm.errors import NetStormError
 
 MAGIC = b"NSPROBE1"
@@ -28,9 +28,11 @@ HEADER = struct.Struct("!8sQ")
 """Magic and the number of bytes that follow."""
 ANSWER = struct.Struct("!Qd")
 """Bytes received and seconds the second half of them took."""
-MAX_BYTES = 1 << 34
+MAX_BYTES = PROBE_MAX_BYTES
 """Largest probe a sink accepts (16 GiB)."""
 BLOCK = 1 << 16
+DEFAULT_BYTES = 4 * 1024 * 1024
+"""Bytes of a first probe where nothing else is said: a few megabytes are past slow start."""
 
 
 class ProbeError(NetStormError):

@@ -315,6 +315,9 @@ class Register(Message, frozen=True, tag="register", omit_defaults=True):
     workers: int = 1
     """Workers whose gradients this DC's contribution sums: its own trainer and the LAN workers its
     gateway aggregates (``netstorm node --edge-workers``)."""
+    probe_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
+    """Port of the bulk-probe sink the node keeps on its data host until its RegisterAck (0: none): where
+    the scheduler has peers measure their links to it before the first policy (``ProbeRequest``)."""
     attach: bool = False
     """The node has run in this job without a break and re-attaches after losing the scheduler (a
     restarted scheduler, a broken connection); False: a new process, admitted at an iteration boundary."""
@@ -322,6 +325,30 @@ class Register(Message, frozen=True, tag="register", omit_defaults=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         _workers(f"{self.TYPE}.workers", self.workers)
+
+
+PROBE_MAX_BYTES = 1 << 34
+"""Largest bulk probe a ``ProbeRequest`` asks for (``netstorm.bulkprobe``'s sink limit)."""
+
+
+class ProbeRequest(Message, frozen=True, tag="probe_request"):
+    """Sent before the ``RegisterAck`` when the scenario states no rate for some links: measure each
+    target's link with a bulk probe of ``nbytes``, one after the other, heartbeating every
+    ``heartbeat_s`` meanwhile, and answer with one ``ProbeResult``."""
+
+    targets: Annotated[tuple[tuple[NodeId, Name, Port], ...], msgspec.Meta(max_length=MAX_NODES)]
+    """(peer, its data host, its probe sink's port) of each outgoing link to measure."""
+    nbytes: Annotated[int, msgspec.Meta(ge=2, le=PROBE_MAX_BYTES)]
+    timeout_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+    """Seconds one link's probe may take."""
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=3600)]
+
+
+class ProbeResult(Message, frozen=True, tag="probe_result"):
+    """A node's answer to ``ProbeRequest``: per target the measured Mbit/s, or -1 and why it failed."""
+
+    node_id: NodeId
+    rows: Annotated[tuple[tuple[NodeId, Finite, Text], ...], msgspec.Meta(max_length=MAX_NODES)]
 
 
 class RegisterAck(Message, frozen=True, tag="register_ack", omit_defaults=True):
@@ -714,7 +741,8 @@ MESSAGES: dict[str, type[Message]] = {}
 for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, IterationLost,
              PeerUnreachable, MemberUp,
              LinkBeliefs, PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck,
-             StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History, LanReport, LanPlan):
+             StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History, LanReport, LanPlan,
+             ProbeRequest, ProbeResult):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     MESSAGES[_cls.TYPE] = _cls
 
@@ -770,7 +798,7 @@ ANY = Inbound("this side", tuple(MESSAGES.values()))
 TO_SCHEDULER = Inbound("the scheduler", (Register, LayoutCheck, Heartbeat, Leave, IterationLost, PeerUnreachable,
                                          PolicyRequest,
                                          LinkReport, EdgeReport, LanReport, PolicyOverride, StatusRequest,
-                                         PolicyFetch, HistoryRequest))
+                                         PolicyFetch, HistoryRequest, ProbeResult))
 """What nodes and admin tools send the scheduler: none of it is larger than an override's rates."""
 
 

@@ -29,6 +29,7 @@ from netstorm.config import Config
 from netstorm.control import ControlAuthError, ControlError, ControlTimeout, SchedulerGone
 from netstorm.errors import AuthError, NetStormError
 from netstorm.policy import Policy
+from node.firstprobe import FirstProbe
 
 log = logging.getLogger(__name__)
 
@@ -111,21 +112,42 @@ class SchedulerClient:
     @classmethod
     async def connect(cls, address: tuple[str, int], node_id: int, data_address: tuple[str, int], *,
                       timeout: float,  # noqa: ASYNC109 (the contract's per-call deadline)
-                      workers: int = 1, credentials: Credentials | None = None) -> SchedulerClient:
+                      workers: int = 1, credentials: Credentials | None = None,
+                      probe_host: str | None = None) -> SchedulerClient:
         """Register node ``node_id``, whose contributions sum ``workers`` workers' gradients (1 + the LAN
         workers of its gateway); returns once every expected node has registered. With ``credentials``
-        the connection first proves it is node ``node_id`` of the job (and the scheduler that it is)."""
+        the connection first proves it is node ``node_id`` of the job (and the scheduler that it is).
+        With ``probe_host``, a bulk-probe sink listens there until the acknowledgement, and the node
+        measures the links the scheduler asks it to before the first policy (``node.firstprobe``)."""
         name = f"scheduler {control.format_address(address)}"
         writer: asyncio.StreamWriter | None = None
+        sink = await FirstProbe.sink(probe_host) if probe_host is not None else None
+        probe_port = int(sink.sockets[0].getsockname()[1]) if sink is not None else 0
+        probing: FirstProbe | None = None
+        loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as budget:
                 reader, writer = await authconn.open_stream(*address, credentials, plane=auth.Plane.CONTROL,
                                                             me=auth.node(node_id), timeout=timeout)
                 writer.write(control.encode(control.Register(node_id, data_address[0], data_address[1],
-                                                             workers=workers)))
+                                                             workers=workers, probe_port=probe_port)))
                 await writer.drain()
+                probing = FirstProbe(node_id, writer)
                 reply = await control.read_message(reader)
+                while isinstance(reply, control.ProbeRequest | control.MemberDown):
+                    if isinstance(reply, control.ProbeRequest):
+                        # the scheduler holds the acknowledgement until the probes are in
+                        budget.reschedule(loop.time() + timeout + probing.start(reply))
+                        log.info("node %d: probing links to %s before the first policy", node_id,
+                                 [dst for dst, _, _ in reply.targets])
+                    else:  # a peer gone while the job starts: the acknowledgement's members leave it out
+                        log.info("node %d: node %d is down before the job starts: %s", node_id, reply.node_id,
+                                 reply.reason)
+                    reply = await control.read_message(reader)
+                await probing.stop()
         except BaseException as exc:  # the connection must not outlive a failed registration
+            if probing is not None:
+                await probing.stop()
             if writer is not None:
                 writer.close()
             if isinstance(exc, TimeoutError) and not isinstance(exc, ControlError):
@@ -138,6 +160,9 @@ class SchedulerClient:
             if isinstance(exc, ControlError):
                 raise ControlError(f"{name}: registration of node {node_id}: {exc}") from None
             raise
+        finally:
+            if sink is not None:
+                sink.close()
         if not isinstance(reply, control.RegisterAck):
             writer.close()
             if isinstance(reply, control.Error):

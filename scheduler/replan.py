@@ -84,13 +84,23 @@ class Replanner:
         """Read only: the current policy and the bindings (the shell publishes)."""
         # with joiners allowed, any DC of the scenario may come: its links are believed from the start
         believed = rates if config.allow_joiners else restrict(rates, nodes)
-        self.collector = LinkCollector(believed, now=now,
-                                       stale_after=config.stale_after if config.stale_decay else math.inf,
-                                       half_life=config.stale_half_life, recent=config.belief_reports)
+        self.collector = self._collector(believed, now)
         self.cadence = Cadence(update_time=config.update_time, react_interval=config.react_interval, now=now)
         self.cycles = 0
         """Re-plan cycles started so far (tests wait on it instead of sleeping)."""
         self._ignored_links: set[tuple[int, int]] = set()
+
+    def _collector(self, believed: Rates, now: float) -> LinkCollector:
+        config = self.config
+        return LinkCollector(believed, now=now, stale_after=config.stale_after if config.stale_decay else math.inf,
+                             half_life=config.stale_half_life, recent=config.belief_reports)
+
+    def probed(self, rates: Rates, now: float) -> None:
+        """The first probe round measured ``rates`` (before any policy): the first plan starts from them,
+        and so do the beliefs, which the passive reports then follow."""
+        self.initial_rates.update(rates)
+        believed = self.collector.estimate(now)
+        self.collector = self._collector({link: rates.get(link, rate) for link, rate in believed.items()}, now)
 
     # --- timing ----------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 
-from netstorm import auth, authconn, control
+from netstorm import auth, authconn, bulkprobe, control
 from netstorm.authconn import Credentials
 from netstorm.clock import serve_sntp
 from netstorm.config import LOCAL, Config
@@ -38,6 +38,7 @@ from scheduler.layoutvote import LayoutVote
 from scheduler.membership import Down, Membership, MembershipError
 from scheduler.persistence import StateStore
 from scheduler.planner import Planner, PlanningError, restrict
+from scheduler.proberound import ProbeRound
 from scheduler.replan import Action, Log, Plan, PlanMoves, Publish, PushBeliefs, Replanner
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ POLICY_RECORDS = 256
 """Published policy versions the history remembers (roots, trees and why each was planned)."""
 SEND_TIMEOUT = 10.0
 """Seconds a reply may wait for a peer's socket to drain before that peer is dropped."""
+PROBE_LINK_S = 30.0
+"""Seconds one link's first probe may take."""
 STOP_GRACE_S = 1.0
 """Seconds a stopping scheduler waits for its closed connections' handlers to end before cancelling them."""
 
@@ -94,8 +97,20 @@ class SchedulerService:
 
     def __init__(self, rates: Rates, nodes: Collection[int], config: Config, *, topology: str = "fapt",
                  num_roots: int | None = None, clock: Callable[[], float] = time.time,
-                 credentials: Credentials | None = None) -> None:
+                 credentials: Credentials | None = None, unknown: Collection[tuple[int, int]] = (),
+                 probe_bytes: int = bulkprobe.DEFAULT_BYTES, probe_deadline: float | None = None) -> None:
         self.config = config
+        self.unknown = frozenset(unknown)
+        """Directed links the scenario gives no rate for: probed by their nodes before the first policy."""
+        self.probe_bytes = probe_bytes
+        self.probe_deadline = probe_deadline
+        """Seconds the first probe round may take in all (None: each node's links in turn, PROBE_LINK_S each)."""
+        self.probing: ProbeRound | None = None
+        """The first probe round, while it runs and after (what it measured)."""
+        self._probed = asyncio.Event()
+        self._probe_task: asyncio.Task[None] | None = None
+        self._sinks: dict[int, int] = {}
+        """Node -> the port of its probe sink (from its Register; 0: none)."""
         self.credentials = credentials
         """With a job secret, every control connection proves who it is before it is read."""
         self.initial_rates = dict(rates)
@@ -216,6 +231,9 @@ class SchedulerService:
                 await server.serve_forever()
         finally:
             self._stopping = True
+            if self._probe_task is not None:
+                self._probe_task.cancel()
+                await asyncio.gather(self._probe_task, return_exceptions=True)
             sntp.close()
             if self.store is not None:
                 self.store.close()
@@ -377,6 +395,8 @@ class SchedulerService:
                 self._edge_report(conn, message)
             case control.LanReport():
                 self._lan_report(conn, message)
+            case control.ProbeResult():
+                self._probe_result(conn, message)
             case control.PolicyOverride():
                 await self._override(conn, message)
             case control.StatusRequest():
@@ -412,12 +432,74 @@ class SchedulerService:
             return False
         conn.node_id = message.node_id
         self._connections[message.node_id] = conn
+        self._sinks[message.node_id] = message.probe_port
         log.info("node %d registered from %s with data address %s:%d, %d worker(s) (%d of %d)", message.node_id,
                  conn.peer, message.data_host, message.data_port, message.workers, len(self.membership.registered),
                  len(self.membership.expected))
         if completes:
-            await self._start_job()
+            if self.unknown and not self.resumed:
+                await self._start_probe()
+            else:
+                await self._start_job()
         return True
+
+    async def _start_probe(self) -> None:
+        """Every node is here and some links have no rate: have their nodes measure them, and plan the
+        first policy when every result came or the deadline passed (``_probe_phase``). Heartbeats and
+        every other message are served meanwhile."""
+        members = self.membership.members()
+        per_node = collections.Counter(src for src, dst in self.unknown if src in members and dst in members)
+        deadline = self.probe_deadline if self.probe_deadline is not None \
+            else PROBE_LINK_S * max(per_node.values(), default=1) + self.config.connect_timeout
+        self.probing = probing = ProbeRound(
+            self.unknown, self.initial_rates, members=members, sinks=self._sinks, nbytes=self.probe_bytes,
+            timeout_s=PROBE_LINK_S, heartbeat_s=self.config.heartbeat_interval, now=self.clock(),
+            deadline_s=deadline)
+        if probing.skipped:
+            log.warning("links %s have no rate and an end without a probe sink: they start from the prior",
+                        [f"{a}->{b}" for a, b in probing.skipped])
+        log.info("probing %d link(s) with no rate before the first policy (%d bytes each, at most %g s)",
+                 len(probing.links), self.probe_bytes, deadline)
+        for node_id, request in probing.requests.items():
+            conn = self._connections.get(node_id)
+            try:
+                if conn is None:
+                    raise ConnectionError("no control connection")
+                await conn.send(request)
+            except ConnectionError as exc:
+                log.warning("cannot ask node %d to probe: %s", node_id, exc)
+                probing.gone(node_id)
+        if probing.done:
+            self._probed.set()
+        self._probe_task = asyncio.create_task(self._probe_phase(probing, deadline), name="first-probe")
+
+    async def _probe_phase(self, probing: ProbeRound, deadline: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(deadline):
+                await self._probed.wait()
+        for (src, dst), why in sorted(probing.failed.items()):
+            log.warning("probe of link %d->%d failed: %s", src, dst, why)
+        measured = " ".join(f"{a}>{b}:{mbit:.1f}" for (a, b), mbit in sorted(probing.measured.items()))
+        log.info("first probe measured %d of %d link(s) with no rate (Mbit/s %s)", len(probing.measured),
+                 len(self.unknown), measured or "none")
+        if probing.missing:
+            log.warning("%s: link(s) %s start from the prior", "probe deadline passed" if not probing.done
+                        else "not measured", [f"{a}->{b}" for a, b in probing.missing])
+        self.replanner.probed(probing.measured, self.clock())
+        await self._start_job()
+
+    def _probe_result(self, conn: _Connection, message: control.ProbeResult) -> None:
+        problem = self._member(conn, message.node_id, "probe result")
+        if problem is None and (self.probing is None or self._probed.is_set()):
+            problem = f"probe result from node {message.node_id} outside the first probe round"
+        if problem is not None:
+            log.warning("%s: ignored", problem)
+            return
+        assert self.probing is not None
+        for why in self.probing.result(message):
+            log.warning("probe result of node %d: %s: ignored", message.node_id, why)
+        if self.probing.done:
+            self._probed.set()
 
     async def _register_running(self, conn: _Connection, message: control.Register) -> bool:
         """A registration into the running job: a node re-attaching (``attach``), or a new process (a
@@ -697,7 +779,8 @@ class SchedulerService:
             elif node_id in alive and self.complete.is_set():
                 out.append((node_id, "alive", ""))
             elif node_id in registered:
-                out.append((node_id, "registered", "waiting for the other nodes"))
+                out.append((node_id, "registered", "probing the links with no rate" if self.membership.complete
+                            else "waiting for the other nodes"))
             else:
                 out.append((node_id, "expected", "not registered yet"))
         return tuple(out)
@@ -738,6 +821,10 @@ class SchedulerService:
 
     async def _member_down(self, down: Down) -> None:
         self._save_members()
+        if self.probing is not None and not self._probed.is_set():
+            self.probing.gone(down.node_id)
+            if self.probing.done:
+                self._probed.set()
         if down.pending:  # no policy names it: its peers only drop its link
             log.warning("node %d, waiting for admission, is gone: %s", down.node_id, down.reason)
             await self._broadcast(control.MemberDown(down.node_id, down.reason))

@@ -86,6 +86,10 @@ SAMPLES: list[control.Message] = [
                       racks=(control.LanRackRow(3, 8.0, 4.0, (("int8", 2.0),)),), measured=True, t=5.0),
     control.LanPlan(node_id=2, version=0, planner="aleph", clusters=((0, (1,)),), direct=(0,),
                     rates=((0, 1.5), (1, 1.5)), predicted_gbit=3.0),
+    control.Register(node_id=2, data_host="10.0.0.2", data_port=7002, probe_port=7102),
+    control.ProbeRequest(targets=((1, "10.0.0.1", 7101), (3, "10.0.0.3", 7103)), nbytes=4 << 20, timeout_s=30.0,
+                         heartbeat_s=1.0),
+    control.ProbeResult(node_id=2, rows=((1, 812.5, ""), (3, -1.0, "probe to 10.0.0.3:7103 failed: refused"))),
 ]
 
 
@@ -102,6 +106,16 @@ def test_round_trip(message: control.Message) -> None:
 
 def test_every_type_has_a_sample() -> None:
     assert {m.TYPE for m in SAMPLES} == set(control.MESSAGES)
+
+
+def test_a_probe_request_is_bounded_before_a_node_acts_on_it() -> None:
+    request = control.ProbeRequest(targets=(), nbytes=2, timeout_s=1.0, heartbeat_s=1.0)
+    for bad in ({"nbytes": 1}, {"nbytes": control.PROBE_MAX_BYTES + 1}, {"timeout_s": 0.0}, {"heartbeat_s": -1.0}):
+        raw = msgpack.unpackb(body(encode(request)))
+        with pytest.raises(control.ControlError, match="probe_request"):
+            decode(msgpack.packb({**raw, **bad}))
+    with pytest.raises(control.ControlError, match="does not accept probe_request"):
+        decode(body(encode(request)), control.TO_SCHEDULER)
 
 
 def test_frame_layout_is_length_prefixed_msgpack_with_version_and_type() -> None:

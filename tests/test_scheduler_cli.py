@@ -6,6 +6,7 @@ import asyncio
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from netstorm.clock import Clock
 from netstorm.commands.scheduler import parse_nodes
 from netstorm.control import parse_address
 from netstorm.errors import ConfigError
-from netstorm.scenario import load
+from netstorm.scenario import PRIOR_MBIT, load
 from node.control_client import SchedulerClient
 from scheduler import admin
 
@@ -80,3 +81,33 @@ def test_the_cli_builds_only_the_command_it_runs() -> None:
     with pytest.raises(SystemExit) as info:
         cli.main(["-v", "no-such-command"])
     assert info.value.code == 2
+
+
+@pytest.mark.slow
+def test_a_scheduler_on_a_scenario_without_rates_plans_from_its_nodes_probes(tmp_path: Path) -> None:
+    """Three DCs and no links (a full mesh to be measured): the nodes probe every link before the first
+    policy, which plans from what they measured."""
+    bare = tmp_path / "bare.toml"
+    bare.write_text('name = "bare"\n' + "".join(f"[[node]]\nid = {n}\n" for n in (1, 2, 3)))
+    proc, address = start_scheduler(str(bare), "--listen", "127.0.0.1:0", "--probe-bytes", "1000000")
+    try:
+        async def main() -> None:
+            clients = await asyncio.gather(*(
+                SchedulerClient.connect(address, n, ("127.0.0.1", 41000 + n), timeout=T, probe_host="127.0.0.1")
+                for n in (1, 2, 3)))
+            try:
+                policy = await clients[0].policy_for(0, timeout=T)
+                assert sorted(policy.rates) == [(a, b) for a in (1, 2, 3) for b in (1, 2, 3) if a != b]
+                assert PRIOR_MBIT not in policy.rates.values()  # each is a probe's, none the prior
+                status = await admin.status(address, timeout=T)
+                assert {(src, dst): believed for src, dst, believed, _, _ in status.links} == policy.rates
+            finally:
+                for c in clients:
+                    await c.close()
+
+        asyncio.run(main())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=T)
+    assert proc.returncode == 0, err
+    assert "its nodes probe them (1000000 bytes each)" in err

@@ -144,7 +144,7 @@ async def serve(node_id: int, config: config_mod.Config, *, scheduler: tuple[str
     # this DC's contributions sum its trainers' gradients and (as a gateway) its LAN workers'
     workers = config.trainers + (edge.workers if edge is not None else 0)
     control = await SchedulerClient.connect(scheduler, node_id, data_address, timeout=config.connect_timeout,
-                                            workers=workers, credentials=credentials)
+                                            workers=workers, credentials=credentials, probe_host=listen[0])
     control.progress = node.progress
     endpoint = TrainerEndpoint(node, credentials=credentials)
 

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 from netstorm import config as config_module
 from netstorm import scenario as scenario_module
-from netstorm.control import format_address, parse_address
+from netstorm.bulkprobe import DEFAULT_BYTES as PROBE_BYTES
+from netstorm.control import PROBE_MAX_BYTES, format_address, parse_address
 from netstorm.errors import ConfigError
 from netstorm.topologies import NAMES as TOPOLOGIES
 
@@ -28,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--roots", type=int, metavar="N", help="number of roots (default NUM_ROOT_SERVERS)")
     parser.add_argument("--bw-scale", type=float, default=1.0, metavar="X",
                         help="multiply the scenario's rates by X for the first plan (default 1)")
+    parser.add_argument("--probe-bytes", type=int, default=PROBE_BYTES, metavar="N",
+                        help=f"bytes of the bulk probe the nodes run on each link the scenario gives no rate, "
+                             f"before the first policy (default {PROBE_BYTES}; 0: plan from the prior)")
     config_module.add_arguments(parser, config_module.JOB_SECTIONS)
 
 
@@ -58,12 +62,17 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--roots must be >= 0, got {args.roots}")
     host, port = parse_address(args.listen, "--listen")
     rates = {link: rate * args.bw_scale for link, rate in scenario.rates().items()}
+    if args.probe_bytes != 0 and not 2 <= args.probe_bytes <= PROBE_MAX_BYTES:
+        raise ConfigError(f"--probe-bytes must be 0 or 2..{PROBE_MAX_BYTES}, got {args.probe_bytes}")
     if scenario.unknown:  # the passive estimator measures them from the first iteration on
-        print(f"scheduler: {scenario.name} states no rate for {len(scenario.unknown)} directed link(s): the first "
-              f"policy assumes the prior {scenario.prior_mbit:g} Mbit/s there (netstorm probe measures them first)",
+        how = (f"its nodes probe them ({args.probe_bytes} bytes each) before the first policy, which assumes the "
+               f"prior {scenario.prior_mbit:g} Mbit/s where a probe fails" if args.probe_bytes else
+               f"the first policy assumes the prior {scenario.prior_mbit:g} Mbit/s there")
+        print(f"scheduler: {scenario.name} states no rate for {len(scenario.unknown)} directed link(s): {how}",
               file=sys.stderr, flush=True)
     service = SchedulerService(rates, nodes, config, topology=args.topology, num_roots=args.roots,
-                               credentials=Credentials.from_config(config))
+                               credentials=Credentials.from_config(config),
+                               unknown=scenario.unknown if args.probe_bytes else (), probe_bytes=args.probe_bytes or 2)
 
     def ready(address: tuple[str, int]) -> None:
         print(f"scheduler listening on {format_address(address)} for nodes "
