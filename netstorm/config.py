@@ -88,6 +88,10 @@ class Config:
     tree_packing: bool = True
     """FAPT trees and chunk shares from the LP tree packing; false keeps the paper's Algorithm 2 (its
     shortest-path trees and chunk shares q_i / sum q)."""
+    plan_fallback: bool = True
+    """A multi-root FAPT plan predicted slower than one of its roots alone (or STAR at one of them) gives
+    every chunk to that root and says so; false keeps Algorithm 2's shares whatever the prediction, as
+    the paper."""
     planned_offload: bool = True
     """With auxiliary paths on, plan the fraction of each bottleneck tree link's chunks that its detours
     carry (with the shares, for packed trees), and re-plan those moves for the iteration running when a
@@ -391,12 +395,13 @@ FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fiel
 CHOICES: dict[str, tuple[str, ...]] = {"compression": METHODS, "dc_planner": PLANNERS}
 """Options whose values are an extension point's registered names: their flags offer exactly those."""
 DESIGN_SWITCHES: tuple[str, ...] = (
-    "tree_packing", "planned_offload", "aux_slowdown", "aux_reroute", "explore_links", "stale_decay",
+    "tree_packing", "plan_fallback", "planned_offload", "aux_slowdown", "aux_reroute", "explore_links", "stale_decay",
     "belief_reports", "react_change", "replan_gain", "update_rate",
 )
 """The options whose values separate this project's design (their defaults) from the published one."""
 PAPER_DESIGN: dict[str, Any] = {
     "tree_packing": False,     # Algorithm 2's shortest-path trees, chunk shares q_i / sum q
+    "plan_fallback": False,    # those shares even where one root alone is predicted faster
     "planned_offload": False,  # auxiliary paths only by the Fig. 7 rule
     "aux_slowdown": 0.0,       # Fig. 7: auxiliary past PRIMARY_BUSY_BOUND, whatever the plan says
     "aux_reroute": 0.0,        # a queued chunk keeps its path

@@ -40,8 +40,10 @@ def restrict(rates: Rates, nodes: Collection[int]) -> Rates:
 class Planner:
     def __init__(self, *, topology: str, num_roots: int, update_rate: float,
                  relative_change: Callable[[Rates, Rates], float], packing: bool = True,
-                 replan_gain: float = 0.0, offload: bool = False) -> None:
+                 replan_gain: float = 0.0, offload: bool = False, fallback: bool = True) -> None:
         self.topology = topology
+        self.fallback = fallback
+        """A multi-root plan predicted slower than a simpler one falls back to it (PLAN_FALLBACK)."""
         self.packing = packing
         """LP tree packing for multi-root FAPT (TREE_PACKING); false plans with the paper's Algorithm 2."""
         self.offload = offload
@@ -62,7 +64,7 @@ class Planner:
         return cls(topology=topology, num_roots=config.num_root_servers if num_roots is None else num_roots,
                    update_rate=config.update_rate, relative_change=LinkCollector.relative_change,
                    packing=config.tree_packing, replan_gain=config.replan_gain,
-                   offload=config.enable_aux_path and config.planned_offload)
+                   offload=config.enable_aux_path and config.planned_offload, fallback=config.plan_fallback)
 
     def first(self, rates: Rates, nodes: Collection[int]) -> Policy:
         """The first decision: choose the roots and plan; the roots are fixed from now on."""
@@ -114,10 +116,10 @@ class Planner:
         try:
             if roots is None:
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, packing=self.packing,
-                            offload=self.offload)
+                            offload=self.offload, fallback=self.fallback)
             if TOPOLOGIES[self.topology].rooted:  # roots from quality scores stay; baselines keep their hub
                 return plan(rates, topology=self.topology, num_roots=self.num_roots, roots=roots,
-                            packing=self.packing, offload=self.offload)
+                            packing=self.packing, offload=self.offload, fallback=self.fallback)
             return plan(rates, topology=self.topology, hub=roots[0])
         except NetStormError as exc:
             raise PlanningError(f"cannot plan a {self.topology} policy: {exc}") from exc

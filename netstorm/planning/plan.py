@@ -5,6 +5,7 @@ Deterministic: the same rates give the same policy, byte for byte on the wire.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 
 from netstorm import registry
@@ -136,7 +137,9 @@ def plan(
         share = {r: quality[r] / total_q for r in chosen}
     why = ""
     if fallback and entry.rooted and len(chosen) > 1:
-        trees, share, why = _no_worse_than_simpler(graph, rates, topology, chosen, trees, share)
+        # the fluid model needs each tree edge both ways; the paper's in-trees on a one-way overlay do not
+        with contextlib.suppress(PolicyError):
+            trees, share, why = _no_worse_than_simpler(graph, rates, topology, chosen, trees, share)
     aux_paths = _tree_edge_paths(graph, trees) if aux else {}
     # Built from validated rates by construction; from_wire is where untrusted policies are checked.
     planned = {(int(a), int(b)): float(rate) for (a, b), rate in rates.items()}
@@ -154,7 +157,9 @@ def simpler_alternatives(graph: RateGraph, rates: Rates, trees: Mapping[int, Tre
     out = {f"root {root} alone": tree for root, tree in sorted(trees.items())}
     hub = best_bound_hub(rates)
     if hub in trees:
-        out[f"star at {hub}"] = star_tree(graph, hub)
+        # STAR needs a link each way between the hub and every DC; an overlay without them has no STAR
+        with contextlib.suppress(PolicyError):
+            out[f"star at {hub}"] = star_tree(graph, hub)
     return out
 
 
