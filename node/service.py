@@ -28,13 +28,14 @@ from netstorm.compression.methods import COMPRESSION
 from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
-from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
+from netstorm.errors import ChunkError, ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from netstorm.sendsched import LinkView
 from node import actions as act
+from node import pieces
 from node.actions import (
     Action,
     AskPolicy,
@@ -445,10 +446,40 @@ class GeneralNode:
         self._check(iteration)
         await self.ensure_policy(iteration)
         self._check(iteration)
-        actions, error = self.core.contribute_many(iteration, items, self._links(), self._now())
-        self._apply(actions)
-        if error is not None:
-            raise error
+        assert self.layout is not None
+        layout = self.layout
+        small: list[tuple[int, np.ndarray | None]] = []
+        for index, (key, values) in enumerate(items):
+            parts = layout.key_parts(key)
+            if len(parts) == 1:
+                small.append((key, values))
+                if index + 1 < len(items):
+                    continue
+            if small:  # the small tensors so far: one event of the core
+                actions, error = self.core.contribute_many(iteration, small, self._links(), self._now())
+                self._apply(actions)
+                if error is not None:
+                    raise error
+                small = []
+            if len(parts) > 1:
+                await self._contribute_parts(iteration, key, values, parts)
+
+    async def _contribute_parts(self, iteration: int, key: int, values: np.ndarray | None,
+                                parts: Sequence[tuple[int, int]]) -> None:
+        """A tensor that fills its chunks alone, chunk by chunk with a turn of the loop between them: the
+        tensor's first chunks go up while the rest is added, and a model-sized push does not hold the
+        heartbeat back."""
+        if self.core.key_next(key) != iteration:
+            assert self.layout is not None
+            raise ChunkError(f"tensor {self.layout.tensors[key].name!r}: contribution for iteration {iteration}, "
+                             f"but its next iteration is {self.core.key_next(key)}")
+        for part, (start, stop) in enumerate(parts):
+            if part:
+                await pieces.turn()
+                self._check(iteration)
+            self._apply(self.core.contribute_part(key, iteration, part,
+                                                  None if values is None else values[start:stop],
+                                                  self._links(), self._now()))
 
     async def collect(self, keys: Sequence[int], sink: Callable[[int, np.ndarray], None]) -> int:
         """Wait for the oldest unpulled iteration of ``keys``; ``sink(key, flat float32 sum)`` reads each."""
