@@ -12,8 +12,10 @@ PIECE = 1 << 20
 """Elements handled between two turns of the loop (4 MiB of float32: a few milliseconds of copying)."""
 
 
-def spans(size: int, piece: int = PIECE) -> list[tuple[int, int]]:
-    """``[0, size)`` as consecutive ``(start, stop)`` of at most ``piece`` elements (one empty span for 0)."""
+def spans(size: int, piece: int | None = None) -> list[tuple[int, int]]:
+    """``[0, size)`` as consecutive ``(start, stop)`` of at most ``piece`` (``PIECE``) elements (one empty
+    span for 0)."""
+    piece = PIECE if piece is None else piece
     if size <= piece:
         return [(0, size)]
     return [(start, min(start + piece, size)) for start in range(0, size, piece)]
