@@ -448,38 +448,47 @@ class GeneralNode:
         self._check(iteration)
         assert self.layout is not None
         layout = self.layout
-        small: list[tuple[int, np.ndarray | None]] = []
+        small: list[tuple[int, np.ndarray | None]] = []  # small tensors: up to PIECE elements in one event
+        elements = 0
         for index, (key, values) in enumerate(items):
             parts = layout.key_parts(key)
-            if len(parts) == 1:
+            large = values is not None and values.size > pieces.PIECE
+            if len(parts) == 1 and not large:
                 small.append((key, values))
-                if index + 1 < len(items):
+                elements += layout.tensors[key].size
+                if index + 1 < len(items) and elements < pieces.PIECE:
                     continue
-            if small:  # the small tensors so far: one event of the core
+            if small:
+                await self._between(iteration, index + 1 - len(small) - (len(parts) > 1 or large))
                 actions, error = self.core.contribute_many(iteration, small, self._links(), self._now())
                 self._apply(actions)
                 if error is not None:
                     raise error
-                small = []
-            if len(parts) > 1:
-                await self._contribute_parts(iteration, key, values, parts)
+                small, elements = [], 0
+            if len(parts) > 1 or large:
+                flat = values.reshape(-1) if values is not None else None
+                spans = parts if len(parts) > 1 else pieces.spans(layout.tensors[key].size)
+                if self.core.key_next(key) != iteration:
+                    raise ChunkError(f"tensor {layout.tensors[key].name!r}: contribution for iteration {iteration}, "
+                                     f"but its next iteration is {self.core.key_next(key)}")
+                for part, (start, stop) in enumerate(spans):
+                    await self._between(iteration, index + part)
+                    piece = None if flat is None else flat[start:stop]
+                    if len(parts) > 1:  # a chunk the tensor fills alone: it goes up at once
+                        self._apply(self.core.contribute_part(key, iteration, part, piece, self._links(),
+                                                              self._now()))
+                    else:
+                        assert piece is not None
+                        self.core.contribute_piece(key, iteration, start, piece)
+                if len(parts) == 1:  # summed in pieces: counted whole, its chunks go up now
+                    self._apply(self.core.contribute(key, iteration, None, self._links(), self._now()))
 
-    async def _contribute_parts(self, iteration: int, key: int, values: np.ndarray | None,
-                                parts: Sequence[tuple[int, int]]) -> None:
-        """A tensor that fills its chunks alone, chunk by chunk with a turn of the loop between them: the
-        tensor's first chunks go up while the rest is added, and a model-sized push does not hold the
-        heartbeat back."""
-        if self.core.key_next(key) != iteration:
-            assert self.layout is not None
-            raise ChunkError(f"tensor {self.layout.tensors[key].name!r}: contribution for iteration {iteration}, "
-                             f"but its next iteration is {self.core.key_next(key)}")
-        for part, (start, stop) in enumerate(parts):
-            if part:
-                await pieces.turn()
-                self._check(iteration)
-            self._apply(self.core.contribute_part(key, iteration, part,
-                                                  None if values is None else values[start:stop],
-                                                  self._links(), self._now()))
+    async def _between(self, iteration: int, before: int) -> None:
+        """A turn of the loop between two pieces of a push (none before the first): a model-sized push
+        does not hold the heartbeat back; the iteration may have failed meanwhile."""
+        if before:
+            await pieces.turn()
+            self._check(iteration)
 
     async def collect(self, keys: Sequence[int], sink: Callable[[int, np.ndarray], None]) -> int:
         """Wait for the oldest unpulled iteration of ``keys``; ``sink(key, flat float32 sum)`` reads each."""

@@ -1,7 +1,7 @@
 """A model-sized push and pull at a node let its event loop turn between pieces (the heartbeat shares
 that loop): two nodes in-process on loopback, the ranks' shell of each driven directly, and a task that
 counts the loop's turns. A push goes into the core chunk by chunk and a pull reads the sum in pieces of at
-most ``pieces.PIECE`` elements, with at least one turn of the loop between two of them; sums stay exact.
+most ``pieces.PIECE`` elements (a large tensor that shares a chunk is summed in such pieces too), with at least one turn of the loop between two of them; sums stay exact.
 Asserted on the structure (pieces and turns), not on how long anything took."""
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ PIECE = 700  # not a multiple of CHUNK: pieces and chunks are independent
 CONFIG = Config(chunk_size=CHUNK, iteration_timeout=20.0, connect_timeout=5.0)
 POLICY = plan({(1, 2): 10.0, (2, 1): 10.0}, topology="fapt", version=0)
 SPECS = [TensorSpec("big.weight", (50, 400), "float32"), TensorSpec("other.weight", (5_000,), "float32"),
-         TensorSpec("small.bias", (7,), "float32")]  # the large ones fill their chunks alone
+         TensorSpec("small.bias", (7,), "float32"),
+         TensorSpec("shared.weight", (900,), "float32")]  # above PIECE, and it shares a chunk with small.bias
 
 
 class Turns:
@@ -79,8 +80,14 @@ def test_a_large_push_and_pull_turn_the_loop_between_pieces_and_the_sum_is_exact
                 return contribute_part(key, iteration, part, values, *rest)
 
             def counted_many(iteration: int, items: Any, *rest: Any) -> Any:
-                parts.extend((turns.count, key, v.size) for key, v in items)
+                parts.append((turns.count, -1, sum(v.size for _, v in items)))  # one event of the core
                 return contribute_many(iteration, items, *rest)
+            contribute_piece = core.contribute_piece
+
+            def counted_piece(key: int, iteration: int, start: int, values: Any) -> None:
+                parts.append((turns.count, key, values.size))
+                contribute_piece(key, iteration, start, values)
+            monkeypatch.setattr(core, "contribute_piece", counted_piece)
             monkeypatch.setattr(core, "contribute_part", counted_part)
             monkeypatch.setattr(core, "contribute_many", counted_many)
             reads: dict[int, list[tuple[int, int]]] = {dc: [] for dc in nodes}
@@ -102,13 +109,12 @@ def test_a_large_push_and_pull_turn_the_loop_between_pieces_and_the_sum_is_exact
             want = flat[1] + flat[2]
             for dc in nodes:
                 np.testing.assert_array_equal(out[dc], want)
-            # the push: each large tensor chunk by chunk (none above CHUNK), the small ones at once,
-            # a turn of the loop between two contributions of one tensor
+            # the push: each large tensor chunk by chunk (those filling their chunks alone) or in pieces
+            # (the one sharing a chunk), the small one at once, a turn of the loop between two of one tensor
             assert sum(size for _, _, size in parts) == total
-            big = [size for _, key, size in parts if layout.tensors[key].name != "small.bias"]
-            assert len(big) == (total - 7) // CHUNK and max(big) <= CHUNK
-            assert all(a < b for (a, key_a, _), (b, key_b, _) in itertools.pairwise(parts)
-                       if key_a == key_b)
+            assert [size for _, key, size in parts if key == -1] == [7]  # small.bias, alone in its event
+            assert sorted(size for _, key, size in parts if key != -1) == [200, 700] + [1000] * 25
+            assert all(a < b for (a, _, _), (b, _, _) in itertools.pairwise(parts))  # a turn between any two
             for dc in nodes:
                 sizes = [size for _, size in reads[dc]]
                 assert sum(sizes) == total and max(sizes) <= PIECE
