@@ -197,6 +197,21 @@ class ChunkCore:
                 actions += self._advance(state, i)
         return actions
 
+    def add_piece(self, iteration: int, key: int, start: int, values: np.ndarray) -> None:
+        """Elements ``start`` on of this DC's contribution of tensor ``key`` to ``iteration``, added to its sums
+        ahead of ``push_local(iteration, key, None)``, which counts the tensor (nothing goes up before): a
+        tensor of tens of millions of elements that shares a chunk is added in pieces between turns of the
+        node's loop. A failed iteration drops its sums, pieces and all."""
+        layout = self._need_layout()
+        state = self._open_state(iteration, key)
+        spec = layout.tensors[key]
+        if state.pushed[key] or key in state.parts:
+            raise ChunkError(f"tensor {spec.name!r} pushed twice in iteration {iteration}")
+        if start < 0 or start + values.size > spec.size:
+            raise ChunkError(f"tensor {spec.name!r}: elements {start}..{start + values.size} of {spec.size}")
+        self._check_values(key, values, values.size)
+        self._add(state, key, start, values)
+
     def key_pushed(self, iteration: int, key: int) -> bool:
         """Whether this DC's whole contribution of tensor ``key`` to ``iteration`` is in."""
         state = self._iterations.get(iteration)

@@ -256,6 +256,15 @@ class NodeCore:
             self._widen_horizon()
         return self._process(actions, _Links(links), now)
 
+    def contribute_piece(self, key: int, iteration: int, start: int, values: np.ndarray) -> None:
+        """Elements ``start`` on of this DC's values of tensor ``key`` for ``iteration`` (from
+        ``open_contribution``), summed ahead of ``contribute(key, iteration, None, ...)``, which counts the
+        tensor: a large tensor is added between turns of the node's loop. No action: nothing can go up yet."""
+        if self._key_next[key] != iteration:
+            raise ChunkError(f"tensor {self._need_layout().tensors[key].name!r}: contribution for iteration "
+                             f"{iteration}, but its next iteration is {self._key_next[key]}")
+        self.chunks.add_piece(iteration, key, start, values)
+
     def key_next(self, key: int) -> int:
         """The iteration the next contribution of tensor ``key`` belongs to."""
         return self._key_next[key]

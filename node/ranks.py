@@ -21,6 +21,7 @@ from netstorm.errors import (
     TrainerTimeout,
 )
 from netstorm.layout import Layout
+from node import pieces
 from node.core import NodeCore
 from node.service import GeneralNode
 
@@ -392,8 +393,10 @@ class Ranks:
             self._flushing.difference_update(mine)
 
     async def pull(self, rank_id: int, layout: Layout, keys: Sequence[int],
-                   sink: Callable[[int, np.ndarray], None]) -> int:
-        """Wait for the oldest iteration of ``keys`` this rank has not read; ``sink(key, sum)`` reads each."""
+                   sink: Callable[[int, int, np.ndarray], None]) -> int:
+        """Wait for the oldest iteration of ``keys`` this rank has not read; ``sink(key, start, piece)`` reads
+        each tensor's sum in pieces (elements ``start`` on) of at most ``pieces.PIECE`` elements, with a turn
+        of the loop between them, so a model-sized pull does not hold the node's heartbeat back."""
         if not keys:
             return -1
         iteration = self.book.pull_target(rank_id, layout, keys)
@@ -410,8 +413,15 @@ class Ranks:
         else:
             await self.node.wait_keys(iteration, keys)
         result = self.node.core.result(iteration)
+        copied = 0  # elements since the last turn of the loop: many small tensors share a piece
         for key in keys:
-            sink(key, result[layout.key_slice(key)])
+            span = layout.key_slice(key)
+            for start, stop in pieces.spans(span.stop - span.start):
+                if copied and copied + stop - start > pieces.PIECE:
+                    await pieces.turn()
+                    copied = 0
+                sink(key, start, result[span.start + start:span.start + stop])
+                copied += stop - start
         self._release(self.book.read(rank_id, iteration, keys))
         return iteration
 

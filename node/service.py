@@ -28,13 +28,14 @@ from netstorm.compression.methods import COMPRESSION
 from netstorm.compression.options import VOTES, CompressionOptions
 from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
-from netstorm.errors import ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
+from netstorm.errors import ChunkError, ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
 from netstorm.sendsched import LinkView
 from node import actions as act
+from node import pieces
 from node.actions import (
     Action,
     AskPolicy,
@@ -445,10 +446,49 @@ class GeneralNode:
         self._check(iteration)
         await self.ensure_policy(iteration)
         self._check(iteration)
-        actions, error = self.core.contribute_many(iteration, items, self._links(), self._now())
-        self._apply(actions)
-        if error is not None:
-            raise error
+        assert self.layout is not None
+        layout = self.layout
+        small: list[tuple[int, np.ndarray | None]] = []  # small tensors: up to PIECE elements in one event
+        elements = 0
+        for index, (key, values) in enumerate(items):
+            parts = layout.key_parts(key)
+            large = values is not None and values.size > pieces.PIECE
+            if len(parts) == 1 and not large:
+                small.append((key, values))
+                elements += layout.tensors[key].size
+                if index + 1 < len(items) and elements < pieces.PIECE:
+                    continue
+            if small:
+                await self._between(iteration, index + 1 - len(small) - (len(parts) > 1 or large))
+                actions, error = self.core.contribute_many(iteration, small, self._links(), self._now())
+                self._apply(actions)
+                if error is not None:
+                    raise error
+                small, elements = [], 0
+            if len(parts) > 1 or large:
+                flat = values.reshape(-1) if values is not None else None
+                spans = parts if len(parts) > 1 else pieces.spans(layout.tensors[key].size)
+                if self.core.key_next(key) != iteration:
+                    raise ChunkError(f"tensor {layout.tensors[key].name!r}: contribution for iteration {iteration}, "
+                                     f"but its next iteration is {self.core.key_next(key)}")
+                for part, (start, stop) in enumerate(spans):
+                    await self._between(iteration, index + part)
+                    piece = None if flat is None else flat[start:stop]
+                    if len(parts) > 1:  # a chunk the tensor fills alone: it goes up at once
+                        self._apply(self.core.contribute_part(key, iteration, part, piece, self._links(),
+                                                              self._now()))
+                    else:
+                        assert piece is not None
+                        self.core.contribute_piece(key, iteration, start, piece)
+                if len(parts) == 1:  # summed in pieces: counted whole, its chunks go up now
+                    self._apply(self.core.contribute(key, iteration, None, self._links(), self._now()))
+
+    async def _between(self, iteration: int, before: int) -> None:
+        """A turn of the loop between two pieces of a push (none before the first): a model-sized push
+        does not hold the heartbeat back; the iteration may have failed meanwhile."""
+        if before:
+            await pieces.turn()
+            self._check(iteration)
 
     async def collect(self, keys: Sequence[int], sink: Callable[[int, np.ndarray], None]) -> int:
         """Wait for the oldest unpulled iteration of ``keys``; ``sink(key, flat float32 sum)`` reads each."""

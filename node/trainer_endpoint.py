@@ -538,8 +538,8 @@ class TrainerEndpoint:
         # every DC's trainers and its gateway's LAN workers contributed: the mean is over all of them
         scale = np.float32(self.node.contributor_count(iteration))
 
-        def sink(key: int, values: np.ndarray) -> None:
-            start = position[key]
+        def sink(key: int, offset: int, values: np.ndarray) -> None:
+            start = position[key] + offset
             dest = target[start:start + values.size]
             if average:
                 np.divide(values, scale, out=dest)
