@@ -1,7 +1,8 @@
 """A model-sized push and pull at a node let its event loop turn between pieces (the heartbeat shares
 that loop): two nodes in-process on loopback, the ranks' shell of each driven directly, and a task that
 counts the loop's turns. A push goes into the core chunk by chunk and a pull reads the sum in pieces of at
-most ``pieces.PIECE`` elements (a large tensor that shares a chunk is summed in such pieces too), with at least one turn of the loop between two of them; sums stay exact.
+most ``pieces.PIECE`` elements (a large tensor that shares a chunk is summed in such pieces too), with at
+least one turn of the loop between two of them; sums stay exact.
 Asserted on the structure (pieces and turns), not on how long anything took."""
 
 from __future__ import annotations
