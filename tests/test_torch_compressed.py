@@ -215,7 +215,7 @@ def test_every_other_collective_stays_exact_under_compression(tmp_path: Path, me
     from tests.test_torch_backend import ROOT, Ranks, env_rank, free_port
 
     with local_cluster(3, tmp_path / "run", flags=["--compression", method], ready_timeout=90) as cluster:
-        argv = [sys.executable, str(ROOT / "tests" / "torch_ranks.py")]
+        argv = [sys.executable, str(ROOT / "tests" / "torch_ranks_compressed.py")]
         port = free_port()
         ranks = Ranks([argv] * 3, [env_rank(r, 3, port, NETSTORM_SOCKET=cluster.socket(r + 1),
                                             NETSTORM_COMPRESSION=method) for r in range(3)], tmp_path)
