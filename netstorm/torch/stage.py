@@ -21,6 +21,10 @@ EXACT_NAME = "netstorm.torch.exact"
 """With fp16 compression: the int32 tensor the exact collectives travel in."""
 
 
+LOSS_RETRIES = 8
+"""Attempts per DC of the group a collective may take under ``on_dc_loss = "continue"`` before it fails."""
+
+
 class RoundClient(Protocol):
     """The part of ``netstorm.connect()``'s client a stage uses."""
 
@@ -156,7 +160,9 @@ class Stage:
                 return self._reduce(payload, average=average, exact=exact)
             except PeerLost:
                 losses += 1
-                if self.on_dc_loss != "continue" or losses > max(1, len(self._group_dcs)):
+                # the iterations a node had already bound to the policy naming the lost DC (its prefetch)
+                # fail the same way until a re-plan leaves it out: a few per lost DC
+                if self.on_dc_loss != "continue" or losses > LOSS_RETRIES * max(1, len(self._group_dcs)):
                     raise
                 with self._lock:
                     self.stats.retried += 1
