@@ -65,7 +65,11 @@ if [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$stamp_now" ]; then
     fi
     # Every extra (a node alone needs none: pip install netstorm), at the versions constraints.txt pins
     # (scripts/constraints.py writes it); torch is the step above.
-    .venv/bin/pip install -q -c constraints.txt -e '.[scheduler,emulate,dev]'
+    # diloco (scikit-learn's bundled digits for the real-data trainers) names torch too, so it is asked
+    # for only when torch is in place: a host without torch keeps every other extra.
+    extras=scheduler,emulate,dev
+    if .venv/bin/python -c 'import torch' 2>/dev/null; then extras=$extras,diloco; fi
+    .venv/bin/pip install -q -c constraints.txt -e ".[$extras]"
     echo "$stamp_now" > "$stamp_file"
 fi
 
