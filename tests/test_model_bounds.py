@@ -21,8 +21,28 @@ from netstorm.errors import ModelTooLarge
 from tests.test_client import CONFIG, model, run_cluster
 
 
+def _descends_from_us(pid: int) -> bool:
+    """Whether ``pid`` is this process or one it started (tests run beside others that share /dev/shm)."""
+    me = os.getpid()
+    while pid > 1:
+        if pid == me:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 def shm_files() -> set[str]:
-    return set(glob.glob("/dev/shm/netstorm-*"))
+    """This test's files in /dev/shm: those named for this process or its children."""
+    out = set()
+    for path in glob.glob("/dev/shm/netstorm-*"):
+        owner = os.path.basename(path).split("-")[1]
+        if owner.isdigit() and _descends_from_us(int(owner)):
+            out.add(path)
+    return out
 
 
 def open_fds() -> set[str]:

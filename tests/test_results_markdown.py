@@ -26,7 +26,8 @@ def test_the_reproduce_report_is_what_its_results_give(tmp_path: Path) -> None:
     profile = figures.PROFILES[profiles.pop()]
     for path in folder.glob("*.json"):
         (tmp_path / path.name).write_text(path.read_text())
-    assert write_report(profile, tmp_path).read_text() == (folder / "README.md").read_text()
+    # The charts' drawing is tested in test_reproduce.py; here only the text is compared.
+    assert write_report(profile, tmp_path, draw=False).read_text() == (folder / "README.md").read_text()
 
 
 def test_markdown_mode_writes_and_checks_a_directory(tmp_path: Path, capsys) -> None:

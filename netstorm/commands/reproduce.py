@@ -71,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def write_report(profile: Any, out: Path) -> Path:
-    """``out/README.md`` and each figure's chart ``out/fig<N>.png`` from the results in ``out``."""
+def write_report(profile: Any, out: Path, *, draw: bool = True) -> Path:
+    """``out/README.md`` and each figure's chart ``out/fig<N>.png`` from the results in ``out``; with
+    ``draw`` false the same text without drawing the charts (matplotlib is most of the time)."""
     from netstorm.emulation import figures, markdown, plots, reproduce
 
     found = {}
@@ -84,7 +85,11 @@ def write_report(profile: Any, out: Path) -> Path:
     charts: dict[str, str] = {}
     out.mkdir(parents=True, exist_ok=True)
     for report in reports:
-        if report.chart is not None and plots.figure_chart(report.chart, out / f"fig{report.figure}.png") is not None:
+        if report.chart is None:
+            continue
+        drawn = (plots.figure_chart(report.chart, out / f"fig{report.figure}.png") is not None if draw
+                 else plots.chart_has_data(report.chart))
+        if drawn:
             charts[report.figure] = f"fig{report.figure}.png"
     text = markdown.reproduce_readme(profile, reports, found, report_notes(profile, found), charts)
     path = out / "README.md"

@@ -144,9 +144,9 @@ def trees(result: dict[str, Any], path: Path) -> Path:
 def figure_chart(chart: Any, path: Path) -> Path | None:
     """Draw a ``figures.Chart`` (bar, line, grid heat map, or panels of lines) as a PNG; None when it has
     no data yet."""
-    panels = chart.panels if chart.kind == "panels" else [chart]
-    if not any(_has_data(p) for p in panels):
+    if not chart_has_data(chart):
         return None
+    panels = chart.panels if chart.kind == "panels" else [chart]
     plt = _pyplot()
     cols = 2 if len(panels) > 1 else 1
     rows = math.ceil(len(panels) / cols)
@@ -160,6 +160,12 @@ def figure_chart(chart: Any, path: Path) -> Path | None:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def chart_has_data(chart: Any) -> bool:
+    """Whether ``figure_chart`` would draw ``chart`` (some panel has a value)."""
+    panels = chart.panels if chart.kind == "panels" else [chart]
+    return any(_has_data(p) for p in panels)
 
 
 def _has_data(panel: Any) -> bool:
