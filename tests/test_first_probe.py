@@ -93,6 +93,11 @@ def test_the_first_policy_is_planned_from_the_probe_while_the_nodes_heartbeat(
             assert policy.rates[(2, 3)] == policy.rates[(3, 2)] == PRIOR and policy.rates[(1, 3)] == 20.0
             assert service.collector.estimate(time.time())[(1, 2)] == measured[(1, 2)]
             assert "start from the prior" in caplog.text
+            assert service.history(0, 0).policies[0].reason == "first plan, 2 link(s) probed"
+            status = service.status()  # what the emulator sets against the applied rates
+            assert status.probed == ((1, 2, measured[(1, 2)], ""), (2, 1, measured[(2, 1)], ""),
+                                     (2, 3, -1.0, "no probe sink at an end"), (3, 2, -1.0, "no probe sink at an end"))
+            assert status.probe_s >= 3 * FAST.heartbeat_timeout
         finally:
             for client in clients:
                 await client.close()
@@ -132,6 +137,8 @@ def test_past_the_probe_deadline_the_first_policy_comes_from_the_prior_and_says_
             policy = service.consistency.policy(version)
             assert isinstance(policy, Policy)
             assert policy.rates == BARE.rates()
+            assert service.history(0, 0).policies[0].reason == "first plan"
+            assert [row[2:] for row in service.status().probed] == [(-1.0, "no result by the deadline")] * 4
             assert "probe deadline passed: link(s) ['1->2', '2->1', '2->3', '3->2'] start from the prior" in caplog.text
             assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("first-probe-")]
         finally:
