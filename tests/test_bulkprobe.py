@@ -62,6 +62,20 @@ def test_the_bulk_probe_times_what_the_receiver_got() -> None:
     asyncio.run(main())
 
 
+def test_a_receiver_that_stalls_still_times_the_link_from_the_kernels_counts() -> None:
+    """A 100 B/s link delivers 1000 bytes by t = 10. The receiver is off the CPU from 4 to 8 (over the
+    half) and from 9 to 14 (over the end): each read's kernel count is a true point of the arrival curve,
+    so the rate comes out exact (timing its reads from the nominal half to the last read gives 83 B/s)."""
+    reads = [1.0, 2.0, 3.0, 4.0, 8.0, 9.0, 14.0]
+    samples = [(t, min(1000, round(100 * t))) for t in reads]
+    counted, seconds = bulkprobe.second_half(samples, 1000, kernel=True)
+    assert (counted, seconds) == (500, 5.0)  # from (4, 400) to (9, 900)
+    # the counts of what was read (no TCP_INFO): from the first read past half to the last, its own counts
+    assert bulkprobe.second_half(samples, 1000, kernel=False) == (200, 6.0)
+    # a stall over the whole second half leaves the last read as the window's end
+    assert bulkprobe.second_half([(1.0, 100), (5.0, 500), (12.0, 1000)], 1000, kernel=True) == (500, 7.0)
+
+
 @pytest.mark.root
 @pytest.mark.slow
 def test_probing_an_emulated_wan_without_rates_recovers_the_applied_ones(tmp_path: Path) -> None:
