@@ -6,7 +6,8 @@ given ``--told`` (the same DCs and links, no rates: ``internet2-9-bare``), and t
 scheduler the scenario itself. In the probed run the scheduler has its nodes bulk-probe every link
 from inside their namespaces before the first policy, as on real hosts (``netstorm emulate
 --plan-scenario``; ``--probe-by emulator`` has the emulator probe instead and tell the scheduler the
-rates). The runs alternate (probed, true, probed, ...) so a drift of the host's load falls on both.
+rates). The pairs alternate their order (probed then true, true then probed, ...) so a steady drift
+of the host's load falls on both kinds alike.
 The claim: the measured rates are within a few % of the applied ones, the first policy is planned
 from them, and the mean iteration time (iterations 2..N, the first carries the connections' start) is
 within 10 % of the true-rates run's.
@@ -44,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fold", nargs="+", metavar="RESULT.json",
                         help="fold results of `netstorm emulate` already made (those with a probe record are the "
                              "probed runs) instead of running")
+    parser.add_argument("--keep", metavar="DIR", help="keep each run's `netstorm emulate` result in DIR (to fold "
+                                                     "again, or to compare their policies)")
     parser.add_argument("--out", metavar="FILE", help="write the result JSON to FILE")
 
 
@@ -93,8 +96,8 @@ def fold(results: list[dict[str, Any]], system: str) -> dict[str, Any]:
         "true_iteration_s": [r["systems"][system]["iteration_s"] for r in true],
         "limit_s": probed[0]["limit_s"],
         "true_over_limit": round(statistics.fmean(t_means) / probed[0]["limit_s"], 2),
-        "note": "the probed runs ran first in each pair; when true_over_limit is well above 1 the iterations are "
-                "the host's (CPU), not the links', and the comparison says the probe costs no more than that",
+        "note": "the pairs alternate which kind runs first; when true_over_limit is well above 1 the iterations "
+                "are the host's (CPU), not the links', and the comparison says the probe costs no more than that",
         "ratio_probed_over_true": round(ratio, 4), "within_10pct": abs(ratio - 1) <= 0.10,
         "first_policy": {"reasons": first,
                          "planned_from": "the rates the scheduler's first probe round measured (its status' probed "
@@ -118,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         results = []
         with tempfile.TemporaryDirectory(prefix="netstorm-probe-first-") as scratch:
+            if args.keep:
+                scratch = args.keep
+                Path(scratch).mkdir(parents=True, exist_ok=True)
             for repeat in range(args.repeats):
-                for kind in ("probed", "true"):
+                for kind in ("probed", "true") if repeat % 2 == 0 else ("true", "probed"):
                     out = Path(scratch) / f"{kind}-{repeat}.json"
                     argv = [sys.executable, "-m", "netstorm.cli", "emulate", args.scenario, "--system", args.system,
                             "--iterations", str(args.iterations), "--model", args.model, "--out", str(out)]
