@@ -39,6 +39,11 @@ TCP_INFO_BYTES_RECEIVED = struct.Struct("=Q"), 128
 """``tcpi_bytes_received`` in Linux's ``struct tcp_info`` (since 4.1): bytes the kernel has received in order."""
 DEFAULT_BYTES = 4 * 1024 * 1024
 """Bytes of a first probe where nothing else is said: a few megabytes are past slow start."""
+TRIES = 2
+"""Probes of a link whose fastest counts (``measure_best``). The sink times by the kernel's counts, so a
+host off the CPU can only slow a probe down (its sender lets the link idle), never speed it up: on a
+loaded host one probe in a round of 26 came out at half its link's rate, and the faster of two is
+what the link carries."""
 
 
 class ProbeError(NetStormError):
@@ -115,10 +120,14 @@ async def serve_sink(host: str, port: int, *, timeout: float = 60.0) -> asyncio.
     return await asyncio.start_server(lambda r, w: _serve_one(r, w, timeout), host, port)
 
 
-async def measure(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -> float:  # noqa: ASYNC109
-    """Stream ``nbytes`` to the sink at host:port; the rate (Mbit/s) the receiver saw after slow start."""
+def _check_bytes(nbytes: int) -> None:
     if not 2 <= nbytes <= MAX_BYTES:
         raise ProbeError(f"a probe sends 2..{MAX_BYTES} bytes, not {nbytes}")
+
+
+async def measure(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -> float:  # noqa: ASYNC109
+    """Stream ``nbytes`` to the sink at host:port; the rate (Mbit/s) the receiver saw after slow start."""
+    _check_bytes(nbytes)
     try:
         async with asyncio.timeout(timeout):
             reader, writer = await asyncio.open_connection(host, port)
@@ -140,6 +149,28 @@ async def measure(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -
     return counted * 8 / seconds / 1e6
 
 
+async def measure_best(host: str, port: int, nbytes: int, *, tries: int = TRIES,
+                       timeout: float = 60.0) -> float:  # noqa: ASYNC109
+    """The fastest of ``tries`` probes of ``nbytes`` to host:port, all within ``timeout`` seconds; fails
+    only when none measured."""
+    _check_bytes(nbytes)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    best = 0.0
+    error: ProbeError | None = None
+    for _ in range(max(1, tries)):
+        left = deadline - loop.time()
+        if left <= 0:
+            break
+        try:
+            best = max(best, await measure(host, port, nbytes, timeout=left))
+        except ProbeError as exc:
+            error = exc
+    if best > 0:
+        return best
+    raise error or ProbeError(f"probe to {host}:{port}: no time left to measure")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m netstorm.bulkprobe", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="role", required=True)
@@ -148,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     send = sub.add_parser("send", help="probe links one after the other; one JSON line per target")
     send.add_argument("bytes", type=int)
     send.add_argument("targets", metavar="HOST:PORT", nargs="+")
-    send.add_argument("--timeout", type=float, default=60.0)
+    send.add_argument("--timeout", type=float, default=60.0, help="seconds per target, its tries together")
+    send.add_argument("--tries", type=int, default=TRIES, help=f"probes per target, the fastest kept (default {TRIES})")
     args = parser.parse_args(argv)
     if args.role == "sink":
         async def run_sink() -> None:
@@ -164,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for target in args.targets:  # one at a time: this host's links do not share its probe
         host, port = parse_address(target, "target")
         try:
-            rate = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
+            rate = asyncio.run(measure_best(host, port, args.bytes, tries=args.tries, timeout=args.timeout))
         except ProbeError as exc:
             print(json.dumps({"target": target, "error": str(exc)}), flush=True)
             failed += 1

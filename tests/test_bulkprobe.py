@@ -62,6 +62,33 @@ def test_the_bulk_probe_times_what_the_receiver_got() -> None:
     asyncio.run(main())
 
 
+def test_a_link_counts_its_fastest_probe_and_fails_only_when_none_measured(monkeypatch: pytest.MonkeyPatch) -> None:
+    outcomes: list[float | bulkprobe.ProbeError] = []
+
+    async def scripted(host: str, port: int, nbytes: int, *, timeout: float = 60.0) -> float:  # noqa: ASYNC109
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, bulkprobe.ProbeError):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(bulkprobe, "measure", scripted)
+
+    def best(*script: float | bulkprobe.ProbeError) -> float:
+        outcomes[:] = script
+        rate = asyncio.run(bulkprobe.measure_best("10.0.0.2", 9750, 1000, tries=len(script)))
+        assert not outcomes  # every try ran
+        return rate
+
+    assert best(30.0, 50.0) == 50.0 and best(50.0, 30.0) == 50.0
+    assert best(bulkprobe.ProbeError("refused"), 40.0) == 40.0
+    with pytest.raises(bulkprobe.ProbeError, match="second"):
+        best(bulkprobe.ProbeError("first"), bulkprobe.ProbeError("second"))
+    outcomes[:] = [1.0]
+    with pytest.raises(bulkprobe.ProbeError, match="sends 2"):  # refused before any probe
+        asyncio.run(bulkprobe.measure_best("10.0.0.2", 9750, 1))
+    assert outcomes == [1.0]
+
+
 def test_a_receiver_that_stalls_still_times_the_link_from_the_kernels_counts() -> None:
     """A 100 B/s link delivers 1000 bytes by t = 10. The receiver is off the CPU from 4 to 8 (over the
     half) and from 9 to 14 (over the end): each read's kernel count is a true point of the arrival curve,
