@@ -133,6 +133,8 @@ def fold(results: list[dict[str, Any]], system: str) -> dict[str, Any]:
                   "prior_mbit": probes[0]["prior_mbit"]},
         "cpu_mean_pct": {"probed": [r["systems"][system]["cpu"]["mean_pct"] for r in probed],
                          "true": [r["systems"][system]["cpu"]["mean_pct"] for r in true]},
+        "load_average_at_end": {kind: [r.get("provenance", {}).get("host", {}).get("load_average") for r in runs]
+                                for kind, runs in (("probed", probed), ("true", true))},
         "commands": [r.get("command") for r in results],
         "runs_commit": sorted({str(r.get("provenance", {}).get("commit")) for r in results}),
         "host": probed[0].get("host"),
