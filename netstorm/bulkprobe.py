@@ -42,8 +42,8 @@ DEFAULT_BYTES = 4 * 1024 * 1024
 TRIES = 2
 """Probes of a link whose fastest counts (``measure_best``). The sink times by the kernel's counts, so a
 host off the CPU can only slow a probe down (its sender lets the link idle), never speed it up: on a
-loaded host one probe in a round of 26 came out at half its link's rate, and the faster of two is
-what the link carries."""
+loaded host a single probe may come out far below its link's rate, and the faster of two is what the
+link carries."""
 
 
 class ProbeError(NetStormError):
