@@ -580,6 +580,12 @@ class Status(Message, frozen=True, tag="status", omit_defaults=True):
     lan: Annotated[tuple[tuple[NodeId, Name, Version, Name, Finite], ...], msgspec.Meta(max_length=MAX_NODES)] = ()
     """(DC, LAN aggregation mode or "", LAN plan version or -1, its planner or "", its predicted Gbit/s or
     0) of every DC with a LAN tier the scheduler knows of."""
+    probed: Annotated[tuple[tuple[NodeId, NodeId, Finite, Text], ...], msgspec.Meta(max_length=MAX_ITEMS)] = ()
+    """(src, dst, Mbit/s or -1, why not or "") of every link with no stated rate, once the first probe
+    round has ended: what it measured, so a run or an operator can set it against the truth (the first
+    policy was planned from it, the prior where it is -1); empty without a round."""
+    probe_s: Finite = -1.0
+    """Seconds the first probe round took (-1: none ran, or it has not ended)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -3,9 +3,9 @@ may ask it (``ProbeRequest``) to measure its outgoing links with no stated rate.
 
 The node keeps a bulk-probe sink on its data host from before it registers until the RegisterAck, so
 its peers can measure their links to it; asked to probe, it measures its targets one after the other
-(this host's links do not share its probe) and heartbeats meanwhile in a second task, so the scheduler
-never takes a long probe for a dead node. Neither task blocks the registration's read of the control
-connection.
+(this host's links do not share its probe), each the fastest of ``bulkprobe.TRIES`` probes, and
+heartbeats meanwhile in a second task, so the scheduler never takes a long probe for a dead node.
+Neither task blocks the registration's read of the control connection.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class FirstProbe:
         rows = []
         for dst, host, port in request.targets:
             try:
-                mbit = await bulkprobe.measure(host, port, request.nbytes, timeout=request.timeout_s)
+                mbit = await bulkprobe.measure_best(host, port, request.nbytes, timeout=request.timeout_s)
             except bulkprobe.ProbeError as exc:
                 log.warning("node %d: %s", self.node_id, exc)
                 rows.append((dst, -1.0, str(exc)[:REASON]))

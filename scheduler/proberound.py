@@ -28,7 +28,10 @@ class ProbeRound:
         """The links this round measures (both ends registered with a sink)."""
         self.skipped = sorted(link for link in unknown if link in self.prior and link not in set(self.links))
         """Links with no rate that cannot be probed (an end without a sink): they keep the prior."""
+        self.started = now
         self.deadline = now + deadline_s
+        self.ended: float | None = None
+        """When the first policy was planned from this round (``end``)."""
         self.measured: dict[tuple[int, int], float] = {}
         self.failed: dict[tuple[int, int], str] = {}
         self._waiting = set(members)
@@ -73,3 +76,28 @@ class ProbeRound:
     def rates(self) -> Rates:
         """The prior with every measured link's rate."""
         return {**self.prior, **self.measured}
+
+    def end(self, now: float) -> None:
+        """The round is over (every result in, or the deadline passed): what came is what plans."""
+        if self.ended is None:
+            self.ended = now
+
+    def record(self) -> tuple[tuple[int, int, float, str], ...]:
+        """Once ended, (src, dst, Mbit/s or -1, why not) of every link with no rate: the round's outcome as
+        operators and the emulator read it (``Status.probed``); empty while it runs."""
+        if self.ended is None:
+            return ()
+        rows = []
+        for link in sorted(set(self.links) | set(self.skipped)):
+            if link in self.measured:
+                rows.append((*link, self.measured[link], ""))
+            else:
+                why = self.failed.get(link) or ("no probe sink at an end" if link in self.skipped
+                                                else "no result by the deadline")
+                rows.append((*link, -1.0, why))
+        return tuple(rows)
+
+    @property
+    def seconds(self) -> float:
+        """How long the round took (-1 while it runs)."""
+        return -1.0 if self.ended is None else self.ended - self.started

@@ -89,6 +89,8 @@ class Replanner:
         self.cycles = 0
         """Re-plan cycles started so far (tests wait on it instead of sleeping)."""
         self._ignored_links: set[tuple[int, int]] = set()
+        self.probed_links = 0
+        """Links the first probe round measured (the first plan's reason says so)."""
 
     def _collector(self, believed: Rates, now: float) -> LinkCollector:
         config = self.config
@@ -99,6 +101,7 @@ class Replanner:
         """The first probe round measured ``rates`` (before any policy): the first plan starts from them,
         and so do the beliefs, which the passive reports then follow."""
         self.initial_rates.update(rates)
+        self.probed_links = len(rates)
         believed = self.collector.estimate(now)
         self.collector = self._collector({link: rates.get(link, rate) for link, rate in believed.items()}, now)
 
@@ -184,7 +187,8 @@ class Replanner:
 
     def first_plan(self, nodes: Collection[int]) -> Plan:
         """Every expected node registered: the first policy, from the initial rates."""
-        return Plan(self.initial_rates, tuple(nodes), None, force=False, reason="first plan")
+        reason = f"first plan, {self.probed_links} link(s) probed" if self.probed_links else "first plan"
+        return Plan(self.initial_rates, tuple(nodes), None, force=False, reason=reason)
 
     def plan(self, rates: Rates, nodes: Collection[int], *, force: bool, reason: str) -> Plan:
         """A re-plan from ``rates`` over ``nodes`` against the current policy (``force``: publish it even

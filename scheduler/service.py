@@ -485,6 +485,7 @@ class SchedulerService:
         if probing.missing:
             log.warning("%s: link(s) %s start from the prior", "probe deadline passed" if not probing.done
                         else "not measured", [f"{a}->{b}" for a, b in probing.missing])
+        probing.end(self.clock())
         self.replanner.probed(probing.measured, self.clock())
         await self._start_job()
 
@@ -747,7 +748,9 @@ class SchedulerService:
                               alive=self.membership.alive, complete=self.complete.is_set(),
                               version=-1 if current is None else current, bindings=tuple(bindings),
                               edge=dict(self._edge), addresses=self.membership.members(), states=self._states(),
-                              links=self.link_rows(), iterations=tuple(self.iterations.rows()), lan=self.lan_rows())
+                              links=self.link_rows(), iterations=tuple(self.iterations.rows()), lan=self.lan_rows(),
+                              probed=self.probing.record() if self.probing is not None else (),
+                              probe_s=self.probing.seconds if self.probing is not None else -1.0)
 
     def link_rows(self) -> tuple[tuple[int, int, float, float, float], ...]:
         """(src, dst, believed Mbit/s, newest report or -1, its age in seconds or -1) of every link planned with."""

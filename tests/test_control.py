@@ -71,6 +71,8 @@ SAMPLES: list[control.Message] = [
     StatusRequest(),
     Status(expected=(1, 2, 3), registered=(1, 3), alive=(1, 3), complete=False, version=-1),
     Status(expected=(1, 2), registered=(1, 2), alive=(2,), complete=True, version=3, bindings=((7, 2), (8, 3))),
+    Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0,
+           probed=((1, 2, 41.5, ""), (2, 1, -1.0, "probe to 10.0.0.1:9 failed: refused")), probe_s=3.25),
     PolicyFetch(version=-1),
     Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0,
            edge={2: ("userspace", "cannot load: EPERM"), 1: ("xdp (native)", "")}),

@@ -93,6 +93,11 @@ def test_the_first_policy_is_planned_from_the_probe_while_the_nodes_heartbeat(
             assert policy.rates[(2, 3)] == policy.rates[(3, 2)] == PRIOR and policy.rates[(1, 3)] == 20.0
             assert service.collector.estimate(time.time())[(1, 2)] == measured[(1, 2)]
             assert "start from the prior" in caplog.text
+            assert service.history(0, 0).policies[0].reason == "first plan, 2 link(s) probed"
+            status = service.status()  # what the emulator sets against the applied rates
+            assert status.probed == ((1, 2, measured[(1, 2)], ""), (2, 1, measured[(2, 1)], ""),
+                                     (2, 3, -1.0, "no probe sink at an end"), (3, 2, -1.0, "no probe sink at an end"))
+            assert status.probe_s >= 3 * FAST.heartbeat_timeout
         finally:
             for client in clients:
                 await client.close()
@@ -132,6 +137,8 @@ def test_past_the_probe_deadline_the_first_policy_comes_from_the_prior_and_says_
             policy = service.consistency.policy(version)
             assert isinstance(policy, Policy)
             assert policy.rates == BARE.rates()
+            assert service.history(0, 0).policies[0].reason == "first plan"
+            assert [row[2:] for row in service.status().probed] == [(-1.0, "no result by the deadline")] * 4
             assert "probe deadline passed: link(s) ['1->2', '2->1', '2->3', '3->2'] start from the prior" in caplog.text
             assert not [t for t in asyncio.all_tasks() if t.get_name().startswith("first-probe-")]
         finally:
@@ -142,3 +149,20 @@ def test_past_the_probe_deadline_the_first_policy_comes_from_the_prior_and_says_
 
     with caplog.at_level(logging.INFO, logger="scheduler.service"):
         run(main())
+
+
+def test_status_shows_what_the_first_probe_measured_and_what_starts_from_the_prior() -> None:
+    from netstorm.commands import status as status_command
+
+    status = control.Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True, version=0,
+                            probed=((1, 2, 41.5, ""), (2, 1, -1.0, "probe to 10.0.0.1:9 failed: refused")),
+                            probe_s=3.25)
+    data = status_command.summary(status)
+    assert data["first_probe"] == {"seconds": 3.25, "links": [
+        {"src": 1, "dst": 2, "mbit": 41.5, "why": ""},
+        {"src": 2, "dst": 1, "mbit": None, "why": "probe to 10.0.0.1:9 failed: refused"}]}
+    lines = status_command.render(data).splitlines()
+    assert "first probe: 1 of 2 link(s) with no rate measured in 3.2 s" in lines
+    assert "  2->1 starts from the prior: probe to 10.0.0.1:9 failed: refused" in lines
+    assert status_command.summary(control.Status(expected=(1, 2), registered=(1, 2), alive=(1, 2), complete=True,
+                                                 version=0))["first_probe"] is None

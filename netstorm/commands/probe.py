@@ -38,9 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a running job: what its nodes measured passively, as its scheduler believes it")
     probe = parser.add_argument_group("the probe")
     probe.add_argument("--bytes", type=int, default=DEFAULT_BYTES, metavar="N",
-                       help=f"bytes per directed link; the second half is timed (default {DEFAULT_BYTES})")
+                       help=f"bytes per probe of a directed link, the faster of two kept; the second half is "
+                            f"timed (default {DEFAULT_BYTES})")
     probe.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"the sinks' port (default {DEFAULT_PORT})")
-    probe.add_argument("--timeout", type=float, default=60.0, metavar="S", help="seconds per link (default 60)")
+    probe.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                       help="seconds per link, both probes (default 60)")
     emulation = parser.add_argument_group("emulation")
     emulation.add_argument("--applied", metavar="SCENARIO",
                            help="the scenario whose rates the emulator applies (default: SCENARIO, which then "
@@ -135,7 +137,7 @@ def from_scheduler(args: argparse.Namespace) -> dict[tuple[int, int], float]:
 
 def _from_host(scenario: scenario_module.Scenario, args: argparse.Namespace) -> dict[tuple[int, int], float]:
     """The links from ``--from`` DC to each neighbour, probed at the neighbour's address (real hosts)."""
-    from netstorm.bulkprobe import measure
+    from netstorm.bulkprobe import measure_best
 
     src = args.from_dc
     if src not in scenario.node_ids:
@@ -146,5 +148,5 @@ def _from_host(scenario: scenario_module.Scenario, args: argparse.Namespace) -> 
         if not address:
             raise ConfigError(f"DC {dst} of {scenario.name} states no address to probe")
         host, port = parse_address(address if ":" in address else f"{address}:{args.port}", f"DC {dst} address")
-        measured[(src, dst)] = asyncio.run(measure(host, port, args.bytes, timeout=args.timeout))
+        measured[(src, dst)] = asyncio.run(measure_best(host, port, args.bytes, timeout=args.timeout))
     return measured

@@ -49,7 +49,10 @@ def summary(status: control.Status) -> dict[str, Any]:
                            for it, version, seconds, limit in status.iterations],
             "lan": [{"dc": dc, "mode": mode or None, "plan_version": version if version >= 0 else None,
                      "planner": planner or None, "predicted_gbit": gbit if version >= 0 else None}
-                    for dc, mode, version, planner, gbit in status.lan]}
+                    for dc, mode, version, planner, gbit in status.lan],
+            "first_probe": {"seconds": status.probe_s,
+                            "links": [{"src": src, "dst": dst, "mbit": mbit if mbit >= 0 else None, "why": why}
+                                      for src, dst, mbit, why in status.probed]} if status.probed else None}
 
 
 RECENT_SHOWN = 8
@@ -81,6 +84,13 @@ def render(data: dict[str, Any]) -> str:
             version = row["version"] if row["version"] is not None else "-"
             shown, ratio = (f"{limit:.3f}", f"{row['seconds'] / limit:.2f}") if limit else ("-", "-")
             lines.append(f"{row['iteration']:>9}  {version:>7}  {row['seconds']:>8.3f}  {shown:>8}  {ratio:>7}")
+    if data["first_probe"]:
+        probed = data["first_probe"]["links"]
+        lines.append(f"first probe: {sum(link['mbit'] is not None for link in probed)} of {len(probed)} link(s) "
+                     f"with no rate measured in {data['first_probe']['seconds']:.1f} s")
+        for link in probed:
+            if link["mbit"] is None:
+                lines.append(f"  {link['src']}->{link['dst']} starts from the prior: {link['why']}")
     for lan in data["lan"]:
         plan = (f"plan {lan['plan_version']} ({lan['planner']}, predicted {lan['predicted_gbit']:.2f} Gbit/s)"
                 if lan["plan_version"] is not None else "no plan yet")

@@ -1,7 +1,8 @@
 """Bulk probes of an emulated WAN's links, run from the DCs' namespaces (``netstorm.bulkprobe``).
 
-A job given a scenario without rates measures them before its first policy; in emulation the truth is
-known, so each measurement is also set against the rate the emulator applied.
+``netstorm probe --emulate`` and ``emulate --probe-by emulator`` measure each link here, one at a time;
+a job's own first probe round (``emulate --plan-scenario``) is measured by its nodes, and
+``comparison`` sets either against the rate the emulator applied, the truth that emulation knows.
 """
 
 from __future__ import annotations

@@ -56,6 +56,8 @@ from netstorm.trainers.tasks import TASKS
 log = logging.getLogger(__name__)
 
 SCHEDULER_PORT = 7000
+PROBE_BY = ("scheduler", "emulator")
+"""Who probes a ``--plan-scenario``'s links: the job itself, or the emulator on its behalf."""
 DATA_PORT = 7100
 EDGE_PORT = 9700
 EDGE_MODES = ("auto", "xdp", "userspace", "tcp")
@@ -103,10 +105,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "restart-scheduler@60s,link-down:2-5@70s,link-up:2-5@80s (NetStorm systems only)")
     parser.add_argument("--plan-scenario", metavar="SCENARIO",
                         help="what the scheduler is told (the same DCs and links; rates may be missing): links "
-                             "without a rate are measured by a bulk probe from each DC before the first policy "
+                             "without a rate are measured by a bulk probe from each DC before the first policy, "
+                             "and checked against the applied rates "
                              "(default: the emulated scenario, rates and all)")
     parser.add_argument("--probe-bytes", type=int, default=4_000_000, metavar="N",
                         help="bytes of each link's bulk probe, with --plan-scenario (default 4000000)")
+    parser.add_argument("--probe-by", choices=PROBE_BY, default="scheduler",
+                        help="with --plan-scenario, who probes: the scheduler, through its nodes, as on real hosts "
+                             "(default), or the emulator before it starts the job, which then tells the "
+                             "scheduler the measured rates")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
     from netstorm.trainers.launch import TRAINERS
@@ -155,8 +162,12 @@ class Options:
     plan_scenario: str | None = None
     """The scenario the scheduler is given instead of the emulated one (links without rates are probed)."""
     probe_bytes: int = 4_000_000
+    probe_by: str = "scheduler"
+    """``scheduler``: it is given the plan scenario and has its nodes probe (``scheduler.proberound``);
+    ``emulator``: the emulator probes and gives it the measured rates (``_probe_first``)."""
     scheduler_scenario: str | None = None
-    """The file the scheduler loads (set by ``run``: the plan scenario with the probed rates filled in)."""
+    """The file the scheduler loads (set by ``run``: the plan scenario, with the emulator's probed rates
+    filled in under ``probe_by = "emulator"``)."""
 
     def parameters(self) -> int:
         """Float32 elements synchronized per iteration: the task's model, or ``--model``."""
@@ -278,6 +289,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    compressions=compression_list, compression_flags=compression_flags,
                    plan_lans="dc_planner" in given, plan_scenario=getattr(args, "plan_scenario", None),
                    probe_bytes=getattr(args, "probe_bytes", 4_000_000),
+                   probe_by=getattr(args, "probe_by", "scheduler"),
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
 
@@ -488,10 +500,12 @@ class SystemRun:
         scenario_path = opts.scheduler_scenario or str(Path(self.scenario.source).resolve())
         nodes = ",".join(str(dc) for dc in net.plan.node_ids)
         persisted = ["--state-dir", str(self.dir / "scheduler-state")] if opts.chaos else []
+        probing = ["--probe-bytes", str(opts.probe_bytes)] if opts.plan_scenario and opts.probe_by == "scheduler" \
+            else []
         self._spawn("scheduler", "mgmt", self._python(
             "-m", "netstorm.cli", "-v", "scheduler", scenario_path, "--listen", scheduler, "--nodes", nodes,
-            "--bw-scale", str(net.bw_scale), *self.system.scheduler_flags(), *opts.config_flags, *persisted,
-            "--compression", self.compression))
+            "--bw-scale", str(net.bw_scale), *probing, *self.system.scheduler_flags(), *opts.config_flags,
+            *persisted, "--compression", self.compression))
         _wait_listening(net.plan.mgmt_namespace, SCHEDULER_PORT, deadline, self.services["scheduler"])
         self.watch = SchedulerWatch((net.scheduler_host, SCHEDULER_PORT), self.record,
                                     namespace=net.plan.mgmt_namespace, credentials=opts.credentials)
@@ -630,6 +644,20 @@ class SystemRun:
         them as they are.
         """
         return self.record.policy_versions()
+
+    def scheduler_probe(self) -> dict[str, Any]:
+        """The scheduler's first probe round as its status told it, each measured link against the rate
+        the emulator applied (scenario units: measured over bw_scale); links it could not measure planned
+        from the prior, and are listed as failed."""
+        from netstorm.emulation.linkprobe import comparison
+
+        probed, seconds = self.record.probe()
+        measured = {(a, b): mbit / self.net.bw_scale for a, b, mbit, _ in probed if mbit >= 0}
+        rows = comparison(measured, self.scenario.rates())
+        return {"by": "scheduler", "seconds": round(seconds, 3) if seconds >= 0 else None, "links": rows,
+                "failed": [{"src": a, "dst": b, "why": why} for a, b, mbit, why in probed if mbit < 0],
+                "worst_relative_error": round(max((abs(r["ratio"] - 1) for r in rows), default=0.0), 4)
+                if rows else None}
 
     def on_rates(self, entry: dict[str, Any]) -> None:
         self.epoch = int(entry["epoch"])
@@ -772,6 +800,8 @@ class SystemRun:
         if self.system.kind == "netstorm":
             out.update(topology=self.system.topology, awareness=self.system.awareness, aux=self.system.aux,
                        policy_versions=self.policy_versions(), policy_trees=self.record.policy_trees())
+            if self.opts.plan_scenario and self.opts.probe_by == "scheduler":
+                out["probe"] = self.scheduler_probe()
         if self.chaos is not None:
             records = {c.dc: self.logs[c.label].records for c in self.contributors if c.worker is None}
             table = recovery.steps(records, self.started_wall)
@@ -844,7 +874,7 @@ def run(opts: Options) -> dict[str, Any]:
         for line in net.features.lines():
             progress.line(line)
         if opts.plan_scenario:
-            result["probe"] = _probe_first(net, scenario, opts, Path(tmp), progress)
+            result["probe"] = _plan_scenario(net, scenario, opts, Path(tmp), progress)
         picks: dict[int, str] = {}
         if net.plan.lans and opts.edge_mode == "auto" and any(s.kind == "netstorm" for s in opts.systems):
             from netstorm.lan.pathpick import candidates
@@ -894,6 +924,8 @@ def run(opts: Options) -> dict[str, Any]:
             for e in outcome["limit_errors"]:
                 progress.line(f"[{system.name}] ERROR: iteration {e['iteration'] + 1} took {e['iteration_s']:.2f} s, "
                               f"below its limit {e['limit_s']:.2f} s")
+            if "probe" in outcome:
+                _note_probe(outcome["probe"], progress, system.name)
             if system.kind == "netstorm":
                 outcome["switches"] = systems.in_effect(system, opts.config_flags)
                 outcome["trees"] = planned_trees(system, bounds.scaled(scenario.rates()),
@@ -908,18 +940,45 @@ def run(opts: Options) -> dict[str, Any]:
     return result
 
 
-def _probe_first(net: EmulatedNetwork, truth: Scenario, opts: Options, where: Path,
-                 progress: Progress) -> dict[str, Any]:
-    """Give the scheduler ``--plan-scenario`` with its missing rates measured by bulk probes from the DCs,
-    each against the rate the emulator applied; the record of what was probed."""
-    from netstorm.emulation.linkprobe import comparison, probe_links
-    from netstorm.scenario import to_toml
-
+def _plan_scenario(net: EmulatedNetwork, truth: Scenario, opts: Options, where: Path,
+                   progress: Progress) -> dict[str, Any]:
+    """The scheduler is to be told ``--plan-scenario``: checked against the emulated one, then given as it
+    is (its nodes probe, each system's result records what they measured: ``scheduler_probe``) or with
+    the emulator's probes filled in (``_probe_first``); the run's record of it."""
     assert opts.plan_scenario is not None
     told = load(opts.plan_scenario)
     pairs = {(lk.a, lk.b) for lk in told.links} | {(lk.b, lk.a) for lk in told.links}
     if set(told.node_ids) != set(truth.node_ids) or not pairs <= set(truth.rates()):
         raise EmulationError(f"--plan-scenario {told.name} must have the DCs and links of {truth.name}")
+    record = {"by": opts.probe_by, "plan_scenario": told.name, "probe_bytes": opts.probe_bytes,
+              "prior_mbit": told.prior_mbit, "unrated_links": len(told.unknown)}
+    if opts.probe_by == "emulator":
+        return {**record, **_probe_first(net, told, truth, opts, where, progress)}
+    if told.source == "<memory>":
+        raise EmulationError(f"--plan-scenario {told.name}: the scheduler loads it from a file")
+    opts.scheduler_scenario = str(Path(told.source).resolve())
+    progress.line(f"the scheduler is told {told.name} ({len(told.unknown)} directed link(s) without a rate) and "
+                  f"probes them through its nodes before the first policy")
+    return record
+
+
+def _note_probe(probe: dict[str, Any], progress: Progress, name: str) -> None:
+    failed = "; ".join(f"{f['src']}->{f['dst']}: {f['why']}" for f in probe["failed"])
+    if probe["worst_relative_error"] is None:
+        progress.line(f"[{name}] the scheduler measured no link" + (f" ({failed})" if failed else ""))
+        return
+    progress.line(f"[{name}] the scheduler probed {len(probe['links'])} directed link(s) in {probe['seconds']} s; "
+                  f"measured/applied within {probe['worst_relative_error']:.1%}"
+                  + (f"; from the prior: {failed}" if failed else ""))
+
+
+def _probe_first(net: EmulatedNetwork, told: Scenario, truth: Scenario, opts: Options, where: Path,
+                 progress: Progress) -> dict[str, Any]:
+    """Give the scheduler ``told`` with its missing rates measured by bulk probes from the DCs, each
+    against the rate the emulator applied; the record of what was probed."""
+    from netstorm.emulation.linkprobe import comparison, probe_links
+    from netstorm.scenario import to_toml
+
     started = time.monotonic()
     measured = probe_links(net, sorted(told.unknown), opts.probe_bytes) if told.unknown else {}
     rows = comparison(measured, truth.rates())
@@ -930,9 +989,7 @@ def _probe_first(net: EmulatedNetwork, truth: Scenario, opts: Options, where: Pa
     worst = max((abs(r["ratio"] - 1) for r in rows), default=0.0)
     progress.line(f"probed {len(rows)} directed links in {time.monotonic() - started:.1f} s; measured/applied "
                   f"within {worst:.1%}; the scheduler plans from {path}")
-    return {"plan_scenario": told.name, "probe_bytes": opts.probe_bytes, "prior_mbit": told.prior_mbit,
-            "seconds": round(time.monotonic() - started, 3), "links": rows,
-            "worst_relative_error": round(worst, 4)}
+    return {"seconds": round(time.monotonic() - started, 3), "links": rows, "worst_relative_error": round(worst, 4)}
 
 
 def calibrate_edges(plan: Any, lan_bw_scale: float, parameters: int, progress: Progress,

@@ -1,6 +1,6 @@
 """What a run's result keeps of the scheduler: the policy version bound to each iteration, every version
-published (why, roots, trees) and each gateway's LAN aggregation mode, read from the scheduler's admin
-interface while the run goes.
+published (why, roots, trees), each gateway's LAN aggregation mode and what the first probe round
+measured, read from the scheduler's admin interface while the run goes.
 
 The scheduler remembers a bounded window of bindings and versions, so ``SchedulerWatch`` asks for what
 is new every ``interval`` seconds from a thread inside the management namespace (where the scheduler
@@ -43,6 +43,8 @@ class SchedulerRecord:
         self.bound: dict[int, int] = {}
         self.policies: dict[int, control.PolicyRecord] = {}
         self.edge: dict[int, tuple[str, str]] = {}
+        self.probed: tuple[tuple[int, int, float, str], ...] = ()
+        self.probe_s = -1.0
         self._lock = threading.Lock()
 
     def next_request(self, *, overlap: int = 0) -> control.HistoryRequest:
@@ -67,6 +69,14 @@ class SchedulerRecord:
     def add_status(self, status: control.Status) -> None:
         with self._lock:
             self.edge.update(status.edge)
+            if status.probed:  # a scheduler restarted from its state ran no round: keep the first one's
+                self.probed, self.probe_s = status.probed, status.probe_s
+
+    def probe(self) -> tuple[tuple[tuple[int, int, float, str], ...], float]:
+        """The scheduler's first probe round: (src, dst, Mbit/s or -1, why not) per link with no rate, and
+        the seconds it took (empty and -1 when none ran or it was not seen)."""
+        with self._lock:
+            return self.probed, self.probe_s
 
     def policy_versions(self) -> dict[str, Any]:
         """The result's ``policy_versions``: ``bound`` (iteration -> version; the scheduler's iteration
