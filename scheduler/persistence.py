@@ -1,25 +1,8 @@
 """What a scheduler must not forget across a restart, in one sqlite file under ``state_dir``.
 
-A restarted scheduler with the same command line must answer exactly as before it died: the same
-policy versions, the same version for every iteration already bound, the same members (alive or dead)
-and the layout the job agreed on. Each of those is written (and committed) before the answer that
-depends on it leaves the scheduler, so no node ever holds a binding the file lacks.
-
-Schema (``SCHEMA_VERSION``):
-
-- ``job(key, value)``: the job's identity (expected nodes, topology, roots, initial rates) as JSON, so
-  a state directory is never resumed by a different job; and flags (``complete``, ``layout``).
-- ``members(node_id, host, port, workers, dead)``: every admitted DC; ``dead`` is why it was declared
-  dead, NULL while alive.
-- ``policies(version, wire, reason)``: every published policy in its wire form (msgpack).
-- ``bindings(iteration, version, joining)``: iteration -> version, and the DCs the iteration admitted
-  (JSON list, empty for most).
-
-A full disk (or another I/O error sqlite reports as SQLITE_FULL or SQLITE_IOERR) does not stop the job:
-a write that fails is kept in memory, the newest of each kind replacing older ones, and retried with
-every later write and at every ``catch_up`` (the scheduler calls it as heartbeats arrive), in the order
-the writes were made, until the file holds them all again. Meanwhile ``behind`` says so: a scheduler
-restarted then resumes from what the file held when the disk filled.
+Members, published policies, bindings and the job's layout are each committed before the answer that
+depends on them leaves, so a restarted scheduler answers exactly as before. A write the disk refuses is
+kept in memory and retried until the file catches up (``behind``); docs/ARCHITECTURE.md, *Coming back*.
 """
 
 from __future__ import annotations

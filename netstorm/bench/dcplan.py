@@ -1,26 +1,8 @@
 """``netstorm bench dc-plan``: the DC planners' model-level results, written as JSON and rendered to markdown.
 
-Three studies, each against its paper's baselines, all judged by models (the emulated comparisons are
-``bench edge --lan-scenario`` and ``emulate`` runs, to which the markdown points):
-
-* ``eina``: EINA's own instance sizes (2 PSs, 12 aggregators, 5-10 workers each, capacities 200-300
-  Gbit/s, and the paper's sweeps over PSs, aggregators, workers per aggregator, scarce bandwidth and the
-  50-aggregator scale cases), Σ r_p of the corrected MILP (HiGHS), its integer-rate variant, the
-  solver-free heuristic, ATP and GRID, the routing-independent bound min c_j/a_j, and solve times;
-* ``aleph``: the predicted communication time of ALEPH's clusters against the flat gateway (its
-  BytePS-style baseline) and a ring all-reduce (its Horovod-style baseline) as the workers' bandwidth
-  spread grows, and the spread from which ALEPH is ahead of the ring;
-* ``pahina``: PAHInA's assignment against the precision-oblivious one on DCs with mixed precisions
-  (the paper's 5:3:2 int8:fp16:fp32 mix, and fp16 with bf16), with the inflation term on and off;
-* ``dcs``: every planner (by its option value) and every baseline on the shipped LAN scenarios;
-* ``claims``: each paper's headline claim on random instances rather than its own (PAHInA's +30 %
-  over the precision-oblivious assignment across random precision mixes, ALEPH's +88 % over the flat
-  gateway and the ring, EINA's 3.02x ATP and 3.45x GRID, FAPT's speed-ups over STAR and BKT and
-  multi-root's over one root), how often each DC planner's own tree is predicted below the flat gateway
-  (what ``plan_dc`` falls back from), and where a claim does not hold.
-
-Each study writes ``results/dc-planners-<study>.json`` with the command that made it; the markdown
-(``results/dc-planners.md``) is rendered from those files only (``--render`` redoes it alone).
+Studies ``eina``, ``aleph``, ``pahina`` (each paper's own instances against its baselines), ``dcs`` (every
+planner on the shipped LANs) and ``claims`` (each paper's headline claim on random instances). Each writes
+``results/dc-planners-<study>.json``; ``results/dc-planners.md`` is rendered from those files alone.
 """
 
 from __future__ import annotations

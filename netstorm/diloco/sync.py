@@ -1,32 +1,14 @@
 """DiLoCo over the trainer API: each fragment sync runs as NetStorm iterations on the multi-root trees.
 
 ```python
-kv = netstorm.connect()
-dl = DiLoCo(kv, {"w": w0, "b": b0}, sync_every=100, fragments=4, fragment_delay=5)
+dl = DiLoCo(netstorm.connect(), {"w": w0, "b": b0}, sync_every=100, fragments=4, fragment_delay=5)
 for batch in data:
     inner_update(dl.params, batch)    # the inner optimizer trains dl.params (views of dl.local) in place
     dl.step()                         # sends a fragment, or applies one tau steps after it was sent
 ```
 
-``init`` registers one layout for every round (``core``): the fragment tensor, the meta (weight and
-digest) and the state snapshot, and returns the lowest DC's snapshot: every DC starts from the same
-global parameters, and a DC restarted into the running job gets the live ones. Syncs run in one worker
-thread, so a fragment's all-reduce overlaps the tau inner steps after it; the worker also takes the
-outer step, so the trainer only waits when it must merge the result. A sync that fails because a peer
-DC was lost (``PeerLost``) runs again in the next iteration, which the scheduler plans without that DC:
-the round completes with the survivors and its mean is over the contributors the sync names.
-
-``rejoin=False`` registers no state snapshot: every push then carries no zero tensor of the state's
-size (the nodes handle every element of a registered tensor, zeros too), but every DC must start from
-the same parameters (the same seed; sync 0's digest checks it) and a restarted DC cannot rejoin.
-
-With ``straggler_s``, a DC that has not sent its next fragment ``straggler_s`` seconds after its last
-sync completed is left out of that sync: its worker pushes weight 0 (and its digest) at once, so the
-others do not wait for it, and the DC takes the merged result like everyone when it gets there.
-
-When a DC is admitted into the job during a sync, this DC's worker may be asked for the model: it hands
-the snapshot of the global state as it was when the sync began (no outer step runs while a sync is in
-flight) with the sync's index and round, and the joiner takes part in that sync with weight 0.
+Syncs run in one worker thread, so a fragment's all-reduce overlaps the inner steps after it. Lost DCs,
+stragglers (``straggler_s``), rejoin and ``rejoin=False`` are in docs/ARCHITECTURE.md, *PyTorch: DiLoCo*.
 """
 
 from __future__ import annotations

@@ -107,23 +107,11 @@ def plan(
 ) -> Policy:
     """A policy for the directed ``rates`` (Mbit/s for every overlay link).
 
-    ``fapt``: Algorithm 2 with the top ``num_roots`` roots (0 = every node), or the fixed ``roots`` of an
-    earlier decision; ``fapt1``: its single best root. ``star``: the hub whose STAR bound over the static
-    routes is smallest (``netstorm.planning.baselines.star_bound``), ``star-mxnet`` (the hub an MXNet user
-    would pick) and ``bkt``: the best-connected node; each at ``hub`` when given; ``mst``: the
-    maximum-throughput spanning tree at its fastest root (or ``hub``). With ``aux``,
-    Algorithm 3 runs for every directed pair the trees send on: ``aux_paths[(a, b)][0]`` is the tree edge
-    a -> b itself, later entries are edge-disjoint overlay paths avoiding it, slowest last.
-
-    ``packing`` (Config.tree_packing) replaces ``fapt``'s shortest-path trees and quality-proportional
-    shares by the LP tree packing of ``netstorm.planning.packing`` for the same roots (quality stays Algorithm
-    1's); off, ``fapt`` is the paper's Algorithm 2. ``offload`` (with ``aux``, for packed ``fapt``) plans
-    the shares again together with the fractions of tree links' chunks their auxiliary paths carry
-    (``netstorm.planning.offload``).
-
-    With ``fallback`` (the default), a multi-root plan predicted slower than a simpler one (one of its
-    roots' trees alone, or STAR at one of them) is replaced by the fastest of those, and ``Policy.fallback``
-    says why; the roots stay, the others at share 0.
+    ``topology`` names a builder in ``netstorm.topologies`` (``fapt`` with ``num_roots`` or fixed ``roots``;
+    the baselines at ``hub``). ``aux`` runs Algorithm 3 on every directed pair the trees send on,
+    ``packing`` (Config.tree_packing) the LP tree packing for the same roots, and ``offload`` plans shares
+    with the detours' fractions. ``fallback`` replaces a multi-root plan predicted slower than one of its
+    roots' trees or STAR (``Policy.fallback`` says why). docs/ARCHITECTURE.md, *The WAN tier*.
     """
     entry = TOPOLOGIES.get_entry(topology)
     graph = RateGraph.from_rates(rates)

@@ -1,23 +1,14 @@
 """DiLoCo and Streaming DiLoCo for a PyTorch model: inner steps in the DC, outer syncs over NetStorm.
 
-    kv = netstorm.connect()
-    inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
-    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    dl = DiLoCo(model, inner, outer, kv, sync_every=100, fragments=4, fragment_delay=5,
+    dl = DiLoCo(model, inner, outer, netstorm.connect(), sync_every=100, fragments=4, fragment_delay=5,
                 outer_compression="int4", error_feedback=True)
     for batch in data:
         loss(model, batch).backward()
         dl.step()                    # the inner step, then this DC's part of the schedule
         inner.zero_grad()
 
-``model`` may already be DDP inside the DC (every rank pushes the same pseudo-gradient to the DC's node,
-configured with ``trainers`` = the ranks, and the mean over all ranks is the DCs' mean), or FSDP
-(its full parameters are gathered on every rank around each sync). The model's float32 parameters
-become views of the one flat buffer ``netstorm.diloco.sync.DiLoCo`` trains (no copy per step for a
-plain or DDP model). The outer optimizer is a ``torch.optim.SGD`` (its lr, momentum and nesterov are
-taken; the update is computed by ``netstorm.diloco.outer`` so that every DC's state stays bit-identical
-and can be handed to a rejoining DC) or an ``OuterSGD``; None is DiLoCo's Nesterov SGD, lr 0.7,
-momentum 0.9.
+``model`` may be plain, DDP inside the DC, or FSDP; the outer optimizer must be SGD (or ``OuterSGD``) so
+every DC's state stays bit-identical (docs/ARCHITECTURE.md, *PyTorch: DiLoCo*).
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The job's ranks, agreed through the nodes: one torchrun across the job, or one torchrun per DC.
 
-A rank knows what its launcher told it (RANK and WORLD_SIZE) and which node it joined; the nodes know how
-many trainers each DC has. Three small sums at the nodes, right after the init round, turn that into the
-job-wide group every rank must see alike:
-
-1. one element, 1 from every rank: the job's rank count, and the DCs of the sum (the iteration's
-   contributors);
-2. one element per DC, 1 from every rank in its DC's slot: each DC's ranks;
-3. two elements per job rank, each rank's 1 and its DC's position + 1 in its own slot: that the job
-   ranks are a permutation of 0..N-1, and which DC holds each.
-
-Between 2 and 3 each rank decides its job rank. With WORLD_SIZE equal to the job's rank count the
-launcher's RANK already is the job rank (one torchrun across every DC). With WORLD_SIZE equal to the
-ranks of the rank's own DC, RANK is a rank within the DC (one torchrun per DC, each with its own
-rendezvous) and the job rank is the DC's offset (the ranks of the DCs with lower ids) plus RANK. Any
-other WORLD_SIZE, or ranks that collide, fail at every rank with a message naming the numbers.
-
-The sums are of small integers, exact in float32, and travel in the stage's exact lane.
+Three small exact sums right after the init round give the job's rank count, each DC's ranks, and a
+check that the job ranks are a permutation of 0..N-1; WORLD_SIZE says which launch shape a rank is in
+(docs/ARCHITECTURE.md, *PyTorch: job-wide ranks*).
 """
 
 from __future__ import annotations
