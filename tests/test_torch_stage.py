@@ -42,16 +42,17 @@ class Ranks:
 def test_a_payload_takes_ceil_size_over_round_iterations_the_last_padded(size: int) -> None:
     ranks = Ranks([0.0, 1.0, 2.0])
     stage = Stage(ranks, 10)
-    assert ranks.registered == {ROUND_NAME: (10,)}
+    assert ranks.registered == {ROUND_NAME: (11,)}  # the round and its control word
     payload = np.arange(1, size + 1, dtype=np.float32)
     out = stage.reduce(payload)
     expected = 3 * payload + np.float32(3.0)
     np.testing.assert_array_equal(out, expected)
     iterations = max(1, -(-size // 10))
     assert len(ranks.pushes) == iterations
-    assert all(p.size == 10 for p in ranks.pushes)
-    assert np.array_equal(np.concatenate(ranks.pushes)[:size], payload)
-    assert not np.concatenate(ranks.pushes)[size:].any()  # the padding is zeros
+    assert all(p.size == 11 and p[10] == 0.0 for p in ranks.pushes)  # no collective sets the control word
+    pieces = np.concatenate([p[:10] for p in ranks.pushes])
+    assert np.array_equal(pieces[:size], payload)
+    assert not pieces[size:].any()  # the padding is zeros
     stats = stage.snapshot()
     assert (stats.collectives, stats.iterations, stats.elements) == (1, iterations, size)
     assert stats.padded == iterations * 10 - size
