@@ -119,3 +119,23 @@ def test_with_continue_a_collective_in_flight_runs_again_without_the_lost_dc(mod
     stats = stage.snapshot()
     assert (stats.retried, stats.contributors, stats.workers) == (1, (1, 2), 2)
     assert ranks.calls == 1 + 2 + 2
+
+
+def test_groups_of_a_partition_send_payloads_of_their_own_sizes_in_the_same_iterations() -> None:
+    """A gather over a group of two ranks carries twice the pieces of one over a group of one: each group
+    keeps its slot, and every rank runs as many node iterations as the largest payload takes."""
+    from tests.test_torch_rejoin import Client, Job, together
+
+    job = Job([1, 2, 3])
+    stages = [Stage(Client(job, dc), 16) for dc in (1, 2, 3)]
+    slots = [0, 1, 0]  # ranks 0 and 2 one group, rank 1 the other
+    sizes = [40, 20, 40]
+    payloads = [np.arange(n, dtype=np.float32) + 100 * r for r, n in enumerate(sizes)]
+    outs = together(*(lambda r=r: stages[r].reduce_slot(payloads[r], slots[r], 2, exact=True) for r in range(3)))
+    np.testing.assert_array_equal(outs[0], payloads[0] + payloads[2])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    np.testing.assert_array_equal(outs[1], payloads[1])
+    iterations = {s.snapshot().iterations for s in stages}
+    assert iterations == {-(-40 // 7)}  # (16 - 1) // 2 elements per slot: the larger payload's count
+    after = together(*(lambda s=s: s.reduce(np.ones(3, np.float32)) for s in stages))  # still aligned
+    assert all(np.array_equal(a, np.full(3, 3.0)) for a in after)

@@ -259,10 +259,8 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
         part = self._layout()
         if part.slots == 1:
             return self.stage.reduce(payload, average=average, exact=exact)
-        n = payload.size
-        full = np.zeros(part.slots * n, np.float32)
-        full[part.slot * n:(part.slot + 1) * n] = payload
-        out = self.stage.reduce(full, exact=exact)[part.slot * n:(part.slot + 1) * n]
+        # the partition's groups send payloads of their own sizes (a gather's grows with the group's ranks)
+        out = self.stage.reduce_slot(payload, part.slot, part.slots, exact=exact)
         return out / np.float32(self._world) if average else out
 
     def _submit(self, what: str, encode: Callable[[], np.ndarray], finish: Callable[[np.ndarray], Any],

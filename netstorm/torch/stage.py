@@ -258,6 +258,46 @@ class Stage:
                 self.stats.overhead_s += (pushed - began) + (done - pulled)
         return out
 
+    def reduce_slot(self, payload: np.ndarray, slot: int, slots: int, *, exact: bool = False) -> np.ndarray:
+        """The sum of ``payload`` over the ranks of one group of a partition of the job's ranks, whose groups
+        run a collective together, each in its ``slot`` of every node iteration's round. The groups' payloads
+        may differ in size (a gather's grows with its group's ranks): the round's last element counts the
+        ranks with more to send, and the iterations go on until it is 0, the same number at every rank."""
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} of {slots}")
+        width = (self.round - 1) // slots
+        if width < 1:
+            raise ValueError(f"a round of {self.round} elements holds no {slots} group slots and a count")
+        size = int(payload.size)
+        out = np.empty(size, dtype=np.float32)
+        lane = EXACT_NAME if exact and EXACT_NAME in self._zeros else ROUND_NAME
+        with self._lock:
+            self.stats.collectives += 1
+            self.stats.elements += size
+            start = 0
+            while True:
+                began = time.perf_counter()
+                stop = min(size, start + width)
+                frame = np.zeros(self.round + (1 if lane == ROUND_NAME and self._buffer.size > self.round else 0),
+                                 dtype=np.float32 if lane == ROUND_NAME else np.int32)
+                at = slot * width
+                frame[at:at + stop - start] = payload[start:stop]
+                frame[self.round - 1] = 1 if stop < size else 0
+                push = {**self._zeros, lane: frame}
+                self.stats.padded += self.round - (stop - start)
+                pushed = time.perf_counter()
+                result = np.asarray(self._push_pull(push, average=False)[lane])
+                pulled = time.perf_counter()
+                out[start:stop] = result[at:at + stop - start]
+                more = round(float(result[self.round - 1]))
+                done = time.perf_counter()
+                self.stats.node_s += pulled - pushed
+                self.stats.copy_s += (pushed - began) + (done - pulled)
+                self.stats.overhead_s += (pushed - began) + (done - pulled)
+                start = stop
+                if more == 0:
+                    return out
+
     def reduce_compressed(self, payload: np.ndarray, bucket: tuple[int, ...]) -> np.ndarray:
         """The sum over every rank of a gradient ``payload`` through the job's compression, error feedback
         kept per piece of ``bucket`` (a key the same at every rank, e.g. DDP's bucket index and size).
