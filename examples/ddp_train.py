@@ -60,10 +60,11 @@ def flat(model: nn.Module) -> np.ndarray:
 
 
 def flat_state(opt: torch.optim.Optimizer) -> np.ndarray:
-    """Every tensor of the optimizer's state (SGD's momentum buffers), in parameter order."""
+    """Every tensor of the optimizer's state (SGD's momentum buffers), in parameter order (a sharded one
+    gathered: a collective, so every rank calls it)."""
     state = opt.state_dict()["state"]
-    parts = [value.detach().reshape(-1).float() for key in sorted(state) for value in state[key].values()
-             if isinstance(value, torch.Tensor)]
+    values = [value for key in sorted(state) for value in state[key].values() if isinstance(value, torch.Tensor)]
+    parts = [(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().reshape(-1).float() for v in values]
     return torch.cat(parts).numpy().copy() if parts else np.zeros(0, np.float32)
 
 
