@@ -262,7 +262,20 @@ class Stage:
         """The sum of ``payload`` over the ranks of one group of a partition of the job's ranks, whose groups
         run a collective together, each in its ``slot`` of every node iteration's round. The groups' payloads
         may differ in size (a gather's grows with its group's ranks): the round's last element counts the
-        ranks with more to send, and the iterations go on until it is 0, the same number at every rank."""
+        ranks with more to send, and the iterations go on until it is 0, the same number at every rank.
+        A DC lost in flight runs it again, as ``reduce`` does."""
+        losses = 0
+        while True:
+            try:
+                return self._reduce_slot(payload, slot, slots, exact=exact)
+            except PeerLost:
+                losses += 1
+                if self.on_dc_loss != "continue" or losses > LOSS_RETRIES * max(1, len(self._group_dcs)):
+                    raise
+                with self._lock:
+                    self.stats.retried += 1
+
+    def _reduce_slot(self, payload: np.ndarray, slot: int, slots: int, *, exact: bool) -> np.ndarray:
         if not 0 <= slot < slots:
             raise ValueError(f"slot {slot} of {slots}")
         width = (self.round - 1) // slots
