@@ -22,7 +22,10 @@ the ranks' gradients, so with equal shards the two agree up to float rounding.
 inside each DC over gloo (the DC's own rendezvous) and replicates across DCs over netstorm.
 
 With NETSTORM_ON_DC_LOSS=continue the survivors of a lost DC train on (``mean_hook`` averages over
-the ranks each sum counts). The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR
+the ranks each sum counts), and ``netstorm.torch.step_boundary`` before every step lets the DC, restarted
+with its command line, rejoin: its ranks load the live model, optimizer state and step there, and every
+rank builds its DDP wrapper again. ``--hold-for-rejoin STEP`` has the ranks wait at that step until a
+restarted DC is back (fault tests). The same script runs without torchrun when RANK, WORLD_SIZE, MASTER_ADDR
 and MASTER_PORT are set (the env:// rendezvous). ``--backend gloo`` runs it on gloo for comparison. On a
 failed collective it prints one JSON line ``{"error": ..., "type": ...}`` and exits with status 3.
 """
@@ -54,6 +57,15 @@ def flat(model: nn.Module) -> np.ndarray:
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         parts.append(full.detach().reshape(-1))
     return torch.cat(parts).numpy().copy()
+
+
+def flat_state(opt: torch.optim.Optimizer) -> np.ndarray:
+    """Every tensor of the optimizer's state (SGD's momentum buffers), in parameter order (a sharded one
+    gathered: a collective, so every rank calls it)."""
+    state = opt.state_dict()["state"]
+    values = [value for key in sorted(state) for value in state[key].values() if isinstance(value, torch.Tensor)]
+    parts = [(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().reshape(-1).float() for v in values]
+    return torch.cat(parts).numpy().copy() if parts else np.zeros(0, np.float32)
 
 
 def shard(model: nn.Module, how: str, world: int) -> nn.Module:
@@ -93,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="DDP, FSDP2 over the job, or FSDP2 sharded in the DC and replicated across DCs")
     parser.add_argument("--stall", default=None, metavar="RANK:STEP",
                         help="that rank waits before that step's backward until killed (fault tests)")
+    parser.add_argument("--hold-for-rejoin", type=int, default=None, metavar="STEP",
+                        help="with on_dc_loss continue: at that step's boundary, run barriers until a restarted "
+                             "DC rejoins (fault tests)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.backend == "netstorm":
@@ -102,25 +117,47 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"rank": rank, "world": world, "launcher_rank": int(os.environ.get("RANK", rank))}),
           flush=True)
     x, y = make_data(args.seed, world, args.batch, args.steps)
+    group = dist.distributed_c10d._get_default_group()
+    rejoinable = args.backend == "netstorm" and args.shard == "ddp" and \
+        getattr(getattr(group, "stage", None), "on_dc_loss", "error") == "continue"
+
+    def wrap(model: nn.Module) -> nn.Module:
+        ddp: nn.Module = DistributedDataParallel(model)
+        if rejoinable:
+            # the survivors' mean after a lost DC: DDP itself divides by the group's size
+            ddp.register_comm_hook(group, netstorm.torch.mean_hook)  # type: ignore[operator]
+        return torch.compile(ddp) if args.compile else ddp  # type: ignore[return-value]
+
     if args.shard == "ddp":
         model = make_model(args.seed + 1 + rank)  # DDP broadcasts rank 0's values at construction
-        ddp: nn.Module = DistributedDataParallel(model)
+        # rejoinable: built at the first step boundary, where a restarted DC's rank first meets the others
+        ddp: nn.Module | None = None if rejoinable else wrap(model)
     else:
         model = make_model(args.seed + 1)  # FSDP keeps each rank's values: every rank starts alike
         ddp = shard(model, args.shard, world)
-    if args.backend == "netstorm" and args.shard == "ddp":
-        group = dist.distributed_c10d._get_default_group()
-        if getattr(getattr(group, "stage", None), "on_dc_loss", "error") == "continue":
-            # the survivors' mean after a lost DC: DDP itself divides by the group's size
-            ddp.register_comm_hook(group, netstorm.torch.mean_hook)  # type: ignore[operator]
-    if args.compile:
-        ddp = torch.compile(ddp)  # type: ignore[assignment]
-    opt = make_optimizer(ddp, args.lr)
+    opt = make_optimizer(model, args.lr)
     loss_fn = nn.CrossEntropyLoss()
     stall = tuple(int(v) for v in args.stall.split(":")) if args.stall else None
-    params, losses = [flat(model)], []
+    params, first = [flat(model)], 0
+    losses: list[float] = []
+    step = 0
     try:
-        for step in range(args.steps):
+        while step < args.steps:
+            if rejoinable:
+                boundary = netstorm.torch.step_boundary(model, opt, step)
+                if step == args.hold_for_rejoin and not boundary.rejoined:
+                    print(json.dumps({"holding": step, "rank": rank}), flush=True)
+                while step == args.hold_for_rejoin and not boundary.rejoined:
+                    dist.barrier()  # node iterations for the restarted DC's node to join in
+                    boundary = netstorm.torch.step_boundary(model, opt, step)
+                if boundary.loaded:  # a restarted DC's rank: the live model and optimizer state from here on
+                    step = first = boundary.step
+                    print(json.dumps({"rejoined": step, "rank": rank}), flush=True)
+                if ddp is None or boundary.rejoined:
+                    ddp = wrap(model)
+                    if not losses:  # what this rank trains from (DDP's construction broadcast rank 0's values)
+                        params = [flat(model)]
+            assert ddp is not None
             opt.zero_grad()
             loss = loss_fn(ddp(x[step, rank]), y[step, rank])
             if stall == (rank, step):
@@ -131,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             losses.append(loss.item())
             params.append(flat(model))
             print(json.dumps({"step": step, "rank": rank, "loss": losses[-1]}), flush=True)
+            step += 1
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        np.savez(Path(args.out) / f"rank-{rank}.npz", params=np.stack(params), losses=np.array(losses))
+        np.savez(Path(args.out) / f"rank-{rank}.npz", params=np.stack(params), losses=np.array(losses),
+                 first=first, optimizer=flat_state(opt))
         dist.barrier()
     except RuntimeError as exc:
         print(json.dumps({"error": str(exc), "type": type(exc).__name__, "rank": rank}), flush=True)

@@ -42,16 +42,17 @@ class Ranks:
 def test_a_payload_takes_ceil_size_over_round_iterations_the_last_padded(size: int) -> None:
     ranks = Ranks([0.0, 1.0, 2.0])
     stage = Stage(ranks, 10)
-    assert ranks.registered == {ROUND_NAME: (10,)}
+    assert ranks.registered == {ROUND_NAME: (11,)}  # the round and its control word
     payload = np.arange(1, size + 1, dtype=np.float32)
     out = stage.reduce(payload)
     expected = 3 * payload + np.float32(3.0)
     np.testing.assert_array_equal(out, expected)
     iterations = max(1, -(-size // 10))
     assert len(ranks.pushes) == iterations
-    assert all(p.size == 10 for p in ranks.pushes)
-    assert np.array_equal(np.concatenate(ranks.pushes)[:size], payload)
-    assert not np.concatenate(ranks.pushes)[size:].any()  # the padding is zeros
+    assert all(p.size == 11 and p[10] == 0.0 for p in ranks.pushes)  # no collective sets the control word
+    pieces = np.concatenate([p[:10] for p in ranks.pushes])
+    assert np.array_equal(pieces[:size], payload)
+    assert not pieces[size:].any()  # the padding is zeros
     stats = stage.snapshot()
     assert (stats.collectives, stats.iterations, stats.elements) == (1, iterations, size)
     assert stats.padded == iterations * 10 - size
@@ -118,3 +119,23 @@ def test_with_continue_a_collective_in_flight_runs_again_without_the_lost_dc(mod
     stats = stage.snapshot()
     assert (stats.retried, stats.contributors, stats.workers) == (1, (1, 2), 2)
     assert ranks.calls == 1 + 2 + 2
+
+
+def test_groups_of_a_partition_send_payloads_of_their_own_sizes_in_the_same_iterations() -> None:
+    """A gather over a group of two ranks carries twice the pieces of one over a group of one: each group
+    keeps its slot, and every rank runs as many node iterations as the largest payload takes."""
+    from tests.test_torch_rejoin import Client, Job, together
+
+    job = Job([1, 2, 3])
+    stages = [Stage(Client(job, dc), 16) for dc in (1, 2, 3)]
+    slots = [0, 1, 0]  # ranks 0 and 2 one group, rank 1 the other
+    sizes = [40, 20, 40]
+    payloads = [np.arange(n, dtype=np.float32) + 100 * r for r, n in enumerate(sizes)]
+    outs = together(*(lambda r=r: stages[r].reduce_slot(payloads[r], slots[r], 2, exact=True) for r in range(3)))
+    np.testing.assert_array_equal(outs[0], payloads[0] + payloads[2])
+    np.testing.assert_array_equal(outs[2], outs[0])
+    np.testing.assert_array_equal(outs[1], payloads[1])
+    iterations = {s.snapshot().iterations for s in stages}
+    assert iterations == {-(-40 // 7)}  # (16 - 1) // 2 elements per slot: the larger payload's count
+    after = together(*(lambda s=s: s.reduce(np.ones(3, np.float32)) for s in stages))  # still aligned
+    assert all(np.array_equal(a, np.full(3, 3.0)) for a in after)

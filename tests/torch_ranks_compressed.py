@@ -62,6 +62,24 @@ def main() -> int:
         else:
             assert torch.equal(t, mean.to(dtype)), (dtype, t, mean)
         checks += 1
+    for op, reduce in ((dist.ReduceOp.MAX, torch.amax), (dist.ReduceOp.MIN, torch.amin)):
+        for dtype in (torch.float32, torch.int64):  # an exact gather, reduced at every rank: no compression
+            t = value(rank, dtype, 6)
+            dist.all_reduce(t, op=op)
+            assert torch.equal(t, reduce(torch.stack([value(r, dtype, 6) for r in range(world)]), dim=0)), (op, t)
+            checks += 1
+    # a partition of groups of different sizes ([0, 2] and [1] of three ranks): a gather's payload grows
+    # with its group, and each group still gets its own ranks' values
+    parts = [list(range(world))[i::2] for i in range(2)]
+    group, _ = dist.new_subgroups_by_enumeration(parts)
+    mine = next(p for p in parts if rank in p)
+    m = value(rank, torch.int64, 5)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    assert torch.equal(m, torch.amax(torch.stack([value(r, torch.int64, 5) for r in mine]), dim=0)), m
+    outs = [torch.empty(5, dtype=torch.float32) for _ in mine]
+    dist.all_gather(outs, value(rank, torch.float32, 5), group=group)
+    assert all(torch.equal(o, value(r, torch.float32, 5)) for o, r in zip(outs, mine, strict=True))
+    checks += 1
     works = [dist.all_reduce(torch.full((3,), float(rank + i)), async_op=True) for i in range(4)]
     for w in works:
         w.wait()

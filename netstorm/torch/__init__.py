@@ -17,17 +17,20 @@ except ImportError as exc:  # the torch extra is optional; say which one to inst
 
 from netstorm.torch.backend import (
     BACKEND,
+    Boundary,
     NetStormBackendError,
     ProcessGroupNetStorm,
     compressed_hook,
     mean_hook,
     register,
     stats,
+    step_boundary,
 )
 from netstorm.torch.hook import NetStormHookState, netstorm_hook
 from netstorm.torch.optimizer import DistributedOptimizer
 
 register()
 
-__all__ = ["BACKEND", "DistributedOptimizer", "NetStormBackendError", "NetStormHookState", "ProcessGroupNetStorm",
-           "compressed_hook", "mean_hook", "netstorm_hook", "register", "stats"]
+__all__ = ["BACKEND", "Boundary", "DistributedOptimizer", "NetStormBackendError", "NetStormHookState",
+           "ProcessGroupNetStorm", "compressed_hook", "mean_hook", "netstorm_hook", "register", "stats",
+           "step_boundary"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import io
 import os
 import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from torch.futures import Future
 
 from netstorm.errors import UnsupportedCollective
-from netstorm.torch import codec
+from netstorm.torch import codec, rejoin
 from netstorm.torch.jobranks import JobRanks, agree
 from netstorm.torch.jobranks import socket_address as socket_address
 from netstorm.torch.stage import Stage, StageStats
@@ -113,6 +114,10 @@ class Channel:
         self.stage = stage
         self.rank = rank
         self.job: JobRanks | None = None
+        self.launcher = (rank, 0)
+        """The launcher's RANK and WORLD_SIZE (what the job's ranks are agreed from again at a rejoin)."""
+        self.joined: rejoin.Joined | None = None
+        """A restarted DC's rank: the live state it took when it rejoined, until ``step_boundary`` loads it."""
         self.count = 0
         self.error: NetStormBackendError | None = None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -144,6 +149,12 @@ class Channel:
         self.count += 1
         self._jobs.put((f"collective #{self.count} ({what})", run, work))
         return work
+
+    def run(self, what: str, run: Callable[[], Any]) -> Any:
+        """``run`` in the worker after the collectives queued before it; its value, or its error."""
+        work = self.submit(what, run)
+        work.wait()
+        return work._base.value()
 
     def close(self) -> None:
         """Stop the worker once queued collectives are done, and leave the node."""
@@ -248,10 +259,8 @@ class ProcessGroupNetStorm(dist.ProcessGroup):
         part = self._layout()
         if part.slots == 1:
             return self.stage.reduce(payload, average=average, exact=exact)
-        n = payload.size
-        full = np.zeros(part.slots * n, np.float32)
-        full[part.slot * n:(part.slot + 1) * n] = payload
-        out = self.stage.reduce(full, exact=exact)[part.slot * n:(part.slot + 1) * n]
+        # the partition's groups send payloads of their own sizes (a gather's grows with the group's ranks)
+        out = self.stage.reduce_slot(payload, part.slot, part.slots, exact=exact)
         return out / np.float32(self._world) if average else out
 
     def _submit(self, what: str, encode: Callable[[], np.ndarray], finish: Callable[[np.ndarray], Any],
@@ -699,14 +708,21 @@ def connect(launcher_rank: int, launcher_world: int, timeout: datetime.timedelta
         client.close()
         raise NetStormBackendError(f"netstorm backend: rank {launcher_rank} could not join at its node "
                                    f"({where}): {type(exc).__name__}: {exc}") from exc
+    joined = None
     try:
-        job = agree(stage, launcher_rank, launcher_world)
+        if stage.rejoining:  # a restarted DC: wait for the job's next step boundary, take the live state
+            joined = rejoin.join(stage, launcher_rank, launcher_world, timeout.total_seconds())
+            job = joined.job
+        else:
+            job = agree(stage, launcher_rank, launcher_world)
     except Exception as exc:
         stage.close()
         raise NetStormBackendError(f"netstorm backend: rank {launcher_rank} of {launcher_world} at node "
                                    f"{stage.node_id} ({where}): {type(exc).__name__}: {exc}") from exc
     channel = Channel(stage, job.rank)
     channel.job = job
+    channel.launcher = (launcher_rank, launcher_world)
+    channel.joined = joined
     return ProcessGroupNetStorm(channel, job.rank, job.world)
 
 
@@ -714,6 +730,62 @@ def register() -> None:
     """Make ``"netstorm"`` a ``torch.distributed`` backend (idempotent; ``import netstorm.torch`` calls it)."""
     if BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])
+
+
+class Boundary(NamedTuple):
+    """What ``step_boundary`` found."""
+
+    step: int
+    """The step to train next: the caller's, or at a restarted DC's ranks the survivors'."""
+    rejoined: bool
+    """A restarted DC joined the group here: every rank must build its DDP wrapper again (a fresh one
+    buckets alike on every rank; the joiner's is new)."""
+    loaded: bool = False
+    """This rank is a restarted DC's: it loaded the live state here."""
+
+
+def _group(group: dist.ProcessGroup | None) -> ProcessGroupNetStorm:
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(pg, ProcessGroupNetStorm):
+        raise TypeError(f"not a netstorm process group: {type(pg).__name__} of backend {pg.name()}")
+    return pg
+
+
+def step_boundary(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, step: int = 0,
+                  group: dist.ProcessGroup | None = None) -> Boundary:
+    """Call between training steps (``on_dc_loss = "continue"``): where a DC lost earlier was restarted with
+    its command line, its ranks join the group here and load the live model and optimizer state.
+
+    At a survivor it costs nothing unless the nodes have reported a restarted DC among a sum's
+    contributors; then the lowest surviving rank sends ``model``'s and ``optimizer``'s state dicts (and
+    ``step``) to the joiners (``netstorm.torch.rejoin``). At a joiner's rank, whose
+    ``init_process_group`` returned once it had taken that state, it loads it into ``model`` and
+    ``optimizer``. Either way ``rejoined`` says the group changed, and the step to train next comes back."""
+    pg = _group(group)
+    channel = pg.channel
+    if pg.members is not None:
+        raise UnsupportedCollective("netstorm backend: step_boundary runs on the whole job's group")
+    if channel.joined is not None:
+        joined, channel.joined = channel.joined, None
+        state = torch.load(io.BytesIO(joined.state), weights_only=True)  # tensors and containers only
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            if state["optimizer"] is None:
+                raise rejoin.RejoinError(f"step_boundary: rank {joined.source} sent no optimizer state")
+            optimizer.load_state_dict(state["optimizer"])
+        return Boundary(joined.step, True, True)
+    stage = channel.stage
+    if not stage.may_rejoin or not channel.run("step boundary", lambda: stage.join_pending):
+        return Boundary(step, False)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict() if optimizer is not None else None},
+               buffer)
+    job = channel.job
+    assert job is not None
+    launcher_rank, launcher_world = channel.launcher
+    channel.run(f"rejoin of DC(s) {list(stage.join_pending)} at step {step}",
+                lambda: rejoin.survive(stage, launcher_rank, launcher_world, job, buffer.getvalue(), step))
+    return Boundary(step, True)
 
 
 def stats(group: dist.ProcessGroup | None = None) -> StageStats:

@@ -21,6 +21,9 @@ EXACT_NAME = "netstorm.torch.exact"
 """With fp16 compression: the int32 tensor the exact collectives travel in."""
 
 
+HANDOVER = 1.0
+"""The control word of what a live rank hands a restarted DC's init (a new job's init holds zeros)."""
+
 LOSS_RETRIES = 8
 """Attempts per DC of the group a collective may take under ``on_dc_loss = "continue"`` before it fails."""
 
@@ -103,7 +106,12 @@ class Stage:
         runs again without it); ``error``: it raises ``GroupIncomplete``."""
         self.round = round_elements
         self.compression = compression if compression is not None else CompressionOptions()
-        self._buffer = np.zeros(round_elements, dtype=np.float32)
+        self.may_rejoin = on_dc_loss == "continue" and self.compression.method == "none"
+        """A DC lost and restarted may rejoin the group at a step boundary (``netstorm.torch.rejoin``)."""
+        # the round's one extra element is the control word: 0 in every collective's iteration, set only
+        # by the rejoin protocol's announcement and by the hand-over a restarted DC's init receives
+        control = 1 if not self.compression.sparse else 0
+        self._buffer = np.zeros(round_elements + control, dtype=np.float32)
         self._lock = threading.Lock()
         self.stats = StageStats()
         self.buckets: BucketRounds | None = None
@@ -116,21 +124,70 @@ class Stage:
         self._zeros = {name: np.zeros_like(value) for name, value in tensors.items()}
         # The init round: every DC's rank registers the same layout (hash-checked) and waits for the others.
         if self.compression.method == "none":
-            client.init(tensors)
+            initial = client.init(tensors)
         else:
             init: Any = client.init  # a node's client (netstorm.Client) takes the compression at init
-            init(tensors, compression=self.compression.method, votes=self.compression.votes)
+            initial = init(tensors, compression=self.compression.method, votes=self.compression.votes)
+        self.rejoining = bool(control) and float(np.asarray(initial[ROUND_NAME])[round_elements]) == HANDOVER
+        """This rank's DC was admitted into a running job: its init got a live rank's hand-over, not the
+        job's first values (every rank of a new job registers zeros)."""
+        if control and hasattr(client, "set_model_provider"):
+            client.set_model_provider(self._handover)
         self.group_workers = client.num_workers
         """Trainers every sum must count: the job's at init, the process group's ranks."""
         self._group_dcs: tuple[int, ...] = ()
         """The DCs of the first complete sum (named when one of them is missing later)."""
+        self._live: tuple[int, ...] = ()
+        """The DCs whose ranks take part in the group's collectives (the survivors after a loss)."""
+        self._joining: tuple[tuple[int, ...], int] | None = None
+        """DCs restarted into the job whose ranks push zeros until the next step boundary admits them to
+        the group, and how many trainers they add to each sum's count."""
+        self._counted = 0
+        """The trainers the newest sum counts, the pending joiners' left out."""
         if self.buckets is not None:
             self.buckets.start(client.num_workers, client.node_id, int(getattr(client, "gia_threshold", 0)))
 
     @property
     def workers(self) -> int:
-        """Ranks whose values make up each sum (every DC's trainers, as its node counts them)."""
-        return self.client.num_workers
+        """Ranks whose values make up each sum (every DC's trainers, as its node counts them, without the
+        ranks of a restarted DC that has not reached its step boundary yet)."""
+        return self._counted or self.client.num_workers
+
+    @property
+    def join_pending(self) -> tuple[int, ...]:
+        """DCs restarted into the job whose ranks wait for the next step boundary (empty: none)."""
+        with self._lock:
+            return self._joining[0] if self._joining is not None else ()
+
+    def _handover(self) -> dict[str, np.ndarray]:
+        """What this rank hands a DC admitted into the running job at the node's boundary iteration: zeros
+        with the control word set, which tells the joiner's ranks to wait for a step boundary."""
+        model = {name: np.zeros_like(value) for name, value in self._zeros.items()}
+        model[ROUND_NAME][self.round] = HANDOVER
+        return model
+
+    def exchange(self, payload: np.ndarray, control: float = 0.0) -> tuple[np.ndarray, float]:
+        """One node iteration outside any collective, for the rejoin protocol: ``payload`` (at most a round)
+        and the control word in; their sums over every rank out (the whole round, and the control's)."""
+        if self.buckets is not None:
+            raise ValueError("the rejoin protocol needs the plain round (compression none)")
+        size = int(payload.size)
+        if size > self.round:
+            raise ValueError(f"an exchange holds at most {self.round} elements, not {size}")
+        with self._lock:
+            self._buffer[:size] = payload
+            self._buffer[size:] = 0.0
+            self._buffer[self.round] = control
+            result = self._push_pull({ROUND_NAME: self._buffer}, average=False)[ROUND_NAME]
+            return np.array(result[:self.round], dtype=np.float32), float(result[self.round])
+
+    def admit_joiners(self) -> None:
+        """The group takes in the pending joiners (both sides of the rejoin protocol, before its first
+        iteration): from now on every sum must count them."""
+        with self._lock:
+            self._joining = None
+            self._live = ()
+            self._counted = 0
 
     @property
     def node_id(self) -> int:
@@ -188,16 +245,71 @@ class Stage:
                 push = {ROUND_NAME: self._buffer} if plain else {**self._zeros, lane: buffer}
                 self.stats.padded += self.round - (stop - start)
                 pushed = time.perf_counter()
-                result = self._push_pull(push, average=average and plain)[lane]
+                # the mean is taken here, over the ranks the sum counts (a pending joiner's zeros are in
+                # the sum, its ranks not in the count): the same division the node would do
+                result = self._push_pull(push, average=False)[lane]
                 pulled = time.perf_counter()
                 out[start:stop] = result[:stop - start]
-                if average and not plain:
-                    out[start:stop] /= np.float32(self.workers)
+                if average:
+                    out[start:stop] /= np.float32(self._counted)
                 done = time.perf_counter()
                 self.stats.node_s += pulled - pushed
                 self.stats.copy_s += (pushed - began) + (done - pulled)
                 self.stats.overhead_s += (pushed - began) + (done - pulled)
         return out
+
+    def reduce_slot(self, payload: np.ndarray, slot: int, slots: int, *, exact: bool = False) -> np.ndarray:
+        """The sum of ``payload`` over the ranks of one group of a partition of the job's ranks, whose groups
+        run a collective together, each in its ``slot`` of every node iteration's round. The groups' payloads
+        may differ in size (a gather's grows with its group's ranks): the round's last element counts the
+        ranks with more to send, and the iterations go on until it is 0, the same number at every rank.
+        A DC lost in flight runs it again, as ``reduce`` does."""
+        losses = 0
+        while True:
+            try:
+                return self._reduce_slot(payload, slot, slots, exact=exact)
+            except PeerLost:
+                losses += 1
+                if self.on_dc_loss != "continue" or losses > LOSS_RETRIES * max(1, len(self._group_dcs)):
+                    raise
+                with self._lock:
+                    self.stats.retried += 1
+
+    def _reduce_slot(self, payload: np.ndarray, slot: int, slots: int, *, exact: bool) -> np.ndarray:
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} of {slots}")
+        width = (self.round - 1) // slots
+        if width < 1:
+            raise ValueError(f"a round of {self.round} elements holds no {slots} group slots and a count")
+        size = int(payload.size)
+        out = np.empty(size, dtype=np.float32)
+        lane = EXACT_NAME if exact and EXACT_NAME in self._zeros else ROUND_NAME
+        with self._lock:
+            self.stats.collectives += 1
+            self.stats.elements += size
+            start = 0
+            while True:
+                began = time.perf_counter()
+                stop = min(size, start + width)
+                frame = np.zeros(self.round + (1 if lane == ROUND_NAME and self._buffer.size > self.round else 0),
+                                 dtype=np.float32 if lane == ROUND_NAME else np.int32)
+                at = slot * width
+                frame[at:at + stop - start] = payload[start:stop]
+                frame[self.round - 1] = 1 if stop < size else 0
+                push = {**self._zeros, lane: frame}
+                self.stats.padded += self.round - (stop - start)
+                pushed = time.perf_counter()
+                result = np.asarray(self._push_pull(push, average=False)[lane])
+                pulled = time.perf_counter()
+                out[start:stop] = result[at:at + stop - start]
+                more = round(float(result[self.round - 1]))
+                done = time.perf_counter()
+                self.stats.node_s += pulled - pushed
+                self.stats.copy_s += (pushed - began) + (done - pulled)
+                self.stats.overhead_s += (pushed - began) + (done - pulled)
+                start = stop
+                if more == 0:
+                    return out
 
     def reduce_compressed(self, payload: np.ndarray, bucket: tuple[int, ...]) -> np.ndarray:
         """The sum over every rank of a gradient ``payload`` through the job's compression, error feedback
@@ -259,11 +371,28 @@ class Stage:
         self.stats.iterations += 1
         self.stats.wan_bytes += int(getattr(self.client, "wan_bytes", 0))
         dcs = tuple(getattr(self.client, "contributors", ()))
-        self.stats.contributors, self.stats.workers = dcs, self.client.num_workers
-        if self.client.num_workers == self.group_workers:
+        workers = self.client.num_workers
+        joining = tuple(sorted(set(dcs) - set(self._live))) if self._live and dcs else ()
+        if joining and self.may_rejoin:
+            # a DC restarted into the job: its ranks push zeros until the next step boundary admits them
+            if self._joining is None or self._joining[0] != joining:
+                self._joining = (joining, workers - self._counted)
+            self._counted = workers - self._joining[1]
+            self.stats.contributors, self.stats.workers = dcs, self._counted
+            return result
+        self._joining = None
+        self._counted = workers
+        self.stats.contributors, self.stats.workers = dcs, workers
+        if joining:
+            raise GroupIncomplete(
+                f"node iteration {self.client.iteration}: DC(s) {list(joining)} came back into the job, which "
+                f"only a group with on_dc_loss = continue and compression none takes in (at a step boundary, "
+                f"netstorm.torch.step_boundary)")
+        if workers == self.group_workers:
             self._group_dcs = self._group_dcs or dcs
-        elif self.on_dc_loss == "continue" and self.client.num_workers < self.group_workers and self.buckets is None:
-            pass  # the survivors' sum: the stats name its DCs
+            self._live = dcs
+        elif self.on_dc_loss == "continue" and workers < self.group_workers and self.buckets is None:
+            self._live = dcs  # the survivors' sum: the stats name its DCs
         else:
             gone = sorted(set(self._group_dcs) - set(dcs))
             left = f"{', '.join(f'node {d}' for d in gone)} left the job" if gone else "a DC left the job"
