@@ -55,7 +55,7 @@ def flat(model: nn.Module) -> np.ndarray:
     parts = []
     for p in model.parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        parts.append(full.detach().reshape(-1))
+        parts.append(full.detach().reshape(-1).cpu())
     return torch.cat(parts).numpy().copy()
 
 
@@ -64,7 +64,7 @@ def flat_state(opt: torch.optim.Optimizer) -> np.ndarray:
     gathered: a collective, so every rank calls it)."""
     state = opt.state_dict()["state"]
     values = [value for key in sorted(state) for value in state[key].values() if isinstance(value, torch.Tensor)]
-    parts = [(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().reshape(-1).float() for v in values]
+    parts = [(v.full_tensor() if hasattr(v, "full_tensor") else v).detach().reshape(-1).float().cpu() for v in values]
     return torch.cat(parts).numpy().copy() if parts else np.zeros(0, np.float32)
 
 
@@ -105,10 +105,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="DDP, FSDP2 over the job, or FSDP2 sharded in the DC and replicated across DCs")
     parser.add_argument("--stall", default=None, metavar="RANK:STEP",
                         help="that rank waits before that step's backward until killed (fault tests)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where the model trains (cuda: the GPU LOCAL_RANK picks; collectives are staged "
+                             "through host memory)")
     parser.add_argument("--hold-for-rejoin", type=int, default=None, metavar="STEP",
                         help="with on_dc_loss continue: at that step's boundary, run barriers until a restarted "
                              "DC rejoins (fault tests)")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and args.shard != "ddp":
+        parser.error("--device cuda trains DDP (--shard ddp); the sharded meshes here are CPU meshes")
     torch.set_num_threads(1)
     if args.backend == "netstorm":
         import netstorm.torch  # registers the backend
@@ -117,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"rank": rank, "world": world, "launcher_rank": int(os.environ.get("RANK", rank))}),
           flush=True)
     x, y = make_data(args.seed, world, args.batch, args.steps)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        x, y = x.to(device), y.to(device)
     group = dist.distributed_c10d._get_default_group()
     rejoinable = args.backend == "netstorm" and args.shard == "ddp" and \
         getattr(getattr(group, "stage", None), "on_dc_loss", "error") == "continue"
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return torch.compile(ddp) if args.compile else ddp  # type: ignore[return-value]
 
     if args.shard == "ddp":
-        model = make_model(args.seed + 1 + rank)  # DDP broadcasts rank 0's values at construction
+        model = make_model(args.seed + 1 + rank).to(device)  # DDP broadcasts rank 0's values at construction
         # rejoinable: built at the first step boundary, where a restarted DC's rank first meets the others
         ddp: nn.Module | None = None if rejoinable else wrap(model)
     else:
