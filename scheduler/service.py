@@ -385,6 +385,26 @@ class SchedulerService:
                 log.warning("node %d lost its part of iteration %d: %s", message.node_id, message.iteration,
                             message.reason)
                 await self._broadcast(message, skip=message.node_id)
+            case control.Vacancy():
+                if conn.node_id is None or message.node_id != conn.node_id:
+                    log.warning("vacancy of node %d from %s ignored: not that node's connection", message.node_id,
+                                conn.name())
+                    return True
+                log.warning("node %d's trainer place is %s from iteration %d%s", message.node_id,
+                            "taken again" if message.filled else "empty", message.iteration,
+                            f": {message.reason}" if message.reason else "")
+                await self._broadcast(message, skip=message.node_id)
+            case control.PartWanted():
+                peer = self._connections.get(message.peer)
+                if conn.node_id is None or message.node_id != conn.node_id or peer is None:
+                    log.warning("part of iteration %d wanted by node %d of node %d from %s ignored: not that node's "
+                                "connection, or no connection to node %d", message.iteration, message.node_id,
+                                message.peer, conn.name(), message.peer)
+                    return True
+                try:
+                    await peer.send(message)
+                except ConnectionError as exc:  # it is going away; its own handler reports that
+                    log.info("could not send %s to %s: %s", message.TYPE, peer.name(), exc)
             case control.PolicyRequest():
                 await self._policy_request(conn, message)
             case control.LayoutCheck():
