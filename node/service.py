@@ -30,6 +30,7 @@ from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
 from netstorm.errors import ChunkError, ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
+from netstorm.joblayout import job_layout
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -360,12 +361,8 @@ class GeneralNode:
         fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
         as the trainer derives it), and the layout hash covers a. A gateway's LAN tier is told a sparse
         compression (and FediAC's ``bits`` and ``gia_reuse``): its rounds then travel on their own wires."""
-        fp16 = any(COMPRESSION.get_entry(c).float16 for c in (compression, self.config.compression))
-        gia = None
-        if COMPRESSION.get_entry(compression).consensus and any(spec.name == VOTES for spec in specs):
-            a = CompressionOptions(compression, votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
-            gia = (VOTES, a)
-        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
+        layout = job_layout(specs, self.config.chunk_size, compression, self.config.compression,
+                            votes=votes or self.config.fediac_votes, workers=self.num_workers)
         if self.layout is not None:
             if layout.hash != self.layout.hash:
                 raise LayoutMismatch(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "

@@ -185,6 +185,9 @@ class SchedulerService:
             self.planner.planned_rates = dict(policies[-1].rates)
         self.membership.restore(saved.members, complete=saved.complete and bool(policies), now=self.clock())
         self._layout = saved.layout
+        if self.config.layout_hash and saved.layout is not None and saved.layout[0] != self.config.layout_hash:
+            raise ConfigError(f"the job in {store.path} runs layout {saved.layout[0]}, but layout_hash is "
+                              f"{self.config.layout_hash}: start a new job (another state_dir) for another model")
         if self.membership.complete:
             self.complete.set()
         self.resumed = True
@@ -667,14 +670,17 @@ class SchedulerService:
         first = 0
         if problem is None:
             if self._votes is None or (self._layout is not None and self._votes.adopted != self._layout):
-                self._votes = LayoutVote(self.membership.expected, self._layout)
+                self._votes = LayoutVote(self.membership.expected, self._layout, configured=self.config.layout_hash)
             verdict = self._votes.check(message.node_id, message.layout_hash)
             if self._layout is None and self._votes.adopted is not None:
                 self._layout = self._votes.adopted
                 if self.store is not None:
                     self.store.save_layout(*self._layout)
-                log.info("tensor layout %s agreed by %d of %d DCs (first node %d)", self._layout[0],
-                         self._votes.needed, len(self._votes.expected), self._layout[1])
+                if self._votes.configured:
+                    log.info("tensor layout %s: the configured layout_hash", self._layout[0])
+                else:
+                    log.info("tensor layout %s agreed by %d of %d DCs (first node %d)", self._layout[0],
+                             self._votes.needed, len(self._votes.expected), self._layout[1])
             if verdict.mismatch:
                 problem, code = verdict.mismatch, ErrorCode.LAYOUT_MISMATCH
             elif not verdict.agreed:
