@@ -566,7 +566,7 @@ class SchedulerClient:
                             message.reason)
                     continue
                 if isinstance(message, control.Vacancy):
-                    log.warning("node %d: node %d's trainer place is %s from iteration %d%s", self.node_id,
+                    log.info("node %d: node %d's trainer place is %s from iteration %d%s", self.node_id,
                                 message.node_id, "taken again" if message.filled else "empty", message.iteration,
                                 f": {message.reason}" if message.reason else "")
                     _notify(self._vacancy_callbacks, "vacancy", message.node_id, message.iteration, message.reason,
