@@ -145,6 +145,9 @@ class SchedulerService:
         self._votes: LayoutVote | None = None
         """The DCs' votes for the job's layout until a majority agrees (``scheduler.layoutvote``)."""
         self._edge: dict[int, tuple[str, str]] = {}
+        self._vacancies: dict[int, control.Vacancy] = {}
+        """Node -> its newest word that its trainer place is empty, until taken again: told to members that
+        register or re-attach later, so that they too ask it for its part."""
         self.lan = LanPlanning(config)
         """Plans of each DC's LAN tier (``dc_planner``), from its gateway's LAN reports."""
         self._lan_wake = asyncio.Event()
@@ -396,6 +399,10 @@ class SchedulerService:
                 log.warning("node %d's trainer place is %s from iteration %d%s", message.node_id,
                             "taken again" if message.filled else "empty", message.iteration,
                             f": {message.reason}" if message.reason else "")
+                if message.filled:
+                    self._vacancies.pop(message.node_id, None)
+                else:
+                    self._vacancies[message.node_id] = message
                 await self._broadcast(message, skip=message.node_id)
             case control.PartWanted():
                 peer = self._connections.get(message.peer)
@@ -556,6 +563,11 @@ class SchedulerService:
         await conn.send(control.RegisterAck(members=members, config=dataclasses.asdict(self.config),
                                             scheduler_time=self.clock(), workers=workers,
                                             running=not message.attach))
+        if not message.attach and node_id in self._vacancies:  # a new process: its old place is void
+            vacancy = self._vacancies.pop(node_id)
+            await self._broadcast(control.Vacancy(node_id, vacancy.iteration, filled=True), skip=node_id)
+        for vacancy in [v for n, v in sorted(self._vacancies.items()) if n != node_id]:
+            await conn.send(vacancy)
         if message.attach:
             log.info("node %d re-attached from %s", node_id, conn.peer)
             return True
@@ -847,6 +859,7 @@ class SchedulerService:
 
     async def _member_down(self, down: Down) -> None:
         self._save_members()
+        self._vacancies.pop(down.node_id, None)
         if self.probing is not None and not self._probed.is_set():
             self.probing.gone(down.node_id)
             if self.probing.done:
