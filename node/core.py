@@ -422,11 +422,11 @@ class NodeCore:
     def vacate(self, reason: str, now: float) -> list[Action]:
         """This DC's trainer place is empty after the init round (its trainer closed or died; no
         replacement yet): its part of every iteration from its next on will not come. The iterations
-        under way here fail at once and are reported, the place's emptiness too, so that each later
-        iteration fails as soon as it is under way anywhere (``part_wanted``, a peer's chunk, a waiter)."""
+        under way here fail at once and are reported, the place's emptiness too, so that, if none was,
+        the next fails as soon as it is under way anywhere (``part_wanted``, a peer's chunk, a waiter)."""
         if self.vacancies.own is not None or self.chunks.layout is None:
             return []
-        self.vacancies.own = reason
+        self.vacancies.own, self.vacancies.spent = reason, False
         running = self._running()
         actions = self._lose_through(max(running), now) if running else []
         return [*actions, ReportVacancy(self.oldest_part(), reason)]
@@ -453,9 +453,9 @@ class NodeCore:
 
     def part_wanted(self, peer: int, iteration: int, now: float) -> list[Action]:
         """Member ``peer`` has ``iteration`` under way and asks for this DC's part: with the place still
-        empty, every iteration of this DC up to ``iteration`` fails (and is reported); taken again, the
-        replacement's push is the part, and nothing happens."""
-        if self.vacancies.own is None or self.chunks.layout is None:
+        empty and no iteration failed for it yet, every iteration of this DC up to ``iteration`` fails (and
+        is reported); taken again, the replacement's push is the part, and nothing happens."""
+        if self.vacancies.own is None or self.vacancies.spent or self.chunks.layout is None:
             return []
         return self._lose_through(iteration, now)
 
@@ -619,12 +619,13 @@ class NodeCore:
         return (tracker is not None and tracker.done) or self.chunks.is_done(iteration)
 
     def _under_way(self, iteration: int, now: float) -> list[Action]:
-        """``iteration`` is under way at this node: with this DC's place empty it fails (and the ones before
-        it that lack this DC's part); members whose places are empty are asked for their parts."""
+        """``iteration`` is under way at this node: with this DC's place empty (and no iteration failed for
+        it yet) it fails, with the ones before it that lack this DC's part; members whose places are empty
+        are asked for their parts."""
         if (self.vacancies.own is None and not self.vacancies.peers) or self.failure(iteration) is not None:
             return []
         actions: list[Action] = []
-        if self.vacancies.own is not None:
+        if self.vacancies.own is not None and not self.vacancies.spent:
             actions += self._lose_through(iteration, now)
         if self.vacancies.peers and self.failure(iteration) is None and not self._complete(iteration):
             actions += [AskPart(peer, iteration) for peer in
@@ -644,6 +645,7 @@ class NodeCore:
             actions += self._fail(lost, f"iteration {lost} failed at node {self.node_id}: {reason}", Cause.GONE,
                                   _Links({}), now)
             actions.append(ReportLost(lost, reason))
+            self.vacancies.spent = True
         return actions
 
     def _fail(self, iteration: int, reason: str, cause: Cause, links: _Links, now: float) -> list[Action]:

@@ -1,8 +1,11 @@
 """Empty trainer places: which DCs' parts of which iterations will not come, and whom to ask; no I/O.
 
-A DC whose trainer closed or died after the init round, with no replacement yet, cannot contribute: every
-iteration that lacks its part fails, as soon as it is under way anywhere, and only that DC decides it
-(so an iteration fails at every member or at none, and a replacement that inits takes the next one).
+A DC whose trainer closed or died after the init round, with no replacement yet, cannot contribute: the
+first iteration that lacks its part fails as soon as it is under way anywhere, and only that DC decides it
+(so an iteration fails at every member or at none, and a replacement that inits takes the next one). Later
+iterations wait for a replacement, the node's death or their timeout: ``PeerLost`` tells a trainer to run
+again without the lost DC, but a DC whose node lives stays in the policies, and failing each retry at once
+would spend the retries of the torch stage and DiLoCo in milliseconds.
 It learns that an iteration is under way from a peer's chunk for it, from its own waiters, or from a
 member that has it under way and asks for the DC's part (a DC that is a leaf of every tree receives
 nothing before its own part is in). The node core (``node/core.py``) holds one ``Vacancies`` and does
@@ -20,6 +23,8 @@ class Vacancies:
     def __init__(self) -> None:
         self.own: str | None = None
         """Why this DC's trainer place is empty (None: every place is taken)."""
+        self.spent = False
+        """This emptiness already failed an iteration: later ones wait (see the module docstring)."""
         self.peers: dict[int, tuple[int, str]] = {}
         """Member -> (the first iteration its part will not come to, why), as it told."""
         self._asked: set[tuple[int, int]] = set()
