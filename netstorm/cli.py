@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "export-klonet": "export_klonet",
     "bench": "bench",
     "secret": "secret",
+    "layout-hash": "layout_hash",
     "status": "status",
     "probe": "probe",
     "lan-aggregator": "lan_aggregator",

@@ -188,6 +188,10 @@ class Config:
     allow_joiners: bool = False
     """The scheduler admits DCs whose ids the job did not expect at its start (a restarted expected DC is
     always readmitted)."""
+    layout_hash: str = ""
+    """The job's model layout, as `netstorm layout-hash` prints it for the job's model (16 hex digits):
+    the scheduler decides every trainer's layout check against it at once, so a wrong init is refused
+    (LayoutMismatch) even first and with two DCs; empty: the layout a majority of the job's DCs registers."""
     # Operations.
     metrics_listen: str = ""
     """HOST:PORT where this process serves Prometheus metrics at /metrics (names prefixed netstorm_);
@@ -319,6 +323,9 @@ class Config:
         if self.idle_timeout <= self.heartbeat_interval:
             raise ConfigError(f"idle_timeout ({self.idle_timeout:g} s) must exceed heartbeat_interval "
                               f"({self.heartbeat_interval:g} s): a registered node is silent between heartbeats")
+        if self.layout_hash and not re.fullmatch(r"[0-9a-f]{16}", self.layout_hash):
+            raise ConfigError(f"layout_hash must be 16 lowercase hex digits, as netstorm layout-hash prints them "
+                              f"(or empty), got {self.layout_hash!r}")
         if self.wan_tls and not self.secret_file:
             raise ConfigError("wan_tls needs secret_file: its certificate and key sit beside the secret")
         positive_ints = ("chunk_size", "primary_busy_bound", "auxiliary_queue_length",

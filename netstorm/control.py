@@ -434,6 +434,30 @@ class IterationLost(Message, frozen=True, tag="iteration_lost"):
     reason: Text
 
 
+class Vacancy(Message, frozen=True, tag="vacancy", omit_defaults=True):
+    """Node ``node_id``'s trainer place is empty after the init round (its trainer closed or died, and no
+    replacement inited yet): its part of every iteration from ``iteration`` on will not come. The node tells
+    the scheduler, which tells every other member; a member that has an iteration from ``iteration`` on under
+    way asks the node for its part (``PartWanted``), and the node fails the iteration everywhere
+    (``IterationLost``). ``filled``: a replacement inited, the node's part comes again from ``iteration`` on."""
+
+    node_id: NodeId
+    iteration: Version
+    reason: Text = ""
+    filled: bool = False
+
+
+class PartWanted(Message, frozen=True, tag="part_wanted"):
+    """Node ``node_id`` has ``iteration`` under way, which needs node ``peer``'s part, and ``peer`` said its
+    trainer place is empty (``Vacancy``): the scheduler forwards this to ``peer`` alone, which fails the
+    iteration at every member (``IterationLost``) unless a replacement filled its place meanwhile. A DC that
+    no chunk reaches before its own part is in (a leaf of every tree) learns so that its iteration is under way."""
+
+    node_id: NodeId
+    peer: NodeId
+    iteration: Version
+
+
 class PeerUnreachable(Message, frozen=True, tag="peer_unreachable"):
     """A node lost (or could not open) its data connection to ``peer`` and is reconnecting. Evidence
     for the scheduler, not a verdict: only the scheduler declares a member dead, from its own
@@ -745,7 +769,7 @@ class LanPlan(Message, frozen=True, tag="lan_plan", omit_defaults=True):
 
 MESSAGES: dict[str, type[Message]] = {}
 for _cls in (Register, RegisterAck, LayoutCheck, LayoutAck, Heartbeat, Leave, MemberDown, IterationLost,
-             PeerUnreachable, MemberUp,
+             Vacancy, PartWanted, PeerUnreachable, MemberUp,
              LinkBeliefs, PolicyRequest, PolicyReply, LinkReport, Error, PolicyOverride, PolicyOverrideAck,
              StatusRequest, Status, PolicyFetch, EdgeReport, HistoryRequest, History, LanReport, LanPlan,
              ProbeRequest, ProbeResult):
@@ -802,7 +826,7 @@ class Inbound:
 ANY = Inbound("this side", tuple(MESSAGES.values()))
 """Every kind (what tools and tests decode)."""
 TO_SCHEDULER = Inbound("the scheduler", (Register, LayoutCheck, Heartbeat, Leave, IterationLost, PeerUnreachable,
-                                         PolicyRequest,
+                                         Vacancy, PartWanted, PolicyRequest,
                                          LinkReport, EdgeReport, LanReport, PolicyOverride, StatusRequest,
                                          PolicyFetch, HistoryRequest, ProbeResult))
 """What nodes and admin tools send the scheduler: none of it is larger than an override's rates."""

@@ -17,8 +17,8 @@ from netstorm.frames import ChunkHeader
 from netstorm.probe import LinkReport
 from node.chunks import Cause, IterationDone, IterationFailed, KeyDone
 
-__all__ = ["Action", "AskPolicy", "Cause", "IterationDone", "IterationFailed", "KeyDone", "MoveFrame", "Prefetch",
-           "Released", "ReportLink", "SendFrame"]
+__all__ = ["Action", "AskPart", "AskPolicy", "Cause", "IterationDone", "IterationFailed", "KeyDone", "MoveFrame",
+           "Prefetch", "Released", "ReportLink", "ReportLost", "ReportVacancy", "SendFrame"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,5 +74,33 @@ class Released:
     workers: int
 
 
+@dataclasses.dataclass(frozen=True)
+class ReportLost:
+    """Tell every member (through the control plane) that this DC's part of ``iteration`` will not come:
+    the core failed it here because this DC's trainer place is empty."""
+
+    iteration: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportVacancy:
+    """Tell every member that this DC's trainer place is empty from ``iteration`` on (``filled``: a
+    replacement took it, this DC's part comes again from ``iteration`` on)."""
+
+    iteration: int
+    reason: str
+    filled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class AskPart:
+    """Ask member ``peer``, whose trainer place is empty, for its part of ``iteration``, under way here: it
+    fails the iteration everywhere unless a replacement took its place."""
+
+    peer: int
+    iteration: int
+
+
 Action = (SendFrame | MoveFrame | AskPolicy | Prefetch | ReportLink | KeyDone | IterationDone | IterationFailed
-          | Released)
+          | Released | ReportLost | ReportVacancy | AskPart)

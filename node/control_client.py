@@ -80,6 +80,8 @@ class SchedulerClient:
         self._reports_ready = asyncio.Event()
         self._down_callbacks: list[Callable[[int, str], None]] = []
         self._iteration_lost_callbacks: list[Callable[[int, int, str], None]] = []
+        self._vacancy_callbacks: list[Callable[[int, int, str, bool], None]] = []
+        self._part_wanted_callbacks: list[Callable[[int, int], None]] = []
         self._beliefs_callbacks: list[Callable[[control.LinkBeliefs], None]] = []
         self._lan_plan_callbacks: list[Callable[[control.LanPlan], None]] = []
         self.lan_plan: control.LanPlan | None = None
@@ -289,6 +291,35 @@ class SchedulerClient:
         """Call ``callback(node_id, iteration, reason)`` when a member's part of an iteration will not come."""
         self._iteration_lost_callbacks.append(callback)
 
+    def on_vacancy(self, callback: Callable[[int, int, str, bool], None]) -> None:
+        """Call ``callback(node_id, iteration, reason, filled)`` when a member's trainer place empties from
+        ``iteration`` on (``filled``: it is taken again)."""
+        self._vacancy_callbacks.append(callback)
+
+    def on_part_wanted(self, callback: Callable[[int, int], None]) -> None:
+        """Call ``callback(node_id, iteration)`` when a member has ``iteration`` under way and asks for this
+        DC's part (this DC said its trainer place is empty)."""
+        self._part_wanted_callbacks.append(callback)
+
+    def report_vacancy(self, iteration: int, reason: str, filled: bool = False) -> None:
+        """Tell the scheduler (and through it every member) that this DC's trainer place is empty from
+        ``iteration`` on, or (``filled``) taken again (sent in the background; a failure is logged)."""
+        if self._tasks is None:
+            log.warning("node %d: vacancy from iteration %d not reported: the client is closed", self.node_id,
+                        iteration)
+            return
+        message = control.Vacancy(self.node_id, iteration, reason[:EDGE_REASON], filled)
+        self._tasks.create_task(self._report_edge(message))
+
+    def ask_part(self, peer: int, iteration: int) -> None:
+        """Ask member ``peer``, whose trainer place is empty, for its part of ``iteration`` (through the
+        scheduler; sent in the background, a failure is logged)."""
+        if self._tasks is None:
+            log.warning("node %d: part of iteration %d not asked of node %d: the client is closed", self.node_id,
+                        iteration, peer)
+            return
+        self._tasks.create_task(self._report_edge(control.PartWanted(self.node_id, peer, iteration)))
+
     def report_iteration_lost(self, iteration: int, reason: str) -> None:
         """Tell the scheduler (and through it every member) that this node's part of ``iteration`` will not
         come (sent in the background; a failure is logged)."""
@@ -419,7 +450,7 @@ class SchedulerClient:
         self._tasks.create_task(self._report_edge(control.EdgeReport(self.node_id, mode, fallback[:EDGE_REASON])))
 
     async def _report_edge(self, message: control.EdgeReport | control.PeerUnreachable | control.LanReport
-                           | control.IterationLost) -> None:
+                           | control.IterationLost | control.Vacancy | control.PartWanted) -> None:
         try:
             await self._send(message)
         except (TimeoutError, ConnectionError, OSError) as exc:
@@ -533,6 +564,16 @@ class SchedulerClient:
                                 message.iteration, message.reason)
                     _notify(self._iteration_lost_callbacks, "iteration-lost", message.node_id, message.iteration,
                             message.reason)
+                    continue
+                if isinstance(message, control.Vacancy):
+                    log.info("node %d: node %d's trainer place is %s from iteration %d%s", self.node_id,
+                                message.node_id, "taken again" if message.filled else "empty", message.iteration,
+                                f": {message.reason}" if message.reason else "")
+                    _notify(self._vacancy_callbacks, "vacancy", message.node_id, message.iteration, message.reason,
+                            message.filled)
+                    continue
+                if isinstance(message, control.PartWanted):
+                    _notify(self._part_wanted_callbacks, "part-wanted", message.node_id, message.iteration)
                     continue
                 if isinstance(message, control.MemberUp):
                     self._member_up(message)

@@ -36,6 +36,7 @@ from netstorm.sendsched import LinkView, PathScheduler
 from node import chunks
 from node.actions import (
     Action,
+    AskPart,
     AskPolicy,
     Cause,
     IterationDone,
@@ -45,11 +46,14 @@ from node.actions import (
     Prefetch,
     Released,
     ReportLink,
+    ReportLost,
+    ReportVacancy,
     SendFrame,
 )
 from node.counters import Counters
 from node.forwarding import Forwarding
 from node.sendqueue import leave_order
+from node.vacancy import Vacancies
 
 log = logging.getLogger("netstorm.node")
 
@@ -162,6 +166,8 @@ class NodeCore:
         self._asked: set[int] = set()
         self._probes: dict[tuple[int, int], ProbeEstimator] = {}
         self._routes: dict[int, _Route] = {}
+        self.vacancies = Vacancies()
+        """Empty trainer places, this DC's and its members' (``node/vacancy.py``)."""
         self._tickets = itertools.count()
 
     @property
@@ -221,7 +227,7 @@ class NodeCore:
         actions = self.chunks.push_local(iteration, key, values)
         self._key_next.step(key)
         self._widen_horizon()
-        return self._process(actions, _Links(links), now)
+        return self._process(actions, _Links(links), now) + self._under_way(iteration, now)
 
     def contribute_many(self, iteration: int, items: Sequence[tuple[int, np.ndarray | None]],
                         links: Mapping[int, LinkState], now: float) -> tuple[list[Action], ChunkError | None]:
@@ -243,7 +249,7 @@ class NodeCore:
                 break
             self._key_next.step(key)
         self._widen_horizon()
-        return self._process(chunk_actions, _Links(links), now), error
+        return self._process(chunk_actions, _Links(links), now) + self._under_way(iteration, now), error
 
     def contribute_part(self, key: int, iteration: int, part: int, values: np.ndarray | None,
                         links: Mapping[int, LinkState], now: float) -> list[Action]:
@@ -254,7 +260,7 @@ class NodeCore:
         if self.chunks.key_pushed(iteration, key):
             self._key_next.step(key)
             self._widen_horizon()
-        return self._process(actions, _Links(links), now)
+        return self._process(actions, _Links(links), now) + self._under_way(iteration, now)
 
     def contribute_piece(self, key: int, iteration: int, start: int, values: np.ndarray) -> None:
         """Elements ``start`` on of this DC's values of tensor ``key`` for ``iteration`` (from
@@ -310,9 +316,10 @@ class NodeCore:
                                  f"(iteration {iteration})")
         return iteration
 
-    def track(self, iteration: int, now: float) -> None:
+    def track(self, iteration: int, now: float) -> list[Action]:
         """Someone at this node waits for ``iteration``: its clock starts now if it has not."""
         self._tracker(iteration, now)
+        return self._under_way(iteration, now)
 
     def pulled(self, iteration: int, key: int) -> list[Action]:
         """Tensor ``key``'s sum of ``iteration`` was read; after the last tensor the iteration is released."""
@@ -362,7 +369,7 @@ class NodeCore:
                                          f"node(s) {dead}, which are gone: {'; '.join(self.down[d] for d in dead)}",
                               Cause.GONE, view, now)
         log.debug("node %d: iteration %d bound to policy version %d", self.node_id, iteration, policy.version)
-        return self._process(self.chunks.bind_policy(iteration, policy), view, now)
+        return self._process(self.chunks.bind_policy(iteration, policy), view, now) + self._under_way(iteration, now)
 
     def beliefs(self, beliefs: LinkBeliefs, links: Mapping[int, LinkState]) -> list[Action]:
         """A newer policy was published: detours of older ones follow its rates, and the queued chunks of
@@ -380,13 +387,15 @@ class NodeCore:
         """A hop addressed to this node, its last byte read at ``t_last_byte`` (the synced clock the
         sender stamped ``t_send`` with). Raises ChunkError for input no correct peer sends."""
         actions = self._probe(header, payload.nbytes, t_last_byte)
-        return actions + self._process(self.chunks.receive(header, payload), _Links(links), now)
+        actions += self._process(self.chunks.receive(header, payload), _Links(links), now)
+        return actions + self._under_way(header.iteration, now)
 
     def member_down(self, peer: int, reason: str, now: float) -> list[Action]:
         """A peer is gone: every iteration in progress fails at once, naming the peer."""
         if peer in self.down or peer == self.node_id:
             return []
         self.down[peer] = f"node {peer} is gone: {reason}"
+        self.vacancies.forget(peer)
         live = self.chunks.live_iterations()
         pending = [k for k, t in self._trackers.items() if t.failure is None and not t.done]
         affected = sorted(set(live) | set(pending))
@@ -407,6 +416,53 @@ class NodeCore:
         if tracker is not None and (tracker.done or tracker.failure is not None):
             return []
         return self._fail(iteration, reason, Cause.GONE, _Links({}), now)
+
+    # ---- events: empty trainer places ---------------------------------------------------------------
+
+    def vacate(self, reason: str, now: float) -> list[Action]:
+        """This DC's trainer place is empty after the init round (its trainer closed or died; no
+        replacement yet): its part of every iteration from its next on will not come. The iterations
+        under way here fail at once and are reported, the place's emptiness too, so that, if none was,
+        the next fails as soon as it is under way anywhere (``part_wanted``, a peer's chunk, a waiter)."""
+        if self.vacancies.own is not None or self.chunks.layout is None:
+            return []
+        self.vacancies.own, self.vacancies.spent = reason, False
+        running = self._running()
+        actions = self._lose_through(max(running), now) if running else []
+        return [*actions, ReportVacancy(self.oldest_part(), reason)]
+
+    def fill(self) -> list[Action]:
+        """A replacement trainer took the empty place: this DC's part comes again from its next iteration."""
+        if self.vacancies.own is None:
+            return []
+        self.vacancies.own = None
+        return [ReportVacancy(self.oldest_part(), "", filled=True)]
+
+    def peer_vacancy(self, peer: int, iteration: int, reason: str, filled: bool, now: float) -> list[Action]:
+        """Member ``peer`` told its trainer place is empty from ``iteration`` on (``filled``: taken again).
+        Its part of the iterations under way here is asked for at once."""
+        if peer == self.node_id or peer in self.down:
+            return []
+        self.vacancies.told(peer, iteration, reason, filled)
+        if filled:
+            return []
+        actions: list[Action] = []
+        for running in self._running():
+            actions += self._under_way(running, now)
+        return actions
+
+    def part_wanted(self, peer: int, iteration: int, now: float) -> list[Action]:
+        """Member ``peer`` has ``iteration`` under way and asks for this DC's part: with the place still
+        empty and no iteration failed for it yet, every iteration of this DC up to ``iteration`` fails (and
+        is reported); taken again, the replacement's push is the part, and nothing happens."""
+        if self.vacancies.own is None or self.vacancies.spent or self.chunks.layout is None:
+            return []
+        return self._lose_through(iteration, now)
+
+    def oldest_part(self) -> int:
+        """The oldest iteration this DC's part is not wholly in: every tensor's next contribution is in it or
+        later."""
+        return self._key_next.low if len(self._key_next) else self.first_iteration
 
     def contribution_failed(self, iteration: int, reason: str, now: float) -> list[Action]:
         """This DC's contribution to ``iteration`` cannot be made (its gateway's LAN tier failed it: a
@@ -548,6 +604,49 @@ class NodeCore:
                 self._skip(action.iteration)
                 out.append(action)
         return out
+
+    def _running(self) -> list[int]:
+        """The iterations under way at this node and neither complete nor failed: with a waiter, chunks
+        held, or part of this DC's contribution in."""
+        low = self.oldest_part()
+        candidates = set(self.chunks.live_iterations()) | set(self._trackers)
+        if len(self._key_next):
+            candidates |= set(range(low, self._key_next.high()))
+        return sorted(i for i in candidates if self.failure(i) is None and not self._complete(i))
+
+    def _complete(self, iteration: int) -> bool:
+        tracker = self._trackers.get(iteration)
+        return (tracker is not None and tracker.done) or self.chunks.is_done(iteration)
+
+    def _under_way(self, iteration: int, now: float) -> list[Action]:
+        """``iteration`` is under way at this node: with this DC's place empty (and no iteration failed for
+        it yet) it fails, with the ones before it that lack this DC's part; members whose places are empty
+        are asked for their parts."""
+        if (self.vacancies.own is None and not self.vacancies.peers) or self.failure(iteration) is not None:
+            return []
+        actions: list[Action] = []
+        if self.vacancies.own is not None and not self.vacancies.spent:
+            actions += self._lose_through(iteration, now)
+        if self.vacancies.peers and self.failure(iteration) is None and not self._complete(iteration):
+            actions += [AskPart(peer, iteration) for peer in
+                        self.vacancies.asks(iteration, self.contributors(iteration), self.oldest_unpulled())]
+        return actions
+
+    def _lose_through(self, iteration: int, now: float) -> list[Action]:
+        """This DC's place is empty: its iterations from the oldest lacking its part up to ``iteration`` (at
+        most ``max_ahead`` + 1 past it: no peer runs further) fail, each reported to every member."""
+        reason = self.vacancies.own
+        assert reason is not None
+        low = self.oldest_part()
+        actions: list[Action] = []
+        for lost in range(low, min(iteration, low + self.config.max_ahead + 1) + 1):
+            if self.failure(lost) is not None or self._complete(lost):
+                continue
+            actions += self._fail(lost, f"iteration {lost} failed at node {self.node_id}: {reason}", Cause.GONE,
+                                  _Links({}), now)
+            actions.append(ReportLost(lost, reason))
+            self.vacancies.spent = True
+        return actions
 
     def _fail(self, iteration: int, reason: str, cause: Cause, links: _Links, now: float) -> list[Action]:
         return self._process(self.chunks.fail(iteration, reason, cause), links, now)

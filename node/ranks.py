@@ -89,8 +89,8 @@ class RankBook:
             rank.next_pull = [core.pull_iteration(k) for k in range(keys)]
             return
         # A predecessor that died in the middle of a push left some tensors an iteration behind: that
-        # iteration lacks part of this DC's gradient and can only fail (at its timeout, everywhere); the
-        # replacement starts after it for every tensor.
+        # iteration lacks part of this DC's gradient and fails (at once, everywhere, when the place
+        # emptied); the replacement starts after it for every tensor.
         rank.next_push = [max(rank.next_push, default=0)] * keys
         rank.next_pull = list(rank.next_push)
         for key in range(keys):
@@ -125,19 +125,11 @@ class RankBook:
             self._init_source = None
         return [release for key in range(keys) for release in self.releasable(key)]
 
-    def lost_iteration(self, keys: int) -> int | None:
-        """With a place empty after the init round, the iteration this DC's contribution is now missing
-        from: its next one, when it is under way (some of this DC's tensors in, or peers' chunks for it
-        arrived) and not complete; None otherwise (a replacement may still push it in time)."""
-        if not self.initialized or len(self._ranks) >= self.slots or not keys:
-            return None
-        core = self.core
-        nexts = [core.key_next(k) for k in range(keys)]
-        iteration = min(nexts)
-        started = max(nexts) > iteration or iteration in core.chunks.live_iterations()
-        if not started or core.failure(iteration) is not None or core.keys_ready(iteration, range(keys)):
-            return None
-        return iteration
+    @property
+    def vacant(self) -> bool:
+        """A place is empty after the init round: this DC's sum cannot be made until a replacement inits
+        (the node core then fails each of its iterations as soon as it is under way anywhere)."""
+        return self.initialized and len(self._ranks) < self.slots
 
     def init_values(self, rank_id: int, first: bool) -> bool:
         """Whether this rank's values are the DC's in the init round (``first``: this node contributes
@@ -303,6 +295,8 @@ class Ranks:
 
     def start(self, rank_id: int, layout: Layout, *, replacement: bool) -> None:
         self.book.start(rank_id, len(layout.tensors), replacement=replacement)
+        if replacement and not self.book.vacant:
+            self.node.fill()
 
     def init_values(self, rank_id: int, first: bool) -> bool:
         return self.book.init_values(rank_id, first)
@@ -321,12 +315,8 @@ class Ranks:
         present = rank_id is not None and self.book.has(rank_id)
         self._release(self.book.leave(rank_id, len(layout.tensors) if layout is not None else 0))
         self._wake()
-        if present and layout is not None:
-            lost = self.book.lost_iteration(len(layout.tensors))
-            if lost is not None:
-                log.warning("node %d: a trainer left before its part of iteration %d was in: the iteration fails",
-                            self.node.node_id, lost)
-                self.node.contribution_lost(lost, "its trainer closed or died before pushing its part")
+        if present and layout is not None and self.book.vacant:
+            self.node.vacate(f"node {self.node.node_id}'s trainer closed or died, and no replacement has inited")
 
     async def settle(self, layout: Layout) -> None:
         """Release every result all ranks have read, waiting for those not complete yet (what a departed

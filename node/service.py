@@ -30,6 +30,7 @@ from netstorm.config import Config
 from netstorm.control import LanPlan, LinkBeliefs
 from netstorm.errors import ChunkError, ErrorCode, FrameError, IterationFailed, LayoutMismatch, NetStormError
 from netstorm.frames import ChunkHeader, ErrorFrame, Hello, frame_size
+from netstorm.joblayout import job_layout
 from netstorm.layout import Layout, TensorSpec
 from netstorm.policy import Policy
 from netstorm.probe import LinkReport
@@ -38,6 +39,7 @@ from node import actions as act
 from node import pieces
 from node.actions import (
     Action,
+    AskPart,
     AskPolicy,
     Cause,
     IterationDone,
@@ -46,6 +48,8 @@ from node.actions import (
     Prefetch,
     Released,
     ReportLink,
+    ReportLost,
+    ReportVacancy,
     SendFrame,
 )
 from node.core import LinkState, NodeCore
@@ -257,6 +261,9 @@ class GeneralNode:
             control.on_member_up(self.member_up)
         if hasattr(control, "on_iteration_lost"):
             control.on_iteration_lost(self._iteration_lost)
+        if hasattr(control, "on_vacancy") and hasattr(control, "on_part_wanted"):
+            control.on_vacancy(self._peer_vacancy)
+            control.on_part_wanted(self._part_wanted)
         if hasattr(control, "on_lan_plan"):
             control.on_lan_plan(self._lan_plan)
             pushed = getattr(control, "lan_plan", None)
@@ -354,12 +361,8 @@ class GeneralNode:
         fediac the roots threshold the vote counts at a = ``votes`` (0: derived from the job's workers,
         as the trainer derives it), and the layout hash covers a. A gateway's LAN tier is told a sparse
         compression (and FediAC's ``bits`` and ``gia_reuse``): its rounds then travel on their own wires."""
-        fp16 = any(COMPRESSION.get_entry(c).float16 for c in (compression, self.config.compression))
-        gia = None
-        if COMPRESSION.get_entry(compression).consensus and any(spec.name == VOTES for spec in specs):
-            a = CompressionOptions(compression, votes=votes or self.config.fediac_votes).votes_of(self.num_workers)
-            gia = (VOTES, a)
-        layout = Layout.build(specs, self.config.chunk_size, "float16" if fp16 else "float32", gia)
+        layout = job_layout(specs, self.config.chunk_size, compression, self.config.compression,
+                            votes=votes or self.config.fediac_votes, workers=self.num_workers)
         if self.layout is not None:
             if layout.hash != self.layout.hash:
                 raise LayoutMismatch(f"node {self.node_id} already serves layout {self.layout.hash}; this trainer "
@@ -512,8 +515,7 @@ class GeneralNode:
     async def wait_keys(self, iteration: int, keys: Sequence[int]) -> None:
         """Until every chunk of ``keys`` holds its full sum; IterationFailed (naming why) otherwise. The
         core's timer fails the iteration once it ran past iteration_timeout."""
-        self.core.track(iteration, self._now())
-        self._rearm()
+        self._apply(self.core.track(iteration, self._now()))
         loop = asyncio.get_running_loop()
         while True:
             self._check(iteration)
@@ -585,15 +587,24 @@ class GeneralNode:
             return
         self._apply(self.core.member_down(peer, reason, self._now()))
 
-    def contribution_lost(self, iteration: int, reason: str) -> None:
-        """This DC's part of ``iteration`` will not come (its trainer closed or died before pushing it): the
-        iteration fails here at once (``PeerLost`` for whoever waits) and every member is told, so theirs
-        fails too instead of waiting for its timeout."""
-        self._apply(self.core.iteration_lost(iteration, f"iteration {iteration} failed at node {self.node_id}: "
-                                                        f"{reason}", self._now()))
-        report = getattr(self.control, "report_iteration_lost", None)
-        if report is not None:
-            report(iteration, reason)
+    def vacate(self, reason: str) -> None:
+        """This DC's trainer place is empty (its trainer closed or died after the init round): its iterations
+        fail as soon as they are under way anywhere (``PeerLost`` for whoever waits, here and at every
+        member), instead of at their timeout, until a replacement inits (``fill``)."""
+        if not self._stopping.is_set():
+            self._apply(self.core.vacate(reason, self._now()))
+
+    def fill(self) -> None:
+        """A replacement trainer took the empty place: this DC's part comes again."""
+        self._apply(self.core.fill())
+
+    def _peer_vacancy(self, peer: int, iteration: int, reason: str, filled: bool) -> None:
+        if not self._stopping.is_set():
+            self._apply(self.core.peer_vacancy(peer, iteration, reason, filled, self._now()))
+
+    def _part_wanted(self, peer: int, iteration: int) -> None:
+        if not self._stopping.is_set():
+            self._apply(self.core.part_wanted(peer, iteration, self._now()))
 
     def _iteration_lost(self, peer: int, iteration: int, reason: str) -> None:
         """A member's part of ``iteration`` will not come: it fails here at once, naming that member."""
@@ -762,7 +773,30 @@ class GeneralNode:
                     self.control.report_link(action.report)
             elif isinstance(action, Released):
                 self._release(action)
+            elif isinstance(action, ReportLost | ReportVacancy | AskPart):
+                self._report(action)
         self._rearm()
+
+    def _report(self, action: ReportLost | ReportVacancy | AskPart) -> None:
+        """Tell the control plane of an empty trainer place, of an iteration it cost, or ask a member whose
+        place is empty for its part (a control plane without these calls, as in tests, is told nothing)."""
+        if isinstance(action, ReportLost):
+            call = getattr(self.control, "report_iteration_lost", None)
+            if call is not None:
+                call(action.iteration, action.reason)
+        elif isinstance(action, ReportVacancy):
+            log.warning("node %d: trainer place %s from iteration %d%s", self.node_id,
+                        "taken again" if action.filled else "empty", action.iteration,
+                        f" ({action.reason})" if action.reason else "")
+            call = getattr(self.control, "report_vacancy", None)
+            if call is not None:
+                call(action.iteration, action.reason, action.filled)
+        else:
+            log.warning("node %d: iteration %d is under way here; node %d's trainer place is empty: asked for its part",
+                     self.node_id, action.iteration, action.peer)
+            call = getattr(self.control, "ask_part", None)
+            if call is not None:
+                call(action.peer, action.iteration)
 
     def _count_wan(self, iteration: int, size: int) -> None:
         """Add a frame of ``size`` bytes to its iteration's WAN bytes; only the newest ``WAN_HISTORY``

@@ -8,6 +8,10 @@ acknowledged at once, and one that disagrees is refused at once (``LayoutMismatc
 wrong trainer cannot capture the job: it is outvoted, told so, and the job goes on for everyone else.
 A layout restored from the scheduler's state, or the only DC of a job, is adopted as it is.
 
+Configured with the job's model (``layout_hash``), there is no vote: the layout is the configured one from
+the start, and every check is decided against it at once (a wrong trainer is refused even first, even in a
+job of two DCs, where a majority needs both).
+
 No I/O: the scheduler's shell feeds checks and sends the verdicts.
 """
 
@@ -30,12 +34,20 @@ class Verdict:
 
 
 class LayoutVote:
-    def __init__(self, expected: Iterable[int], adopted: tuple[str, int] | None = None) -> None:
+    def __init__(self, expected: Iterable[int], adopted: tuple[str, int] | None = None,
+                 configured: str = "") -> None:
         self.expected = tuple(sorted(set(expected)))
         self.needed = len(self.expected) // 2 + 1
         """A majority of the expected DCs."""
+        self.configured = configured
+        """The scheduler's ``layout_hash`` (empty: the majority decides)."""
         self.adopted = adopted
-        """(hash, the first node that voted for it) once decided."""
+        """(hash, the first node that voted for it, or 0 for the configured layout) once decided."""
+        if configured and adopted is not None and adopted[0] != configured:
+            raise ValueError(f"the job's layout is {adopted[0]} (first node {adopted[1]}), but layout_hash is "
+                             f"{configured}")
+        if configured and adopted is None:
+            self.adopted = (configured, 0)
         self._votes: dict[int, str] = {}
 
     def check(self, node_id: int, layout_hash: str) -> Verdict:
@@ -49,5 +61,7 @@ class LayoutVote:
             self.adopted = (layout_hash, first)
         if self.adopted[0] == layout_hash:
             return Verdict(agreed=True)
+        how = ("the scheduler's layout_hash" if self.configured else
+               f"agreed by a majority of its DCs, first node {self.adopted[1]}")
         return Verdict(mismatch=f"layout mismatch: node {node_id} has layout {layout_hash} but the job's layout is "
-                                f"{self.adopted[0]} (agreed by a majority of its DCs, first node {self.adopted[1]})")
+                                f"{self.adopted[0]} ({how})")

@@ -145,6 +145,9 @@ class SchedulerService:
         self._votes: LayoutVote | None = None
         """The DCs' votes for the job's layout until a majority agrees (``scheduler.layoutvote``)."""
         self._edge: dict[int, tuple[str, str]] = {}
+        self._vacancies: dict[int, control.Vacancy] = {}
+        """Node -> its newest word that its trainer place is empty, until taken again: told to members that
+        register or re-attach later, so that they too ask it for its part."""
         self.lan = LanPlanning(config)
         """Plans of each DC's LAN tier (``dc_planner``), from its gateway's LAN reports."""
         self._lan_wake = asyncio.Event()
@@ -185,6 +188,9 @@ class SchedulerService:
             self.planner.planned_rates = dict(policies[-1].rates)
         self.membership.restore(saved.members, complete=saved.complete and bool(policies), now=self.clock())
         self._layout = saved.layout
+        if self.config.layout_hash and saved.layout is not None and saved.layout[0] != self.config.layout_hash:
+            raise ConfigError(f"the job in {store.path} runs layout {saved.layout[0]}, but layout_hash is "
+                              f"{self.config.layout_hash}: start a new job (another state_dir) for another model")
         if self.membership.complete:
             self.complete.set()
         self.resumed = True
@@ -385,6 +391,30 @@ class SchedulerService:
                 log.warning("node %d lost its part of iteration %d: %s", message.node_id, message.iteration,
                             message.reason)
                 await self._broadcast(message, skip=message.node_id)
+            case control.Vacancy():
+                if conn.node_id is None or message.node_id != conn.node_id:
+                    log.warning("vacancy of node %d from %s ignored: not that node's connection", message.node_id,
+                                conn.name())
+                    return True
+                log.warning("node %d's trainer place is %s from iteration %d%s", message.node_id,
+                            "taken again" if message.filled else "empty", message.iteration,
+                            f": {message.reason}" if message.reason else "")
+                if message.filled:
+                    self._vacancies.pop(message.node_id, None)
+                else:
+                    self._vacancies[message.node_id] = message
+                await self._broadcast(message, skip=message.node_id)
+            case control.PartWanted():
+                peer = self._connections.get(message.peer)
+                if conn.node_id is None or message.node_id != conn.node_id or peer is None:
+                    log.warning("part of iteration %d wanted by node %d of node %d from %s ignored: not that node's "
+                                "connection, or no connection to node %d", message.iteration, message.node_id,
+                                message.peer, conn.name(), message.peer)
+                    return True
+                try:
+                    await peer.send(message)
+                except ConnectionError as exc:  # it is going away; its own handler reports that
+                    log.info("could not send %s to %s: %s", message.TYPE, peer.name(), exc)
             case control.PolicyRequest():
                 await self._policy_request(conn, message)
             case control.LayoutCheck():
@@ -534,6 +564,11 @@ class SchedulerService:
         await conn.send(control.RegisterAck(members=members, config=dataclasses.asdict(self.config),
                                             scheduler_time=self.clock(), workers=workers,
                                             running=not message.attach))
+        if not message.attach and node_id in self._vacancies:  # a new process: its old place is void
+            vacancy = self._vacancies.pop(node_id)
+            await self._broadcast(control.Vacancy(node_id, vacancy.iteration, filled=True), skip=node_id)
+        for vacancy in [v for n, v in sorted(self._vacancies.items()) if n != node_id]:
+            await conn.send(vacancy)
         if message.attach:
             log.info("node %d re-attached from %s", node_id, conn.peer)
             return True
@@ -648,14 +683,17 @@ class SchedulerService:
         first = 0
         if problem is None:
             if self._votes is None or (self._layout is not None and self._votes.adopted != self._layout):
-                self._votes = LayoutVote(self.membership.expected, self._layout)
+                self._votes = LayoutVote(self.membership.expected, self._layout, configured=self.config.layout_hash)
             verdict = self._votes.check(message.node_id, message.layout_hash)
             if self._layout is None and self._votes.adopted is not None:
                 self._layout = self._votes.adopted
                 if self.store is not None:
                     self.store.save_layout(*self._layout)
-                log.info("tensor layout %s agreed by %d of %d DCs (first node %d)", self._layout[0],
-                         self._votes.needed, len(self._votes.expected), self._layout[1])
+                if self._votes.configured:
+                    log.info("tensor layout %s: the configured layout_hash", self._layout[0])
+                else:
+                    log.info("tensor layout %s agreed by %d of %d DCs (first node %d)", self._layout[0],
+                             self._votes.needed, len(self._votes.expected), self._layout[1])
             if verdict.mismatch:
                 problem, code = verdict.mismatch, ErrorCode.LAYOUT_MISMATCH
             elif not verdict.agreed:
@@ -824,6 +862,7 @@ class SchedulerService:
 
     async def _member_down(self, down: Down) -> None:
         self._save_members()
+        self._vacancies.pop(down.node_id, None)
         if self.probing is not None and not self._probed.is_set():
             self.probing.gone(down.node_id)
             if self.probing.done:

@@ -219,6 +219,51 @@ def test_the_layout_a_majority_agrees_on_is_the_jobs_and_a_mismatch_names_both_h
     run(main())
 
 
+def test_a_configured_layout_refuses_a_wrong_first_check_of_two_dcs_at_once() -> None:
+    async def main() -> None:
+        async with scheduler(FAST.replace(layout_hash="00000000000000aa"), nodes=(1, 2)) as service:
+            one, two = await connect_all(service, (1, 2))
+            try:
+                with pytest.raises(LayoutMismatch, match=r"the job's layout is 00000000000000aa \(the scheduler's"):
+                    await one.check_layout("bbbb", timeout=T)  # first, and alone: no vote to wait for
+                await two.check_layout("00000000000000aa", timeout=T)
+                await one.check_layout("00000000000000aa", timeout=T)
+            finally:
+                await close_all([one, two])
+
+    run(main())
+
+
+def heard(into: list[tuple[object, ...]], me: int, *message: object) -> None:
+    into.append((me, *message))
+
+
+def test_an_empty_trainer_place_is_told_to_every_member_and_asks_for_its_part_reach_it_alone() -> None:
+    async def main() -> None:
+        async with scheduler() as service:
+            clients = await connect_all(service)
+            vacancies: list[tuple[object, ...]] = []
+            asks: list[tuple[object, ...]] = []
+            for c in clients:
+                c.on_vacancy(functools.partial(heard, vacancies, c.node_id))
+                c.on_part_wanted(functools.partial(heard, asks, c.node_id))
+            try:
+                clients[0].report_vacancy(3, "its trainer died")
+                await until(lambda: len(vacancies) == 3, "every other member told")
+                assert sorted(vacancies) == [(me, 1, 3, "its trainer died", False) for me in (2, 3, 4)]
+                clients[2].ask_part(1, 3)
+                await until(lambda: len(asks) == 1, "node 1 asked")
+                assert asks == [(1, 3, 3)]
+                assert service._vacancies[1].iteration == 3  # kept for members that re-attach later
+                clients[0].report_vacancy(4, "", filled=True)
+                await until(lambda: len(vacancies) == 6, "every other member told it is taken again")
+                assert all(filled for *_, filled in vacancies[3:]) and not service._vacancies
+            finally:
+                await close_all(clients)
+
+    run(main())
+
+
 def record(into: list[tuple[int, int, str]], me: int, node: int, reason: str) -> None:
     into.append((me, node, reason))
 

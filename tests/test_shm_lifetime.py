@@ -76,7 +76,8 @@ async def command(proc: asyncio.subprocess.Process, what: str) -> str:
 def test_sigkill_of_a_trainer_or_a_node_after_init_leaves_nothing_in_dev_shm(
         tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
     """Also: DC 1's trainer killed in the middle of an iteration fails it for DC 2 at once (``PeerLost``
-    well before iteration_timeout), and a replacement on DC 1 continues with exact sums."""
+    well before iteration_timeout), and a replacement on DC 1 continues with exact sums; killed between
+    iterations, DC 2's next iteration fails as soon as DC 2 starts it, and the replacement's is exact."""
     # what a trainer killed between making its file and its node mapping it left: the nodes sweep it
     dead = 2**22 + 777
     while Path(f"/proc/{dead}").exists():
@@ -85,7 +86,9 @@ def test_sigkill_of_a_trainer_or_a_node_after_init_leaves_nothing_in_dev_shm(
     left.write_bytes(b"\0" * 64)
 
     async def main() -> None:
-        cluster = LocalCluster("internet2-9", NODES, tmp_path / "run", scheduler_args=["--nodes", "1,2"],
+        # one root: one of the DCs is a leaf, which no chunk reaches before its own part is in
+        cluster = LocalCluster("internet2-9", NODES, tmp_path / "run",
+                               scheduler_args=["--nodes", "1,2", "--num-root-servers", "1"],
                                common_args=["--iteration-timeout", "60", "--chunk-size", "1000"], keep_going=True)
         async with cluster:
             assert not await asyncio.to_thread(left.exists)
@@ -107,6 +110,17 @@ def test_sigkill_of_a_trainer_or_a_node_after_init_leaves_nothing_in_dev_shm(
             record_property("peer_lost_after_s", float(outcome[2]))
             assert float(outcome[2]) < 20  # iteration_timeout is 60 s
             # a replacement on DC 1 inits at once and the next iteration is exact
+            trainers[1] = await start_trainer(cluster, 1, "memfd")
+            both = await asyncio.gather(command(trainers[1], "pp"), command(trainers[2], "pp"))
+            assert both == ["OK 3.0 3.0", "OK 3.0 3.0"], both
+            # killed between iterations, before anything of the next one reached DC 1: DC 2's next
+            # iteration fails as soon as it starts, and a replacement's next is exact again
+            trainers[1].send_signal(signal.SIGKILL)
+            await trainers[1].wait()
+            outcome = (await command(trainers[2], "pp")).split(" ", 3)
+            assert outcome[:2] == ["ERR", "PeerLost"] and "node 1" in outcome[3], outcome
+            record_property("peer_lost_before_anything_s", float(outcome[2]))
+            assert float(outcome[2]) < 5  # iteration_timeout is 60 s
             trainers[1] = await start_trainer(cluster, 1, "memfd")
             both = await asyncio.gather(command(trainers[1], "pp"), command(trainers[2], "pp"))
             assert both == ["OK 3.0 3.0", "OK 3.0 3.0"], both
