@@ -1,6 +1,9 @@
 """DiLoCo and Streaming DiLoCo for a PyTorch model: inner steps in the DC, outer syncs over NetStorm.
 
-    dl = DiLoCo(model, inner, outer, netstorm.connect(), sync_every=100, fragments=4, fragment_delay=5,
+    kv = netstorm.connect()
+    inner = torch.optim.AdamW(model.parameters(), lr=4e-4)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    dl = DiLoCo(model, inner, outer, kv, sync_every=100, fragments=4, fragment_delay=5,
                 outer_compression="int4", error_feedback=True)
     for batch in data:
         loss(model, batch).backward()
