@@ -1,0 +1,100 @@
+"""Recovery below two LAN levels, by plain calls into the gateway's core and a fake clock: a chunk lost in
+two clusters at once is NACKed to both cluster aggregators at once, and a cluster whose answer was lost is
+NACKed again on its member's next QUERY, not a slot-timer period later. The gateway's slot timers run at the
+benchmark's period (2 s) and never fire here: every recovery is the NACK rule's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from bpf.fallback import UserspaceAggregator
+from netstorm.lan.deploy import LanTopology
+from netstorm.lan.gatewaycore import GatewayCore
+from netstorm.lan.gatewaynacks import CLUSTER_NACK_HOLD
+from netstorm.lan.header import HEADER_BYTES, Flag, Header, Kind
+from netstorm.lan.layout import EdgeLayout
+from netstorm.lan.packets import control_packet, data_packets, header_rows
+from tests.lan_gateway import sent
+
+LAYOUT = EdgeLayout.uniform([640], scale=10, lanes=64)
+"""10 chunks."""
+JOB = 3
+TOPOLOGY = LanTopology(workers=4, clusters={0: (2,), 1: (3,)})
+SERVICE = {0: ("10.0.0.10", 9000), 1: ("10.0.0.11", 9000)}
+"""Where each cluster aggregator's service says HELLO from (its NACKs go there)."""
+TRAINER = {w: (f"10.0.0.{10 + w}", 6000) for w in range(4)}
+SLOT_TIMEOUT = 2.0
+RETRANSMIT = 0.005
+LOST = 3
+
+
+def gateway() -> GatewayCore:
+    fallback = UserspaceAggregator(LAYOUT, job=JOB, expected=TOPOLOGY.gateway_mask(), timeout=SLOT_TIMEOUT)
+    core = GatewayCore(LAYOUT, fallback, workers=4, job=JOB, userspace=True, port=9000, topology=TOPOLOGY,
+                       retransmit=RETRANSMIT)
+    for head, address in SERVICE.items():
+        core.datagram(control_packet(Kind.HELLO, job=JOB, worker=head, iteration=11, flags=Flag.AGGREGATOR),
+                      address, 0.0)
+    for worker, address in TRAINER.items():
+        core.datagram(control_packet(Kind.HELLO, job=JOB, worker=worker, iteration=12), address, 0.0)
+    sent(core)
+    return core
+
+
+def aggregate(head: int, iteration: int, values: np.ndarray, seqs: list[int]) -> list[bytes]:
+    """Cluster ``head``'s aggregates of chunks ``seqs``: its service forwards each as the head's own DATA."""
+    rows = data_packets(LAYOUT, job=JOB, worker=head, iteration=iteration, tensor=0, values=values)
+    return [bytes(rows[seq]) for seq in seqs]
+
+
+def cluster_nacks(core: GatewayCore, now: float) -> dict[int, list[int]]:
+    """The chunks the core NACKed to each cluster aggregator's service since the last look."""
+    out: dict[int, list[int]] = {}
+    for data, address in sent(core, now):
+        head = next((h for h, a in SERVICE.items() if a == address), None)
+        if head is not None and Header.decode(data).kind == Kind.NACK:
+            out.setdefault(head, []).append(int(np.frombuffer(data, "<u4", 1, HEADER_BYTES)[0]))
+    return out
+
+
+def query(core: GatewayCore, worker: int, iteration: int, seqs: list[int], now: float) -> None:
+    """``worker`` asks which of ``seqs`` completed, as a worker's gap rule does (its QUERY)."""
+    head = header_rows(1, kind=Kind.QUERY, job=JOB, worker=worker, iteration=iteration)
+    head["count"], head["need"] = len(seqs), 127
+    core.datagram(head.tobytes() + np.array(seqs, "<u4").tobytes(), TRAINER[worker], now)
+    core.flush(now)
+
+
+def test_a_chunk_lost_in_both_clusters_is_nacked_to_both_at_once_and_again_on_the_next_query() -> None:
+    core = gateway()
+    rng = np.random.default_rng(4)
+    iteration = 1
+    core.expect(iteration)
+    values = {head: rng.standard_normal(LAYOUT.sizes[0]).astype(np.float32) for head in SERVICE}
+    others = [seq for seq in range(LAYOUT.num_chunks) if seq != LOST]
+    now = 0.01
+    for head in SERVICE:   # every aggregate but chunk LOST's, which neither cluster completed
+        for datagram in aggregate(head, iteration, values[head], others):
+            core.datagram(datagram, SERVICE[head], now)
+    core.flush(now)
+    # the gap rule: nothing of chunk LOST reached the gateway below completed chunks, so both clusters are
+    # missing from it and each one's service is NACKed now (not one, the other held for the hold)
+    assert cluster_nacks(core, now) == {0: [LOST], 1: [LOST]}
+    # cluster 0's answer comes; cluster 1's is lost (its member's resend, or the aggregate)
+    now += 0.004
+    core.datagram(aggregate(0, iteration, values[0], [LOST])[0], SERVICE[0], now)
+    core.flush(now)
+    assert core.book.sums(iteration).open.sum() == 1
+    # within the hold a member's QUERY repeats nothing (every member asks; the service is already at it)
+    query(core, 3, iteration, [LOST], now)
+    assert cluster_nacks(core, now) == {}
+    # its next QUERY, a hold later, NACKs the cluster again: long before the slot timer's period
+    now += max(RETRANSMIT, CLUSTER_NACK_HOLD) + 0.001
+    assert now < SLOT_TIMEOUT / 10
+    query(core, 3, iteration, [LOST], now)
+    assert cluster_nacks(core, now) == {1: [LOST]}
+    core.datagram(aggregate(1, iteration, values[1], [LOST])[0], SERVICE[1], now + 0.004)
+    sums = core.book.sums(iteration)
+    assert sums.done
+    want = np.sum([np.rint(values[h].astype(np.float64) * 2.0**10) for h in SERVICE], axis=0) * 2.0**-10
+    np.testing.assert_array_equal(sums.result()[0], want.astype(np.float32))
