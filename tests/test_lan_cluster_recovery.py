@@ -1,7 +1,8 @@
 """Recovery below two LAN levels, by plain calls into the gateway's core and a fake clock: a chunk lost in
 two clusters at once is NACKed to both cluster aggregators at once, and a cluster whose answer was lost is
-NACKed again on its member's next QUERY, not a slot-timer period later. The gateway's slot timers run at the
-benchmark's period (2 s) and never fire here: every recovery is the NACK rule's."""
+NACKed again on its member's next QUERY a hold later (doubling with each repeat), not a slot-timer period
+later. The gateway's slot timers run at the benchmark's period (2 s) and never fire here: every recovery is
+the NACK rule's."""
 
 from __future__ import annotations
 
@@ -91,6 +92,13 @@ def test_a_chunk_lost_in_both_clusters_is_nacked_to_both_at_once_and_again_on_th
     # its next QUERY, a hold later, NACKs the cluster again: long before the slot timer's period
     now += max(RETRANSMIT, CLUSTER_NACK_HOLD) + 0.001
     assert now < SLOT_TIMEOUT / 10
+    query(core, 3, iteration, [LOST], now)
+    assert cluster_nacks(core, now) == {1: [LOST]}
+    # a repeat doubles the hold (a busy service is not flooded): held a hold later, sent two holds later
+    hold = max(RETRANSMIT, CLUSTER_NACK_HOLD)
+    query(core, 3, iteration, [LOST], now + 1.5 * hold)
+    assert cluster_nacks(core, now) == {}
+    now += 2 * hold + 0.001
     query(core, 3, iteration, [LOST], now)
     assert cluster_nacks(core, now) == {1: [LOST]}
     core.datagram(aggregate(1, iteration, values[1], [LOST])[0], SERVICE[1], now + 0.004)
