@@ -6,6 +6,9 @@ the NACK rule's."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import numpy as np
 
 from bpf.fallback import UserspaceAggregator
@@ -15,7 +18,10 @@ from netstorm.lan.gatewaynacks import CLUSTER_NACK_HOLD
 from netstorm.lan.header import HEADER_BYTES, Flag, Header, Kind
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import control_packet, data_packets, header_rows
-from tests.lan_gateway import sent
+from netstorm.lan.sender import EdgeSender
+from netstorm.lan.tokens import LanTokens, Sender
+from netstorm.lan.udp import recvfrom_into
+from tests.lan_gateway import KernelMaps, sent
 
 LAYOUT = EdgeLayout.uniform([640], scale=10, lanes=64)
 """10 chunks."""
@@ -106,3 +112,54 @@ def test_a_chunk_lost_in_both_clusters_is_nacked_to_both_at_once_and_again_on_th
     assert sums.done
     want = np.sum([np.rint(values[h].astype(np.float64) * 2.0**10) for h in SERVICE], axis=0) * 2.0**-10
     np.testing.assert_array_equal(sums.result()[0], want.astype(np.float32))
+
+
+def test_a_member_whose_first_hello_to_its_aggregator_was_lost_says_it_again_with_each_query() -> None:
+    """The aggregator learns where a member is only from the member's HELLO, and a gap is only asked about
+    (the stall rule never resends a chunk that each QUERY asks about again): were that one HELLO lost, the
+    aggregator could never NACK the member, and the chunk would wait until the iteration timed out. A QUERY
+    now carries the HELLO along to the aggregator. On loopback, with the gateway's core answering HELLO."""
+    async def body() -> None:
+        socks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+        gw, agg, member = socks
+        try:
+            for sock in socks:
+                sock.bind(("127.0.0.1", 0))
+                sock.setblocking(False)
+            topology = LanTopology(workers=2, clusters={0: (1,)})
+            # an aggregator listens on the gateway's port of its own host: members send there
+            core = GatewayCore(LAYOUT, KernelMaps(LAYOUT), workers=2, job=JOB, userspace=False,
+                               port=agg.getsockname()[1], topology=topology, secret=b"s" * 32)
+            tokens = LanTokens(b"s" * 32, JOB)
+            core.datagram(control_packet(Kind.HELLO, job=JOB, worker=0, iteration=5, flags=Flag.AGGREGATOR,
+                                         token=tokens.of(Sender.WORKER, 0, 5, keep=False)), agg.getsockname(), 0.0)
+            sent(core)
+            node = EdgeSender(member, gw.getsockname(), worker=1, layout=LAYOUT, job=JOB, secret=b"s" * 32,
+                              group_opener=lambda group, local: socket.socket(socket.AF_INET, socket.SOCK_DGRAM))
+            buf = bytearray(4096)
+
+            async def gateway() -> None:   # answers the member's HELLO as the gateway does
+                n, address = await recvfrom_into(gw, buf)
+                core.datagram(bytes(buf[:n]), address, 0.0)
+                for data, to in sent(core):
+                    gw.sendto(data, to)
+
+            serving = asyncio.create_task(gateway())
+            await node.hello(timeout=5)
+            await serving
+            assert node.deployment is not None and node.deployment.send_to == agg.getsockname()
+            n, _ = await asyncio.wait_for(recvfrom_into(agg, buf), 5)   # the first HELLO: taken as lost
+            first = bytes(buf[:n])
+            await node._query(1, np.array([LOST]))
+            n, _ = await asyncio.wait_for(recvfrom_into(agg, buf), 5)
+            again = Header.decode(bytes(buf[:n]))
+            assert bytes(buf[:n]) == first and again.kind == Kind.HELLO and again.worker == 1
+            assert tokens.valid(Sender.WORKER, 1, again.iteration, again.token, keep=False)
+            n, _ = await asyncio.wait_for(recvfrom_into(gw, buf), 5)
+            assert Header.decode(bytes(buf[:n])).kind == Kind.QUERY
+            node.close()
+        finally:
+            for sock in socks:
+                sock.close()
+
+    asyncio.run(body())
