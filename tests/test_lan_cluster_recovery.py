@@ -2,7 +2,8 @@
 two clusters at once is NACKed to both cluster aggregators at once, and a cluster whose answer was lost is
 NACKed again on its member's next QUERY a hold later (doubling with each repeat), not a slot-timer period
 later. The gateway's slot timers run at the benchmark's period (2 s) and never fire here: every recovery is
-the NACK rule's."""
+the NACK rule's. And a member's QUERY says its HELLO to its aggregator again, so a lost first HELLO cannot
+leave the aggregator unable to NACK it."""
 
 from __future__ import annotations
 
