@@ -64,7 +64,7 @@ class EdgeAgent:
                                              max_nacks=max_nacks) if mode == "userspace" else None)
         aggregator: Any = self.fallback if self.fallback is not None else xdp
         self.core = GatewayCore(layout, aggregator, workers=workers, job=job, userspace=self.fallback is not None,
-                                port=sock.getsockname()[1], slot_timeout=slot_timeout, secret=secret, group=group,
+                                port=sock.getsockname()[1], secret=secret, group=group,
                                 topology=topology, retransmit=retransmit, query_nacks=query_nacks,
                                 outbox_batch=udp.GSO_SEGMENTS if hasattr(socket, "SOL_UDP") else 1,
                                 widen=self._widen if mode == "xdp" else None)

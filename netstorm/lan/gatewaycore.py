@@ -71,7 +71,7 @@ class GatewayCore:
     """The rules of one LAN gateway port (see the module's docstring)."""
 
     def __init__(self, layout: EdgeLayout, aggregator: Aggregator | DataPlane, *, workers: int, job: int,
-                 userspace: bool, port: int, slot_timeout: float = 0.2, secret: bytes | None = None,
+                 userspace: bool, port: int, secret: bytes | None = None,
                  group: Address | None = None, topology: LanTopology | None = None, retransmit: float = 0.005,
                  query_nacks: bool = True, outbox_batch: int = 1,
                  widen: Callable[[bytes], tuple[bool, bytes]] | None = None,
@@ -93,7 +93,7 @@ class GatewayCore:
         self.roster = GatewayRoster(layout, workers=workers, job=job, port=port, group=group, topology=topology,
                                     retransmit=retransmit, query_nacks=query_nacks, tokens=self.tokens,
                                     outbox=self.outbox)
-        self.nacks = NackRules(self.roster, aggregator, slot_timeout=slot_timeout)
+        self.nacks = NackRules(self.roster, aggregator)
         self.results = ResultBook(self.roster, layout)
         self.window = ReceiveWindow(TOKEN_WINDOW)
         """The iterations the gateway receives (tokens installed for them) and the newest whose DATA is summed."""

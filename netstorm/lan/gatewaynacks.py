@@ -33,9 +33,17 @@ QUERY_LIMIT = 256
 """Chunks of one QUERY the gateway looks at (a worker asks about at most this many per datagram)."""
 CLUSTER_NACK_HOLD = 0.02
 """Least time between two NACKs of one chunk to one cluster aggregator (the hold is also at least the workers'
-``retransmit`` and the slot timers' period): the gap rule, the slot timers and every member's QUERY may name
-the same chunk, and the aggregator answers each by NACKing its missing members, who resend at most once per
-round trip anyway; on a shaped LAN a NACK per chunk and QUERY filled the gateway's control queue."""
+``retransmit``): the gap rule, the slot timers and every member's QUERY may name the same chunk, and the
+aggregator answers each by NACKing its missing members, who resend at most once per round trip anyway; on a
+shaped LAN a NACK per chunk and QUERY filled the gateway's control queue. Each repeat doubles the hold, up to
+CLUSTER_NACK_BACKOFF times, as TCP backs off: a lost answer is asked for again a hold later, a slow cluster
+(its service busy) is not flooded. Not the slot timers' period: a cluster whose member's resend was lost then
+waited that long, where one level NACKs again on the next QUERY."""
+CLUSTER_NACK_BACKOFF = 64
+"""The most the hold of one chunk's repeated cluster NACKs grows (64 x 20 ms: about a second)."""
+NACKED_DTYPE = np.dtype([("at", np.float64), ("tries", np.uint8)])
+"""Per chunk, when it was last NACKed to one cluster aggregator and how many times
+(``IterationSums.cluster_nacked``)."""
 
 
 def older(key: tuple[int, int, int], than: tuple[int, int, int]) -> bool:
@@ -48,10 +56,9 @@ def older(key: tuple[int, int, int], than: tuple[int, int, int]) -> bool:
 class NackRules:
     """NACKs gathered per wake-up and sent per worker, and the counters of what went out."""
 
-    def __init__(self, roster: GatewayRoster, aggregator: Aggregator, *, slot_timeout: float) -> None:
+    def __init__(self, roster: GatewayRoster, aggregator: Aggregator) -> None:
         self.roster = roster
         self.aggregator = aggregator
-        self.slot_timeout = slot_timeout
         self.kernel_results = False
         """The program returns results: a completed slot whose asker lacks the result is its resend's to fix."""
         self.pending: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -144,18 +151,24 @@ class NackRules:
     def clusters(self, sums: IterationSums, nacks: list[tuple[int, int]], now: float) -> None:
         """NACK each (aggregator, chunk sequence number) to that cluster aggregator's service (not its worker's
         own trainer), at most once per chunk per hold (``cluster_nack_packet``: the chunk's slot fields and its
-        number): the aggregator NACKs its own missing members from its slot's bitmap. A cluster whose service
+        number), the hold doubling with each repeat: the aggregator NACKs its own missing members from its slot's
+        bitmap. A cluster whose service
         has not said HELLO is skipped (the slot timers repeat); one that has not said it under the current
         deployment epoch is sent MOVED instead."""
         roster = self.roster
-        hold = max(roster.retransmit, self.slot_timeout, CLUSTER_NACK_HOLD)
+        hold = max(roster.retransmit, CLUSTER_NACK_HOLD)
         for head, seq in nacks:
             address = roster.aggregators.get(head)
-            if address is None or now - sums.cluster_nacked[seq] < hold:
+            nacked = sums.cluster_nacked.get(head)
+            if nacked is None:
+                nacked = sums.cluster_nacked[head] = np.zeros(sums.layout.num_chunks, NACKED_DTYPE)
+            tries = int(nacked["tries"][seq])
+            if address is None or (tries and now - nacked["at"][seq] < hold * min(2 ** (tries - 1),
+                                                                                 CLUSTER_NACK_BACKOFF)):
                 continue
             if roster.service_behind(head, sums.iteration, now):
                 continue
-            sums.cluster_nacked[seq] = now
+            nacked[seq] = (now, min(tries + 1, 255))
             nack = cluster_nack_packet(sums.layout, seq, job=roster.job, iteration=sums.iteration)
             self.cluster_nacks_sent += 1
             if not roster.control(roster.stamp(nack, head), address):

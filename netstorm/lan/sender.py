@@ -160,7 +160,11 @@ class EdgeSender:
         """Chunks resent because a NACK named this worker."""
         self.stall_resends = 0
         self.primed = 0
-        """Datagrams sent to resolve the path to our cluster's aggregator before the first DATA (``_prime``)."""
+        """Our HELLOs to our cluster's aggregator: before the first DATA (``_prime``) and with each QUERY."""
+        self._said: bytes | None = None
+        """Our latest HELLO while we send to a cluster's aggregator (None: to the gateway). Its one copy at
+        ``_prime`` is all the aggregator learns our address from, and a gap is only asked about: were it lost,
+        the aggregator could never NACK us and the chunk would wait for ever, so each QUERY says it again."""
         """Chunks taken as lost because no ACK at all came for a while (the oldest unacknowledged)."""
         self.tail_probes = 0
         """Tail probes: the iteration's last outstanding chunk asked about (or resent) when its ACK did not come
@@ -248,7 +252,8 @@ class EdgeSender:
                                             self.tokens.valid(Sender.GATEWAY, self.worker, nonce, reply.token,
                                                               keep=False)):
                                         self._deploy(Deployment.decode(data[HEADER_BYTES:]), reply.scale)
-                                        if self.send_to != self.gateway:
+                                        self._said = hello if self.send_to != self.gateway else None
+                                        if self._said is not None:
                                             await self._prime(hello)
                                         return reply
                                     self.forged += 1
@@ -501,7 +506,11 @@ class EdgeSender:
                                                   token=self.tokens.worker(self.worker, iteration)), self.gateway)
 
     async def _query(self, iteration: int, chunks: np.ndarray) -> None:
-        """Ask the gateway about ``chunks`` (sequence numbers), QUERY_CHUNKS per datagram."""
+        """Ask the gateway about ``chunks`` (sequence numbers), QUERY_CHUNKS per datagram; our cluster's
+        aggregator, which the gateway NACKs for them, hears our HELLO again."""
+        if self._said is not None:
+            self.primed += 1
+            await udp.sendto(self.sock, self._said, self.send_to)
         for start in range(0, chunks.size, QUERY_CHUNKS):
             part = chunks[start: start + QUERY_CHUNKS].astype("<u4")
             head = header_rows(1, kind=Kind.QUERY, job=self.job, worker=self.worker, iteration=iteration,

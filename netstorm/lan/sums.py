@@ -58,8 +58,10 @@ class IterationSums:
         """One past the highest chunk completed."""
         self.gap_checked = 0
         """Chunks below this were looked at for a gap once (``NackRules.gaps``)."""
-        self.cluster_nacked = np.full(self.layout.num_chunks, -np.inf)
-        """When each chunk was last NACKed to a cluster aggregator (``NackRules.clusters``)."""
+        self.cluster_nacked: dict[int, np.ndarray] = {}
+        """Cluster aggregator -> when each chunk was last NACKed to it and how often (``NackRules.clusters``):
+        one clock per cluster, since a chunk may be missing from several clusters at once, and NACKing one says
+        nothing to another."""
         self.first_at = float("inf")
         self.done_at = float("inf")
         """When the first chunk completed and when the last did (the shell's monotonic clock; the gateway logs the LAN
