@@ -153,6 +153,8 @@ def run(core: SenderCore, gateway: FakeGateway, *, lose: frozenset[int] = frozen
     for _ in range(steps):
         for action in core.actions():
             taken.append(action)
+            if isinstance(action, SendData) and action.first:
+                core.sent(now)
             for data in datagrams(action):
                 count += 1
                 if count - 1 in lose:
@@ -220,6 +222,20 @@ def test_the_stall_rule_resends_the_oldest_chunks_after_the_rto_and_backs_off() 
     assert core.actions() == []
     core.handle_timer(rto * 1.001 + rto * 2.01)
     assert core.stall_resends == 2 * LAYOUT.window
+
+
+def test_a_windows_clocks_start_when_the_shells_send_returns() -> None:
+    """A window's send can take a while: its chunks' timeouts, and the stall's, start once they have left."""
+    core = core_of()
+    core.actions()
+    core.sent(0.01)
+    assert core.window is not None and (core.window.sent_at[: LAYOUT.window] == 0.01).all()
+    rto = core.timers.rto()
+    assert core.get_timer() == pytest.approx(0.01 + rto)
+    core.handle_timer(0.01 + rto * 0.999)
+    assert core.actions() == [] and core.stall_resends == 0
+    core.handle_timer(0.01 + rto * 1.001)
+    assert core.stall_resends == LAYOUT.window
 
 
 @pytest.mark.parametrize("query_nacks", [False, True], ids=["resend", "query"])

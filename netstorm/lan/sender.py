@@ -324,6 +324,8 @@ class EdgeSender:
                 await udp.sendto(self.sock, action.datagram, self.gateway)
             elif action.index is not None:
                 await self.send_rows(action.rows, action.index, first=action.first)
+                if action.first:
+                    self.core.sent(time.monotonic())
             elif self._muted:
                 self.dropped += len(action.rows)
             else:

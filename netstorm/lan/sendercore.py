@@ -86,6 +86,8 @@ class SenderCore:
         self.gather = ResultGather(ResultWire.float32(EdgeLayout.uniform([1], 0)))
         self.precision = Precision.FIXED32
         self._actions: list[Action] = []
+        self._handed: tuple[int, int] | None = None
+        """The chunks of the latest first sends, until the shell says they left (``sent``)."""
         self._deadline = self._timeout = self._progress = self._wake = 0.0
         self._rules: tuple[float, float | None, tuple[float, float]] = (0.0, None, (0.0, 0.0))
         """The gap's grace, its reorder allowance and the tail's (PTO, reorder), as fixed at the last wait."""
@@ -145,6 +147,14 @@ class SenderCore:
         """When the shell must call ``handle_timer`` at the latest (None: the iteration is over)."""
         return None if self.outcome is not None or self.layout is None else self._wake
 
+    def sent(self, now: float) -> None:
+        """The shell's send of the first transmissions last asked for returned at ``now``: a window's send
+        can take a while, and its chunks' timeouts start once they have left."""
+        if self._handed is not None and self.window is not None and self.outcome is None:
+            self.window.left(*self._handed, now)
+            self._arm(self.window, now)
+        self._handed = None
+
     def actions(self) -> list[Action]:
         """What to send, in order, since the last call."""
         out, self._actions = self._actions, []
@@ -179,6 +189,7 @@ class SenderCore:
         self.values = []
         self.window = None
         self._actions = []
+        self._handed = None
         self.nacks.queued = []
         self._deadline, self._timeout = now + timeout, timeout
         self._progress = self._wake = now
@@ -204,11 +215,16 @@ class SenderCore:
         self._gathering(now)
 
     def _send_window(self, window: SendWindow, now: float) -> None:
-        """First sends the window allows, then the wake-up: the stall's RTO, the oldest gap's or the tail's."""
+        """First sends the window allows, then the wake-up."""
         start, stop = window.sendable()
         if stop > start:
             self.send(SendData(self.rows, np.arange(start, stop), first=True))
             window.sent(start, stop, now)
+            self._handed = (start, stop)
+        self._arm(window, now)
+
+    def _arm(self, window: SendWindow, now: float) -> None:
+        """The wake-up: the stall's RTO, the oldest gap's time or the tail's, whichever is first."""
         # a resent chunk's ACK needs a round trip through the queue too: wait that long before again. The
         # gateway NACKs a gap itself once a later chunk completes, so a worker asks only when that is late too
         grace = self.timers.grace()

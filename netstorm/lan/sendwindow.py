@@ -33,6 +33,8 @@ class SendWindow:
         self.last_ack = float("inf")
         """When the latest ACK came (inf until the first chunks are sent)."""
         self.backoff = 1
+        self.opened = False
+        """The latest ``sent`` started the stall's clock (the first window), so ``left`` moves it too."""
         self.final_sent = float("inf")
         """When the last chunk was first sent (the tail probe's clock starts there)."""
         self.probe_at = float("inf")
@@ -61,6 +63,18 @@ class SendWindow:
             self.final_sent = now
         if self.last_ack == float("inf"):
             self.last_ack = now
+            self.opened = True
+
+    def left(self, start: int, stop: int, now: float) -> None:
+        """The first sends of [start, stop) were handed out at ``sent``'s time and the send carrying them
+        returned at ``now``: their clocks start there, as the stall's when no ACK came meanwhile."""
+        if self.opened:
+            self.last_ack = now
+            self.opened = False
+        self.sent_at[start:stop] = now
+        self.first_sent[start:stop] = now
+        if stop == self.acked.size:
+            self.final_sent = now
 
     def resent(self, index: np.ndarray, now: float, *, asked_only: bool = False) -> None:
         """``index`` went out again (or, ``asked_only``, was only asked about): its timeout starts over."""
