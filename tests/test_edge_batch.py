@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -24,7 +23,9 @@ from netstorm.lan.gatewaycore import GatewayCore
 from netstorm.lan.header import FIELDS, HEADER_BYTES, OFFSETS, TOKEN_AT, Flag, Header, Kind, Precision
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.packets import ack_packets, control_packet, data_packets, nack_packets, result_packets, with_token
-from netstorm.lan.sender import EdgeSender, _Flight
+from netstorm.lan.senderactions import Done
+from netstorm.lan.sendercore import SenderCore
+from netstorm.lan.sendwindow import SendWindow
 from netstorm.lan.tokens import LanTokens
 from tests.lan_gateway import KernelMaps, hello, sent
 from tests.test_edge_fuzz import datagrams
@@ -186,12 +187,15 @@ def test_whole_tensor_datagrams_refuse_inf_and_nan() -> None:
 
 
 @pytest.fixture
-def sender() -> Iterator[EdgeSender]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        yield EdgeSender(sock, ("127.0.0.1", 9), worker=2, layout=LAYOUT, job=JOB, secret=SECRET)
-    finally:
-        sock.close()
+def core() -> SenderCore:
+    return SenderCore(worker=2, job=JOB, tokens=LanTokens(SECRET, JOB))
+
+
+def pushing(core: SenderCore, iteration: int) -> SenderCore:
+    """``core`` sending zeros for ``iteration`` (its first window's DATA taken), at time 0."""
+    core.push(iteration, [np.zeros(s, np.float32) for s in LAYOUT.sizes], layout=LAYOUT, now=0.0, timeout=60.0)
+    core.actions()
+    return core
 
 
 def _results(iteration: int, values: list[np.ndarray], token: int) -> list[bytes]:
@@ -218,28 +222,25 @@ def _hostile(genuine: bytes) -> list[bytes]:
             genuine + b"\0" * 4096]                           # longer than any datagram
 
 
-def test_results_scattered_in_a_batch_equal_the_values_and_hostile_rows_change_nothing(sender: EdgeSender) -> None:
+def test_results_scattered_in_a_batch_equal_the_values_and_hostile_rows_change_nothing(core: SenderCore) -> None:
+    """In any order, with duplicates and hostile rows in the same batch: the result is the values, the total
+    the datagrams say, and only the forged tokens count as forged."""
     tokens = LanTokens(SECRET, JOB)
     values = [np.arange(1000, dtype=np.float32) * 0.5 - 7, np.arange(7, dtype=np.float32) + 100]
     genuine = _results(4, values, tokens.group(4))
     poison = np.full(64, -1.0, np.float32).tobytes()
     hostile = [h for g in genuine[:3] for h in _hostile(g[:HEADER_BYTES] + poison)]
-    rng = np.random.default_rng(0)
     items = genuine + genuine[:5] + hostile     # duplicates too
-    order = rng.permutation(len(items))
-    out = sender._result_matrix()
-    missing = np.ones(LAYOUT.num_chunks, bool)
-    for start in range(0, len(order), 23):   # several batches
-        sender._batch = batch_of([items[i] for i in order[start: start + 23]])
-        sender._take(4, np.zeros((0, 0), np.uint8), [], out, missing, None)
-    got = sender._split(out)
-    assert not missing.any() and sender._total == 3
-    for want, have in zip(values, got, strict=True):
+    order = np.random.default_rng(0).permutation(len(items))
+    pushing(core, 4).datagrams_received(batch_of([items[i] for i in order], rows=len(items)), 0.001)
+    outcome = core.outcome
+    assert isinstance(outcome, Done) and outcome.iteration == 4 and outcome.total == 3
+    for want, have in zip(values, outcome.result, strict=True):
         np.testing.assert_array_equal(have, want)
-    assert sender.forged == 3   # the forged tokens; every other variant is malformed or not ours
+    assert core.forged == 3   # the forged tokens; every other variant is malformed or not ours
 
 
-def test_a_result_batch_is_what_the_per_datagram_decode_gives(sender: EdgeSender) -> None:
+def test_a_result_batch_is_what_the_per_datagram_decode_gives(core: SenderCore) -> None:
     """Round trip against the per-datagram path: decode each, place its lanes by (tensor, chunk)."""
     tokens = LanTokens(SECRET, JOB)
     rng = np.random.default_rng(3)
@@ -250,26 +251,22 @@ def test_a_result_batch_is_what_the_per_datagram_decode_gives(sender: EdgeSender
         head = Header.decode(data)
         start, stop = LAYOUT.bounds(head.tensor, head.chunk)
         reference[head.tensor][start:stop] = np.frombuffer(data, "<f4", offset=HEADER_BYTES)[: stop - start]
-    sender._batch = batch_of(genuine)
-    out = sender._result_matrix()
-    missing = np.ones(LAYOUT.num_chunks, bool)
-    sender._take(8, np.zeros((0, 0), np.uint8), [], out, missing, None)
-    for want, have in zip(reference, sender._split(out), strict=True):
+    pushing(core, 8).datagrams_received(batch_of(genuine), 0.001)
+    assert isinstance(core.outcome, Done)
+    for want, have in zip(reference, core.outcome.result, strict=True):
         np.testing.assert_array_equal(have, want)
 
 
-def test_acks_of_a_batch_move_the_window_and_forged_ones_do_not(sender: EdgeSender) -> None:
+def test_acks_of_a_batch_move_the_window_and_forged_ones_do_not(core: SenderCore) -> None:
     tokens = LanTokens(SECRET, JOB)
-    flight = _Flight(LAYOUT.num_chunks, 4)
-    flight.sent(0, LAYOUT.num_chunks, time.monotonic())
     acks = ack_packets(np.array([0, 3, 5]), job=JOB, iteration=6, per_packet=2)
     stamp = tokens.group(6).to_bytes(8, "little")
     genuine = [a[:TOKEN_AT] + stamp + a[TOKEN_AT + 8:] for a in acks]
     forged = ack_packets(np.array([1, 2]), job=JOB, iteration=6, token=999)
-    sender._batch = batch_of(genuine + forged + [genuine[0][:-4]])   # and one whose count overruns its payload
-    sender._take(6, np.zeros((0, 0), np.uint8), [], sender._result_matrix(), np.ones(LAYOUT.num_chunks, bool),
-                 flight)
-    assert np.flatnonzero(flight.acked).tolist() == [0, 3, 5] and sender.forged == 1
+    # and one whose count overruns its payload
+    pushing(core, 6).datagrams_received(batch_of(genuine + forged + [genuine[0][:-4]]), 0.001)
+    assert core.window is not None and np.flatnonzero(core.window.acked).tolist() == [0, 3, 5]
+    assert core.forged == 1
 
 
 def test_the_window_opens_as_far_as_the_per_chunk_rule_says() -> None:
@@ -277,7 +274,7 @@ def test_the_window_opens_as_far_as_the_per_chunk_rule_says() -> None:
     rng = np.random.default_rng(5)
     for _ in range(200):
         chunks, pool = int(rng.integers(1, 60)), int(rng.integers(1, 20))
-        flight = _Flight(chunks, pool)
+        flight = SendWindow(chunks, pool)
         flight.sent(0, min(chunks, int(rng.integers(0, chunks + 1))), 0.0)
         flight.acked[: flight.next] = rng.random(flight.next) < 0.7
         stop = flight.next

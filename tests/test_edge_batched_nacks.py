@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -21,8 +20,10 @@ from netstorm.lan.batch import DatagramBatch
 from netstorm.lan.gatewaycore import GatewayCore
 from netstorm.lan.header import HEADER_BYTES, HEADER_DTYPE, OFFSETS, TOKEN_AT, Header, Kind
 from netstorm.lan.layout import EdgeLayout
-from netstorm.lan.packets import data_packets, nack_packets
-from netstorm.lan.sender import EdgeSender, _Flight
+from netstorm.lan.packets import ack_packets, data_packets, nack_packets
+from netstorm.lan.sender import EdgeSender
+from netstorm.lan.senderactions import SendData
+from netstorm.lan.sendercore import SenderCore
 from netstorm.lan.tokens import LanTokens
 from tests.edge_programs import NACK_LAYOUT, nack_iterations, nack_program
 from tests.lan_gateway import KernelMaps, hello, sent
@@ -53,30 +54,37 @@ def chunks_of(rows: np.ndarray) -> list[int]:
     return [LAYOUT.seq(int(t), int(c)) for t, c in zip(heads["tensor"], heads["chunk"], strict=True)]
 
 
-@pytest.fixture
-def sender() -> Iterator[EdgeSender]:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        node = EdgeSender(sock, ("127.0.0.1", 9), worker=2, layout=LAYOUT, job=JOB, secret=SECRET)
-        node.retransmit = 60.0   # "resent moments ago" covers the whole test
-        yield node
-    finally:
-        sock.close()
-
-
-def keep_rows(iteration: int) -> np.ndarray:
+def pushing(iteration: int, pool: int = 40) -> SenderCore:
+    """A worker's core sending ``iteration`` at time 0 with a pool of ``pool`` chunks (so chunks ``pool``.. are
+    not sent yet); "resent moments ago" covers the whole test."""
+    core = SenderCore(worker=2, job=JOB, tokens=LanTokens(SECRET, JOB), retransmit=60.0)
     values = [np.arange(s, dtype=np.float32) / 7 for s in LAYOUT.sizes]
-    return np.concatenate([data_packets(LAYOUT, job=JOB, worker=2, iteration=iteration, tensor=t, values=v)
-                           for t, v in enumerate(values)])
+    layout = EdgeLayout.uniform(LAYOUT.sizes, scale=10, lanes=LAYOUT.lanes, pool=pool)
+    core.push(iteration, values, layout=layout, now=0.0, timeout=60.0)
+    core.actions()
+    return core
 
 
-def test_a_listed_nack_queues_exactly_its_chunks_once_and_they_leave_in_one_send(sender: EdgeSender) -> None:
+def acks(iteration: int, seqs: np.ndarray) -> list[bytes]:
+    token = LanTokens(SECRET, JOB).gateway(2, iteration)
+    return [stamped(a, token) for a in ack_packets(seqs, job=JOB, iteration=iteration)] if seqs.size else []
+
+
+def resends(core: SenderCore) -> list[np.ndarray]:
+    """The rows of the NACK resends the core asked for since the last look."""
+    out = []
+    for action in core.actions():
+        assert isinstance(action, SendData) and action.index is None and not action.first
+        out.append(action.rows)
+    return out
+
+
+def test_a_listed_nack_queues_exactly_its_chunks_once_and_they_leave_in_one_send() -> None:
     tokens = LanTokens(SECRET, JOB)
     iteration = 6
-    keep = keep_rows(iteration)
-    flight = _Flight(LAYOUT.num_chunks, 64)
-    flight.sent(0, 40, time.monotonic())          # chunks 40.. were never sent: nothing to resend
-    flight.ack(np.array([9]), time.monotonic())   # chunk 9 completed: a NACK for it is stale
+    core = pushing(iteration)                    # chunks 40.. were never sent: nothing to resend
+    core.datagrams_received(batch_of(acks(iteration, np.array([9]))), 0.0)   # chunk 9 completed: stale
+    assert core.actions() == []
     mine = tokens.gateway(2, iteration)
     listed = [1, 3, 3, 9, 42, LAYOUT.num_chunks, 2**32 - 1, 4]
     genuine = stamped(nack_packets(np.array(listed), job=JOB, iteration=iteration)[0], mine)
@@ -85,46 +93,60 @@ def test_a_listed_nack_queues_exactly_its_chunks_once_and_they_leave_in_one_send
     other_iteration = stamped(nack_packets(np.array([13]), job=JOB, iteration=iteration + 1)[0],
                               tokens.gateway(2, iteration + 1))
     overrun = genuine[:-8]                          # count says more lanes than the payload holds
-    sender._batch = batch_of([genuine, *split, forged, other_iteration, overrun])
-    sender._take(iteration, keep, [], sender._result_matrix(), np.ones(LAYOUT.num_chunks, bool), flight)
-    assert [chunks_of(rows) for rows in sender._queued] == [[1, 3, 4, 7]]
-    assert sender.forged == 1 and sender.resent_by_nack == sender.retransmitted == 4
-    np.testing.assert_array_equal(sender._queued[0], keep[[1, 3, 4, 7]])
+    core.datagrams_received(batch_of([genuine, *split, forged, other_iteration, overrun]), 0.0)
+    sent = resends(core)   # one set of rows: one segmented send for all four
+    assert [chunks_of(rows) for rows in sent] == [[1, 3, 4, 7]]
+    assert core.forged == 1 and core.nacks.resent == core.retransmitted == 4
+    np.testing.assert_array_equal(sent[0], core.rows[[1, 3, 4, 7]])
     # the same NACK again within the round trip (another worker's QUERY brings it) resends nothing
-    sender._batch = batch_of([genuine])
-    sender._take(iteration, keep, [], sender._result_matrix(), np.ones(LAYOUT.num_chunks, bool), flight)
-    assert sender.resent_by_nack == 4
-    calls = sender.batch.calls
-    asyncio.run(sender._flush())
-    assert sender.batch.calls == calls + 1 and not sender._queued   # one segmented send for all four
+    core.datagrams_received(batch_of([genuine]), 0.0)
+    assert core.nacks.resent == 4 and resends(core) == []
 
 
-def test_fuzzed_nack_lists_resend_only_what_is_owed(sender: EdgeSender) -> None:
+def test_fuzzed_nack_lists_resend_only_what_is_owed() -> None:
     """Random lists (numbers anywhere in u32, duplicates, empty) against the rule stated directly: a chunk is
     resent iff it is listed, in the layout, sent, not acknowledged and not resent within the round trip."""
     tokens = LanTokens(SECRET, JOB)
     rng = np.random.default_rng(18)
     iteration = 3
-    keep = keep_rows(iteration)
     n = LAYOUT.num_chunks
     for _ in range(60):
-        sender._queued = []
-        flight = _Flight(n, 64)
-        sent = int(rng.integers(0, n + 1))
-        flight.sent(0, sent, time.monotonic())
+        core = pushing(iteration, pool=int(rng.integers(1, n + 1)))
         acked = np.flatnonzero(rng.random(n) < 0.3)
-        flight.ack(acked[acked < sent], time.monotonic())
+        core.datagrams_received(batch_of(acks(iteration, acked)), 0.0)   # may open the window further
         recent = np.flatnonzero(rng.random(n) < 0.2)
-        flight.resent(recent, time.monotonic())
+        core.datagrams_received(batch_of([stamped(d, tokens.gateway(2, iteration))
+                                          for d in nack_packets(recent, job=JOB, iteration=iteration)]), 0.0)
+        core.actions()
+        window = core.window
+        assert window is not None
+        sent, done = window.next, window.acked.copy()
+        before = core.nacks.resent
+        resent = set(recent[(recent < sent) & ~done[np.minimum(recent, n - 1)]].tolist())
+        assert before == len(resent)
         size = int(rng.integers(0, 300))
         listed = np.where(rng.random(size) < 0.7, rng.integers(0, n + 3, size), rng.integers(0, 2**32, size))
         items = [stamped(d, tokens.gateway(2, iteration))
                  for d in nack_packets(listed, job=JOB, iteration=iteration, per_packet=int(rng.integers(1, 257)))]
-        sender._batch = batch_of(items)
-        sender._take(iteration, keep, [], sender._result_matrix(), np.ones(n, bool), flight)
-        owed = {int(s) for s in listed if s < sent and not flight.acked[s] and s not in set(recent.tolist())}
-        got = [c for rows in sender._queued for c in chunks_of(rows)]
+        core.datagrams_received(batch_of(items), 0.0)
+        owed = {int(s) for s in listed if s < sent and not done[s] and s not in resent}
+        got = [c for rows in resends(core) for c in chunks_of(rows)]
         assert sorted(got) == sorted(owed) and len(got) == len(set(got))
+
+
+@pytest.fixture
+def sender() -> Iterator[EdgeSender]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        yield EdgeSender(sock, ("127.0.0.1", 9), worker=2, layout=LAYOUT, job=JOB, secret=SECRET)
+    finally:
+        sock.close()
+
+
+def keep_rows(iteration: int) -> np.ndarray:
+    values = [np.arange(s, dtype=np.float32) / 7 for s in LAYOUT.sizes]
+    return np.concatenate([data_packets(LAYOUT, job=JOB, worker=2, iteration=iteration, tensor=t, values=v)
+                           for t, v in enumerate(values)])
 
 
 def test_rows_sent_under_loss_are_the_kept_ones_in_order_without_copies(sender: EdgeSender) -> None:
@@ -143,7 +165,7 @@ def test_rows_sent_under_loss_are_the_kept_ones_in_order_without_copies(sender: 
         sender.rng = np.random.default_rng(int(rng.integers(1 << 30)))
         state = sender.rng.bit_generator.state
         start, stop = int(rng.integers(0, 10)), int(rng.integers(20, LAYOUT.num_chunks + 1))
-        asyncio.run(sender._send_rows(keep, np.arange(start, stop), first=True))
+        asyncio.run(sender.send_rows(keep, np.arange(start, stop), first=True))
         # the same draws, by the rule stated directly
         sender.rng.bit_generator.state = state
         index = np.arange(start, stop)

@@ -1,4 +1,4 @@
-"""The worker's tail probe (``_Flight.probe``), driven by an injected clock: the iteration's last chunk has
+"""The worker's tail probe (``SendWindow.probe``), driven by an injected clock: the iteration's last chunk has
 no later chunk whose ACK could reveal its loss, so once every chunk was sent the worker asks about it
 ``reorder`` after the chunk sent just before it was acknowledged, or ``pto`` after its own send when nothing
 of the tail came back; repeated probes back off, an ACK of the tail ends them, and only an unprobed last
@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from netstorm.lan.sender import _Flight
+from netstorm.lan.sendwindow import SendWindow
 
 CHUNKS, POOL = 10, 4
 PTO, REORDER = 0.050, 0.002
 
 
-def sent_all(at: float = 0.0) -> _Flight:
-    flight = _Flight(CHUNKS, POOL)
+def sent_all(at: float = 0.0) -> SendWindow:
+    flight = SendWindow(CHUNKS, POOL)
     start, stop = flight.sendable()
     while stop > start:
         flight.sent(start, stop, at)
@@ -25,14 +25,14 @@ def sent_all(at: float = 0.0) -> _Flight:
 
 
 def test_no_probe_until_every_chunk_was_sent() -> None:
-    flight = _Flight(CHUNKS, POOL)
+    flight = SendWindow(CHUNKS, POOL)
     flight.sent(0, POOL, 0.0)
     assert flight.probe_due(1.0, PTO, REORDER) == float("inf")
     assert flight.probe(1.0, PTO, REORDER) is None
 
 
 def test_without_any_ack_of_the_tail_the_probe_waits_pto_after_the_last_send() -> None:
-    flight = _Flight(CHUNKS, CHUNKS)
+    flight = SendWindow(CHUNKS, CHUNKS)
     flight.sent(0, CHUNKS, 1.0)
     assert np.isclose(flight.probe_due(1.0, PTO, REORDER), PTO)
     assert flight.probe(1.0 + PTO * 0.99, PTO, REORDER) is None
@@ -69,7 +69,7 @@ def test_an_unprobed_last_chunk_gives_a_tail_sample_from_the_last_send() -> None
 
 
 def test_a_lost_chunk_below_an_acknowledged_last_one_is_the_gap_rule_s_not_a_tail() -> None:
-    flight = _Flight(CHUNKS, CHUNKS)
+    flight = SendWindow(CHUNKS, CHUNKS)
     flight.sent(0, CHUNKS, 0.0)
     flight.ack(np.array([c for c in range(CHUNKS) if c != 3]), 0.001)
     assert flight.probe_due(1.0, PTO, REORDER) == float("inf")

@@ -151,16 +151,36 @@ def test_a_member_whose_first_hello_to_its_aggregator_was_lost_says_it_again_wit
             assert node.deployment is not None and node.deployment.send_to == agg.getsockname()
             n, _ = await asyncio.wait_for(recvfrom_into(agg, buf), 5)   # the first HELLO: taken as lost
             first = bytes(buf[:n])
-            await node._query(1, np.array([LOST]))
-            n, _ = await asyncio.wait_for(recvfrom_into(agg, buf), 5)
-            again = Header.decode(bytes(buf[:n]))
-            assert bytes(buf[:n]) == first and again.kind == Kind.HELLO and again.worker == 1
-            assert tokens.valid(Sender.WORKER, 1, again.iteration, again.token, keep=False)
-            n, _ = await asyncio.wait_for(recvfrom_into(gw, buf), 5)
-            assert Header.decode(bytes(buf[:n])).kind == Kind.QUERY
+            hello = Header.decode(first)
+            assert hello.kind == Kind.HELLO and hello.worker == 1
+            assert tokens.valid(Sender.WORKER, 1, hello.iteration, hello.token, keep=False)
+            # the sender core says it again with each QUERY (next test)
+            assert node.core.hello_again == first
             node.close()
         finally:
             for sock in socks:
                 sock.close()
 
     asyncio.run(body())
+
+
+def test_the_sender_core_sends_its_hello_to_its_aggregator_before_each_query() -> None:
+    """A plain-call check of the rule above: with ``hello_again`` set, the QUERY a gap makes goes to the
+    gateway right after the HELLO goes to where DATA goes (the aggregator)."""
+    from netstorm.lan.senderactions import SendControl
+    from netstorm.lan.sendercore import SenderCore
+
+    core = SenderCore(worker=1, job=JOB, tokens=LanTokens(None, JOB), retransmit=0.005, query_nacks=True,
+                      pull_interval=0.5)
+    core.hello_again = b"hello-bytes"
+    tensors = [np.ones(size, np.float32) for size in LAYOUT.sizes]
+    core.push(1, tensors, layout=LAYOUT, now=0.0, timeout=30.0)
+    core.actions()
+    for when in (0.5, 1.0, 2.0, 4.0):   # the stall rule asks about the oldest chunks, again and again
+        core.handle_timer(when)
+        controls = [a for a in core.actions() if isinstance(a, SendControl)]
+        queries = [i for i, a in enumerate(controls)
+                   if not a.aggregator and Header.decode(a.datagram).kind == Kind.QUERY]
+        assert queries, when
+        first = queries[0]
+        assert first > 0 and controls[first - 1] == SendControl(b"hello-bytes", aggregator=True), controls

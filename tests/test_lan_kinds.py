@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from netstorm.lan import gatewaycore, sender
+from netstorm.lan import gatewaycore, sendercore
 from netstorm.lan.batch import valid_headers
 from netstorm.lan.downlink import DownlinkReport, report_packet
 from netstorm.lan.errors import WireError
@@ -124,7 +124,7 @@ def test_every_checked_kind_needs_the_workers_token_and_a_forgery_is_counted() -
 
 
 def test_the_worker_drops_exactly_the_gateway_tokened_kinds_without_the_token() -> None:
-    assert {k for k in Kind if sender._GATEWAY_TOKENED[int(k)]} == GATEWAY_TOKENED
-    assert not sender._GATEWAY_TOKENED[[c for c in range(256) if c not in {int(k) for k in Kind}]].any()
+    assert {k for k in Kind if sendercore._GATEWAY_TOKENED[int(k)]} == GATEWAY_TOKENED
+    assert not sendercore._GATEWAY_TOKENED[[c for c in range(256) if c not in {int(k) for k in Kind}]].any()
     assert {Kind.NACK, Kind.RESULT, Kind.ACK, Kind.FAILED, Kind.MOVED} == GATEWAY_TOKENED
     assert all(Party.WORKER in k.spec.handlers for k in GATEWAY_TOKENED)

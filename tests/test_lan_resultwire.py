@@ -4,9 +4,6 @@ with hostile ones, is exactly what the gateway encoded; nothing a format cannot 
 
 from __future__ import annotations
 
-import socket
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 
@@ -14,8 +11,8 @@ from netstorm.lan.batch import valid_headers
 from netstorm.lan.errors import WireError
 from netstorm.lan.header import HEADER_BYTES, OFFSETS, Header, Kind, Precision
 from netstorm.lan.packets import result_packets
+from netstorm.lan.resultgather import ResultGather
 from netstorm.lan.resultwire import Format, ResultWire
-from netstorm.lan.sender import EdgeSender
 from tests.test_edge_batch import batch_of
 
 JOB = 7
@@ -45,22 +42,11 @@ def test_a_result_wire_refuses_what_its_format_cannot_carry_exactly() -> None:
         back.encode(1, np.zeros(21, np.float32))
 
 
-@pytest.fixture
-def sender() -> Iterator[EdgeSender]:
-    from netstorm.lan.layout import EdgeLayout
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        yield EdgeSender(sock, ("127.0.0.1", 9), worker=1, layout=EdgeLayout.uniform([1], 0, lanes=LANES), job=JOB)
-    finally:
-        sock.close()
-
-
 def _set(data: bytes, field: str, value: int) -> bytes:
     return data[:OFFSETS[field]] + bytes([value]) + data[OFFSETS[field] + 1:]
 
 
-def test_a_worker_gathers_exactly_what_the_gateway_encoded_in_fewer_bytes(sender: EdgeSender) -> None:
+def test_a_worker_gathers_exactly_what_the_gateway_encoded_in_fewer_bytes() -> None:
     rng = np.random.default_rng(4)
     gia = (rng.random(5000) < 0.1).astype(np.float32)
     sums = rng.integers(-300, 300, 700).astype(np.float32)
@@ -85,16 +71,14 @@ def test_a_worker_gathers_exactly_what_the_gateway_encoded_in_fewer_bytes(sender
         first = Precision.INT8 if back.formats[0] is Format.BITMAP else Precision.BITMAP
         hostile = [_set(items[0], "precision", int(first)), _set(items[-1], "precision", int(Precision.INT8))]
         assert valid_headers(batch_of(hostile).headers(), batch_of(hostile).lengths).all()
-        sender._expect(back)
-        out = sender._result_matrix()
-        missing = np.ones(back.layout.num_chunks, bool)
+        gather = ResultGather(back)
         order = rng.permutation(len(items) + len(hostile))
         everything = items + hostile
         for start in range(0, order.size, 5):
-            sender._batch = batch_of([everything[i] for i in order[start: start + 5]])
-            sender._take(3, np.zeros((0, 0), np.uint8), [], out, missing, None)
-        assert not missing.any()
-        got = back.decode(sender._split(out))
+            batch = batch_of([everything[i] for i in order[start: start + 5]])
+            gather.take(batch, np.arange(batch.count), worker=1)
+        assert gather.complete() and gather.total == 5
+        got = gather.result()
         for want, have in zip(result, got, strict=True):
             np.testing.assert_array_equal(have, want)
         assert Header.decode(items[0]).kind is Kind.RESULT

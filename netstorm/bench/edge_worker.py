@@ -63,7 +63,7 @@ async def work(args: argparse.Namespace, secret: bytes | None) -> int:
                       "stall_resends": node.stall_resends, "tail_probes": node.tail_probes,
                       "ack_rtt": node.ack_rtt, "queries": node.queries,
                       "receive_rounds": node.rounds,
-                      "coalesced_receives": node._batch.coalesced, "dropped": node.dropped,
+                      "coalesced_receives": node.coalesced, "dropped": node.dropped,
                       "sender_calls": node.batch.calls, "sender_datagrams": node.batch.datagrams}), flush=True)
     exact = _exact(args, results)
     print(json.dumps({"worker": args.worker, "exact": exact}), flush=True)
