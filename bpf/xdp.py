@@ -197,6 +197,7 @@ class XdpAggregator:
 
     def configure(self, *, job: int, port: int, expected: int, timeout: float, max_nacks: int) -> None:
         """Install the control side's view: which workers contribute, the timer period, job and port."""
+        self._port = port   # where a widened datagram is re-emitted: a program configured anew may move
         table = self._module[b"ns_cfg"]
         value = table.Leaf()
         value.expected = expected

@@ -80,9 +80,7 @@ class LentPrograms:
                                     max_nacks=max_nacks, upstream=upstream)
             self.compiled += 1
             self.every.append(program)
-        program.upstream = upstream
-        program._agg_token = 0
-        program._port = port
+        program.upstream = upstream   # given back with require_tokens(0): no token check is left on
         program.configure(job=job, port=port, expected=expected, timeout=timeout, max_nacks=max_nacks)
         return _Lent(program, self, layout)
 

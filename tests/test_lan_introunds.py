@@ -176,7 +176,9 @@ def test_the_gateway_role_plans_the_restart_before_it_tells_the_workers_and_only
     role = GatewayRole(EdgeOptions(workers=2, listen=("127.0.0.1", 0), mode="userspace"), iteration_timeout=1.0)
     gateway = GatewayRounds(plan, 6)
     role.agent, role.rounds, role.init_iteration = Agent(), gateway, 5   # type: ignore[assignment]
-    role._compression = (None, plan.options)   # type: ignore[assignment]
+    from netstorm.layout import Layout, TensorSpec
+
+    role.compressed(Layout.build([TensorSpec.of(n, a) for n, a in registered.items()], 65536), plan.options)
     names = list(plan.names)
     result = [np.zeros(registered[n].size, np.float32) for n in names]
     result[names.index(VOTES)][[1, 2]] = [2, 2]
