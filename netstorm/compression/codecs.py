@@ -120,7 +120,7 @@ class FediacCodec(_Residual):
 
     def votes(self, update: np.ndarray) -> VoteRound:
         """U = update + e; k magnitude-proportional draws; the one-hot of max |U| for the global m."""
-        u = np.asarray(update, dtype=np.float64).reshape(-1) + self.residual
+        u = self.residual + np.asarray(update).reshape(-1)   # float64: exact cast, no float64 copy
         self._update = u
         return VoteRound(voting.sample_votes(u, self.k, self.rng), quantize.scale_histogram(u))
 
@@ -140,7 +140,7 @@ class FediacCodec(_Residual):
         of this U's max |U|, to send with the values, for the next reused iteration's m."""
         if self.state.gia is None:
             raise ValueError("reused() before any vote: there is no GIA to reuse")
-        u = np.asarray(update, dtype=np.float64).reshape(-1) + self.residual
+        u = self.residual + np.asarray(update).reshape(-1)   # float64: exact cast, no float64 copy
         sent = self._quantized(u, self.state.gia, self.state.peak)
         self.state.served += 1
         return sent, quantize.scale_histogram(u)
@@ -151,7 +151,7 @@ class FediacCodec(_Residual):
 
     def _quantized(self, u: np.ndarray, gia: np.ndarray, peak: float) -> ValueRound:
         out = np.zeros(self.elements, dtype=np.int64)
-        self.residual = u.copy()
+        self.residual = u   # this iteration's own array (the old residual, a checkpoint's, is never written)
         self._update = None
         if peak == 0.0 or gia.size == 0:
             return ValueRound(out, gia, 1.0)
@@ -187,7 +187,7 @@ class TopkCodec(_Residual):
         return True
 
     def votes(self, update: np.ndarray) -> VoteRound:
-        u = np.asarray(update, dtype=np.float64).reshape(-1) + self.residual
+        u = self.residual + np.asarray(update).reshape(-1)   # float64: exact cast, no float64 copy
         self._update = u
         return VoteRound(voting.top_votes(u, self.k), np.zeros(0, dtype=np.uint8))
 
@@ -198,7 +198,7 @@ class TopkCodec(_Residual):
         union = voting.consensus(counts, 1)
         out = np.zeros(self.elements, dtype=np.float32)
         out[:union.size] = u[union]
-        self.residual = u.copy()
+        self.residual = u   # this iteration's own array: writing into it leaves a checkpoint's residual alone
         self.residual[union] = u[union] - out[:union.size].astype(np.float64)  # float32 rounding is kept
         self._update = None
         return ValueRound(out, union, 1.0)

@@ -253,7 +253,13 @@ class Rounds:
         return summed
 
     def _flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        return np.concatenate([np.asarray(tensors[name], dtype=np.float64).reshape(-1) for name in self.names])
+        """The tensors as one float64 vector, each cast into its place (no float64 copy per tensor)."""
+        flat = np.empty(sum(self.sizes), dtype=np.float64)
+        start = 0
+        for name, size in zip(self.names, self.sizes, strict=True):
+            flat[start:start + size] = np.asarray(tensors[name]).reshape(-1)
+            start += size
+        return flat
 
     def _unflatten(self, flat: np.ndarray) -> Tensors:
         out: Tensors = {}

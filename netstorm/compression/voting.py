@@ -15,7 +15,10 @@ def sample_votes(update: np.ndarray, k: int, rng: np.random.Generator) -> np.nda
     """A 0/1 uint8 vote array: k draws with replacement, index l drawn with probability |U_l| / ||U||_1."""
     magnitude = np.abs(np.asarray(update, dtype=np.float64).reshape(-1))
     votes = np.zeros(magnitude.size, dtype=np.uint8)
-    cumulative = np.cumsum(magnitude)
+    nonzero = magnitude > 0
+    last = magnitude.size - 1 - int(np.argmax(nonzero[::-1])) if magnitude.size else 0  # the last nonzero
+    del nonzero
+    cumulative = np.cumsum(magnitude, out=magnitude)   # in place: |U| is not needed past its sums
     total = float(cumulative[-1]) if cumulative.size else 0.0
     if k <= 0 or not total > 0.0:
         return votes
@@ -24,7 +27,7 @@ def sample_votes(update: np.ndarray, k: int, rng: np.random.Generator) -> np.nda
     draws = rng.random(k) * total
     # side="right": a draw u lands on the l with cumulative[l-1] <= u < cumulative[l], never on a zero.
     picked = np.searchsorted(cumulative, draws, side="right")
-    picked = np.minimum(picked, int(np.flatnonzero(magnitude)[-1]))  # u rounded up to the total
+    picked = np.minimum(picked, last)  # u rounded up to the total
     votes[picked] = 1
     return votes
 
@@ -35,6 +38,14 @@ def top_votes(update: np.ndarray, k: int) -> np.ndarray:
     votes = np.zeros(magnitude.size, dtype=np.uint8)
     k = min(k, magnitude.size)
     if k <= 0:
+        return votes
+    if k < magnitude.size and not np.isnan(magnitude).any():
+        # the stable sort's first k, in O(n): every |U| above the k-th largest, then its ties by index
+        kth = np.partition(magnitude, magnitude.size - k)[magnitude.size - k]
+        above = magnitude > kth
+        votes[above] = 1
+        ties = np.flatnonzero(magnitude == kth)[:k - int(np.count_nonzero(above))]
+        votes[ties] = 1
         return votes
     order = np.argsort(-magnitude, kind="stable")[:k]
     votes[order] = 1
