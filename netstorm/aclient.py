@@ -109,6 +109,10 @@ class AsyncClient(RegistryView):
         return self.registry.accept_result(reply, (name,), data)[name]
 
     async def close(self) -> None:
+        """Say Bye unless a request is in flight (the node then knows this trainer left on purpose) and close."""
+        if self._broken is None and not self._lock.locked():
+            with contextlib.suppress(ConnectionError, OSError):
+                self._writer.write(tw.encode(tw.Bye()))
         self._writer.close()
         with contextlib.suppress(ConnectionError, OSError):
             await self._writer.wait_closed()

@@ -626,7 +626,10 @@ class Client(RegistryView):
         return self.registry.accept_result(reply, (name,), data)[name]
 
     def close(self) -> None:
+        """Say Bye (the node then knows this trainer left on purpose, not died) and close."""
         with contextlib.suppress(OSError):
+            if self._broken is None:
+                self._sock.sendall(tw.encode(tw.Bye()))
             self._sock.close()
         self.registry.close()
 

@@ -146,6 +146,11 @@ class ModelOffer(_Message, frozen=True, tag="model_offer"):
     iteration: Version
 
 
+class Bye(_Message, frozen=True, tag="bye"):
+    """The trainer closes on purpose (``close()``; its job is over): its place is free, and, unlike a
+    trainer that died, the DC's next iteration waits for a replacement instead of failing at once."""
+
+
 class ErrorReply(_Message, frozen=True, tag="error"):
     """The request failed: ``kind`` names why for the client's program, ``message`` for people."""
 
@@ -154,10 +159,10 @@ class ErrorReply(_Message, frozen=True, tag="error"):
 
 
 Message = (InitRequest | InitReply | PushRequest | PushReply | PullRequest | PullReply | ModelWanted | ModelOffer
-           | ErrorReply)
+           | Bye | ErrorReply)
 TYPES: dict[str, type[Message]] = {}
 for _cls in (InitRequest, InitReply, PushRequest, PushReply, PullRequest, PullReply, ModelWanted, ModelOffer,
-             ErrorReply):
+             Bye, ErrorReply):
     _cls.TYPE = str(_cls.__struct_config__.tag)
     TYPES[_cls.TYPE] = _cls
 

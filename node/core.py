@@ -419,13 +419,18 @@ class NodeCore:
 
     # ---- events: empty trainer places ---------------------------------------------------------------
 
-    def vacate(self, reason: str, now: float) -> list[Action]:
+    def vacate(self, reason: str, now: float, *, clean: bool = False) -> list[Action]:
         """This DC's trainer place is empty after the init round (its trainer closed or died; no
         replacement yet): its part of every iteration from its next on will not come. The iterations
         under way here fail at once and are reported, the place's emptiness too, so that, if none was,
-        the next fails as soon as it is under way anywhere (``part_wanted``, a peer's chunk, a waiter)."""
+        the next fails as soon as it is under way anywhere (``part_wanted``, a peer's chunk, a waiter).
+        ``clean`` (the trainer said Bye: its job is over): only the iterations under way fail, and the next
+        job's trainers, which may init at the other DCs first, are waited for."""
         if self.vacancies.own is not None or self.chunks.layout is None:
             return []
+        if clean:
+            running = self._running()
+            return self._lose_through(max(running), now) if running else []
         self.vacancies.own, self.vacancies.spent = reason, False
         running = self._running()
         actions = self._lose_through(max(running), now) if running else []

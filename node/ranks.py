@@ -310,13 +310,16 @@ class Ranks:
     def pull_iteration(self, rank_id: int, key: int) -> int:
         return self.book.pull_iteration(rank_id, key)
 
-    def leave(self, rank_id: int | None) -> None:
+    def leave(self, rank_id: int | None, *, clean: bool = False) -> None:
+        """A rank's connection ended; ``clean``: it said Bye (its job is over), so only an iteration already
+        under way fails, and the next waits for a replacement."""
         layout = self.node.layout
         present = rank_id is not None and self.book.has(rank_id)
         self._release(self.book.leave(rank_id, len(layout.tensors) if layout is not None else 0))
         self._wake()
         if present and layout is not None and self.book.vacant:
-            self.node.vacate(f"node {self.node.node_id}'s trainer closed or died, and no replacement has inited")
+            how = "closed" if clean else "closed or died"
+            self.node.vacate(f"node {self.node.node_id}'s trainer {how}, and no replacement has inited", clean=clean)
 
     async def settle(self, layout: Layout) -> None:
         """Release every result all ranks have read, waiting for those not complete yet (what a departed

@@ -587,12 +587,13 @@ class GeneralNode:
             return
         self._apply(self.core.member_down(peer, reason, self._now()))
 
-    def vacate(self, reason: str) -> None:
+    def vacate(self, reason: str, *, clean: bool = False) -> None:
         """This DC's trainer place is empty (its trainer closed or died after the init round): its iterations
         fail as soon as they are under way anywhere (``PeerLost`` for whoever waits, here and at every
-        member), instead of at their timeout, until a replacement inits (``fill``)."""
+        member), instead of at their timeout, until a replacement inits (``fill``). ``clean``: it said Bye,
+        so only the iterations already under way here fail."""
         if not self._stopping.is_set():
-            self._apply(self.core.vacate(reason, self._now()))
+            self._apply(self.core.vacate(reason, self._now(), clean=clean))
 
     def fill(self) -> None:
         """A replacement trainer took the empty place: this DC's part comes again."""

@@ -53,6 +53,8 @@ class _Session:
         """The trainer's process and user over a Unix socket (SO_PEERCRED)."""
         self.rank: int | None = None
         """This trainer's rank at the node, from its init on."""
+        self.clean = False
+        """The trainer said ``Bye``: it closed on purpose."""
         self.shm: np.ndarray | None = None
         self._mmap: mmap.mmap | None = None
         self.reader: asyncio.StreamReader | None = None
@@ -278,6 +280,9 @@ class TrainerEndpoint:
                     code = exc.code if isinstance(exc, ModelTooLarge) else ErrorCode.PROTOCOL
                     await self._reply(writer, tw.ErrorReply(code, str(exc)))
                     return
+                if isinstance(request, tw.Bye):
+                    session.clean = True
+                    return
                 try:
                     reply, out = await self._serve_watched(session, request, payload)
                 except _TrainerGone:
@@ -300,7 +305,7 @@ class TrainerEndpoint:
                 self._by_host[host] -= 1
                 if not self._by_host[host]:
                     del self._by_host[host]
-            self.ranks.leave(session.rank)
+            self.ranks.leave(session.rank, clean=session.clean)
             session.close()
             writer.close()
 
