@@ -165,3 +165,22 @@ def test_a_rank_book_is_vacant_only_after_the_init_round_and_until_a_replacement
     assert book.vacant
     book.join("a again")
     assert not book.vacant
+
+
+def test_a_trainer_that_said_bye_leaves_the_next_iteration_waiting_for_the_next_jobs_trainer():
+    """A clean close (``Bye``: a job ended) reports no empty place: a new job's trainer that inits at
+    another DC first starts the next iteration, which waits for this DC's new trainer and is exact."""
+    job = Relay(CONFIG, lambda iteration: STAR, ids=NODES)
+    assert exact_iteration(job, 10) == 0
+    job.take(1, job.cores[1].vacate("node 1's trainer closed", job.now, clean=True))
+    assert not any(isinstance(a, ReportVacancy) for a in job.events[1])
+    job.now = 5.0
+    early = flat(2, job)
+    assert start(job, 2, early) == 1   # another DC's new trainer first
+    assert all(failed(job, n, 1) is None for n in NODES)
+    assert not any(isinstance(a, AskPart) for a in job.events[2])
+    values = {n: flat(20 + n, job) for n in (1, 3, 4)}   # node 1's new trainer, and the rest
+    assert {job.contribute(n, values[n]) for n in values} == {1}
+    job.run()
+    for n in NODES:
+        assert np.array_equal(job.collect(n), sum(values.values()) + early)
