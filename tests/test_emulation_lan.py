@@ -186,3 +186,21 @@ def test_the_gateway_mode_and_the_reason_for_a_fallback_come_from_the_schedulers
     record.add_status(status({}))
     assert record.edge_modes([1, 2]) == {"1": "not started",
                                          "2": "userspace (XDP unavailable: cannot load: bpf_prog_load EPERM)"}
+
+
+@pytest.mark.root
+def test_a_new_lan_removes_the_namespaces_of_lans_whose_process_was_killed() -> None:
+    from netstorm.emulation.bridge_lan import Lan, sweep_dead
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()   # its pid is free now (the kernel would not hand it out again at once)
+    orphan, mine = f"ns{dead.pid}x0b", f"ns{os.getpid()}x999b"
+    for name in (orphan, mine):
+        netns.add_namespace(name)
+    try:
+        with Lan(1):   # a new LAN sweeps first
+            assert not netns.namespace_exists(orphan) and netns.namespace_exists(mine)
+        assert sweep_dead() == []
+    finally:
+        for name in (orphan, mine):
+            netns.delete_namespace(name)

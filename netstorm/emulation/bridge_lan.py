@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import re
 import socket
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,6 +32,23 @@ from netstorm.emulation import netns, shaping
 from netstorm.emulation import racks as racks_mod
 from netstorm.emulation.errors import EmulationError
 from netstorm.lan import udp
+
+OWNED = re.compile(r"ns(\d+)x\d+")
+"""A LAN's namespaces are named for the process that made them (``ns<pid>x<n>...``)."""
+
+
+def sweep_dead() -> list[str]:
+    """Delete the namespaces of LANs whose process is gone (killed before it could remove them), as every
+    new LAN does first, so that nothing outlives its process for longer than the next LAN's start."""
+    removed = []
+    for name in netns.list_namespaces():
+        owner = OWNED.match(name)
+        if owner is not None and netns.process_start_time(int(owner.group(1))) is None:
+            with contextlib.suppress(EmulationError):
+                netns.delete_namespace(name)
+                removed.append(name)
+    return removed
+
 
 SUBNET = "10.77.0"
 GATEWAY_IP = f"{SUBNET}.1"
@@ -78,6 +96,7 @@ class Lan:
             [(up * rate_scale, down * rate_scale) for up, down in rates] if rates is not None else None)
         """Each worker's shaped (uplink, downlink) in Gbit/s, after ``rate_scale``; None when unshaped."""
         self.gateway_gbit = gateway_gbit * rate_scale if gateway_gbit is not None else None
+        sweep_dead()
         self.prefix = f"ns{os.getpid()}x{next(_runs)}"
         self.gateway = f"{self.prefix}g"
         self.bridge = f"{self.prefix}b"
