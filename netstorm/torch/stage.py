@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
@@ -211,14 +212,18 @@ class Stage:
         With ``on_dc_loss = "continue"`` a DC lost while the collective is in flight (its iteration fails
         at every DC with ``PeerLost``) makes every survivor run the collective again from its first piece,
         so each sum holds the same DCs throughout: the survivors'."""
+        return self._again_on_loss(lambda: self._reduce(payload, average=average, exact=exact))
+
+    def _again_on_loss(self, run: Callable[[], np.ndarray]) -> np.ndarray:
+        """``run()``, run again from its first piece after a DC lost in flight under ``on_dc_loss =
+        "continue"``: the iterations a node had already bound to the policy naming the lost DC (its
+        prefetch) fail the same way until a re-plan leaves it out, so a few tries per lost DC."""
         losses = 0
         while True:
             try:
-                return self._reduce(payload, average=average, exact=exact)
+                return run()
             except PeerLost:
                 losses += 1
-                # the iterations a node had already bound to the policy naming the lost DC (its prefetch)
-                # fail the same way until a re-plan leaves it out: a few per lost DC
                 if self.on_dc_loss != "continue" or losses > LOSS_RETRIES * max(1, len(self._group_dcs)):
                     raise
                 with self._lock:
@@ -264,16 +269,7 @@ class Stage:
         may differ in size (a gather's grows with its group's ranks): the round's last element counts the
         ranks with more to send, and the iterations go on until it is 0, the same number at every rank.
         A DC lost in flight runs it again, as ``reduce`` does."""
-        losses = 0
-        while True:
-            try:
-                return self._reduce_slot(payload, slot, slots, exact=exact)
-            except PeerLost:
-                losses += 1
-                if self.on_dc_loss != "continue" or losses > LOSS_RETRIES * max(1, len(self._group_dcs)):
-                    raise
-                with self._lock:
-                    self.stats.retried += 1
+        return self._again_on_loss(lambda: self._reduce_slot(payload, slot, slots, exact=exact))
 
     def _reduce_slot(self, payload: np.ndarray, slot: int, slots: int, *, exact: bool) -> np.ndarray:
         if not 0 <= slot < slots:
