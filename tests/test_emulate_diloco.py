@@ -65,6 +65,14 @@ def test_the_limit_follows_the_rates_in_force_when_a_sync_began() -> None:
     assert limits[1] == limits[2] == pytest.approx(8 / 60, abs=1e-4)
 
 
+def test_a_trainer_that_stamps_no_start_or_size_is_bounded_from_its_parameters_and_the_first_rates() -> None:
+    per_dc = {dc: [{"kind": "start", "parameters": 500_000},
+                   *({"kind": "sync", "index": i, "seconds": 1.0, "digest": "a"} for i in range(2))]
+              for dc in (1, 2)}
+    assert diloco_fold.fragment_bytes(per_dc, fragments=2) == 1_000_000
+    assert diloco_fold.sync_limits(per_dc, RATES, origin=90.0, fragments=2) == [pytest.approx(8 / 120, abs=1e-4)] * 2
+
+
 def test_identical_is_false_when_one_sync_or_the_ends_disagree_and_never_null() -> None:
     evals = [(5.0, 10, 1.0)]
     same = {1: _dc(1, digests=["a", "b"], end="z", evals=evals), 2: _dc(2, digests=["a", "b"], end="z", evals=evals)}
@@ -152,6 +160,7 @@ def test_the_system_table_runs_each_trainer_on_its_runtime_with_its_schedule() -
             flag(argvs["netstorm-streaming"], "--outer-compression")) == ("2", "5", "int8")
     assert flag(argvs["torchft-streaming"], "-m") == diloco_systems.TORCHFT_MODULE
     assert "--socket" not in argvs["torchft-streaming"] and "--lighthouse" in argvs["torchft-streaming"]
+    assert flag(argvs["torchft-streaming"], "--hostname") == "10.1.0.1"
     assert flag(argvs["netstorm-ddp"], "--backend") == "netstorm" and flag(argvs["gloo-ddp"], "--backend") == "gloo"
     for name in ("netstorm-ddp", "gloo-ddp"):
         assert flag(argvs[name], "--task") == "digits" and flag(argvs[name], "--compute-s") == "0.5"

@@ -100,13 +100,14 @@ class DilocoSystemRun(SystemRun):
         if not any(r.get("kind") == "start" for rs in per_dc.values() for r in rs):
             return {"kind": self.system.kind, "identical": False, "eval": [], "sync_s": [], "sync_limit_s": [],
                     "wall_s": round(wall_s, 2)}
-        out = diloco_fold.system_entry(per_dc, self.rate_log, self.origin, steps=self.opts.diloco.steps,
-                                       link_bytes=self.link_bytes)
+        d = self.opts.diloco
+        schedule = self.dsystem.schedule(d.fragments, d.fragment_delay, d.outer_compression)
+        out = diloco_fold.system_entry(per_dc, self.rate_log, self.origin, steps=d.steps, link_bytes=self.link_bytes,
+                                       fragments=schedule["fragments"] or 1)
         out["kind"] = self.system.kind
         out["runtime"] = self.dsystem.runtime
         out["trainer"] = self.dsystem.trainer
-        out["schedule"] = self.dsystem.schedule(self.opts.diloco.fragments, self.opts.diloco.fragment_delay,
-                                                self.opts.diloco.outer_compression)
+        out["schedule"] = schedule
         out["run_wall_s"] = round(wall_s, 2)
         if self.chaos is not None:
             faults = list(self.chaos.log)

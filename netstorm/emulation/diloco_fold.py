@@ -51,16 +51,29 @@ def identical(per_dc: Mapping[int, Records]) -> bool:
     return bool(by_index) and len(ends) == 1 and all(len({r["digest"] for r in rs}) == 1 for rs in by_index.values())
 
 
-def fragment_bytes(per_dc: Mapping[int, Records]) -> int:
-    return max(int(r["fragment_bytes"]) for records in per_dc.values() for r in _kind(records, "start"))
+def fragment_bytes(per_dc: Mapping[int, Records], fragments: int = 1) -> int:
+    """A fragment's bytes on the wire as the trainers said (``start``), else float32 values of
+    ``parameters`` over ``fragments`` (a trainer that does not say)."""
+    starts = [r for records in per_dc.values() for r in _kind(records, "start")]
+    said = [int(r["fragment_bytes"]) for r in starts if r.get("fragment_bytes") is not None]
+    if said:
+        return max(said)
+    return 4 * -(-max(int(r["parameters"]) for r in starts) // fragments)
 
 
-def sync_limits(per_dc: Mapping[int, Records], rate_log: list[dict[str, Any]], origin: float) -> list[float]:
+def began(rs: Sequence[Mapping[str, Any]], origin: float) -> float:
+    """When a sync's earliest DC began it, in rate-log seconds; a trainer that stamps no ``began`` is
+    bounded from the log's start (the rates of the schedule's first epoch)."""
+    stamps = [float(r["began"]) for r in rs if r.get("began") is not None]
+    return min(stamps) - origin if stamps else 0.0
+
+
+def sync_limits(per_dc: Mapping[int, Records], rate_log: list[dict[str, Any]], origin: float,
+                fragments: int = 1) -> list[float]:
     """Per sync, its fragment's bytes over λ of the rates in force from its earliest DC's start on
     (``origin``: the wall-clock time of the rate log's zero)."""
-    size = fragment_bytes(per_dc)
-    return [round(results.window_limit_s(size, rate_log, min(float(r["began"]) for r in rs) - origin), 4)
-            for rs in syncs(per_dc).values()]
+    size = fragment_bytes(per_dc, fragments)
+    return [round(results.window_limit_s(size, rate_log, began(rs, origin)), 4) for rs in syncs(per_dc).values()]
 
 
 def rejoined(per_dc: Mapping[int, Records], restarts: Sequence[tuple[int, float]]) -> dict[str, int | None]:
@@ -69,7 +82,7 @@ def rejoined(per_dc: Mapping[int, Records], restarts: Sequence[tuple[int, float]
     never)."""
     out: dict[str, int | None] = {}
     for dc, at in restarts:
-        after = [(i, rs) for i, rs in syncs(per_dc).items() if min(float(r["began"]) for r in rs) >= at]
+        after = [(i, rs) for i, rs in syncs(per_dc).items() if began(rs, 0.0) >= at]
         out[str(dc)] = None
         for k, (i, rs) in enumerate(after, 1):
             mine = [r for r in _kind(per_dc[dc], "sync") if int(r["index"]) == i]
@@ -86,7 +99,7 @@ def job_restarts(per_dc: Mapping[int, Records], restarted: Mapping[int, int]) ->
 
 
 def system_entry(per_dc: Mapping[int, Records], rate_log: list[dict[str, Any]], origin: float, *,
-                 steps: int, link_bytes: int | None) -> dict[str, Any]:
+                 steps: int, link_bytes: int | None, fragments: int = 1) -> dict[str, Any]:
     """One system's result entry (without ``time_to_target_s``: ``with_targets`` adds it)."""
     dc = curve_dc(per_dc)
     curve = [{k: round(float(r[k]), 5) for k in ("t_s", "loss", "accuracy")} | {"step": int(r["step"])}
@@ -101,8 +114,9 @@ def system_entry(per_dc: Mapping[int, Records], rate_log: list[dict[str, Any]], 
         "final_eval_loss": curve[-1]["loss"] if curve else None,
         "compute_fraction": round(sum(float(r["compute_s"]) for r in ends) / wall, 4) if wall > 0 else None,
         "sync_s": [round(max(float(r["seconds"]) for r in rs), 4) for rs in by_index.values()],
-        "sync_limit_s": sync_limits(per_dc, rate_log, origin) if by_index else [],
-        "fragment_bytes": fragment_bytes(per_dc) if any(_kind(r, "start") for r in per_dc.values()) else None,
+        "sync_limit_s": sync_limits(per_dc, rate_log, origin, fragments) if by_index else [],
+        "fragment_bytes": fragment_bytes(per_dc, fragments) if any(_kind(r, "start") for r in per_dc.values())
+        else None,
         "wan_bytes_per_step": round(link_bytes / steps) if link_bytes is not None and steps else None,
         "node_wan_bytes_per_step": round(sum(node_bytes) / steps) if node_bytes and None not in node_bytes
         and steps else None,

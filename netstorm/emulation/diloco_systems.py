@@ -108,7 +108,7 @@ class Where:
     rendezvous: str = ""
     """torchft: the Lighthouse's URL; gloo: the store's HOST:PORT."""
     address: str = ""
-    """The DC's overlay address (torchft and gloo data connections bind to it)."""
+    """The DC's overlay address (torchft's ``--hostname``, gloo's ``--address``: the others reach it there)."""
 
 
 def trainer_argv(system: DilocoSystem, opts: Any, *, dc: int, rank: int, world: int, out: Path,
@@ -124,7 +124,7 @@ def trainer_argv(system: DilocoSystem, opts: Any, *, dc: int, rank: int, world: 
                                      "--seed", str(d.seed)])
     schedule = system.schedule(d.fragments, d.fragment_delay, d.outer_compression)
     endpoint = (["--socket", where.socket] if system.runtime == "netstorm" else
-                ["--lighthouse", where.rendezvous, "--address", where.address, "--replica-id", str(dc)])
+                ["--lighthouse", where.rendezvous, "--hostname", where.address, "--replica-id", f"dc{dc}"])
     return diloco_args(system.module, opts.train, dc_index=rank, dcs=world, sync_every=d.sync_every,
                        fragments=schedule["fragments"], fragment_delay=schedule["fragment_delay"],
                        outer_compression=schedule["outer_compression"], compute_s=opts.compute_s, steps=d.steps,
