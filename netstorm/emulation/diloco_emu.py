@@ -184,30 +184,6 @@ def run(opts: Options) -> dict[str, Any]:
     return diloco_fold.with_targets(result)
 
 
-def summary(result: dict[str, Any]) -> str:
-    """The terminal table: per system its final loss, time to the target, compute share and syncs."""
-    lines = [f"target_loss {result.get('target_loss')} ({result.get('target_rule')})",
-             f"{'system':<20}{'final loss':>11}{'to target s':>12}{'compute':>9}{'syncs':>7}{'sync s':>9}"
-             f"{'limit s':>9}{'x limit':>9}{'identical':>10}"]
-    for name, s in result["systems"].items():
-        if s.get("error"):
-            lines.append(f"{name:<20} FAILED: {s['error']}")
-            continue
-        m = diloco_fold.medians(s)
-
-        def cell(v: Any, width: int, fmt: str = ".3f") -> str:
-            return f"{'-' if v is None else format(v, fmt):>{width}}"
-
-        lines.append(f"{name:<20}{cell(s.get('final_eval_loss'), 11, '.4f')}"
-                     f"{cell(s.get('time_to_target_s'), 12, '.1f')}"
-                     f"{cell(s.get('compute_fraction'), 9, '.2f')}{len(s.get('sync_s', [])):>7}"
-                     f"{cell(m['sync_s'], 9)}{cell(m['sync_limit_s'], 9)}{cell(m['x_limit'], 9, '.2f')}"
-                     f"{s.get('identical')!s:>10}")
-    lines.append("sync s, limit s, x limit: medians over the syncs (limit: a fragment's bytes over the min cut λ of "
-                 "the rates in force)")
-    return "\n".join(lines)
-
-
 def run_from_args(args: argparse.Namespace) -> int:
     """``netstorm emulate --trainer diloco ...``: run, write ``--out``, print the summary; 1 if a system failed."""
     result = run(options_from_args(args))
@@ -217,5 +193,5 @@ def run_from_args(args: argparse.Namespace) -> int:
 
         result = write_result(args.out, result)
         print(f"result written to {args.out}", file=sys.stderr)
-    print(summary(result))
+    print(diloco_fold.summary(result))
     return 1 if any(s.get("error") for s in result["systems"].values()) else 0
