@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
         with terminate_on_sigterm():
             if args.hold:
                 return _hold(args)
+            if getattr(args, "trainer", None) == "diloco":
+                from netstorm.emulation import diloco_emu
+
+                return diloco_emu.run_from_args(args)
             from netstorm.emulation.runner import run_from_args
 
             return run_from_args(args)

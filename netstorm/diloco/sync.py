@@ -64,6 +64,8 @@ class SyncRecord:
     wan_bytes: int
     digest: str
     """This DC's digest of the global state the sync started from (agreed by every contributor)."""
+    began: float = 0.0
+    """Wall-clock time of its first push: the emulator bounds it by the rates in force from then on."""
 
 
 class DiLoCo:
@@ -196,6 +198,7 @@ class DiLoCo:
 
     def _run(self, index: int, delta: np.ndarray | None, start_round: int) -> SyncRecord:
         sync = FragmentSync(self.state, index, delta, self.rng)
+        began = time.time()
         started = time.monotonic()
         wan = 0
         attempt = 0
@@ -218,7 +221,7 @@ class DiLoCo:
                 self._current = None
         self.state.apply(sync)
         record = SyncRecord(index, sync.fragment, time.monotonic() - started, sync.contributors,
-                            sync.total_weight, delta is None, attempt, wan, sync.digest.hex())
+                            sync.total_weight, delta is None, attempt, wan, sync.digest.hex(), began)
         self.records.append(record)
         self._arm(index + 1)
         return record

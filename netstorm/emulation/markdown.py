@@ -115,7 +115,18 @@ def command_of(result: dict[str, Any], out: str) -> tuple[str, bool]:
     return "netstorm " + shlex.join(argv), False
 
 
+def _diloco_section(stem: str, result: dict[str, Any], level: str) -> list[str]:
+    """A ``--trainer diloco`` result: its command and the DiLoCo summary (``diloco_fold.summary``)."""
+    from netstorm.emulation.diloco_fold import summary
+
+    kind = "dynamic" if result.get("dynamic") else "static"
+    return [f"{level} `{stem}.json`: {result['scenario']} ({kind}), {', '.join(result['systems'])}", "",
+            "```sh", str(result.get("command", "")), "```", "", "```text", summary(result), "```", ""]
+
+
 def _result_section(stem: str, result: dict[str, Any], directory: Path, level: str, out: str) -> list[str]:
+    if result.get("trainer") == "diloco":
+        return _diloco_section(stem, result, level)
     command, recorded = command_of(result, out)
     head, notes = summary_parts(result)
     kind = "dynamic" if result.get("dynamic") else "static"
@@ -169,7 +180,7 @@ def results_readme(directory: Path, label: str = "results") -> str:
     lines.append("")
     for stem, result in found:
         lines += _result_section(stem, result, directory, "###", f"{label}/{stem}.json")
-    scaling = results.scaling([r for _, r in found])
+    scaling = results.scaling([r for _, r in found if r.get("trainer") != "diloco"])
     if scaling:
         lines += ["## Scaling", "", "Between the smallest and the largest run of each system and training setup:",
                   "", "```text", *scaling, "```", ""]

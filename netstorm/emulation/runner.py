@@ -50,7 +50,7 @@ from netstorm.emulation.schedrecord import SchedulerRecord, SchedulerWatch
 from netstorm.lan_scenario import lan_toml, uniform_lan
 from netstorm.progress import Progress
 from netstorm.scenario import Rates, Scenario, load
-from netstorm.trainers.launch import torch_ddp_args
+from netstorm.trainers.launch import TRAINS, torch_ddp_args
 from netstorm.trainers.tasks import TASKS
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,12 @@ are in ``results/DECISIONS.md``)."""
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     from netstorm import config
+    from netstorm.emulation import diloco_systems
 
-    parser.add_argument("--system", default="netstorm,star",
+    parser.add_argument("--system", default=None,
                         help=f"comma-separated systems to run in order: {', '.join(systems.SYSTEMS)} or all "
-                             "(default netstorm,star)")
+                             f"(default netstorm,star); with --trainer diloco: {', '.join(diloco_systems.SYSTEMS)} "
+                             f"or all (default {diloco_systems.DEFAULT})")
     parser.add_argument("--iterations", type=int, default=5, help="synchronization iterations per system")
     parser.add_argument("--model", default="alexnet",
                         help="alexnet, resnet50, a parameter count (25M) or COUNT/LAYERS (0.5M/8: near-equal layers)")
@@ -116,15 +118,28 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                              "scheduler the measured rates")
     parser.add_argument("--run-dir", metavar="DIR",
                         help="keep every process's log and trainer output here (default: a temporary directory)")
-    from netstorm.trainers.launch import TRAINERS
-    from netstorm.trainers.tasks import TASKS
+    from netstorm.trainers.launch import TRAINERS, TRAINS
 
     parser.add_argument("--trainer", choices=TRAINERS, default=TRAINERS[0],
-                        help="what trains in each DC: the synthetic trainer (exact sums of a --model-sized pattern) "
-                             "or torch-ddp (a real model, --train, with DDP on backend netstorm, or gloo for the "
-                             "gloo system; loss and accuracy per iteration in the result)")
-    parser.add_argument("--train", choices=list(TASKS), default=next(iter(TASKS)),
-                        help="torch-ddp's task: model and generated data (replaces --model)")
+                        help="what trains in each DC: the synthetic trainer (exact sums of a --model-sized pattern), "
+                             "torch-ddp (a real model, --train, with DDP on backend netstorm, or gloo for the "
+                             "gloo system; loss and accuracy per iteration in the result) or diloco (DiLoCo, "
+                             "Streaming DiLoCo and per-step DDP references on real data, --train)")
+    tasks = list(dict.fromkeys(t for names in TRAINS.values() for t in names))
+    parser.add_argument("--train", choices=tasks, default=None,
+                        help="the task of torch-ddp (" + ", ".join(TRAINS["torch-ddp"]) + ": generated data) or "
+                             "diloco (" + ", ".join(TRAINS["diloco"]) + ": real data); default each one's first "
+                             "(replaces --model)")
+    parser.add_argument("--steps", type=int, default=None, help="diloco: inner steps per DC")
+    parser.add_argument("--sync-every", type=int, default=None, metavar="H", help="diloco: inner steps per outer step")
+    parser.add_argument("--fragments", type=int, default=1, metavar="P",
+                        help="diloco: Streaming DiLoCo's fragments (the streaming systems; default 1)")
+    parser.add_argument("--fragment-delay", type=int, default=0, metavar="T",
+                        help="diloco: inner steps a fragment's sync overlaps before it is applied (τ; default 0)")
+    from netstorm.diloco.codec import METHODS
+
+    parser.add_argument("--outer-compression", choices=METHODS, default="none",
+                        help="diloco: the streaming systems' outer compression (default none)")
     config.add_arguments(parser, listed=("compression",))  # one row per listed compression
 
 
@@ -154,9 +169,11 @@ class Options:
     """The job secret (and certificate) the run's processes share, for following the scheduler."""
     chaos: list[Fault] = dataclasses.field(default_factory=list)
     trainer: str = "synthetic"
-    """``synthetic`` or ``torch-ddp`` (``netstorm/trainers/launch.py``)."""
+    """One of ``netstorm/trainers/launch.py``'s TRAINERS."""
     train: str = "blobs"
-    """torch-ddp's task (``netstorm/trainers/tasks.py``)."""
+    """torch-ddp's task (``netstorm/trainers/tasks.py``) or diloco's (``netstorm/trainers/realdata.py``)."""
+    diloco: Any = None
+    """``--trainer diloco``'s schedule and systems (``diloco_systems.DilocoOptions``)."""
     plan_lans: bool = False
     """``dc_planner`` was given: every DC with LAN workers gets a described LAN to plan (``resize_lans``)."""
     plan_scenario: str | None = None
@@ -174,6 +191,10 @@ class Options:
         from netstorm.emulation.gloo_trainer import model_parameters
         from netstorm.trainers.tasks import TASKS
 
+        if self.trainer == "diloco":
+            from netstorm.trainers.ddp_realdata import parameters
+
+            return parameters(self.train)
         return TASKS[self.train].parameters if self.trainer == "torch-ddp" else model_parameters(self.model)
     compressions: list[str] = dataclasses.field(default_factory=lambda: ["none"])
     """Each NetStorm system runs once per compression entry (``--compression none,fediac,topk,fp16``; an
@@ -247,6 +268,16 @@ def options_from_args(args: argparse.Namespace) -> Options:
     if args.compute_s < 0:
         raise EmulationError(f"--compute-s must be >= 0, got {args.compute_s}")
     trainer = getattr(args, "trainer", "synthetic")
+    train_choices = TRAINS.get(trainer, ())
+    if getattr(args, "train", None) is None:
+        args.train = train_choices[0] if train_choices else next(iter(TASKS))
+    elif args.train not in train_choices:
+        raise EmulationError(f"--trainer {trainer} trains " + (", ".join(train_choices) or "--model, not --train")
+                             + f"; got --train {args.train}")
+    if trainer == "diloco":
+        return diloco_options(args)
+    if getattr(args, "system", None) is None:
+        args.system = "netstorm,star"
     if trainer == "torch-ddp":
         args.model = f"torch-ddp:{args.train}"
         if getattr(args, "overlap", False) or args.compute_s or getattr(args, "lan_workers", None) or \
@@ -292,6 +323,40 @@ def options_from_args(args: argparse.Namespace) -> Options:
                    probe_by=getattr(args, "probe_by", "scheduler"),
                    credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
                                                                           if k in LOCAL})))
+
+
+def diloco_options(args: argparse.Namespace) -> Options:
+    """``--trainer diloco``'s run: its systems (``diloco_systems``), schedule flags and checks."""
+    from netstorm.emulation import diloco_systems
+
+    if args.steps is None or args.sync_every is None:
+        raise EmulationError("--trainer diloco needs --steps N and --sync-every H")
+    if args.steps < 1 or args.sync_every < 1 or args.fragments < 1 or args.fragment_delay < 0:
+        raise EmulationError("--steps, --sync-every and --fragments must be >= 1 and --fragment-delay >= 0")
+    if getattr(args, "overlap", False) or getattr(args, "lan_workers", None) or getattr(args, "plan_scenario", None):
+        raise EmulationError("--trainer diloco runs without --overlap, --lan-workers and --plan-scenario")
+    from netstorm.diloco.schedule import Schedule
+
+    Schedule(args.sync_every, args.fragments, args.fragment_delay)  # a ConfigError names a schedule that cannot run
+    chosen = diloco_systems.parse(args.system or diloco_systems.DEFAULT)
+    d = diloco_systems.DilocoOptions(chosen, args.steps, args.sync_every, args.fragments, args.fragment_delay,
+                                     args.outer_compression, seed=0)
+    scenario = load(args.scenario)
+    chaos = parse_chaos(args.chaos, dcs=[dc.id for dc in scenario.nodes],
+                        links=[(link.a, link.b) for link in scenario.links]) if getattr(args, "chaos", None) else []
+    given = _given_options(args)
+    from netstorm.trainers.ddp_realdata import parameters as task_parameters
+
+    parameters = task_parameters(args.train)
+    roots = int(given.get("num_root_servers", 0)) or len(scenario.nodes)
+    opts = Options(args.scenario, [], args.steps, f"diloco:{args.train}", args.bw_scale, args.seed, args.compute_s,
+                   args.time_scale, args.timeout, not args.no_loss,
+                   _config_flags(args) + chunk_flags(parameters, given, roots=roots), args.run_dir, chaos=chaos,
+                   trainer="diloco", train=args.train, diloco=d,
+                   credentials=Credentials.from_config(resolve(overrides={k: v for k, v in given.items()
+                                                                          if k in LOCAL})))
+    diloco_systems.check_chaos(chosen, chaos)
+    return opts
 
 
 def lan_options(given: Mapping[str, Any]) -> Any:
@@ -437,6 +502,8 @@ class SystemRun:
         self.started_wall = time.time()
         self.edge_picks: dict[int, str] = {}
         """The LAN path each gateway runs where ``--edge-mode auto`` measured them (``calibrate_edges``)."""
+        self.link_bytes = 0
+        """Bytes the overlay links carried during the run (set when it ends)."""
 
     def _spawn(self, name: str, where: int | str | tuple[int, int], argv: list[str], *, trainer: bool = False,
                append: bool = False) -> subprocess.Popen[bytes]:
@@ -532,6 +599,18 @@ class SystemRun:
                     raise EmulationError(f"node {dc} did not open its trainer socket {sock} in time")
                 time.sleep(0.1)
         self._start_lan_aggregators()
+        self._start_trainers()
+
+    def _start(self, deadline: float) -> None:
+        """Start the system's services and trainers (``run`` then follows them)."""
+        if self.system.kind == "gloo":
+            self._start_gloo()
+        else:
+            self._start_netstorm(deadline)
+
+    def _start_trainers(self) -> None:
+        """One trainer per contributor, against its node's socket or its gateway's LAN port."""
+        net, opts = self.net, self.opts
         # With LAN workers nobody sees the whole job, so every contributor is told its size and id sum.
         job = ["--contributors", str(len(self.contributors)),
                "--contributor-sum", str(sum(c.id for c in self.contributors))] if net.plan.lans else []
@@ -674,10 +753,7 @@ class SystemRun:
         if self.opts.chaos:
             self.chaos = ChaosPlayer(self.opts.chaos, self.apply_fault)
         try:
-            if self.system.kind == "gloo":
-                self._start_gloo()
-            else:
-                self._start_netstorm(deadline)
+            self._start(deadline)
             while not stop.wait(0.5):
                 for tlog in self.logs.values():
                     tlog.poll()
@@ -713,6 +789,7 @@ class SystemRun:
             tlog.poll()
         usage1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         link_bytes = wancount.overlay_tx_bytes(self.net.plan) - link_bytes0
+        self.link_bytes = link_bytes
         out = self._collect(time.monotonic() - start)
         if self.system.kind == "netstorm":
             out.update(self._wan(link_bytes))

@@ -1,13 +1,13 @@
 """One DC's DiLoCo trainer on real data: ``python -m netstorm.trainers.diloco_run --socket PATH ...``.
 
 It trains ``--train`` (``realdata``: digits or pylm) with AdamW inner steps and ``netstorm.torch``'s
-DiLoCo against its DC's node, and writes JSON lines to ``--out``: ``start`` (parameters, bytes, the
-step it joined a running job at), one ``sync`` per fragment sync (its seconds, contributors, weight,
-attempts, WAN bytes, digest), ``eval`` after every full round of fragments (held-out loss and
-accuracy of the global parameters, when no sync is in flight) and ``end`` (compute and wall seconds,
-evaluation excluded). ``--compute-s S`` pads every inner step to at least S seconds of wall time: a
-GPU-class step on a CPU-only host. Run again with the same command line after its DC restarted, it
-rejoins the running job and continues from the live step.
+DiLoCo against its DC's node, and writes JSON lines to ``--out``: ``start`` (parameters, bytes, a
+fragment's bytes on the wire, the step it joined a running job at), one ``sync`` per fragment sync
+(its start, seconds, contributors, weight, attempts, WAN bytes, digest), ``eval`` after every full
+round of fragments (held-out loss and accuracy of the global parameters, when no sync is in flight)
+and ``end`` (compute and wall seconds, evaluation excluded). ``--compute-s S`` pads every inner step
+to at least S seconds of wall time: a GPU-class step on a CPU-only host. Run again with the same command
+line after its DC restarted, it rejoins the running job and continues from the live step.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import sys
 import time
 from typing import IO, Any
 
+from netstorm.trainers.realdata import NAMES
+
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.diloco_run")
     parser.add_argument("--socket", required=True, help="the DC's node (a Unix socket path or tcp://HOST:PORT)")
-    parser.add_argument("--train", choices=("digits", "pylm"), default="digits")
+    parser.add_argument("--train", choices=NAMES, default=NAMES[0])
     parser.add_argument("--dc-index", type=int, required=True, help="this DC's shard of the data (0-based)")
     parser.add_argument("--dcs", type=int, required=True, help="DCs sharing the data")
     parser.add_argument("--sync-every", type=int, required=True)
@@ -74,8 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         for p, view in zip(evaluator.parameters(), _views(dl), strict=True):
             p.data = torch.from_numpy(view)
     with open(args.out, "a", encoding="utf-8") as out:
+        state = dl.sync.state
         emit(out, "start", dc=kv.node_id, train=args.train, parameters=task.parameters,
-             bytes=4 * task.parameters, joined_at=dl.sync.joined_at, step=dl.sync.steps, t=time.time())
+             bytes=4 * task.parameters, fragment_bytes=state.width * state.compression.wire_bytes_per_value(),
+             joined_at=dl.sync.joined_at, step=dl.sync.steps, t=time.time())
         start = time.monotonic()
         compute = eval_s = 0.0
         seen = 0

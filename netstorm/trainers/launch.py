@@ -24,23 +24,39 @@ from pathlib import Path
 from typing import IO, Any
 
 from netstorm.errors import NetStormError
+from netstorm.trainers.realdata import NAMES as REALDATA
+from netstorm.trainers.tasks import TASKS
 
-TRAINERS = ("synthetic", "torch-ddp")
+TRAINERS = ("synthetic", "torch-ddp", "diloco")
 """What ``netstorm emulate --trainer`` runs in each DC; the first is the default."""
+TRAINS: dict[str, tuple[str, ...]] = {"synthetic": (), "torch-ddp": tuple(TASKS), "diloco": REALDATA}
+"""Each trainer's ``--train`` tasks, the first its default: generated ones for torch-ddp, DiLoCo's real data
+for diloco (whose per-step references run torch-ddp on the same data); the synthetic trainer takes ``--model``."""
+
+
+def diloco_args(module: str, train: str, *, dc_index: int, dcs: int, sync_every: int, fragments: int,
+                fragment_delay: int, outer_compression: str, compute_s: float, steps: int, seed: int, out: Path,
+                endpoint: Sequence[str]) -> list[str]:
+    """A DiLoCo trainer's command line after the interpreter: ``netstorm/trainers/diloco_run.py``'s flags,
+    which the torchft one shares, ``endpoint`` the flags that say where its DC's runtime is (``--socket``)."""
+    return ["-m", module, *endpoint, "--train", train, "--dc-index", str(dc_index), "--dcs", str(dcs),
+            "--sync-every", str(sync_every), "--fragments", str(fragments), "--fragment-delay", str(fragment_delay),
+            "--outer-compression", outer_compression, "--compute-s", str(compute_s), "--steps", str(steps),
+            "--seed", str(seed), "--out", str(out)]
 
 
 def torch_ddp_args(backend: str, task: str, *, rank: int, world: int, dc: int, iterations: int, out: Path,
                    socket: str | None = None, store: str | None = None, address: str | None = None,
-                   compression: Sequence[str] = ()) -> list[str]:
+                   compression: Sequence[str] = (), extra: Sequence[str] = ()) -> list[str]:
     """The torch-ddp trainer's command line after the interpreter (``netstorm/trainers/torch_ddp.py``);
-    ``compression``: its ``--compression`` and ``--fediac-*`` flags."""
+    ``compression``: its ``--compression`` and ``--fediac-*`` flags; ``extra``: any other of its flags."""
     argv = ["-m", "netstorm.trainers.torch_ddp", "--backend", backend, "--task", task, "--rank", str(rank),
             "--world", str(world), "--dc", str(dc), "--iterations", str(iterations), "--out", str(out)]
     if socket is not None:
         argv += ["--socket", socket]
     if store is not None and address is not None:
         argv += ["--store", store, "--address", address]
-    return argv + list(compression)
+    return argv + list(compression) + list(extra)
 
 
 class LaunchError(NetStormError):

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 DIGITS_HIDDEN = 1024
 LM_CONTEXT, LM_WIDTH, LM_LAYERS, LM_HEADS = 64, 192, 3, 4
 EVAL_SAMPLES = {"digits": 360, "pylm": 256}
+NAMES = ("digits", "pylm")
+"""The tasks, in ``--train`` order: the first is the default."""
 
 
 @dataclasses.dataclass

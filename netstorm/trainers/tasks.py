@@ -125,3 +125,14 @@ def evaluate(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[
 
 def parameter_count(model: Any) -> int:
     return sum(int(p.numel()) for p in model.parameters() if p.requires_grad)
+
+
+def parameters_digest(model: Any) -> str:
+    """A hash of every parameter's bytes: equal at every DC after a step exactly when the models are."""
+    import hashlib
+
+    import torch
+
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in model.parameters()])
+    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()

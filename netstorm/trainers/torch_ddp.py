@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import sys
@@ -16,7 +15,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from netstorm.compression.methods import METHODS
-from netstorm.trainers.tasks import TASKS
+from netstorm.trainers.realdata import NAMES as REALDATA
+from netstorm.trainers.tasks import TASKS, parameters_digest
 
 HELD_OUT = 1000
 HELD_OUT_SEED = 999_999
@@ -41,13 +41,23 @@ def gloo_group(args: argparse.Namespace, timeout: datetime.timedelta) -> Any:
     return group
 
 
-def parameters_digest(model: Any) -> str:
-    """A hash of every parameter's bytes: equal at every DC after a step exactly when the models are."""
-    import torch
+def process_group(args: argparse.Namespace, parameters: int) -> Any:
+    """The job's process group on ``--backend``: netstorm's (its round sized for ``parameters``) or gloo's."""
+    import torch.distributed as dist
 
-    with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1).to(torch.float32) for p in model.parameters()])
-    return hashlib.blake2b(flat.numpy().tobytes(), digest_size=16).hexdigest()
+    timeout = datetime.timedelta(seconds=args.timeout)
+    if args.backend != "netstorm":
+        return gloo_group(args, timeout)
+    import netstorm.torch  # noqa: F401  (registers the backend)
+
+    os.environ["NETSTORM_SOCKET"] = args.socket
+    for name in ("compression", "fediac_k", "fediac_bits", "fediac_votes", "fediac_gia_reuse"):
+        if getattr(args, name) is not None:  # the process group resolves its options from the environment
+            os.environ["NETSTORM_" + name.upper()] = str(getattr(args, name))
+    os.environ.setdefault("NETSTORM_TORCH_ROUND", str(parameters))
+    dist.init_process_group("netstorm", store=dist.HashStore(), rank=args.rank, world_size=args.world,
+                            timeout=timeout)
+    return dist.distributed_c10d._get_default_group()
 
 
 def run(args: argparse.Namespace, stream: IO[str]) -> int:
@@ -55,25 +65,17 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    import netstorm.torch
     from netstorm.trainers import tasks
 
     torch.set_num_threads(1)
-    spec = TASKS[args.task]
-    timeout = datetime.timedelta(seconds=args.timeout)
-    group: Any
-    if args.backend == "netstorm":
-        import netstorm.torch
+    if args.task in REALDATA:
+        from netstorm.trainers import ddp_realdata
 
-        os.environ["NETSTORM_SOCKET"] = args.socket
-        for name in ("compression", "fediac_k", "fediac_bits", "fediac_votes", "fediac_gia_reuse"):
-            if getattr(args, name) is not None:  # the process group resolves its options from the environment
-                os.environ["NETSTORM_" + name.upper()] = str(getattr(args, name))
-        os.environ.setdefault("NETSTORM_TORCH_ROUND", str(spec.parameters))
-        dist.init_process_group("netstorm", store=dist.HashStore(), rank=args.rank, world_size=args.world,
-                                timeout=timeout)
-        group = dist.distributed_c10d._get_default_group()
-    else:
-        group = gloo_group(args, timeout)
+        group = process_group(args, ddp_realdata.parameters(args.task))
+        return ddp_realdata.run(args, group, stream)
+    spec = TASKS[args.task]
+    group = process_group(args, spec.parameters)
     model = tasks.build_model(args.task, args.seed)
     bucket_mb = 4 * spec.parameters / 2**20 + 1.0  # one bucket: the whole gradient
     ddp = DistributedDataParallel(model, process_group=group, bucket_cap_mb=bucket_mb)
@@ -133,7 +135,8 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.torch_ddp", description=__doc__.split("\n")[0])
     parser.add_argument("--backend", choices=["netstorm", "gloo"], required=True)
-    parser.add_argument("--task", choices=list(TASKS), default=next(iter(TASKS)))
+    parser.add_argument("--task", choices=[*TASKS, *REALDATA], default=next(iter(TASKS)),
+                        help="a generated task, or DiLoCo's real data (netstorm/trainers/ddp_realdata.py)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world", type=int, required=True)
     parser.add_argument("--dc", type=int, required=True, help="this DC's id (for the output)")
@@ -153,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="iterations one FediAC GIA serves (ours; 1: vote every iteration)")
     parser.add_argument("--comm-hook", choices=("default", "compressed"), default="default",
                         help="netstorm: DDP's bucket all-reduce (default) or compressed_hook even without compression")
+    parser.add_argument("--compute-s", type=float, default=0.0,
+                        help="digits/pylm: pad each step's compute to at least S seconds before its all-reduce")
+    parser.add_argument("--eval-every", type=int, default=1, help="digits/pylm: steps between held-out evaluations")
     parser.add_argument("--digest", action="store_true", help="add params_digest (a hash of the model) to each line")
     parser.add_argument("--save", default=None, help="directory: write the final parameters to rank-R.npy there")
     return parser
