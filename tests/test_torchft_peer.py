@@ -6,7 +6,8 @@ SGD rounds its update once (a fused multiply-add) where ``OuterSGD`` rounds twic
 differ by about an ulp per outer step and the digests differ from the reference's, while the held-out
 losses agree to 1e-5. Streaming DiLoCo (P=2, tau=1) is not compared with the reference: torchft's
 fragments are whole tensors and it sends a fragment tau steps before its sync step, not after
-(netstorm.trainers.torchft_diloco)."""
+(netstorm.trainers.torchft_diloco). On NetStorm's nodes (``ProcessGroupNetStormFT``) the same run is
+bit-identical to the gloo one."""
 
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ def _options(parser: argparse.ArgumentParser, own: set[str]) -> set[str]:
 
 def test_the_command_line_is_diloco_runs_but_where_it_syncs() -> None:
     ours = _options(torchft_diloco.parser(), {"--lighthouse", "--replica-id", "--hostname"})
-    theirs = _options(diloco_run.parser(), {"--socket"})
-    assert ours == theirs and "--fragment-delay" in ours
+    theirs = _options(diloco_run.parser(), set())
+    assert ours == theirs and "--fragment-delay" in ours and "--socket" in ours  # optional here: the node
 
 
 def test_fragments_are_whole_tensors_cut_nearest_netstorms_bounds() -> None:
@@ -69,16 +70,20 @@ def _require_torchft() -> None:
         require(False, f"needs torch, scikit-learn and torchft (the peers extra): {exc}")
 
 
-def _run(tmp_path: Path, h: int, p: int, tau: int, steps: int) -> list[list[dict[str, Any]]]:
+def _run(tmp_path: Path, h: int, p: int, tau: int, steps: int,
+         sockets: list[str] | None = None) -> list[list[dict[str, Any]]]:
+    """Two DCs' trainers (through their NetStorm nodes at ``sockets``, else gloo); their JSON lines."""
     from netstorm.trainers.torchft_lighthouse import Lighthouse
 
+    tmp_path.mkdir(parents=True, exist_ok=True)
     outs = [tmp_path / f"dc{dc}.jsonl" for dc in range(2)]
     with (tmp_path / "lighthouse.log").open("wb") as log, Lighthouse(2, join_timeout_ms=30000, log=log) as lh:
         logs = [(tmp_path / f"dc{dc}.log").open("wb") for dc in range(2)]
         procs = [subprocess.Popen(
             [sys.executable, "-m", "netstorm.trainers.torchft_diloco", "--lighthouse", lh.address, "--dc-index",
              str(dc), "--dcs", "2", "--sync-every", str(h), "--fragments", str(p), "--fragment-delay", str(tau),
-             "--steps", str(steps), "--timeout", "120", "--out", str(outs[dc])],
+             "--steps", str(steps), "--timeout", "120", "--out", str(outs[dc]),
+             *(["--socket", sockets[dc]] if sockets else [])],
             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=logs[dc]) for dc in range(2)]
         try:
             codes = [proc.wait(TIMEOUT) for proc in procs]
@@ -91,6 +96,10 @@ def _run(tmp_path: Path, h: int, p: int, tau: int, steps: int) -> list[list[dict
                 f.close()
     assert codes == [0, 0], [(tmp_path / f"dc{dc}.log").read_text()[-3000:] for dc in range(2)]
     return [[json.loads(line) for line in out.read_text().splitlines()] for out in outs]
+
+
+def _digests(run: list[dict[str, Any]]) -> list[str]:
+    return [r["digest_after"] for r in run if r["kind"] == "sync"]
 
 
 def _check_identical_and_learning(runs: list[list[dict[str, Any]]], outer_steps: int) -> list[dict[str, Any]]:
@@ -162,10 +171,24 @@ def test_torchft_diloco_keeps_dcs_identical_and_follows_the_reference(tmp_path: 
 
 
 @pytest.mark.slow
-def test_torchft_streaming_diloco_keeps_dcs_identical_after_every_fragment(tmp_path: Path) -> None:
+def test_torchft_streaming_diloco_on_gloo_and_on_netstorm_nodes_agree_bit_for_bit(tmp_path: Path) -> None:
+    """Streaming DiLoCo keeps both DCs identical after every fragment's outer step; swapping torchft's
+    ``ProcessGroupGloo`` for NetStorm's ``ProcessGroupNetStormFT`` (``--socket``) changes no bit: two
+    float32 pseudo-gradients sum alike in either order, and the sums really crossed the nodes."""
     _require_torchft()
-    runs = _run(tmp_path, 6, 2, 1, 18)
-    _check_identical_and_learning(runs, 18 // 3)
-    start = next(r for r in runs[0] if r["kind"] == "start")
+    from netstorm.trainers.launch import local_cluster
+
+    gloo = _run(tmp_path / "gloo", 6, 2, 1, 18)
+    _check_identical_and_learning(gloo, 18 // 3)
+    start = next(r for r in gloo[0] if r["kind"] == "start")
     assert start["fragment_groups"] == [[0, 2], [2, 6]] and start["torchft_options"]["fragment_sync_delay"] == 1
-    assert [r["fragment"] for r in runs[0] if r["kind"] == "sync"] == [0, 1] * 3
+    assert start["process_group"] == "torchft-gloo"
+    assert [r["fragment"] for r in gloo[0] if r["kind"] == "sync"] == [0, 1] * 3
+    with local_cluster(2, tmp_path / "run", ready_timeout=90) as cluster:
+        nodes = _run(tmp_path / "netstorm", 6, 2, 1, 18, [cluster.socket(1), cluster.socket(2)])
+    _check_identical_and_learning(nodes, 18 // 3)
+    assert next(r for r in nodes[0] if r["kind"] == "start")["process_group"] == "torchft-netstorm"
+    assert _digests(nodes[0]) == _digests(gloo[0])
+    fragment_bytes = [4 * 66560, 4 * 1059850]
+    for r in (r for r in nodes[0] if r["kind"] == "sync"):
+        assert r["contributors"] == [1, 2] and r["wan_bytes"] >= fragment_bytes[r["fragment"]]

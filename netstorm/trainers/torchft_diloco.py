@@ -2,11 +2,12 @@
 
 The peer of ``diloco_run``: the same task, data shard, AdamW inner steps, Nesterov outer SGD, seeds,
 schedule options and JSON lines (``diloco_options``), but synchronized by torchft: a ``Manager`` of one
-replica group per DC (its Lighthouse at ``--lighthouse``, ``ProcessGroupGloo`` between the DCs) and
-``torchft.local_sgd.DiLoCo``. Each ``sync`` line carries the digest of the global state it started from
-(as ``diloco_run``'s) and ``digest_after``, the digest after its outer step, computed as NetStorm's
-``GlobalState.digest``. Where torchft has no counterpart an option is refused or mapped, and ``start``
-says how (``torchft_options`` and ``fragment_groups``; the note on the peer run lists the differences).
+replica group per DC (its Lighthouse at ``--lighthouse``, ``ProcessGroupGloo`` between the DCs, or with
+``--socket`` NetStorm's ``ProcessGroupNetStormFT`` through the DC's node) and ``torchft.local_sgd.DiLoCo``.
+Each ``sync`` line carries the digest of the global state it started from (as ``diloco_run``'s) and
+``digest_after``, the digest after its outer step, computed as NetStorm's ``GlobalState.digest``. Where
+torchft has no counterpart an option is refused or mapped, and ``start`` says how (``torchft_options``
+and ``fragment_groups``; the note on the peer run lists the differences).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--replica-id", default=None, help="this DC's replica group (default: dc<INDEX>)")
     out.add_argument("--hostname", default=None,
                      help="the address the other DCs reach this one at (default: the host's name)")
+    out.add_argument("--socket", default=None,
+                     help="run torchft's process group through this DC's NetStorm node (ProcessGroupNetStormFT) "
+                          "instead of ProcessGroupGloo")
     add_options(out)
     return out
 
@@ -110,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # the replica group's store: one process per DC, so this process hosts it
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    pg = timed_gloo(timeout, args.hostname)
+    pg = timed_group(timeout, args.hostname, args.socket)
     replica_id = args.replica_id or f"dc{args.dc_index}"
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
                       use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
@@ -127,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         emit(out, "start", dc=args.dc_index, replica_id=replica_id, system="torchft", train=args.train,
              parameters=task.parameters, bytes=4 * task.parameters, joined_at=None, step=0, t=time.time(),
              torchft_options=mapped, quantized=mapped["should_quantize"] and IS_TRITON_AVAILABLE,
-             fragment_groups=[list(g) for g in groups],
+             fragment_groups=[list(g) for g in groups], process_group=pg.getBackendName(),
              fragment_elements=[sum(p.numel() for p in f.parameters()) for f in fragments])
         start = time.monotonic()
         compute = eval_s = 0.0
@@ -167,12 +171,22 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def timed_gloo(timeout: timedelta, hostname: str | None) -> Any:
-    """torchft's ``ProcessGroupGloo`` that notes when each all-reduce completes (a sync's seconds) and,
-    given ``hostname``, advertises that host for its rendezvous store instead of the machine's name."""
-    from torchft.process_group import ProcessGroupGloo
+def timed_group(timeout: timedelta, hostname: str | None, node: str | None) -> Any:
+    """torchft's ``ProcessGroupGloo`` (or, given this DC's ``node``, NetStorm's ``ProcessGroupNetStormFT``)
+    that notes when each all-reduce completes (a sync's seconds) and, given ``hostname``, advertises that
+    host for its rendezvous store instead of the machine's name."""
+    base: Any
+    if node is None:
+        from torchft.process_group import ProcessGroupGloo
+        base = ProcessGroupGloo
+    else:
+        import os
 
-    class TimedGloo(ProcessGroupGloo):
+        from netstorm.torch.torchft_group import ProcessGroupNetStormFT
+        base = ProcessGroupNetStormFT
+        os.environ["NETSTORM_SOCKET"] = node  # what the netstorm backend joins
+
+    class Timed(base):
         def __init__(self) -> None:
             super().__init__(timeout=timeout)
             self.done_at = 0.0
@@ -185,6 +199,14 @@ def timed_gloo(timeout: timedelta, hostname: str | None) -> Any:
         def _done(self, _future: Any) -> None:
             self.done_at = time.monotonic()
 
+        def wan_bytes(self) -> int | None:
+            """Bytes this DC's node queued on WAN links so far (None on gloo: torchft does not count them)."""
+            return None if node is None or self._pg is None else int(self._pg.stats().wan_bytes)
+
+        def contributors(self) -> list[int] | None:
+            """The DCs' node ids the newest sum held (None on gloo)."""
+            return None if node is None or self._pg is None else list(self._pg.stats().contributors)
+
         def get_reconfigure_handle(self) -> str:
             handle: str = super().get_reconfigure_handle()
             if hostname is None:
@@ -194,7 +216,7 @@ def timed_gloo(timeout: timedelta, hostname: str | None) -> Any:
             fields["store"] = f"{hostname}:{fields['store'].rsplit(':', 1)[1]}"
             return json.dumps(fields)
 
-    return TimedGloo()
+    return Timed()
 
 
 class Probe:
@@ -210,7 +232,7 @@ class Probe:
         self.eval_due = False
         self.index = 0
         self._failures = 0
-        self._sent: dict[int, tuple[float, str]] = {}
+        self._sent: dict[int, tuple[float, str, int | None]] = {}
         hook = dl._step_post_hook
 
         def timed_hook(*a: Any) -> None:
@@ -236,7 +258,7 @@ class Probe:
 
     def _prepare(self, fragment: int, prepare: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            self._sent[fragment] = (time.monotonic(), self.digest().hex())
+            self._sent[fragment] = (time.monotonic(), self.digest().hex(), self.pg.wan_bytes())
             prepare()
         return run
 
@@ -245,13 +267,16 @@ class Probe:
             waited = time.monotonic()
             committed = perform()
             done = time.monotonic()
-            began, before = self._sent.pop(fragment)
+            began, before, wan = self._sent.pop(fragment)
+            wan_now = self.pg.wan_bytes()
             arrived = self.pg.done_at if self.pg.done_at >= began else done
             self.records.append({
-                "index": self.index, "fragment": fragment, "seconds": arrived - began, "contributors": None,
+                "index": self.index, "fragment": fragment, "seconds": arrived - began,
+                "contributors": self.pg.contributors(),
                 "weight": self.manager.num_participants(), "left_out": not self.manager.is_participating(),
-                "attempts": self._failures + 1, "wan_bytes": None, "digest": before, "committed": committed,
-                "digest_after": self.digest().hex(), "wait_s": done - waited})
+                "attempts": self._failures + 1,
+                "wan_bytes": None if wan is None or wan_now is None else wan_now - wan, "digest": before,
+                "committed": committed,                "digest_after": self.digest().hex(), "wait_s": done - waited})
             self.index += 1
             self._failures = 0 if committed else self._failures + 1
             if committed and fragment == len(self.dl._fragments) - 1:
