@@ -65,10 +65,12 @@ if [ "$(cat "$stamp_file" 2>/dev/null || true)" != "$stamp_now" ]; then
     fi
     # Every extra (a node alone needs none: pip install netstorm), at the versions constraints.txt pins
     # (scripts/constraints.py writes it); torch is the step above.
-    # diloco (scikit-learn's bundled digits for the real-data trainers) names torch too, so it is asked
-    # for only when torch is in place: a host without torch keeps every other extra.
+    # diloco (scikit-learn's bundled digits for the real-data trainers) and peers (torchft, whose wheel
+    # requires torch>=2.7) name torch too, so they are asked for only when torch is in place: a host
+    # without torch keeps every other extra, and constraints.txt's torch pin keeps pip from replacing the
+    # CPU build with another.
     extras=scheduler,emulate,dev
-    if .venv/bin/python -c 'import torch' 2>/dev/null; then extras=$extras,diloco; fi
+    if .venv/bin/python -c 'import torch' 2>/dev/null; then extras=$extras,diloco,peers; fi
     .venv/bin/pip install -q -c constraints.txt -e ".[$extras]"
     echo "$stamp_now" > "$stamp_file"
 fi

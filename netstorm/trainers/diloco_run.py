@@ -13,43 +13,22 @@ line after its DC restarted, it rejoins the running job and continues from the l
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from typing import IO, Any
+from typing import Any
 
-from netstorm.trainers.realdata import NAMES
+from netstorm.trainers.diloco_options import add_options, emit
+
+
+def parser() -> argparse.ArgumentParser:
+    out = argparse.ArgumentParser(prog="python -m netstorm.trainers.diloco_run")
+    out.add_argument("--socket", required=True, help="the DC's node (a Unix socket path or tcp://HOST:PORT)")
+    add_options(out)
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m netstorm.trainers.diloco_run")
-    parser.add_argument("--socket", required=True, help="the DC's node (a Unix socket path or tcp://HOST:PORT)")
-    parser.add_argument("--train", choices=NAMES, default=NAMES[0])
-    parser.add_argument("--dc-index", type=int, required=True, help="this DC's shard of the data (0-based)")
-    parser.add_argument("--dcs", type=int, required=True, help="DCs sharing the data")
-    parser.add_argument("--sync-every", type=int, required=True)
-    parser.add_argument("--fragments", type=int, default=1)
-    parser.add_argument("--fragment-delay", type=int, default=0)
-    parser.add_argument("--outer-compression", choices=("none", "fp16", "int8", "int4"), default="none")
-    parser.add_argument("--error-feedback", action="store_true")
-    parser.add_argument("--outer-lr", type=float, default=0.7)
-    parser.add_argument("--outer-momentum", type=float, default=0.9)
-    parser.add_argument("--straggler-s", type=float, default=None)
-    parser.add_argument("--no-rejoin", action="store_true",
-                        help="register no state snapshot (cheaper pushes; no rejoin, every DC starts from --seed)")
-    parser.add_argument("--compute-s", type=float, default=0.0)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--batch", type=int, default=0, help="samples per inner step (0: the task's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--timeout", type=float, default=600.0)
-    parser.add_argument("--out", required=True)
-    return parser.parse_args(argv)
-
-
-def emit(out: IO[str], kind: str, **fields: Any) -> None:
-    out.write(json.dumps({"kind": kind, **fields}) + "\n")
-    out.flush()
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
