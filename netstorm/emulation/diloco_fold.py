@@ -73,7 +73,11 @@ def sync_limits(per_dc: Mapping[int, Records], rate_log: list[dict[str, Any]], o
     """Per sync, its fragment's bytes over λ of the rates in force from its earliest DC's start on
     (``origin``: the wall-clock time of the rate log's zero)."""
     size = fragment_bytes(per_dc, fragments)
-    return [round(results.window_limit_s(size, rate_log, began(rs, origin)), 4) for rs in syncs(per_dc).values()]
+    starts = [r for records in per_dc.values() for r in _kind(records, "start")]
+    # a trainer whose fragments differ in size (torchft's whole tensors) names each one's elements
+    elements = next((list(r["fragment_elements"]) for r in starts if r.get("fragment_elements")), None)
+    return [round(results.window_limit_s(4 * int(elements[int(rs[0].get("fragment", 0))]) if elements else size,
+                                         rate_log, began(rs, origin)), 4) for rs in syncs(per_dc).values()]
 
 
 def rejoined(per_dc: Mapping[int, Records], restarts: Sequence[tuple[int, float]]) -> dict[str, int | None]:

@@ -232,7 +232,7 @@ class Probe:
         self.eval_due = False
         self.index = 0
         self._failures = 0
-        self._sent: dict[int, tuple[float, str, int | None]] = {}
+        self._sent: dict[int, tuple[float, float, str, int | None]] = {}
         hook = dl._step_post_hook
 
         def timed_hook(*a: Any) -> None:
@@ -258,7 +258,7 @@ class Probe:
 
     def _prepare(self, fragment: int, prepare: Callable[[], None]) -> Callable[[], None]:
         def run() -> None:
-            self._sent[fragment] = (time.monotonic(), self.digest().hex(), self.pg.wan_bytes())
+            self._sent[fragment] = (time.monotonic(), time.time(), self.digest().hex(), self.pg.wan_bytes())
             prepare()
         return run
 
@@ -267,16 +267,16 @@ class Probe:
             waited = time.monotonic()
             committed = perform()
             done = time.monotonic()
-            began, before, wan = self._sent.pop(fragment)
+            began, wall, before, wan = self._sent.pop(fragment)
             wan_now = self.pg.wan_bytes()
             arrived = self.pg.done_at if self.pg.done_at >= began else done
             self.records.append({
-                "index": self.index, "fragment": fragment, "seconds": arrived - began,
+                "index": self.index, "fragment": fragment, "seconds": arrived - began, "began": wall,
                 "contributors": self.pg.contributors(),
                 "weight": self.manager.num_participants(), "left_out": not self.manager.is_participating(),
                 "attempts": self._failures + 1,
                 "wan_bytes": None if wan is None or wan_now is None else wan_now - wan, "digest": before,
-                "committed": committed,                "digest_after": self.digest().hex(), "wait_s": done - waited})
+                "committed": committed, "digest_after": self.digest().hex(), "wait_s": done - waited})
             self.index += 1
             self._failures = 0 if committed else self._failures + 1
             if committed and fragment == len(self.dl._fragments) - 1:
