@@ -7,8 +7,8 @@ ranges of the tensor, ``netstorm.layout.Layout.key_parts``: one per WAN chunk of
 LAN chunks that completed (sequence numbers of the iteration's ``EdgeLayout``, as
 ``IterationSums`` reports them), and answers with the parts that became ready. LAN chunks are cut at the
 LAN's lanes per datagram, WAN chunks at the node's chunk size, so a LAN chunk may straddle two parts:
-a part is ready once every LAN chunk overlapping it completed. No clock and no sockets: the gateway role
-(``bpf/gateway.py``) feeds it from the agent's completion hook and wakes the node's waiters.
+a part is ready once every LAN chunk overlapping it completed. No clock and no sockets: ``PartWatch``
+(bpf/partwatch.py) feeds it from the agent's completion hook, and its shell wakes the node's waiters.
 """
 
 from __future__ import annotations

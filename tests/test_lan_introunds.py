@@ -232,3 +232,20 @@ def test_a_reused_gia_sends_values_and_the_scale_on_the_wires_the_rounds_push(re
         assert rounds.last.reused == (current.kind is Kind.REUSED) and rounds.last.gia == gia
     cycle = [Kind.VOTES, Kind.VALUES] + [Kind.REUSED] * (reuse - 1)
     assert kinds == cycle * 2
+
+
+def test_the_gateways_rounds_of_a_registered_layout_are_the_plan_every_worker_derives() -> None:
+    """``GatewayRounds.of_layout``: the node's registered layout gives the same wires as the registered
+    tensors do at a worker, from the first summed iteration on, with at least one contributor."""
+    from netstorm.layout import Layout, TensorSpec
+
+    options = CompressionOptions("fediac", k=0.1, bits=10, votes=1)
+    plan, registered = plan_for(options, contributors=1)
+    layout = Layout.build([TensorSpec.of(n, a) for n, a in registered.items()], 65536)
+    rounds = GatewayRounds.of_layout(layout, options, lanes=100, pool=2, scale=16, contributors=0, first_iteration=6)
+    want, got = plan.first(), rounds.wire_of(6)
+    assert (got.kind, got.tensors, got.extents, got.layout.sizes) == (want.kind, want.tensors, want.extents,
+                                                                     want.layout.sizes)
+    assert rounds.plan.threshold == plan.threshold and rounds.plan.names == plan.names
+    with pytest.raises(WireError):
+        rounds.wire_of(5)

@@ -216,6 +216,16 @@ class GatewayRounds:
         self.plan = plan
         self.wires: dict[int, Wire] = {first_iteration: plan.first()}
 
+    @classmethod
+    def of_layout(cls, layout: Layout, options: CompressionOptions, *, lanes: int, pool: int, scale: int,
+                  contributors: int, first_iteration: int) -> GatewayRounds:
+        """The rounds of a job whose trainer registered ``layout`` (its tensors, integer ones included, and
+        the threshold the WAN roots applied), from ``first_iteration`` on; ``contributors``: at least one."""
+        registered = {t.name: np.zeros(t.size, t.dtype) for t in layout.tensors}
+        plan = RoundPlan(registered, options, lanes=lanes, pool=pool, scale=scale, contributors=max(1, contributors),
+                         applied=layout.gia_threshold)
+        return cls(plan, first_iteration)
+
     def wire_of(self, iteration: int) -> Wire:
         wire = self.wires.get(iteration)
         if wire is None:
