@@ -53,7 +53,9 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_trainer_and_task_are_choices_with_the_first_the_default() -> None:
     args = parse()
-    assert (args.trainer, args.train) == (TRAINERS[0], next(iter(TASKS))) == ("synthetic", "blobs")
+    assert (args.trainer, args.train) == (TRAINERS[0], None) == ("synthetic", None)  # a task is per trainer
+    opts = options_from_args(parse("--trainer", "torch-ddp", "--system", "netstorm"))
+    assert isinstance(opts, Options) and opts.train == next(iter(TASKS)) == "blobs"
     with pytest.raises(SystemExit):
         parse("--trainer", "horovod")
     with pytest.raises(SystemExit):
