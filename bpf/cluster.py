@@ -2,6 +2,9 @@
 cluster, and each completed slot goes on to the gateway as this worker's DATA, so the gateway sums one
 datagram per cluster instead of one per member.
 
+This is the asyncio shell of the service: its socket and the gateway's multicast group, the program (XDP or
+the userspace fallback), one timer and one writer. The rules are the core's (netstorm/lan/clustercore.py).
+
 See docs/ARCHITECTURE.md, *The LAN tier*."""
 
 from __future__ import annotations
@@ -9,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -20,30 +23,33 @@ from bpf.fallback import UserspaceAggregator
 from bpf.writer import SocketWriter
 from bpf.xdp import XDP_REDIRECT, XDP_TX, Upstream, XdpAggregator
 from netstorm.lan import udp
+from netstorm.lan.clusteractions import (
+    AGGREGATE,
+    Action,
+    Bound,
+    Configure,
+    Fail,
+    InstallTokens,
+    ReadSlots,
+    RequireTokens,
+    Send,
+)
+from netstorm.lan.clustercore import ClusterCore
 from netstorm.lan.deploy import Deployment
 from netstorm.lan.errors import EdgeTimeout, StaleDeployment, WireError
-from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Flag, Header, Kind
+from netstorm.lan.header import HEADER_BYTES, KIND_AT, MAX_LANES, OFFSETS, Kind
 from netstorm.lan.layout import EdgeLayout
 from netstorm.lan.outbox import Outbox
-from netstorm.lan.packets import control_packet, nack_packets
 from netstorm.lan.sender import EdgeSender, GroupOpener
-from netstorm.lan.slots import TOKEN_WINDOW
-from netstorm.lan.tokens import LanTokens, Sender
+from netstorm.lan.tokens import LanTokens
 
 log = logging.getLogger("netstorm.edge.cluster")
 Address = tuple[str, int]
 _ITERATION_AT = OFFSETS["iteration"]
 _EPOCH_AT = OFFSETS["epoch"]
 _WORKER_AT = OFFSETS["worker"]
-REHELLO_S = 0.2
-"""Seconds between two HELLOs of a service asking for its part of a changed deployment."""
-MOVED_HOLD = 0.05
-"""Least seconds between two MOVED this service sends one member for one iteration."""
-REORDER_MIN = 0.002
-"""Least wait between the gateway's NACK for a chunk and reading the chunk's slot here (the wait is at least the
-members' ``retransmit``): the gateway may ask while members' datagrams are still on their way (aggregates
-reach it from two paths, and a member's GSO batches may be reordered before this host's program), and a
-member NACKed for a datagram that then arrives resends a duplicate."""
+RECEIVE_ROUND = 256
+"""Datagrams taken from the service socket per wake-up (the rest stay queued for the next)."""
 
 
 def _neighbour_mac(ip: str) -> bytes:
@@ -73,7 +79,9 @@ class ClusterAggregator:
         self.mode = mode
         self.attach_mode = attach
         self.tokens = LanTokens(secret, job)
-        self.deployment: Deployment | None = None
+        self.core = ClusterCore(worker=worker, job=job, gateway=gateway, tokens=self.tokens,
+                                userspace=mode == "userspace")
+        """The rules (netstorm/lan/clustercore.py); this class moves their bytes and drives the program."""
         self.xdp: XdpAggregator | None = None
         self.fallback: UserspaceAggregator | None = None
         self.attached: list[str] = []
@@ -81,39 +89,44 @@ class ClusterAggregator:
         # hand it the members' GSO batches coalesced
         self._hello = EdgeSender(sock, gateway, worker=worker, layout=EdgeLayout.uniform([1], 0), job=job,
                                  secret=secret, group_opener=group_opener, gro=False)
-        self._installed = -1
-        self._last_from: Address = ("", 0)
+        self._answered: Deployment | None = None
         self._scale = 0
         self._stop = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self.failure: Exception | None = None
+        """Why the service stopped by itself (a ``Fail`` of the core), raised by ``run``."""
         self.outbox = Outbox(batch=1)
-        """Aggregates forwarded to the gateway (userspace mode), sent by one writer: a full send buffer (this
-        worker's shaped uplink) holds them back instead of dropping them (bpf/writer.py)."""
+        """What this service sends (userspace aggregates, HELLO, MOVED, NACKs), by one writer: a full send
+        buffer (this worker's shaped uplink) holds it back instead of dropping it (bpf/writer.py)."""
         self.writer = SocketWriter(sock, self.outbox, who=f"edge aggregator {worker}")
-        self.members: dict[int, Address] = {}
-        """Where each worker that said HELLO here sends from (its members', its own trainer's, and after a
-        deployment change possibly a member's whose HELLO came before this service took its new part):
-        the address of its latest HELLO here. NACKs go only to the members its slot lacks."""
-        self.nacks_in = 0
-        """The gateway's NACKs for a chunk this cluster's aggregate is missing from."""
-        self.nacks_out = 0
-        """NACKs this service sent its members (a re-emission asked of its own trainer included)."""
-        self.forged = 0
         self._final: dict[str, int] = {}
-        self.rehellos = 0
-        """HELLOs this service said again for a changed deployment."""
-        self.redeployed = 0
-        """Deployments taken while running (the program's configuration rewritten)."""
-        self.moved_sent = 0
-        """MOVED sent to members whose DATA carried another epoch."""
-        self._token_workers: tuple[int, ...] = ()
-        """Whose tokens are installed: this worker, its members, and after a change its previous members too
-        (their DATA of the old epoch then authenticates, and is answered MOVED instead of dropped)."""
-        self._nonce: int | None = None
-        """The nonce of the HELLO this service awaits an answer to (None: none outstanding)."""
-        self._told: dict[tuple[int, int], float] = {}
-        self._asked: dict[int, tuple[int, int, int]] = {}
-        """Slot -> the (iteration, tensor, chunk) the gateway asked about, looked at after a reorder window (at
-        most one per slot, so the gateway's NACKs cannot grow it past the pool)."""
+
+    members = property(lambda self: self.core.members, doc="Where each worker that said HELLO here sends from.")
+    nacks_in = property(lambda self: self.core.nacks_in, doc="The gateway's NACKs for this cluster's chunks.")
+    nacks_out = property(lambda self: self.core.nacks_out, doc="NACKs this service sent its members.")
+    forged = property(lambda self: self.core.forged, doc="Datagrams dropped for a wrong token or sender.")
+    rehellos = property(lambda self: self.core.rehellos, doc="HELLOs said again for a changed deployment.")
+    redeployed = property(lambda self: self.core.redeployed, doc="Deployments taken while running.")
+    moved_sent = property(lambda self: self.core.moved_sent, doc="MOVED sent to members of another epoch.")
+
+    @property
+    def deployment(self) -> Deployment | None:
+        """The part this service runs (from its HELLO's answer until the program is loaded)."""
+        return self.core.deployment if self.core.deployment is not None else self._answered
+
+    @property
+    def epoch(self) -> int:
+        deployment = self.deployment
+        return deployment.epoch if deployment is not None else 0
+
+    @property
+    def expected(self) -> int:
+        """The contributor mask in use, read back from the aggregator (the kernel's configuration map)."""
+        if self.xdp is not None:
+            return self.xdp.configured()["expected"]
+        return self.fallback.expected if self.fallback is not None else 0
 
     async def start(self, *, timeout: float,  # noqa: ASYNC109
                     load_in: Callable[[Callable[[], None]], object] | None = None) -> Deployment:
@@ -131,252 +144,77 @@ class ClusterAggregator:
         """Ask the gateway for this cluster's deployment (members, pool, lanes, scale, group)."""
         reply = await self._hello.hello(timeout=timeout, aggregator=True)
         assert self._hello.deployment is not None
-        self.deployment = self._hello.deployment
+        self._answered = self._hello.deployment
         self._scale = reply.scale
-        return self.deployment
+        return self._answered
 
     def load(self) -> None:
-        """Load and attach the aggregation program (blocking: compiling takes seconds; interfaces and
-        addresses are those of the calling thread's namespace)."""
-        deployment = self.deployment
+        """Load the aggregation program, configure it as the core says and attach it (blocking: compiling takes
+        seconds; interfaces and addresses are those of the calling thread's namespace)."""
+        deployment = self._answered
         if deployment is None:
             raise RuntimeError("edge aggregator: load before hello")
-        members = self._mask(deployment)
         layout = EdgeLayout.uniform([deployment.pool * deployment.lanes], scale=self._scale, lanes=deployment.lanes,
                                     pool=deployment.pool, shadow=deployment.kernel_results)
         own_ip, port = self.sock.getsockname()[0], self.sock.getsockname()[1]
-        agg_token = 0
+        upstream = None
         if self.mode == "xdp":
             upstream = Upstream(worker=self.worker, ifindex=socket.if_nametoindex(self.interface), gateway=self.gateway,
                                 gateway_mac=_neighbour_mac(self.gateway[0]), own=(own_ip, port),
                                 own_mac=udp.interface_mac(self.interface))
-            xdp = XdpAggregator(layout, job=self.job, port=port, expected=members, timeout=1.0, max_nacks=0,
-                                upstream=upstream)
-            self.xdp = xdp
-            xdp.redeploy(expected=members, epoch=deployment.epoch)
-            if self.tokens.enabled:
-                agg_token = 1
-                xdp.require_tokens(agg_token)
-            self.attached.append(xdp.attach(upstream.ifindex, mode=self.attach_mode))
-            self.attached.append(xdp.attach(socket.if_nametoindex("lo"), mode="generic"))
+            self.xdp = XdpAggregator(layout, job=self.job, port=port, expected=0, timeout=1.0, max_nacks=0,
+                                     upstream=upstream)
         else:
-            self.fallback = UserspaceAggregator(layout, job=self.job, expected=members, timeout=1.0, max_nacks=0,
+            self.fallback = UserspaceAggregator(layout, job=self.job, expected=0, timeout=1.0, max_nacks=0,
                                                 up_worker=self.worker)
-            self.fallback.epoch = deployment.epoch
-            if self.tokens.enabled:
-                agg_token = 1
-                self.fallback.require_tokens(agg_token)
-        if deployment.first_iteration is not None:
-            self._install(deployment.first_iteration)
+        self._apply(self.core.begin(deployment))
+        if self.xdp is not None and upstream is not None:
+            self.attached.append(self.xdp.attach(upstream.ifindex, mode=self.attach_mode))
+            self.attached.append(self.xdp.attach(socket.if_nametoindex("lo"), mode="generic"))
         log.info("edge aggregator: worker %d %s for gateway %s:%d (%s, deployment epoch %d)", self.worker,
                  "stands by" if deployment.standby else f"aggregates {sorted(deployment.members)}", *self.gateway,
                  self.mode, deployment.epoch)
 
-    def _mask(self, deployment: Deployment) -> int:
-        """The contributors this service's aggregator expects: itself and its members (none on standby)."""
-        return 0 if deployment.standby else (1 << self.worker) | sum(1 << m for m in deployment.members)
-
-    @property
-    def epoch(self) -> int:
-        return self.deployment.epoch if self.deployment is not None else 0
-
-    @property
-    def expected(self) -> int:
-        """The contributor mask in use, read back from the aggregator (the kernel's configuration map)."""
-        if self.xdp is not None:
-            return self.xdp.configured()["expected"]
-        return self.fallback.expected if self.fallback is not None else 0
-
     def ask(self) -> None:
-        """Say HELLO to the gateway for this service's part of the current deployment, every REHELLO_S until
-        answered (``_on_answer``); a call while one is outstanding changes nothing."""
-        if self._nonce is not None:
-            return
-        self._nonce = secrets.randbits(32)
-        self.rehellos += 1
-        self._send_hello()
-
-    def _send_hello(self) -> None:
-        nonce = self._nonce
-        if nonce is None or self._stop.is_set():
-            return
-        hello = control_packet(Kind.HELLO, job=self.job, worker=self.worker, iteration=nonce, flags=Flag.AGGREGATOR,
-                               token=self.tokens.of(Sender.WORKER, self.worker, nonce, keep=False))
-        self.outbox.control(hello, self.gateway)
-        self.writer.wake.set()
-        asyncio.get_running_loop().call_later(REHELLO_S, self._send_hello_again, nonce)
-
-    def _send_hello_again(self, nonce: int) -> None:
-        if self._nonce == nonce:
-            self._send_hello()
-
-    def _on_answer(self, head: Header, data: bytes) -> None:
-        """The gateway's answer to this service's HELLO: take the deployment it carries."""
-        nonce = self._nonce
-        if nonce is None or head.iteration != nonce or (self.tokens.enabled and not self.tokens.valid(
-                Sender.GATEWAY, self.worker, nonce, head.token, keep=False)):
-            return
-        self._nonce = None
-        self.redeploy(Deployment.decode(data[HEADER_BYTES:]))
+        """Say HELLO to the gateway for this service's part of the current deployment (``ClusterCore.ask``)."""
+        self._apply(self.core.ask(time.monotonic()))
 
     def redeploy(self, deployment: Deployment) -> None:
-        """Take a new part while running: the members and epoch rewritten in the aggregator in place, the
-        members' tokens installed from the deployment's first iteration."""
-        old = self.deployment
-        self.deployment = deployment
-        if old is not None and old.epoch == deployment.epoch and old.members == deployment.members \
-                and old.standby == deployment.standby:
-            return
-        mask = self._mask(deployment)
-        if self.xdp is not None:
-            self.xdp.redeploy(expected=mask, epoch=deployment.epoch)
-        elif self.fallback is not None:
-            self.fallback.expected = mask
-            self.fallback.epoch = deployment.epoch
-        self._token_workers = tuple(sorted({self.worker, *deployment.members, *(old.members if old else ())}))
-        self._installed = -1
-        if deployment.first_iteration is not None:
-            self._install(deployment.first_iteration)
-        self.redeployed += 1
-        log.info("edge aggregator: worker %d %s from deployment epoch %d", self.worker,
-                 "stands by" if deployment.standby else f"aggregates {sorted(deployment.members)}", deployment.epoch)
+        """Take a new part while running (``ClusterCore.redeploy``)."""
+        self._apply(self.core.redeploy(deployment))
 
-    def _on_stale(self, worker: int, iteration: int, address: Address) -> None:
-        """DATA of another epoch reached this aggregator: its sender is told (once per iteration and hold),
-        and this service asks the gateway in case it is the one behind."""
-        now = asyncio.get_running_loop().time()
-        key = (worker, iteration)
-        if now - self._told.get(key, float("-inf")) >= MOVED_HOLD:
-            self._told[key] = now
-            if len(self._told) > 256:
-                self._told.clear()
-            token = self.tokens.gateway(worker, iteration) if self.tokens.enabled else 0
-            self.outbox.control(control_packet(Kind.MOVED, job=self.job, worker=worker, iteration=iteration,
-                                               epoch=self.epoch, token=token), address)
-            self.writer.wake.set()
-            self.moved_sent += 1
-        self.ask()
+    def follow(self, iteration: int) -> None:
+        """Install tokens and raise the horizon from ``iteration`` on (for a harness that knows the iterations)."""
+        self._apply(self.core.follow(iteration))
 
     def kernel_map_bytes(self) -> int:
         return self.xdp.kernel_map_bytes() if self.xdp is not None else 0
 
     def stats(self) -> dict[str, int]:
         """The aggregation's counters (the program's, or the fallback's) and this service's NACKs."""
-        own = {"cluster_nacks_in": self.nacks_in, "cluster_nacks_out": self.nacks_out, "cluster_forged": self.forged}
+        core = self.core
+        own = {"cluster_nacks_in": core.nacks_in, "cluster_nacks_out": core.nacks_out, "cluster_forged": core.forged}
         if self.xdp is not None:
             return {**self.xdp.stats(), **own}
         if self.fallback is not None:
             return {**self.fallback.counters, **own}
         return {**self._final, **own}
 
-    def _install(self, base: int) -> None:
-        """Tokens of every member and of this worker for iterations base .. base + TOKEN_WINDOW - 1."""
-        last = base + TOKEN_WINDOW - 1
-        if not self.tokens.enabled or last <= self._installed or self.deployment is None:
-            return
-        first = max(base, self._installed + 1)
-        workers = self._token_workers or (self.worker, *self.deployment.members)
-        entries = [(w, k, self.tokens.worker(w, k)) for k in range(first, last + 1) for w in workers]
-        target = self.xdp if self.xdp is not None else self.fallback
-        assert target is not None
-        target.install_tokens(entries)
-        if self.fallback is not None:
-            self.fallback.up_tokens.update({k & 0xFFFFFFFF: self.tokens.worker(self.worker, k)
-                                            for k in range(first, last + 1)})
-        self._installed = last
-
+    # ------------------------------------------------------------------ bytes and time in
     async def run(self) -> None:
-        """Until ``close``: follow the iterations (tokens) from the gateway's multicast and, in userspace
-        mode, aggregate the members' DATA and forward completed slots."""
-        loop = asyncio.get_running_loop()
+        """Until ``close``: hand the multicast group's datagrams and the service socket's to the core and, in
+        userspace mode, aggregate the members' DATA and forward completed slots. Raises the core's failure."""
+        loop = self._loop = asyncio.get_running_loop()
         group = self._hello.group_sock
         buf = bytearray(HEADER_BYTES + 4 * MAX_LANES + 64)
-
-        def on_group() -> None:
-            assert group is not None
-            while True:
-                try:
-                    data = group.recv(len(buf))
-                except BlockingIOError:
-                    return
-                except OSError:   # closed under a reader still registered (close() before run() unwound)
-                    return
-                if len(data) >= HEADER_BYTES and data[KIND_AT] in (Kind.ACK, Kind.RESULT):
-                    iteration = int.from_bytes(data[_ITERATION_AT: _ITERATION_AT + 4], "little")
-                    # an ACK or a RESULT of iteration k: its DATA may still be in flight (results can stream
-                    # while members still send) and k + 1 comes next; the window from k holds both
-                    self._install(iteration)
-                    if data[KIND_AT] == Kind.RESULT and \
-                            int.from_bytes(data[_EPOCH_AT: _EPOCH_AT + 2], "little") != self.epoch:
-                        self.ask()      # the next iteration runs another deployment
-
-        def on_data() -> None:
-            view = memoryview(buf)
-            for _ in range(256):
-                try:
-                    n, self._last_from = self.sock.recvfrom_into(buf)
-                except BlockingIOError:
-                    return
-                if n < HEADER_BYTES:
-                    continue
-                if buf[KIND_AT] in (Kind.HELLO, Kind.MOVED) and self._last_from[0] == self.gateway[0] and \
-                        buf[_WORKER_AT] == self.worker and (buf[KIND_AT] == Kind.MOVED or
-                                                            buf[OFFSETS["flags"]] & Flag.AGGREGATOR):
-                    try:
-                        head = Header.decode(view[:n])
-                        if head.job != self.job:
-                            continue
-                        if head.kind == Kind.HELLO:
-                            self._on_answer(head, bytes(view[:n]))
-                        elif not self.tokens.enabled or head.token == self.tokens.gateway(self.worker, head.iteration):
-                            self.ask()
-                        else:
-                            self.forged += 1
-                    except WireError as exc:
-                        log.warning("edge aggregator: rejected datagram: %s", exc)
-                    continue
-                if buf[KIND_AT] in (Kind.HELLO, Kind.NACK):
-                    try:
-                        head = Header.decode(view[:n])
-                        # a gateway's NACK lists its chunk's sequence number, passed on to the members
-                        listed = int.from_bytes(view[HEADER_BYTES: HEADER_BYTES + 4], "little") \
-                            if head.kind == Kind.NACK and head.count else None
-                        self._on_control(head, self._last_from, listed)
-                    except WireError as exc:
-                        log.warning("edge aggregator: rejected datagram: %s", exc)
-                    continue
-                if buf[KIND_AT] != Kind.DATA:
-                    continue
-                out: bytes | None = None
-                try:
-                    if self.fallback is not None:
-                        out = self.fallback.on_data(bytes(view[:n]), loop.time())
-                    elif int.from_bytes(buf[_EPOCH_AT: _EPOCH_AT + 2], "little") != self.epoch:
-                        # the program passes up DATA of another epoch (its token checked there)
-                        self._on_stale(buf[_WORKER_AT], int.from_bytes(buf[_ITERATION_AT: _ITERATION_AT + 4],
-                                                                       "little"), self._last_from)
-                        continue
-                    elif self.xdp is not None:
-                        # narrow lanes the program passed up for want of tailroom: widened here, summed there
-                        verdict, after = self.xdp.run_widened(bytes(view[:n]))
-                        out = after if verdict in (XDP_TX, XDP_REDIRECT) else None
-                except StaleDeployment as exc:
-                    self._on_stale(exc.worker, exc.iteration, self._last_from)
-                    continue
-                except WireError as exc:
-                    log.warning("edge aggregator: rejected datagram: %s", exc)
-                    continue
-                if out is not None:
-                    self.outbox.control(out, self.gateway)
-                    self.writer.wake.set()
-
         # fd numbers taken now: close() may close the sockets before this task unwinds
         group_fd = group.fileno() if group is not None else -1
         data_fd = self.sock.fileno()
-        if group_fd >= 0:
-            loop.add_reader(group_fd, on_group)
+        if group is not None and group_fd >= 0:
+            loop.add_reader(group_fd, self._on_group, group, buf)
         if data_fd >= 0:
-            loop.add_reader(data_fd, on_data)
+            loop.add_reader(data_fd, self._on_data, buf)
+        self._arm()
         writer = asyncio.create_task(self.writer.run())
         try:
             await self._stop.wait()
@@ -387,85 +225,119 @@ class ClusterAggregator:
             for fd in (group_fd, data_fd):
                 if fd >= 0:
                     loop.remove_reader(fd)
+            self._disarm()
+        if self.failure is not None:
+            raise self.failure
 
-    def _on_control(self, head: Header, address: Address, seq: int | None = None) -> None:
-        """A member's HELLO (its address) or the gateway's NACK for a chunk this cluster's aggregate is missing
-        from (NACK the members its slot lacks)."""
-        deployment = self.deployment
-        if deployment is None or head.job != self.job:
-            return
-        if head.kind == Kind.HELLO:
-            if self.tokens.enabled and not self.tokens.valid(Sender.WORKER, head.worker, head.iteration, head.token,
-                                                             keep=False):
-                self.forged += 1
+    def _on_group(self, group: socket.socket, buf: bytearray) -> None:
+        while True:
+            try:
+                n = group.recv_into(buf)
+            except (BlockingIOError, OSError):   # drained, or closed under a reader still registered
                 return
-            # whoever says HELLO here, member or not yet: after a change the gateway may answer a member (once
-            # this service asked) before the answer that makes it a member reaches this service
-            self.members[head.worker] = (address[0], address[1])
-            return
-        if head.flags & Flag.RESCALE or seq is None:
-            return      # a RESCALE goes to every worker from the gateway itself; a NACK lists its chunk
-        if address[0] != self.gateway[0] or (
-                self.tokens.enabled and head.token != self.tokens.gateway(self.worker, head.iteration)):
-            # from anywhere but the gateway, or without its token for us: accepted, it would make us NACK
-            # members whose slot is empty (every one)
-            self.forged += 1
-            return
-        self.nacks_in += 1
-        if head.epoch != self.epoch:
-            self.ask()      # the gateway runs another deployment: this service missed the switch
-        key = (head.iteration, head.tensor, head.chunk)
-        if self._asked.get(head.slot) == key:
-            return      # already due for a look
-        self._asked[head.slot] = key
-        window = max(self.deployment.retransmit, REORDER_MIN) if self.deployment is not None else REORDER_MIN
-        asyncio.get_running_loop().call_later(window, self._nack_members, head, seq)
+            self._apply(self.core.group(memoryview(buf)[:n], time.monotonic()))
 
-    def _nack_members(self, head: Header, seq: int) -> None:
-        """A reorder window after the gateway's NACK for ``head``'s chunk: NACK whoever the slot still lacks."""
-        if self._asked.get(head.slot) != (head.iteration, head.tensor, head.chunk):
-            return
-        del self._asked[head.slot]
-        for worker in self.missing(head):
-            where = self.members.get(worker)
-            if where is None:
+    def _on_data(self, buf: bytearray) -> None:
+        view = memoryview(buf)
+        for _ in range(RECEIVE_ROUND):
+            try:
+                n, address = self.sock.recvfrom_into(buf)
+            except (BlockingIOError, OSError):
+                return
+            if n < HEADER_BYTES:
                 continue
-            token = self.tokens.gateway(worker, head.iteration) if self.tokens.enabled else 0
-            nack, = nack_packets(np.array([seq]), job=self.job, iteration=head.iteration, token=token,
-                                 epoch=self.epoch)
-            self.nacks_out += 1
-            self.outbox.control(nack, where)
-        self.writer.wake.set()
+            now = time.monotonic()
+            if buf[KIND_AT] != Kind.DATA:
+                self._apply(self.core.datagram(bytes(view[:n]), address, now))
+                continue
+            actions = self.core.data(buf[_WORKER_AT], int.from_bytes(buf[_ITERATION_AT: _ITERATION_AT + 4], "little"),
+                                     int.from_bytes(buf[_EPOCH_AT: _EPOCH_AT + 2], "little"), address, now)
+            if actions and actions[0] is AGGREGATE:
+                self._aggregate(bytes(view[:n]), address, now)
+            else:
+                self._apply(actions)
 
-    def missing(self, head: Header) -> list[int]:
-        """Who should resend the chunk ``head`` names: the members its slot here lacks; every member when the
-        slot holds an older key or nothing (every datagram was lost); this worker's own trainer when the slot
-        completed (its duplicate re-emits the aggregate); nobody when a newer key took the slot over."""
-        target = self.xdp if self.xdp is not None else self.fallback
-        if target is None or self.deployment is None:
-            return []
-        state = target.slot_states(np.array([head.slot], np.int64))[0]
-        cluster = (self.worker, *self.deployment.members)
-        key = (int(state["iteration"]), int(state["tensor"]), int(state["chunk"]))
-        bitmap = int(state["bitmap"])
-        age = ((head.iteration - key[0] + 2**31) & 0xFFFFFFFF) - 2**31
-        if key == (head.iteration & 0xFFFFFFFF, head.tensor, head.chunk) and bitmap:
-            if not int(state["busy"]):
-                return [self.worker]
-            return [w for w in cluster if not bitmap >> w & 1]
-        if not bitmap or age > 0 or (age == 0 and key[1:] < (head.tensor, head.chunk)):
-            return list(cluster)
-        return []
+    def _aggregate(self, data: bytes, address: Address, now: float) -> None:
+        """Run one DATA datagram through the program; a completed slot goes on to the gateway."""
+        out: bytes | None = None
+        try:
+            if self.fallback is not None:
+                out = self.fallback.on_data(data, now)
+            elif self.xdp is not None:
+                # narrow lanes the program passed up for want of tailroom: widened here, summed there
+                verdict, after = self.xdp.run_widened(data)
+                out = after if verdict in (XDP_TX, XDP_REDIRECT) else None
+        except StaleDeployment as exc:
+            self._apply(self.core.stale(exc.worker, exc.iteration, address, now))
+            return
+        except WireError as exc:
+            log.warning("edge aggregator: rejected datagram: %s", exc)
+            return
+        if out is not None:
+            self.outbox.control(out, self.gateway)
+            self.writer.wake.set()
 
-    def follow(self, iteration: int) -> None:
-        """Install tokens from ``iteration`` on (for a harness that knows the iterations)."""
-        self._install(iteration)
+    def _on_timer(self) -> None:
+        self._timer = self._timer_at = None
+        self._apply(self.core.tick(time.monotonic()))
+
+    # ------------------------------------------------------------------ actions out
+    def _apply(self, actions: Sequence[Action]) -> None:
+        """Carry out what the core asked, then set the one timer to its next wake-up."""
+        program = self.xdp if self.xdp is not None else self.fallback
+        sent = False
+        for action in actions:
+            if isinstance(action, Send):
+                self.outbox.control(action.datagram, action.to)
+                sent = True
+            elif isinstance(action, ReadSlots):
+                if program is not None:
+                    states = program.slot_states(np.array([a.slot for a in action.asks], np.int64))
+                    self._apply(self.core.slots(action.asks, states))
+            elif isinstance(action, Fail):
+                log.error("%s", action.error)
+                self.failure = action.error
+                self._stop.set()
+            elif program is not None:
+                self._program(program, action)
+        if sent:
+            self.writer.wake.set()
+        self._arm()
+
+    def _program(self, program: XdpAggregator | UserspaceAggregator, action: Action) -> None:
+        if isinstance(action, Configure):
+            program.redeploy(expected=action.expected, epoch=action.epoch)
+        elif isinstance(action, RequireTokens):
+            program.require_tokens(action.agg_token)
+        elif isinstance(action, InstallTokens):
+            program.install_tokens(action.entries)
+            if self.fallback is not None:   # the fallback stamps this worker's own token on what it forwards
+                self.fallback.up_tokens.update({k & 0xFFFFFFFF: t for w, k, t in action.entries if w == self.worker})
+        elif isinstance(action, Bound):
+            program.bound(action.horizon)
+
+    def _arm(self) -> None:
+        """The one timer, at the core's next wake-up (moved only when that changed)."""
+        if self._loop is None or self._stop.is_set():
+            return
+        at = self.core.next_timer()
+        if at == self._timer_at:
+            return
+        self._disarm()
+        if at is not None:
+            self._timer_at = at
+            self._timer = self._loop.call_later(max(0.0, at - time.monotonic()), self._on_timer)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._timer_at = None
 
     def close(self) -> None:
         self._stop.set()
+        self._disarm()
         self._hello.close()
         if self.xdp is not None:
             self._final = self.xdp.stats()      # the program's counters outlive it
             self.xdp.close()
             self.xdp = None
-

@@ -55,9 +55,9 @@ class LentPrograms:
     lent out again and again within one test module, in place of ``XdpAggregator`` in ``bpf.cluster``.
 
     A program is lent for one layout (the compiled program depends on it) and configured afresh for its
-    borrower: upstream, job, port, expected members, timer, and no token check until the borrower asks for
-    one. Its counters read from zero for each borrower, as a fresh program's do. ``close`` detaches it and
-    takes it back; ``release`` closes them all. The module must give every test newer iterations than the
+    borrower: upstream, job, port, expected members, timer, and no token check or horizon until the borrower
+    asks for one. Its counters read from zero for each borrower, as a fresh program's do. ``close`` detaches
+    it and takes it back; ``release`` closes them all. The module must give every test newer iterations than the
     last (a slot is taken over by a newer iteration only), and its cluster programs must not report slots
     (``max_nacks`` 0, as ``bpf.cluster`` configures them), so nothing of one test reaches the next."""
 
@@ -87,6 +87,7 @@ class LentPrograms:
     def give_back(self, program: Any, layout: EdgeLayout) -> None:
         program.detach()
         program.require_tokens(0)
+        program.bound(None)   # the next borrower's iterations are newer, but its horizon is its own
         self.free[layout].append(program)
 
     def release(self) -> None:

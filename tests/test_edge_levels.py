@@ -107,12 +107,15 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                   duplicate: float = 0.0, silent: int | None = None, big: bool = False,
                   timeout: float = 20.0, secret: bytes | None = None,  # noqa: ASYNC109
                   tmp: Path | None = None, stream: bool = False, kernel: bool = False,
-                  integers: tuple[int, ...] | None = None, sizes: tuple[int, ...] = SIZES) -> dict[str, Any]:
+                  integers: tuple[int, ...] | None = None, sizes: tuple[int, ...] = SIZES,
+                  far: dict[int, int] | None = None) -> dict[str, Any]:
     """``integers``: each worker's peak; the workers then push exact integers at scale 0 on int8 lanes as a
     compressed job's round does, each widening its push where its integers outgrow them. ``sizes``: the
     model's tensors (through the same POOL slots). ``kernel``: the gateway's XDP program returns every
     result itself (``EdgeAgent.return_results_from_kernel``, shadow slots); the agent only waits for the
-    program's report that an iteration's results all left, and the workers' results are checked."""
+    program's report that an iteration's results all left, and the workers' results are checked. ``far``:
+    iteration (counted from the first) -> a member that, as it begins, also sends its aggregator DATA of an
+    iteration FAR beyond it (``_far_future``)."""
     from bpf.agent import EdgeAgent
     from bpf.cluster import ClusterAggregator
     from netstorm.emulation.bridge_lan import GATEWAY_IP, Lan
@@ -196,6 +199,8 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                             agent.stream_results(iteration, total=total)
                         pushes = [tg.create_task(n.push_pull(iteration, contribs[n.worker], timeout=timeout + 5))
                                   for n in nodes if n.worker != silent]
+                        if far is not None and k in far:
+                            await _far_future(lan, topology, lay, far[k], iteration)
                         expected = (reference(contribs, precisions, lay) if integers is None else
                                     [np.sum([w[t].astype(np.int64) for w in contribs], axis=0).astype(np.float32)
                                      for t in range(len(lay.sizes))])
@@ -242,6 +247,28 @@ async def run_lan(mode: str, program: Any, *, workers: int, iterations: int, top
                 xdp.detach()
                 xdp.require_tokens(0)
                 xdp.return_results(None)
+
+
+FAR = 10**6
+"""Iterations ahead of the one being summed that a far-future DATA claims."""
+
+
+async def _far_future(lan: Any, topology: LanTopology, lay: EdgeLayout, worker: int, iteration: int) -> None:
+    """From member ``worker``'s namespace, one DATA of iteration ``iteration + FAR`` for every slot of its
+    cluster's aggregator: were one taken, the chunk being summed there would be evicted, and the next to use
+    that slot refused as older than the slot's key (nobody could resend it)."""
+    from netstorm.lan.packets import data_packets
+    from netstorm.lan.udp import sendto
+
+    head = next(h for h, members in topology.clusters.items() if worker in members)
+    rows = data_packets(lay, job=JOB, worker=worker, iteration=iteration + FAR, tensor=0,
+                        values=np.ones(lay.sizes[0], np.float32))
+    sock = lan.udp_socket(lan.workers[worker], lan.worker_ip(worker))
+    try:
+        for row in rows[:POOL]:
+            await sendto(sock, row.tobytes(), (lan.worker_ip(head), PORT))
+    finally:
+        sock.close()
 
 
 async def _await_completions(agent: Any, first: int, iterations: int, timeout: float) -> None:  # noqa: ASYNC109
@@ -340,6 +367,21 @@ def test_two_levels_exact_sums(mode: str, workers: int, clusters: str, request: 
         assert added == ITERATIONS * chunks * senders, st
     else:   # the partial sums of slots a newer key took over were added too, and never completed
         assert ITERATIONS * chunks * senders < added < ITERATIONS * chunks * workers, st
+
+
+@pytest.mark.slow
+def test_a_far_future_datagram_to_a_cluster_aggregator_is_refused_and_counted(mode: str,
+                                                                             request: pytest.FixtureRequest) -> None:
+    """A member's DATA far beyond the window, to its aggregator for every slot as an iteration begins: the
+    cluster's horizon (netstorm/lan/clustercore.py) refuses and counts each before it touches a slot, and
+    that iteration and the next are numpy's."""
+    program = request.getfixturevalue("gateway_program") if mode == "xdp" else None
+    topology = LanTopology.parse("0:1,2", 4)
+    out = asyncio.run(run_lan(mode, program, workers=4, iterations=3, topology=topology, far={1: 2}))
+    assert out["checked"] == 3
+    cluster, = out["cluster_stats"]
+    assert cluster["future"] == POOL and cluster["busy_evicted"] == 0, cluster
+    assert out["stats"]["future"] == 0
 
 
 @pytest.mark.slow
