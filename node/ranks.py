@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -154,6 +154,25 @@ class RankBook:
         return max(self._ranks[rank_id].next_pull[key], self.core.pull_iteration(key))
 
     # ---- pushes -------------------------------------------------------------------------------------
+
+    def missed(self, rank_id: int, keys: Iterable[int]) -> int | None:
+        """The oldest iteration that failed at the node before this rank pushed into it (its trainer still
+        counts it as its next): that push is answered with the failure, so a trainer slower than a peer's
+        death learns of it at once, as one that had pushed does, instead of silently landing in the next
+        iteration and waiting there. Its counters pass over it (``pass_over``)."""
+        rank = self._ranks[rank_id]
+        for key in keys:
+            own = rank.next_push[key]
+            if own < self.core.key_next(key) and self.core.failure(own) is not None:
+                return own
+        return None
+
+    def pass_over(self, rank_id: int, iteration: int) -> None:
+        """This rank has been told ``iteration`` failed: its next push and pull of every tensor are past it."""
+        rank = self._ranks[rank_id]
+        for key in range(len(rank.next_push)):
+            rank.next_push[key] = max(rank.next_push[key], iteration + 1)
+            rank.next_pull[key] = max(rank.next_pull[key], iteration + 1)
 
     def check_push(self, rank_id: int, layout: Layout, values: Mapping[int, np.ndarray | None]) -> dict[int, int]:
         """The iteration each tensor of a push belongs to, checked whole before anything is recorded:
@@ -338,6 +357,10 @@ class Ranks:
         """This rank's values for tensors ``values`` (None: zeros), each in its next iteration; returns
         the last one. Checked whole first; a refused push changes no counter."""
         book = self.book
+        missed = book.missed(rank_id, values)
+        if missed is not None:
+            book.pass_over(rank_id, missed)
+            self.node.check(missed)  # raises the failure, typed by its cause
         targets = book.check_push(rank_id, layout, values)
         max_ahead = self.node.config.max_ahead
         for key, iteration in targets.items():  # the slowest rank's pulls: wait for them

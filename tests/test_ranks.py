@@ -157,3 +157,27 @@ def test_a_rank_that_leaves_takes_its_values_and_a_replacement_reads_nothing_old
     _, result, releases = read(book, c, job)
     np.testing.assert_array_equal(result, values(7, job) + values(8, job) + values(9, job))
     assert len(releases) == len(job.layout.tensors) and book.unread(len(job.layout.tensors)) is None
+
+
+def test_a_rank_that_had_not_pushed_into_a_failed_iteration_is_told_of_it_and_goes_on_past_it() -> None:
+    """Iteration 0 fails at the node while rank b has pushed and rank a not yet (a peer died first): a's
+    push is answered with that failure (``missed``), not counted into iteration 1 where it would wait
+    with nothing said, and once told, both ranks' next pushes go to iteration 1 and sum there."""
+    job = mesh()
+    book = RankBook(1, job.cores[1], slots=2)
+    a, b = book.join("rank a"), book.join("rank b")
+    for rank in (a, b):
+        book.start(rank, len(job.layout.tensors), replacement=False)
+    keys = range(len(job.layout.tensors))
+    push(book, b, values(2, job), job)
+    assert book.missed(a, keys) is None  # nothing failed yet: a's push is iteration 0's
+    job.take(1, job.cores[1].contribution_failed(0, "node 2's trainer died", job.now))
+    assert job.cores[1].failure(0) is not None
+    assert book.missed(b, keys) is None  # b pushed into it: its pull gets the failure, as before
+    assert book.missed(a, keys) == 0
+    book.pass_over(a, 0)
+    assert book.missed(a, keys) is None
+    book.pass_over(b, 0)  # b's pull of iteration 0 failed
+    va, vb = values(3, job), values(4, job)
+    assert set(push(book, a, va, job)) == set(push(book, b, vb, job)) == {1}
+    assert set(hand_over(book, job)) == {1}
