@@ -212,7 +212,10 @@ def test_deployment_switches_at_iteration_boundaries_and_a_worker_missing_the_an
     # every worker asked at every switch; the two that ignored an announcement were told and asked then
     assert all(r >= 3 for r in out["rehellos"]) and [out["rehellos"][w] for w in (0, 3, 4)] == [3, 3, 3]
     assert out["moved"][1] >= 1 and out["moved"][2] >= 1, out["moved"]
-    assert out["stale_told"] >= 1 and out["service_moved"][0] >= 1, (out["stale_told"], out["service_moved"])
+    # worker 2's stale DATA reaches the standby service of worker 0, which answers MOVED once it has taken
+    # the switch; on two busy cores the DATA came first once, and worker 2 was told by the gateway instead
+    # (moved[2] above): either way it was told, and nothing stale was summed
+    assert out["stale_told"] >= 1, (out["stale_told"], out["service_moved"])
     assert out["old_epoch"] >= 2   # refused, counted by the aggregators, never summed
 
 
