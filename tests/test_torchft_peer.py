@@ -192,3 +192,58 @@ def test_torchft_streaming_diloco_on_gloo_and_on_netstorm_nodes_agree_bit_for_bi
     fragment_bytes = [4 * 66560, 4 * 1059850]
     for r in (r for r in nodes[0] if r["kind"] == "sync"):
         assert r["contributors"] == [1, 2] and r["wan_bytes"] >= fragment_bytes[r["fragment"]]
+
+
+def _local_addresses() -> set[str]:
+    """The local IPv4 addresses of this process's established TCP connections (/proc/self/net/tcp)."""
+    out = set()
+    for line in Path("/proc/self/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state == "01":  # ESTABLISHED
+            raw = bytes.fromhex(local.split(":")[0])
+            out.add(".".join(str(b) for b in reversed(raw)))
+    return out
+
+
+def test_gloo_between_dcs_and_the_heal_address_use_the_given_hostname() -> None:
+    """Inside a DC's namespace the machine's name resolves to loopback: gloo's mesh and the checkpoint
+    server must advertise ``--hostname`` instead (127.0.0.2 here: on lo, but never what a name resolves to)."""
+    _require_torchft()
+    import threading
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    wrapper = SimpleNamespace(_timeout=timedelta(seconds=30), _global_ranks=None, _group_rank=None,
+                              _group_world_size=None, _uuid=None)
+    groups: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def join(rank: int) -> None:
+        try:
+            client = TCPStore("127.0.0.1", store.port, 2, False)
+            groups[rank] = torchft_diloco.bound_gloo(wrapper, client, rank, 2, "127.0.0.2")
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(groups) == 2, errors
+    values = [torch.full((4,), float(rank + 1)) for rank in range(2)]
+    works = [groups[rank].allreduce([values[rank]]) for rank in range(2)]
+    for work in works:
+        work.wait()
+    assert all(v.tolist() == [3.0] * 4 for v in values)
+    assert "127.0.0.2" in _local_addresses()
+
+    transport = torchft_diloco.checkpoint_transport(timedelta(seconds=10), "10.9.8.7")
+    try:
+        assert transport.address().startswith("http://10.9.8.7:")
+    finally:
+        transport.shutdown(wait=False)

@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     pg = timed_group(timeout, args.hostname, args.socket)
     replica_id = args.replica_id or f"dc{args.dc_index}"
     manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=1,
+                      checkpoint_transport=checkpoint_transport(timeout, args.hostname),
                       use_async_quorum=False, timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                       rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
                       lighthouse_addr=args.lighthouse, replica_id=replica_id,
@@ -207,6 +208,11 @@ def timed_group(timeout: timedelta, hostname: str | None, node: str | None) -> A
             """The DCs' node ids the newest sum held (None on gloo)."""
             return None if node is None or self._pg is None else list(self._pg.stats().contributors)
 
+        def _create_pg(self, store: Any, rank: int, world_size: int) -> Any:
+            if node is not None or hostname is None:
+                return super()._create_pg(store, rank, world_size)
+            return bound_gloo(self, store, rank, world_size, hostname)
+
         def get_reconfigure_handle(self) -> str:
             handle: str = super().get_reconfigure_handle()
             if hostname is None:
@@ -217,6 +223,43 @@ def timed_group(timeout: timedelta, hostname: str | None, node: str | None) -> A
             return json.dumps(fields)
 
     return Timed()
+
+
+def bound_gloo(wrapper: Any, store: Any, rank: int, world_size: int, hostname: str) -> Any:
+    """torchft's ``ProcessGroupGloo._create_pg`` with gloo's device bound to ``hostname``: by default gloo
+    advertises what the machine's name resolves to, a loopback address inside a DC's namespace, so every
+    rank would dial its own namespace and the full mesh never connects."""
+    import torch
+    import torch.distributed as dist
+
+    gloo: Any = dist.ProcessGroupGloo  # private options API: typed loosely on purpose
+    options = gloo._Options()
+    options._devices = [gloo.create_device(hostname=hostname)]
+    options._timeout = wrapper._timeout
+    backend = gloo(store, rank, world_size, options)
+    backend._set_sequence_number_for_group()
+    if wrapper._global_ranks:
+        backend.options.global_ranks_in_group = wrapper._global_ranks
+    if wrapper._group_rank and wrapper._group_world_size:
+        backend.options.group_name = f"torchft_{wrapper._uuid}_rank_{wrapper._group_rank % wrapper._group_world_size}"
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def checkpoint_transport(timeout: timedelta, hostname: str | None) -> Any:
+    """torchft's HTTP checkpoint transport (how a replica heals), advertising ``hostname`` when given:
+    its own address is the machine's name, which other namespaces cannot reach."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class Advertised(HTTPTransport):
+        def address(self) -> str:
+            if hostname is None:
+                return str(super().address())
+            return f"http://{hostname}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return Advertised(timeout=timeout, num_chunks=0)
 
 
 class Probe:
