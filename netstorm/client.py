@@ -424,22 +424,42 @@ def _place(shm: np.ndarray, layout: Layout, values: Sequence[tuple[int, np.ndarr
 
 def _gather(shm: np.ndarray, layout: Layout, keys: Sequence[int]) -> dict[str, np.ndarray]:
     """Fresh arrays of ``keys``' registered shapes and dtypes from the shared model: float32 tensors adjacent
-    in the model share one copy (each its own view of it, nothing of the shared file), others convert."""
+    in the model share one copy (each its own view of it, nothing of the shared file), others convert
+    straight from the shared model, a block at a time (no model-sized temporary beside the result)."""
     out: dict[str, np.ndarray] = {}
-    for run in _runs(layout, sorted(keys)):
+    floats = [key for key in keys if layout.tensors[key].dtype == "float32"]
+    for run in _runs(layout, sorted(floats)):
         start = layout.offsets[run[0]]
         block = shm[start:layout.key_slice(run[-1]).stop].copy() if len(run) > 1 else None
         for key in run:
             spec = layout.tensors[key]
             span = layout.key_slice(key)
-            values = block[span.start - start:span.stop - start] if block is not None else shm[span]
-            if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
-                out[spec.name] = np.rint(values).astype(np.int64).reshape(spec.shape)
-            elif spec.dtype == "float32" and block is not None:
-                out[spec.name] = values.reshape(spec.shape)
-            else:
-                out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+            values = block[span.start - start:span.stop - start] if block is not None else shm[span].copy()
+            out[spec.name] = values.reshape(spec.shape)
+    for key in keys:
+        spec = layout.tensors[key]
+        if spec.dtype == "float32":
+            continue
+        values = shm[layout.key_slice(key)]
+        if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
+            out[spec.name] = _rounded(values).reshape(spec.shape)
+        else:
+            out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
     return {layout.tensors[key].name: out[layout.tensors[key].name] for key in keys}
+
+
+_ROUND_BLOCK = 1 << 20
+
+
+def _rounded(values: np.ndarray) -> np.ndarray:
+    """``np.rint(values).astype(np.int64)``, a block at a time: one float32 block of scratch, not a copy."""
+    out = np.empty(values.size, dtype=np.int64)
+    scratch = np.empty(min(_ROUND_BLOCK, values.size), dtype=values.dtype)
+    for start in range(0, values.size, _ROUND_BLOCK):
+        stop = min(start + _ROUND_BLOCK, values.size)
+        np.rint(values[start:stop], out=scratch[:stop - start])
+        out[start:stop] = scratch[:stop - start]
+    return out
 
 
 def release_init(path: str) -> None:

@@ -155,14 +155,14 @@ class Rounds:
             push.update({name: np.asarray(gradients[name], dtype=np.float32) for name in self.names})
             return Push(push)
         codec = self.codec
-        flat = self._flatten(gradients)
+        flat = self._flatten(gradients, narrow=True)
         push = dict(self._zeros)
         self._checkpoint = codec.checkpoint()
         if isinstance(codec, FediacCodec) and not codec.must_vote():
             sent, histogram = codec.reused(flat)
-            self._phase, self._sent = "values", sent
+            self._phase, self._sent = "values", dataclasses.replace(sent, values=sent.values[:0])
             self.last.reused = True
-            push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype)
+            push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype, copy=False)
             push[SCALE] = histogram
             return Push(push)
         phase1 = codec.votes(flat)
@@ -192,8 +192,9 @@ class Rounds:
             agreed = (codec.values(counts, np.asarray(result[SCALE])) if isinstance(codec, FediacCodec)
                       else codec.values(counts))
             push = dict(self._zeros)
-            push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype)
-            self._phase, self._sent = "values", agreed
+            push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype, copy=False)
+            # the decode needs only the GIA and the factor: the model-sized values go with the push alone
+            self._phase, self._sent = "values", dataclasses.replace(agreed, values=agreed.values[:0])
             return Push(push)
         sent, self._sent = self._sent, None
         if sent is None:
@@ -252,12 +253,16 @@ class Rounds:
         self.last.dense, self.last.bits = True, self.bits
         return summed
 
-    def _flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The tensors as one float64 vector, each cast into its place (no float64 copy per tensor)."""
-        flat = np.empty(sum(self.sizes), dtype=np.float64)
+    def _flatten(self, tensors: Mapping[str, np.ndarray], *, narrow: bool = False) -> np.ndarray:
+        """The tensors as one float64 vector, each cast into its place (no float64 copy per tensor). With
+        ``narrow``, float32 tensors stay float32: the codecs add it to their float64 residual, which
+        casts it exactly, and the model-sized vector takes half the memory."""
+        arrays = [np.asarray(tensors[name]) for name in self.names]
+        wide = not narrow or any(array.dtype != np.float32 for array in arrays)
+        flat = np.empty(sum(self.sizes), dtype=np.float64 if wide else np.float32)
         start = 0
-        for name, size in zip(self.names, self.sizes, strict=True):
-            flat[start:start + size] = np.asarray(tensors[name]).reshape(-1)
+        for array, size in zip(arrays, self.sizes, strict=True):
+            flat[start:start + size] = array.reshape(-1)
             start += size
         return flat
 
@@ -265,7 +270,8 @@ class Rounds:
         out: Tensors = {}
         start = 0
         for name, size in zip(self.names, self.sizes, strict=True):
-            out[name] = flat[start:start + size].reshape(self.shapes[name]).astype(np.float32)
+            # views of one float32 vector (the codecs decode to float32): no second copy of the model
+            out[name] = flat[start:start + size].reshape(self.shapes[name]).astype(np.float32, copy=False)
             start += size
         return out
 
@@ -340,6 +346,7 @@ class CompressedClient(_Shell):
                 began = time.perf_counter()
                 result = self.client.push_pull(action.tensors)
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+                del result   # this round's sums, not held through the next round's
         except BaseException:
             rounds.abort()   # the iteration failed everywhere: the next one starts afresh
             raise
@@ -363,6 +370,7 @@ class AsyncCompressedClient(_Shell):
                 began = time.perf_counter()
                 result = await self.client.push_pull(action.tensors)
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+                del result
         except BaseException:
             rounds.abort()   # the iteration failed everywhere: the next one starts afresh
             raise
