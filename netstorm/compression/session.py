@@ -240,7 +240,8 @@ class Rounds:
     def _derive(self, result: Mapping[str, np.ndarray]) -> Tensors:
         """The dense first round's sum, and b derived from it (the same at every DC)."""
         summed = {name: np.asarray(result[name]) for name in self.names}
-        mean = self._flatten(summed) / max(1, self.contributors)
+        mean = self._flatten(summed)
+        mean /= max(1, self.contributors)   # in place: one model-sized float64 vector, not two
         threshold = self.options.votes_of(self.contributors)
         least = math.floor(math.log2(self.contributors)) + 2  # 2**(b-1) > N
         try:
