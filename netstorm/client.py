@@ -378,7 +378,8 @@ class Registry:
         self.contributors = reply.contributors
         model = self.results(names, payload)
         if self.provider is None:
-            self.provider = lambda: model
+            kept = {name: _narrowest(value) for name, value in model.items()}
+            self.provider = lambda: kept
         return model
 
     def accept_result(self, reply: tw.Message, names: Sequence[str],
@@ -446,6 +447,20 @@ def _gather(shm: np.ndarray, layout: Layout, keys: Sequence[int]) -> dict[str, n
         else:
             out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
     return {layout.tensors[key].name: out[layout.tensors[key].name] for key in keys}
+
+
+def _narrowest(value: np.ndarray) -> np.ndarray:
+    """An int64 sum in the narrowest integer lane that holds it (the same float32 in a model offer): the
+    default model provider keeps the initial values for as long as the trainer runs, and a compressed
+    job's vote and value sums of a model's size are mostly zeros."""
+    if value.dtype != np.int64 or value.size == 0:
+        return value
+    low, high = int(value.min()), int(value.max())
+    for lane in (np.int8, np.int16, np.int32):
+        info = np.iinfo(lane)
+        if info.min <= low and high <= info.max:
+            return value.astype(lane)
+    return value
 
 
 _ROUND_BLOCK = 1 << 20

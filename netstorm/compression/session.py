@@ -102,7 +102,8 @@ class Rounds:
             out[VALUES] = np.zeros(d, dtype=lane)
         else:
             out[VALUES] = np.zeros(d, dtype=np.float32)
-        self._zeros = {name: np.zeros_like(value) for name, value in out.items()}
+        # np.zeros, not zeros_like: untouched pages cost no memory, and pushing them reads the zero page
+        self._zeros = {name: np.zeros(value.shape, dtype=value.dtype) for name, value in out.items()}
         return out
 
     def init_args(self) -> dict[str, Any]:
