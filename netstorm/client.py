@@ -11,7 +11,7 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -344,12 +344,14 @@ class Registry:
         _place(self.shm, layout, list(zip(keys, arrays.values(), strict=True)))
         return names, b""
 
-    def results(self, names: Sequence[str], payload: bytes | bytearray) -> dict[str, np.ndarray]:
-        """Fresh arrays of the registered shapes and dtypes from the node's reply."""
+    def results(self, names: Sequence[str], payload: bytes | bytearray,
+                keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """Fresh arrays of the registered shapes and dtypes from the node's reply: of every name, or of
+        those in ``keep`` (the others are neither copied nor converted)."""
         layout = self._need_layout()
         if not self.inline:
             assert self.shm is not None
-            return _gather(self.shm, layout, [self.key(name) for name in names])
+            return _gather(self.shm, layout, [self.key(name) for name in names if keep is None or name in keep])
         flat = np.frombuffer(payload, dtype="<f4")
         out: dict[str, np.ndarray] = {}
         position = 0
@@ -358,8 +360,10 @@ class Registry:
             spec = layout.tensors[key]
             values = flat[position:position + spec.size]
             position += spec.size
+            if keep is not None and name not in keep:
+                continue
             if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
-                out[name] = np.rint(values).astype(np.int64).reshape(spec.shape)
+                out[name] = _rounded(values).reshape(spec.shape)
             else:
                 out[name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
         if position != flat.size:
@@ -382,16 +386,16 @@ class Registry:
             self.provider = lambda: kept
         return model
 
-    def accept_result(self, reply: tw.Message, names: Sequence[str],
-                      payload: bytes | bytearray) -> dict[str, np.ndarray]:
-        """Take a PullReply: the sums of ``names``, and how many contributed to them."""
+    def accept_result(self, reply: tw.Message, names: Sequence[str], payload: bytes | bytearray,
+                      keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """Take a PullReply: the sums of ``names`` (those in ``keep``, if given), and how many contributed."""
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
         self.num_workers = reply.workers
         self.wan_bytes = reply.wan_bytes
         if reply.contributors:
             self.contributors = reply.contributors
-        return self.results(names, payload)
+        return self.results(names, payload, keep)
 
     def payload_len(self, names: Sequence[str]) -> int:
         if not self.inline:
@@ -495,6 +499,9 @@ class RegistryView:
     """What both clients report from their Registry (the blocking and the asyncio one share it)."""
 
     registry: Registry
+    keeps_results = True
+    """Its ``push_pull`` takes ``keep``: the names whose sums to hand back (the compression rounds ask
+    for their few, not the model's zeros)."""
 
     @property
     def num_workers(self) -> int:
@@ -642,12 +649,14 @@ class Client(RegistryView):
             self.registry.handed_over()
         return self.registry.accept_init(reply, list(tensors), data)
 
-    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given."""
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False, *,
+                  keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given, or of
+        those named in ``keep`` (a caller that needs a few of them is handed no copies of the rest)."""
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = self._call(tw.PullRequest(names, average, push=True), payload, tw.PullReply, context)
-        return self.registry.accept_result(reply, names, data)
+        return self.registry.accept_result(reply, names, data, keep)
 
     def push(self, name: str, value: np.ndarray) -> None:
         """This DC's value of one tensor for its next iteration (returns once the node has it)."""

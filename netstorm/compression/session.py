@@ -49,6 +49,8 @@ class Push:
     """Action: push these tensors (one node iteration), then hand their sums to ``Rounds.received``."""
 
     tensors: Tensors
+    keep: tuple[str, ...] | None = None
+    """The sums ``received`` reads (None: all); a client may hand back only these."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,13 +167,13 @@ class Rounds:
             self.last.reused = True
             push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype, copy=False)
             push[SCALE] = histogram
-            return Push(push)
+            return Push(push, (VALUES, SCALE))
         phase1 = codec.votes(flat)
         push[VOTES] = phase1.votes
         if isinstance(codec, FediacCodec):
             push[SCALE] = phase1.scale
         self._phase = "votes"
-        return Push(push)
+        return Push(push, (VOTES, SCALE))
 
     def received(self, result: Mapping[str, np.ndarray], *, seconds: float = 0.0, wan_bytes: int = 0) -> Action:
         """The sums of the last push (and, for the stats, how long its round took and the WAN bytes the
@@ -196,7 +198,7 @@ class Rounds:
             push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype, copy=False)
             # the decode needs only the GIA and the factor: the model-sized values go with the push alone
             self._phase, self._sent = "values", dataclasses.replace(agreed, values=agreed.values[:0])
-            return Push(push)
+            return Push(push, (VALUES,))
         sent, self._sent = self._sent, None
         if sent is None:
             raise RuntimeError("the values round's sums without its push")
@@ -343,10 +345,13 @@ class CompressedClient(_Shell):
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
+        keeps = bool(getattr(self.client, "keeps_results", False))   # netstorm's clients: push_pull(keep=)
+        keeping: Any = self.client
         try:
             while isinstance(action, Push):
                 began = time.perf_counter()
-                result = self.client.push_pull(action.tensors)
+                result = (keeping.push_pull(action.tensors, keep=action.keep) if keeps and action.keep
+                          else self.client.push_pull(action.tensors))
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
                 del result   # this round's sums, not held through the next round's
         except BaseException:
@@ -367,10 +372,13 @@ class AsyncCompressedClient(_Shell):
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
+        keeps = bool(getattr(self.client, "keeps_results", False))   # netstorm's clients: push_pull(keep=)
+        keeping: Any = self.client
         try:
             while isinstance(action, Push):
                 began = time.perf_counter()
-                result = await self.client.push_pull(action.tensors)
+                result = await (keeping.push_pull(action.tensors, keep=action.keep) if keeps and action.keep
+                                else self.client.push_pull(action.tensors))
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
                 del result
         except BaseException:
