@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -93,11 +93,12 @@ class AsyncClient(RegistryView):
             self.registry.handed_over()
         return self.registry.accept_init(reply, list(tensors), data)
 
-    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
+    async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False, *,
+                        keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = await self._call(tw.PullRequest(names, average, push=True), payload, tw.PullReply, context)
-        return self.registry.accept_result(reply, names, data)
+        return self.registry.accept_result(reply, names, data, keep)
 
     async def push(self, name: str, value: np.ndarray) -> None:
         names, payload = self.registry.prepare_push({name: value})

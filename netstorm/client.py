@@ -11,7 +11,7 @@ import os
 import socket
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -344,12 +344,14 @@ class Registry:
         _place(self.shm, layout, list(zip(keys, arrays.values(), strict=True)))
         return names, b""
 
-    def results(self, names: Sequence[str], payload: bytes | bytearray) -> dict[str, np.ndarray]:
-        """Fresh arrays of the registered shapes and dtypes from the node's reply."""
+    def results(self, names: Sequence[str], payload: bytes | bytearray,
+                keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """Fresh arrays of the registered shapes and dtypes from the node's reply: of every name, or of
+        those in ``keep`` (the others are neither copied nor converted)."""
         layout = self._need_layout()
         if not self.inline:
             assert self.shm is not None
-            return _gather(self.shm, layout, [self.key(name) for name in names])
+            return _gather(self.shm, layout, [self.key(name) for name in names if keep is None or name in keep])
         flat = np.frombuffer(payload, dtype="<f4")
         out: dict[str, np.ndarray] = {}
         position = 0
@@ -358,8 +360,10 @@ class Registry:
             spec = layout.tensors[key]
             values = flat[position:position + spec.size]
             position += spec.size
+            if keep is not None and name not in keep:
+                continue
             if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
-                out[name] = np.rint(values).astype(np.int64).reshape(spec.shape)
+                out[name] = _rounded(values).reshape(spec.shape)
             else:
                 out[name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
         if position != flat.size:
@@ -378,19 +382,20 @@ class Registry:
         self.contributors = reply.contributors
         model = self.results(names, payload)
         if self.provider is None:
-            self.provider = lambda: model
+            kept = {name: _narrowest(value) for name, value in model.items()}
+            self.provider = lambda: kept
         return model
 
-    def accept_result(self, reply: tw.Message, names: Sequence[str],
-                      payload: bytes | bytearray) -> dict[str, np.ndarray]:
-        """Take a PullReply: the sums of ``names``, and how many contributed to them."""
+    def accept_result(self, reply: tw.Message, names: Sequence[str], payload: bytes | bytearray,
+                      keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """Take a PullReply: the sums of ``names`` (those in ``keep``, if given), and how many contributed."""
         assert isinstance(reply, tw.PullReply)
         self.iteration = max(self.iteration, reply.iteration)
         self.num_workers = reply.workers
         self.wan_bytes = reply.wan_bytes
         if reply.contributors:
             self.contributors = reply.contributors
-        return self.results(names, payload)
+        return self.results(names, payload, keep)
 
     def payload_len(self, names: Sequence[str]) -> int:
         if not self.inline:
@@ -424,22 +429,56 @@ def _place(shm: np.ndarray, layout: Layout, values: Sequence[tuple[int, np.ndarr
 
 def _gather(shm: np.ndarray, layout: Layout, keys: Sequence[int]) -> dict[str, np.ndarray]:
     """Fresh arrays of ``keys``' registered shapes and dtypes from the shared model: float32 tensors adjacent
-    in the model share one copy (each its own view of it, nothing of the shared file), others convert."""
+    in the model share one copy (each its own view of it, nothing of the shared file), others convert
+    straight from the shared model, a block at a time (no model-sized temporary beside the result)."""
     out: dict[str, np.ndarray] = {}
-    for run in _runs(layout, sorted(keys)):
+    floats = [key for key in keys if layout.tensors[key].dtype == "float32"]
+    for run in _runs(layout, sorted(floats)):
         start = layout.offsets[run[0]]
         block = shm[start:layout.key_slice(run[-1]).stop].copy() if len(run) > 1 else None
         for key in run:
             spec = layout.tensors[key]
             span = layout.key_slice(key)
-            values = block[span.start - start:span.stop - start] if block is not None else shm[span]
-            if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
-                out[spec.name] = np.rint(values).astype(np.int64).reshape(spec.shape)
-            elif spec.dtype == "float32" and block is not None:
-                out[spec.name] = values.reshape(spec.shape)
-            else:
-                out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
+            values = block[span.start - start:span.stop - start] if block is not None else shm[span].copy()
+            out[spec.name] = values.reshape(spec.shape)
+    for key in keys:
+        spec = layout.tensors[key]
+        if spec.dtype == "float32":
+            continue
+        values = shm[layout.key_slice(key)]
+        if spec.dtype in INT_DTYPES:  # the exact integer sum, whatever lane it travelled in
+            out[spec.name] = _rounded(values).reshape(spec.shape)
+        else:
+            out[spec.name] = values.astype(TENSOR_DTYPES[spec.dtype], copy=True).reshape(spec.shape)
     return {layout.tensors[key].name: out[layout.tensors[key].name] for key in keys}
+
+
+def _narrowest(value: np.ndarray) -> np.ndarray:
+    """An int64 sum in the narrowest integer lane that holds it (the same float32 in a model offer): the
+    default model provider keeps the initial values for as long as the trainer runs, and a compressed
+    job's vote and value sums of a model's size are mostly zeros."""
+    if value.dtype != np.int64 or value.size == 0:
+        return value
+    low, high = int(value.min()), int(value.max())
+    for lane in (np.int8, np.int16, np.int32):
+        info = np.iinfo(lane)
+        if info.min <= low and high <= info.max:
+            return value.astype(lane)
+    return value
+
+
+_ROUND_BLOCK = 1 << 20
+
+
+def _rounded(values: np.ndarray) -> np.ndarray:
+    """``np.rint(values).astype(np.int64)``, a block at a time: one float32 block of scratch, not a copy."""
+    out = np.empty(values.size, dtype=np.int64)
+    scratch = np.empty(min(_ROUND_BLOCK, values.size), dtype=values.dtype)
+    for start in range(0, values.size, _ROUND_BLOCK):
+        stop = min(start + _ROUND_BLOCK, values.size)
+        np.rint(values[start:stop], out=scratch[:stop - start])
+        out[start:stop] = scratch[:stop - start]
+    return out
 
 
 def release_init(path: str) -> None:
@@ -460,6 +499,9 @@ class RegistryView:
     """What both clients report from their Registry (the blocking and the asyncio one share it)."""
 
     registry: Registry
+    keeps_results = True
+    """Its ``push_pull`` takes ``keep``: the names whose sums to hand back (the compression rounds ask
+    for their few, not the model's zeros)."""
 
     @property
     def num_workers(self) -> int:
@@ -607,12 +649,14 @@ class Client(RegistryView):
             self.registry.handed_over()
         return self.registry.accept_init(reply, list(tensors), data)
 
-    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
-        """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given."""
+    def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False, *,
+                  keep: Collection[str] | None = None) -> dict[str, np.ndarray]:
+        """One synchronous iteration: the sum (or mean over ``num_workers``) of every tensor given, or of
+        those named in ``keep`` (a caller that needs a few of them is handed no copies of the rest)."""
         names, payload = self.registry.prepare_push(tensors)
         context = f"push_pull of iteration {self.iteration + 1}"
         reply, data = self._call(tw.PullRequest(names, average, push=True), payload, tw.PullReply, context)
-        return self.registry.accept_result(reply, names, data)
+        return self.registry.accept_result(reply, names, data, keep)
 
     def push(self, name: str, value: np.ndarray) -> None:
         """This DC's value of one tensor for its next iteration (returns once the node has it)."""

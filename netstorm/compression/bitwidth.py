@@ -34,8 +34,12 @@ def _ranks(elements: int) -> tuple[np.ndarray, np.ndarray]:
 
 def fit_power_law(update: np.ndarray) -> PowerLaw:
     """Least squares of log |U_(l)| on log l over the nonzero magnitudes; phi lifted to an upper bound."""
-    magnitude = np.sort(np.abs(np.asarray(update, dtype=np.float64).reshape(-1)))[::-1]
-    magnitude = magnitude[magnitude > 0]
+    ascending = np.abs(np.asarray(update, dtype=np.float64).reshape(-1))
+    ascending.sort()   # in place: one model-sized copy of |U|
+    # the positive magnitudes, largest first: a view past the zeros (first) and before the nans (last)
+    zeros = int(np.searchsorted(ascending, 0.0, side="right"))
+    nans = int(np.count_nonzero(np.isnan(ascending[zeros:])))
+    magnitude = ascending[zeros:ascending.size - nans][::-1]
     if magnitude.size < 2:
         raise ValueError("fitting a power law needs at least two nonzero magnitudes")
     ranks, _ = _ranks(magnitude.size)
@@ -51,7 +55,9 @@ def gia_probability(elements: int, alpha: float, k: int, contributors: int, thre
                     ranks: np.ndarray) -> np.ndarray:
     """r_l (eq. 2-4) at ``ranks``: k draws with p_l proportional to l**alpha, at least a of N voting l."""
     all_ranks = np.arange(1, elements + 1, dtype=np.float64)
-    total = float(np.sum(all_ranks ** alpha))
+    all_ranks **= alpha   # in place, as ``**`` computes it
+    total = float(np.sum(all_ranks))
+    del all_ranks
     p = ranks.astype(np.float64) ** alpha / total
     q = -np.expm1(k * np.log1p(-np.minimum(p, 1.0 - 1e-16)))  # 1 - (1 - p)**k without cancellation
     r = np.zeros_like(q)
@@ -70,7 +76,7 @@ def derive_bits(update: np.ndarray, contributors: int, k: int, threshold: int) -
     weighted = float(np.sum(weight * r * ranks.astype(np.float64) ** (2 * law.alpha)))
     if selected <= 0 or weighted <= 0:
         raise ValueError("the expected GIA is empty: lower fediac_votes or raise fediac_k")
-    peak = float(np.max(np.abs(flat)))
+    peak = float(np.maximum(np.max(flat), -np.min(flat)))   # max |U| without a model-sized |U|
     bound = math.log2(math.sqrt(selected) / (2 * law.phi * math.sqrt(weighted)) * contributors * peak
                       + contributors) + 1
     return math.floor(bound) + 1

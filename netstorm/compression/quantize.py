@@ -43,7 +43,8 @@ def bucket_edge(bucket: int) -> float:
 def scale_histogram(update: np.ndarray) -> np.ndarray:
     """This contributor's one-hot (uint8) at the bucket of its max |U|; all zeros for a zero update."""
     histogram = np.zeros(SCALE_BUCKETS, dtype=np.uint8)
-    peak = float(np.max(np.abs(update), initial=0.0))
+    # max |U| as the larger of max U and -min U: no model-sized |U| (np.maximum keeps a nan)
+    peak = float(np.maximum(np.max(update, initial=0.0), -np.min(update, initial=0.0)))
     bucket = magnitude_bucket(peak)
     if bucket is not None:
         histogram[bucket] = 1

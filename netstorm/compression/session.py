@@ -49,6 +49,8 @@ class Push:
     """Action: push these tensors (one node iteration), then hand their sums to ``Rounds.received``."""
 
     tensors: Tensors
+    keep: tuple[str, ...] | None = None
+    """The sums ``received`` reads (None: all); a client may hand back only these."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +104,8 @@ class Rounds:
             out[VALUES] = np.zeros(d, dtype=lane)
         else:
             out[VALUES] = np.zeros(d, dtype=np.float32)
-        self._zeros = {name: np.zeros_like(value) for name, value in out.items()}
+        # np.zeros, not zeros_like: untouched pages cost no memory, and pushing them reads the zero page
+        self._zeros = {name: np.zeros(value.shape, dtype=value.dtype) for name, value in out.items()}
         return out
 
     def init_args(self) -> dict[str, Any]:
@@ -155,22 +158,22 @@ class Rounds:
             push.update({name: np.asarray(gradients[name], dtype=np.float32) for name in self.names})
             return Push(push)
         codec = self.codec
-        flat = self._flatten(gradients)
+        flat = self._flatten(gradients, narrow=True)
         push = dict(self._zeros)
         self._checkpoint = codec.checkpoint()
         if isinstance(codec, FediacCodec) and not codec.must_vote():
             sent, histogram = codec.reused(flat)
-            self._phase, self._sent = "values", sent
+            self._phase, self._sent = "values", dataclasses.replace(sent, values=sent.values[:0])
             self.last.reused = True
-            push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype)
+            push[VALUES] = sent.values.astype(self._zeros[VALUES].dtype, copy=False)
             push[SCALE] = histogram
-            return Push(push)
+            return Push(push, (VALUES, SCALE))
         phase1 = codec.votes(flat)
         push[VOTES] = phase1.votes
         if isinstance(codec, FediacCodec):
             push[SCALE] = phase1.scale
         self._phase = "votes"
-        return Push(push)
+        return Push(push, (VOTES, SCALE))
 
     def received(self, result: Mapping[str, np.ndarray], *, seconds: float = 0.0, wan_bytes: int = 0) -> Action:
         """The sums of the last push (and, for the stats, how long its round took and the WAN bytes the
@@ -192,9 +195,10 @@ class Rounds:
             agreed = (codec.values(counts, np.asarray(result[SCALE])) if isinstance(codec, FediacCodec)
                       else codec.values(counts))
             push = dict(self._zeros)
-            push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype)
-            self._phase, self._sent = "values", agreed
-            return Push(push)
+            push[VALUES] = agreed.values.astype(self._zeros[VALUES].dtype, copy=False)
+            # the decode needs only the GIA and the factor: the model-sized values go with the push alone
+            self._phase, self._sent = "values", dataclasses.replace(agreed, values=agreed.values[:0])
+            return Push(push, (VALUES,))
         sent, self._sent = self._sent, None
         if sent is None:
             raise RuntimeError("the values round's sums without its push")
@@ -239,7 +243,8 @@ class Rounds:
     def _derive(self, result: Mapping[str, np.ndarray]) -> Tensors:
         """The dense first round's sum, and b derived from it (the same at every DC)."""
         summed = {name: np.asarray(result[name]) for name in self.names}
-        mean = self._flatten(summed) / max(1, self.contributors)
+        mean = self._flatten(summed)
+        mean /= max(1, self.contributors)   # in place: one model-sized float64 vector, not two
         threshold = self.options.votes_of(self.contributors)
         least = math.floor(math.log2(self.contributors)) + 2  # 2**(b-1) > N
         try:
@@ -252,12 +257,16 @@ class Rounds:
         self.last.dense, self.last.bits = True, self.bits
         return summed
 
-    def _flatten(self, tensors: Mapping[str, np.ndarray]) -> np.ndarray:
-        """The tensors as one float64 vector, each cast into its place (no float64 copy per tensor)."""
-        flat = np.empty(sum(self.sizes), dtype=np.float64)
+    def _flatten(self, tensors: Mapping[str, np.ndarray], *, narrow: bool = False) -> np.ndarray:
+        """The tensors as one float64 vector, each cast into its place (no float64 copy per tensor). With
+        ``narrow``, float32 tensors stay float32: the codecs add it to their float64 residual, which
+        casts it exactly, and the model-sized vector takes half the memory."""
+        arrays = [np.asarray(tensors[name]) for name in self.names]
+        wide = not narrow or any(array.dtype != np.float32 for array in arrays)
+        flat = np.empty(sum(self.sizes), dtype=np.float64 if wide else np.float32)
         start = 0
-        for name, size in zip(self.names, self.sizes, strict=True):
-            flat[start:start + size] = np.asarray(tensors[name]).reshape(-1)
+        for array, size in zip(arrays, self.sizes, strict=True):
+            flat[start:start + size] = array.reshape(-1)
             start += size
         return flat
 
@@ -265,7 +274,8 @@ class Rounds:
         out: Tensors = {}
         start = 0
         for name, size in zip(self.names, self.sizes, strict=True):
-            out[name] = flat[start:start + size].reshape(self.shapes[name]).astype(np.float32)
+            # views of one float32 vector (the codecs decode to float32): no second copy of the model
+            out[name] = flat[start:start + size].reshape(self.shapes[name]).astype(np.float32, copy=False)
             start += size
         return out
 
@@ -335,11 +345,15 @@ class CompressedClient(_Shell):
     def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
+        keeps = bool(getattr(self.client, "keeps_results", False))   # netstorm's clients: push_pull(keep=)
+        keeping: Any = self.client
         try:
             while isinstance(action, Push):
                 began = time.perf_counter()
-                result = self.client.push_pull(action.tensors)
+                result = (keeping.push_pull(action.tensors, keep=action.keep) if keeps and action.keep
+                          else self.client.push_pull(action.tensors))
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+                del result   # this round's sums, not held through the next round's
         except BaseException:
             rounds.abort()   # the iteration failed everywhere: the next one starts afresh
             raise
@@ -358,11 +372,15 @@ class AsyncCompressedClient(_Shell):
     async def push_pull(self, tensors: Mapping[str, np.ndarray], average: bool = False) -> dict[str, np.ndarray]:
         rounds = self._need_rounds()
         action = rounds.begin(tensors, average=average)
+        keeps = bool(getattr(self.client, "keeps_results", False))   # netstorm's clients: push_pull(keep=)
+        keeping: Any = self.client
         try:
             while isinstance(action, Push):
                 began = time.perf_counter()
-                result = await self.client.push_pull(action.tensors)
+                result = await (keeping.push_pull(action.tensors, keep=action.keep) if keeps and action.keep
+                                else self.client.push_pull(action.tensors))
                 action = rounds.received(result, seconds=time.perf_counter() - began, wan_bytes=self._wan_bytes())
+                del result
         except BaseException:
             rounds.abort()   # the iteration failed everywhere: the next one starts afresh
             raise

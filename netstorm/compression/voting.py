@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+_BLOCK = 1 << 20
+"""Elements per pass of ``top_votes``' block loop."""
+
 
 def sample_votes(update: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
     """A 0/1 uint8 vote array: k draws with replacement, index l drawn with probability |U_l| / ||U||_1."""
@@ -33,19 +36,35 @@ def sample_votes(update: np.ndarray, k: int, rng: np.random.Generator) -> np.nda
 
 
 def top_votes(update: np.ndarray, k: int) -> np.ndarray:
-    """A 0/1 uint8 vote array on the k largest |U_l| (ties to the lower index): plain top-k's selection."""
-    magnitude = np.abs(np.asarray(update).reshape(-1))
-    votes = np.zeros(magnitude.size, dtype=np.uint8)
-    k = min(k, magnitude.size)
+    """A 0/1 uint8 vote array on the k largest |U_l| (ties to the lower index): plain top-k's selection.
+
+    One model-sized |U| at a time: it is partitioned in place for the k-th largest, then the votes are
+    taken a block at a time from U itself."""
+    update = np.asarray(update).reshape(-1)
+    size = update.size
+    votes = np.zeros(size, dtype=np.uint8)
+    k = min(k, size)
     if k <= 0:
         return votes
-    if k < magnitude.size and not np.isnan(magnitude).any():
+    magnitude = np.abs(update)
+    if k < size and not np.isnan(magnitude).any():
         # the stable sort's first k, in O(n): every |U| above the k-th largest, then its ties by index
-        kth = np.partition(magnitude, magnitude.size - k)[magnitude.size - k]
-        above = magnitude > kth
-        votes[above] = 1
-        ties = np.flatnonzero(magnitude == kth)[:k - int(np.count_nonzero(above))]
-        votes[ties] = 1
+        magnitude.partition(size - k)
+        kth = magnitude[size - k]
+        del magnitude
+        ties: list[np.ndarray] = []
+        above = collected = 0
+        for start in range(0, size, _BLOCK):
+            block = np.abs(update[start:start + _BLOCK])
+            over = block > kth
+            votes[start:start + _BLOCK][over] = 1
+            above += int(np.count_nonzero(over))
+            room = k - above - collected   # at least the ties still to take: ``above`` only grows
+            if room > 0:
+                ties.append(np.flatnonzero(block == kth)[:room] + start)
+                collected += ties[-1].size
+        tied = np.concatenate(ties)[:k - above] if ties else np.zeros(0, dtype=np.int64)
+        votes[tied] = 1
         return votes
     order = np.argsort(-magnitude, kind="stable")[:k]
     votes[order] = 1

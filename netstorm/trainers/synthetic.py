@@ -114,16 +114,36 @@ class GradientPattern:
         self._combine(np.float32(c1 * workers), np.float32(members_sum + workers * c2), out)
         return out
 
+    def expected_layers(self, iteration: int, workers: int, members_sum: int) -> Iterator[tuple[str, np.ndarray]]:
+        """``expected``'s layers one at a time, each a fresh array: a check needs no model-sized sum."""
+        c1, c2 = coefficients(iteration)
+        ka, kb = np.float32(c1 * workers), np.float32(members_sum + workers * c2)
+        for i, (name, shape) in enumerate(self.layers):
+            layer = np.empty(shape, dtype=np.float32)
+            self._combine_layer(i, ka, kb, layer.reshape(-1))
+            yield name, layer
+
+    def integer_layer(self, i: int, ka: float, kb: float) -> np.ndarray:
+        """Layer ``i`` of A ka + B kb in float64, for integer ka and kb: exact, as is any sum of
+        ``expected`` results in float64 (small integers), so such a sum need not be kept."""
+        window = slice(int(self.offsets[i]), int(self.offsets[i + 1]))
+        out = self.a[window].astype(np.float64)
+        out *= ka
+        out += self.b[window].astype(np.float64) * kb
+        return out.reshape(self.layers[i][1])
+
     def _combine(self, ka: np.float32, kb: np.float32, out: dict[str, np.ndarray]) -> None:
         for i, (name, _) in enumerate(self.layers):
-            target = out[name].reshape(-1)
-            base = int(self.offsets[i])
-            scratch = np.empty(min(_BLOCK, target.size), dtype=np.float32)
-            for part in _blocks(target.size):
-                window = slice(base + part.start, base + part.stop)
-                np.multiply(self.a[window], ka, out=target[part])
-                np.multiply(self.b[window], kb, out=scratch[: part.stop - part.start])
-                target[part] += scratch[: part.stop - part.start]
+            self._combine_layer(i, ka, kb, out[name].reshape(-1))
+
+    def _combine_layer(self, i: int, ka: np.float32, kb: np.float32, target: np.ndarray) -> None:
+        base = int(self.offsets[i])
+        scratch = np.empty(min(_BLOCK, target.size), dtype=np.float32)
+        for part in _blocks(target.size):
+            window = slice(base + part.start, base + part.stop)
+            np.multiply(self.a[window], ka, out=target[part])
+            np.multiply(self.b[window], kb, out=scratch[: part.stop - part.start])
+            target[part] += scratch[: part.stop - part.start]
 
     def check(self, iteration: int, workers: int, result: dict[str, np.ndarray],
               members_sum: float | None = None) -> Verdict:
@@ -310,33 +330,41 @@ def compression_options(args: argparse.Namespace) -> CompressionOptions:
 @dataclasses.dataclass
 class _Cumulative:
     """Running sums of the decoded and the exact results: with error feedback, what has not arrived yet
-    is what the DCs' residuals hold, so the cumulative error shrinks where one iteration's need not."""
+    is what the DCs' residuals hold, so the cumulative error shrinks where one iteration's need not.
+    The exact sum is A (sum of ka) + B (sum of kb), exact in float64: only its coefficients are kept."""
 
     decoded: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
-    exact: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    ka: int = 0
+    kb: int = 0
 
-    def add(self, decoded: dict[str, np.ndarray], exact: dict[str, np.ndarray]) -> float:
-        for name, want in exact.items():
+    def add(self, pattern: GradientPattern, decoded: dict[str, np.ndarray], iteration: int, workers: int,
+            members_sum: int) -> float:
+        c1, c2 = coefficients(iteration)
+        self.ka += c1 * workers
+        self.kb += members_sum + workers * c2
+        error = norm = 0.0
+        for i, (name, _) in enumerate(pattern.layers):
             self.decoded[name] = self.decoded.get(name, 0.0) + decoded[name].astype(np.float64)
-            self.exact[name] = self.exact.get(name, 0.0) + want.astype(np.float64)
-        error = sum(float(np.sum((self.decoded[n] - self.exact[n]) ** 2)) for n in self.exact)
-        norm = sum(float(np.sum(self.exact[n] ** 2)) for n in self.exact)
+            exact = pattern.integer_layer(i, self.ka, self.kb)
+            error += float(np.sum((self.decoded[name] - exact) ** 2))
+            norm += float(np.sum(exact ** 2))
         return math.sqrt(error / norm) if norm else 0.0
 
 
 def _compressed_record(kv: Any, pattern: GradientPattern, k: int, workers: int, members_sum: float | None,
                        result: dict[str, np.ndarray], cumulative: _Cumulative) -> dict[str, Any]:
-    """What a compressed iteration reports instead of an exact verdict."""
+    """What a compressed iteration reports instead of an exact verdict (a layer at a time)."""
     stats: RoundStats = kv.last
     record: dict[str, Any] = {"exact": None, "round_trips": stats.round_trips, "gia": stats.gia,
                               "bits": stats.bits, "dense": stats.dense, "wan_bytes": stats.wan_bytes,
                               "round_s": list(stats.round_s)}
     if members_sum is not None:
-        want = pattern.expected(k, workers, int(members_sum))
-        error = sum(float(np.sum((result[n].astype(np.float64) - want[n]) ** 2)) for n in want)
-        norm = sum(float(np.sum(want[n].astype(np.float64) ** 2)) for n in want)
+        error = norm = 0.0
+        for name, want in pattern.expected_layers(k, workers, int(members_sum)):
+            error += float(np.sum((result[name].astype(np.float64) - want) ** 2))
+            norm += float(np.sum(want.astype(np.float64) ** 2))
         record["rel_error"] = math.sqrt(error / norm) if norm else 0.0
-        record["cum_rel_error"] = cumulative.add(result, want)
+        record["cum_rel_error"] = cumulative.add(pattern, result, k, workers, int(members_sum))
     return record
 
 
@@ -400,13 +428,16 @@ def run(args: argparse.Namespace, stream: IO[str]) -> int:
             if args.rejoinable:
                 step[0] = int(initial[STEP_TENSOR][0])
                 kv.set_model_provider(lambda: {**grads, STEP_TENSOR: np.array([step[0]], dtype=np.float32)})
+            del initial   # a model-sized copy that no iteration reads
             fixed = args.contributors is not None
             workers = args.contributors if fixed else kv.num_workers
             dc = kv.node_id if dc is None else dc
             members_sum: float | None = None if args.contributor_sum is None else float(args.contributor_sum)
             failures = 0
+            result: dict[str, np.ndarray] = {}
             for k in range(step[0], args.iterations):
                 step[0] = k
+                result = {}   # the last result, not held through this iteration's rounds
                 clock = _Clock(time.perf_counter())
                 began = time.time()  # wall clock: the runner places the iteration in the rate log
                 try:
