@@ -30,16 +30,20 @@ SPIN = "while True: pass"
 def _junit(path: Path) -> dict[str, Any]:
     """Counts and failed ids from pytest's JUnit XML."""
     if not path.exists():
-        return {"tests": 0, "passed": 0, "failed": [], "skipped": 0}
-    failed, skipped, tests = [], 0, 0
+        return {"tests": 0, "passed": 0, "failed": [], "why": {}, "skipped": 0}
+    failed, why, skipped, tests = [], {}, 0, 0
     for case in ET.parse(path).iter("testcase"):
         tests += 1
         name = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name')}"
-        if case.find("failure") is not None or case.find("error") is not None:
+        bad = case.find("failure")
+        bad = bad if bad is not None else case.find("error")
+        if bad is not None:
             failed.append(name)
+            why[name] = (bad.get("message") or "")[:400]
         elif case.find("skipped") is not None:
             skipped += 1
-    return {"tests": tests, "passed": tests - len(failed) - skipped, "failed": failed, "skipped": skipped}
+    return {"tests": tests, "passed": tests - len(failed) - skipped, "failed": failed, "why": why,
+            "skipped": skipped}
 
 
 def one_run(index: int, spinners: int, pytest_args: list[str]) -> dict[str, Any]:
@@ -91,6 +95,11 @@ def render(document: dict[str, Any]) -> str:
         minutes = f"{int(r['wall_s'] // 60)}:{int(r['wall_s'] % 60):02d}"
         lines.append(f"| {r['run']} | {r['started']} | {minutes} | {r['cpu_s']} | {r['load_avg_mean']} | "
                      f"{r['passed']} | {len(r['failed'])} | {r['skipped']} | {', '.join(r['failed']) or '-'} |")
+    why = [(r["run"], name, text) for r in document["runs"] for name, text in r.get("why", {}).items()]
+    if why:
+        lines += ["", "What each failure said:", ""]
+        lines += [f"- run {run}, `{name}`: {text.splitlines()[0] if text else '(no message recorded)'}"
+                  for run, name, text in why]
     runs = document["runs"]
     clean = sum(1 for r in runs if not r["failed"] and r["exit_code"] == 0)
     lines += ["", f"{clean} of {len(runs)} runs passed whole; the longest took "
@@ -104,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spinners", type=int, default=os.cpu_count() or 2, help="busy loops (default: one per core)")
     parser.add_argument("--out", default=str(ROOT / "results" / "suite-busy.json"))
     parser.add_argument("--render", action="store_true", help="only write the Markdown from the JSON")
+    parser.add_argument("--resume", action="store_true", help="add the runs to those already in --out")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -111,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
         document: dict[str, Any] = {"commit": commit.stdout.strip(), "host_cpus": os.cpu_count(),
                                     "spinners": args.spinners, "runs": []}
-        for index in range(1, args.runs + 1):
+        if args.resume and out.exists():
+            document["runs"] = json.loads(out.read_text())["runs"]
+        first = len(document["runs"]) + 1
+        for index in range(first, first + args.runs):
             record = one_run(index, args.spinners, args.pytest_args)
             document["runs"].append(record)
             print(json.dumps(record), flush=True)
