@@ -137,7 +137,7 @@ def test_after_a_lan_worker_fails_a_round_the_job_recovers_with_exact_sums(tmp_p
         asyncio.run(_drive_failure(tmp_path, lan))
 
 
-RECOVERY_TIMEOUT = {"userspace": 15.0, "xdp": 40.0}
+RECOVERY_TIMEOUT = {"userspace": 30.0, "xdp": 40.0}
 """Both nodes' iteration timeout (and so the gateway's wait for its LAN sum): the failed step costs it. The
 init iteration must fit in it too, and on the XDP path it includes compiling and loading the program."""
 
