@@ -1,12 +1,13 @@
 """Run the whole test suite several times in a row with every core kept busy, and record each run.
 
-    .venv/bin/python scripts/suite_busy.py --runs 5            # writes results/suite-busy.json and .md
-    .venv/bin/python scripts/suite_busy.py --render            # the .md again from the JSON
+    .venv/bin/python scripts/suite_busy.py --runs 5            # writes results/suite-busy.md
+    .venv/bin/python scripts/suite_busy.py --render            # its table again from the JSON it holds
 
 Each run is the pytest stage of ``./run test`` (two workers, a file to each) with ``CI=true``, while one
 spinning process per core competes with it: the suite's budget is 10 minutes on two busy cores, and a
 test that fails only under load is a flake to find. The JSON holds per run its wall and CPU seconds,
-the load average, the counts and the failed tests' ids; the Markdown is rendered from it.
+the load average, the counts and the failed tests' ids; the Markdown's table is rendered from it, and
+the JSON itself is the document's last block (one file in results/).
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def render(document: dict[str, Any]) -> str:
     lines = ["# The test suite, run after run with every core busy", "",
              f"Commit `{document['commit']}`, {document['host_cpus']} CPUs; each run is `./run test`'s pytest "
              f"stage (`-n 2 --dist loadfile`, `CI=true`) beside {document['spinners']} spinning process(es), one "
-             "per core. Generated from `suite-busy.json` by `scripts/suite_busy.py --render`.", "",
+             "per core. Rendered by `scripts/suite_busy.py --render` from the JSON at the end of this page.", "",
              "| run | started (UTC) | wall | CPU s | load avg | passed | failed | skipped | failed tests |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in document["runs"]:
@@ -104,14 +105,23 @@ def render(document: dict[str, Any]) -> str:
     clean = sum(1 for r in runs if not r["failed"] and r["exit_code"] == 0)
     lines += ["", f"{clean} of {len(runs)} runs passed whole; the longest took "
               f"{max((r['wall_s'] for r in runs), default=0) / 60:.1f} min."]
+    lines += ["", "The runs as data (what this page is rendered from):", "", "```json",
+              json.dumps(document, indent=1), "```"]
     return "\n".join(lines) + "\n"
+
+
+def load(path: Path) -> dict[str, Any]:
+    """The JSON document a rendered page holds in its last block."""
+    text = path.read_text()
+    block = text.rsplit("```json\n", 1)[1].split("\n```", 1)[0]
+    return dict(json.loads(block))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/suite_busy.py")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--spinners", type=int, default=os.cpu_count() or 2, help="busy loops (default: one per core)")
-    parser.add_argument("--out", default=str(ROOT / "results" / "suite-busy.json"))
+    parser.add_argument("--out", default=str(ROOT / "results" / "suite-busy.md"))
     parser.add_argument("--render", action="store_true", help="only write the Markdown from the JSON")
     parser.add_argument("--resume", action="store_true", help="add the runs to those already in --out")
     parser.add_argument("pytest_args", nargs="*", help="after --: more pytest arguments")
@@ -122,15 +132,14 @@ def main(argv: list[str] | None = None) -> int:
         document: dict[str, Any] = {"commit": commit.stdout.strip(), "host_cpus": os.cpu_count(),
                                     "spinners": args.spinners, "runs": []}
         if args.resume and out.exists():
-            document["runs"] = json.loads(out.read_text())["runs"]
+            document["runs"] = load(out)["runs"]
         first = len(document["runs"]) + 1
         for index in range(first, first + args.runs):
             record = one_run(index, args.spinners, args.pytest_args)
             document["runs"].append(record)
             print(json.dumps(record), flush=True)
-            out.write_text(json.dumps(document, indent=1) + "\n")  # after each run: a stopped series keeps its runs
-    document = json.loads(out.read_text())
-    out.with_suffix(".md").write_text(render(document))
+            out.write_text(render(document))  # after each run: a stopped series keeps its runs
+    out.write_text(render(load(out)))
     return 0
 
 
