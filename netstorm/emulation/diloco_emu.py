@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from netstorm.emulation.runner import (
     _on_rates,
     _warn_cpu,
     options_from_args,
+    run_directory,
     with_seed,
 )
 from netstorm.progress import Progress
@@ -143,11 +143,7 @@ def run(opts: Options) -> dict[str, Any]:
                                "real step, padded"
     with contextlib.ExitStack() as stack:
         stack.callback(progress.close)
-        if opts.run_dir:
-            tmp = opts.run_dir
-            Path(tmp).mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
+        tmp = run_directory(stack, opts.run_dir)
         net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss))
         result["run_id"] = net.run_id
         result["features"] = {"applied": list(net.features.applied), "not_applied": dict(net.features.not_applied)}

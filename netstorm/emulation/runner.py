@@ -920,6 +920,15 @@ def _wait_listening(namespace: str, port: int, deadline: float, proc: subprocess
         time.sleep(0.2)
 
 
+
+def run_directory(stack: contextlib.ExitStack, run_dir: str | None) -> str:
+    """Where a run's processes keep their logs and sockets: ``run_dir`` (kept), else a temporary
+    directory that ``stack`` removes."""
+    if run_dir:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        return run_dir
+    return str(stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-")))
+
 def run(opts: Options) -> dict[str, Any]:
     """Build the network, run every system, return the result document (see ``results``)."""
     scenario, lan_sources = resize_lans(with_seed(load(opts.scenario), opts.seed), opts.lan_workers,
@@ -931,11 +940,7 @@ def run(opts: Options) -> dict[str, Any]:
     result = results.new_result(scenario, opts, parameters, bounds)
     with contextlib.ExitStack() as stack:
         stack.callback(progress.close)
-        if opts.run_dir:
-            tmp = opts.run_dir
-            Path(tmp).mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="netstorm-emu-"))
+        tmp = run_directory(stack, opts.run_dir)
         net = stack.enter_context(EmulatedNetwork(scenario, bw_scale=opts.bw_scale, loss=opts.loss,
                                                      lan_bw_scale=opts.lan_bw_scale, lan_uplink=opts.lan_uplink))
         result["run_id"] = net.run_id
